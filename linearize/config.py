@@ -1,0 +1,81 @@
+"""``LinearizeConfig``: what ``linearize.convert`` converts and how (a JSON-serializable dataclass)."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+MODES = ("prelu", "dgn", "dlgn")
+DEFAULT_ACTIVATIONS = (
+    "relu", "relu6", "leaky_relu", "gelu", "silu", "hardswish", "mish", "elu", "celu", "selu",
+    "softplus", "tanh", "sigmoid", "hardsigmoid", "hardtanh", "quick_gelu", "relu2",
+)
+DEFAULT_BETA = {"dgn": 4.0, "dlgn": 10.0}
+
+
+@dataclass
+class LinearizeConfig:
+    """Options of :func:`linearize.convert`.
+
+    Attributes:
+        mode: ``"prelu"`` (blend units, the default), ``"dgn"`` or ``"dlgn"`` (gated splits).
+        activations: activation kinds to convert (names as in ``DEFAULT_ACTIVATIONS``).
+        target_modules: only convert activation modules whose qualified name matches one of these
+            (a regex by ``re.fullmatch``, or a plain suffix such as ``"intermediate.intermediate_act_fn"``).
+            ``None`` converts all.
+        exclude_modules: never convert modules matching these (same rules); wins over targets.
+        init_slope: initial slope of every unit (0 keeps the original function exactly).
+        channel_dim: force the channel dimension of every unit; ``None`` infers it per call site
+            (1 after convs and batch norms and for inputs of 4+ dims, -1 after linear layers).
+        beta: gate sharpness of ``sigmoid(beta * q)`` for gated modes (default 4 DGN, 10 DLGN).
+        value_input: gated modes: feed the value network ``"x"`` or a constant ``"ones"`` input.
+        init: gated modes: ``"independent"`` (fresh feature weights) or ``"copy"`` (from the model).
+        hard_gates: gated modes: use the step ``q > 0`` instead of a sigmoid.
+        freeze_feature: gated modes: keep the feature (gating) network fixed ("fixed learnt gates").
+    """
+
+    mode: str = "prelu"
+    activations: tuple[str, ...] = DEFAULT_ACTIVATIONS
+    target_modules: list[str] | None = None
+    exclude_modules: list[str] | None = None
+    init_slope: float = 0.0
+    channel_dim: int | None = None
+    beta: float | None = None
+    value_input: str = "x"
+    init: str = "independent"
+    hard_gates: bool = False
+    freeze_feature: bool = False
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+        self.activations = tuple(self.activations)
+        unknown = set(self.activations) - set(DEFAULT_ACTIVATIONS)
+        if unknown:
+            raise ValueError(f"unknown activation kinds {sorted(unknown)}; known: {DEFAULT_ACTIVATIONS}")
+        if not 0.0 <= self.init_slope <= 1.0:
+            raise ValueError(f"init_slope must lie in [0, 1], got {self.init_slope}")
+        if self.beta is None and self.mode in DEFAULT_BETA:
+            self.beta = DEFAULT_BETA[self.mode]
+        if self.beta is not None and self.beta <= 0:
+            raise ValueError(f"beta must be > 0, got {self.beta}")
+        if self.value_input not in ("x", "ones"):
+            raise ValueError(f"value_input must be 'x' or 'ones', got {self.value_input!r}")
+        if self.init not in ("independent", "copy"):
+            raise ValueError(f"init must be 'independent' or 'copy', got {self.init!r}")
+
+    def to_dict(self) -> dict:
+        """Plain JSON-serializable dict."""
+        d = dataclasses.asdict(self)
+        d["activations"] = list(self.activations)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "LinearizeConfig":
+        """Inverse of :meth:`to_dict`; unknown keys raise ``TypeError``."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(d) - names
+        if unknown:
+            raise TypeError(f"unknown LinearizeConfig fields {sorted(unknown)}")
+        return cls(**d)

@@ -1,0 +1,284 @@
+"""Linearizable units: the per-channel blend ``y = (1 - a) * act(x) + a * x``.
+
+One module class, :class:`LinearizableActivation`, replaces every activation call site.
+Its learnable ``slope`` ``a`` has shape ``[C]`` (one value per channel) and lives in
+``[0, 1]``: ``a = 0`` computes the original activation bit for bit, ``a = 1`` is exactly the
+identity. For ReLU (and LeakyReLU) the blend *is* a PReLU with negative slope ``a`` (the
+sparsified PReLU of seed 000) and runs as one fused ``F.prelu`` call.
+
+Range of the slopes: the stored parameter is **projected** onto ``[0, 1]`` after every step
+of any ``torch.optim`` optimizer (projected gradient descent), by a global optimizer
+step-post-hook that :func:`install_optimizer_hooks` registers once per process
+(``linearize.convert`` calls it). The forward pass never clamps, so a slope inside the
+interval gets its true gradient. Frozen channels (see :meth:`LinearizableActivation.freeze_`)
+get a zero gradient before each step and are restored to their frozen value after it, so
+momentum or weight decay cannot move them.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+from torch.utils.weak import WeakIdKeyDictionary
+
+__all__ = [
+    "LinearizableActivation",
+    "units",
+    "count_units",
+    "nonlinear_fraction",
+    "project_slopes",
+    "install_optimizer_hooks",
+]
+
+# slope Parameter -> owning unit, for the global optimizer hooks (survives deepcopy/pickle
+# through ``__setstate__``; load_state_dict and ``.to()`` keep the same Parameter object).
+_SLOPE_OWNERS: WeakIdKeyDictionary = WeakIdKeyDictionary()
+_HOOKS_INSTALLED = False
+
+
+class LinearizableActivation(nn.Module):
+    """Per-channel blend of an activation with the identity.
+
+    ``y = (1 - a) * act(x) + a * x`` with ``a = slope`` broadcast along ``channel_dim``.
+
+    Args:
+        act: the activation it replaces: a module (``nn.ReLU()``, an HF ``GELUActivation``...),
+            a callable (``F.gelu``) or the name ``"relu"``. In-place modules are copied with
+            ``inplace=False``: the unit never writes into its input.
+        num_channels: ``C``, the size of the input along ``channel_dim``.
+        channel_dim: ``1`` for conv feature maps ``[N, C, H, W]``, ``-1`` for ``[B, T, D]`` hidden
+            states and ``[N, D]`` features.
+        kind: a short name of the activation (``"relu"``, ``"gelu"``...), for reports and filters.
+        init_slope: initial value of every slope (0 keeps the original function).
+
+    Shapes: input and output have the same shape; ``input.shape[channel_dim] == num_channels``,
+    otherwise the forward raises ``ValueError``.
+    """
+
+    def __init__(
+        self,
+        act: nn.Module | Callable[[torch.Tensor], torch.Tensor] | str,
+        num_channels: int,
+        channel_dim: int = 1,
+        kind: str | None = None,
+        init_slope: float = 0.0,
+    ) -> None:
+        super().__init__()
+        if not isinstance(num_channels, int) or num_channels < 1:
+            raise ValueError(f"num_channels must be a positive int, got {num_channels!r}")
+        if not 0.0 <= init_slope <= 1.0:
+            raise ValueError(f"init_slope must lie in [0, 1], got {init_slope}")
+        if act == "relu":
+            act = nn.ReLU()
+        if isinstance(act, nn.Module):
+            act = _without_inplace(act)
+            self.act = act
+        elif callable(act):
+            self.act_fn = act  # plain function (e.g. F.gelu taken from an HF config)
+        else:
+            raise TypeError(f"act must be an nn.Module, a callable or 'relu', got {act!r}")
+        self.kind = kind or _kind_name(act)
+        self.num_channels = num_channels
+        self.channel_dim = channel_dim
+        # ReLU / LeakyReLU(s): (1-a) * leaky_s(x) + a x is a PReLU with weight s + a (1 - s).
+        self.leak = _prelu_leak(act)
+        self.slope = nn.Parameter(torch.full((num_channels,), float(init_slope)))
+        # NaN = free channel, 0. or 1. = frozen at that value.
+        self.register_buffer("frozen", torch.full((num_channels,), math.nan))
+        _SLOPE_OWNERS[self.slope] = self
+        install_optimizer_hooks()
+
+    def __setstate__(self, state: dict) -> None:  # deepcopy / pickle
+        super().__setstate__(state)
+        _SLOPE_OWNERS[self.slope] = self
+
+    @property
+    def is_prelu(self) -> bool:
+        """True when the unit runs as a fused PReLU (ReLU and LeakyReLU)."""
+        return self.leak is not None
+
+    def activation(self, x: torch.Tensor) -> torch.Tensor:
+        """The original activation ``act(x)`` (what the unit computes at ``a = 0``)."""
+        if self.leak is not None:
+            return F.leaky_relu(x, self.leak) if self.leak else F.relu(x)
+        return self.act(x) if "act" in self._modules else self.act_fn(x)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dim = self._check(x)
+        a = self.slope if self.slope.dtype == x.dtype else self.slope.to(x.dtype)
+        if self.leak is not None:
+            w = a if self.leak == 0 else a + (1 - a) * self.leak
+            if dim == 1 or x.ndim == 2:
+                return F.prelu(x, w)
+            if dim == x.ndim - 1:
+                return F.prelu(x.reshape(-1, self.num_channels), w).reshape(x.shape)
+            return F.prelu(x.movedim(dim, 1), w).movedim(1, dim)
+        shape = [1] * x.ndim
+        shape[dim] = self.num_channels
+        # torch.lerp is exact at both ends: weight 0 gives act(x), weight 1 gives x.
+        return torch.lerp(self.activation(x), x, a.view(shape))
+
+    def _check(self, x: torch.Tensor) -> int:
+        dim = self.channel_dim if self.channel_dim >= 0 else x.ndim + self.channel_dim
+        if not 0 <= dim < x.ndim or x.shape[dim] != self.num_channels:
+            raise ValueError(
+                f"{type(self).__name__}({self.kind}) was built for {self.num_channels} channels at "
+                f"dim {self.channel_dim}, got an input of shape {tuple(x.shape)}. A module reused on "
+                "inputs of different widths needs one unit per call site: convert the model with "
+                "linearize.convert, which finds each call."
+            )
+        return dim
+
+    def broadcast_shape(self, ndim: int) -> list[int]:
+        """Shape that broadcasts a ``[C]`` vector along ``channel_dim`` of an ``ndim`` input."""
+        shape = [1] * ndim
+        shape[self.channel_dim] = self.num_channels
+        return shape
+
+    @torch.no_grad()
+    def project_(self) -> None:
+        """Clamp slopes to ``[0, 1]`` and restore frozen channels to their frozen value."""
+        self.slope.clamp_(0.0, 1.0)
+        mask = ~torch.isnan(self.frozen)
+        if mask.any():
+            self.slope[mask] = self.frozen[mask].to(self.slope.dtype)
+
+    @torch.no_grad()
+    def freeze_(self, mask: torch.Tensor, value: float) -> None:
+        """Set channels ``mask`` (bool ``[C]``) to ``value`` (0 or 1) and stop their training."""
+        if value not in (0.0, 1.0):
+            raise ValueError(f"frozen slopes are 0 or 1, got {value}")
+        mask = mask.to(device=self.frozen.device, dtype=torch.bool)
+        self.frozen[mask] = value
+        self.project_()
+
+    @torch.no_grad()
+    def unfreeze_(self) -> None:
+        """Let every channel train again."""
+        self.frozen.fill_(math.nan)
+
+    def linear_mask(self, tol: float = 0.0) -> torch.Tensor:
+        """Bool ``[C]``: channels that count as linear (``a >= 1 - tol``)."""
+        return self.slope.detach() >= 1.0 - tol
+
+    def extra_repr(self) -> str:
+        return f"{self.kind}, channels={self.num_channels}, channel_dim={self.channel_dim}"
+
+
+def _without_inplace(act: nn.Module) -> nn.Module:
+    if getattr(act, "inplace", False):
+        import copy
+
+        act = copy.copy(act)
+        act.inplace = False
+    return act
+
+
+def _prelu_leak(act: object) -> float | None:
+    if act is F.relu or act is torch.relu or type(act) is nn.ReLU:
+        return 0.0
+    if type(act) is nn.LeakyReLU:
+        return float(act.negative_slope)
+    return None
+
+
+def _kind_name(act: object) -> str:
+    name = type(act).__name__ if isinstance(act, nn.Module) else getattr(act, "__name__", "act")
+    return name.lower()
+
+
+def units(model: nn.Module) -> list[tuple[str, LinearizableActivation]]:
+    """Every unit of ``model`` as ``(qualified_name, unit)``, in module registration order."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"expected an nn.Module, got {type(model).__name__}")
+    return [(n, m) for n, m in model.named_modules() if isinstance(m, LinearizableActivation)]
+
+
+def _units_or_raise(model: nn.Module) -> list[tuple[str, LinearizableActivation]]:
+    found = units(model)
+    if not found:
+        raise ValueError(
+            "the model has no linearizable units: call linearize.convert(model) first"
+        )
+    return found
+
+
+def count_units(model: nn.Module, tol: float = 0.0) -> dict:
+    """Channel counts: ``{"total", "nonlinear", "linear", "sites": {name: {...}}}``.
+
+    A channel is linear when its slope ``a >= 1 - tol``. Each site entry holds ``total``,
+    ``nonlinear``, ``linear``, ``fraction`` (nonlinear / total) and ``kind``.
+    """
+    sites = {}
+    for name, unit in _units_or_raise(model):
+        lin = int(unit.linear_mask(tol).sum())
+        sites[name] = {
+            "kind": unit.kind,
+            "total": unit.num_channels,
+            "nonlinear": unit.num_channels - lin,
+            "linear": lin,
+            "fraction": (unit.num_channels - lin) / unit.num_channels,
+        }
+    total = sum(s["total"] for s in sites.values())
+    nonlinear = sum(s["nonlinear"] for s in sites.values())
+    return {"total": total, "nonlinear": nonlinear, "linear": total - nonlinear, "sites": sites}
+
+
+def nonlinear_fraction(model: nn.Module, tol: float = 0.0) -> float:
+    """Fraction in ``[0, 1]`` of channels (over all units) whose slope is below ``1 - tol``."""
+    counts = count_units(model, tol)
+    return counts["nonlinear"] / counts["total"]
+
+
+@torch.no_grad()
+def project_slopes(model_or_units: nn.Module | Iterable[LinearizableActivation]) -> None:
+    """Clamp every slope to ``[0, 1]`` and restore frozen channels (what the optimizer hook does)."""
+    mods = (
+        [u for _, u in units(model_or_units)]
+        if isinstance(model_or_units, nn.Module)
+        else model_or_units
+    )
+    for unit in mods:
+        unit.project_()
+
+
+def _owned_units(optimizer: torch.optim.Optimizer) -> list[LinearizableActivation]:
+    found = []
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            unit = _SLOPE_OWNERS.get(p)
+            if unit is not None:
+                found.append(unit)
+    return found
+
+
+def _mask_frozen_grads(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
+    for unit in _owned_units(optimizer):
+        grad = unit.slope.grad
+        if grad is not None:
+            frozen = ~torch.isnan(unit.frozen)
+            if frozen.any():
+                grad.masked_fill_(frozen, 0.0)
+
+
+def _project_after_step(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
+    for unit in _owned_units(optimizer):
+        unit.project_()
+
+
+def install_optimizer_hooks() -> None:
+    """Register (once per process) the global hooks that keep slopes in ``[0, 1]``.
+
+    Applies to every ``torch.optim.Optimizer`` step, including optimizers built before the
+    call, and only touches parameters that are unit slopes.
+    """
+    global _HOOKS_INSTALLED
+    if not _HOOKS_INSTALLED:
+        register_optimizer_step_pre_hook(_mask_frozen_grads)
+        register_optimizer_step_post_hook(_project_after_step)
+        _HOOKS_INSTALLED = True
