@@ -1,0 +1,56 @@
+"""``linearize`` command line: ``linearize demo``, ``linearize inspect``, ``linearize report``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    from .conversion import dry_run
+    from .models import load_model
+
+    model = load_model(args.model)
+    print(dry_run(model))
+    return 0
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from .demo import run_demo
+
+    run_demo(epochs=args.epochs, target=args.target, seed=args.seed)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser with every subcommand."""
+    parser = argparse.ArgumentParser(
+        prog="linearize",
+        description="Find out how much of a trained network's nonlinearity is needed, and remove the rest.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    demo = sub.add_parser("demo", help="train, linearize, freeze and fold a small net on sklearn digits (no download)")
+    demo.add_argument("--epochs", type=int, default=30, help="training epochs of the baseline (default 30)")
+    demo.add_argument("--target", type=float, default=0.10, help="nonlinear fraction to reach (default 0.10)")
+    demo.add_argument("--seed", type=int, default=0)
+    demo.set_defaults(func=_demo)
+
+    inspect = sub.add_parser("inspect", help="list the activation call sites convert would swap (dry run)")
+    inspect.add_argument("model", help="a torchvision builder name (resnet18) or a Hugging Face model directory")
+    inspect.set_defaults(func=_inspect)
+
+    from . import reporting
+
+    reporting.register_cli(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``linearize`` console script."""
+    args = build_parser().parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

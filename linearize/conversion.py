@@ -1,0 +1,535 @@
+"""``linearize.convert``: swap every activation call site of a model for a linearizable unit.
+
+How it works (like PEFT's injection, but per *call*, not per module):
+
+1. Plain activation functions stored as module attributes (e.g. an HF config's ``hidden_act``
+   callable kept as ``self.act_fn = F.gelu``) are wrapped in a :class:`FunctionalActivation`
+   module so that they become swappable.
+2. One probe forward on ``example_inputs`` (eval mode, no grad; the model's mode is restored)
+   records, with global module hooks, every call of every activation module: which module's
+   ``forward`` made the call, the input shape and the last leaf layer that ran before it (to infer
+   the channel dimension). A ``TorchFunctionMode`` records functional activation calls made
+   inside ``forward`` code (``F.relu`` in torchvision DenseNet, ``torch.tanh`` ...): those cannot
+   be swapped and are listed in the report, with a warning.
+3. Each registration ``owner.attr`` of an activation module is replaced: by one
+   :class:`~linearize.unit.LinearizableActivation` when ``owner`` calls it once per forward, or by
+   a :class:`CallSites` dispatcher holding one unit per call when it is reused (torchvision
+   ``BasicBlock.relu`` is called twice, ``Bottleneck.relu`` three times, on different widths).
+
+The model keeps its class, methods and the parameter names of untouched layers; nothing is
+traced into a ``GraphModule``. Right after conversion it computes exactly the same function:
+``a = 0`` units reproduce their activation bit for bit.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+import warnings
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+from .config import LinearizeConfig
+from .unit import LinearizableActivation, install_optimizer_hooks
+
+__all__ = ["convert", "dry_run", "ConversionReport", "CallSites", "FunctionalActivation", "call_model"]
+
+_MODULE_KINDS: list[tuple[type, str]] = [
+    (nn.ReLU6, "relu6"),  # before Hardtanh, its base class
+    (nn.ReLU, "relu"),
+    (nn.LeakyReLU, "leaky_relu"),
+    (nn.GELU, "gelu"),
+    (nn.SiLU, "silu"),
+    (nn.Hardswish, "hardswish"),
+    (nn.Mish, "mish"),
+    (nn.ELU, "elu"),
+    (nn.CELU, "celu"),
+    (nn.SELU, "selu"),
+    (nn.Softplus, "softplus"),
+    (nn.Tanh, "tanh"),
+    (nn.Sigmoid, "sigmoid"),
+    (nn.Hardsigmoid, "hardsigmoid"),
+    (nn.Hardtanh, "hardtanh"),
+]
+# transformers.activations classes by name (no import of transformers needed)
+_HF_KINDS = {
+    "GELUActivation": "gelu",
+    "NewGELUActivation": "gelu",
+    "FastGELUActivation": "gelu",
+    "GELUTanh": "gelu",
+    "PytorchGELUTanh": "gelu",
+    "AccurateGELUActivation": "gelu",
+    "ClippedGELUActivation": "gelu",
+    "QuickGELUActivation": "quick_gelu",
+    "SiLUActivation": "silu",
+    "MishActivation": "mish",
+    "ReLUSquaredActivation": "relu2",
+}
+_FUNCTION_KINDS: dict[Callable, str] = {
+    F.relu: "relu", torch.relu: "relu", F.relu6: "relu6", F.leaky_relu: "leaky_relu",
+    F.gelu: "gelu", F.silu: "silu", F.hardswish: "hardswish", F.mish: "mish", F.elu: "elu",
+    F.celu: "celu", F.selu: "selu", F.softplus: "softplus", torch.tanh: "tanh", F.tanh: "tanh",
+    torch.sigmoid: "sigmoid", F.sigmoid: "sigmoid", F.hardsigmoid: "hardsigmoid",
+    F.hardtanh: "hardtanh",
+}
+# what a TorchFunctionMode sees of functional activation calls made inside forward code
+_FUNCTIONAL_CALLS: set[Callable] = set(_FUNCTION_KINDS) | {
+    F.relu_, torch.relu_, torch.Tensor.relu, torch.Tensor.relu_, torch.Tensor.tanh,
+    torch.Tensor.sigmoid, torch.sigmoid_, torch.tanh_, F.elu_, F.leaky_relu_,
+}
+_CHANNEL_FIRST = (nn.modules.conv._ConvNd, nn.modules.batchnorm._NormBase, nn.GroupNorm)
+
+
+def activation_kind(obj: object) -> str | None:
+    """The kind name of an activation module or function, or ``None`` if it is not one."""
+    if isinstance(obj, nn.Module):
+        if isinstance(obj, (LinearizableActivation, CallSites)):
+            return None
+        if isinstance(obj, FunctionalActivation):
+            return obj.kind
+        for cls, kind in _MODULE_KINDS:
+            if type(obj) is cls:
+                return kind
+        if type(obj).__module__.startswith("transformers"):
+            return _HF_KINDS.get(type(obj).__name__)
+        return None
+    try:
+        return _FUNCTION_KINDS.get(obj)  # type: ignore[arg-type]
+    except TypeError:  # unhashable
+        return None
+
+
+class FunctionalActivation(nn.Module):
+    """Module wrapper of an activation function held as a plain attribute (``self.act = F.gelu``)."""
+
+    def __init__(self, fn: Callable[[torch.Tensor], torch.Tensor], kind: str) -> None:
+        super().__init__()
+        self.fn = fn
+        self.kind = kind
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fn(x)
+
+    def extra_repr(self) -> str:
+        return getattr(self.fn, "__name__", repr(self.fn))
+
+
+class CallSites(nn.Module):
+    """One unit per call of a reused activation module.
+
+    The ``k``-th call of this module within one forward of its owner runs ``calls[k]``; a
+    forward pre-hook on the owner resets the counter, so every owner forward (also under
+    gradient checkpointing re-runs) dispatches the same way.
+    """
+
+    def __init__(self, calls: list[LinearizableActivation]) -> None:
+        super().__init__()
+        self.calls = nn.ModuleList(calls)
+        self.position = 0
+
+    def reset(self) -> None:
+        """Start a new owner forward: the next call is call 0."""
+        self.position = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        unit = self.calls[self.position % len(self.calls)]
+        self.position += 1
+        return unit(x)
+
+    def extra_repr(self) -> str:
+        return f"calls={len(self.calls)}"
+
+
+def _reset_call_sites(owner: nn.Module, args: Any) -> None:
+    for child in owner.children():
+        if isinstance(child, CallSites):
+            child.reset()
+
+
+@dataclass
+class SiteInfo:
+    """One converted call site: unit name, activation kind, channels and the probe input shape."""
+
+    name: str
+    kind: str
+    num_channels: int
+    channel_dim: int
+    input_shape: list[int]
+
+
+@dataclass
+class ConversionReport:
+    """What ``convert`` found: converted sites and everything it could not or did not convert."""
+
+    sites: list[SiteInfo] = field(default_factory=list)
+    functional_calls: dict[str, int] = field(default_factory=dict)  # "owner: fn" -> calls
+    uncalled: list[str] = field(default_factory=list)
+    unreachable: list[str] = field(default_factory=list)
+    excluded: list[str] = field(default_factory=list)
+
+    @property
+    def num_channels(self) -> int:
+        """Total number of converted channels over all sites."""
+        return sum(s.num_channels for s in self.sites)
+
+    def problems(self) -> list[str]:
+        """Human-readable lines for everything left unconverted that was not excluded on purpose."""
+        lines = [
+            f"functional call {where} ({n} call(s) per forward) cannot be swapped"
+            for where, n in self.functional_calls.items()
+        ]
+        lines += [f"{n}: never called during the probe forward" for n in self.uncalled]
+        lines += [f"{n}: called by a module that does not own it" for n in self.unreachable]
+        return lines
+
+    def __str__(self) -> str:
+        rows = [f"{len(self.sites)} sites, {self.num_channels} channels converted"]
+        rows += [f"  {s.name:<60} {s.kind:<12} C={s.num_channels:<6} dim={s.channel_dim}" for s in self.sites]
+        problems = self.problems()
+        if problems:
+            rows.append(f"{len(problems)} activation(s) NOT converted:")
+            rows += [f"  {p}" for p in problems]
+        if self.excluded:
+            rows.append(f"excluded by the config: {', '.join(self.excluded)}")
+        return "\n".join(rows)
+
+
+# ----------------------------------------------------------------------------- inputs
+
+
+def call_model(model: nn.Module, inputs: Any) -> Any:
+    """Run ``model`` on ``inputs``: a tensor, a tuple/list of positional args, or a dict of kwargs."""
+    if isinstance(inputs, dict):
+        return model(**inputs)
+    if isinstance(inputs, (tuple, list)):
+        return model(*inputs)
+    return model(inputs)
+
+
+def default_example_inputs(model: nn.Module) -> Any:
+    """A small input batch for the probe forward, when the user gives none.
+
+    Hugging Face models: from ``main_input_name`` (token ids, with ``decoder_input_ids`` for
+    encoder-decoders; or ``pixel_values`` of ``config.image_size``). Other models: from the first
+    layer with parameters (Conv2d: ``[2, C_in, S, S]`` with ``S = model.image_size`` or 224;
+    Linear: ``[2, in_features]``; Embedding: token ids ``[2, 8]``).
+    """
+    gen = torch.Generator().manual_seed(0)
+    config = getattr(model, "config", None)
+    main = getattr(model, "main_input_name", None)
+    if config is not None and main == "input_ids":
+        vocab = int(getattr(config, "vocab_size", 100) or 100)
+        ids = torch.randint(3, max(4, min(vocab, 100)), (2, 8), generator=gen)
+        inputs = {"input_ids": ids}
+        if getattr(config, "is_encoder_decoder", False):
+            inputs["decoder_input_ids"] = ids.clone()
+        return inputs
+    if config is not None and main == "pixel_values":
+        size = getattr(config, "image_size", 224)
+        size = size if isinstance(size, int) else size[0]
+        return {"pixel_values": torch.randn(2, getattr(config, "num_channels", 3), size, size, generator=gen)}
+    first = next((m for m in model.modules() if next(m.parameters(recurse=False), None) is not None), None)
+    param = next(first.parameters()) if first is not None else None
+    kw = {"generator": gen, "dtype": param.dtype if param is not None and param.is_floating_point() else None}
+    if isinstance(first, nn.Conv2d):
+        size = getattr(model, "image_size", 224)
+        return torch.randn(2, first.in_channels, size, size, **kw)
+    if isinstance(first, nn.Conv1d):
+        return torch.randn(2, first.in_channels, 64, **kw)
+    if isinstance(first, nn.Linear):
+        return torch.randn(2, first.in_features, **kw)
+    if isinstance(first, nn.Embedding):
+        return torch.randint(0, first.num_embeddings, (2, 8), generator=gen)
+    raise ValueError(
+        f"cannot guess an input for {type(model).__name__}: pass example_inputs= (a tensor, a tuple "
+        "of positional arguments or a dict of keyword arguments) to convert"
+    )
+
+
+# ----------------------------------------------------------------------------- probe
+
+
+@dataclass
+class _Call:
+    caller: nn.Module | None
+    shape: tuple[int, ...]
+    channel_dim: int
+
+
+class _FunctionalRecorder(TorchFunctionMode):
+    """Records functional activation calls made outside activation modules."""
+
+    def __init__(self, probe: "_Probe") -> None:
+        super().__init__()
+        self.probe = probe
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in _FUNCTIONAL_CALLS and not self.probe.inside_activation():
+            self.probe.record_functional(func)
+        return func(*args, **(kwargs or {}))
+
+
+class _Probe:
+    """One hooked forward: activation calls, their callers, and module invocation counts."""
+
+    def __init__(
+        self, model: nn.Module, candidates: set[int], activations: set[int], channel_dim: int | None
+    ) -> None:
+        self.names = {id(m): n for n, m in model.named_modules(remove_duplicate=False)}
+        self.candidates = candidates
+        self.activations = activations  # candidates and excluded ones: their internals are not "functional"
+        self.channel_dim = channel_dim
+        self.stack: list[nn.Module] = []
+        self.invocations: Counter[int] = Counter()
+        self.calls: dict[int, list[_Call]] = defaultdict(list)
+        self.functional: Counter[str] = Counter()
+        self.last_leaf: nn.Module | None = None
+
+    def inside_activation(self) -> bool:
+        return any(id(m) in self.activations for m in self.stack)
+
+    def record_functional(self, func: Callable) -> None:
+        owner = next((m for m in reversed(self.stack) if id(m) in self.names), None)
+        where = self.names.get(id(owner), "") if owner is not None else ""
+        self.functional[f"{where or type(owner).__name__}: {getattr(func, '__name__', func)}"] += 1
+
+    def pre_hook(self, module: nn.Module, args: tuple) -> None:
+        if id(module) in self.candidates:
+            x = args[0] if args else None
+            if isinstance(x, torch.Tensor):
+                caller = self.stack[-1] if self.stack else None
+                self.calls[id(module)].append(_Call(caller, tuple(x.shape), self._channel_dim(x)))
+        self.invocations[id(module)] += 1
+        self.stack.append(module)
+
+    def hook(self, module: nn.Module, args: tuple, output: Any) -> None:
+        if self.stack and self.stack[-1] is module:
+            self.stack.pop()
+        if id(module) not in self.candidates and next(module.children(), None) is None:
+            self.last_leaf = module
+
+    def _channel_dim(self, x: torch.Tensor) -> int:
+        if self.channel_dim is not None:
+            return self.channel_dim
+        if x.ndim <= 2:
+            return -1
+        if isinstance(self.last_leaf, _CHANNEL_FIRST):
+            return 1
+        if isinstance(self.last_leaf, (nn.Linear, nn.LayerNorm, nn.Embedding)) or (
+            type(self.last_leaf).__name__ == "Conv1D"  # HF GPT-2 style linear layer
+        ):
+            return -1
+        return 1 if x.ndim >= 4 else -1
+
+    def run(self, model: nn.Module, inputs: Any) -> None:
+        pre = torch.nn.modules.module.register_module_forward_pre_hook(self.pre_hook)
+        post = torch.nn.modules.module.register_module_forward_hook(self.hook)
+        was_training = model.training
+        model.eval()
+        try:
+            with torch.no_grad(), _FunctionalRecorder(self):
+                call_model(model, inputs)
+        finally:
+            pre.remove()
+            post.remove()
+            model.train(was_training)
+
+
+# ----------------------------------------------------------------------------- convert
+
+
+def _matches(name: str, patterns: list[str] | None) -> bool:
+    return any(
+        name == p or name.endswith("." + p) or re.fullmatch(p, name) is not None for p in patterns or []
+    )
+
+
+def _outside_activations(model: nn.Module, prefix: str = ""):
+    """``(name, module)`` of every module not nested inside an activation module, shared ones once
+    per path; an activation's own internals (HF ``GELUActivation.act``) are never candidates."""
+    yield prefix, model
+    for attr, child in model.named_children():
+        if activation_kind(child) is None:
+            yield from _outside_activations(child, f"{prefix}.{attr}" if prefix else attr)
+
+
+def _wrap_function_attributes(model: nn.Module) -> None:
+    """Turn activation functions held as plain attributes into FunctionalActivation modules."""
+    for _, module in list(_outside_activations(model)):
+        for attr, value in list(vars(module).items()):
+            if attr.startswith("_") or isinstance(value, nn.Module):
+                continue
+            kind = activation_kind(value)
+            if kind is not None:
+                delattr(module, attr)
+                setattr(module, attr, FunctionalActivation(value, kind))
+
+
+def _registrations(model: nn.Module) -> list[tuple[str, nn.Module, str, nn.Module]]:
+    """Every ``(qualified_name, owner, attribute, activation)``, shared modules once per owner."""
+    found = []
+    seen: set[tuple[int, str]] = set()
+    for owner_name, owner in _outside_activations(model):
+        for attr, child in owner.named_children():
+            if activation_kind(child) is not None and (id(owner), attr) not in seen:
+                seen.add((id(owner), attr))
+                found.append((f"{owner_name}.{attr}" if owner_name else attr, owner, attr, child))
+    return found
+
+
+def _plan(
+    model: nn.Module, config: LinearizeConfig, example_inputs: Any
+) -> tuple[ConversionReport, list[tuple[nn.Module, str, nn.Module, list[_Call]]]]:
+    """Probe ``model`` and decide the replacement of every activation registration."""
+    regs = _registrations(model)
+    report = ConversionReport()
+    chosen = []
+    for name, owner, attr, act in regs:
+        if activation_kind(act) not in config.activations or (
+            config.target_modules is not None and not _matches(name, config.target_modules)
+        ) or _matches(name, config.exclude_modules):
+            report.excluded.append(name)
+        else:
+            chosen.append((name, owner, attr, act))
+    probe = _Probe(model, {id(act) for *_, act in chosen}, {id(act) for *_, act in regs}, config.channel_dim)
+    probe.run(model, example_inputs if example_inputs is not None else default_example_inputs(model))
+    report.functional_calls = dict(probe.functional)
+
+    plan = []
+    owned_calls: Counter[int] = Counter()
+    for name, owner, attr, act in chosen:
+        calls = [c for c in probe.calls[id(act)] if c.caller is owner]
+        owned_calls[id(act)] += len(calls)
+        if not calls:
+            if not probe.calls[id(act)]:
+                report.uncalled.append(name)
+            continue
+        per_forward = len(calls) // max(1, probe.invocations[id(owner)])
+        calls = calls[: max(1, per_forward)]
+        plan.append((owner, attr, act, calls))
+        for k, call in enumerate(calls):
+            unit_name = name if len(calls) == 1 else f"{name}.calls.{k}"
+            report.sites.append(
+                SiteInfo(unit_name, activation_kind(act) or "", call.shape[call.channel_dim],
+                         call.channel_dim, list(call.shape))
+            )
+    for name, owner, attr, act in chosen:
+        if probe.calls[id(act)] and owned_calls[id(act)] < len(probe.calls[id(act)]):
+            report.unreachable.append(name)
+    return report, plan
+
+
+def _resolve_config(config: LinearizeConfig | dict | None, overrides: dict) -> LinearizeConfig:
+    if config is None:
+        return LinearizeConfig(**overrides)
+    if isinstance(config, dict):
+        return LinearizeConfig.from_dict({**config, **overrides})
+    if not isinstance(config, LinearizeConfig):
+        raise TypeError(f"config must be a LinearizeConfig, a dict or None, got {type(config).__name__}")
+    return LinearizeConfig.from_dict({**config.to_dict(), **overrides}) if overrides else config
+
+
+def _check_model(model: object) -> None:
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"linearize.convert expects a torch.nn.Module, got {type(model).__name__}")
+    if hasattr(model, "linearize_config") or any(
+        isinstance(m, (LinearizableActivation, CallSites)) for m in model.modules()
+    ):
+        raise ValueError(
+            "this model is already converted (it has linearize units); convert the original model, "
+            "or load saved units with linearize.from_pretrained(fresh_model, directory)"
+        )
+
+
+def convert(
+    model: nn.Module,
+    config: LinearizeConfig | dict | None = None,
+    example_inputs: Any = None,
+    **overrides: Any,
+) -> nn.Module:
+    """Swap every activation call site of ``model`` for a linearizable unit, in place.
+
+    Args:
+        model: any ``nn.Module`` (torchvision, Hugging Face, your own).
+        config: a :class:`LinearizeConfig` (or its dict); ``overrides`` set single fields
+            (``convert(model, exclude_modules=["pooler.activation"])``).
+        example_inputs: the probe input: a tensor, a tuple of positional arguments or a dict of
+            keyword arguments. ``None`` builds one for torchvision and HF models
+            (:func:`default_example_inputs`).
+
+    Returns:
+        ``model`` itself (modified in place), with ``model.linearize_config`` and
+        ``model.linearize_report`` (a :class:`ConversionReport`) set. In ``"dgn"``/``"dlgn"``
+        mode a new gated module is returned instead (see :mod:`linearize.gated`).
+
+    Raises:
+        TypeError: ``model`` is not an ``nn.Module``. ValueError: already converted, or no
+        convertible activation found (the message lists functional calls it saw).
+
+    Warns when some activations cannot be converted (functional calls inside ``forward``,
+    modules never called during the probe); they are listed in ``model.linearize_report``.
+    """
+    _check_model(model)
+    config = _resolve_config(config, overrides)
+    if config.mode != "prelu":
+        from .gated import convert_gated
+
+        return convert_gated(model, config, example_inputs)
+
+    _wrap_function_attributes(model)
+    report, plan = _plan(model, config, example_inputs)
+    if not report.sites:
+        raise ValueError(
+            f"{type(model).__name__} has no convertible activation module (kinds {list(config.activations)})."
+            + (f" Functional calls seen: {', '.join(report.functional_calls)}" if report.functional_calls else "")
+        )
+    param = next(model.parameters(), None)
+    for owner, attr, act, calls in plan:
+        made = [
+            LinearizableActivation(
+                act.fn if isinstance(act, FunctionalActivation) else act,
+                num_channels=call.shape[call.channel_dim],
+                channel_dim=call.channel_dim,
+                kind=activation_kind(act),
+                init_slope=config.init_slope,
+            )
+            for call in calls
+        ]
+        if param is not None:
+            made = [u.to(param.device) for u in made]
+        if len(made) == 1:
+            setattr(owner, attr, made[0])
+        else:
+            setattr(owner, attr, CallSites(made))
+            if not getattr(owner, "_linearize_reset_hook", False):
+                owner.register_forward_pre_hook(_reset_call_sites)
+                owner._linearize_reset_hook = True
+    model.linearize_config = config
+    model.linearize_report = report
+    install_optimizer_hooks()
+    problems = report.problems()
+    if problems:
+        warnings.warn(
+            f"linearize.convert left {len(problems)} activation(s) unconverted (see model.linearize_report):\n  "
+            + "\n  ".join(problems),
+            stacklevel=2,
+        )
+    return model
+
+
+def dry_run(
+    model: nn.Module, config: LinearizeConfig | dict | None = None, example_inputs: Any = None, **overrides: Any
+) -> ConversionReport:
+    """What :func:`convert` would do, without touching ``model`` (runs on a deep copy)."""
+    _check_model(model)
+    config = _resolve_config(config, overrides)
+    probe_model = copy.deepcopy(model)
+    _wrap_function_attributes(probe_model)
+    return _plan(probe_model, config, example_inputs)[0]
+

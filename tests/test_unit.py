@@ -1,0 +1,111 @@
+"""The unit itself: exact endpoints, PReLU equivalence, channel checks, slope projection."""
+
+import copy
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import linearize
+from linearize import LinearizableActivation
+
+ACTS = [
+    (nn.ReLU(), "relu"),
+    (nn.LeakyReLU(0.2), "leaky_relu"),
+    (nn.ReLU6(), "relu6"),
+    (nn.GELU(), "gelu"),
+    (nn.GELU(approximate="tanh"), "gelu"),
+    (nn.SiLU(), "silu"),
+    (nn.Hardswish(), "hardswish"),
+    (nn.Tanh(), "tanh"),
+    (nn.Sigmoid(), "sigmoid"),
+    (F.gelu, "gelu"),
+]
+
+
+@pytest.mark.parametrize("act,kind", ACTS)
+@pytest.mark.parametrize("shape,dim", [((4, 5, 3, 3), 1), ((2, 7, 5), -1), ((6, 5), -1)])
+def test_blend_matches_formula_and_is_exact_at_the_ends(act, kind, shape, dim):
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(*shape, generator=gen) * 3
+    c = shape[dim]
+    unit = LinearizableActivation(act, c, dim, kind=kind)
+    reference = act(x)
+    assert torch.equal(unit(x), reference)  # a = 0: the original activation, bit for bit
+    with torch.no_grad():
+        unit.slope.fill_(1.0)
+    assert torch.equal(unit(x), x)  # a = 1: exactly the identity
+    with torch.no_grad():
+        unit.slope.copy_(torch.rand(c, generator=gen))
+    bshape = [1] * x.ndim
+    bshape[dim] = c
+    a = unit.slope.detach().view(bshape)
+    torch.testing.assert_close(unit(x), (1 - a) * reference + a * x, rtol=1e-6, atol=1e-6)
+
+
+def test_relu_unit_is_a_prelu_with_negative_slope_a():
+    x = torch.randn(8, 4, 5, 5)
+    unit = LinearizableActivation("relu", 4)
+    with torch.no_grad():
+        unit.slope.copy_(torch.tensor([0.0, 0.25, 0.5, 1.0]))
+    prelu = nn.PReLU(4)
+    with torch.no_grad():
+        prelu.weight.copy_(unit.slope)
+    assert torch.equal(unit(x), prelu(x))
+    assert unit.is_prelu
+
+
+def test_inplace_activation_never_writes_into_its_input():
+    x = torch.randn(3, 4, 2, 2)
+    before = x.clone()
+    unit = LinearizableActivation(nn.Hardswish(inplace=True), 4)
+    unit(x)
+    assert torch.equal(x, before)
+
+
+def test_wrong_channel_count_raises_a_clear_error():
+    unit = LinearizableActivation("relu", 3)
+    with pytest.raises(ValueError, match="built for 3 channels at dim 1"):
+        unit(torch.randn(2, 4, 5, 5))
+    with pytest.raises(ValueError, match="num_channels"):
+        LinearizableActivation("relu", 0)
+    with pytest.raises(TypeError, match="act must be"):
+        LinearizableActivation(3, 4)
+
+
+def test_slopes_are_projected_after_any_optimizer_step_and_frozen_channels_stay():
+    unit = LinearizableActivation("relu", 4)
+    opt = torch.optim.SGD(unit.parameters(), lr=10.0, momentum=0.9)
+    unit.freeze_(torch.tensor([True, False, False, False]), 1.0)
+    x = torch.randn(16, 4)
+    for sign in (1.0, -1.0, 1.0):
+        opt.zero_grad()
+        (sign * unit(x).sum()).backward()
+        opt.step()
+        assert unit.slope.min() >= 0 and unit.slope.max() <= 1
+        assert unit.slope[0] == 1.0
+    # the projection survives deepcopy (the copy's slope is registered with the hooks)
+    twin = copy.deepcopy(unit)
+    opt2 = torch.optim.SGD(twin.parameters(), lr=100.0)
+    twin.slope.grad = torch.full((4,), -1.0)
+    opt2.step()
+    assert torch.equal(twin.slope.detach(), torch.ones(4))
+    assert math.isnan(float(twin.frozen[1]))
+
+
+def test_counters_on_a_hand_built_model():
+    model = nn.Sequential(nn.Linear(3, 4), LinearizableActivation("relu", 4, -1), nn.Linear(4, 6),
+                          LinearizableActivation(nn.GELU(), 6, -1))
+    with torch.no_grad():
+        model[1].slope.copy_(torch.tensor([1.0, 1.0, 0.5, 0.0]))
+        model[3].slope.copy_(torch.tensor([0.9995, 0.0, 0.0, 0.0, 0.0, 1.0]))
+    counts = linearize.count_units(model)
+    assert (counts["total"], counts["nonlinear"], counts["linear"]) == (10, 7, 3)
+    assert counts["sites"]["1"]["nonlinear"] == 2 and counts["sites"]["3"]["kind"] == "gelu"
+    assert linearize.count_units(model, tol=1e-3)["nonlinear"] == 6
+    assert linearize.nonlinear_fraction(model) == pytest.approx(0.7)
+    assert [n for n, _ in linearize.units(model)] == ["1", "3"]
+    with pytest.raises(ValueError, match="convert"):
+        linearize.count_units(nn.Linear(2, 2))
