@@ -1,0 +1,142 @@
+"""``freeze``: snap nearly linear units to exactly linear and stop their training.
+
+A unit channel with slope ``a >= 1 - tol`` is snapped to ``a = 1`` (exactly the identity) and
+frozen there with :meth:`LinearizableActivation.freeze_`: its gradient is zeroed before every
+optimizer step and its value restored after it, while the other channels keep training. With
+``snap_zero`` the channels with ``a <= tol`` are snapped and frozen at ``0`` (the original
+activation). With ``data``, ReLU/PReLU channels whose pre-activation is ``> 0`` for every sample
+and position of the data are linear there (seed 004: stably active), so they are frozen at 1 too:
+the model's outputs on that data do not change.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from .stability import record_preactivations
+from .unit import units
+
+__all__ = ["freeze", "FreezeSummary"]
+
+
+@dataclass
+class FreezeSummary:
+    """What :func:`freeze` did.
+
+    ``sites`` maps each unit's name to ``{"kind", "total", "linear_before", "linear_after",
+    "snapped_one", "snapped_zero", "stably_active"}``; a channel counts as linear when its slope is
+    exactly 1. ``snapped_one`` counts channels newly frozen at 1 by ``tol``, ``stably_active`` the
+    further channels frozen at 1 because they were stably active on ``data``, ``snapped_zero`` the
+    channels frozen at 0. ``skipped_sites`` lists units whose activation is not ReLU-like (the data
+    test does not apply to them).
+    """
+
+    sites: dict[str, dict]
+    skipped_sites: list[str]
+
+    def _sum(self, key: str) -> int:
+        return sum(s[key] for s in self.sites.values())
+
+    @property
+    def total(self) -> int:
+        return self._sum("total")
+
+    @property
+    def linear_before(self) -> int:
+        return self._sum("linear_before")
+
+    @property
+    def linear_after(self) -> int:
+        return self._sum("linear_after")
+
+    @property
+    def snapped_one(self) -> int:
+        return self._sum("snapped_one")
+
+    @property
+    def snapped_zero(self) -> int:
+        return self._sum("snapped_zero")
+
+    @property
+    def stably_active(self) -> int:
+        return self._sum("stably_active")
+
+    def __str__(self) -> str:
+        lines = [
+            f"freeze: {self.linear_before} -> {self.linear_after} of {self.total} channels linear "
+            f"({self.snapped_one} snapped to 1, {self.stably_active} stably active on data, "
+            f"{self.snapped_zero} snapped to 0)"
+        ]
+        for name, s in self.sites.items():
+            lines.append(
+                f"  {name:<30} {s['kind']:<8} {s['linear_before']:>6} -> {s['linear_after']:>6} / {s['total']}"
+            )
+        return "\n".join(lines)
+
+
+@torch.no_grad()
+def freeze(
+    model: nn.Module,
+    tol: float = 1e-3,
+    data: Any = None,
+    snap_zero: bool = False,
+    progress: bool = False,
+) -> FreezeSummary:
+    """Snap and freeze nearly linear unit channels of ``model`` (in place).
+
+    Args:
+        model: a model with :class:`LinearizableActivation` units (``linearize.convert`` output).
+        tol: channels with slope ``a >= 1 - tol`` are set to exactly 1 and frozen; with
+            ``snap_zero``, channels with ``a <= tol`` are set to exactly 0 and frozen.
+        data: optional tensor batch, DataLoader or iterable of batches (``(inputs, targets)``
+            tuples use the first element, dicts are passed as keyword arguments). ReLU-like
+            channels whose pre-activation is ``> 0`` on every sample and position are frozen at 1.
+            The pass runs in eval mode without gradients; training flags are restored after.
+        snap_zero: also snap ``a <= tol`` to 0.
+        progress: tqdm bar over the data.
+
+    Returns: a :class:`FreezeSummary` with per-site counts before and after.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"expected an nn.Module, got {type(model).__name__}")
+    if not 0.0 <= tol < 0.5:
+        raise ValueError(f"tol must lie in [0, 0.5), got {tol}")
+    found = units(model)
+    if not found:
+        raise ValueError("the model has no linearizable units: call linearize.convert(model) first")
+    sites: dict[str, dict] = {}
+    for name, unit in found:
+        a = unit.slope.detach()
+        if torch.isnan(a).any():
+            raise ValueError(f"unit {name!r} has NaN slopes")
+        one = a >= 1.0 - tol
+        sites[name] = {
+            "kind": unit.kind,
+            "total": unit.num_channels,
+            "linear_before": int((a == 1).sum()),
+            "snapped_one": int((one & (unit.frozen != 1).to(a.device)).sum()),
+            "stably_active": 0,
+            "snapped_zero": 0,
+        }
+        unit.freeze_(one, 1.0)
+    skipped = [name for name, unit in found if not unit.is_prelu]
+    relu_like = [(name, unit) for name, unit in found if unit.is_prelu]
+    if data is not None and relu_like:
+        ranges = record_preactivations(model, data, relu_like, per_channel=True, progress=progress)
+        for name, unit in relu_like:
+            active = (ranges[name][0].to(unit.slope.device) > 0) & (unit.slope.detach() != 1)
+            sites[name]["stably_active"] = int(active.sum())
+            unit.freeze_(active, 1.0)
+    for name, unit in found:
+        a = unit.slope.detach()
+        if snap_zero:
+            zero = (a <= tol) & (unit.frozen != 0).to(a.device)
+            sites[name]["snapped_zero"] = int(zero.sum())
+            unit.freeze_(zero, 0.0)
+        sites[name]["linear_after"] = int((a == 1).sum())
+    return FreezeSummary(sites, skipped)
+
