@@ -1,0 +1,855 @@
+"""``linearize.report``: where the nonlinearity of a network sits, as JSON, PNG plots and one HTML page.
+
+:func:`report` runs every measure that applies to the model on a batch of data and returns a
+:class:`Report` dataclass; :meth:`Report.save` writes ``report.json``, the PNG plots and a
+self-contained ``report.html`` (images embedded as base64 data URIs). ``linearize report`` on the
+command line (:func:`register_cli`) loads a model and data and does the same.
+
+Measures (each skipped with a stated reason when it does not apply):
+
+- nonlinear units: per-site channel counts and fractions (:func:`linearize.count_units`);
+- average path length, both variants (:func:`linearize.measures.average_path_length`);
+- non-linearity signature: affinity score per site (:func:`linearize.measures.affinity_signature`);
+- linear regions and absolute deviation along segments between data samples (or translation
+  loops of images), for piecewise-linear models only (:func:`linearize.measures.linear_regions`);
+- the nonlinear fraction over training, from a :class:`linearize.Sparsifier` history;
+- gate statistics of gated (DGN / DLGN) models (:func:`linearize.gated.gate_statistics`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import dataclasses
+import gzip
+import html
+import importlib
+import io
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Mapping
+
+import numpy as np
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from .unit import LinearizableActivation, count_units, units
+
+__all__ = ["Report", "report", "register_cli", "load_history", "MEASURES"]
+
+MEASURES = ("units", "path_length", "affinity", "regions", "history", "gates")
+PLOTS = {
+    "fraction": "nonlinear_fraction.png",
+    "affinity": "affinity_signature.png",
+    "history": "fraction_history.png",
+    "regions": "regions_ecdf.png",
+    "gates": "gate_statistics.png",
+}
+
+
+# ----------------------------------------------------------------------------- the report
+
+
+@dataclass
+class Report:
+    """Everything :func:`report` measured; ``None`` fields were skipped (see ``skipped``).
+
+    Attributes:
+        model: class name of the model.
+        num_samples: samples of the data used (affinity, finiteness check).
+        tol: a channel is linear when its slope ``a >= 1 - tol``.
+        units: :func:`linearize.count_units` output: ``total``, ``nonlinear``, ``linear`` channels
+            and ``sites`` ``{name: {kind, total, nonlinear, linear, fraction}}``, plus ``fraction``.
+        path_length: :class:`~linearize.measures.paths.PathLengthResult` as a dict: ``normalized``,
+            ``unnormalized`` (nonlinear units per path), ``log10_paths``, ``unit_calls``, ``merges``, ``method``.
+        affinity: ``[[site, score], ...]`` in forward order (score 1 = affine).
+        regions: ``segments`` (how they were built), ``counts`` (regions per segment) and
+            ``deviation`` (exact absolute deviation from the chord per segment, line integral,
+            mean over outputs), ``mean_count``, ``mean_deviation``.
+        history: ``steps``, ``total`` (nonlinear fraction of all channels) and ``sites``
+            ``{name: [fraction per step]}`` from a sparsifier log.
+        gates: per-site gate statistics of a gated model.
+        skipped: ``{measure: reason}`` for every measure that did not run.
+    """
+
+    model: str
+    num_samples: int
+    tol: float
+    units: dict | None = None
+    path_length: dict | None = None
+    affinity: list | None = None
+    regions: dict | None = None
+    history: dict | None = None
+    gates: dict | None = None
+    skipped: dict = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        """Plain JSON-serializable dict."""
+        return dataclasses.asdict(self)
+
+    def to_json(self, indent: int | None = 2) -> str:
+        """The report as a JSON string (``report.json``)."""
+        return json.dumps(self.to_dict(), indent=indent, allow_nan=False)
+
+    def plots(self) -> dict[str, bytes]:
+        """PNG images ``{file name: bytes}`` of the measures that ran."""
+        out = {}
+        if self.units is not None:
+            out[PLOTS["fraction"]] = _plot_fraction(self.units)
+        if self.affinity:
+            out[PLOTS["affinity"]] = _plot_affinity(self.affinity)
+        if self.history is not None:
+            out[PLOTS["history"]] = _plot_history(self.history)
+        if self.regions is not None:
+            out[PLOTS["regions"]] = _plot_regions(self.regions)
+        if self.gates:
+            out[PLOTS["gates"]] = _plot_gates(self.gates)
+        return out
+
+    def to_html(self, images: Mapping[str, bytes] | None = None) -> str:
+        """A self-contained HTML page: summary tables and the plots as base64 data URIs."""
+        return _html(self, self.plots() if images is None else images)
+
+    def save(self, out_dir: str | Path) -> dict[str, Path]:
+        """Write ``report.json``, the PNG plots and ``report.html`` into ``out_dir`` (created).
+
+        Returns ``{file name: path}`` of everything written.
+        """
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        images = self.plots()
+        written = {"report.json": out / "report.json"}
+        written["report.json"].write_text(self.to_json())
+        for name, png in images.items():
+            written[name] = out / name
+            written[name].write_bytes(png)
+        written["report.html"] = out / "report.html"
+        written["report.html"].write_text(self.to_html(images), encoding="utf-8")
+        return written
+
+
+def report(
+    model: nn.Module,
+    data: Any,
+    *,
+    history: str | Path | Mapping | None = None,
+    tol: float = 0.0,
+    max_samples: int = 512,
+    segments: int = 16,
+    paths: str = "pairs",
+    batch_size: int = 128,
+    sources: list | None = None,
+    skip: Iterable[str] = (),
+    progress: bool = True,
+) -> Report:
+    """Measure where the nonlinearity of ``model`` sits, on ``data``.
+
+    Args:
+        model: a model converted by :func:`linearize.convert` (or a gated network from
+            ``convert(mode="dgn" | "dlgn")``).
+        data: a tensor ``[N, ...]``, an ``(inputs, labels)`` pair, a dict of tensors with ``N`` rows
+            (tokenizer output), or an iterable of such batches (a ``DataLoader``); at most
+            ``max_samples`` samples are used. At least 2 are needed.
+        history: a sparsifier history: a JSON path or dict written by
+            :meth:`linearize.Sparsifier.save_history`, or a dict ``{step: {site: fraction}}``.
+        tol: a channel is linear when its slope ``a >= 1 - tol``.
+        max_samples: samples taken from ``data``.
+        segments: number of input segments for linear regions and absolute deviation.
+        paths: ``"pairs"`` (segments between consecutive samples) or ``"loops"`` (closed
+            translation loops of images, 8 anchors of radius 4 px, seed 001; ``segments`` images).
+        batch_size: forward batch size.
+        sources: inputs that start paths for the average path length (see
+            :func:`~linearize.measures.average_path_length`).
+        skip: measures not to run, from ``MEASURES`` (``"affinity"`` costs the most: an exact
+            assignment of up to ``max_samples`` points per site).
+        progress: tqdm progress bars.
+
+    Raises:
+        ValueError: fewer than 2 samples, no activation sites (call ``linearize.convert``),
+            NaN/inf activations (names the site).
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    if paths not in ("pairs", "loops"):
+        raise ValueError(f"paths must be 'pairs' or 'loops', got {paths!r}")
+    gated = _gated_module()
+    is_gated = gated is not None and isinstance(model, gated.GatedNetwork)
+    if not is_gated and not units(model):
+        raise ValueError(
+            f"{type(model).__name__} has no activation sites to measure (no linearizable units): "
+            "call linearize.convert(model) first"
+        )
+    skip = set(skip)
+    if skip - set(MEASURES):
+        raise ValueError(f"unknown measures in skip: {sorted(skip - set(MEASURES))}; known: {MEASURES}")
+    inputs, n = _collect(data, max_samples)
+    if n < 2:
+        raise ValueError(f"report needs at least 2 samples, got {n}: pass a larger batch")
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    rep = Report(model=type(model).__name__, num_samples=n, tol=tol)
+    bar = tqdm(("finite",) + MEASURES, desc="report", disable=not progress)
+    for step in bar:
+        bar.set_postfix_str(step)
+        if step in skip:
+            rep.skipped[step] = "skipped on request"
+        elif step == "finite":
+            _check_finite(model, inputs, n, batch_size, device)
+        elif step == "units":
+            if is_gated:
+                rep.skipped["units"] = "gated model: it has gates, not slope units"
+            else:
+                rep.units = count_units(model, tol)
+                rep.units["fraction"] = rep.units["nonlinear"] / rep.units["total"]
+        elif step == "path_length":
+            _path_length(rep, model, inputs, tol, sources, is_gated, device)
+        elif step == "affinity":
+            _affinity(rep, model, inputs, batch_size, max_samples, progress)
+        elif step == "regions":
+            _regions(rep, model, inputs, segments, paths, batch_size, is_gated, progress)
+        elif step == "history":
+            if history is None:
+                rep.skipped["history"] = "no sparsifier history given"
+            else:
+                rep.history = load_history(history, rep.units)
+        elif step == "gates":
+            if is_gated:
+                rep.gates = gated.gate_statistics(model, iter(_batches(inputs, n, batch_size, device)))
+            else:
+                rep.skipped["gates"] = "not a gated (DGN/DLGN) model"
+    return rep
+
+
+# ----------------------------------------------------------------------------- measures
+
+
+def _path_length(rep: Report, model: nn.Module, inputs: Any, tol: float, sources, is_gated: bool, device) -> None:
+    if is_gated:
+        rep.skipped["path_length"] = "gated model: the average path length counts slope units"
+        return
+    from .measures.paths import average_path_length
+
+    example = _to_device(_rows(inputs, slice(0, 2)), device)
+    rep.path_length = average_path_length(model, example, tol=tol, sources=sources, detailed=True).to_dict()
+
+
+def _affinity(rep: Report, model: nn.Module, inputs: Any, batch_size: int, max_samples: int, progress: bool) -> None:
+    try:
+        affinity = importlib.import_module(".measures.affinity", __package__)
+    except ImportError as err:
+        rep.skipped["affinity"] = f"linearize.measures.affinity is not available: {err}"
+        return
+    try:
+        sig = affinity.affinity_signature(
+            model, inputs, batch_size=batch_size, max_samples=max(2, max_samples), progress=progress
+        )
+    except ValueError as err:  # e.g. no site the signature can read; NaN/inf was checked before
+        rep.skipped["affinity"] = str(err)
+        return
+    rep.affinity = [[name, float(score)] for name, score in sig]
+
+
+def _regions(rep: Report, model, inputs, segments: int, paths: str, batch_size: int, is_gated: bool, progress: bool) -> None:
+    smooth = sorted({u.kind for _, u in units(model) if not u.is_prelu})
+    if is_gated:
+        reason = "gated model: products of gates and values are not piecewise linear"
+    elif smooth:
+        reason = f"not piecewise linear: smooth activation kinds {smooth}"
+    elif not isinstance(inputs, torch.Tensor) or not inputs.is_floating_point():
+        reason = "needs a floating-point input tensor (token ids have no segments between them)"
+    elif segments < 1:
+        reason = "segments < 1"
+    else:
+        reason = None
+    if reason is not None:
+        rep.skipped["regions"] = reason
+        return
+    try:
+        regions = importlib.import_module(".measures.regions", __package__)
+    except ImportError as err:
+        rep.skipped["regions"] = f"linearize.measures.regions is not available: {err}"
+        return
+    if paths == "loops":
+        if inputs.ndim != 4:
+            rep.skipped["regions"] = f"translation loops need images [N, C, H, W], got {tuple(inputs.shape)}"
+            return
+        x0, x1 = regions.translation_loops(inputs[:segments])
+        how = f"closed translation loops (8 anchors, radius 4 px) of {min(segments, len(inputs))} images"
+    else:
+        idx = torch.arange(min(segments, len(inputs)))
+        x0, x1 = inputs[idx], inputs[(idx + 1) % len(inputs)]
+        how = "straight segments between consecutive samples"
+    try:
+        res = regions.linear_regions(model, x0, x1, batch_size=batch_size, progress=progress)
+    except ValueError as err:
+        rep.skipped["regions"] = str(err)
+        return
+    counts = res.count.tolist()
+    deviation = res.deviation().mean(1).tolist()
+    rep.regions = {
+        "segments": how,
+        "counts": counts,
+        "deviation": deviation,
+        "mean_count": float(np.mean(counts)),
+        "mean_deviation": float(np.mean(deviation)),
+    }
+
+
+def load_history(history: str | Path | Mapping, counts: dict | None = None) -> dict:
+    """Nonlinear fraction over training: ``{"steps", "total", "sites": {name: [fraction]}}``.
+
+    Args:
+        history: a JSON file or dict from :meth:`linearize.Sparsifier.save_history`
+            (``{"history": [{"step", "sites": {...}, "nonlinear_fraction"}, ...]}``) or a dict
+            ``{step: {site: fraction}}`` (steps may be strings, as after a JSON round trip).
+        counts: :func:`linearize.count_units` of the model, to weight sites by their channels when
+            the log has no total; without it the total is the unweighted mean over sites.
+    """
+    if isinstance(history, (str, Path)):
+        path = Path(history)
+        if not path.is_file():
+            raise FileNotFoundError(f"sparsifier history {path} does not exist")
+        history = json.loads(path.read_text())
+    if not isinstance(history, Mapping):
+        raise TypeError(f"history must be a JSON path or a dict, got {type(history).__name__}")
+    if "history" in history:
+        records = [(int(r["step"]), dict(r.get("sites", {})), r.get("nonlinear_fraction")) for r in history["history"]]
+    else:
+        try:
+            records = [(int(step), dict(sites), None) for step, sites in history.items()]
+        except (TypeError, ValueError) as err:
+            raise ValueError("history must map steps to {site: fraction} dicts") from err
+    if not records:
+        raise ValueError("the sparsifier history is empty")
+    records.sort(key=lambda r: r[0])
+    names = list(dict.fromkeys(name for _, sites, _ in records for name in sites))
+    widths = {n: s["total"] for n, s in (counts or {}).get("sites", {}).items()}
+    total = []
+    for _, sites, logged in records:
+        if logged is not None:
+            total.append(float(logged))
+        elif sites and all(n in widths for n in sites):
+            total.append(sum(f * widths[n] for n, f in sites.items()) / sum(widths[n] for n in sites))
+        else:
+            total.append(float(np.mean(list(sites.values()))) if sites else None)
+    return {
+        "steps": [r[0] for r in records],
+        "total": total,
+        "sites": {n: [r[1].get(n) for r in records] for n in names},
+    }
+
+
+# ----------------------------------------------------------------------------- data
+
+
+def _num_rows(x: Any) -> int:
+    if isinstance(x, torch.Tensor):
+        return x.shape[0] if x.ndim else 1
+    return min(_num_rows(v) for v in x.values() if isinstance(v, torch.Tensor))
+
+
+def _rows(x: Any, index) -> Any:
+    if isinstance(x, torch.Tensor):
+        return x[index]
+    return {k: v[index] if isinstance(v, torch.Tensor) else v for k, v in x.items()}
+
+
+def _as_batch(batch: Any) -> Any:
+    if isinstance(batch, np.ndarray):
+        return torch.from_numpy(batch)
+    if isinstance(batch, (tuple, list)):
+        if not batch:
+            raise ValueError("got an empty tuple/list as a batch")
+        return _as_batch(batch[0])
+    if isinstance(batch, torch.Tensor):
+        return batch
+    if isinstance(batch, Mapping) and any(isinstance(v, torch.Tensor) for v in batch.values()):
+        return dict(batch)
+    raise TypeError(f"cannot use a batch of type {type(batch).__name__}: give tensors or dicts of tensors")
+
+
+def _collect(data: Any, max_samples: int) -> tuple[Any, int]:
+    """Up to ``max_samples`` samples of ``data`` as one tensor or dict of tensors, and their count."""
+    if isinstance(data, (torch.Tensor, np.ndarray, Mapping)) or (
+        isinstance(data, (tuple, list)) and data and isinstance(data[0], (torch.Tensor, np.ndarray))
+    ):
+        batch = _as_batch(data)
+        return _rows(batch, slice(0, max_samples)), min(_num_rows(batch), max_samples)
+    if not isinstance(data, Iterable) or isinstance(data, (str, bytes)):
+        raise TypeError(f"data must be a tensor, a dict of tensors or an iterable of batches, got {type(data).__name__}")
+    parts, n = [], 0
+    for batch in data:
+        batch = _as_batch(batch)
+        parts.append(batch)
+        n += _num_rows(batch)
+        if n >= max_samples:
+            break
+    if not parts:
+        raise ValueError("data yielded no batches: pass at least 2 samples")
+    if isinstance(parts[0], torch.Tensor):
+        out = torch.cat(parts)
+    else:
+        out = {k: torch.cat([p[k] for p in parts]) if isinstance(parts[0][k], torch.Tensor) else parts[0][k] for k in parts[0]}
+    return _rows(out, slice(0, max_samples)), min(n, max_samples)
+
+
+def _to_device(x: Any, device: torch.device) -> Any:
+    if isinstance(x, torch.Tensor):
+        return x.to(device)
+    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in x.items()}
+
+
+def _batches(inputs: Any, n: int, batch_size: int, device: torch.device) -> list:
+    return [_to_device(_rows(inputs, slice(i, i + batch_size)), device) for i in range(0, n, batch_size)]
+
+
+def _call(model: nn.Module, batch: Any) -> Any:
+    return model(**batch) if isinstance(batch, dict) else model(batch)
+
+
+@torch.no_grad()
+def _check_finite(model: nn.Module, inputs: Any, n: int, batch_size: int, device: torch.device) -> None:
+    """One forward over the inputs; raise naming the first site with NaN/inf input or output."""
+    gated = _gated_module()
+    sites = [(name, m) for name, m in model.named_modules()
+             if isinstance(m, LinearizableActivation) or (gated is not None and isinstance(m, gated.GaLU))]
+
+    def hook_for(name: str):
+        def hook(module: nn.Module, args: tuple, out: torch.Tensor) -> None:
+            for what, t in (("input", args[0] if args else None), ("output", out)):
+                if isinstance(t, torch.Tensor) and t.is_floating_point() and not torch.isfinite(t).all():
+                    raise ValueError(
+                        f"activation site {name!r} has NaN/inf values in its {what}: check the "
+                        "model's weights and the input data (normalization, dtype overflow)"
+                    )
+        return hook
+
+    handles = [m.register_forward_hook(hook_for(name)) for name, m in sites]
+    was_training = model.training
+    model.eval()
+    try:
+        for batch in _batches(inputs, n, batch_size, device):
+            _call(model, batch)
+    finally:
+        model.train(was_training)
+        for h in handles:
+            h.remove()
+
+
+def _gated_module():
+    try:
+        return importlib.import_module(".gated", __package__)
+    except ImportError:
+        return None
+
+
+# ----------------------------------------------------------------------------- plots
+
+
+def _figure(width: float, height: float = 3.6):
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(width, height), dpi=100)
+    FigureCanvasAgg(fig)
+    return fig
+
+
+def _png(fig) -> bytes:
+    buf = io.BytesIO()
+    fig.tight_layout()
+    fig.savefig(buf, format="png")
+    return buf.getvalue()
+
+
+def _site_axis(ax, names: list[str]) -> None:
+    ax.set_xticks(range(len(names)))
+    ax.set_xticklabels(names, rotation=90, fontsize=7)
+    ax.set_xlim(-0.6, len(names) - 0.4)
+
+
+def _plot_fraction(counts: dict) -> bytes:
+    names = list(counts["sites"])
+    fig = _figure(max(6.0, 0.3 * len(names) + 2), 4.5)
+    ax = fig.add_subplot()
+    ax.bar(range(len(names)), [s["fraction"] for s in counts["sites"].values()], color="tab:blue")
+    ax.axhline(counts["fraction"], color="tab:red", lw=1, ls="--", label=f"all channels: {counts['fraction']:.3f}")
+    _site_axis(ax, names)
+    ax.set_ylim(0, 1.05)
+    ax.set_ylabel("nonlinear fraction of channels")
+    ax.set_title("Nonlinear units per site")
+    ax.legend(loc="upper right", fontsize=8)
+    return _png(fig)
+
+
+def _plot_affinity(signature: list) -> bytes:
+    names = [s for s, _ in signature]
+    fig = _figure(max(6.0, 0.3 * len(names) + 2), 4.5)
+    ax = fig.add_subplot()
+    ax.plot(range(len(names)), [v for _, v in signature], marker="o", color="tab:green")
+    _site_axis(ax, names)
+    ax.set_ylim(min(0.5, min(v for _, v in signature) - 0.05), 1.02)
+    ax.set_ylabel("affinity score (1 = affine)")
+    ax.set_title("Non-linearity signature along depth")
+    ax.grid(alpha=0.3)
+    return _png(fig)
+
+
+def _plot_history(history: dict) -> bytes:
+    fig = _figure(7.0)
+    ax = fig.add_subplot()
+    steps = history["steps"]
+    for values in history["sites"].values():
+        pts = [(s, v) for s, v in zip(steps, values) if v is not None]
+        if pts:
+            ax.plot(*zip(*pts), color="0.75", lw=0.8)
+    total = [np.nan if v is None else v for v in history["total"]]
+    ax.plot(steps, total, color="tab:red", lw=2, label="all channels")
+    ax.plot([], [], color="0.75", lw=0.8, label="per site")
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("nonlinear fraction")
+    ax.set_ylim(0, 1.05)
+    ax.set_title("Nonlinear fraction over training")
+    ax.legend(fontsize=8)
+    return _png(fig)
+
+
+def _ecdf(ax, values: list[float], xlabel: str) -> None:
+    x = np.sort(np.asarray(values, dtype=float))
+    y = np.arange(1, len(x) + 1) / len(x)
+    ax.step(np.concatenate([[x[0]], x]), np.concatenate([[0.0], y]), where="post")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel("fraction of segments")
+    ax.set_ylim(0, 1.02)
+    ax.grid(alpha=0.3)
+
+
+def _plot_regions(regions: dict) -> bytes:
+    fig = _figure(9.0)
+    ax1, ax2 = fig.subplots(1, 2)
+    _ecdf(ax1, regions["counts"], "linear regions per segment")
+    ax1.set_title("Region counts (ECDF)")
+    _ecdf(ax2, regions["deviation"], "absolute deviation from the chord")
+    ax2.set_title("Absolute deviation (ECDF)")
+    return _png(fig)
+
+
+def _plot_gates(gates: dict) -> bytes:
+    names = list(gates)
+    fig = _figure(max(6.0, 0.4 * len(names) + 2), 4.5)
+    ax = fig.add_subplot()
+    pos = np.arange(len(names))
+    ax.bar(pos - 0.2, [g["fraction_on"] for g in gates.values()], 0.4, label="fraction of gates on")
+    ax.bar(pos + 0.2, [g["entropy"] for g in gates.values()], 0.4, label="mean gate entropy (bits)")
+    _site_axis(ax, names)
+    ax.set_ylim(0, 1.05)
+    ax.set_title("Gate statistics per site")
+    ax.legend(fontsize=8)
+    return _png(fig)
+
+
+# ----------------------------------------------------------------------------- HTML
+
+
+_CSS = """body{font-family:system-ui,sans-serif;margin:2em auto;max-width:1100px;color:#222}
+table{border-collapse:collapse;margin:.5em 0 1.5em}td,th{border:1px solid #ccc;padding:.25em .6em;text-align:right}
+th{background:#f3f3f3}td:first-child,th:first-child{text-align:left}img{max-width:100%;display:block;margin:.5em 0}
+.skip{color:#777;font-style:italic}"""
+
+# marks each image with data-loaded="yes"/"no" once the page has loaded (for headless checks)
+_SCRIPT = """window.addEventListener("load", function () {
+  var ok = true;
+  for (var img of document.images) {
+    var loaded = img.complete && img.naturalWidth > 0;
+    img.setAttribute("data-loaded", loaded ? "yes" : "no");
+    ok = ok && loaded;
+  }
+  document.body.setAttribute("data-images", ok ? "loaded" : "broken");
+});"""
+
+
+def _table(header: list[str], rows: list[list[Any]]) -> str:
+    def cell(v: Any) -> str:
+        return f"{v:.4g}" if isinstance(v, float) else html.escape(str(v))
+
+    head = "".join(f"<th>{html.escape(h)}</th>" for h in header)
+    body = "".join("<tr>" + "".join(f"<td>{cell(v)}</td>" for v in row) + "</tr>" for row in rows)
+    return f"<table><tr>{head}</tr>{body}</table>"
+
+
+def _img(images: Mapping[str, bytes], key: str, alt: str) -> str:
+    name = PLOTS[key]
+    if name not in images:
+        return ""
+    data = base64.b64encode(images[name]).decode("ascii")
+    return f'<img src="data:image/png;base64,{data}" alt="{html.escape(alt)}" title="{name}">'
+
+
+def _section(title: str, rep: Report, key: str, body: str) -> str:
+    if key in rep.skipped:
+        body = f'<p class="skip">Skipped: {html.escape(rep.skipped[key])}</p>'
+    return f"<h2>{html.escape(title)}</h2>\n{body}"
+
+
+def _html(rep: Report, images: Mapping[str, bytes]) -> str:
+    parts = [f"<h1>linearize report: {html.escape(rep.model)}</h1>",
+             f"<p>{rep.num_samples} samples; a channel is linear when its slope a &ge; 1 &minus; {rep.tol:g}.</p>"]
+    body = ""
+    if rep.units is not None:
+        u = rep.units
+        body = (_table(["channels", "nonlinear", "linear", "nonlinear fraction"],
+                       [[u["total"], u["nonlinear"], u["linear"], u["fraction"]]])
+                + _img(images, "fraction", "nonlinear fraction per site")
+                + _table(["site", "kind", "channels", "nonlinear", "fraction"],
+                         [[n, s["kind"], s["total"], s["nonlinear"], s["fraction"]] for n, s in u["sites"].items()]))
+    parts.append(_section("Nonlinear units", rep, "units", body))
+    body = ""
+    if rep.path_length is not None:
+        p = rep.path_length
+        body = _table(["normalized APL", "unnormalized APL", "log10 paths", "unit calls", "merges", "graph"],
+                      [[p["normalized"], p["unnormalized"], p["log10_paths"], p["unit_calls"], p["merges"], p["method"]]])
+        body += ("<p>Normalized: a random walk from output to input that splits equally at every merge; "
+                 "unnormalized: every channel-level path equally likely.</p>")
+    parts.append(_section("Average path length", rep, "path_length", body))
+    body = ""
+    if rep.affinity is not None:
+        body = _img(images, "affinity", "affinity signature") + _table(["site", "affinity score"], rep.affinity)
+    parts.append(_section("Non-linearity signature (affinity score)", rep, "affinity", body))
+    body = ""
+    if rep.regions is not None:
+        r = rep.regions
+        body = (f"<p>{html.escape(r['segments'])}: {len(r['counts'])} segments, mean {r['mean_count']:.4g} "
+                f"regions, mean absolute deviation {r['mean_deviation']:.4g}.</p>" + _img(images, "regions", "region ECDFs"))
+    parts.append(_section("Linear regions and absolute deviation", rep, "regions", body))
+    body = ""
+    if rep.history is not None:
+        h = rep.history
+        body = (_img(images, "history", "nonlinear fraction over training")
+                + f"<p>{len(h['steps'])} logged steps, last nonlinear fraction {h['total'][-1]}.</p>")
+    parts.append(_section("Nonlinear fraction over training", rep, "history", body))
+    if rep.gates is not None:
+        rows = [[s, g["channels"], g["fraction_on"], g["entropy"], g["always_on"], g["always_off"]] for s, g in rep.gates.items()]
+        parts.append("<h2>Gate statistics</h2>" + _img(images, "gates", "gate statistics") + _table(["site", "channels", "fraction on", "entropy (bits)", "always on", "always off"], rows))
+    return (f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>linearize report: '
+            f"{html.escape(rep.model)}</title><style>{_CSS}</style></head>\n<body>\n"
+            + "\n".join(parts) + f"\n<script>{_SCRIPT}</script>\n</body></html>\n")
+
+
+# ----------------------------------------------------------------------------- command line
+
+_IMAGE_EXT = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp")
+_NORMS = {
+    "cifar10": ((0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)),
+    "imagenet": ((0.485, 0.456, 0.406), (0.229, 0.224, 0.225)),
+}
+
+
+def register_cli(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Add the ``report`` subcommand to a ``linearize`` argument parser; returns its parser."""
+    p = subparsers.add_parser(
+        "report",
+        help="measure where a model's nonlinearity sits; write report.json, PNG plots and report.html",
+        description="Load a model, run the linearize measures on data and write report.json, PNG plots "
+        "and a self-contained report.html into --output-dir. A model without units is converted first "
+        "(slopes 0: every channel nonlinear).",
+    )
+    p.add_argument("model", help="a torchvision builder name (resnet18), a Hugging Face model directory "
+                   "(with linearize_config.json if saved by linearize.save_pretrained), or a .pt file "
+                   "holding a whole pickled nn.Module (trusted files only)")
+    p.add_argument("--data", required=True, help="'digits' (sklearn demo data), an image folder, the CIFAR-10 "
+                   ".tar.gz of JPEGs, or a JSONL(.gz) text file (Hugging Face models)")
+    p.add_argument("--checkpoint", help="state_dict file for a torchvision model (plain or converted)")
+    p.add_argument("--num-classes", type=int, help="output classes of the torchvision model (default: builder's)")
+    p.add_argument("--units", help="directory written by linearize.save_pretrained for a torchvision model")
+    p.add_argument("--history", help="sparsifier history JSON (Sparsifier.save_history)")
+    p.add_argument("--output-dir", default="linearize-report", help="where to write (default linearize-report)")
+    p.add_argument("--num-samples", type=int, default=512, help="samples used (default 512)")
+    p.add_argument("--segments", type=int, default=16, help="segments for linear regions (default 16)")
+    p.add_argument("--paths", choices=["pairs", "loops"], default="pairs", help="segments between samples or translation loops")
+    p.add_argument("--tol", type=float, default=0.0, help="a channel is linear when a >= 1 - tol")
+    p.add_argument("--batch-size", type=int, default=128)
+    p.add_argument("--normalize", choices=["auto", "cifar10", "imagenet", "none"], default="auto",
+                   help="image normalization (auto: cifar10 for the .tar.gz, imagenet for folders)")
+    p.add_argument("--image-size", type=int, help="resize images to this square size")
+    p.add_argument("--text-field", help="JSONL field with the text, dotted for nesting (default: text, sentence or translation.en)")
+    p.add_argument("--tokenizer", help="tokenizer directory (default: the model directory)")
+    p.add_argument("--max-length", type=int, default=64, help="tokens per text (default 64)")
+    p.add_argument("--skip", nargs="+", default=[], choices=MEASURES, metavar="MEASURE",
+                   help=f"measures not to run, of: {', '.join(MEASURES)}")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.set_defaults(func=run_cli)
+    return p
+
+
+def run_cli(args: argparse.Namespace) -> int:
+    """Run the ``report`` subcommand; prints where the files went."""
+    model, data = _load_model_and_data(args)
+    rep = report(model, data, history=args.history, tol=args.tol, max_samples=args.num_samples,
+                 segments=args.segments, paths=args.paths, batch_size=args.batch_size,
+                 skip=args.skip, progress=not args.no_progress)
+    written = rep.save(args.output_dir)
+    if rep.units is not None:
+        print(f"nonlinear channels: {rep.units['nonlinear']} / {rep.units['total']} ({rep.units['fraction']:.2%})")
+    if rep.path_length is not None:
+        print(f"average path length: normalized {rep.path_length['normalized']:.3f}, "
+              f"unnormalized {rep.path_length['unnormalized']:.3f}")
+    for what, reason in rep.skipped.items():
+        print(f"skipped {what}: {reason}")
+    print(f"wrote {', '.join(sorted(written))} to {Path(args.output_dir).resolve()}")
+    return 0
+
+
+def _load_model_and_data(args: argparse.Namespace) -> tuple[nn.Module, Any]:
+    import linearize
+
+    spec = Path(args.model)
+    hf_dir = spec.is_dir()
+    if hf_dir:
+        model = _load_hf(spec)
+    elif spec.suffix in (".pt", ".pth") and spec.is_file():
+        model = torch.load(spec, map_location="cpu", weights_only=False)
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"{spec} holds a {type(model).__name__}, not a pickled nn.Module (a state_dict "
+                            "needs a builder name as MODEL and --checkpoint)")
+    else:
+        model = _load_torchvision(args.model, args.num_classes)
+    data = _load_data(args, model, spec if hf_dir else None)
+    example = _rows(data, slice(0, 2))
+    if hf_dir and (spec / "linearize_config.json").is_file():
+        model = linearize.from_pretrained(model, spec, example_inputs=example)
+    elif args.units:
+        model = linearize.from_pretrained(model, args.units, example_inputs=example)
+    state = torch.load(args.checkpoint, map_location="cpu", weights_only=True) if args.checkpoint else None
+    converted = bool(units(model)) or getattr(model, "linearize_config", None) is not None
+    if not converted and state is not None and any(k.endswith(".slope") for k in state):
+        model, converted = linearize.convert(model, example_inputs=example), True
+    if state is not None:
+        model.load_state_dict(state)
+    if not converted:
+        print(f"{type(model).__name__} has no linearizable units: converting it (every channel nonlinear)")
+        model = linearize.convert(model, example_inputs=example)
+    return model.eval(), data
+
+
+def _load_hf(directory: Path) -> nn.Module:
+    import transformers
+
+    if not (directory / "config.json").is_file():
+        raise FileNotFoundError(f"{directory} has no config.json: not a Hugging Face model directory")
+    config = transformers.AutoConfig.from_pretrained(directory, local_files_only=True)
+    arch = (getattr(config, "architectures", None) or [None])[0]
+    cls = getattr(transformers, arch, None) if arch else None
+    return (cls or transformers.AutoModel).from_pretrained(directory, local_files_only=True)
+
+
+def _load_torchvision(name: str, num_classes: int | None) -> nn.Module:
+    import torchvision
+
+    if name not in torchvision.models.list_models():
+        raise ValueError(
+            f"{name!r} is neither a directory, a .pt file nor a torchvision builder "
+            f"(e.g. resnet18, mobilenet_v2, vgg11_bn)"
+        )
+    kwargs = {"num_classes": num_classes} if num_classes else {}
+    return torchvision.models.get_model(name, weights=None, **kwargs)
+
+
+def _load_data(args: argparse.Namespace, model: nn.Module, hf_dir: Path | None) -> Any:
+    src, n = args.data, args.num_samples
+    if src == "digits":
+        from sklearn.datasets import load_digits
+
+        x = torch.tensor(load_digits().data[:n], dtype=torch.float32) / 16.0
+        first = next((m for m in model.modules() if next(m.parameters(recurse=False), None) is not None), None)
+        return x.view(-1, 1, 8, 8) if isinstance(first, nn.Conv2d) else x
+    path = Path(src)
+    if not path.exists():
+        raise FileNotFoundError(f"--data {src}: no such file or directory (or use 'digits')")
+    name = path.name.lower()
+    if name.endswith((".jsonl", ".jsonl.gz")):
+        if hf_dir is None:
+            raise ValueError("JSONL text data needs a Hugging Face model directory (for its tokenizer)")
+        return _load_text(path, n, args.text_field, Path(args.tokenizer) if args.tokenizer else hf_dir,
+                          args.max_length, model)
+    norm = args.normalize if args.normalize != "auto" else ("cifar10" if name.endswith((".tar.gz", ".tgz")) else "imagenet")
+    if name.endswith((".tar.gz", ".tgz", ".tar")):
+        images = _tar_images(path, n)
+    elif path.is_dir():
+        files = sorted(p for p in path.rglob("*") if p.suffix.lower() in _IMAGE_EXT)
+        if not files:
+            raise ValueError(f"no images ({', '.join(_IMAGE_EXT)}) under {path}")
+        pick = np.random.default_rng(0).permutation(len(files))[:n]
+        images = [files[i].read_bytes() for i in sorted(pick)]
+    else:
+        raise ValueError(f"--data {src}: expected 'digits', an image folder, a .tar.gz of images or a .jsonl file")
+    return _decode(images, args.image_size, norm)
+
+
+def _tar_images(path: Path, n: int) -> list[bytes]:
+    import tarfile
+
+    with tarfile.open(path) as tar:
+        members = [m for m in tar.getmembers() if m.isfile() and m.name.lower().endswith(_IMAGE_EXT)]
+        if not members:
+            raise ValueError(f"{path} holds no images")
+        test = [m for m in members if "/test/" in f"/{m.name}"]
+        members = test or members  # the held-out split when there is one
+        pick = np.random.default_rng(0).permutation(len(members))[:n]
+        return [tar.extractfile(members[i]).read() for i in sorted(pick)]
+
+
+def _decode(images: list[bytes], size: int | None, norm: str) -> torch.Tensor:
+    from PIL import Image
+
+    out = []
+    for raw in tqdm(images, desc="images", leave=False):
+        img = Image.open(io.BytesIO(raw)).convert("RGB")
+        if size:
+            img = img.resize((size, size), Image.BILINEAR)
+        out.append(torch.from_numpy(np.asarray(img, dtype=np.float32) / 255.0).permute(2, 0, 1))
+    if len({tuple(t.shape) for t in out}) > 1:
+        raise ValueError("images have different sizes: pass --image-size")
+    x = torch.stack(out)
+    if norm != "none":
+        mean, std = (torch.tensor(v).view(1, 3, 1, 1) for v in _NORMS[norm])
+        x = (x - mean) / std
+    return x
+
+
+def _load_text(path: Path, n: int, text_field: str | None, tokenizer_dir: Path, max_length: int, model: nn.Module) -> dict:
+    import transformers
+
+    opener = gzip.open if path.name.lower().endswith(".gz") else open
+    texts = []
+    with opener(path, "rt", encoding="utf-8") as f:
+        for line in f:
+            if line.strip():
+                texts.append(_text_of(json.loads(line), text_field))
+                if len(texts) >= n:
+                    break
+    try:
+        tok = transformers.AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)
+    except (OSError, ValueError) as err:
+        raise ValueError(f"no tokenizer found in {tokenizer_dir}: pass --tokenizer DIR") from err
+    batch = dict(tok(texts, padding="max_length", truncation=True, max_length=max_length, return_tensors="pt"))
+    if getattr(getattr(model, "config", None), "is_encoder_decoder", False):
+        batch["decoder_input_ids"] = batch["input_ids"].clone()
+    return batch
+
+
+def _text_of(record: dict, text_field: str | None) -> str:
+    if text_field is None:
+        for key in ("text", "sentence"):
+            if key in record:
+                return record[key]
+        if "translation" in record:
+            tr = record["translation"]
+            return tr.get("en", next(iter(tr.values())))
+        raise KeyError(f"no text field in JSONL record with keys {list(record)}: pass --text-field")
+    value: Any = record
+    for key in text_field.split("."):
+        if not isinstance(value, dict) or key not in value:
+            raise KeyError(f"JSONL record has no field {text_field!r} (keys {list(record)})")
+        value = value[key]
+    return str(value)

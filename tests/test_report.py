@@ -1,0 +1,290 @@
+"""linearize.report: JSON contents against independent measures, history formats, errors, CLI,
+and the HTML page opened in a real headless Chromium."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import linearize
+from linearize import reporting
+from linearize.measures import average_path_length
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def _digits(n: int = 256) -> torch.Tensor:
+    from sklearn.datasets import load_digits
+
+    return torch.tensor(load_digits().data[:n], dtype=torch.float32) / 16.0
+
+
+def _mlp(act: type[nn.Module] = nn.ReLU) -> nn.Module:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 24), act(), nn.Linear(24, 16), act(), nn.Linear(16, 10))
+    return linearize.convert(model, example_inputs=torch.randn(2, 64))
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> tuple[nn.Module, Path, torch.Tensor]:
+    """An MLP on digits trained for 20 steps under a target schedule down to 50% nonlinear."""
+    from sklearn.datasets import load_digits
+
+    from linearize.schedules import target
+
+    x, y = _digits(512), torch.tensor(load_digits().target[:512])
+    model = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    steps = 20
+    sparsifier = linearize.Sparsifier(model, schedule=target(0.5, start=0, end=0.8), total_steps=steps, lam=1e-3)
+    sparsifier.attach(opt)
+    for step in range(steps):
+        idx = torch.arange(step * 24, step * 24 + 64) % 512
+        loss = nn.functional.cross_entropy(model(x[idx]), y[idx])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    path = sparsifier.save_history(tmp_path_factory.mktemp("history") / "history.json")
+    return model, path, x
+
+
+def test_report_on_digits_matches_measures(trained, tmp_path: Path) -> None:
+    model, history, x = trained
+    rep = linearize.report(model, x, history=history, max_samples=200, segments=8, progress=False)
+    data = json.loads(rep.to_json())
+    assert set(data) == {"model", "num_samples", "tol", "units", "path_length", "affinity", "regions",
+                         "history", "gates", "skipped"}
+    assert data["num_samples"] == 200
+    counts = linearize.count_units(model)
+    assert {k: data["units"][k] for k in ("total", "nonlinear", "linear", "sites")} == counts
+    assert data["units"]["fraction"] == pytest.approx(linearize.nonlinear_fraction(model))
+    assert 0.3 < data["units"]["fraction"] < 0.7  # the sparsifier moved it from 1 towards 0.5
+    apl = data["path_length"]
+    assert apl["normalized"] == pytest.approx(average_path_length(model, x[:2]))
+    assert apl["unnormalized"] == pytest.approx(average_path_length(model, x[:2], normalized=False))
+    # a chain: both variants are the sum of per-site fractions
+    assert apl["normalized"] == pytest.approx(sum(s["fraction"] for s in counts["sites"].values()))
+    assert [s for s, _ in data["affinity"]] == list(counts["sites"])
+    assert all(0.0 < v <= 1.0 for _, v in data["affinity"])
+    regions = data["regions"]
+    assert len(regions["counts"]) == len(regions["deviation"]) == 8
+    exact = linearize.measures.linear_regions(model, x[:8], x[torch.arange(1, 9) % 200])
+    assert regions["counts"] == exact.count.tolist()
+    assert regions["deviation"] == pytest.approx(exact.deviation().mean(1).tolist())
+    # the last logged step is now: the history ends at the current fraction
+    assert data["history"]["total"][-1] == pytest.approx(data["units"]["fraction"])
+    assert data["history"]["total"][0] >= 0.9 > data["history"]["total"][-1] + 0.2
+    assert data["history"]["steps"] == sorted(data["history"]["steps"])
+    assert data["gates"] is None and "gates" in data["skipped"] and "regions" not in data["skipped"]
+
+    written = rep.save(tmp_path)
+    plots = [reporting.PLOTS[k] for k in ("fraction", "affinity", "history", "regions")]
+    assert set(written) == {"report.json", "report.html", *plots}
+    assert json.loads((tmp_path / "report.json").read_text()) == data
+    for name in plots:
+        assert (tmp_path / name).read_bytes().startswith(PNG_MAGIC)
+    page = (tmp_path / "report.html").read_text()
+    assert page.count("data:image/png;base64,") == 4 and "src=\"http" not in page
+
+
+def test_smooth_model_skips_regions_with_reason() -> None:
+    model = _mlp(nn.GELU)
+    rep = linearize.report(model, _digits(64), progress=False)
+    assert rep.regions is None and "smooth" in rep.skipped["regions"] and "gelu" in rep.skipped["regions"]
+    assert rep.path_length["normalized"] == pytest.approx(2.0)
+    assert rep.history is None and rep.affinity is not None
+    assert reporting.PLOTS["regions"] not in rep.plots()
+
+
+def test_translation_loops_of_images() -> None:
+    torch.manual_seed(0)  # an MLP on 8x8 images (float64 convs under forward AD are slow on CPU)
+    model = nn.Sequential(nn.Flatten(), nn.Linear(64, 16), nn.ReLU(), nn.Linear(16, 10))
+    linearize.convert(model, example_inputs=torch.randn(2, 1, 8, 8))
+    x = _digits(16).view(-1, 1, 8, 8)
+    rep = linearize.report(model, x, segments=3, paths="loops", skip=["affinity"], progress=False)
+    x0, x1 = linearize.measures.translation_loops(x[:3])
+    exact = linearize.measures.linear_regions(model, x0, x1)
+    assert len(rep.regions["counts"]) == 3 * 8 and rep.regions["counts"] == exact.count.tolist()
+    assert "translation loops" in rep.regions["segments"]
+    with pytest.raises(ValueError, match="unknown measures"):
+        linearize.report(model, x, skip=["regoins"], progress=False)
+
+
+def test_history_formats_and_weighting() -> None:
+    counts = linearize.count_units(_mlp())  # sites "1" (24 channels) and "3" (16 channels)
+    plain = {"100": {"1": 0.5, "3": 1.0}, "0": {"1": 1.0, "3": 1.0}}
+    h = reporting.load_history(plain, counts)
+    assert h["steps"] == [0, 100]
+    assert h["total"] == pytest.approx([1.0, (0.5 * 24 + 16) / 40])
+    assert h["sites"] == {"1": [1.0, 0.5], "3": [1.0, 1.0]}
+    assert reporting.load_history(plain)["total"][1] == pytest.approx(0.75)  # unweighted without counts
+    logged = {"history": [{"step": 3, "sites": {"1": 0.25}, "nonlinear_fraction": 0.4}]}
+    assert reporting.load_history(logged, counts)["total"] == [0.4]
+    with pytest.raises(FileNotFoundError):
+        reporting.load_history("/nonexistent/history.json")
+    with pytest.raises(ValueError, match="empty"):
+        reporting.load_history({})
+
+
+def test_bad_input() -> None:
+    model = _mlp()
+    with pytest.raises(ValueError, match="at least 2 samples"):
+        linearize.report(model, _digits(1), progress=False)
+    with pytest.raises(ValueError, match="no activation sites"):
+        linearize.report(nn.Sequential(nn.Linear(64, 3), nn.ReLU()), _digits(8), progress=False)
+    with torch.no_grad():
+        model[2].weight[0, 0] = float("nan")
+    with pytest.raises(ValueError, match="site '3' has NaN/inf"):
+        linearize.report(model, _digits(8), progress=False)
+    with pytest.raises(TypeError, match="data must be"):
+        linearize.report(_mlp(), "digits", progress=False)
+
+
+def test_loader_batches_are_collected() -> None:
+    x = _digits(100)
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, torch.zeros(100)), batch_size=16)
+    rep = linearize.report(_mlp(), loader, max_samples=40, segments=2, progress=False)
+    ref = linearize.report(_mlp(), x[:40], segments=2, progress=False)
+    assert rep.num_samples == 40
+    assert [s for s, _ in rep.affinity] == [s for s, _ in ref.affinity]
+    assert [v for _, v in rep.affinity] == pytest.approx([v for _, v in ref.affinity])
+    assert rep.regions["counts"] == ref.regions["counts"]
+
+
+def test_gated_model_reports_gate_statistics() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 24), nn.ReLU(), nn.Linear(24, 16), nn.ReLU(), nn.Linear(16, 10))
+    gated = linearize.convert(model, mode="dgn", example_inputs=torch.randn(2, 64))
+    x = _digits(64)
+    rep = linearize.report(gated, x, progress=False)
+    assert rep.units is None and rep.path_length is None and rep.regions is None
+    assert {"units", "path_length", "regions"} <= set(rep.skipped)
+    with torch.no_grad():  # gates of site "1" are on where the feature network's first layer is > 0
+        on = (gated.feature[0](x) > 0).double()
+    assert rep.gates["1"]["fraction_on"] == pytest.approx(float(on.mean()))
+    assert rep.gates["1"]["always_off"] == int((on.sum(0) == 0).sum())
+    assert reporting.PLOTS["gates"] in rep.plots()
+
+
+def _cli(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="linearize")
+    reporting.register_cli(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+def test_cli_pickled_model_on_digits(tmp_path: Path, capsys) -> None:
+    model = _mlp()
+    with torch.no_grad():
+        linearize.units(model)[1][1].slope[:4] = 1.0
+    torch.save(model, tmp_path / "mlp.pt")
+    out = tmp_path / "out"
+    assert _cli(["report", str(tmp_path / "mlp.pt"), "--data", "digits", "--num-samples", "64",
+                 "--segments", "4", "--output-dir", str(out), "--no-progress"]) == 0
+    data = json.loads((out / "report.json").read_text())
+    assert data["units"]["nonlinear"] == 40 - 4 and data["num_samples"] == 64
+    assert (out / "report.html").is_file() and "wrote" in capsys.readouterr().out
+
+
+def test_cli_torchvision_checkpoint_of_converted_model(tmp_path: Path) -> None:
+    torchvision = pytest.importorskip("torchvision")
+    model = torchvision.models.get_model("resnet18", weights=None, num_classes=10)
+    linearize.convert(model, example_inputs=torch.randn(2, 3, 32, 32))
+    with torch.no_grad():
+        for _, u in linearize.units(model):
+            u.slope[: u.num_channels // 2] = 1.0
+    torch.save(model.state_dict(), tmp_path / "ckpt.pt")
+    images = tmp_path / "images" / "cls"
+    images.mkdir(parents=True)
+    from PIL import Image
+
+    gen = torch.Generator().manual_seed(0)
+    for i in range(6):
+        arr = (torch.rand(32, 32, 3, generator=gen) * 255).to(torch.uint8).numpy()
+        Image.fromarray(arr).save(images / f"{i}.png")
+    out = tmp_path / "out"
+    _cli(["report", "resnet18", "--num-classes", "10", "--checkpoint", str(tmp_path / "ckpt.pt"),
+          "--data", str(tmp_path / "images"), "--output-dir", str(out), "--no-progress", "--segments", "2",
+          "--skip", "affinity"])
+    data = json.loads((out / "report.json").read_text())
+    assert data["units"]["fraction"] == pytest.approx(0.5)
+    assert data["num_samples"] == 6 and data["path_length"]["method"] == "fx"
+    assert data["regions"] is None and "max_pool" in data["skipped"]["regions"]  # resnet18 has max pooling
+    assert data["affinity"] is None and data["skipped"]["affinity"] == "skipped on request"
+
+
+def test_cli_hf_directory_with_sidecar_on_jsonl(tmp_path: Path) -> None:
+    transformers = pytest.importorskip("transformers")
+    import gzip
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    words = "a man is riding a horse two dogs play in the snow the woman reads a book".split()
+    vocab = {"[PAD]": 0, "[UNK]": 1, **{w: i + 2 for i, w in enumerate(dict.fromkeys(words))}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", pad_token="[PAD]").save_pretrained(tmp_path)
+    cfg = transformers.BertConfig(vocab_size=len(vocab), hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+                                  intermediate_size=32, max_position_embeddings=64)
+    torch.manual_seed(0)
+    model = transformers.BertForSequenceClassification(cfg)
+    model.save_pretrained(tmp_path)
+    linearize.convert(model)
+    with torch.no_grad():
+        for _, u in linearize.units(model):
+            u.slope[:8] = 1.0
+    linearize.save_pretrained(model, tmp_path)
+    with gzip.open(tmp_path / "texts.jsonl.gz", "wt") as f:
+        for i in range(12):
+            f.write(json.dumps({"translation": {"en": " ".join(words[i % 5: i % 5 + 6]), "de": "x"}}) + "\n")
+    _cli(["report", str(tmp_path), "--data", str(tmp_path / "texts.jsonl.gz"), "--output-dir", str(tmp_path / "out"),
+          "--no-progress", "--max-length", "10", "--skip", "affinity"])
+    data = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert data["model"] == "BertForSequenceClassification" and data["num_samples"] == 12
+    assert [s["fraction"] for s in data["units"]["sites"].values()] == [0.75, 0.75, 0.5]  # FFN GELUs, pooler tanh
+    # logits: 2 residual FFN blocks (each halved by its skip), then the pooler's tanh
+    assert data["path_length"]["normalized"] == pytest.approx(0.75 / 2 * 2 + 0.5)
+    assert data["path_length"]["method"] == "record"
+    assert "smooth" in data["skipped"]["regions"]
+
+
+def _chromium() -> str | None:
+    return shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
+
+
+def _dump_dom(page: Path, tmp_path: Path) -> str:
+    cmd = [_chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+           "--disable-component-update", "--disable-sync", "--no-first-run", "--disable-dev-shm-usage",
+           f"--user-data-dir={tmp_path / 'chromium-profile'}", "--virtual-time-budget=5000",
+           "--dump-dom", page.resolve().as_uri()]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=60, check=True).stdout
+
+
+@pytest.mark.skipif(_chromium() is None, reason="no chromium binary (Debian: apt-get install -y chromium)")
+def test_html_images_load_in_headless_chromium(trained, tmp_path: Path) -> None:
+    model, history, x = trained
+    rep = linearize.report(model, x, history=history, max_samples=64, segments=4, progress=False)
+    written = rep.save(tmp_path / "report")
+    dom = _dump_dom(written["report.html"], tmp_path)
+    assert dom.count('data-loaded="yes"') == 4 and 'data-loaded="no"' not in dom
+    assert 'data-images="loaded"' in dom
+    # negative control: a corrupt image is reported as not loaded
+    broken = tmp_path / "broken.html"
+    broken.write_text(written["report.html"].read_text().replace("base64,iVBOR", "base64,AAAA", 1))
+    dom = _dump_dom(broken, tmp_path)
+    assert dom.count('data-loaded="no"') == 1 and 'data-images="broken"' in dom
+
+
+def test_linearize_cli_has_report_subcommand(capsys) -> None:
+    """``linearize report`` is wired into the package's command line (once cli.py exists)."""
+    cli = pytest.importorskip("linearize.cli")
+    with pytest.raises(SystemExit) as exit_info:
+        cli.build_parser().parse_args(["report", "--help"])
+    assert exit_info.value.code == 0 and "--output-dir" in capsys.readouterr().out
