@@ -38,7 +38,11 @@ from torch.overrides import TorchFunctionMode
 from .config import LinearizeConfig
 from .unit import LinearizableActivation, install_optimizer_hooks
 
-__all__ = ["convert", "dry_run", "ConversionReport", "CallSites", "FunctionalActivation", "call_model"]
+__all__ = [
+    "convert", "dry_run", "ConversionReport", "CallSites", "FunctionalActivation", "call_model",
+    "activation_kind", "activation_registrations", "install_call_sites", "plan_conversion",
+    "wrap_function_attributes", "default_example_inputs",
+]
 
 _MODULE_KINDS: list[tuple[type, str]] = [
     (nn.ReLU6, "relu6"),  # before Hardtanh, its base class
@@ -150,6 +154,18 @@ def _reset_call_sites(owner: nn.Module, args: Any) -> None:
     for child in owner.children():
         if isinstance(child, CallSites):
             child.reset()
+
+
+def install_call_sites(owner: nn.Module, attr: str, modules: list[nn.Module]) -> None:
+    """Put one module per call at ``owner.attr``: the module itself, or a :class:`CallSites`
+    dispatcher (reset by a forward pre-hook on ``owner``) when the site is called several times."""
+    if len(modules) == 1:
+        setattr(owner, attr, modules[0])
+        return
+    setattr(owner, attr, CallSites(modules))
+    if not getattr(owner, "_linearize_reset_hook", False):
+        owner.register_forward_pre_hook(_reset_call_sites)
+        owner._linearize_reset_hook = True
 
 
 @dataclass
@@ -359,7 +375,7 @@ def _outside_activations(model: nn.Module, prefix: str = ""):
             yield from _outside_activations(child, f"{prefix}.{attr}" if prefix else attr)
 
 
-def _wrap_function_attributes(model: nn.Module) -> None:
+def wrap_function_attributes(model: nn.Module) -> None:
     """Turn activation functions held as plain attributes into FunctionalActivation modules."""
     for _, module in list(_outside_activations(model)):
         for attr, value in list(vars(module).items()):
@@ -371,7 +387,7 @@ def _wrap_function_attributes(model: nn.Module) -> None:
                 setattr(module, attr, FunctionalActivation(value, kind))
 
 
-def _registrations(model: nn.Module) -> list[tuple[str, nn.Module, str, nn.Module]]:
+def activation_registrations(model: nn.Module) -> list[tuple[str, nn.Module, str, nn.Module]]:
     """Every ``(qualified_name, owner, attribute, activation)``, shared modules once per owner."""
     found = []
     seen: set[tuple[int, str]] = set()
@@ -383,11 +399,11 @@ def _registrations(model: nn.Module) -> list[tuple[str, nn.Module, str, nn.Modul
     return found
 
 
-def _plan(
+def plan_conversion(
     model: nn.Module, config: LinearizeConfig, example_inputs: Any
 ) -> tuple[ConversionReport, list[tuple[nn.Module, str, nn.Module, list[_Call]]]]:
     """Probe ``model`` and decide the replacement of every activation registration."""
-    regs = _registrations(model)
+    regs = activation_registrations(model)
     report = ConversionReport()
     chosen = []
     for name, owner, attr, act in regs:
@@ -482,8 +498,8 @@ def convert(
 
         return convert_gated(model, config, example_inputs)
 
-    _wrap_function_attributes(model)
-    report, plan = _plan(model, config, example_inputs)
+    wrap_function_attributes(model)
+    report, plan = plan_conversion(model, config, example_inputs)
     if not report.sites:
         raise ValueError(
             f"{type(model).__name__} has no convertible activation module (kinds {list(config.activations)})."
@@ -503,13 +519,7 @@ def convert(
         ]
         if param is not None:
             made = [u.to(param.device) for u in made]
-        if len(made) == 1:
-            setattr(owner, attr, made[0])
-        else:
-            setattr(owner, attr, CallSites(made))
-            if not getattr(owner, "_linearize_reset_hook", False):
-                owner.register_forward_pre_hook(_reset_call_sites)
-                owner._linearize_reset_hook = True
+        install_call_sites(owner, attr, made)
     model.linearize_config = config
     model.linearize_report = report
     install_optimizer_hooks()
@@ -530,6 +540,6 @@ def dry_run(
     _check_model(model)
     config = _resolve_config(config, overrides)
     probe_model = copy.deepcopy(model)
-    _wrap_function_attributes(probe_model)
-    return _plan(probe_model, config, example_inputs)[0]
+    wrap_function_attributes(probe_model)
+    return plan_conversion(probe_model, config, example_inputs)[0]
 

@@ -212,18 +212,22 @@ def count_units(model: nn.Module, tol: float = 0.0) -> dict:
     """Channel counts: ``{"total", "nonlinear", "linear", "sites": {name: {...}}}``.
 
     A channel is linear when its slope ``a >= 1 - tol``. Each site entry holds ``total``,
-    ``nonlinear``, ``linear``, ``fraction`` (nonlinear / total) and ``kind``.
+    ``nonlinear``, ``linear``, ``fraction`` (nonlinear / total) and ``kind``. A gated model
+    (DGN/DLGN, :mod:`linearize.gated`) has gates instead of slopes: every gate channel counts as
+    nonlinear (see ``linearize.gated.gate_statistics`` for how often gates switch on data).
     """
-    sites = {}
-    for name, unit in _units_or_raise(model):
-        lin = int(unit.linear_mask(tol).sum())
-        sites[name] = {
-            "kind": unit.kind,
-            "total": unit.num_channels,
-            "nonlinear": unit.num_channels - lin,
-            "linear": lin,
-            "fraction": (unit.num_channels - lin) / unit.num_channels,
-        }
+    found = units(model)
+    if found:
+        per_site = [(n, u.kind, u.num_channels, int(u.linear_mask(tol).sum())) for n, u in found]
+    elif callable(getattr(model, "gates", None)):
+        per_site = [(n, g.kind, g.num_channels, 0) for n, g in model.gates()]
+    else:
+        _units_or_raise(model)
+    sites = {
+        name: {"kind": kind, "total": total, "nonlinear": total - lin, "linear": lin,
+               "fraction": (total - lin) / total}
+        for name, kind, total, lin in per_site
+    }
     total = sum(s["total"] for s in sites.values())
     nonlinear = sum(s["nonlinear"] for s in sites.values())
     return {"total": total, "nonlinear": nonlinear, "linear": total - nonlinear, "sites": sites}

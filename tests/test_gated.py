@@ -1,0 +1,380 @@
+"""Gated splits (seed 003): DGN / DLGN construction, exactness, linearity, gate counts, errors."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+import torchvision
+from torch import nn
+from torchvision.models.resnet import Bottleneck, ResNet
+
+import linearize
+from linearize.config import LinearizeConfig
+from linearize.gated import FeatureTap, GatedNetwork, convert_gated, gate_statistics
+
+
+def small_vgg(batch_norm: bool) -> nn.Module:
+    """A VGG-style net from torchvision's own layer builder (max pooling included), small head."""
+    features = torchvision.models.vgg.make_layers([8, "M", 16, 16, "M"], batch_norm=batch_norm)
+    return nn.Sequential(features, nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                         nn.Linear(16, 12), nn.ReLU(inplace=True), nn.Linear(12, 10))
+
+
+def bottleneck_resnet() -> nn.Module:
+    """Bottleneck blocks (three ReLU calls each, the last after the residual add), two stages."""
+    model = ResNet(Bottleneck, [1, 1, 1, 1], num_classes=10, width_per_group=32)
+    model.layer3, model.layer4, model.fc = nn.Identity(), nn.Identity(), nn.Linear(512, 10)
+    return model
+
+
+def randomize_bn(model: nn.Module) -> nn.Module:
+    """Non-trivial eval statistics, so BatchNorm is a real affine map in the checks."""
+    g = torch.Generator().manual_seed(1)
+    for m in model.modules():
+        if isinstance(m, nn.BatchNorm2d):
+            m.running_mean.copy_(0.2 * torch.randn(m.num_features, generator=g))
+            m.running_var.copy_(0.5 + torch.rand(m.num_features, generator=g))
+            m.weight.data.copy_(1 + 0.2 * torch.randn(m.num_features, generator=g))
+            m.bias.data.copy_(0.1 * torch.randn(m.num_features, generator=g))
+    return model
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Small convs on a shared 2-core machine: one thread is ~10x faster than two contended ones."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def cfg(mode: str, **kw) -> LinearizeConfig:
+    return LinearizeConfig(mode=mode, **kw)
+
+
+@pytest.fixture(scope="module")
+def resnet18() -> nn.Module:
+    torch.manual_seed(0)
+    return randomize_bn(torchvision.models.resnet18(num_classes=10)).eval()
+
+
+X = torch.randn(2, 3, 16, 16, generator=torch.Generator().manual_seed(0))
+
+
+# ----------------------------------------------------------------------------- (1) DGN == DNN
+
+
+@pytest.mark.parametrize("build", ["resnet18", "bottleneck", "vgg_bn", "vgg"])
+def test_dgn_copy_hard_gates_equals_original_exactly(build, resnet18):
+    torch.manual_seed(0)
+    model = {"resnet18": lambda: resnet18, "bottleneck": lambda: randomize_bn(bottleneck_resnet()),
+             "vgg_bn": lambda: randomize_bn(small_vgg(True)), "vgg": lambda: small_vgg(False)}[build]().eval()
+    gated = convert_gated(model, cfg("dgn", init="copy", hard_gates=True), X).eval()
+    with torch.no_grad():
+        expected = model(X)
+        assert torch.equal(gated(X), expected)
+        # soft gates are a different function: the check above can fail
+        soft = convert_gated(model, cfg("dgn", init="copy", beta=4.0), X).eval()
+        assert not torch.allclose(soft(X), expected, atol=1e-4)
+
+
+def test_dgn_through_linearize_convert_leaves_model_untouched():
+    torch.manual_seed(0)
+    model = small_vgg(True).eval()
+    before = copy.deepcopy(model.state_dict())
+    gated = linearize.convert(model, mode="dgn", init="copy", hard_gates=True, example_inputs=X)
+    assert isinstance(gated, GatedNetwork) and gated is not model
+    assert gated.linearize_config.mode == "dgn" and gated.linearize_config.beta == 4.0
+    assert isinstance(model[0][2], nn.ReLU)  # the original keeps its activations
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    with torch.no_grad():
+        assert torch.equal(gated.eval()(X), model(X))
+
+
+def test_leaky_relu_gate_is_exact_with_hard_gates():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 7), nn.LeakyReLU(0.1), nn.Linear(7, 3))
+    x = torch.randn(16, 5)
+    gated = convert_gated(model, cfg("dgn", init="copy", hard_gates=True), x)
+    assert gated.gates()[0][1].leak == pytest.approx(0.1)
+    torch.testing.assert_close(gated(x), model(x), rtol=0, atol=1e-6)
+
+
+def test_mobilenet_v2_relu6_is_gated_by_its_relu_part():
+    torch.manual_seed(0)
+    model = torchvision.models.mobilenet_v2(num_classes=10, width_mult=0.25).eval()
+    x = torch.randn(2, 3, 16, 16)
+    gated = convert_gated(model, cfg("dgn", init="copy", hard_gates=True), x).eval()
+    gates = gated.gates()
+    assert len(gates) == sum(isinstance(m, nn.ReLU6) for m in model.modules()) and gates[0][1].kind == "relu6"
+    # independent reference: the same weights with every ReLU6 replaced by ReLU (no cap at 6)
+    reference = copy.deepcopy(model)
+    for owner in list(reference.modules()):
+        for attr, child in list(owner.named_children()):
+            if isinstance(child, nn.ReLU6):
+                setattr(owner, attr, nn.ReLU())
+    with torch.no_grad():
+        torch.testing.assert_close(gated(x), reference(x), rtol=1e-5, atol=1e-5)
+        # the DGN feature network itself keeps the ReLU6 (caps at 6)
+        torch.testing.assert_close(gated.feature(x), model(x), rtol=0, atol=0)
+
+
+# ----------------------------------------------------------------------------- (2) DLGN is linear
+
+
+def _feature_and_preacts(gated: GatedNetwork, x: torch.Tensor) -> list[torch.Tensor]:
+    """The feature network's output and every gate pre-activation, flattened, for input ``x``."""
+    seen: list[torch.Tensor] = []
+    hooks = [m.register_forward_pre_hook(lambda mod, args: seen.append(args[0].flatten()))
+             for m in gated.feature.modules() if isinstance(m, FeatureTap)]
+    try:
+        with torch.no_grad():
+            out = gated.feature(x)
+    finally:
+        for h in hooks:
+            h.remove()
+    return [out.flatten()] + seen
+
+
+@pytest.mark.parametrize("mode,linear", [("dlgn", True), ("dgn", False)])
+def test_dlgn_feature_network_is_affine_in_eval_mode(mode, linear, resnet18):
+    gated = convert_gated(resnet18, cfg(mode, init="copy"), X).double().eval()
+    if mode == "dlgn":
+        pools = [m for m in gated.feature.modules() if isinstance(m, (nn.MaxPool2d, nn.AvgPool2d))]
+        assert [type(p) for p in pools] == [nn.AvgPool2d]
+        assert (pools[0].kernel_size, pools[0].stride, pools[0].padding) == (3, 2, 1)
+    g = torch.Generator().manual_seed(3)
+    u, v = (torch.randn(1, 3, 16, 16, generator=g, dtype=torch.float64) for _ in range(2))
+    a, b = 0.7, -1.3
+    f0, fu, fv, fuv = (_feature_and_preacts(gated, t) for t in (torch.zeros_like(u), u, v, a * u + b * v))
+    assert len(f0) == 1 + 17
+    errors = []
+    for z, pu, pv, puv in zip(f0, fu, fv, fuv):
+        lhs, rhs = puv - z, a * (pu - z) + b * (pv - z)
+        errors.append(float((lhs - rhs).abs().max() / rhs.abs().max()))
+    if linear:
+        assert max(errors) < 1e-10
+    else:  # the DGN feature network keeps its ReLUs: clearly not affine
+        assert max(errors) > 1e-2
+
+
+# ----------------------------------------------------------------------------- (3) one gate per call
+
+
+def _expected_sites(model: ResNet) -> dict[str, int]:
+    sites = {"relu": model.conv1.out_channels}
+    for i in range(1, 5):
+        layer = getattr(model, f"layer{i}")
+        for j, block in enumerate(layer if isinstance(layer, nn.Sequential) else []):
+            convs = [block.conv1, block.conv2] + ([block.conv3] if isinstance(block, Bottleneck) else [])
+            for k, conv in enumerate(convs):
+                sites[f"layer{i}.{j}.relu.calls.{k}"] = conv.out_channels
+    return sites
+
+
+@pytest.mark.parametrize("build", ["resnet18", "bottleneck"])
+def test_gate_count_per_site_is_the_channel_count(build, resnet18):
+    model = resnet18 if build == "resnet18" else bottleneck_resnet()
+    gated = convert_gated(model, cfg("dlgn"), X)
+    assert {s: g.num_channels for s, g in gated.gates()} == _expected_sites(model)
+    assert [s.name for s in gated.linearize_report.sites] == [s for s, _ in gated.gates()]
+    stats = gate_statistics(gated, X)
+    assert {s: d["channels"] for s, d in stats.items()} == _expected_sites(model)
+
+
+def test_gate_statistics_match_an_independent_count():
+    torch.manual_seed(0)
+    model = randomize_bn(small_vgg(True)).eval()
+    relus = [m for m in model.modules() if isinstance(m, nn.ReLU)]
+    preacts: dict[int, list[torch.Tensor]] = {i: [] for i in range(len(relus))}
+    hooks = [  # in-place ReLUs: a pre-hook sees the pre-activation
+        r.register_forward_pre_hook(lambda mod, args, i=i: preacts[i].append(args[0].clone()))
+        for i, r in enumerate(relus)
+    ]
+    batches = [torch.randn(3, 3, 16, 16) for _ in range(3)]
+    with torch.no_grad():
+        for x in batches:
+            model(x)
+    for h in hooks:
+        h.remove()
+    gated = convert_gated(model, cfg("dgn", init="copy", hard_gates=True), batches[0]).train()
+    loader = [(x, torch.zeros(3)) for x in batches]  # DataLoader-like (x, y) batches
+    stats = gate_statistics(gated, loader)
+    assert list(stats) == ["0.2", "0.6", "0.9", "4"]
+    for i, s in enumerate(stats.values()):
+        q = torch.cat(preacts[i])
+        on = (q > 0).double().movedim(1, -1).reshape(-1, q.shape[1])
+        p = on.mean(0).numpy()
+        h = [0.0 if pc in (0.0, 1.0) else -(pc * math.log2(pc) + (1 - pc) * math.log2(1 - pc)) for pc in p]
+        assert s["channels"] == q.shape[1]
+        assert s["fraction_on"] == pytest.approx(float(on.mean()), abs=1e-12)
+        assert s["entropy"] == pytest.approx(sum(h) / len(h), abs=1e-12)
+        assert s["always_on"] == int((p == 1).sum()) and s["always_off"] == int((p == 0).sum())
+    assert not gated._store.recording and gated.training
+
+
+# ----------------------------------------------------------------------------- training, saving
+
+
+def test_training_steps_reduce_the_loss_and_reach_the_feature_network():
+    torch.manual_seed(0)
+    gated = convert_gated(small_vgg(True), cfg("dlgn", value_input="ones"), X)
+    x, y = torch.randn(16, 3, 16, 16), torch.randint(0, 10, (16,))
+    opt = torch.optim.Adam(gated.parameters(), lr=3e-3)
+    losses = []
+    for _ in range(40):
+        loss = F.cross_entropy(gated(x), y)
+        opt.zero_grad()
+        loss.backward()
+        if not losses:
+            grads = [p.grad for p in gated.feature[0].parameters()]
+            assert all(gr is not None and gr.abs().sum() > 0 for gr in grads)
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < 0.5 * losses[0]
+
+
+def test_freeze_feature_keeps_fixed_learnt_gates():
+    torch.manual_seed(0)
+    model = randomize_bn(small_vgg(True))
+    gated = convert_gated(model, cfg("dgn", init="copy", freeze_feature=True), X).train()
+    assert not gated.feature.training and gated.value.training
+    assert not any(p.requires_grad for p in gated.feature.parameters())
+    before = copy.deepcopy(gated.feature.state_dict())
+    opt = torch.optim.SGD([p for p in gated.parameters() if p.requires_grad], lr=0.1)
+    for _ in range(3):
+        loss = gated(torch.randn(4, 3, 16, 16)).square().mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    after = gated.feature.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)  # weights and BN statistics
+
+
+def test_independent_init_reinitializes_only_the_feature_network():
+    torch.manual_seed(0)
+    model = small_vgg(False)
+    gated = convert_gated(model, cfg("dgn"), X)
+    conv = model[0][0].weight
+    assert torch.equal(gated.value[0][0].weight, conv)
+    assert not torch.equal(gated.feature[0][0].weight, conv)
+
+
+def test_reconvert_of_a_fresh_model_loads_the_state_dict_strictly():
+    torch.manual_seed(0)
+    config = cfg("dlgn", value_input="ones")
+    gated = convert_gated(randomize_bn(bottleneck_resnet()), config)  # default probe input
+    fresh = convert_gated(bottleneck_resnet(), config)
+    fresh.load_state_dict(gated.state_dict(), strict=True)
+    with torch.no_grad():
+        torch.testing.assert_close(fresh.eval()(X), gated.eval()(X), rtol=0, atol=0)
+        torch.testing.assert_close(copy.deepcopy(gated)(X), gated(X), rtol=0, atol=0)
+
+
+def test_save_pretrained_and_from_pretrained_round_trip(tmp_path):
+    torch.manual_seed(0)
+    gated = linearize.convert(randomize_bn(small_vgg(True)), mode="dlgn", value_input="ones", example_inputs=X)
+    linearize.save_pretrained(gated, tmp_path)
+    loaded = linearize.from_pretrained(small_vgg(True), tmp_path)
+    assert isinstance(loaded, GatedNetwork) and loaded.linearize_config.to_dict() == gated.linearize_config.to_dict()
+    with torch.no_grad():
+        torch.testing.assert_close(loaded.eval()(X), gated.eval()(X), rtol=0, atol=0)
+
+
+# ----------------------------------------------------------------------------- transformers
+
+
+def _tiny_bert(act: str):
+    from transformers import BertConfig, BertForSequenceClassification
+
+    torch.manual_seed(0)
+    config = BertConfig(vocab_size=50, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+                        intermediate_size=24, max_position_embeddings=32, hidden_act=act, num_labels=3)
+    return BertForSequenceClassification(config).eval()
+
+
+def test_bert_ffn_gates_equal_the_relu_model_and_train():
+    model = _tiny_bert("relu")
+    ids = torch.randint(0, 50, (2, 7), generator=torch.Generator().manual_seed(0))
+    gated = convert_gated(model, cfg("dgn", init="copy", hard_gates=True), {"input_ids": ids}).eval()
+    assert {s: (g.num_channels, g.channel_dim) for s, g in gated.gates()} == {
+        f"bert.encoder.layer.{i}.intermediate.intermediate_act_fn": (24, -1) for i in range(2)
+    }
+    with torch.no_grad():
+        assert torch.equal(gated(input_ids=ids).logits, model(input_ids=ids).logits)
+    dlgn = convert_gated(model, cfg("dlgn"), {"input_ids": ids}).train()
+    loss = F.cross_entropy(dlgn(input_ids=ids).logits, torch.tensor([0, 2]))
+    loss.backward()
+    ffn = dlgn.feature.bert.encoder.layer[0].intermediate.dense.weight
+    assert ffn.grad is not None and ffn.grad.abs().sum() > 0
+    with pytest.raises(TypeError, match="floating-point"):
+        convert_gated(model, cfg("dlgn", value_input="ones"), {"input_ids": ids})
+
+
+# ----------------------------------------------------------------------------- bad input
+
+
+class _FunctionalMaxPool(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv, self.act = nn.Conv2d(3, 4, 3), nn.ReLU()
+
+    def forward(self, x):
+        return F.max_pool2d(self.act(self.conv(x)), 2)
+
+
+class _FunctionalRelu(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.act, self.b = nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4)
+
+    def forward(self, x):
+        return F.relu(self.b(self.act(self.a(x))))
+
+
+def test_bad_inputs_raise_clear_errors():
+    x = torch.randn(2, 4)
+    relu_mlp = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    with pytest.raises(ValueError, match="beta"):
+        LinearizeConfig(mode="dlgn", beta=0.0)
+    bad = cfg("dgn")
+    bad.beta = -1.0
+    with pytest.raises(ValueError, match="beta"):
+        convert_gated(relu_mlp, bad, x)
+    with pytest.raises(ValueError, match="mode"):
+        convert_gated(relu_mlp, cfg("prelu"), x)
+    with pytest.raises(TypeError, match="nn.Module"):
+        convert_gated("resnet", cfg("dgn"), x)
+    gelu_mlp = nn.Sequential(nn.Linear(4, 4), nn.GELU(), nn.Linear(4, 2))
+    with pytest.raises(ValueError, match=r"smooth activation.*gelu.*1 \(gelu\)"):
+        convert_gated(gelu_mlp, cfg("dlgn"), x)
+    with pytest.raises(ValueError, match=r"gelu.*hidden_act='relu'"):
+        convert_gated(_tiny_bert("gelu"), cfg("dlgn"))
+    with pytest.raises(ValueError, match=r"max pooling would remain.*<root>: max_pool2d"):
+        convert_gated(_FunctionalMaxPool(), cfg("dlgn"), torch.randn(1, 3, 8, 8))
+    convert_gated(_FunctionalMaxPool(), cfg("dgn"), torch.randn(1, 3, 8, 8))  # fine in a DGN
+    with pytest.raises(ValueError, match="functionally"):
+        convert_gated(_FunctionalRelu(), cfg("dgn"), x)
+    with pytest.raises(ValueError, match="dilation"):
+        convert_gated(nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.MaxPool2d(2, dilation=2)),
+                      cfg("dlgn"), torch.randn(1, 3, 9, 9))
+    gated = convert_gated(relu_mlp, cfg("dgn"), x)
+    with pytest.raises(RuntimeError, match="GatedNetwork itself"):
+        gated.value(x)
+    with pytest.raises(ValueError, match="no batch"):
+        gate_statistics(gated, iter([]))
+    with pytest.raises(TypeError, match="GatedNetwork"):
+        gate_statistics(relu_mlp, x)
+
+
+def test_count_units_counts_every_gate_channel_as_nonlinear():
+    model = torchvision.models.resnet18(weights=None, num_classes=10)
+    gated = linearize.convert(model, mode="dgn", example_inputs=torch.randn(1, 3, 32, 32))
+    counts = linearize.count_units(gated)
+    assert len(counts["sites"]) == 17
+    assert counts["total"] == counts["nonlinear"] == sum(g.num_channels for _, g in gated.gates())
+    assert linearize.nonlinear_fraction(gated) == 1.0
