@@ -29,6 +29,8 @@ _EXPORTS = {
     # surgery
     "freeze": "surgery",
     "fold": "folding",
+    "FoldSummary": "folding",
+    "count_flops": "folding",
     "stable_units": "stability",
     "compress": "stability",
     # report

@@ -1,0 +1,448 @@
+"""Tests of linearize.fold: every merge kind against the unfolded model, HF FFNs, FLOPs, errors."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import linearize
+from linearize.folding import (
+    BorderBiasConv,
+    ChannelBlend,
+    ChannelPReLU,
+    FoldVerificationError,
+    LinearWithPassthrough,
+    count_flops,
+)
+from linearize.unit import LinearizableActivation as LA
+
+
+def _randomize_bn(model: nn.Module) -> nn.Module:
+    """Non-trivial eval statistics so a wrong BN fold cannot pass."""
+    g = torch.Generator().manual_seed(1)
+    for m in model.modules():
+        if isinstance(m, nn.modules.batchnorm._BatchNorm):
+            n = m.num_features
+            m.running_mean.copy_(torch.randn(n, generator=g) * 0.2)
+            m.running_var.copy_(torch.rand(n, generator=g) + 0.5)
+            m.weight.data.copy_(torch.rand(n, generator=g) + 0.5)
+            m.bias.data.copy_(torch.randn(n, generator=g) * 0.2)
+    return model
+
+
+def _set_linear(model: nn.Module, fraction: float, rest: float = 0.3, seed: int = 0) -> None:
+    """Make ``fraction`` of every unit's channels linear (slope 1), the others slope ``rest``."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for _, u in linearize.units(model):
+            u.slope.fill_(rest)
+            idx = torch.randperm(u.num_channels, generator=g)[: round(fraction * u.num_channels)]
+            u.slope[idx] = 1.0
+
+
+def _same(model: nn.Module, folded: nn.Module, x, atol: float = 1e-5) -> None:
+    """Max abs difference (in float64 copies) below ``atol`` times the output scale.
+
+    Folded float32 weights carry ~1e-7 relative rounding; a wrong merge (border, bias, BN)
+    is off by ~1e-1. Models built in float64 are compared at 1e-10 (the algebra itself).
+    """
+    import copy
+
+    a = copy.deepcopy(model).double().eval()
+    b = copy.deepcopy(folded).double().eval()
+    xs = x.double() if isinstance(x, torch.Tensor) else x
+    with torch.no_grad():
+        ya, yb = (a(xs), b(xs)) if isinstance(xs, torch.Tensor) else (a(**xs), b(**xs))
+    ya = ya if isinstance(ya, torch.Tensor) else ya[0]
+    yb = yb if isinstance(yb, torch.Tensor) else yb[0]
+    assert ya.shape == yb.shape
+    assert (ya - yb).abs().max().item() <= atol * max(1.0, ya.abs().max().item())
+
+
+def _no_units(model: nn.Module) -> None:
+    assert not any(isinstance(m, LA) for m in model.modules())
+
+
+# ----------------------------------------------------------------------------- basics
+
+
+def test_linear_linear_merge_and_bn_fold_match_hand_algebra():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 7), nn.BatchNorm1d(7), LA("relu", 7, -1), nn.Linear(7, 3))
+    _randomize_bn(model).eval()
+    with torch.no_grad():
+        model[2].slope.fill_(1.0)
+    x = torch.randn(16, 5)
+    folded = linearize.fold(model, x, latency=False)
+    assert len(folded) == 1 and type(folded[0]) is nn.Linear
+    bn = model[1]
+    s = model[1].weight / torch.sqrt(bn.running_var + bn.eps)
+    w1 = model[0].weight * s[:, None]
+    b1 = (model[0].bias - bn.running_mean) * s + bn.bias
+    w = model[3].weight @ w1
+    b = model[3].weight @ b1 + model[3].bias
+    torch.testing.assert_close(folded[0].weight, w, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(folded[0].bias, b, atol=1e-5, rtol=1e-5)
+    _same(model, folded, x)
+    summary = folded.linearize_fold_summary
+    assert any("BatchNorm folded" in m for m in summary.merged)
+    assert summary.params_after == 5 * 3 + 3
+    assert summary.max_abs_error < 1e-5
+    assert model[2].slope.requires_grad and isinstance(model[2], LA)  # input untouched
+
+
+def test_linear_chain_across_eval_dropout_merges_to_one_layer():
+    u1, u2 = LA("relu", 12, -1), LA(nn.GELU(), 12, -1)
+    with torch.no_grad():
+        u1.slope.fill_(1.0)
+        u2.slope.fill_(1.0)
+    model = nn.Sequential(nn.Linear(6, 12), u1, nn.Dropout(0.5), nn.Linear(12, 12), u2, nn.Linear(12, 2)).eval()
+    model = model.double()
+    x = torch.randn(9, 6, dtype=torch.float64)
+    folded = linearize.fold(model, x, latency=False)
+    assert len(folded) == 1 and folded[0].weight.shape == (2, 6)
+    torch.testing.assert_close(folded[0].weight, model[5].weight @ model[3].weight @ model[0].weight)
+    _same(model, folded, x, atol=1e-10)
+    assert folded.linearize_fold_summary.flops_after == 2 * 9 * 6 * 2
+
+
+def test_unit_replacements_are_plain_and_exact():
+    torch.manual_seed(0)
+    zero, mixed_relu, mixed_gelu = LA("relu", 6, 1), LA("relu", 6, 1), LA(nn.GELU(), 6, 1)
+    leaky = LA(nn.LeakyReLU(0.1), 6, 1)
+    with torch.no_grad():
+        mixed_relu.slope.copy_(torch.tensor([0.0, 0.2, 1.0, 0.5, 0.0, 0.7]))
+        mixed_gelu.slope.copy_(torch.tensor([0.0, 0.2, 1.0, 0.5, 0.0, 0.7]))
+        leaky.slope.copy_(torch.tensor([0.0, 0.2, 1.0, 0.5, 0.0, 0.7]))
+    model = nn.Sequential(nn.Conv2d(3, 6, 3), zero, nn.Conv2d(6, 6, 1), mixed_relu,
+                          nn.Conv2d(6, 6, 1), mixed_gelu, nn.Conv2d(6, 6, 1), leaky).eval()
+    x = torch.randn(2, 3, 7, 7)
+    folded = linearize.fold(model, x, latency=False)
+    kinds = [type(m) for m in folded]
+    assert kinds == [nn.Conv2d, nn.ReLU, nn.Conv2d, ChannelPReLU, nn.Conv2d, ChannelBlend, nn.Conv2d, ChannelPReLU]
+    torch.testing.assert_close(folded[7].weight, torch.tensor([0.1, 0.28, 1.0, 0.55, 0.1, 0.73]))
+    _no_units(folded)
+    _same(model, folded, x)
+
+
+def test_channel_prelu_channels_last():
+    w = torch.tensor([0.0, 0.5, 1.0])
+    x = torch.randn(2, 4, 3)
+    ref = torch.where(x > 0, x, x * w)
+    torch.testing.assert_close(ChannelPReLU(w, channel_dim=-1)(x), ref)
+    torch.testing.assert_close(ChannelPReLU(w, channel_dim=2)(x), ref)
+
+
+def test_ffn_split_in_sequential_matches_formula():
+    torch.manual_seed(0)
+    d, m = 8, 32
+    unit = LA(nn.GELU(), m, -1)
+    model = nn.Sequential(nn.Linear(d, m), unit, nn.Linear(m, d)).eval().double()
+    lin = torch.zeros(m, dtype=torch.bool)
+    lin[torch.randperm(m)[:24]] = True
+    with torch.no_grad():
+        unit.slope.copy_(torch.where(lin, 1.0, 0.25))
+    x = torch.randn(3, 5, d, dtype=torch.float64)
+    folded = linearize.fold(model, x, latency=False)
+    first, act, second = folded
+    assert isinstance(first, LinearWithPassthrough) and first.out_features == 8
+    assert isinstance(act, ChannelBlend) and act.slope.numel() == 8 + d
+    w1, w2 = model[0].weight, model[2].weight
+    torch.testing.assert_close(second.weight[:, 8:], w2[:, lin] @ w1[lin])
+    torch.testing.assert_close(second.bias, model[2].bias + w2[:, lin] @ model[0].bias[lin])
+    _same(model, folded, x, atol=1e-10)
+    s = folded.linearize_fold_summary
+    assert s.flops_after == 2 * 15 * (d * 8 + (8 + d) * d) and s.flops_before == 2 * 15 * 2 * d * m
+
+
+def test_ffn_split_refused_when_it_costs_more():
+    d, m = 16, 32
+    unit = LA("relu", m, -1)
+    with torch.no_grad():
+        unit.slope[:4] = 1.0  # 4 linear of 32: d x d path (256) + narrow FFN costs more
+    model = nn.Sequential(nn.Linear(d, m), unit, nn.Linear(m, d)).eval()
+    folded = linearize.fold(model, torch.randn(4, d), latency=False)
+    assert isinstance(folded[1], ChannelPReLU) and folded[0].out_features == m
+    assert any("would not lower" in s for s in folded.linearize_fold_summary.skipped)
+
+
+# ----------------------------------------------------------------------------- convolutions
+
+
+CONV_CASES = {
+    # name: (first conv kwargs, second conv kwargs, input size, expected kernel)
+    "3x3 valid o 3x3 valid": (dict(kernel_size=3), dict(kernel_size=3), 11, 5),
+    "3x3 pad o 1x1": (dict(kernel_size=3, padding=1), dict(kernel_size=1), 9, 3),
+    "1x1 biased o 3x3 pad (border bias)": (dict(kernel_size=1), dict(kernel_size=3, padding=1), 9, 3),
+    "1x1 stride 2 o 3x3 pad": (dict(kernel_size=1, stride=2), dict(kernel_size=3, padding=1), 11, 5),
+    "3x3 stride 2 pad o 3x3 valid": (dict(kernel_size=3, stride=2, padding=1), dict(kernel_size=3), 13, 7),
+    "dilated 3x3 o strided 3x3": (dict(kernel_size=3, dilation=2, padding=2), dict(kernel_size=3, stride=2), 12, 7),
+    "grouped o grouped": (dict(kernel_size=3, groups=2, padding=1), dict(kernel_size=1, groups=2), 8, 3),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CONV_CASES))
+def test_conv_conv_merge_exact_including_border(case):
+    torch.manual_seed(0)
+    k1, k2, size, kernel = CONV_CASES[case]
+    c1, c2 = nn.Conv2d(4, 6, **k1), nn.Conv2d(6, 5 if "group" not in case else 6, **k2)
+    with torch.no_grad():
+        c1.bias.uniform_(0.5, 1.0)  # a large bias: a wrong border would show
+    unit = LA("relu", 6, 1)
+    with torch.no_grad():
+        unit.slope.fill_(1.0)
+    model = nn.Sequential(c1, unit, c2).eval().double()
+    x = torch.randn(2, 4, size, size + 1, dtype=torch.float64)
+    folded = linearize.fold(model, x, objective="depth", latency=False)
+    assert len(folded) == 1
+    conv = folded[0].conv if isinstance(folded[0], BorderBiasConv) else folded[0]
+    assert conv.kernel_size == (kernel, kernel)
+    if "group" in case:
+        assert conv.groups == 2
+    # border pixels included: the whole map, float64 model so only the algebra counts
+    _same(model, folded, x, atol=1e-10)
+    if "border bias" in case:
+        assert isinstance(folded[0], BorderBiasConv)
+        with torch.no_grad():  # a plain merged conv with the interior bias is wrong on the border only
+            y, y0 = model(x), conv(x) + folded[0].bias_map(tuple(x.shape[2:]), x)[:, :, 4:5, 4:5]
+        assert (y - y0)[:, :, 1:-1, 1:-1].abs().max() < 1e-4
+        assert (y - y0)[:, :, 0].abs().max() > 1e-2
+
+
+def test_padded_3x3_o_3x3_is_refused_at_the_border():
+    unit = LA("relu", 6, 1)
+    with torch.no_grad():
+        unit.slope.fill_(1.0)
+    model = nn.Sequential(nn.Conv2d(3, 6, 3, padding=1), unit, nn.Conv2d(6, 4, 3, padding=1)).eval()
+    x = torch.randn(1, 3, 8, 8)
+    folded = linearize.fold(model, x, objective="depth", latency=False)
+    assert len(folded) == 2
+    assert any("border" in s for s in folded.linearize_fold_summary.skipped)
+    _same(model, folded, x)
+
+
+def test_flops_objective_refuses_3x3_o_3x3_depth_objective_merges():
+    unit = LA("relu", 8, 1)
+    with torch.no_grad():
+        unit.slope.fill_(1.0)
+    model = nn.Sequential(nn.Conv2d(8, 8, 3), unit, nn.Conv2d(8, 8, 3)).eval()
+    x = torch.randn(1, 8, 12, 12)
+    by_flops = linearize.fold(model, x, latency=False)
+    assert len(by_flops) == 2
+    assert any("would not lower the flops" in s for s in by_flops.linearize_fold_summary.skipped)
+    by_depth = linearize.fold(model, x, objective="depth", latency=False)
+    assert len(by_depth) == 1 and by_depth[0].kernel_size == (5, 5)
+    assert by_depth.linearize_fold_summary.flops_after > by_flops.linearize_fold_summary.flops_after
+    _same(model, by_depth, x, atol=1e-5)
+
+
+def test_depthwise_pointwise_chain_merges_to_cheaper_dense_conv():
+    unit = LA("relu", 16, 1)
+    with torch.no_grad():
+        unit.slope.fill_(1.0)
+    # 1x1 expand (4->16), depthwise 3x3, 1x1 project (16->4): 9*4*4 per pixel beats 64+144+64
+    model = nn.Sequential(nn.Conv2d(4, 16, 1), nn.BatchNorm2d(16), unit, nn.Conv2d(16, 16, 3, padding=1, groups=16),
+                          nn.BatchNorm2d(16), nn.Conv2d(16, 4, 1), nn.BatchNorm2d(4))
+    _randomize_bn(model).eval()
+    x = torch.randn(2, 4, 10, 10)
+    folded = linearize.fold(model, x, latency=False)
+    assert len(folded) == 1 and isinstance(folded[0], BorderBiasConv)
+    assert folded.linearize_fold_summary.flop_ratio < 0.5
+    _same(model, folded, x)
+
+
+# ----------------------------------------------------------------------------- residual blocks
+
+
+def test_torchvision_bottleneck_and_basicblock_with_convert():
+    from torchvision.models.resnet import BasicBlock, Bottleneck
+
+    torch.manual_seed(0)
+    down = nn.Sequential(nn.Conv2d(8, 16, 1, stride=2, bias=False), nn.BatchNorm2d(16))
+    for block, expect_merge in [(Bottleneck(16, 4), True), (Bottleneck(8, 4, stride=2, downsample=down), True),
+                                (BasicBlock(8, 8), False)]:
+        block = _randomize_bn(block).eval().double()
+        x = torch.randn(2, block.conv1.in_channels, 9, 9, dtype=torch.float64)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            linearize.convert(block, example_inputs=x)
+        _set_linear(block, 1.0)
+        folded = linearize.fold(block, x, objective="depth", latency=False)
+        _no_units(folded)
+        convs = [m for m in folded.modules() if isinstance(m, nn.Conv2d)]
+        assert (len(convs) == 1) == expect_merge
+        _same(block, folded, x, atol=1e-10)
+        if not expect_merge:
+            assert any("border" in s for s in folded.linearize_fold_summary.skipped)
+
+
+def test_mobilenet_v2_inverted_residuals_fold_with_skip():
+    from torchvision.models import mobilenet_v2
+    from torchvision.models.mobilenetv2 import InvertedResidual
+
+    torch.manual_seed(0)
+    model = _randomize_bn(mobilenet_v2(width_mult=0.25, num_classes=10)).eval()
+    x = torch.randn(1, 3, 32, 32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        linearize.convert(model, example_inputs=x)
+    _set_linear(model, 1.0)
+    folded = linearize.fold(model, x, latency=False)
+    _no_units(folded)
+    left = sum(isinstance(m, InvertedResidual) for m in folded.modules())
+    assert left < sum(isinstance(m, InvertedResidual) for m in model.modules()) / 2
+    assert any("skip folded into the centre tap" in s for s in folded.linearize_fold_summary.merged)
+    assert folded.linearize_fold_summary.flop_ratio < 0.9
+    _same(model, folded, x)
+
+
+def test_resnet18_half_linear_with_convert_is_exact():
+    from torchvision.models import resnet18
+
+    model = _randomize_bn(resnet18(num_classes=10)).eval()
+    x = torch.randn(1, 3, 16, 16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        linearize.convert(model, example_inputs=x)
+    _set_linear(model, 0.5)
+    folded = linearize.fold(model, x, latency=False)
+    _no_units(folded)
+    assert not any(isinstance(m, nn.BatchNorm2d) for m in folded.modules())
+    # float32 folded weights: ~1e-7 relative rounding; a wrong fold is off by far more
+    assert folded.linearize_fold_summary.max_abs_error < 1e-5 * folded.linearize_fold_summary.output_scale
+    _same(model, folded, x)
+
+
+# ----------------------------------------------------------------------------- Hugging Face FFNs
+
+
+def _hf_models():
+    from transformers import (BertConfig, BertModel, GPT2Config, GPT2Model, MarianConfig, MarianMTModel,
+                              T5Config, T5Model)
+
+    ids = torch.randint(0, 100, (2, 7), generator=torch.Generator().manual_seed(0))
+    enc_dec = {"input_ids": ids, "decoder_input_ids": ids}
+    return {
+        "bert": (lambda: BertModel(BertConfig(vocab_size=100, hidden_size=16, num_hidden_layers=1,
+                                              num_attention_heads=2, intermediate_size=64)), {"input_ids": ids}),
+        "gpt2": (lambda: GPT2Model(GPT2Config(vocab_size=100, n_embd=16, n_layer=1, n_head=2, n_positions=16)),
+                 {"input_ids": ids}),
+        "t5": (lambda: T5Model(T5Config(vocab_size=100, d_model=16, d_ff=64, d_kv=8, num_layers=1, num_heads=2)),
+               enc_dec),
+        "marian": (lambda: MarianMTModel(MarianConfig(vocab_size=100, d_model=16, encoder_layers=1, decoder_layers=1,
+                                                      encoder_attention_heads=2, decoder_attention_heads=2,
+                                                      encoder_ffn_dim=64, decoder_ffn_dim=64, pad_token_id=0,
+                                                      decoder_start_token_id=0)), enc_dec),
+    }
+
+
+@pytest.mark.parametrize("name", ["bert", "gpt2", "t5", "marian"])
+def test_hf_ffn_folding(name):
+    torch.manual_seed(0)
+    build, inputs = _hf_models()[name]
+    model = build().eval()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        linearize.convert(model, example_inputs=inputs)
+    for fraction in (0.75, 1.0):
+        _set_linear(model, fraction)
+        folded = linearize.fold(model, inputs, dtype=torch.float64, latency=False)
+        _no_units(folded)
+        s = folded.linearize_fold_summary
+        ffn = [m for m in s.merged if "FFN" in m]
+        assert ffn, s
+        if fraction == 1.0:
+            assert all("fully linear FFN merged into one Linear(16, 16)" in m for m in ffn)
+        else:
+            assert all("48/64 linear channels" in m for m in ffn)
+            assert any(isinstance(m, LinearWithPassthrough) for m in folded.modules())
+        assert s.flops_after < s.flops_before and s.params_after < s.params_before
+        # float64 verification; folded float32 weights carry ~1e-7 relative rounding only
+        assert s.max_abs_error <= 1e-6 * s.output_scale
+        assert type(folded) is type(model)
+
+
+def test_t5_gated_ffn_is_reported_not_folded():
+    from transformers import T5Config, T5Model
+
+    model = T5Model(T5Config(vocab_size=100, d_model=16, d_ff=32, d_kv=8, num_layers=1, num_heads=2,
+                             feed_forward_proj="gated-gelu")).eval()
+    ids = torch.randint(0, 100, (1, 5))
+    inputs = {"input_ids": ids, "decoder_input_ids": ids}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        linearize.convert(model, example_inputs=inputs)
+    _set_linear(model, 0.5)
+    folded = linearize.fold(model, inputs, latency=False)
+    assert any("gated FFN" in s for s in folded.linearize_fold_summary.skipped)
+    _no_units(folded)
+
+
+# ----------------------------------------------------------------------------- FLOPs, latency, errors
+
+
+def test_count_flops_matches_hand_count():
+    conv = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8)).eval()
+    assert count_flops(conv, torch.randn(2, 3, 5, 5)) == 2 * (2 * 8 * 25) * 3 * 9 + 2 * (2 * 8 * 25)
+    grouped = nn.Conv2d(8, 8, 3, groups=4)
+    assert count_flops(grouped, torch.randn(1, 8, 5, 5)) == 2 * (8 * 9) * 2 * 9
+    assert count_flops(nn.Linear(4, 6), torch.randn(5, 3, 4)) == 2 * 4 * 6 * 15
+    from transformers.pytorch_utils import Conv1D
+
+    assert count_flops(Conv1D(6, 4), torch.randn(5, 4)) == 2 * 4 * 6 * 5
+
+    class Attention(nn.Module):
+        def forward(self, q: torch.Tensor) -> torch.Tensor:
+            scores = q @ q.transpose(-1, -2)  # [1, 2, 5, 5]: 25 dots of length 4 per head
+            return torch.nn.functional.scaled_dot_product_attention(q, q, q) + scores.sum(-1, keepdim=True)
+
+    q = torch.randn(1, 2, 5, 4)
+    assert count_flops(Attention(), q) == 2 * (2 * 25 * 4) + 2 * (2 * 25 * 4 + 2 * 25 * 4)
+
+
+def test_latency_is_measured_and_summary_prints():
+    unit = LA("relu", 64, -1)
+    with torch.no_grad():
+        unit.slope.fill_(1.0)
+    model = nn.Sequential(nn.Linear(32, 64), unit, nn.Linear(64, 32)).eval()
+    folded = linearize.fold(model, torch.randn(8, 32))
+    s = folded.linearize_fold_summary
+    assert s.latency_ms_before > 0 and s.latency_ms_after > 0 and s.latency_ratio is not None
+    assert "FLOPs" in str(s) and "merged:" in str(s)
+
+
+def test_never_converted_model_folds_bn_and_says_so():
+    model = _randomize_bn(nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU())).eval()
+    x = torch.randn(1, 3, 6, 6)
+    with pytest.warns(UserWarning, match="never converted"):
+        folded = linearize.fold(model, x, latency=False)
+    assert [type(m) for m in folded] == [nn.Conv2d, nn.ReLU]
+    assert any("never converted" in s for s in folded.linearize_fold_summary.skipped)
+    _same(model, folded, x)
+
+
+def test_bad_inputs_raise_clear_errors():
+    model = nn.Sequential(nn.Linear(4, 8), LA("relu", 8, -1), nn.Linear(8, 2)).eval()
+    with pytest.raises(ValueError, match="do not fit the model"):
+        linearize.fold(model, torch.randn(3, 5))
+    with pytest.raises(ValueError, match="objective"):
+        linearize.fold(model, torch.randn(3, 4), objective="speed")
+    with pytest.raises(TypeError):
+        linearize.fold("not a model", torch.randn(3, 4))
+    bn_model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8)).train()
+    with pytest.raises(ValueError, match=r"model\.eval\(\)"):
+        linearize.fold(bn_model, torch.randn(3, 4))
+
+
+def test_tolerance_snaps_and_verification_catches_large_error():
+    unit = LA("relu", 8, -1)
+    with torch.no_grad():
+        unit.slope.fill_(0.5)  # tol=0.6 calls these linear: a large, detected approximation
+    model = nn.Sequential(nn.Linear(4, 8), unit, nn.Linear(8, 2)).eval()
+    with pytest.raises(FoldVerificationError, match="differs"):
+        linearize.fold(model, torch.randn(64, 4), tol=0.6, latency=False)
+    folded = linearize.fold(model, torch.randn(64, 4), tol=0.6, atol=1e3, latency=False)
+    assert len(folded) == 1
