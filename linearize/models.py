@@ -1,33 +1,44 @@
-"""Build models by name for the command line: torchvision builders and Hugging Face directories."""
+"""Build models by name for the command line: Hugging Face directories, pickled modules, torchvision builders."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import torch
 from torch import nn
 
 
-def load_model(spec: str, checkpoint: str | None = None) -> nn.Module:
-    """A model from ``spec``: a torchvision builder name (``"resnet18"``, random init unless
-    ``checkpoint`` gives a ``state_dict`` file) or a Hugging Face model directory (loaded offline).
+def load_model(spec: str | Path, num_classes: int | None = None) -> nn.Module:
+    """A model from ``spec``.
+
+    - a Hugging Face model directory (its ``config.architectures`` class, else ``AutoModel``),
+      loaded offline;
+    - a ``.pt``/``.pth`` file holding a whole pickled ``nn.Module`` (trusted files only: unpickling
+      runs code);
+    - a torchvision builder name (``"resnet18"``), randomly initialized, with ``num_classes`` outputs.
     """
     path = Path(spec)
     if path.is_dir():
-        if not (path / "config.json").is_file():
-            raise FileNotFoundError(f"{spec} is a directory without config.json: not a Hugging Face model")
-        from transformers import AutoModel
+        import transformers
 
-        return AutoModel.from_pretrained(path, local_files_only=True)
-    import torch
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"{path} has no config.json: not a Hugging Face model directory")
+        config = transformers.AutoConfig.from_pretrained(path, local_files_only=True)
+        arch = (getattr(config, "architectures", None) or [None])[0]
+        cls = getattr(transformers, arch, None) if arch else None
+        return (cls or transformers.AutoModel).from_pretrained(path, local_files_only=True)
+    if path.suffix in (".pt", ".pth") and path.is_file():
+        model = torch.load(path, map_location="cpu", weights_only=False)
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"{path} holds a {type(model).__name__}, not a pickled nn.Module (a state_dict "
+                            "needs a builder name as MODEL and --checkpoint)")
+        return model
     import torchvision
 
-    try:
-        model = torchvision.models.get_model(spec, weights=None)
-    except ValueError as err:
+    if str(spec) not in torchvision.models.list_models():
         raise ValueError(
-            f"{spec!r} is neither a Hugging Face model directory nor a torchvision builder "
-            f"(e.g. {', '.join(sorted(torchvision.models.list_models())[:5])}, ...)"
-        ) from err
-    if checkpoint is not None:
-        model.load_state_dict(torch.load(checkpoint, map_location="cpu", weights_only=True))
-    return model.eval()
+            f"{str(spec)!r} is neither a Hugging Face model directory, a .pt file nor a torchvision builder "
+            "(e.g. resnet18, mobilenet_v2, vgg11_bn)"
+        )
+    kwargs = {"num_classes": num_classes} if num_classes else {}
+    return torchvision.models.get_model(str(spec), weights=None, **kwargs)

@@ -703,17 +703,11 @@ def run_cli(args: argparse.Namespace) -> int:
 def _load_model_and_data(args: argparse.Namespace) -> tuple[nn.Module, Any]:
     import linearize
 
+    from .models import load_model
+
     spec = Path(args.model)
     hf_dir = spec.is_dir()
-    if hf_dir:
-        model = _load_hf(spec)
-    elif spec.suffix in (".pt", ".pth") and spec.is_file():
-        model = torch.load(spec, map_location="cpu", weights_only=False)
-        if not isinstance(model, nn.Module):
-            raise TypeError(f"{spec} holds a {type(model).__name__}, not a pickled nn.Module (a state_dict "
-                            "needs a builder name as MODEL and --checkpoint)")
-    else:
-        model = _load_torchvision(args.model, args.num_classes)
+    model = load_model(spec, args.num_classes)
     data = _load_data(args, model, spec if hf_dir else None)
     example = _rows(data, slice(0, 2))
     if hf_dir and (spec / "linearize_config.json").is_file():
@@ -730,29 +724,6 @@ def _load_model_and_data(args: argparse.Namespace) -> tuple[nn.Module, Any]:
         print(f"{type(model).__name__} has no linearizable units: converting it (every channel nonlinear)")
         model = linearize.convert(model, example_inputs=example)
     return model.eval(), data
-
-
-def _load_hf(directory: Path) -> nn.Module:
-    import transformers
-
-    if not (directory / "config.json").is_file():
-        raise FileNotFoundError(f"{directory} has no config.json: not a Hugging Face model directory")
-    config = transformers.AutoConfig.from_pretrained(directory, local_files_only=True)
-    arch = (getattr(config, "architectures", None) or [None])[0]
-    cls = getattr(transformers, arch, None) if arch else None
-    return (cls or transformers.AutoModel).from_pretrained(directory, local_files_only=True)
-
-
-def _load_torchvision(name: str, num_classes: int | None) -> nn.Module:
-    import torchvision
-
-    if name not in torchvision.models.list_models():
-        raise ValueError(
-            f"{name!r} is neither a directory, a .pt file nor a torchvision builder "
-            f"(e.g. resnet18, mobilenet_v2, vgg11_bn)"
-        )
-    kwargs = {"num_classes": num_classes} if num_classes else {}
-    return torchvision.models.get_model(name, weights=None, **kwargs)
 
 
 def _load_data(args: argparse.Namespace, model: nn.Module, hf_dir: Path | None) -> Any:
