@@ -1,0 +1,157 @@
+"""Hugging Face Trainer integration: scheduled sparsity pressure as a callback (+ an optional mixin).
+
+Convert **before** building the Trainer: the Trainer builds its optimizer from the model's
+parameters, so the unit slopes must exist by then::
+
+    model = linearize.convert(AutoModelForSequenceClassification.from_pretrained(path))
+    callback = LinearizeCallback(schedule=linearize.schedules.target(0.10, end=0.8), lam=1e-3)
+    trainer = LinearizeTrainer(model=model, args=args, train_dataset=ds, callbacks=[callback])
+    trainer.train()          # or trainer.train(resume_from_checkpoint=True)
+
+``LinearizeTrainer = type("LinearizeTrainer", (LinearizeTrainerMixin, Trainer), {})`` (or your own
+subclass). The mixin excludes slopes from weight decay, adds :meth:`Sparsifier.penalty` to the loss
+when ``mode="loss"``, and puts the callback first so reporting integrations (TensorBoard, W&B)
+see its values. A plain ``Trainer`` with the callback works too: the proximal step acts on the
+parameters after each optimizer step (no callback event can change the loss), but then exclude
+the slopes from weight decay yourself and note that reporters listed before the callback log
+without its values (``trainer.state.log_history`` gets them either way).
+"""
+
+from __future__ import annotations
+
+from torch.optim.optimizer import register_optimizer_step_post_hook
+from transformers import TrainerCallback
+from transformers.trainer_callback import ExportableState
+
+from .sparsifier import Sparsifier, _torch_optimizer
+from .unit import units
+
+__all__ = ["LinearizeCallback", "LinearizeTrainerMixin"]
+
+
+class LinearizeCallback(TrainerCallback, ExportableState):
+    """Applies a :class:`~linearize.Sparsifier` at every optimizer step of a ``Trainer``.
+
+    Args:
+        sparsifier: a ready :class:`~linearize.Sparsifier`; or leave it ``None`` and give
+        schedule: a :mod:`linearize.schedules` schedule; the Sparsifier is then built at
+            ``on_train_begin`` with ``total_steps = state.max_steps``.
+        **sparsifier_kwargs: further :class:`~linearize.Sparsifier` arguments (``lam``, ``mode``,
+            ``weights``...).
+
+    Logs ``nonlinear_fraction``, ``lambda`` and ``linear_units`` with every Trainer log. Its
+    state (step count, target path, history) is stored in the checkpoint's ``trainer_state.json``
+    and restored on ``resume_from_checkpoint``; keep ``restore_callback_states_from_checkpoint``
+    at its default ``False`` (the callback restores itself; the Trainer would rebuild it empty).
+    """
+
+    def __init__(self, sparsifier: Sparsifier | None = None, schedule=None, **sparsifier_kwargs) -> None:
+        if sparsifier is None and schedule is None:
+            raise TypeError(
+                "LinearizeCallback needs a Sparsifier or a schedule (e.g. "
+                "LinearizeCallback(schedule=linearize.schedules.target(0.1))). If the Trainer rebuilt "
+                "it from a checkpoint, set restore_callback_states_from_checkpoint=False: this "
+                "callback restores its own state"
+            )
+        if sparsifier is not None and (schedule is not None or sparsifier_kwargs):
+            raise TypeError("pass either a Sparsifier or schedule arguments, not both")
+        self.sparsifier = sparsifier
+        self.schedule = schedule
+        self.sparsifier_kwargs = sparsifier_kwargs
+        self._hook = None
+
+    def state(self) -> dict:
+        """For ``trainer_state.json`` (read back by :meth:`on_train_begin` when resuming)."""
+        saved = self.sparsifier.state_dict() if self.sparsifier is not None else None
+        return {"args": {}, "attributes": {"sparsifier_state": saved}}
+
+    def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
+        if self.sparsifier is None:
+            self.sparsifier = Sparsifier(model, self.schedule, state.max_steps, **self.sparsifier_kwargs)
+        if optimizer is not None:
+            self.sparsifier.optimizer = _torch_optimizer(optimizer)
+        elif self.sparsifier.optimizer is None:
+            self._find_optimizer()
+        if state.global_step > 0:  # resuming: the checkpoint's trainer_state.json holds our state
+            saved = (state.stateful_callbacks or {}).get(type(self).__name__)
+            saved = saved[0] if isinstance(saved, list) else saved
+            if not saved or not saved.get("attributes", {}).get("sparsifier_state"):
+                raise ValueError(
+                    f"resuming at step {state.global_step} but the checkpoint holds no "
+                    f"{type(self).__name__} state: it was saved without this callback"
+                )
+            self.sparsifier.load_state_dict(saved["attributes"]["sparsifier_state"])
+
+    def _find_optimizer(self) -> None:
+        """The Trainer does not pass its optimizer to callbacks: take the first one that steps the slopes."""
+        slope_ids = {id(u.slope) for _, u in self.sparsifier._units}
+
+        def hook(opt, args, kwargs):
+            if any(id(p) in slope_ids for g in opt.param_groups for p in g["params"]):
+                self.sparsifier.optimizer = opt
+                self._hook.remove()
+                self._hook = None
+
+        self._hook = register_optimizer_step_post_hook(hook)
+
+    def on_optimizer_step(self, args, state, control, **kwargs):
+        self.sparsifier.step()
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+
+    def metrics(self) -> dict[str, float]:
+        """``nonlinear_fraction``, ``lambda`` (of the last step) and ``linear_units`` now."""
+        sp = self.sparsifier
+        return {
+            "nonlinear_fraction": sp.nonlinear_fraction(),
+            "lambda": sp.lam_at(max(sp.step_count - 1, 0)),
+            "linear_units": sp.linear_units(),
+        }
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if self.sparsifier is None or logs is None:
+            return
+        values = self.metrics()
+        logs.update(values)
+        # Trainer.log appended a copy of ``logs`` to the history just before calling us
+        if state.log_history and state.log_history[-1].get("step") == state.global_step:
+            state.log_history[-1].update(values)
+
+
+class LinearizeTrainerMixin:
+    """Mix into a ``transformers.Trainer`` subclass (before ``Trainer`` in the bases).
+
+    - no weight decay on slopes (``create_optimizer`` reads :meth:`get_decay_parameter_names`);
+    - ``compute_loss`` adds ``sparsifier.penalty()`` (via ``super()``) when the callback's
+      Sparsifier has ``mode="loss"``;
+    - moves the :class:`LinearizeCallback` first, so reporters log its values.
+    """
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        callbacks = self.callback_handler.callbacks
+        ours = [cb for cb in callbacks if isinstance(cb, LinearizeCallback)]
+        callbacks[:] = ours + [cb for cb in callbacks if not isinstance(cb, LinearizeCallback)]
+
+    def get_decay_parameter_names(self, model) -> list[str]:
+        slope_names = {f"{name}.slope" if name else "slope" for name, _ in units(model)}
+        return [n for n in super().get_decay_parameter_names(model) if n not in slope_names]
+
+    def _linearize_sparsifier(self) -> Sparsifier | None:
+        for cb in self.callback_handler.callbacks:
+            if isinstance(cb, LinearizeCallback):
+                return cb.sparsifier
+        return None
+
+    def compute_loss(self, model, inputs, return_outputs=False, **kwargs):
+        result = super().compute_loss(model, inputs, return_outputs=return_outputs, **kwargs)
+        sparsifier = self._linearize_sparsifier()
+        if sparsifier is None or sparsifier.mode != "loss":
+            return result
+        if return_outputs:
+            loss, outputs = result
+            return loss + sparsifier.penalty().to(loss.device), outputs
+        return result + sparsifier.penalty().to(result.device)

@@ -1,0 +1,265 @@
+"""Schedules of the sparsity pressure: how strong ``lam`` is at each optimizer step.
+
+A schedule is a small object (or any plain function) evaluated at ``(step, total_steps)``:
+
+- :func:`constant` ``lam`` from step 0;
+- :func:`early` pressure from step 0, optionally ramped up over ``ramp`` steps;
+- :func:`late` no pressure until ``start``, then on (optionally ramped);
+- :func:`linear` / :func:`cosine` warm-up ramps of ``lam``;
+- :func:`target` steer the *nonlinear fraction* to a requested value by ``end`` and hold it.
+
+Step arguments (``start``, ``end``, ``ramp``) are either a **float in [0, 1]**, a fraction of
+``total_steps``, or an **int**, an absolute optimizer step (so ``1.0`` is the end of training,
+``1`` is step one).
+
+``lam=None`` in a schedule means "the ``lam`` of the :class:`~linearize.Sparsifier`": the
+schedule then only gives the shape (a multiplier in ``[0, 1]``). Called directly,
+``schedule(step, total_steps)`` returns ``lam * shape`` (``shape`` alone when ``lam`` is None).
+A plain function ``f(step, total_steps) -> lam`` works as a schedule too.
+
+Why :func:`target` does not steer ``lam`` with a feedback controller: with an L1 proximal step,
+slopes sit just below 1 after every optimizer step, so the measured fraction stays at 100% until
+``lam`` has grown by orders of magnitude, and then every unit flips at once (a probe on CIFAR-10
+overshot to 7% and collapsed, or oscillated between 3% and 47%; see
+``/work/shared/notes/sparsity-schedule-probe.md``). Instead the *wanted fraction* follows a
+smooth cubic path from the fraction measured at ``start`` to the target at ``end`` (as in gradual
+magnitude pruning), a mild L1 proximal step orders the channels (those the loss tolerates drift
+up first), and a budget projection sets the slopes closest to 1 to exactly 1 so that the measured
+fraction after the step equals the path value (to one channel). After ``end`` the projection
+holds the target: the fraction is exactly ``round(target * C) / C`` at every later step, so it
+stays within +-0.01 without oscillation for any model of 50 channels or more.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Callable, Union
+
+__all__ = [
+    "Schedule",
+    "Ramp",
+    "Target",
+    "constant",
+    "early",
+    "late",
+    "linear",
+    "cosine",
+    "target",
+    "resolve_step",
+    "from_dict",
+]
+
+StepSpec = Union[int, float]
+SHAPES = ("linear", "cosine")
+
+
+def resolve_step(value: StepSpec, total_steps: int) -> int:
+    """An absolute step from a fraction of training (float in [0, 1]) or a step (int >= 0)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"a step must be an int (absolute step) or a float in [0, 1], got {value!r}")
+    if isinstance(value, float):
+        return int(round(value * total_steps))
+    return value
+
+
+def _check_step(name: str, value: StepSpec | None) -> None:
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be an int (absolute step) or a float in [0, 1], got {value!r}")
+    if isinstance(value, float) and not 0.0 <= value <= 1.0:
+        raise ValueError(
+            f"{name}={value} is a float, so it is read as a fraction of training and must lie in "
+            f"[0, 1]; pass an int for an absolute step"
+        )
+    if isinstance(value, int) and value < 0:
+        raise ValueError(f"{name} must be >= 0, got {value}")
+
+
+def _check_lam(lam: float | None) -> None:
+    if lam is None:
+        return
+    if not isinstance(lam, (int, float)) or isinstance(lam, bool) or not math.isfinite(lam):
+        raise ValueError(f"lam must be a finite number >= 0, got {lam!r}")
+    if lam < 0:
+        raise ValueError(f"lam must be >= 0 (it pushes slopes towards 1, i.e. linear), got {lam}")
+
+
+class Schedule:
+    """Base class: ``shape(step, total_steps)`` in ``[0, 1]`` times ``lam``."""
+
+    lam: float | None = None
+
+    def shape(self, step: int, total_steps: int) -> float:
+        raise NotImplementedError
+
+    def __call__(self, step: int, total_steps: int) -> float:
+        """``lam`` at ``step`` (the bare shape when ``lam`` is None)."""
+        scale = self.shape(step, total_steps)
+        return scale if self.lam is None else self.lam * scale
+
+    def validate(self, total_steps: int) -> None:
+        """Raise ``ValueError`` when the resolved steps are inconsistent for ``total_steps``."""
+
+    def to_dict(self) -> dict:
+        """JSON-serializable description (inverse: :func:`from_dict`)."""
+        return {"type": type(self).__name__, **dataclasses.asdict(self)}
+
+
+@dataclass
+class Ramp(Schedule):
+    """Zero before ``start``, ramps to ``lam`` over ``ramp`` steps, stops after ``end`` (if set).
+
+    Attributes:
+        lam: full pressure (``None``: the Sparsifier's ``lam``).
+        start, end, ramp: steps (int) or fractions of training (float in [0, 1]).
+        kind: ``"linear"`` or ``"cosine"`` (half-cosine) ramp shape.
+    """
+
+    lam: float | None = None
+    start: StepSpec = 0
+    ramp: StepSpec = 0
+    end: StepSpec | None = None
+    kind: str = "linear"
+
+    def __post_init__(self) -> None:
+        _check_lam(self.lam)
+        for name in ("start", "ramp", "end"):
+            _check_step(name, getattr(self, name))
+        if self.kind not in SHAPES:
+            raise ValueError(f"ramp kind must be one of {SHAPES}, got {self.kind!r}")
+        if self.end is not None and type(self.start) is type(self.end) and self.start > self.end:
+            raise ValueError(f"start ({self.start}) is after end ({self.end})")
+
+    def validate(self, total_steps: int) -> None:
+        if self.end is not None and resolve_step(self.start, total_steps) > resolve_step(self.end, total_steps):
+            raise ValueError(
+                f"start ({self.start}) is after end ({self.end}) for total_steps={total_steps}"
+            )
+
+    def shape(self, step: int, total_steps: int) -> float:
+        start = resolve_step(self.start, total_steps)
+        if step < start or (self.end is not None and step > resolve_step(self.end, total_steps)):
+            return 0.0
+        ramp = resolve_step(self.ramp, total_steps)
+        if ramp <= 0:
+            return 1.0
+        p = min(1.0, (step - start + 1) / ramp)
+        return p if self.kind == "linear" else 0.5 * (1.0 - math.cos(math.pi * p))
+
+
+@dataclass
+class Target(Schedule):
+    """Steer the nonlinear fraction to ``fraction`` by ``end``, then hold it (see module docs).
+
+    Attributes:
+        fraction: wanted nonlinear fraction in ``(0, 1]``.
+        start, end: the path runs from ``start`` (fraction measured there) to ``end``.
+        lam: L1 proximal pressure during ``[start, end]`` (``None``: the Sparsifier's ``lam``);
+            after ``end`` only the projection acts unless ``hold`` is set.
+        power: exponent of the path ``f(p) = target + (f0 - target) * (1 - p) ** power``.
+        hold: pressure after ``end`` as a fraction of ``lam`` (default 0: the projection alone
+            holds the target).
+    """
+
+    fraction: float = 0.1
+    start: StepSpec = 0
+    end: StepSpec = 0.8
+    lam: float | None = None
+    power: float = 3.0
+    hold: float = 0.0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.fraction, bool) or not isinstance(self.fraction, (int, float)):
+            raise TypeError(f"target fraction must be a number in (0, 1], got {self.fraction!r}")
+        if not 0.0 < self.fraction <= 1.0:
+            raise ValueError(
+                f"target fraction must lie in (0, 1] (the share of channels kept nonlinear), "
+                f"got {self.fraction}"
+            )
+        _check_lam(self.lam)
+        if not 0.0 <= self.hold <= 1.0:
+            raise ValueError(f"hold must lie in [0, 1] (a fraction of lam), got {self.hold}")
+        _check_step("start", self.start)
+        _check_step("end", self.end)
+        if self.power <= 0:
+            raise ValueError(f"power must be > 0, got {self.power}")
+        if type(self.start) is type(self.end) and self.start > self.end:
+            raise ValueError(f"start ({self.start}) is after end ({self.end})")
+
+    def validate(self, total_steps: int) -> None:
+        start, end = resolve_step(self.start, total_steps), resolve_step(self.end, total_steps)
+        if start > end:
+            raise ValueError(f"start ({self.start}) is after end ({self.end}) for total_steps={total_steps}")
+
+    def shape(self, step: int, total_steps: int) -> float:
+        start, end = resolve_step(self.start, total_steps), resolve_step(self.end, total_steps)
+        if step < start:
+            return 0.0
+        return 1.0 if step <= end else self.hold
+
+    def wanted(self, step: int, total_steps: int, initial: float) -> float | None:
+        """Wanted nonlinear fraction at ``step`` given the fraction ``initial`` at ``start``.
+
+        ``None`` before ``start`` (no projection yet).
+        """
+        start, end = resolve_step(self.start, total_steps), resolve_step(self.end, total_steps)
+        if step < start:
+            return None
+        p = 1.0 if end <= start else min(1.0, (step - start + 1) / (end - start))
+        return self.fraction + (initial - self.fraction) * (1.0 - p) ** self.power
+
+
+def constant(lam: float | None = None) -> Ramp:
+    """``lam`` at every step."""
+    return Ramp(lam=lam)
+
+
+def early(lam: float | None = None, ramp: StepSpec = 0, kind: str = "linear") -> Ramp:
+    """Pressure from step 0, ramped up over ``ramp`` steps (int) or fraction of training (float)."""
+    return Ramp(lam=lam, start=0, ramp=ramp, kind=kind)
+
+
+def late(start: StepSpec = 0.5, lam: float | None = None, ramp: StepSpec = 0, kind: str = "linear") -> Ramp:
+    """No pressure before ``start`` (default half of training), then ``lam`` (optionally ramped).
+
+    On a model that is already trained, ``late(start=0)`` is the same as :func:`early`.
+    """
+    return Ramp(lam=lam, start=start, ramp=ramp, kind=kind)
+
+
+def linear(lam: float | None = None, warmup: StepSpec = 0.1, start: StepSpec = 0) -> Ramp:
+    """Linear warm-up of ``lam`` from 0 over ``warmup`` steps after ``start``."""
+    return Ramp(lam=lam, start=start, ramp=warmup, kind="linear")
+
+
+def cosine(lam: float | None = None, warmup: StepSpec = 0.1, start: StepSpec = 0) -> Ramp:
+    """Half-cosine warm-up of ``lam`` from 0 over ``warmup`` steps after ``start``."""
+    return Ramp(lam=lam, start=start, ramp=warmup, kind="cosine")
+
+
+def target(
+    fraction: float,
+    start: StepSpec = 0,
+    end: StepSpec = 0.8,
+    lam: float | None = None,
+    power: float = 3.0,
+    hold: float = 0.0,
+) -> Target:
+    """Reach the nonlinear ``fraction`` (in (0, 1]) by ``end`` along a cubic path, then hold it."""
+    return Target(fraction=fraction, start=start, end=end, lam=lam, power=power, hold=hold)
+
+
+def from_dict(d: dict) -> Schedule:
+    """Rebuild a schedule from :meth:`Schedule.to_dict`."""
+    kinds = {"Ramp": Ramp, "Target": Target}
+    d = dict(d)
+    kind = d.pop("type", None)
+    if kind not in kinds:
+        raise ValueError(f"unknown schedule type {kind!r}; known: {sorted(kinds)}")
+    return kinds[kind](**d)
+
+
+ScheduleLike = Union[Schedule, Callable[[int, int], float], float, None]

