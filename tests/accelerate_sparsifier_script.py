@@ -1,4 +1,6 @@
-"""Run by tests/test_integrations.py under ``accelerate launch --cpu --num_processes 2``.
+"""Run by tests/test_integrations.py under ``accelerate launch --multi_gpu --num_processes 2``
+(with ``Accelerator(cpu=True)``: two CPU processes over gloo; in accelerate 1.15 ``--cpu
+--num_processes 2`` starts a single process).
 
 Trains a small MLP on scikit-learn digits with a target schedule in a loop prepared by
 ``accelerator.prepare``, checkpoints the Sparsifier with ``register_for_checkpointing``, and
@@ -48,6 +50,7 @@ def main(out_path: str, ckpt_dir: str) -> None:
     slopes = torch.cat([u.slope.detach() for _, u in linearize.units(model)])
     gathered = accelerator.gather(slopes.unsqueeze(0))  # [processes, C]
     accelerator.save_state(ckpt_dir)
+    accelerator.wait_for_everyone()  # rank 0 writes the files the other ranks load next
     saved_state = sparsifier.state_dict()
     sparsifier.load_state_dict({**saved_state, "step_count": 0, "history": []})  # forget, then restore
     accelerator.load_state(ckpt_dir)

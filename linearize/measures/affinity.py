@@ -1,0 +1,489 @@
+"""Affinity score and non-linearity signature (seed 002: affine optimal transport).
+
+The affinity score of a map ``x -> y`` sampled as paired point clouds ``x, y: [n, d]`` is
+
+    rho(x, y) = 1 - W2(T_aff x, y) / sqrt(2 tr Cov(y))
+
+- ``T_aff(x) = A x + b`` is the closed-form optimal transport map between the Gaussian
+  approximations ``N(mu_x, Sx)`` and ``N(mu_y, Sy)``:
+  ``A = Sy^(1/2) (Sy^(1/2) Sx Sy^(1/2))^(-1/2) Sy^(1/2)`` (symmetric positive definite),
+  ``b = mu_y - A mu_x``;
+- ``W2`` is the exact 2-Wasserstein distance (**not** its square) between the two uniform point
+  clouds ``{T_aff x_i}`` and ``{y_j}``. For two clouds of equal size with uniform weights an
+  optimal plan is a permutation (Birkhoff), so ``W2^2 = min_sigma (1/n) sum_i |T x_i - y_sigma(i)|^2``,
+  an assignment problem solved exactly by :func:`scipy.optimize.linear_sum_assignment`;
+- ``Cov`` are the maximum-likelihood (``1/n``) covariances. With them ``2 tr Cov(y)`` is the
+  cost of the independent coupling of the centred clouds (``Cov(T_aff x) = Sy``), an upper bound
+  of ``W2^2``, so ``0 <= rho <= 1``; ``rho = 1`` iff ``y`` is a positive semi-definite affine
+  image of ``x``.
+
+This is the definition that reproduces the reference values of the seed and of issue 5, e.g.
+``x = linspace(-1, 1, 1000)``: ``rho(x, x**3) = .7112`` (with ``W2^2`` it would be .9166), and
+``x ~ N(0, I_64)``, ``n = 2048``: ``rho(x, relu(x)) = .622``.
+
+Numerics: float64 throughout; the clouds are centred before any distance (``T_aff x - mu_y``
+against ``y - mu_y``), so large means cannot swamp float precision (``relu(x + 100)`` scores 1);
+a ridge ``1e-6 I`` is added to both covariances (or Ledoit-Wolf shrinkage plus the ridge); ``A``
+from one Cholesky factor and one symmetric eigendecomposition (``eigh``, never ``sqrtm``), see
+:func:`gaussian_ot_matrix`. The assignment costs ``O(n^2)`` memory (``8 n^2`` bytes: 32 MiB at
+``n = 2048``) and typically well under a second at that size.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from scipy.linalg import solve_triangular
+from scipy.optimize import linear_sum_assignment
+from torch import nn
+from tqdm.auto import tqdm
+
+from ..unit import LinearizableActivation
+
+__all__ = ["affinity_score", "affinity_signature"]
+
+SHRINKAGE = (None, "ledoit-wolf")
+
+# Elementwise activation modules measured on models that were not converted (and on activations
+# a converted model left alone). Softmax / GLU are not elementwise maps and are left out.
+STANDARD_ACTIVATIONS: tuple[type[nn.Module], ...] = (
+    nn.ReLU, nn.ReLU6, nn.LeakyReLU, nn.PReLU, nn.RReLU, nn.ELU, nn.CELU, nn.SELU, nn.GELU,
+    nn.SiLU, nn.Mish, nn.Sigmoid, nn.Tanh, nn.Hardtanh, nn.Hardswish, nn.Hardsigmoid,
+    nn.Softplus, nn.Softsign, nn.Tanhshrink, nn.LogSigmoid, nn.Threshold, nn.Softshrink,
+    nn.Hardshrink,
+)
+
+
+# --------------------------------------------------------------------------------------------
+# affinity score
+
+
+def affinity_score(
+    x: torch.Tensor | np.ndarray,
+    y: torch.Tensor | np.ndarray,
+    shrinkage: str | None = None,
+    ridge: float = 1e-6,
+) -> float:
+    """Affinity score ``rho in [0, 1]`` of the paired samples ``x -> y`` (seed 002).
+
+    ``rho = 1 - W2(T_aff x, y) / sqrt(2 tr Cov(y))``, see the module docstring: 1 when ``y`` is a
+    (positive semi-definite) affine function of ``x``, lower the more non-linear the map is.
+
+    Args:
+        x: inputs ``[n, d]`` (or ``[n]`` for ``d = 1``), torch tensor or numpy array, any float dtype
+            (computed in float64).
+        y: outputs ``[n, d]``, row ``i`` paired with row ``i`` of ``x`` (the pairing does not enter
+            the score: only the two clouds do). The affine map ``A`` is square, so ``y`` needs the
+            same ``d`` as ``x``.
+        shrinkage: ``None`` (sample covariance) or ``"ledoit-wolf"`` (sklearn's Ledoit-Wolf
+            estimate, more stable when ``n`` is not much larger than ``d``).
+        ridge: added to the diagonal of both covariances (keeps the Cholesky factor and root defined for
+            rank-deficient clouds, e.g. ReLU channels that are always 0).
+
+    Returns:
+        the score as a Python float. A constant ``y`` scores 1 (it is the affine image ``0 x + c``).
+
+    Raises:
+        ValueError: fewer than 2 samples, different ``n`` or ``d``, NaN/inf values, bad options.
+
+    Cost: ``O(n d^2 + d^3)`` for the map, ``O(n^2)`` memory and up to ``O(n^3)`` time for the exact
+    assignment (fast in practice: the given pairing is proved optimal first, see
+    :func:`exact_w2_squared`).
+    """
+    if shrinkage not in SHRINKAGE:
+        raise ValueError(f"shrinkage must be one of {SHRINKAGE}, got {shrinkage!r}")
+    if not ridge >= 0:
+        raise ValueError(f"ridge must be >= 0, got {ridge!r}")
+    xs, ys = _as_samples(x, "x"), _as_samples(y, "y")
+    if xs.shape[0] != ys.shape[0]:
+        raise ValueError(f"x and y need the same number of samples (paired rows), got {xs.shape[0]} and {ys.shape[0]}")
+    if xs.shape[1] != ys.shape[1]:
+        raise ValueError(
+            f"x and y need the same number of features: the affine OT map A is square, got "
+            f"d_x = {xs.shape[1]} and d_y = {ys.shape[1]}"
+        )
+    if (ys == ys[0]).all():
+        return 1.0
+    xc = xs - xs.mean(axis=0)
+    yc = ys - ys.mean(axis=0)
+    sx, sy = _covariance(xc, shrinkage), _covariance(yc, shrinkage)
+    total_var = float(np.trace(sy))
+    a = gaussian_ot_matrix(sx, sy, ridge)
+    w2 = np.sqrt(exact_w2_squared(xc @ a, yc))  # A symmetric: (A x_i)^T = x_i^T A
+    return float(1.0 - w2 / np.sqrt(2.0 * total_var))
+
+
+def gaussian_ot_matrix(sx: np.ndarray, sy: np.ndarray, ridge: float = 1e-6) -> np.ndarray:
+    """``A = Sy^(1/2) (Sy^(1/2) Sx Sy^(1/2))^(-1/2) Sy^(1/2)`` for ``Sx + ridge I``, ``Sy + ridge I``.
+
+    ``sx, sy``: symmetric PSD ``[d, d]`` float64. Returns the symmetric positive definite
+    ``[d, d]`` matrix of the optimal transport map ``x -> A (x - mu_x) + mu_y`` between the two
+    Gaussians: the unique SPD solution of ``A Sx A = Sy``. Computed with one Cholesky factor
+    ``Sx = L L^T`` and one eigendecomposition as ``A = L^-T (L^T Sy L)^(1/2) L^-1`` (the same matrix:
+    it is SPD and ``A Sx A = L^-T (L^T Sy L) L^-1 = Sy``), half the cost of two matrix roots and
+    without inverting a root of the often rank-deficient ``Sy``.
+    """
+    eye = ridge * np.eye(sx.shape[0])
+    chol = np.linalg.cholesky(sx + eye)
+    w, v = np.linalg.eigh(chol.T @ (sy + eye) @ chol)
+    b = solve_triangular(chol, v, lower=True, trans="T", check_finite=False)  # L^-T V
+    a = (b * np.sqrt(np.clip(w, 0.0, None))) @ b.T  # L^-T (V W^(1/2) V^T) L^-1
+    return (a + a.T) / 2
+
+
+def exact_w2_squared(p: np.ndarray, q: np.ndarray) -> float:
+    """Exact squared 2-Wasserstein distance between uniform clouds ``p, q: [n, d]`` (float64).
+
+    Solves the assignment problem on squared Euclidean costs (exact for equal-size uniform clouds)
+    and evaluates the optimal pairs' costs from the coordinates. Pass centred clouds (the inner products are then well scaled). The given
+    pairing ``p_i <-> q_i`` is tried first (:func:`_pairing_is_optimal`: for activation sites it
+    usually is optimal, and proving it is several times cheaper than solving); otherwise
+    :func:`scipy.optimize.linear_sum_assignment` solves it. In 1-d the sorted (monotone) matching
+    is optimal and used instead.
+    """
+    if p.shape[1] == 1:
+        return float(np.mean((np.sort(p[:, 0]) - np.sort(q[:, 0])) ** 2))
+    # sum_i |p_i - q_s(i)|^2 = sum |p|^2 + sum |q|^2 - 2 sum_i <p_i, q_s(i)>
+    gain = p @ q.T
+    if _pairing_is_optimal(gain):
+        cols = np.arange(len(p))
+    else:  # the solver is ~2x faster on the squared distances than on -gain (same optimum)
+        gain *= -2.0
+        gain += np.einsum("ij,ij->i", p, p)[:, None]
+        gain += np.einsum("ij,ij->i", q, q)[None, :]
+        cols = linear_sum_assignment(gain)[1]
+    return float(np.mean(np.sum((p - q[cols]) ** 2, axis=1)))
+
+
+def _pairing_is_optimal(gain: np.ndarray, budget: float = 16.0) -> bool:
+    """True if the identity permutation maximizes ``sum_i gain[i, s(i)]`` (a proof, not a guess).
+
+    The identity is optimal iff no cyclic exchange (row ``i`` takes column ``j``, ...) gains, i.e.
+    the graph with edge weights ``W[i, j] = gain[i, i] - gain[i, j]`` has no negative cycle.
+    Bellman-Ford from a virtual source (``d = 0``), relaxing only the edges of nodes whose ``d``
+    dropped in the previous round, settles to potentials with ``d[j] <= d[i] + W[i, j]`` for all
+    ``i, j`` exactly when there is none; such potentials bound every cycle's weight below by 0.
+    ``n`` rounds without settling prove a negative cycle. Gives up (False, undecided) after
+    relaxing ``budget * n`` rows of ``W``.
+    """
+    n = len(gain)
+    weights = np.diag(gain)[:, None] - gain
+    dist = weights.min(axis=0)  # first round: d = min(0, min_i W[i, j]), and W[j, j] = 0
+    changed = np.flatnonzero(dist < 0)
+    work, rounds = n, 1
+    while changed.size:
+        work += changed.size
+        rounds += 1
+        if work > budget * n or rounds > n:
+            return False
+        relaxed = (dist[changed, None] + weights[changed]).min(axis=0)
+        improved = np.flatnonzero(relaxed < dist)
+        dist[improved] = relaxed[improved]
+        changed = improved
+    return True
+
+
+def _as_samples(a: torch.Tensor | np.ndarray, name: str) -> np.ndarray:
+    if isinstance(a, torch.Tensor):
+        a = a.detach().to("cpu", torch.float64).numpy()
+    try:
+        a = np.asarray(a, dtype=np.float64)
+    except (TypeError, ValueError) as err:
+        raise TypeError(f"{name} must be a tensor or array of numbers [n, d], got {type(a).__name__}") from err
+    if a.ndim == 1:
+        a = a[:, None]
+    if a.ndim != 2:
+        raise ValueError(f"{name} must have shape [n, d] (or [n]), got {a.shape}; pool or flatten the extra dims first")
+    if a.shape[0] < 2:
+        raise ValueError(f"{name} has {a.shape[0]} sample(s): the affinity score needs at least 2")
+    if a.shape[1] < 1:
+        raise ValueError(f"{name} has no features (shape {a.shape})")
+    if not np.isfinite(a).all():
+        raise ValueError(f"{name} contains NaN or inf values")
+    return a
+
+
+def _covariance(centred: np.ndarray, shrinkage: str | None) -> np.ndarray:
+    if shrinkage == "ledoit-wolf":
+        from sklearn.covariance import ledoit_wolf
+
+        return ledoit_wolf(centred, assume_centered=True)[0]
+    return centred.T @ centred / centred.shape[0]
+
+
+# --------------------------------------------------------------------------------------------
+# non-linearity signature
+
+
+def affinity_signature(
+    model: nn.Module,
+    inputs: torch.Tensor | np.ndarray | Mapping | Iterable,
+    batch_size: int = 256,
+    max_samples: int = 2048,
+    progress: bool = True,
+    shrinkage: str | None = None,
+    ridge: float = 1e-6,
+) -> list[tuple[str, float]]:
+    """Non-linearity signature: the affinity score of every activation call site, in forward order.
+
+    Sites: every ``LinearizableActivation`` unit of ``model`` (scored on its actual output, slopes
+    included) and every standard activation module (``nn.ReLU``, ``nn.GELU``, ``nn.SiLU``...,
+    ``transformers.activations``) not inside a unit, so an unconverted baseline works too. A module
+    called several times per forward (torchvision ``BasicBlock.relu``) gives one site per call,
+    named ``"<module>.calls.<i>"`` like the units of ``linearize.convert``. Activations called as
+    functions (``F.relu`` inside ``forward``) cannot be hooked and are not measured.
+
+    Samples and features of a site (input and output alike):
+
+    - ``[N, D]``: as is;
+    - ``[B, T, D]`` (channels last: Transformer hidden states): every token of every sequence is a
+      sample (``B * T`` rows, padding tokens included), ``D`` features;
+    - feature maps ``[N, C, H, W]`` (or ``[N, C, L]``, ``[N, C, D, H, W]``, or channels-last maps of a
+      unit with ``channel_dim=-1``): averaged over the spatial dims to ``[N, C]`` (the seed shows the
+      score is robust to this pooling). Without a unit to say where channels are, 3-d tensors are
+      read as ``[B, T, D]`` and 4+-d tensors as channels-first. Pooling accumulates in float32
+      (float64 for float64 models).
+
+    At most ``max_samples`` rows per site are kept: a uniform random subset drawn with a fixed seed
+    (random keys, smallest kept), the same rows of input and output.
+
+    Args:
+        model: any ``nn.Module``; run in eval mode under ``torch.no_grad`` (the train/eval flags of
+            all its modules are restored afterwards), on the device of its first parameter.
+        inputs: a tensor or array (samples along dim 0, split into ``batch_size`` batches), a mapping
+            of tensors (``model(**batch)``, e.g. tokenizer output), or an iterable of batches
+            (a ``DataLoader``): each a tensor, a mapping, or a tuple/list whose first item is the
+            input (``(images, labels)``).
+        batch_size: batch size used to split a tensor or mapping.
+        max_samples: rows kept per site (the assignment costs ``O(max_samples^2)`` memory).
+        progress: show tqdm progress bars.
+        shrinkage, ridge: passed to :func:`affinity_score`.
+
+    Returns:
+        ``[(site_name, score)]`` ordered by the first call of each site in the forward pass.
+
+    Raises:
+        ValueError: no activation sites, no batches, fewer than 2 rows at a site, NaN/inf
+            activations (the error names the site), an output of another shape than its input.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    if not (isinstance(batch_size, int) and batch_size >= 1):
+        raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+    if not (isinstance(max_samples, int) and max_samples >= 2):
+        raise ValueError(f"max_samples must be an int >= 2, got {max_samples!r}")
+    if shrinkage not in SHRINKAGE:
+        raise ValueError(f"shrinkage must be one of {SHRINKAGE}, got {shrinkage!r}")
+    modules = activation_sites(model)
+    if not modules:
+        raise ValueError(
+            f"{type(model).__name__} has no activation sites: no linearize units and no standard "
+            "activation modules (nn.ReLU, nn.GELU, ...). Activations called as functions inside "
+            "forward cannot be measured; linearize.convert reports them."
+        )
+    batches = _batches(inputs, batch_size)
+    device = next((t.device for t in [*model.parameters(), *model.buffers()]), None)
+    recorder = _Recorder(modules, max_samples)
+    flags = [(m, m.training) for m in model.modules()]
+    model.eval()
+    try:
+        with torch.no_grad():
+            for batch in tqdm(batches, desc="affinity: forward", disable=not progress):
+                recorder.start_forward()
+                _call(model, batch, device)
+                recorder.end_forward()
+    finally:
+        recorder.remove()
+        for module, training in flags:
+            module.training = training
+    if recorder.calls_per_forward is None:
+        raise ValueError("inputs yielded no batches: pass at least 2 samples")
+    sites = recorder.named_sites()
+    if not sites:
+        raise ValueError(f"none of the {len(modules)} activation modules was called by the forward pass")
+    scores = []
+    for name, site in tqdm(sites, desc="affinity: scores", disable=not progress):
+        if site.x.shape[0] < 2:
+            raise ValueError(f"activation site {name!r} has {site.x.shape[0]} sample row(s), the affinity score needs at least 2: pass more inputs")
+        if site.x.shape[0] <= site.x.shape[1] and shrinkage is None:
+            warnings.warn(
+                f"activation site {name!r}: {site.x.shape[0]} samples for {site.x.shape[1]} features, "
+                "the sample covariance is singular; pass more inputs or shrinkage='ledoit-wolf'",
+                stacklevel=2,
+            )
+        try:
+            scores.append((name, affinity_score(site.x, site.y, shrinkage, ridge)))
+        except ValueError as err:
+            raise ValueError(f"activation site {name!r}: {err}") from err
+    return scores
+
+
+def activation_sites(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """Modules measured by :func:`affinity_signature`: units, and standard activations outside units."""
+    found: list[tuple[str, nn.Module]] = []
+    inside_unit: list[str] = []
+    for name, module in model.named_modules():
+        if any(name.startswith(prefix) for prefix in inside_unit):
+            continue
+        if isinstance(module, LinearizableActivation):
+            found.append((name, module))
+            inside_unit.append(name + ".")
+        elif _is_standard_activation(module):
+            found.append((name, module))
+    return found
+
+
+def _is_standard_activation(module: nn.Module) -> bool:
+    cls = type(module)
+    return isinstance(module, STANDARD_ACTIVATIONS) or (
+        cls.__module__ == "transformers.activations" and cls.__name__ != "LinearActivation"
+    )
+
+
+@dataclass
+class _Site:
+    """Reservoir of at most ``max_samples`` paired (input, output) rows of one call site."""
+
+    channel_dim: int | None
+    keys: torch.Tensor | None = None
+    x: torch.Tensor | None = None
+    y: torch.Tensor | None = None
+    pending: tuple | None = None  # (keys, row index, input rows, input row count) of the running call
+
+
+class _Recorder:
+    """Forward pre-hooks take the input rows (before an in-place activation overwrites them),
+    forward hooks the same rows of the output; a random key per row keeps a uniform subset."""
+
+    def __init__(self, modules: list[tuple[str, nn.Module]], max_samples: int) -> None:
+        self.max_samples = max_samples
+        self.generator = torch.Generator().manual_seed(0)
+        self.sites: dict[tuple[str, int], _Site] = {}  # (module name, call index), in call order
+        self.calls: dict[str, int] = {}
+        self.calls_per_forward: dict[str, int] | None = None
+        self.handles = []
+        for name, module in modules:
+            channel_dim = module.channel_dim if isinstance(module, LinearizableActivation) else None
+            label = name or type(module).__name__
+            self.handles.append(module.register_forward_pre_hook(self._pre_hook(label, channel_dim)))
+            self.handles.append(module.register_forward_hook(self._post_hook(label)))
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+    def start_forward(self) -> None:
+        self.calls = {}
+
+    def end_forward(self) -> None:
+        if self.calls_per_forward is None:
+            self.calls_per_forward = dict(self.calls)
+        elif self.calls != self.calls_per_forward:
+            raise RuntimeError(
+                f"activation modules were called {self.calls} times in one forward pass and "
+                f"{self.calls_per_forward} in another: the signature needs the same call sites in "
+                "every batch (no data-dependent control flow)"
+            )
+
+    def named_sites(self) -> list[tuple[str, _Site]]:
+        counts = self.calls_per_forward or {}
+        return [
+            (f"{name}.calls.{call}" if counts.get(name, 0) > 1 else name, site)
+            for (name, call), site in self.sites.items()
+        ]
+
+    def _pre_hook(self, name: str, channel_dim: int | None):
+        def hook(module: nn.Module, args: tuple) -> None:
+            call = self.calls.get(name, 0)
+            self.calls[name] = call + 1
+            site = self.sites.setdefault((name, call), _Site(channel_dim))
+            rows = _rows(args[0] if args else None, site.channel_dim, name, "input")
+            keys = torch.rand(rows.shape[0], generator=self.generator)
+            keep = keys.topk(min(self.max_samples, len(keys)), largest=False).indices
+            # Indexing copies the rows: an in-place activation cannot overwrite them.
+            kept = rows[keep.to(rows.device)].to("cpu", torch.float64)
+            site.pending = (keys[keep], keep, kept, rows.shape)
+
+        return hook
+
+    def _post_hook(self, name: str):
+        def hook(module: nn.Module, args: tuple, output: torch.Tensor) -> None:
+            site = self.sites[(name, self.calls[name] - 1)]
+            keys, keep, x, in_shape = site.pending
+            site.pending = None
+            rows = _rows(output, site.channel_dim, name, "output")
+            if rows.shape != in_shape:
+                raise ValueError(
+                    f"activation site {name!r}: output rows {tuple(rows.shape)} differ from input rows "
+                    f"{tuple(in_shape)}; the affinity score needs an elementwise activation"
+                )
+            y = rows[keep.to(rows.device)].to("cpu", torch.float64)
+            if site.keys is not None:
+                keys = torch.cat([site.keys, keys])
+                x, y = torch.cat([site.x, x]), torch.cat([site.y, y])
+                if len(keys) > self.max_samples:
+                    best = keys.topk(self.max_samples, largest=False).indices
+                    keys, x, y = keys[best], x[best], y[best]
+            site.keys, site.x, site.y = keys, x, y
+
+        return hook
+
+
+def _rows(t: object, channel_dim: int | None, name: str, what: str) -> torch.Tensor:
+    """Sample rows ``[n, features]`` of one activation tensor (see :func:`affinity_signature`)."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"activation site {name!r}: expected a tensor {what}, got {type(t).__name__}")
+    t = t.detach()
+    last = channel_dim is not None and channel_dim in (-1, t.ndim - 1)
+    if t.ndim == 2 or (t.ndim == 3 and (channel_dim is None or last)):
+        rows = t.reshape(-1, t.shape[-1])
+    elif t.ndim >= 3:
+        keep = t.ndim - 1 if last else 1
+        # float32 accumulation (float64 for float64 models): a float64 copy of the whole map
+        # would cost ~10x the pooling time; the score itself is computed in float64.
+        dtype = torch.promote_types(t.dtype, torch.float32)
+        rows = t.mean(dim=[d for d in range(1, t.ndim) if d != keep], dtype=dtype)
+    else:
+        raise ValueError(f"activation site {name!r}: cannot read samples from a {what} of shape {tuple(t.shape)}")
+    if not torch.isfinite(rows).all():
+        raise ValueError(f"activation site {name!r} has NaN or inf values in its {what}")
+    return rows
+
+
+def _batches(inputs: object, batch_size: int) -> Iterable:
+    if isinstance(inputs, np.ndarray):
+        inputs = torch.from_numpy(inputs)
+    if isinstance(inputs, torch.Tensor):
+        return inputs.split(batch_size)
+    if isinstance(inputs, Mapping):
+        sizes = {len(v) for v in inputs.values() if isinstance(v, torch.Tensor)}
+        if len(sizes) != 1:
+            raise ValueError(f"a mapping of inputs needs tensors with one common batch size, got sizes {sorted(sizes)}")
+        n = sizes.pop()
+        return [
+            {k: v[i : i + batch_size] if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
+            for i in range(0, n, batch_size)
+        ]
+    if isinstance(inputs, Iterable) and not isinstance(inputs, (str, bytes)):
+        return inputs
+    raise TypeError(f"inputs must be a tensor, an array, a mapping of tensors or an iterable of batches, got {type(inputs).__name__}")
+
+
+def _call(model: nn.Module, batch: object, device: torch.device | None) -> None:
+    def move(v: object) -> object:
+        return v.to(device) if isinstance(v, torch.Tensor) and device is not None else v
+
+    if isinstance(batch, (tuple, list)):
+        if not batch:
+            raise ValueError("an empty batch tuple")
+        batch = batch[0]
+    if isinstance(batch, Mapping):
+        model(**{k: move(v) for k, v in batch.items()})
+    elif isinstance(batch, np.ndarray):
+        model(move(torch.from_numpy(batch)))
+    else:
+        model(move(batch))

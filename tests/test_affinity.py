@@ -1,0 +1,345 @@
+"""Affinity score and non-linearity signature (seed 002), checked against reference values and POT."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import linearize
+from linearize import LinearizableActivation
+from linearize.measures import affinity_score, affinity_signature
+from linearize.measures.affinity import _pairing_is_optimal, _Recorder, exact_w2_squared
+
+ot = pytest.importorskip("ot", reason="POT (pip install pot) is the independent reference")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_blas_thread():
+    """Multi-threaded OpenBLAS eigh slows down ~20x on a shared, oversubscribed CPU."""
+    from threadpoolctl import threadpool_limits
+
+    with threadpool_limits(1):
+        yield
+
+
+# ---------------------------------------------------------------------------- reference values
+
+
+@pytest.mark.parametrize(
+    "k, expected",
+    [(1, 1.0), (3, 0.7112), (5, 0.5767), (7, 0.4956), (11, 0.3995), (21, 0.2889), (31, 0.2366), (41, 0.2048)],
+)
+def test_polynomials_match_reference_values(k, expected):
+    x = torch.linspace(-1, 1, 1000, dtype=torch.float64)
+    assert affinity_score(x, x**k) == pytest.approx(expected, abs=1e-3)
+
+
+ACTIVATIONS = {
+    "sigmoid": (torch.sigmoid, 0.911),
+    "tanh": (torch.tanh, 0.813),
+    "hardtanh": (F.hardtanh, 0.779),
+    "hardswish": (F.hardswish, 0.696),
+    "silu": (F.silu, 0.675),
+    "leaky_relu": (F.leaky_relu, 0.628),
+    "relu": (F.relu, 0.622),
+    "gelu": (F.gelu, 0.614),
+}
+
+
+@pytest.mark.parametrize("name", list(ACTIVATIONS))
+def test_activations_on_gaussian_inputs_match_reference_values(name):
+    fn, expected = ACTIVATIONS[name]
+    x = torch.randn(2048, 64, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    assert affinity_score(x, fn(x)) == pytest.approx(expected, abs=0.01)
+
+
+# ---------------------------------------------------------------------------- properties
+
+
+def _spd(d: int, rng: np.random.Generator) -> np.ndarray:
+    q, _ = np.linalg.qr(rng.standard_normal((d, d)))
+    return (q * rng.uniform(0.5, 2.0, d)) @ q.T
+
+
+def test_spd_affine_map_scores_one():
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((500, 8)) * rng.uniform(0.5, 3, 8) + 5
+    y = x @ _spd(8, rng) + rng.standard_normal(8) * 10
+    assert abs(affinity_score(x, y) - 1.0) < 1e-6
+
+
+def test_non_psd_linear_map_scores_below_one():
+    # y = -x is linear but not the gradient of a convex function: not an OT map, rho < 1.
+    x = np.random.default_rng(1).standard_normal((400, 3)) ** 3
+    assert affinity_score(x, -x) < 0.9
+
+
+def test_row_permutation_of_y_leaves_score_unchanged():
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((700, 6))
+    y = np.tanh(x @ rng.standard_normal((6, 6)))
+    perm = rng.permutation(len(y))
+    assert affinity_score(x, y[perm]) == pytest.approx(affinity_score(x, y), abs=1e-12)
+
+
+@pytest.mark.parametrize("shrinkage", [None, "ledoit-wolf"])
+def test_agrees_with_independent_pot_computation(shrinkage):
+    from sklearn.covariance import LedoitWolf
+
+    rng = np.random.default_rng(3)
+    n, d, ridge = 400, 5, 1e-6
+    x = rng.standard_normal((n, d)) @ rng.standard_normal((d, d)) + 3
+    y = np.maximum(x @ rng.standard_normal((d, d)) - 1, 0) + 0.1 * rng.standard_normal((n, d))
+
+    def cov(a):
+        return LedoitWolf().fit(a).covariance_ if shrinkage else np.cov(a, rowvar=False, bias=True)
+
+    cx, cy = cov(x), cov(y)
+    a, b = ot.gaussian.bures_wasserstein_mapping(x.mean(0), y.mean(0), cx + ridge * np.eye(d), cy + ridge * np.eye(d))
+    w = np.full(n, 1.0 / n)
+    w2 = np.sqrt(ot.emd2(w, w, ot.dist(x @ a + b, y)))
+    expected = 1 - w2 / np.sqrt(2 * np.trace(cy))
+    assert 0.2 < expected < 0.95  # a genuinely non-linear case
+    assert affinity_score(x, y, shrinkage=shrinkage, ridge=ridge) == pytest.approx(expected, abs=1e-4)
+
+
+def test_pairing_certificate_agrees_with_brute_force():
+    rng = np.random.default_rng(7)
+    perms = np.array(list(itertools.permutations(range(6))))
+    decided = {True: 0, False: 0}
+    for trial in range(300):
+        gain = rng.integers(-3, 4, (6, 6)).astype(float)  # small integers: many ties
+        gain += np.eye(6) * rng.integers(0, 5)  # identity optimal more or less often
+        best = gain[np.arange(6), perms].sum(axis=1).max()
+        optimal = gain.trace() >= best
+        assert _pairing_is_optimal(gain, budget=100.0) == optimal  # enough to always decide
+        decided[optimal] += 1
+    assert min(decided.values()) > 30  # both answers were exercised
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_exact_w2_matches_pot_on_both_solver_paths(shuffle):
+    rng = np.random.default_rng(8)
+    p = rng.standard_normal((300, 4))
+    q = np.maximum(p, 0) - np.maximum(p, 0).mean(0)  # a monotone map: the pairing is optimal
+    if shuffle:
+        q = q[rng.permutation(300)]
+    assert _pairing_is_optimal(p @ q.T) is (not shuffle)
+    w = np.full(300, 1 / 300)
+    assert exact_w2_squared(p, q) == pytest.approx(ot.emd2(w, w, ot.dist(p, q)), rel=1e-10)
+
+
+def test_scores_lie_in_unit_interval():
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((300, 4))
+    for y in (np.sign(x), rng.standard_normal((300, 4)), np.sin(5 * x), x**2):
+        assert 0.0 <= affinity_score(x, y) <= 1.0
+
+
+def test_relu_of_large_mean_float32_scores_one():
+    # The precision pitfall: float32 distances between uncentred clouds give ~0.987 here.
+    x = torch.randn(1000, 16, generator=torch.Generator().manual_seed(5)) + 100
+    assert x.dtype == torch.float32
+    assert affinity_score(x, torch.relu(x)) > 1 - 1e-6
+
+
+def test_constant_output_scores_one():
+    x = np.random.default_rng(6).standard_normal((50, 3))
+    assert affinity_score(x, np.full((50, 3), 0.1)) == 1.0
+
+
+@pytest.mark.parametrize(
+    "x, y, match",
+    [
+        (np.ones((1, 3)), np.ones((1, 3)), "at least 2"),
+        (np.zeros((5, 3)), np.zeros((4, 3)), "same number of samples"),
+        (np.zeros((5, 3)), np.zeros((5, 2)), "same number of features"),
+        (np.array([[0.0, 1], [np.nan, 2]]), np.zeros((2, 2)), "NaN or inf"),
+        (np.zeros((2, 2)), np.array([[0.0, np.inf], [1, 2]]), "NaN or inf"),
+        (np.zeros((2, 2, 2)), np.zeros((2, 2, 2)), r"shape \[n, d\]"),
+    ],
+)
+def test_bad_input_raises(x, y, match):
+    with pytest.raises(ValueError, match=match):
+        affinity_score(x, y)
+
+
+def test_bad_shrinkage_raises():
+    with pytest.raises(ValueError, match="shrinkage"):
+        affinity_score(np.eye(3), np.eye(3), shrinkage="oas")
+
+
+# ---------------------------------------------------------------------------- signature
+
+# float32 forwards of different batch sizes may round differently in the last bit
+TOL = 1e-6
+
+
+def test_signature_of_baseline_mlp_with_inplace_relu_matches_manual_scores():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 16), nn.ReLU(inplace=True), nn.Linear(16, 16), nn.Tanh())
+    x = torch.randn(300, 6)
+    with torch.no_grad():
+        h1 = model[0](x)
+        h2 = model[2](torch.relu(h1))
+    got = affinity_signature(model, x, batch_size=64, progress=False)
+    assert [name for name, _ in got] == ["1", "3"]
+    # a hook after the in-place ReLU would see relu(h1) and score 1.0
+    assert got[0][1] == pytest.approx(affinity_score(h1, torch.relu(h1)), abs=TOL)
+    assert got[0][1] < 0.9
+    assert got[1][1] == pytest.approx(affinity_score(h2, torch.tanh(h2)), abs=TOL)
+
+
+class _Reuse(nn.Module):
+    """One ReLU module called twice on different widths, like torchvision's BasicBlock."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.act = nn.Linear(4, 8), nn.Linear(8, 3), nn.ReLU()
+
+    def forward(self, x):
+        return self.act(self.b(self.act(self.a(x))))
+
+
+def test_reused_module_gives_one_site_per_call_in_forward_order():
+    torch.manual_seed(1)
+    model, x = _Reuse(), torch.randn(200, 4)
+    got = affinity_signature(model, x, progress=False)
+    with torch.no_grad():
+        h1 = model.a(x)
+        h2 = model.b(torch.relu(h1))
+    assert [n for n, _ in got] == ["act.calls.0", "act.calls.1"]
+    assert got[0][1] == pytest.approx(affinity_score(h1, torch.relu(h1)), abs=TOL)
+    assert got[1][1] == pytest.approx(affinity_score(h2, torch.relu(h2)), abs=TOL)
+
+
+def test_conv_sites_are_pooled_over_space_and_unit_slopes_count():
+    torch.manual_seed(2)
+    unit = LinearizableActivation("relu", 8, channel_dim=1)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), unit, nn.Conv2d(8, 8, 3), nn.GELU())
+    x = torch.randn(120, 3, 10, 10)
+    with torch.no_grad():
+        h = model[0](x)
+        g = model[2](torch.relu(h))
+    got = dict(affinity_signature(model, x, progress=False))
+    assert list(got) == ["1", "3"]  # the unit's inner act is not a separate site
+    pool = lambda t: t.mean((2, 3))  # noqa: E731
+    assert got["1"] == pytest.approx(affinity_score(pool(h), pool(torch.relu(h))), abs=TOL)
+    assert got["3"] == pytest.approx(affinity_score(pool(g), pool(F.gelu(g))), abs=TOL)
+    with torch.no_grad():
+        unit.slope.fill_(1.0)  # identity unit
+    assert dict(affinity_signature(model, x, progress=False))["1"] == pytest.approx(1.0, abs=1e-6)
+
+
+def test_token_sites_use_every_token_as_a_sample_and_loader_batches_agree():
+    torch.manual_seed(3)
+    model = nn.Sequential(nn.Linear(5, 6), nn.GELU())
+    x = torch.randn(40, 7, 5)  # [B, T, D]
+    with torch.no_grad():
+        h = model[0](x).reshape(-1, 6)
+    expected = affinity_score(h, F.gelu(h))
+    assert affinity_signature(model, x, batch_size=16, progress=False) == [("1", pytest.approx(expected, abs=TOL))]
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, torch.zeros(40)), batch_size=9)
+    assert affinity_signature(model, loader, progress=False)[0][1] == pytest.approx(expected, abs=TOL)
+
+
+def test_mapping_inputs_are_passed_as_keywords():
+    class Keyword(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin, self.act = nn.Linear(3, 3), nn.SiLU()
+
+        def forward(self, features, scale=1.0):
+            return self.act(self.lin(features) * scale)
+
+    torch.manual_seed(4)
+    model, x = Keyword(), torch.randn(64, 3)
+    with torch.no_grad():
+        h = model.lin(x) * 2.0
+    got = affinity_signature(model, {"features": x, "scale": 2.0}, batch_size=10, progress=False)
+    assert got[0][1] == pytest.approx(affinity_score(h, F.silu(h)), abs=TOL)
+
+
+def test_subsample_keeps_paired_rows_uniformly_and_deterministically():
+    act = nn.Tanh()
+    rec = _Recorder([("act", act)], max_samples=50)
+    data = torch.randn(4, 30, 2, generator=torch.Generator().manual_seed(5))
+    for batch in data:
+        rec.start_forward()
+        act(batch)
+        rec.end_forward()
+    (_, site), = rec.named_sites()
+    rows = data.reshape(-1, 2).double()
+    assert site.x.shape == (50, 2)
+    assert torch.equal(site.y, torch.tanh(site.x.float()).double())  # rows stay paired
+    assert all((rows == r).all(1).any() for r in site.x)  # and come from the data
+    assert len({tuple(r.tolist()) for r in site.x}) == 50  # without replacement
+    rec.remove()
+
+    counts = torch.zeros(120)
+    for seed in range(200):  # every row equally likely to be kept: 50 / 120
+        rec = _Recorder([("act", act)], max_samples=50)
+        rec.generator.manual_seed(seed)
+        for batch in torch.arange(120.0).reshape(4, 30, 1):
+            rec.start_forward()
+            act(batch)
+            rec.end_forward()
+        counts[rec.sites[("act", 0)].x.long().flatten()] += 1
+        rec.remove()
+    assert (counts / 200 - 50 / 120).abs().max() < 0.15
+
+
+def test_hugging_face_activation_modules_are_sites():
+    activations = pytest.importorskip("transformers.activations")
+    torch.manual_seed(8)
+    model = nn.Sequential(nn.Linear(4, 4), activations.ACT2FN["gelu_new"], nn.Linear(4, 4), activations.ACT2FN["linear"])
+    x = torch.randn(100, 4)
+    with torch.no_grad():
+        h = model[0](x)
+    got = affinity_signature(model, x, progress=False)
+    assert got == [("1", pytest.approx(affinity_score(h, model[1](h)), abs=TOL))]  # identity "linear" is no site
+
+
+def test_signature_restores_modes_and_runs_in_eval():
+    torch.manual_seed(6)
+    model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.ReLU(), nn.Dropout(0.5)).train()
+    model[3].eval()
+    before = model[1].running_mean.clone()
+    affinity_signature(model, torch.randn(50, 3), progress=False)
+    assert torch.equal(model[1].running_mean, before)
+    assert [m.training for m in model] == [True, True, True, False]
+
+
+def test_resnet18_has_17_sites_and_converted_model_agrees():
+    torchvision = pytest.importorskip("torchvision")
+    torch.manual_seed(7)
+    model = torchvision.models.resnet18(weights=None, num_classes=10).eval()
+    x = torch.randn(24, 3, 32, 32)
+    with pytest.warns(UserWarning, match="singular"):
+        base = affinity_signature(model, x, progress=False)
+    assert len(base) == 17
+    assert base[0][0] == "relu" and base[-1][0] == "layer4.1.relu.calls.1"
+    linearize.convert(model, example_inputs=x[:2])
+    with pytest.warns(UserWarning, match="singular"):
+        converted = affinity_signature(model, x, progress=False)
+    assert converted == base  # units with slope 0 compute the same function at the same sites
+
+
+def test_signature_errors_name_the_problem():
+    with pytest.raises(ValueError, match="no activation sites"):
+        affinity_signature(nn.Linear(3, 3), torch.randn(10, 3), progress=False)
+    model = nn.Sequential(nn.Linear(3, 3), nn.ReLU(), nn.Linear(3, 3), nn.Sigmoid())
+    with pytest.raises(ValueError, match="at least 2"):
+        affinity_signature(model, torch.randn(1, 3), progress=False)
+    with pytest.raises(ValueError, match="no batches"):
+        affinity_signature(model, [], progress=False)
+    with torch.no_grad():
+        model[2].weight[0, 0] = float("nan")
+    with pytest.raises(ValueError, match="'3' has NaN or inf"):
+        affinity_signature(model, torch.randn(10, 3), progress=False)
+    assert not model[1]._forward_hooks and not model[1]._forward_pre_hooks  # hooks removed
