@@ -48,6 +48,7 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.overrides import TorchFunctionMode
 
+from .conversion import FunctionalActivation, call_model
 from .unit import LinearizableActivation
 
 __all__ = [
@@ -56,7 +57,6 @@ __all__ = [
     "FoldVerificationError",
     "ChannelPReLU",
     "ChannelBlend",
-    "FunctionActivation",
     "LinearWithPassthrough",
     "BorderBiasConv",
     "count_flops",
@@ -173,20 +173,6 @@ class ChannelPReLU(nn.PReLU):
 
     def extra_repr(self) -> str:
         return f"num_parameters={self.num_parameters}, channel_dim={self.channel_dim}"
-
-
-class FunctionActivation(nn.Module):
-    """Module wrapper of an activation function (``F.gelu``...) taken from a unit."""
-
-    def __init__(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
-        super().__init__()
-        self.fn = fn
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fn(x)
-
-    def extra_repr(self) -> str:
-        return getattr(self.fn, "__name__", repr(self.fn))
 
 
 class ChannelBlend(nn.Module):
@@ -333,7 +319,7 @@ def _act_module(unit: LinearizableActivation) -> nn.Module:
         return nn.LeakyReLU(unit.leak) if unit.leak else nn.ReLU()
     if "act" in unit._modules:
         return copy.deepcopy(unit.act)
-    return FunctionActivation(unit.act_fn)
+    return FunctionalActivation(unit.act_fn, unit.kind)
 
 
 def _plain_from_slopes(unit: LinearizableActivation, a: torch.Tensor) -> nn.Module:
@@ -375,14 +361,6 @@ def _flatten_outputs(out: Any) -> list[torch.Tensor]:
     if isinstance(out, (list, tuple)):
         return [t for v in out for t in _flatten_outputs(v)]
     return []
-
-
-def _call(model: nn.Module, inputs: Any) -> Any:
-    if isinstance(inputs, dict):
-        return model(**inputs)
-    if isinstance(inputs, (tuple, list)):
-        return model(*inputs)
-    return model(inputs)
 
 
 def _cast_inputs(inputs: Any, dtype: torch.dtype) -> Any:
@@ -477,7 +455,7 @@ def _run_counting(model: nn.Module, inputs: Any, record: "_Probe | None" = None)
     handles = [m.register_forward_hook(hook) for m in model.modules()] if record is not None else []
     try:
         with _FlopCounter() as counter:
-            out = _call(model, inputs)
+            out = call_model(model, inputs)
     finally:
         for h in handles:
             h.remove()
@@ -1171,16 +1149,16 @@ def _replace_units(model: nn.Module, tol: float, summary: FoldSummary) -> nn.Mod
 def _latency(models: list[nn.Module], inputs: Any, budget_s: float = 2.0) -> list[float]:
     """Median wall time (ms) of each model, repetitions interleaved (a, b, a, b, ...)."""
     for m in models:  # warm-up
-        _call(m, inputs)
+        call_model(m, inputs)
     t0 = time.perf_counter()
-    _call(models[0], inputs)
+    call_model(models[0], inputs)
     one = max(time.perf_counter() - t0, 1e-6)
     reps = int(min(max(budget_s / (len(models) * one), 5), 200))
     times: list[list[float]] = [[] for _ in models]
     for _ in range(reps):
         for i, m in enumerate(models):
             t = time.perf_counter()
-            _call(m, inputs)
+            call_model(m, inputs)
             times[i].append(time.perf_counter() - t)
     return [1e3 * statistics.median(t) for t in times]
 
@@ -1298,8 +1276,8 @@ def _verify(
     if dtype is not None:
         model_d, folded_d = copy.deepcopy(model).to(dtype).eval(), copy.deepcopy(folded).to(dtype).eval()
         inputs = _cast_inputs(inputs, dtype)
-        ref_out = _flatten_outputs(_call(model_d, inputs))
-        new_out = _flatten_outputs(_call(folded_d, inputs))
+        ref_out = _flatten_outputs(call_model(model_d, inputs))
+        new_out = _flatten_outputs(call_model(folded_d, inputs))
     summary.verify_dtype = str(dtype or ref_out[0].dtype)
     if len(new_out) != len(ref_out) or any(a.shape != b.shape for a, b in zip(ref_out, new_out)):
         raise FoldVerificationError(

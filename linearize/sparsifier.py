@@ -35,21 +35,11 @@ import torch
 from torch import nn
 
 from . import schedules as _schedules
-from .unit import LinearizableActivation, units
+from .unit import require_units, units
 
 __all__ = ["Sparsifier", "param_groups", "flops_weights"]
 
 MODES = ("proximal", "loss")
-
-
-def _units_or_raise(model: nn.Module) -> list[tuple[str, LinearizableActivation]]:
-    found = units(model)
-    if not found:
-        raise ValueError(
-            "the model has no linearizable units, so there is nothing to sparsify: "
-            "call linearize.convert(model) first"
-        )
-    return found
 
 
 def _torch_optimizer(optimizer) -> torch.optim.Optimizer:
@@ -101,7 +91,7 @@ class Sparsifier:
         log_every: int | None = None,
         example_inputs=None,
     ) -> None:
-        self._units = _units_or_raise(model)
+        self._units = require_units(model, "there is nothing to sparsify")
         if isinstance(total_steps, bool) or not isinstance(total_steps, int) or total_steps < 1:
             raise ValueError(f"total_steps must be a positive int, got {total_steps!r}")
         _schedules._check_lam(lam)
@@ -369,7 +359,7 @@ def flops_weights(model: nn.Module, example_inputs) -> dict[str, float]:
     """
     events: list[tuple[str, object]] = []
     hooks = []
-    names = {id(u): n for n, u in _units_or_raise(model)}
+    names = {id(u): n for n, u in require_units(model)}
 
     def layer_hook(module, args, out):
         if isinstance(out, torch.Tensor):  # weights x output positions per sample
@@ -395,7 +385,7 @@ def flops_weights(model: nn.Module, example_inputs) -> dict[str, float]:
     finally:
         for h in hooks:
             h.remove()
-    sizes = {n: u.num_channels for n, u in _units_or_raise(model)}
+    sizes = {n: u.num_channels for n, u in require_units(model)}
     cost: dict[str, float] = {}
     for i, (kind, value) in enumerate(events):
         if kind != "unit" or value in cost:

@@ -33,6 +33,7 @@ __all__ = [
     "nonlinear_fraction",
     "project_slopes",
     "install_optimizer_hooks",
+    "require_units",
 ]
 
 # slope Parameter -> owning unit, for the global optimizer hooks (survives deepcopy/pickle
@@ -199,11 +200,12 @@ def units(model: nn.Module) -> list[tuple[str, LinearizableActivation]]:
     return [(n, m) for n, m in model.named_modules() if isinstance(m, LinearizableActivation)]
 
 
-def _units_or_raise(model: nn.Module) -> list[tuple[str, LinearizableActivation]]:
+def require_units(model: nn.Module, why: str = "") -> list[tuple[str, LinearizableActivation]]:
+    """:func:`units`, raising ``ValueError`` (with ``why``) when the model has none."""
     found = units(model)
     if not found:
         raise ValueError(
-            "the model has no linearizable units: call linearize.convert(model) first"
+            f"the model has no linearizable units{', so ' + why if why else ''}: call linearize.convert(model) first"
         )
     return found
 
@@ -222,7 +224,7 @@ def count_units(model: nn.Module, tol: float = 0.0) -> dict:
     elif callable(getattr(model, "gates", None)):
         per_site = [(n, g.kind, g.num_channels, 0) for n, g in model.gates()]
     else:
-        _units_or_raise(model)
+        require_units(model)
     sites = {
         name: {"kind": kind, "total": total, "nonlinear": total - lin, "linear": lin,
                "fraction": (total - lin) / total}

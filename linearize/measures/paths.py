@@ -54,6 +54,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakTensorKeyDictionary
 
+from ..conversion import call_model
 from ..unit import LinearizableActivation, units
 
 __all__ = ["average_path_length", "PathLengthResult"]
@@ -180,14 +181,6 @@ def _main_key(inputs: dict, model: nn.Module) -> str:
     return next(iter(inputs))
 
 
-def _call(model: nn.Module, inputs: Any) -> Any:
-    if isinstance(inputs, dict):
-        return model(**inputs)
-    if isinstance(inputs, (tuple, list)):
-        return model(*inputs)
-    return model(inputs)
-
-
 def _output_leaves(out: Any) -> list[Any]:
     """Output leaves in order; a Hugging Face ``ModelOutput`` by its tuple order."""
     if hasattr(out, "to_tuple"):
@@ -247,7 +240,7 @@ def _record(model: nn.Module, example_inputs: Any, srcs: list[torch.Tensor], gra
         tags[s] = _SOURCE
     try:
         with torch.no_grad(), mode:
-            out = _call(model, example_inputs)
+            out = call_model(model, example_inputs)
     finally:
         for h in handles:
             h.remove()
