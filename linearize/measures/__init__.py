@@ -17,6 +17,7 @@ _EXPORTS = {
     "linear_regions": "regions",
     "absolute_deviation": "regions",
     "translation_loops": "regions",
+    "RegionsResult": "regions",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -1,0 +1,301 @@
+"""Linear regions and absolute deviation (seed 001) against independent computations.
+
+Independent references: activation patterns recorded by plain forward hooks on a dense grid,
+closed-form breakpoints of one-hidden-layer networks, the hand-derived reference function of the
+issue, and dense trapezoid quadrature of the plain model output.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from linearize.measures.regions import linear_regions, absolute_deviation, translation_loops
+from linearize.unit import LinearizableActivation
+
+_ACTS = (nn.ReLU, nn.LeakyReLU, nn.PReLU, LinearizableActivation)
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Small float64 convs run far faster on one thread on a shared, busy machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _hook_patterns(model: nn.Module, xs: torch.Tensor) -> torch.Tensor:
+    """Bool [G, U]: sign of every kinked unit input, recorded by forward hooks (float64)."""
+    net = copy.deepcopy(model).double().eval()
+    found: list[torch.Tensor] = []
+
+    def hook(mod, inputs, _out):
+        x = inputs[0]
+        if isinstance(mod, nn.PReLU):
+            w = mod.weight.detach()
+        elif isinstance(mod, LinearizableActivation):
+            w = mod.slope.detach() + (1 - mod.slope.detach()) * mod.leak
+        else:
+            w = torch.tensor([getattr(mod, "negative_slope", 0.0)], dtype=x.dtype)
+        shape = [1] * x.ndim
+        shape[1] = -1
+        kinked = (w != 1).view(shape) if w.numel() > 1 else (w != 1)
+        found.append(((x > 0) & kinked).flatten(1))
+
+    for m in net.modules():
+        if isinstance(m, _ACTS):
+            m.register_forward_hook(hook)
+    with torch.no_grad():
+        for chunk in xs.double().split(2048):
+            net(chunk)
+    per_chunk = len(found) // math.ceil(xs.shape[0] / 2048)
+    return torch.cat([torch.cat(found[i : i + per_chunk], 1) for i in range(0, len(found), per_chunk)])
+
+
+def _plain(model: nn.Module, xs: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return copy.deepcopy(model).double().eval()(xs.double()).flatten(1)
+
+
+def _check_against_dense(model, x0, x1, grid=4001, max_grid=100_001):
+    """Every found breakpoint changes the hook pattern, no pattern change inside a region, and
+    the per-region affine maps reproduce the plain forward on the grid."""
+    result = linear_regions(model, x0, x1, batch_size=5)
+    ts = torch.linspace(0, 1, grid, dtype=torch.float64)
+    matched = 0
+    for s in range(x0.shape[0]):
+        d = (x1[s].double() - x0[s].double())
+        path = lambda t: x0[s].double() + t.view(-1, *([1] * d.ndim)) * d  # noqa: E731
+        reg = result.regions(s)
+        assert reg["start"][0] == 0 and torch.all(reg["end"] > reg["start"])
+        # consecutive regions have different patterns (each breakpoint is real)
+        mids = _hook_patterns(model, path((reg["start"] + reg["end"]) / 2))
+        assert torch.all((mids[1:] != mids[:-1]).any(1))
+        # every grid point strictly inside a region has that region's pattern (nothing missed)
+        k = torch.searchsorted(reg["end"], ts, right=True).clamp(max=len(reg["end"]) - 1)
+        inside = ((ts - reg["start"][k]) > 1e-9) & ((reg["end"][k] - ts) > 1e-9)
+        dense = _hook_patterns(model, path(ts))
+        assert torch.equal(dense[inside], mids[k[inside]])
+        # dense sampling fine enough to put 2 points in the shortest region counts as many
+        # regions (runs of equal patterns)
+        fine = math.ceil(2 / (reg["end"] - reg["start"]).min().item()) + 1
+        if fine <= max_grid:
+            fine_patterns = _hook_patterns(model, path(torch.linspace(0, 1, fine, dtype=torch.float64)))
+            runs = int((fine_patterns[1:] != fine_patterns[:-1]).any(1).sum()) + 1
+            assert runs == int(result.count[s])
+            matched += 1
+        # affine maps: f(x(t)) = value + (t - start) * slope
+        f = _plain(model, path(ts))
+        pred = reg["value"][k] + (ts - reg["start"][k])[:, None] * reg["slope"][k]
+        torch.testing.assert_close(pred, f, rtol=1e-9, atol=1e-9)
+    assert matched >= x0.shape[0] // 2, "max_grid too coarse to test the counts"
+    assert result.count.sum() > 3 * x0.shape[0], "too few regions for a meaningful test"
+    return result
+
+
+def _reference_net() -> nn.Module:
+    """f(x) = relu(x) - 2 relu(x - 1) + relu(x - 2)."""
+    net = nn.Sequential(nn.Linear(1, 3), nn.ReLU(), nn.Linear(3, 1))
+    with torch.no_grad():
+        net[0].weight.fill_(1.0)
+        net[0].bias.copy_(torch.tensor([0.0, -1.0, -2.0]))
+        net[2].weight.copy_(torch.tensor([[1.0, -2.0, 1.0]]))
+        net[2].bias.zero_()
+    return net
+
+
+def test_reference_function_hand_values():
+    net = _reference_net()
+    res = linear_regions(net, torch.tensor([[-1.0], [-0.5]]), torch.tensor([[3.0], [1.5]]))
+    assert res.count.tolist() == [4, 3]
+    torch.testing.assert_close(res.breakpoints[0], torch.tensor([0.25, 0.5, 0.75], dtype=torch.float64))
+    torch.testing.assert_close(res.breakpoints[1], torch.tensor([0.25, 0.75], dtype=torch.float64))
+    # integral over x (arc length): 1.0 split 0, .5, .5, 0; and 11/24 = 0.4583
+    per_region = res.deviation(per_region=True)[:, 0]
+    torch.testing.assert_close(per_region[:4], torch.tensor([0.0, 0.5, 0.5, 0.0], dtype=torch.float64))
+    dev = absolute_deviation(net, torch.tensor([[-1.0], [-0.5]]), torch.tensor([[3.0], [1.5]]))
+    torch.testing.assert_close(dev[:, 0], torch.tensor([1.0, 11 / 24], dtype=torch.float64))
+    # over t instead: divided by the segment lengths 4 and 2
+    torch.testing.assert_close(res.deviation(arc_length=False)[:, 0], torch.tensor([0.25, 11 / 48], dtype=torch.float64))
+    # f(x1) from the last region's map
+    torch.testing.assert_close(res.end_value[:, 0], torch.tensor([0.0, 0.5], dtype=torch.float64))
+
+
+def test_mlp_matches_dense_sampling():
+    torch.manual_seed(0)
+    mlp = nn.Sequential(
+        nn.Linear(4, 12), nn.ReLU(), nn.Linear(12, 12), nn.LeakyReLU(0.1),
+        nn.Linear(12, 12), nn.PReLU(12), nn.Linear(12, 3),
+    )
+    x0, x1 = torch.randn(6, 4) * 2, torch.randn(6, 4) * 2
+    _check_against_dense(mlp, x0, x1)
+
+
+class _Residual(nn.Module):
+    def __init__(self, c: int) -> None:
+        super().__init__()
+        self.body = nn.Sequential(
+            nn.Conv2d(c, c, 3, padding=1, groups=2), nn.BatchNorm2d(c), nn.ReLU(inplace=True), nn.Conv2d(c, c, 1)
+        )
+
+    def forward(self, x):
+        return x + self.body(x)
+
+
+def test_cnn_with_residual_bn_pooling_matches_dense_sampling():
+    torch.manual_seed(1)
+    cnn = nn.Sequential(
+        nn.Conv2d(2, 6, 3, stride=2, padding=1), LinearizableActivation("relu", 6),
+        _Residual(6), nn.PReLU(6), nn.AvgPool2d(2),
+        nn.Conv2d(6, 6, 3, padding=1), nn.LeakyReLU(0.2),
+        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(6, 3),
+    )
+    with torch.no_grad():
+        bn = cnn[2].body[1]
+        bn.running_mean.uniform_(-0.5, 0.5)
+        bn.running_var.uniform_(0.5, 2.0)
+        cnn[1].slope.uniform_(0.0, 0.5)
+    cnn.train()  # must be evaluated in eval mode and left as it was
+    x0 = torch.randn(4, 2, 8, 8)
+    x1 = x0 + 0.5 * torch.randn(4, 2, 8, 8)
+    _check_against_dense(cnn, x0, x1, grid=3001)
+    assert cnn.training
+
+
+def test_torchvision_basic_and_bottleneck_blocks_match_dense_sampling():
+    """torchvision blocks: reused in-place ReLU modules, BN (eval), downsampling shortcuts."""
+    from torchvision.models.resnet import BasicBlock, Bottleneck
+
+    torch.manual_seed(2)
+
+    def shortcut(cin, cout):
+        return nn.Sequential(nn.Conv2d(cin, cout, 1, stride=2, bias=False), nn.BatchNorm2d(cout))
+
+    net = nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(inplace=True),
+        BasicBlock(8, 8), BasicBlock(8, 8, stride=2, downsample=shortcut(8, 8)),
+        Bottleneck(8, 4, stride=2, downsample=shortcut(8, 16), base_width=64),
+        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 3),
+    )
+    with torch.no_grad():
+        for m in net.modules():
+            if isinstance(m, nn.BatchNorm2d):
+                m.running_mean.uniform_(-0.2, 0.2)
+                m.running_var.uniform_(0.5, 2.0)
+    x0 = torch.randn(3, 3, 8, 8)
+    x1 = x0 + 0.3 * torch.randn(3, 3, 8, 8)
+    _check_against_dense(net, x0, x1, grid=2001)
+
+
+def test_one_hidden_layer_closed_form_and_linear_channels():
+    """One hidden layer: breakpoints are the roots -a_j / b_j in (0, 1) of kinked channels only;
+    channels with slope 1 (LinearizableActivation) or weight 1 (PReLU) contribute none."""
+    torch.manual_seed(3)
+    for act in (LinearizableActivation("relu", 16, -1), nn.PReLU(16)):
+        net = nn.Sequential(nn.Linear(3, 16), act, nn.Linear(16, 2))
+        linear = torch.zeros(16, dtype=torch.bool)
+        linear[::3] = True
+        with torch.no_grad():
+            (act.slope if isinstance(act, LinearizableActivation) else act.weight)[linear] = 1.0
+        x0, x1 = torch.randn(5, 3) * 3, torch.randn(5, 3) * 3
+        res = linear_regions(net, x0, x1)
+        a = (x0.double() @ net[0].weight.double().T + net[0].bias.double())
+        b = (x1.double() - x0.double()) @ net[0].weight.double().T
+        roots = -a / b
+        for s in range(5):
+            keep = (roots[s] > 0) & (roots[s] < 1) & ~linear
+            torch.testing.assert_close(res.breakpoints[s], roots[s][keep].sort().values)
+            assert res.count[s] == keep.sum() + 1
+        assert ((roots > 0) & (roots < 1) & linear).any(), "no linear channel would have crossed"
+
+
+def test_deviation_matches_quadrature():
+    torch.manual_seed(4)
+    mlp = nn.Sequential(nn.Linear(3, 10), nn.ReLU(), nn.Linear(10, 10), nn.ReLU(), nn.Linear(10, 2))
+    x0, x1 = torch.randn(4, 3) * 2, torch.randn(4, 3) * 2
+    dev = absolute_deviation(mlp, x0, x1)
+    ts = torch.linspace(0, 1, 200_001, dtype=torch.float64)
+    for s in range(4):
+        d = (x1[s].double() - x0[s].double())
+        f = _plain(mlp, x0[s].double() + ts[:, None] * d)
+        chord = f[:1] + ts[:, None] * (f[-1:] - f[:1])
+        quad = torch.trapezoid((f - chord).abs(), ts, dim=0) * d.norm()
+        torch.testing.assert_close(dev[s], quad, rtol=1e-6, atol=1e-9)
+    assert (dev > 1e-3).sum() >= 6, "too few segments with a visible deviation"
+
+
+@pytest.mark.parametrize(
+    "layer, what",
+    [
+        (nn.MaxPool1d(2), "max_pool1d"),
+        (nn.GELU(), "gelu"),
+        (nn.Tanh(), "tanh"),
+        (LinearizableActivation(nn.GELU(), 8, -1), "gelu"),
+    ],
+)
+def test_refuses_non_piecewise_linear(layer, what):
+    net = nn.Sequential(nn.Linear(4, 8), nn.Unflatten(1, (1, 8)), layer, nn.Flatten(), nn.Linear(8 // (2 if "pool" in what else 1), 1))
+    with pytest.raises(ValueError, match=rf"{what}.*module '2"):
+        linear_regions(net, torch.randn(2, 4), torch.randn(2, 4))
+
+
+def test_refuses_functional_max_pool_and_products():
+    class Functional(nn.Module):
+        def __init__(self, square: bool) -> None:
+            super().__init__()
+            self.conv, self.square = nn.Conv2d(1, 2, 3, padding=1), square
+
+        def forward(self, x):
+            y = self.conv(x)
+            return (y * y if self.square else F.max_pool2d(y, 2)).flatten(1)
+
+    x0, x1 = torch.randn(2, 1, 4, 4), torch.randn(2, 1, 4, 4)
+    with pytest.raises(ValueError, match="max_pool2d.*<root>"):
+        linear_regions(Functional(False), x0, x1)
+    with pytest.raises(ValueError, match="two input-dependent"):
+        linear_regions(Functional(True), x0, x1)
+
+
+def test_bad_inputs():
+    net = _reference_net()
+    with pytest.raises(ValueError, match="same shape"):
+        linear_regions(net, torch.zeros(2, 1), torch.zeros(3, 1))
+    with pytest.raises(ValueError, match="NaN"):
+        linear_regions(net, torch.full((1, 1), math.nan), torch.zeros(1, 1))
+    with pytest.raises(TypeError):
+        linear_regions(lambda x: x, torch.zeros(1, 1), torch.ones(1, 1))
+
+
+def test_batching_does_not_change_results():
+    torch.manual_seed(5)
+    mlp = nn.Sequential(nn.Linear(3, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 1))
+    x0, x1 = torch.randn(9, 3) * 3, torch.randn(9, 3) * 3
+    a, b = linear_regions(mlp, x0, x1, batch_size=2), linear_regions(mlp, x0, x1, batch_size=64)
+    assert torch.equal(a.count, b.count) and torch.equal(a.segment, b.segment)
+    torch.testing.assert_close(a.start, b.start)
+    torch.testing.assert_close(a.value, b.value)
+
+
+def test_translation_loops():
+    torch.manual_seed(6)
+    images = torch.rand(2, 3, 16, 20, dtype=torch.float64)
+    x0, x1 = translation_loops(images, n_anchors=8, radius=4)
+    assert x0.shape == (16, 3, 16, 20)
+    # closed loop: each segment ends where the next starts, the last returns to the first
+    assert torch.equal(x1[:7], x0[1:8]) and torch.equal(x1[7], x0[0])
+    # anchor 0: integer shift by 4 px to the right (interior exact)
+    torch.testing.assert_close(x0[0][..., 4:], images[0][..., :-4])
+    # anchor 2: 4 px down
+    torch.testing.assert_close(x0[2][:, 4:, :], images[0][:, :-4, :])
+    # sub-pixel anchor 1 of a horizontal ramp: bilinear is exact, value = col - 4 cos(pi/4)
+    ramp = torch.arange(20, dtype=torch.float64).expand(1, 1, 16, 20).clone()
+    a1 = translation_loops(ramp)[0][1, 0]
+    torch.testing.assert_close(a1[6:-6, 6:-6], ramp[0, 0, 6:-6, 6:-6] - 4 * math.cos(math.pi / 4))
+    with pytest.raises(ValueError):
+        translation_loops(torch.rand(3, 16, 16))
