@@ -48,7 +48,10 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.overrides import TorchFunctionMode
 
-from .conversion import FunctionalActivation, call_model
+from torchvision.models.mobilenetv2 import InvertedResidual
+from torchvision.models.resnet import BasicBlock, Bottleneck, ResNet
+
+from .conversion import CallSites, FunctionalActivation, _reset_call_sites, call_model
 from .unit import LinearizableActivation
 
 __all__ = [
@@ -297,9 +300,8 @@ def _units_of(m: nn.Module) -> list[LinearizableActivation]:
     """Units behind an activation attribute, one per call (a reused unit appears once per call)."""
     if isinstance(m, LinearizableActivation):
         return [m]
-    calls = getattr(m, "calls", None)
-    if isinstance(calls, nn.ModuleList) and all(isinstance(u, LinearizableActivation) for u in calls):
-        return list(calls)
+    if isinstance(m, CallSites) and all(isinstance(u, LinearizableActivation) for u in m.calls):
+        return list(m.calls)
     return []
 
 
@@ -716,12 +718,11 @@ class _Folder:
                 setattr(module, child_name, new)
         if type(module).forward is nn.Sequential.forward and isinstance(module, nn.Sequential):
             return self.fold_sequential(module, name)
-        cls = type(module).__name__
-        if cls == "InvertedResidual" and isinstance(getattr(module, "conv", None), nn.Sequential):
+        if isinstance(module, InvertedResidual):
             return self.fold_inverted_residual(module, name)
-        if cls in ("BasicBlock", "Bottleneck") and hasattr(module, "conv2"):
+        if isinstance(module, (BasicBlock, Bottleneck)):
             return self.fold_resnet_block(module, name)
-        if cls == "ResNet" and hasattr(module, "bn1"):
+        if isinstance(module, ResNet):
             self.fold_bn_attr(module, name, "conv1", "bn1")
         for pattern in FFN_PATTERNS:
             if all(_get(module, p) is not None for p in pattern):
@@ -1123,20 +1124,19 @@ def _replace_units(model: nn.Module, tol: float, summary: FoldSummary) -> nn.Mod
         what = "identity (fully linear)" if isinstance(plain, nn.Identity) else type(plain).__name__
         summary.merged.append(f"{name}: unit replaced by {what}")
     for name, m in list(model.named_modules()):
-        calls = getattr(m, "calls", None)
-        if name and type(m).__name__ == "CallSites" and isinstance(calls, nn.ModuleList):
-            first = calls[0]
+        if name and isinstance(m, CallSites):
+            first = m.calls[0]
             stateless = all(
                 type(c) is type(first) and repr(c) == repr(first) and not list(c.parameters()) and not list(c.buffers())
-                for c in calls
+                for c in m.calls
             )
             if stateless:
                 _set(model, name, first)
     for m in model.modules():
-        if any(type(c).__name__ == "CallSites" for c in m.children()):
+        if any(isinstance(c, CallSites) for c in m.children()):
             continue
         for key, hook in list(m._forward_pre_hooks.items()):
-            if getattr(hook, "__name__", "") == "_reset_call_sites":
+            if hook is _reset_call_sites:
                 del m._forward_pre_hooks[key]
         m.__dict__.pop("_linearize_reset_hook", None)
     return model
