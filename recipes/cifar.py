@@ -1,0 +1,492 @@
+"""Train (and linearize) a ResNet or VGG on CIFAR-10/100 with Accelerate.
+
+    python recipes/cifar.py --data-dir /path/to/cifar10-jpeg.tar.gz --arch resnet20 --output_dir runs/r20
+    accelerate launch --num_processes 2 recipes/cifar.py ...        # N processes / GPUs
+
+Data (``--data-dir``, default ``$LINEARIZE_CIFAR10``): torchvision's CIFAR format
+(``cifar-10-batches-py`` / ``cifar-100-python``; ``--download`` fetches it), an image-folder tree
+``train/<class>/*.jpg`` + ``test/<class>/*.jpg``, or a ``.tar.gz`` of such a tree. Images are
+decoded once into a uint8 tensor cache (``--cache-dir``) so that epochs never decode JPEGs;
+``--subset N`` decodes only N training images. Augmentation (4 px pad + random crop, flip) runs on
+uint8 batches in the training loop, on the device.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import os
+import sys
+import tarfile
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from tqdm.auto import tqdm
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
+
+import linearize  # noqa: E402
+
+RECIPE = "cifar"
+ARCHS = ("resnet18", "resnet34", "resnet50", "resnet20", "resnet56", "vgg11_bn", "vgg16_bn")
+VGG_CFG = {
+    "vgg11_bn": [64, "M", 128, "M", 256, 256, "M", 512, 512, "M", 512, 512, "M"],
+    "vgg16_bn": [64, 64, "M", 128, 128, "M", 256, 256, 256, "M", 512, 512, 512, "M", 512, 512, 512, "M"],
+}
+IMAGE_EXTS = (".jpg", ".jpeg", ".png")
+
+
+# ----------------------------------------------------------------------------- models
+
+
+class CifarResNet(nn.Module):
+    """ResNet-(6n+2) of He et al. (2016) for 32x32 inputs: widths 16, 32, 64, ``n`` blocks each.
+
+    Blocks are torchvision's ``BasicBlock`` (so ``linearize.fold`` knows them), with a 1x1
+    conv + BN projection where the shape changes (option B of the paper).
+    """
+
+    def __init__(self, depth: int, num_classes: int, width: int = 16) -> None:
+        super().__init__()
+        if (depth - 2) % 6:
+            raise ValueError(f"CIFAR ResNet depth must be 6n + 2, got {depth}")
+        n = (depth - 2) // 6
+        self.conv1 = nn.Conv2d(3, width, 3, 1, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(width)
+        self.relu = nn.ReLU()
+        from torchvision.models.resnet import BasicBlock
+
+        layers, cin = [], width
+        for i, w in enumerate((width, 2 * width, 4 * width)):
+            stride = 1 if i == 0 else 2
+            down = None
+            if stride != 1 or cin != w:
+                down = nn.Sequential(nn.Conv2d(cin, w, 1, stride, bias=False), nn.BatchNorm2d(w))
+            blocks = [BasicBlock(cin, w, stride, down)] + [BasicBlock(w, w) for _ in range(n - 1)]
+            layers.append(nn.Sequential(*blocks))
+            cin = w
+        self.layer1, self.layer2, self.layer3 = layers
+        self.pool = nn.AdaptiveAvgPool2d(1)
+        self.fc = nn.Linear(cin, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.relu(self.bn1(self.conv1(x)))
+        x = self.layer3(self.layer2(self.layer1(x)))
+        return self.fc(torch.flatten(self.pool(x), 1))
+
+
+def _vgg(cfg: list, num_classes: int) -> nn.Sequential:
+    layers: list[nn.Module] = []
+    cin = 3
+    for v in cfg:
+        if v == "M":
+            layers.append(nn.MaxPool2d(2))
+        else:
+            layers += [nn.Conv2d(cin, v, 3, padding=1, bias=False), nn.BatchNorm2d(v), nn.ReLU()]
+            cin = v
+    layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(cin, num_classes)]
+    return nn.Sequential(*layers)
+
+
+def build_model(arch: str, num_classes: int) -> nn.Module:
+    """A CIFAR model: torchvision ResNet-18/34/50 with the CIFAR stem (3x3 conv, stride 1, no
+    max-pool), ResNet-20/56 (He et al., width 16) or VGG-11/16 with batch norm (one linear head)."""
+    if arch in ("resnet18", "resnet34", "resnet50"):
+        import torchvision
+
+        model = getattr(torchvision.models, arch)(num_classes=num_classes)
+        model.conv1 = nn.Conv2d(3, 64, 3, 1, 1, bias=False)
+        model.maxpool = nn.Identity()
+        return model
+    if arch in ("resnet20", "resnet56"):
+        return CifarResNet(int(arch[6:]), num_classes)
+    if arch in VGG_CFG:
+        return _vgg(VGG_CFG[arch], num_classes)
+    raise ValueError(f"unknown --arch {arch!r}; choose from {ARCHS}")
+
+
+def load_model(directory: str | Path) -> nn.Module:
+    """Rebuild a model saved by this recipe (``OUTPUT_DIR/model``): the architecture from
+    ``recipe.json``, the units with ``linearize.from_pretrained``, then all weights."""
+    from safetensors.torch import load_file
+
+    directory = Path(directory)
+    meta = json.loads((directory / "recipe.json").read_text())
+    model = build_model(meta["arch"], meta["num_classes"])
+    if meta["linearize"] != "none":
+        example = torch.zeros(2, 3, meta["image_size"], meta["image_size"])
+        model = linearize.from_pretrained(model, directory, example_inputs=example)
+    model.load_state_dict(load_file(str(directory / "model.safetensors")))
+    return model
+
+
+# ----------------------------------------------------------------------------- data
+
+
+def _select(names: list[str], n: int | None) -> list[int]:
+    """Indices of a fixed random subset of ``n`` of ``names`` (seed 0: the same for every run), sorted."""
+    if n is None or n >= len(names):
+        return list(range(len(names)))
+    g = torch.Generator().manual_seed(0)
+    return sorted(torch.randperm(len(names), generator=g)[:n].tolist())
+
+
+def _decode(data: bytes, size: int) -> torch.Tensor:
+    from torchvision.io import ImageReadMode, decode_image
+
+    img = decode_image(torch.frombuffer(bytearray(data), dtype=torch.uint8), mode=ImageReadMode.RGB)
+    if img.shape[-1] != size or img.shape[-2] != size:
+        img = F.interpolate(img[None].float(), size=(size, size), mode="bilinear", antialias=True,
+                            align_corners=False).round().clamp(0, 255).to(torch.uint8)[0]
+    return img
+
+
+def _label_of(path: str, split: str) -> str | None:
+    parts = Path(path).parts
+    for i, p in enumerate(parts[:-2]):
+        if p == split and len(parts) == i + 3 and path.lower().endswith(IMAGE_EXTS):
+            return parts[i + 1]
+    return None
+
+
+def _tensors(items: list[tuple[str, str]], read, split: str, subset: int | None, size: int, show: bool) -> dict:
+    """Decode the selected ``(path, class)`` items with ``read(path) -> bytes`` into uint8 tensors."""
+    if not items:
+        raise FileNotFoundError(f"no images under '{split}/<class>/' ({', '.join(IMAGE_EXTS)})")
+    items.sort()
+    classes = sorted({c for _, c in items})
+    chosen = [items[i] for i in _select([p for p, _ in items], subset)]
+    x = torch.empty(len(chosen), 3, size, size, dtype=torch.uint8)
+    y = torch.empty(len(chosen), dtype=torch.long)
+    for i, (p, c) in enumerate(tqdm(chosen, desc=f"decode {split}", disable=not show, leave=False)):
+        x[i] = _decode(read(p), size)
+        y[i] = classes.index(c)
+    return {"x": x, "y": y, "classes": classes}
+
+
+def _from_tar(path: Path, split: str, subset: int | None, size: int, show: bool) -> dict:
+    """Decode only the selected members of a ``.tar.gz`` image-folder tree (two streaming passes)."""
+    with tarfile.open(path, "r:*") as tar:
+        items = [(m.name, c) for m in tar if m.isfile() and (c := _label_of(m.name, split))]
+    if not items:
+        raise FileNotFoundError(f"{path} holds no '{split}/<class>/*.jpg' images; expected the layout "
+                                "train/<class>/*.jpg and test/<class>/*.jpg")
+    items.sort()
+    wanted = {items[i][0] for i in _select([p for p, _ in items], subset)}
+    blobs: dict[str, bytes] = {}
+    with tarfile.open(path, "r:*") as tar:
+        for m in tar:
+            if m.name in wanted:
+                blobs[m.name] = tar.extractfile(m).read()
+    return _tensors([it for it in items if it[0] in wanted], blobs.__getitem__, split, None, size, show)
+
+
+def _from_folder(root: Path, split: str, subset: int | None, size: int, show: bool) -> dict:
+    base = root / split
+    items = [(str(p.relative_to(root)), p.parent.name) for p in base.glob("*/*") if p.suffix.lower() in IMAGE_EXTS]
+    return _tensors(items, lambda p: (root / p).read_bytes(), split, subset, size, show)
+
+
+def _from_torchvision(root: Path, dataset: str, split: str, subset: int | None, size: int, download: bool) -> dict:
+    import torchvision
+
+    cls = torchvision.datasets.CIFAR10 if dataset == "cifar10" else torchvision.datasets.CIFAR100
+    ds = cls(str(root), train=split == "train", download=download)
+    x = torch.from_numpy(ds.data).permute(0, 3, 1, 2).contiguous()
+    y = torch.tensor(ds.targets, dtype=torch.long)
+    idx = torch.tensor(_select([""] * len(y), subset))
+    x, y = x[idx], y[idx]
+    if size != x.shape[-1]:
+        x = F.interpolate(x.float(), size=(size, size), mode="bilinear", antialias=True,
+                          align_corners=False).round().clamp(0, 255).to(torch.uint8)
+    return {"x": x, "y": y, "classes": list(ds.classes)}
+
+
+def _torchvision_present(root: Path, dataset: str) -> bool:
+    return (root / ("cifar-10-batches-py" if dataset == "cifar10" else "cifar-100-python")).is_dir()
+
+
+def load_split(data: str | Path | None, dataset: str, split: str, subset: int | None, size: int,
+               cache_dir: Path, download: bool = False, show: bool = True) -> dict:
+    """``{"x": uint8 [N, 3, size, size], "y": long [N], "classes": [str]}``, cached as a tensor file.
+
+    The cache key covers the source path, its size and mtime, the split, the subset and the size,
+    so a changed source is decoded again.
+    """
+    if data is None:
+        raise FileNotFoundError("no CIFAR data given: pass --data-dir (or set LINEARIZE_CIFAR10) to torchvision's "
+                                "CIFAR folder (add --download to fetch it), an image-folder tree "
+                                "train/<class>/*.jpg + test/<class>/*.jpg, or a .tar.gz of that tree")
+    path = Path(data).expanduser().resolve()
+    if not path.exists() and not download:
+        raise FileNotFoundError(f"--data-dir {path} does not exist: pass an existing folder or .tar.gz, "
+                                "or add --download to fetch torchvision's CIFAR into it")
+    stat = path.stat() if path.exists() else None
+    key = hashlib.sha256(json.dumps([str(path), stat and stat.st_size, stat and stat.st_mtime, dataset, split,
+                                     subset, size]).encode()).hexdigest()[:20]
+    cache = cache_dir / f"{dataset}-{split}-{key}.pt"
+    if cache.exists():
+        return torch.load(cache)
+    if path.is_file() and tarfile.is_tarfile(path):
+        out = _from_tar(path, split, subset, size, show)
+    elif path.is_dir() and (path / split).is_dir():
+        out = _from_folder(path, split, subset, size, show)
+    elif download or (path.is_dir() and _torchvision_present(path, dataset)):
+        out = _from_torchvision(path, dataset, split, subset, size, download)
+    else:
+        raise FileNotFoundError(
+            f"{path} is not CIFAR data: expected torchvision's '{'cifar-10-batches-py' if dataset == 'cifar10' else 'cifar-100-python'}' "
+            "inside it (or add --download), an image-folder tree train/<class>/*.jpg + test/<class>/*.jpg, "
+            "or a .tar.gz of that tree"
+        )
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    tmp = cache.with_suffix(f".tmp{os.getpid()}")
+    torch.save(out, tmp)
+    tmp.replace(cache)
+    return out
+
+
+class TensorImages(torch.utils.data.Dataset):
+    """uint8 images and labels in memory; ``__getitems__`` fetches a whole batch at once."""
+
+    def __init__(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        self.x, self.y = x, y
+
+    def __len__(self) -> int:
+        return len(self.y)
+
+    def __getitem__(self, i: int):
+        return self.x[i], self.y[i]
+
+    def __getitems__(self, idx: list[int]):
+        idx_t = torch.as_tensor(idx)
+        return self.x[idx_t], self.y[idx_t]
+
+
+def _identity(batch):
+    return batch
+
+
+def augment(x: torch.Tensor, pad: int = 4) -> torch.Tensor:
+    """Random crop after zero padding by ``pad`` pixels and random horizontal flip, per image.
+
+    ``x``: uint8 ``[N, C, H, W]``; uses torch's global RNG on ``x.device``'s default generator.
+    """
+    n, c, h, w = x.shape
+    xp = F.pad(x, (pad, pad, pad, pad))
+    oy = torch.randint(0, 2 * pad + 1, (n,), device=x.device)
+    ox = torch.randint(0, 2 * pad + 1, (n,), device=x.device)
+    rows = (oy[:, None] + torch.arange(h, device=x.device))[:, None, :, None]
+    cols = (ox[:, None] + torch.arange(w, device=x.device))[:, None, None, :]
+    out = xp[torch.arange(n, device=x.device)[:, None, None, None], torch.arange(c, device=x.device)[None, :, None, None],
+             rows, cols]
+    flip = torch.rand(n, device=x.device) < 0.5
+    return torch.where(flip[:, None, None, None], out.flip(3), out)
+
+
+def normalize(x: torch.Tensor, mean: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
+    """uint8 ``[N, 3, H, W]`` -> float, per-channel standardized (mean/std in 0..1 units)."""
+    return (x.float() / 255.0 - mean.view(1, -1, 1, 1)) / std.view(1, -1, 1, 1)
+
+
+# ----------------------------------------------------------------------------- main
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    d = p.add_argument_group("data and model")
+    d.add_argument("--data-dir", "--data_dir", dest="data_dir", default=os.environ.get("LINEARIZE_CIFAR10"),
+                   help="torchvision CIFAR folder, image-folder tree or .tar.gz (default $LINEARIZE_CIFAR10)")
+    d.add_argument("--dataset", choices=["cifar10", "cifar100"], default="cifar10")
+    d.add_argument("--download", action="store_true", help="download torchvision's CIFAR into --data-dir")
+    d.add_argument("--cache-dir", "--cache_dir", dest="cache_dir",
+                   default=os.environ.get("LINEARIZE_CACHE", str(Path.home() / ".cache" / "linearize")),
+                   help="where decoded uint8 tensors are cached")
+    d.add_argument("--subset", type=int, default=None, help="use only N training images (a fixed random subset)")
+    d.add_argument("--eval-subset", "--eval_subset", dest="eval_subset", type=int, default=None,
+                   help="use only N test images")
+    d.add_argument("--image-size", "--image_size", dest="image_size", type=int, default=32)
+    d.add_argument("--arch", choices=ARCHS, default="resnet20")
+    t = p.add_argument_group("training")
+    t.add_argument("--epochs", type=int, default=200)
+    t.add_argument("--batch-size", "--batch_size", dest="batch_size", type=int, default=128,
+                   help="global batch size (split over the processes)")
+    t.add_argument("--eval-batch-size", "--eval_batch_size", dest="eval_batch_size", type=int, default=500)
+    t.add_argument("--lr", type=float, default=0.1, help="peak SGD learning rate (cosine decay to 0)")
+    t.add_argument("--warmup-epochs", "--warmup_epochs", dest="warmup_epochs", type=float, default=0.0)
+    t.add_argument("--weight-decay", "--weight_decay", dest="weight_decay", type=float, default=5e-4)
+    t.add_argument("--label-smoothing", "--label_smoothing", dest="label_smoothing", type=float, default=0.0)
+    common.add_linearize_args(p)
+    common.add_run_args(p)
+    args = p.parse_args(argv)
+    common.check_linearize_args(args)
+    for name in ("subset", "eval_subset"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1")
+    return args
+
+
+def evaluate(model, loader, accelerator, mean, std) -> dict:
+    """Top-1 accuracy and mean loss over the (gathered, de-duplicated) test set; leaves ``model`` in eval mode."""
+    model.eval()
+    correct = total = 0
+    loss_sum = 0.0
+    with torch.no_grad():
+        for x, y in tqdm(loader, desc="eval", disable=not accelerator.is_local_main_process, leave=False):
+            logits = model(normalize(x, mean, std))
+            loss = F.cross_entropy(logits, y, reduction="none")
+            pred, y, loss = accelerator.gather_for_metrics((logits.argmax(1), y, loss))
+            correct += int((pred == y).sum())
+            total += len(y)
+            loss_sum += float(loss.sum())
+    return {"test_accuracy": correct / total, "test_loss": loss_sum / total, "test_images": total}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    start_time = time.time()
+    accelerator = common.make_accelerator(args, split_batches=True)
+    n_proc = accelerator.num_processes
+    if args.batch_size % n_proc or args.eval_batch_size % n_proc:
+        raise ValueError(f"--batch-size {args.batch_size} and --eval-batch-size {args.eval_batch_size} are global "
+                         f"batch sizes and must be multiples of the number of processes ({n_proc})")
+    show = accelerator.is_local_main_process
+    out_dir = Path(args.output_dir)
+
+    with accelerator.main_process_first():
+        kw = dict(cache_dir=Path(args.cache_dir), download=args.download, show=show)
+        train = load_split(args.data_dir, args.dataset, "train", args.subset, args.image_size, **kw)
+        test = load_split(args.data_dir, args.dataset, "test", args.eval_subset, args.image_size, **kw)
+    num_classes = len(train["classes"])
+    if len(train["y"]) < args.batch_size:
+        raise ValueError(f"{len(train['y'])} training images are fewer than one batch ({args.batch_size})")
+    mean = train["x"].float().mean((0, 2, 3)) / 255.0
+    std = train["x"].float().std((0, 2, 3)) / 255.0
+
+    torch.manual_seed(args.seed)
+    model = build_model(args.arch, num_classes)
+    example = torch.zeros(2, 3, args.image_size, args.image_size)
+    model = common.convert_model(model, args, example_inputs=example)
+    fingerprint = common.model_fingerprint(model)
+
+    sampler = common.EpochSampler(len(train["y"]), args.seed)
+    train_loader = torch.utils.data.DataLoader(TensorImages(train["x"], train["y"]), batch_size=args.batch_size,
+                                               sampler=sampler, drop_last=True, collate_fn=_identity)
+    test_loader = torch.utils.data.DataLoader(TensorImages(test["x"], test["y"]), batch_size=args.eval_batch_size,
+                                              shuffle=False, collate_fn=_identity)
+    steps_per_epoch = len(train_loader)
+    total_steps = steps_per_epoch * args.epochs
+    warmup = int(args.warmup_epochs * steps_per_epoch)
+
+    optimizer = torch.optim.SGD(common.param_groups(model, args.weight_decay), lr=args.lr, momentum=0.9, nesterov=True)
+
+    def lr_factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        return 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, total_steps - warmup)))
+
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
+    sparsifier = common.make_sparsifier(model, args, total_steps, optimizer)
+    model, optimizer, train_loader, test_loader = accelerator.prepare(model, optimizer, train_loader, test_loader)
+    accelerator.register_for_checkpointing(scheduler)
+    if sparsifier is not None:
+        accelerator.register_for_checkpointing(sparsifier)
+    mean, std = mean.to(accelerator.device), std.to(accelerator.device)
+
+    step = 0
+    if args.resume_from_checkpoint:
+        path = common.resolve_checkpoint(args.resume_from_checkpoint, out_dir)
+        step = common.load_checkpoint(accelerator, path, fingerprint, RECIPE)
+        accelerator.print(f"resumed from {path} at step {step}")
+    common.init_tracking(accelerator, args, "cifar")
+    last_step = min(total_steps, args.max_steps) if args.max_steps else total_steps
+    accelerator.print(f"{args.arch} on {args.dataset}: {len(train['y'])} train / {len(test['y'])} test images, "
+                      f"{steps_per_epoch} steps/epoch, {total_steps} steps, {n_proc} process(es)")
+
+    bar = tqdm(total=last_step, initial=step, desc="train", disable=not show)
+    model.train()
+    while step < last_step:
+        epoch, skip = divmod(step, steps_per_epoch)
+        sampler.set_epoch(epoch)
+        loader = accelerator.skip_first_batches(train_loader, skip) if skip else train_loader
+        for x, y in loader:
+            common.seed_step(args.seed, step, accelerator.process_index)
+            logits = model(normalize(augment(x), mean, std))
+            loss = F.cross_entropy(logits, y, label_smoothing=args.label_smoothing)
+            accelerator.backward(loss)
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            step += 1
+            bar.update(1)
+            if step % args.log_every == 0 or step == last_step:
+                logs = {"train_loss": loss.item(), "lr": scheduler.get_last_lr()[0], "epoch": epoch,
+                        **common.unit_stats(accelerator.unwrap_model(model), args.tol)}
+                bar.set_postfix(loss=f"{logs['train_loss']:.3f}", nl=f"{logs.get('nonlinear_fraction', 1.0):.3f}")
+                if args.with_tracking:
+                    accelerator.log(logs, step=step)
+                if not math.isfinite(logs["train_loss"]):
+                    raise FloatingPointError(f"training loss is {logs['train_loss']} at step {step}: lower --lr")
+            if args.checkpointing_steps and step % args.checkpointing_steps == 0 and step < last_step:
+                common.save_checkpoint(accelerator, out_dir, step, fingerprint, RECIPE, args.keep_checkpoints)
+            if step >= last_step:
+                break
+    bar.close()
+    common.save_checkpoint(accelerator, out_dir, step, fingerprint, RECIPE, args.keep_checkpoints)
+
+    metrics = {"recipe": RECIPE, "arch": args.arch, "dataset": args.dataset, "steps": step,
+               "total_steps": total_steps, "train_images": len(train["y"])}
+    raw = accelerator.unwrap_model(model)
+    if args.freeze:
+        common.freeze_units(raw, args)  # on every process: the copies stay identical
+    metrics.update(evaluate(model, test_loader, accelerator, mean, std))
+    metrics.update(common.unit_stats(raw, args.tol))
+    if accelerator.is_main_process:
+        history = out_dir / "sparsifier_history.json"
+        if sparsifier is not None:
+            sparsifier.save_history(history)
+        probe = normalize(test["x"][:64].to(accelerator.device), mean, std)
+        if common.has_units(raw):
+            apl = common.average_path_length(raw, probe)
+            if apl is not None:
+                metrics["average_path_length"] = apl
+        save_final(raw, out_dir / "model", args, num_classes, mean, std)
+        common.write_metrics(out_dir, metrics, args, start_time, n_proc, str(accelerator.device))
+        if args.fold or args.report:
+            data = (normalize(test["x"][:128].to(accelerator.device), mean, std), test["y"][:128])
+            metrics.update(common.fold_and_report(raw, args, probe, data, out_dir, history))
+            common.write_metrics(out_dir, metrics, args, start_time, n_proc, str(accelerator.device))
+        accelerator.print(json.dumps({k: v for k, v in metrics.items() if not isinstance(v, dict)}))
+    if args.with_tracking:
+        accelerator.end_training()
+    accelerator.wait_for_everyone()
+    return metrics
+
+
+def save_final(model: nn.Module, directory: Path, args: argparse.Namespace, num_classes: int,
+               mean: torch.Tensor, std: torch.Tensor) -> None:
+    """Weights (``model.safetensors``), the linearize sidecar and ``recipe.json`` (what
+    :func:`load_model` needs to rebuild the model)."""
+    from safetensors.torch import save_file
+
+    directory.mkdir(parents=True, exist_ok=True)
+    if args.linearize != "none":
+        linearize.save_pretrained(model, directory)
+    save_file({k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()},
+              str(directory / "model.safetensors"))
+    meta = {"arch": args.arch, "num_classes": num_classes, "dataset": args.dataset, "image_size": args.image_size,
+            "linearize": args.linearize, "mean": mean.tolist(), "std": std.tolist()}
+    (directory / "recipe.json").write_text(json.dumps(meta, indent=2))
+
+
+if __name__ == "__main__":
+    # run as the module `cifar`, so pickles (folded.pt) name `cifar.CifarResNet`, not `__main__`
+    import cifar
+
+    cifar.main()

@@ -1,0 +1,452 @@
+"""Train (and linearize the FFN activations of) a Transformer for translation with Accelerate.
+
+    python recipes/wmt14.py --train-file train.jsonl.gz --validation-file validation.jsonl.gz \\
+        --test-file test.jsonl.gz --model-size small --output_dir runs/mt
+    accelerate launch recipes/wmt14.py --dataset wmt14 --dataset-config de-en --model-size base ...
+
+The model is Transformer-base of Vaswani et al. (6+6 layers, d_model 512, 8 heads, FFN 2048,
+ReLU, shared embeddings, dropout 0.1, label smoothing 0.1, inverse-sqrt LR with warm-up) built
+as a Hugging Face ``MarianMTModel`` from a config, so ``generate`` with beam search works.
+Presets ``--model-size base|small|tiny``. The tokenizer is a joint BPE trained with
+``tokenizers`` on the training pairs (saved with the model), or ``--tokenizer DIR``.
+Evaluation: detokenized sacreBLEU on the test split (beam 4, length penalty 0.6), with its
+signature printed and saved in ``metrics.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from tqdm.auto import tqdm
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
+
+import linearize  # noqa: E402
+
+RECIPE = "wmt14"
+PRESETS = {  # layers, d_model, heads, ffn, peak lr, warm-up steps
+    "base": dict(layers=6, d_model=512, heads=8, ffn=2048, lr=7e-4, warmup=4000),
+    "small": dict(layers=3, d_model=256, heads=4, ffn=1024, lr=1e-3, warmup=800),
+    "tiny": dict(layers=1, d_model=64, heads=2, ffn=128, lr=1e-3, warmup=10),
+}
+SPECIALS = ("<pad>", "</s>", "<unk>")  # ids 0, 1, 2
+PAD, EOS = 0, 1
+
+
+# ----------------------------------------------------------------------------- data
+
+
+def _builder(path: str) -> str:
+    name = path.lower()
+    if name.endswith((".jsonl", ".json", ".jsonl.gz", ".json.gz")):
+        return "json"
+    if name.endswith(".parquet"):
+        return "parquet"
+    raise ValueError(f"{path}: expected a .jsonl(.gz) or .parquet file in the WMT layout "
+                     '{"translation": {"de": ..., "en": ...}}')
+
+
+def load_pairs(args: argparse.Namespace) -> dict[str, list[tuple[str, str]]]:
+    """``{split: [(source, target)]}`` for the splits present (train, validation, test)."""
+    import datasets
+
+    files = {k: v for k, v in (("train", args.train_file), ("validation", args.validation_file),
+                               ("test", args.test_file)) if v}
+    if files:
+        for split, f in files.items():
+            if not Path(f).is_file():
+                raise FileNotFoundError(f"--{split}-file {f} does not exist (expected JSONL/Parquet with "
+                                        '{"translation": {"<src>": ..., "<tgt>": ...}} per row)')
+        builders = {_builder(f) for f in files.values()}
+        if len(builders) > 1:
+            raise ValueError("--train-file/--validation-file/--test-file must share one format (JSONL or Parquet)")
+        raw = datasets.load_dataset(builders.pop(), data_files=files)
+    elif args.dataset:
+        raw = datasets.load_dataset(args.dataset, args.dataset_config)
+    else:
+        raise FileNotFoundError("no data: pass --train-file/--validation-file/--test-file (JSONL or Parquet, rows "
+                                '{"translation": {"de": ..., "en": ...}}; e.g. $LINEARIZE_MULTI30K/train.jsonl.gz) '
+                                "or --dataset wmt14 --dataset-config de-en (needs the hub)")
+    if "train" not in raw:
+        raise ValueError(f"the data has no train split (found {list(raw)})")
+    src, tgt = args.source_lang, args.target_lang
+    out = {}
+    for split in ("train", "validation", "test"):
+        if split not in raw:
+            continue
+        ds = raw[split]
+        if "translation" not in ds.column_names:
+            raise ValueError(f"{split} rows have columns {ds.column_names}; expected a 'translation' column "
+                             '{"<src>": ..., "<tgt>": ...}')
+        limit = args.max_train_samples if split == "train" else args.max_eval_samples
+        if limit is not None:
+            ds = ds.select(range(min(limit, len(ds))))
+        rows = ds["translation"]
+        langs = set(rows[0]) if rows else set()
+        if src not in langs or tgt not in langs:
+            raise ValueError(f"language pair {src}-{tgt} is not in the {split} data, which holds "
+                             f"{sorted(langs)}: choose --source-lang/--target-lang from these")
+        out[split] = [(r[src], r[tgt]) for r in rows]
+    return out
+
+
+def train_tokenizer(pairs: list[tuple[str, str]], vocab_size: int, show: bool):
+    """Joint BPE (``tokenizers``) on source and target training text; ``</s>`` appended on encode."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.normalizer = normalizers.NFKC()
+    tok.pre_tokenizer = pre_tokenizers.Metaspace()
+    tok.decoder = decoders.Metaspace()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(SPECIALS), min_frequency=2,
+                                  show_progress=show)
+    tok.train_from_iterator((s for pair in pairs for s in pair), trainer=trainer, length=2 * len(pairs))
+    tok.post_processor = processors.TemplateProcessing(single="$A </s>", special_tokens=[("</s>", EOS)])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="</s>", unk_token="<unk>")
+
+
+def load_tokenizer(path: str | Path):
+    from transformers import PreTrainedTokenizerFast
+
+    path = Path(path)
+    if not (path / "tokenizer.json").is_file():
+        raise FileNotFoundError(f"--tokenizer {path} holds no tokenizer.json (a folder written by save_pretrained)")
+    tok = PreTrainedTokenizerFast.from_pretrained(str(path))
+    if tok.pad_token_id != PAD or tok.eos_token_id != EOS:
+        raise ValueError(f"tokenizer {path} must have <pad> = {PAD} and </s> = {EOS} "
+                         f"(got {tok.pad_token_id}, {tok.eos_token_id})")
+    return tok
+
+
+def encode(tokenizer, pairs: list[tuple[str, str]], max_length: int) -> list[tuple[list[int], list[int]]]:
+    """Token ids (ending in ``</s>``, truncated to ``max_length``) of each pair."""
+    kw = dict(truncation=True, max_length=max_length)
+    src = tokenizer([s for s, _ in pairs], **kw)["input_ids"]
+    tgt = tokenizer([t for _, t in pairs], **kw)["input_ids"]
+    return list(zip(src, tgt))
+
+
+def token_batches(lengths: list[int], max_tokens: int, order: list[int]) -> list[list[int]]:
+    """Greedy batches of indices in ``order`` such that ``len(batch) * max length <= max_tokens``."""
+    batches, cur, cur_max = [], [], 0
+    for i in order:
+        m = max(cur_max, lengths[i])
+        if cur and m * (len(cur) + 1) > max_tokens:
+            batches.append(cur)
+            cur, m = [], lengths[i]
+        cur.append(i)
+        cur_max = m
+    if cur:
+        batches.append(cur)
+    return batches
+
+
+class TokenBatchSampler:
+    """Batches of similar length holding at most ``max_tokens`` padded tokens; the order within
+    equal lengths and the batch order depend only on ``(seed, epoch)``."""
+
+    drop_last = True  # accelerate: drop an incomplete last round instead of repeating batches
+
+    def __init__(self, lengths: list[int], max_tokens: int, seed: int) -> None:
+        if max(lengths) > max_tokens:
+            raise ValueError(f"--max-tokens {max_tokens} is below the longest sequence ({max(lengths)} tokens): "
+                             "raise it or lower --max-length")
+        self.lengths, self.max_tokens, self.seed, self.epoch = lengths, max_tokens, seed, 0
+        self._n = len(self._batches())
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def _batches(self) -> list[list[int]]:
+        g = torch.Generator().manual_seed(self.seed * 10_007 + self.epoch)
+        noise = torch.rand(len(self.lengths), generator=g).tolist()
+        order = sorted(range(len(self.lengths)), key=lambda i: (self.lengths[i], noise[i]))
+        batches = token_batches(self.lengths, self.max_tokens, order)
+        perm = torch.randperm(len(batches), generator=g).tolist()
+        return [batches[i] for i in perm]
+
+    def __iter__(self):
+        return iter(self._batches())
+
+    def __len__(self) -> int:
+        return self._n
+
+
+def collate(batch: list[tuple[list[int], list[int]]]) -> dict[str, torch.Tensor]:
+    """Pad a list of ``(src_ids, tgt_ids)``: ``input_ids``/``attention_mask`` [B, S],
+    ``decoder_input_ids`` [B, T] (``<pad>`` then the target shifted right), ``labels`` [B, T] (-100 = pad)."""
+    s_len = max(len(s) for s, _ in batch)
+    t_len = max(len(t) for _, t in batch)
+    ids = torch.full((len(batch), s_len), PAD)
+    labels = torch.full((len(batch), t_len), -100)
+    for i, (s, t) in enumerate(batch):
+        ids[i, : len(s)] = torch.tensor(s)
+        labels[i, : len(t)] = torch.tensor(t)
+    dec = torch.full_like(labels, PAD)
+    dec[:, 1:] = labels[:, :-1].clamp(min=PAD)  # -100 (pad) -> <pad>
+    return {"input_ids": ids, "attention_mask": (ids != PAD).long(), "decoder_input_ids": dec, "labels": labels}
+
+
+# ----------------------------------------------------------------------------- model
+
+
+def build_model(size: str, vocab_size: int, max_positions: int = 512) -> nn.Module:
+    """A ``MarianMTModel`` from a config: post-LN Transformer with ReLU FFNs, sinusoidal positions,
+    shared source/target/output embeddings, dropout 0.1."""
+    from transformers import GenerationConfig, MarianConfig, MarianMTModel
+
+    p = PRESETS[size]
+    config = MarianConfig(
+        vocab_size=vocab_size, d_model=p["d_model"], encoder_layers=p["layers"], decoder_layers=p["layers"],
+        encoder_attention_heads=p["heads"], decoder_attention_heads=p["heads"], encoder_ffn_dim=p["ffn"],
+        decoder_ffn_dim=p["ffn"], activation_function="relu", dropout=0.1, attention_dropout=0.1,
+        activation_dropout=0.0, max_position_embeddings=max_positions, scale_embedding=True,
+        pad_token_id=PAD, eos_token_id=EOS, decoder_start_token_id=PAD, forced_eos_token_id=EOS,
+        share_encoder_decoder_embeddings=True, tie_word_embeddings=True,
+    )
+    model = MarianMTModel(config)
+    model.generation_config = GenerationConfig(decoder_start_token_id=PAD, eos_token_id=EOS, pad_token_id=PAD,
+                                               bad_words_ids=[[PAD]], max_length=max_positions)
+    return model
+
+
+def example_inputs(batch: int = 2, length: int = 8) -> dict[str, torch.Tensor]:
+    """A probe input for ``linearize.convert`` (token ids of ``<unk>``)."""
+    ids = torch.full((batch, length), 2)
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "decoder_input_ids": ids}
+
+
+def load_model(directory: str | Path) -> tuple[nn.Module, object]:
+    """``(model, tokenizer)`` saved by this recipe (``OUTPUT_DIR/model``)."""
+    from transformers import MarianMTModel, PreTrainedTokenizerFast
+
+    directory = Path(directory)
+    meta = json.loads((directory / "recipe.json").read_text())
+    model = MarianMTModel.from_pretrained(str(directory))
+    if meta["linearize"] != "none":
+        model = linearize.from_pretrained(model, directory, example_inputs=example_inputs())
+    return model, PreTrainedTokenizerFast.from_pretrained(str(directory))
+
+
+# ----------------------------------------------------------------------------- evaluation
+
+
+@torch.no_grad()
+def translate(model, tokenizer, encoded: list[tuple[list[int], list[int]]], accelerator, args) -> list[str]:
+    """Beam-search translations of every source (sharded over processes, gathered in order); leaves
+    ``model`` in eval mode."""
+    from accelerate.utils import gather_object
+
+    model = accelerator.unwrap_model(model)
+    model.eval()
+    lengths = [len(s) for s, _ in encoded]
+    order = sorted(range(len(encoded)), key=lambda i: lengths[i])
+    batches = token_batches(lengths, args.eval_max_tokens, order)[accelerator.process_index::accelerator.num_processes]
+    out: list[tuple[int, str]] = []
+    for idx in tqdm(batches, desc="translate", disable=not accelerator.is_local_main_process, leave=False):
+        batch = collate([encoded[i] for i in idx])
+        src = batch["input_ids"].to(accelerator.device)
+        gen = model.generate(input_ids=src, attention_mask=batch["attention_mask"].to(accelerator.device),
+                             num_beams=args.num_beams, length_penalty=args.length_penalty, early_stopping=True,
+                             max_new_tokens=int(1.5 * src.shape[1]) + 10)
+        out += list(zip(idx, tokenizer.batch_decode(gen, skip_special_tokens=True)))
+    found = dict(gather_object(out))
+    return [found[i].strip() for i in range(len(encoded))]
+
+
+def bleu(hypotheses: list[str], references: list[str], target_lang: str) -> dict:
+    """Detokenized corpus sacreBLEU with its signature."""
+    import sacrebleu
+
+    metric = sacrebleu.BLEU(trg_lang=target_lang)
+    score = metric.corpus_score(hypotheses, [references])
+    return {"bleu": round(score.score, 2), "bleu_signature": str(metric.get_signature()), "bleu_detail": str(score)}
+
+
+# ----------------------------------------------------------------------------- main
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    d = p.add_argument_group("data")
+    d.add_argument("--dataset", default=None, help="a datasets hub name, e.g. wmt14")
+    d.add_argument("--dataset-config", "--dataset_config", dest="dataset_config", default=None, help="e.g. de-en")
+    for split in ("train", "validation", "test"):
+        d.add_argument(f"--{split}-file", f"--{split}_file", dest=f"{split}_file", default=None,
+                       help=f"local {split} JSONL(.gz)/Parquet with {{'translation': {{src, tgt}}}} rows")
+    d.add_argument("--source-lang", "--source_lang", dest="source_lang", default="en")
+    d.add_argument("--target-lang", "--target_lang", dest="target_lang", default="de")
+    d.add_argument("--max-train-samples", "--max_train_samples", dest="max_train_samples", type=int, default=None)
+    d.add_argument("--max-eval-samples", "--max_eval_samples", dest="max_eval_samples", type=int, default=None)
+    d.add_argument("--max-length", "--max_length", dest="max_length", type=int, default=128,
+                   help="truncate sentences to this many tokens")
+    d.add_argument("--tokenizer", default=None, help="a tokenizer folder; default: train a joint BPE")
+    d.add_argument("--vocab-size", "--vocab_size", dest="vocab_size", type=int, default=8000)
+    m = p.add_argument_group("model and training")
+    m.add_argument("--model-size", "--model_size", dest="model_size", choices=list(PRESETS), default="base")
+    m.add_argument("--epochs", type=int, default=10)
+    m.add_argument("--max-tokens", "--max_tokens", dest="max_tokens", type=int, default=3000,
+                   help="padded tokens per batch and process")
+    m.add_argument("--eval-max-tokens", "--eval_max_tokens", dest="eval_max_tokens", type=int, default=6000)
+    m.add_argument("--lr", type=float, default=None, help="peak learning rate (default: the preset's)")
+    m.add_argument("--warmup-steps", "--warmup_steps", dest="warmup_steps", type=int, default=None,
+                   help="inverse-sqrt warm-up steps (default: the preset's)")
+    m.add_argument("--weight-decay", "--weight_decay", dest="weight_decay", type=float, default=0.0)
+    m.add_argument("--label-smoothing", "--label_smoothing", dest="label_smoothing", type=float, default=0.1)
+    m.add_argument("--clip-grad", "--clip_grad", dest="clip_grad", type=float, default=1.0)
+    m.add_argument("--num-beams", "--num_beams", dest="num_beams", type=int, default=4)
+    m.add_argument("--length-penalty", "--length_penalty", dest="length_penalty", type=float, default=0.6)
+    common.add_linearize_args(p)
+    common.add_run_args(p)
+    args = p.parse_args(argv)
+    common.check_linearize_args(args)
+    preset = PRESETS[args.model_size]
+    args.lr = preset["lr"] if args.lr is None else args.lr
+    args.warmup_steps = preset["warmup"] if args.warmup_steps is None else args.warmup_steps
+    if args.source_lang == args.target_lang:
+        p.error("--source-lang and --target-lang must differ")
+    return args
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    start_time = time.time()
+    accelerator = common.make_accelerator(args, split_batches=False)
+    show = accelerator.is_local_main_process
+    out_dir = Path(args.output_dir)
+
+    with accelerator.main_process_first():
+        pairs = load_pairs(args)
+        tok_dir = Path(args.tokenizer) if args.tokenizer else out_dir / "tokenizer"
+        if args.tokenizer is None and accelerator.is_main_process and not (tok_dir / "tokenizer.json").is_file():
+            train_tokenizer(pairs["train"], args.vocab_size, show).save_pretrained(str(tok_dir))
+    tokenizer = load_tokenizer(tok_dir)
+    train = encode(tokenizer, pairs["train"], args.max_length)
+    eval_split = "test" if "test" in pairs else "validation" if "validation" in pairs else None
+    if eval_split is None:
+        raise ValueError("no test or validation split to evaluate on: pass --test-file")
+
+    torch.manual_seed(args.seed)
+    model = build_model(args.model_size, len(tokenizer), max_positions=max(512, 2 * args.max_length + 16))
+    model = common.convert_model(model, args, example_inputs=example_inputs())
+    vocab_hash = hashlib.sha256(json.dumps(sorted(tokenizer.get_vocab().items())).encode()).hexdigest()[:8]
+    fingerprint = f"{common.model_fingerprint(model)}-{vocab_hash}"
+
+    sampler = TokenBatchSampler([max(len(s), len(t)) for s, t in train], args.max_tokens, args.seed)
+    train_loader = torch.utils.data.DataLoader(train, batch_sampler=sampler, collate_fn=collate)
+    optimizer = torch.optim.AdamW(common.param_groups(model, args.weight_decay), lr=args.lr, betas=(0.9, 0.98),
+                                  eps=1e-9)
+    model, optimizer, train_loader = accelerator.prepare(model, optimizer, train_loader)
+    steps_per_epoch = len(train_loader)
+    if steps_per_epoch == 0:
+        raise ValueError(f"{len(train)} training pairs give no batch per process: lower the number of processes "
+                         "or --max-tokens, or use more data")
+    total_steps = steps_per_epoch * args.epochs
+    warmup = max(1, args.warmup_steps)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer.optimizer, lambda s: min((s + 1) / warmup, math.sqrt(warmup / (s + 1))))
+    sparsifier = common.make_sparsifier(accelerator.unwrap_model(model), args, total_steps, optimizer)
+    accelerator.register_for_checkpointing(scheduler)
+    if sparsifier is not None:
+        accelerator.register_for_checkpointing(sparsifier)
+
+    step = 0
+    if args.resume_from_checkpoint:
+        path = common.resolve_checkpoint(args.resume_from_checkpoint, out_dir)
+        step = common.load_checkpoint(accelerator, path, fingerprint, RECIPE)
+        accelerator.print(f"resumed from {path} at step {step}")
+    common.init_tracking(accelerator, args, "wmt14")
+    last_step = min(total_steps, args.max_steps) if args.max_steps else total_steps
+    accelerator.print(f"{args.model_size} Transformer, {args.source_lang}->{args.target_lang}: {len(train)} pairs, "
+                      f"vocab {len(tokenizer)}, {steps_per_epoch} steps/epoch, {total_steps} steps, "
+                      f"{accelerator.num_processes} process(es)")
+
+    bar = tqdm(total=last_step, initial=step, desc="train", disable=not show)
+    model.train()
+    while step < last_step:
+        epoch, skip = divmod(step, steps_per_epoch)
+        sampler.set_epoch(epoch)
+        loader = accelerator.skip_first_batches(train_loader, skip) if skip else train_loader
+        for batch in loader:
+            common.seed_step(args.seed, step, accelerator.process_index)
+            labels = batch.pop("labels")
+            logits = model(**batch).logits
+            loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100,
+                                   label_smoothing=args.label_smoothing)
+            accelerator.backward(loss)
+            if args.clip_grad:
+                accelerator.clip_grad_norm_(model.parameters(), args.clip_grad)
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            step += 1
+            bar.update(1)
+            if step % args.log_every == 0 or step == last_step:
+                logs = {"train_loss": loss.item(), "lr": scheduler.get_last_lr()[0], "epoch": epoch,
+                        **common.unit_stats(accelerator.unwrap_model(model), args.tol)}
+                bar.set_postfix(loss=f"{logs['train_loss']:.3f}", nl=f"{logs.get('nonlinear_fraction', 1.0):.3f}")
+                if args.with_tracking:
+                    accelerator.log(logs, step=step)
+                if not math.isfinite(logs["train_loss"]):
+                    raise FloatingPointError(f"training loss is {logs['train_loss']} at step {step}: lower --lr")
+            if args.checkpointing_steps and step % args.checkpointing_steps == 0 and step < last_step:
+                common.save_checkpoint(accelerator, out_dir, step, fingerprint, RECIPE, args.keep_checkpoints)
+            if step >= last_step:
+                break
+    bar.close()
+    common.save_checkpoint(accelerator, out_dir, step, fingerprint, RECIPE, args.keep_checkpoints)
+
+    raw = accelerator.unwrap_model(model)
+    if args.freeze:
+        common.freeze_units(raw, args)
+    evaluated = encode(tokenizer, pairs[eval_split], args.max_length)
+    hyps = translate(model, tokenizer, evaluated, accelerator, args)
+    metrics = {"recipe": RECIPE, "model_size": args.model_size, "pair": f"{args.source_lang}-{args.target_lang}",
+               "steps": step, "total_steps": total_steps, "train_pairs": len(train), "eval_split": eval_split,
+               "eval_pairs": len(hyps), "num_beams": args.num_beams, "length_penalty": args.length_penalty,
+               **bleu(hyps, [t for _, t in pairs[eval_split]], args.target_lang),
+               **common.unit_stats(raw, args.tol)}
+    if accelerator.is_main_process:
+        history = out_dir / "sparsifier_history.json"
+        if sparsifier is not None:
+            sparsifier.save_history(history)
+        accelerator.print(f"sacreBLEU {metrics['bleu']}  ({metrics['bleu_signature']})")
+        (out_dir / f"{eval_split}_hypotheses.txt").write_text("\n".join(hyps) + "\n")
+        save_final(raw, tokenizer, out_dir / "model", args)
+        common.write_metrics(out_dir, metrics, args, start_time, accelerator.num_processes, str(accelerator.device))
+        if args.fold or args.report:
+            probe = {k: v.to(accelerator.device) for k, v in collate(evaluated[:16]).items() if k != "labels"}
+            metrics.update(common.fold_and_report(raw, args, probe, probe, out_dir, history))
+            common.write_metrics(out_dir, metrics, args, start_time, accelerator.num_processes, str(accelerator.device))
+        accelerator.print(json.dumps({k: v for k, v in metrics.items() if not isinstance(v, dict)}))
+    if args.with_tracking:
+        accelerator.end_training()
+    accelerator.wait_for_everyone()
+    return metrics
+
+
+def save_final(model: nn.Module, tokenizer, directory: Path, args: argparse.Namespace) -> None:
+    """HF weights + tokenizer, the linearize sidecar and ``recipe.json`` (see :func:`load_model`)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(directory))
+    tokenizer.save_pretrained(str(directory))
+    if args.linearize != "none":
+        linearize.save_pretrained(model, directory)
+    meta = {"model_size": args.model_size, "source_lang": args.source_lang, "target_lang": args.target_lang,
+            "linearize": args.linearize}
+    (directory / "recipe.json").write_text(json.dumps(meta, indent=2))
+
+
+if __name__ == "__main__":
+    main()

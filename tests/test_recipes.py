@@ -1,0 +1,230 @@
+"""End-to-end smoke runs of the Accelerate recipes on the real data (tiny subsets, this CPU).
+
+Each recipe runs as a subprocess, with plain ``python`` and with ``accelerate launch --multi_gpu
+--num_processes 2`` (real DDP over gloo on the CPU). Checked: metrics.json contents, the saved model loads
+back, an interrupted + resumed run ends with the same slopes (and weights) as an uninterrupted
+one, 1 and 2 processes reach the same nonlinear fraction, and bad input fails with a clear error.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+REPO = Path(__file__).resolve().parents[1]
+RECIPES = REPO / "recipes"
+sys.path.insert(0, str(RECIPES))
+
+CIFAR = Path(os.environ.get("LINEARIZE_CIFAR10", "/work/shared/data/cifar10-jpeg.tar.gz"))
+MULTI30K = Path(os.environ.get("LINEARIZE_MULTI30K", "/work/shared/data/multi30k"))
+needs_cifar = pytest.mark.skipif(not CIFAR.exists(), reason=f"real CIFAR-10 images not found at {CIFAR} "
+                                 "(set LINEARIZE_CIFAR10 to the .tar.gz or image folder)")
+needs_multi30k = pytest.mark.skipif(not (MULTI30K / "train.jsonl.gz").exists(),
+                                    reason=f"Multi30k JSONL not found under {MULTI30K} (set LINEARIZE_MULTI30K)")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_recipe(script: str, args: list[str], processes: int = 1) -> None:
+    """Run a recipe in a subprocess (``accelerate launch`` for several processes); fail with its log."""
+    if processes == 1:
+        cmd = [sys.executable, str(RECIPES / script)]
+    else:
+        # `accelerate launch --cpu --num_processes N` starts ONE process unless mpirun is set up
+        # (accelerate 1.x); --multi_gpu goes through torchrun and gives N gloo processes on a CPU.
+        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(processes),
+               "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+               "--main_process_port", str(_free_port()), str(RECIPES / script)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TQDM_DISABLE": "1", "HF_DATASETS_DISABLE_PROGRESS_BARS": "1"}
+    proc = subprocess.run(cmd + args, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    if proc.returncode != 0:
+        pytest.fail(f"{' '.join(cmd + args)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+
+
+def metrics(run: Path) -> dict:
+    return json.loads((run / "metrics.json").read_text())
+
+
+def slopes(run: Path) -> dict[str, torch.Tensor]:
+    return {k: v for k, v in load_file(str(run / "model" / "linearize_units.safetensors")).items()
+            if k.endswith(".slope")}
+
+
+def assert_same_tensors(a: dict, b: dict, atol: float = 1e-6) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], atol=atol, rtol=0, equal_nan=True, msg=lambda m: f"{k}: {m}")
+
+
+# ----------------------------------------------------------------------------- CIFAR
+
+
+@pytest.fixture(scope="module")
+def cifar_args(tmp_path_factory) -> list[str]:
+    cache = tmp_path_factory.mktemp("cifar-cache")
+    return ["--data-dir", str(CIFAR), "--cache-dir", str(cache), "--subset", "256", "--eval-subset", "128",
+            "--image-size", "16", "--arch", "resnet20", "--batch-size", "32", "--eval-batch-size", "64",
+            "--epochs", "1", "--lr", "0.05", "--schedule", "early", "--target", "0.25", "--ramp-end", "0.75",
+            "--log-every", "2"]
+
+
+@pytest.fixture(scope="module")
+def cifar_full(cifar_args, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("cifar-full")
+    run_recipe("cifar.py", cifar_args + ["--output_dir", str(out), "--fold", "--report"])
+    return out
+
+
+@needs_cifar
+def test_cifar_metrics_and_model(cifar_full):
+    m = metrics(cifar_full)
+    assert m["steps"] == m["total_steps"] == 8  # 256 images / batch 32, one epoch
+    assert m["train_images"] == 256 and m["test_images"] == 128
+    assert 0.0 <= m["test_accuracy"] <= 1.0 and m["test_loss"] > 0
+    # the target schedule holds exactly round(0.25 * C) nonlinear channels after --ramp-end
+    assert m["units_nonlinear"] == round(0.25 * m["units_total"])
+    assert m["nonlinear_fraction"] == pytest.approx(0.25, abs=1 / m["units_total"])
+    assert "cifar.py" in m["command"] and m["versions"]["torch"] == torch.__version__
+    assert m["wall_time_s"] > 0 and m["num_processes"] == 1
+
+    import cifar
+
+    model = cifar.load_model(cifar_full / "model")
+    import linearize
+
+    loaded = {f"{n}.slope": u.slope.detach() for n, u in linearize.units(model)}
+    assert_same_tensors(loaded, slopes(cifar_full), atol=0)
+    assert linearize.nonlinear_fraction(model) == pytest.approx(m["nonlinear_fraction"])
+
+    # --fold: a plain model with the same function; --report: the report files
+    folded = torch.load(cifar_full / "folded.pt", weights_only=False).eval()
+    x = torch.randn(4, 3, 16, 16, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(folded(x), model.eval()(x), rtol=1e-4, atol=1e-4)
+    assert m["fold"]["params_after"] <= m["fold"]["params_before"]
+    assert json.loads((cifar_full / "report" / "report.json").read_text())
+
+
+@needs_cifar
+def test_cifar_resume_matches_uninterrupted(cifar_args, cifar_full, tmp_path):
+    out = tmp_path / "run"
+    run_recipe("cifar.py", cifar_args + ["--output_dir", str(out), "--max-steps", "3"])
+    assert metrics(out)["steps"] == 3
+    run_recipe("cifar.py", cifar_args + ["--output_dir", str(out), "--resume_from_checkpoint", "latest"])
+    assert metrics(out)["steps"] == 8
+    assert_same_tensors(slopes(out), slopes(cifar_full))
+    assert_same_tensors(load_file(str(out / "model" / "model.safetensors")),
+                        load_file(str(cifar_full / "model" / "model.safetensors")), atol=1e-5)
+
+
+@needs_cifar
+def test_cifar_two_processes(cifar_args, cifar_full, tmp_path):
+    run_recipe("cifar.py", cifar_args + ["--output_dir", str(tmp_path)], processes=2)
+    one, two = metrics(cifar_full), metrics(tmp_path)
+    assert two["num_processes"] == 2 and two["steps"] == one["steps"]
+    assert two["test_images"] == one["test_images"] == 128  # gather_for_metrics drops no / adds no image
+    assert two["nonlinear_fraction"] == pytest.approx(one["nonlinear_fraction"], abs=0.02)
+
+
+# ----------------------------------------------------------------------------- WMT (Multi30k)
+
+
+@pytest.fixture(scope="module")
+def wmt_args() -> list[str]:
+    return ["--train-file", str(MULTI30K / "train.jsonl.gz"), "--test-file", str(MULTI30K / "test.jsonl.gz"),
+            "--max-train-samples", "200", "--max-eval-samples", "8", "--model-size", "tiny", "--vocab-size", "400",
+            "--max-tokens", "800", "--epochs", "1", "--num-beams", "2", "--schedule", "early",
+            "--target", "0.25", "--ramp-end", "0.6", "--log-every", "2"]
+
+
+@pytest.fixture(scope="module")
+def wmt_full(wmt_args, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("wmt-full")
+    run_recipe("wmt14.py", wmt_args + ["--output_dir", str(out)])
+    return out
+
+
+@needs_multi30k
+def test_wmt_metrics_and_model(wmt_full):
+    m = metrics(wmt_full)
+    assert m["eval_pairs"] == 8 and m["train_pairs"] == 200 and m["steps"] == m["total_steps"] > 3
+    assert 0.0 <= m["bleu"] <= 100.0
+    assert m["bleu_signature"].startswith("nrefs:1|case:mixed|eff:no|tok:13a")
+    assert m["units_nonlinear"] == round(0.25 * m["units_total"])
+    assert len((wmt_full / "test_hypotheses.txt").read_text().splitlines()) == 8
+
+    import linearize
+    import wmt14
+
+    model, tokenizer = wmt14.load_model(wmt_full / "model")
+    loaded = {f"{n}.slope": u.slope.detach() for n, u in linearize.units(model)}
+    assert_same_tensors(loaded, slopes(wmt_full), atol=0)
+    assert tokenizer("a dog").input_ids[-1] == wmt14.EOS
+
+
+@needs_multi30k
+def test_wmt_resume_and_two_processes(wmt_args, wmt_full, tmp_path):
+    out = tmp_path / "run"
+    run_recipe("wmt14.py", wmt_args + ["--output_dir", str(out), "--max-steps", "2"])
+    run_recipe("wmt14.py", wmt_args + ["--output_dir", str(out), "--resume_from_checkpoint", "latest"])
+    assert metrics(out)["steps"] == metrics(wmt_full)["steps"]
+    assert_same_tensors(slopes(out), slopes(wmt_full))
+
+    two = tmp_path / "two"
+    run_recipe("wmt14.py", wmt_args + ["--output_dir", str(two)], processes=2)
+    m2 = metrics(two)
+    assert m2["num_processes"] == 2 and m2["eval_pairs"] == 8
+    assert m2["nonlinear_fraction"] == pytest.approx(metrics(wmt_full)["nonlinear_fraction"], abs=0.02)
+
+
+# ----------------------------------------------------------------------------- bad input
+
+
+def test_target_outside_range(tmp_path):
+    import cifar
+
+    for bad in ("0", "1.5", "-0.1"):
+        with pytest.raises(ValueError, match=r"--target .* \(0, 1\]"):
+            cifar.parse_args(["--output_dir", str(tmp_path), "--target", bad])
+
+
+def test_missing_cifar_data_hints(tmp_path):
+    import cifar
+
+    with pytest.raises(FileNotFoundError, match="--download"):
+        cifar.main(["--output_dir", str(tmp_path / "o"), "--data-dir", str(tmp_path / "nope"),
+                    "--cache-dir", str(tmp_path / "c")])
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match=r"train/<class>/\*\.jpg"):
+        cifar.main(["--output_dir", str(tmp_path / "o"), "--data-dir", str(tmp_path / "empty"),
+                    "--cache-dir", str(tmp_path / "c")])
+
+
+@needs_multi30k
+def test_language_pair_not_in_data(tmp_path):
+    import wmt14
+
+    with pytest.raises(ValueError, match=r"language pair en-fr .* \['de', 'en'\]"):
+        wmt14.main(["--output_dir", str(tmp_path), "--train-file", str(MULTI30K / "validation.jsonl.gz"),
+                    "--target-lang", "fr"])
+
+
+@needs_cifar
+def test_checkpoint_from_another_model(cifar_args, cifar_full, tmp_path):
+    import cifar
+
+    args = [a if a != "resnet20" else "resnet56" for a in cifar_args]
+    with pytest.raises(ValueError, match="written by another model"):
+        cifar.main(args + ["--output_dir", str(tmp_path), "--resume_from_checkpoint", str(cifar_full)])
