@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import math
 import os
 import platform
 import shutil
@@ -297,6 +298,24 @@ def latest_checkpoint(output_dir: str | Path) -> Path | None:
     found = sorted((Path(output_dir) / "checkpoints").glob("step_*"))
     found = [p for p in found if (p / STATE_FILE).exists()]
     return found[-1] if found else None
+
+
+def end_of_step(accelerator, args, model, scheduler, bar, loss, step: int, last_step: int, epoch: int,
+                out_dir: Path, fingerprint: dict, recipe: str) -> None:
+    """After optimizer step ``step``: progress bar, logs every ``--log_every`` steps and at the end
+    (loss, lr, nonlinear fraction; to the tracker with ``--with_tracking``), and the periodic
+    checkpoint every ``--checkpointing_steps``. Raises on a non-finite loss."""
+    bar.update(1)
+    if step % args.log_every == 0 or step == last_step:
+        logs = {"train_loss": loss.item(), "lr": scheduler.get_last_lr()[0], "epoch": epoch,
+                **unit_stats(accelerator.unwrap_model(model), args.tol)}
+        bar.set_postfix(loss=f"{logs['train_loss']:.3f}", nl=f"{logs.get('nonlinear_fraction', 1.0):.3f}")
+        if args.with_tracking:
+            accelerator.log(logs, step=step)
+        if not math.isfinite(logs["train_loss"]):
+            raise FloatingPointError(f"training loss is {logs['train_loss']} at step {step}: lower --lr")
+    if args.checkpointing_steps and step % args.checkpointing_steps == 0 and step < last_step:
+        save_checkpoint(accelerator, out_dir, step, fingerprint, recipe, args.keep_checkpoints)
 
 
 def save_checkpoint(accelerator, output_dir: str | Path, step: int, fingerprint: str, recipe: str,

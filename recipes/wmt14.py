@@ -391,17 +391,8 @@ def main(argv: list[str] | None = None) -> dict:
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
             step += 1
-            bar.update(1)
-            if step % args.log_every == 0 or step == last_step:
-                logs = {"train_loss": loss.item(), "lr": scheduler.get_last_lr()[0], "epoch": epoch,
-                        **common.unit_stats(accelerator.unwrap_model(model), args.tol)}
-                bar.set_postfix(loss=f"{logs['train_loss']:.3f}", nl=f"{logs.get('nonlinear_fraction', 1.0):.3f}")
-                if args.with_tracking:
-                    accelerator.log(logs, step=step)
-                if not math.isfinite(logs["train_loss"]):
-                    raise FloatingPointError(f"training loss is {logs['train_loss']} at step {step}: lower --lr")
-            if args.checkpointing_steps and step % args.checkpointing_steps == 0 and step < last_step:
-                common.save_checkpoint(accelerator, out_dir, step, fingerprint, RECIPE, args.keep_checkpoints)
+            common.end_of_step(accelerator, args, model, scheduler, bar, loss, step, last_step, epoch,
+                               out_dir, fingerprint, RECIPE)
             if step >= last_step:
                 break
     bar.close()

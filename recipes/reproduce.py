@@ -1,0 +1,486 @@
+"""Rerun the seed-paper reproductions of the README on real data, then tabulate and plot them.
+
+    python recipes/reproduce.py                       # cpu-small: the reduced sweep of recipes/results/
+    python recipes/reproduce.py --scale full --jobs 1 # full CIFAR-10 / Multi30k (a GPU machine)
+    python recipes/reproduce.py --stage analyze       # only redo tables and plots from finished runs
+
+Stage ``train`` runs ``recipes/cifar.py`` and ``recipes/wmt14.py`` (``--jobs`` at a time, each with
+``--threads`` torch threads, logs next to the runs; a run whose ``metrics.json`` exists is skipped,
+so an interrupted sweep resumes). Stage ``analyze`` loads the saved models and measures them with
+the library (fold summary, per-site fractions, affinity signature, linear regions along
+translation loops), then writes ``results.json``, ``results.md`` and PNG plots to ``--results-dir``.
+
+Data: ``--cifar`` (default ``$LINEARIZE_CIFAR10``) and ``--multi30k`` (a folder with
+``{train,validation,test}.jsonl.gz``, default ``$LINEARIZE_MULTI30K``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+TARGETS = (0.5, 0.25, 0.10, 0.05, 0.02)
+MT_TARGETS = (0.10, 0.25, 0.05)
+
+SCALES = {
+    # train images, test images, epochs; Multi30k train pairs, eval pairs, epochs, tokens per batch
+    "cpu-small": dict(subset=5000, eval_subset=2000, epochs=5, mt_train=8000, mt_eval=300, mt_epochs=3,
+                      mt_tokens=2000, mt_warmup=100, mt_beams=1),
+    "full": dict(subset=None, eval_subset=None, epochs=160, mt_train=None, mt_eval=None, mt_epochs=30,
+                 mt_tokens=4000, mt_warmup=800, mt_beams=4),
+}
+
+
+def cifar_jobs(s: dict, data: str, runs: Path) -> list[tuple[str, list[str]]]:
+    """``(name, argv)`` of every CIFAR run, most important first."""
+    base = [str(HERE / "cifar.py"), "--data-dir", data, "--arch", "resnet20", "--epochs", str(s["epochs"]),
+            "--cpu", "--seed", "0"]
+    if s["subset"]:
+        base += ["--subset", str(s["subset"])]
+    if s["eval_subset"]:
+        base += ["--eval-subset", str(s["eval_subset"])]
+    jobs = [("cifar_baseline", base + ["--linearize", "none"])]
+    order = [0.10, 0.02, 0.5] + [t for t in TARGETS if t not in (0.10, 0.02, 0.5)]
+    for i, t in enumerate(order):
+        for sched in ("late", "early"):
+            jobs.append((f"cifar_{sched}_{t:g}", base + ["--linearize", "prelu", "--schedule", sched,
+                                                         "--target", f"{t:g}", "--freeze"]))
+        if i == 2:  # the gated networks after the three most telling targets
+            jobs += [(f"cifar_{m}", base + ["--linearize", m, "--schedule", "none"]) for m in ("dgn", "dlgn")]
+    return [(n, a + ["--output_dir", str(runs / n)]) for n, a in jobs]
+
+
+def mt_jobs(s: dict, data: str, runs: Path) -> list[tuple[str, list[str]]]:
+    """``(name, argv)`` of every Multi30k run."""
+    d = Path(data)
+    base = [str(HERE / "wmt14.py"), "--train-file", str(d / "train.jsonl.gz"),
+            "--validation-file", str(d / "validation.jsonl.gz"), "--test-file", str(d / "test.jsonl.gz"),
+            "--source-lang", "en", "--target-lang", "de", "--model-size", "small", "--epochs", str(s["mt_epochs"]),
+            "--max-tokens", str(s["mt_tokens"]), "--warmup-steps", str(s["mt_warmup"]),
+            "--num-beams", str(s["mt_beams"]), "--cpu", "--seed", "0"]
+    if s["mt_train"]:
+        base += ["--max-train-samples", str(s["mt_train"])]
+    if s["mt_eval"]:
+        base += ["--max-eval-samples", str(s["mt_eval"])]
+    jobs = [("mt_baseline", base + ["--linearize", "none"])]
+    jobs += [(f"mt_late_{t:g}", base + ["--linearize", "prelu", "--schedule", "late", "--target", f"{t:g}",
+                                        "--freeze", "--fold"]) for t in MT_TARGETS]
+    return [(n, a + ["--output_dir", str(runs / n)]) for n, a in jobs]
+
+
+def train(jobs: list[tuple[str, list[str]]], runs: Path, n_jobs: int, threads: int) -> None:
+    """Run ``jobs`` ``n_jobs`` at a time (skipping finished ones); wall times go to ``runs/jobs.json``."""
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
+    log_path = runs / "jobs.json"
+    done = json.loads(log_path.read_text()) if log_path.exists() else {}
+    queue = [(n, a) for n, a in jobs if not (runs / n / "metrics.json").exists()]
+    running: dict[str, tuple[subprocess.Popen, float, list[str]]] = {}
+    print(f"{len(jobs) - len(queue)} of {len(jobs)} runs already done; {len(queue)} to go ({n_jobs} at a time)")
+    while queue or running:
+        while queue and len(running) < n_jobs:
+            name, argv = queue.pop(0)
+            cmd = [sys.executable] + argv
+            log = open(runs / f"{name}.log", "w")
+            print(f"start {name}: OMP_NUM_THREADS={threads} {shlex.join(['python'] + argv)}", flush=True)
+            running[name] = (subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env), time.time(), argv)
+        time.sleep(5)
+        for name, (proc, t0, argv) in list(running.items()):
+            if proc.poll() is None:
+                continue
+            del running[name]
+            wall = time.time() - t0
+            done[name] = {"returncode": proc.returncode, "wall_s": round(wall, 1), "threads": threads,
+                          "command": f"OMP_NUM_THREADS={threads} " + shlex.join(["python"] + argv)}
+            done = {**_read(log_path), name: done[name]}  # other runners may share the file
+            log_path.write_text(json.dumps(done, indent=2))
+            print(f"done {name}: rc {proc.returncode}, {wall:.0f} s" + ("" if proc.returncode == 0 else
+                  f" (see {runs / (name + '.log')})"), flush=True)
+
+# ----------------------------------------------------------------------------- analysis
+
+
+def _read(path: Path) -> dict:
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def _cached(run: Path, key: str, fn):
+    """``fn()``, memoized in ``run/analysis.json`` under ``key`` (analysis reruns are cheap)."""
+    path = run / "analysis.json"
+    cache = _read(path)
+    if key not in cache:
+        t0 = time.time()
+        cache[key] = fn()
+        cache[key + "_seconds"] = round(time.time() - t0, 1)
+        path.write_text(json.dumps(cache, indent=2))
+    return cache[key]
+
+
+def _cifar_inputs(run: Path, data: str | None, n: int):
+    """The first ``n`` (normalized) test images of the run's test subset and their labels."""
+    import cifar
+    import torch
+
+    meta = _read(run / "model" / "recipe.json")
+    a = _read(run / "metrics.json")["args"]
+    test = cifar.load_split(data or a["data_dir"], a["dataset"], "test", a["eval_subset"], a["image_size"],
+                            Path(a["cache_dir"]), show=False)
+    return cifar.normalize(test["x"][:n], torch.tensor(meta["mean"]), torch.tensor(meta["std"])), test["y"][:n]
+
+
+def _model(run: Path):
+    import cifar
+
+    return cifar.load_model(run / "model").eval()
+
+
+def _fold_summary(run: Path, x) -> dict:
+    """``linearize.fold`` of the saved final model on ``x``: params, FLOPs, CPU latency, error."""
+    import linearize
+
+    s = linearize.fold(_model(run), x).linearize_fold_summary
+    out = {k: getattr(s, k) for k in ("params_before", "params_after", "flops_before", "flops_after",
+                                      "latency_ms_before", "latency_ms_after", "max_abs_error", "output_scale",
+                                      "units_before", "units_left", "skipped")}
+    out["sites_to_identity"] = sum("replaced by identity" in m for m in s.merged)
+    out["sites_total"] = len(linearize.units(_model(run)))
+    return out
+
+
+def _baseline_path_length(run: Path, x) -> float:
+    """Average path length of the plain baseline: every activation nonlinear (a fresh conversion)."""
+    import linearize
+
+    return float(linearize.measures.average_path_length(linearize.convert(_model(run), example_inputs=x[:2]), x,
+                                                        normalized=True))
+
+
+def _sites(run: Path) -> dict:
+    import linearize
+
+    m = _model(run)
+    return {n: s["fraction"] for n, s in linearize.count_units(m, 1e-3)["sites"].items()}
+
+
+def _affinity(run: Path, x) -> list:
+    import linearize
+
+    return [[n, float(v)] for n, v in linearize.measures.affinity_signature(_model(run), x, progress=False)]
+
+
+def _regions(run: Path, x, radius: float, n_anchors: int = 8) -> dict:
+    """Linear regions and exact absolute deviation along closed translation loops of ``x``
+    (``n_anchors`` shifts on a circle of ``radius`` pixels)."""
+    import linearize
+
+    m = linearize.measures
+    x0, x1 = m.translation_loops(x.double(), n_anchors=n_anchors, radius=radius)
+    res = m.linear_regions(_model(run), x0, x1)
+    dev = res.deviation().mean(1)  # [S], mean over the 10 logits, per unit of arc length x length
+    length = (x1 - x0).flatten(1).norm(dim=1)
+    loops = len(x)
+    count = res.count.double().view(loops, n_anchors).sum(1)
+    return {"regions_per_loop": count.tolist(), "loop_length": length.view(loops, n_anchors).sum(1).tolist(),
+            "deviation_per_loop": dev.view(loops, n_anchors).sum(1).tolist(),
+            "segment_regions": res.count.tolist(), "segment_length": length.tolist(), "segment_deviation": dev.tolist()}
+
+
+def _plot(path: Path, draw) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    draw(ax)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _num(v) -> str:
+    return "-" if v is None else f"{v:.2f}"
+
+
+def _pct(v) -> str:
+    return "-" if v is None else f"{100 * v:.1f}%"
+
+
+def analyze(runs: Path, out: Path, scale: str, data: str | None, regions_images: int, regions_radius: float,
+            regions_runs: list[str], machine: str) -> dict:
+    """Tables (``results.json``, ``results.md``) and PNG plots from the finished runs in ``runs``."""
+    import numpy as np
+
+    out.mkdir(parents=True, exist_ok=True)
+    jobs = _read(runs / "jobs.json")
+    runs_info = {}
+    for d in sorted(p for p in runs.iterdir() if (p / "metrics.json").exists()):
+        m = _read(d / "metrics.json")
+        root = str(HERE.parent) + "/"
+        runs_info[d.name] = {k: v for k, v in m.items() if not isinstance(v, dict) and k != "command"}
+        runs_info[d.name]["command"] = jobs.get(d.name, {}).get("command", m.get("command", "")).replace(root, "")
+        runs_info[d.name]["runner_wall_s"] = jobs.get(d.name, {}).get("wall_s")
+        if "fold" in m:
+            runs_info[d.name]["recipe_fold"] = m["fold"]
+    res: dict = {"scale": scale, "machine": machine, "runs": runs_info}
+    md = [f"# Reproduction results ({scale})", "", f"Machine: {machine}. Every run: one seed (0).", ""]
+    acc = lambda n: runs_info.get(n, {}).get("test_accuracy")  # noqa: E731
+    base = runs / "cifar_baseline"
+    have = lambda n: n in runs_info and (runs / n / "model").exists()  # noqa: E731
+
+    # 1-2. late vs early, path length
+    if runs_info:
+        first = next(iter(runs_info.values()))
+        md += [f"CIFAR-10 runs: ResNet-20 (width 16), {first.get('train_images')} training images, "
+               f"{first.get('test_images')} test images, {first.get('total_steps')} steps of batch 128.", ""]
+    if have("cifar_baseline"):
+        x64 = _cifar_inputs(base, data, 64)[0]
+        runs_info["cifar_baseline"]["average_path_length"] = _cached(base, "apl", lambda: _baseline_path_length(base, x64))
+    rows = []
+    for t in TARGETS:
+        r = {"target": t}
+        for s in ("late", "early"):
+            info = runs_info.get(f"cifar_{s}_{t:g}", {})
+            r[s] = {k: info.get(k) for k in ("test_accuracy", "nonlinear_fraction", "average_path_length",
+                                               "wall_time_s")}
+        if r["late"]["test_accuracy"] is not None and r["early"]["test_accuracy"] is not None:
+            r["late_minus_early"] = r["late"]["test_accuracy"] - r["early"]["test_accuracy"]
+        rows.append(r)
+    res["late_vs_early"] = {"baseline_accuracy": acc("cifar_baseline"), "rows": rows}
+    md += ["## Late vs early linearization (seed 000)", "",
+           f"Baseline (no linearization): test accuracy {_pct(acc('cifar_baseline'))}, average path length "
+           f"{runs_info.get('cifar_baseline', {}).get('average_path_length', '-')}.", "",
+           "| target | late acc | late nonlinear | late APL | early acc | early nonlinear | early APL | late - early |",
+           "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        la, ea = r["late"], r["early"]
+        gap = r.get("late_minus_early")
+        md.append(f"| {r['target']:g} | {_pct(la['test_accuracy'])} | {_pct(la['nonlinear_fraction'])} | "
+                  f"{_num(la['average_path_length'])} | {_pct(ea['test_accuracy'])} | {_pct(ea['nonlinear_fraction'])} | "
+                  f"{_num(ea['average_path_length'])} | {'-' if gap is None else f'{100 * gap:+.1f} pts'} |")
+    md += ["", "![accuracy vs nonlinear fraction](accuracy_vs_fraction.png) ![path length](path_length_vs_accuracy.png)", ""]
+
+    def draw_acc(ax):
+        for s, mk in (("late", "o-"), ("early", "s--")):
+            pts = sorted((r[s]["nonlinear_fraction"], r[s]["test_accuracy"]) for r in rows
+                         if r[s]["test_accuracy"] is not None)
+            if pts:
+                ax.plot(*zip(*pts), mk, label=s)
+        if acc("cifar_baseline") is not None:
+            ax.axhline(acc("cifar_baseline"), color="k", lw=1, label="baseline (no linearization)")
+        ax.set_xscale("log")
+        ax.set_xticks([*TARGETS, 1.0], [f"{t:g}" for t in (*TARGETS, 1.0)])
+        ax.minorticks_off()
+        ax.margins(y=0.1)
+        ax.set_xlabel("nonlinear fraction of channels (final; 1 = baseline)")
+        ax.set_ylabel("test accuracy")
+        ax.set_title(f"ResNet-20, CIFAR-10 ({scale})")
+        ax.legend()
+
+    _plot(out / "accuracy_vs_fraction.png", draw_acc)
+
+    def draw_apl(ax):
+        for s, mk in (("late", "o"), ("early", "s")):
+            pts = [(r[s]["average_path_length"], r[s]["test_accuracy"]) for r in rows
+                   if r[s]["test_accuracy"] is not None and r[s]["average_path_length"] is not None]
+            if pts:
+                ax.plot(*zip(*pts), mk, label=s)
+        b = runs_info.get("cifar_baseline", {})
+        if b.get("average_path_length") is not None:
+            ax.plot([b["average_path_length"]], [b["test_accuracy"]], "k*", ms=12, label="baseline")
+        ax.set_xlabel("average path length (nonlinear units met from input to output)")
+        ax.set_ylabel("test accuracy")
+        ax.legend()
+
+    _plot(out / "path_length_vs_accuracy.png", draw_apl)
+
+    # 2b. where the nonlinear units sit
+    site_runs = [n for n in ("cifar_late_0.1", "cifar_early_0.1", "cifar_late_0.02", "cifar_early_0.02") if have(n)]
+    res["sites"] = {n: _cached(runs / n, "sites", lambda n=n: _sites(runs / n)) for n in site_runs}
+    if site_runs:
+        def draw_sites(ax):
+            names = list(res["sites"][site_runs[0]])
+            w = 0.8 / len(site_runs)
+            for i, n in enumerate(site_runs):
+                ax.bar(np.arange(len(names)) + i * w, [res["sites"][n].get(k, 0) for k in names], w, label=n[6:])
+            ax.set_xticks(np.arange(len(names)) + 0.4 - w / 2, [k.replace(".calls.", "#") for k in names],
+                          rotation=90, fontsize=6)
+            ax.set_ylabel("nonlinear fraction at the site")
+            ax.legend(fontsize=7)
+
+        _plot(out / "nonlinear_sites.png", draw_sites)
+        md += ["## Where the nonlinear channels survive", "", "![sites](nonlinear_sites.png)", "",
+               "| site | " + " | ".join(n[6:] for n in site_runs) + " |", "|---|" + "---|" * len(site_runs)]
+        for k in res["sites"][site_runs[0]]:
+            md.append(f"| {k} | " + " | ".join(_pct(res["sites"][n].get(k)) for n in site_runs) + " |")
+        md.append("")
+
+    # 3. freeze + fold
+    fold_runs = [n for n in ["cifar_baseline"] + [f"cifar_{s}_{t:g}" for t in TARGETS for s in ("late", "early")]
+                 if have(n)]
+    if fold_runs:
+        x64 = _cifar_inputs(runs / fold_runs[0], data, 64)[0]
+        res["fold"] = {n: _cached(runs / n, "fold_v2", lambda n=n: _fold_summary(runs / n, x64)) for n in fold_runs}
+        md += ["## After freeze + fold (`linearize.freeze`, `linearize.fold`)", "",
+               "FLOPs and CPU latency for a batch of 64 test images (latency: median of interleaved runs, "
+               "1 thread, shared machine; noisy). Error: max |folded - model| over the logits.", "",
+               "| run | test acc | sites folded to identity | params | FLOPs (batch 64) | FLOPs vs baseline | latency ms | latency vs baseline | max abs error | conv merges refused |",
+               "|---|---|---|---|---|---|---|---|---|---|"]
+        fb = res["fold"].get("cifar_baseline")
+        for n, f in res["fold"].items():
+            rel = f"{f['flops_after'] / fb['flops_after']:.3f}x" if fb else "-"
+            lat = (f"{f['latency_ms_after'] / fb['latency_ms_after']:.2f}x"
+                   if fb and f["latency_ms_after"] and fb["latency_ms_after"] else "-")
+            md.append(f"| {n[6:]} | {_pct(acc(n))} | {f['sites_to_identity']} of {f['sites_total']} | "
+                      f"{f['params_before']:,} -> {f['params_after']:,} | "
+                      f"{f['flops_before'] / 1e6:.0f}M -> {f['flops_after'] / 1e6:.0f}M | {rel} | "
+                      f"{f['latency_ms_before']:.1f} -> {f['latency_ms_after']:.1f} | {lat} | "
+                      f"{f['max_abs_error']:.2g} (scale {f['output_scale']:.2g}) | {len(f['skipped'])} |")
+        reasons = sorted({r.split(": ", 1)[-1] for f in res["fold"].values() for r in f["skipped"]})
+        md += ["", "Why conv merges were refused: " + ("; ".join(f"`{r}`" for r in reasons) or "none") + "."]
+        md.append("")
+
+    # 5. DNN vs DGN vs DLGN
+    gated = [n for n in ("cifar_baseline", "cifar_dgn", "cifar_dlgn") if n in runs_info]
+    if len(gated) > 1:
+        res["gated"] = {n: {"test_accuracy": acc(n), "wall_time_s": runs_info[n].get("wall_time_s")} for n in gated}
+        md += ["## DNN vs DGN vs DLGN (seed 003)", "", "| network | test acc | wall time |", "|---|---|---|"]
+        md += [f"| {n[6:].replace('baseline', 'DNN (ReLU)').upper() if n != 'cifar_baseline' else 'DNN (ReLU)'} | "
+               f"{_pct(acc(n))} | {runs_info[n].get('wall_time_s', 0):.0f} s |" for n in gated]
+        md.append("")
+
+    # 6. translation
+    mt = [n for n in ["mt_baseline"] + [f"mt_late_{t:g}" for t in MT_TARGETS] if n in runs_info]
+    if mt:
+        res["translation"] = {n: {k: runs_info[n].get(k) for k in ("bleu", "bleu_signature", "nonlinear_fraction",
+                                                                    "train_pairs", "eval_pairs", "total_steps",
+                                                                    "wall_time_s")} | {"fold": runs_info[n].get("recipe_fold")}
+                              for n in mt}
+        sig = next((v["bleu_signature"] for v in res["translation"].values() if v.get("bleu_signature")), "")
+        md += ["## Translation: Multi30k En->De (small Transformer)", "", f"sacreBLEU signature: `{sig}`", "",
+               "| run | BLEU | nonlinear FFN channels | params after fold | steps | wall time |", "|---|---|---|---|---|---|"]
+        for n, v in res["translation"].items():
+            f = v.get("fold") or {}
+            md.append(f"| {n[3:]} | {v['bleu']} | {_pct(v['nonlinear_fraction'])} | "
+                      f"{f.get('params_after', '-'):,} of {f.get('params_before', 0):,} | {v['total_steps']} | "
+                      f"{v['wall_time_s']:.0f} s |" if f else
+                      f"| {n[3:]} | {v['bleu']} | {_pct(v['nonlinear_fraction'])} | - | {v['total_steps']} | "
+                      f"{v['wall_time_s']:.0f} s |")
+        md.append("")
+
+    # 4. affinity signature, linear regions along translation loops
+    aff_runs = [n for n in ["cifar_baseline"] + [f"cifar_late_{t:g}" for t in TARGETS] if have(n)]
+    if aff_runs:
+        x512 = _cifar_inputs(runs / aff_runs[0], data, 512)[0]
+        res["affinity"] = {n: _cached(runs / n, "affinity", lambda n=n: _affinity(runs / n, x512)) for n in aff_runs}
+
+        def draw_aff(ax):
+            for n in aff_runs:
+                ax.plot([v for _, v in res["affinity"][n]], "o-", ms=3, label=n[6:])
+            ax.set_xlabel("activation call site (forward order)")
+            ax.set_ylabel("affinity score (1 = affine)")
+            ax.legend(fontsize=7)
+
+        _plot(out / "affinity_signature.png", draw_aff)
+        md += ["## Affinity signature (seed 002), 512 test images", "", "![affinity](affinity_signature.png)", "",
+               "| run | mean affinity | min affinity |", "|---|---|---|"]
+        md += [f"| {n[6:]} | {np.mean([v for _, v in res['affinity'][n]]):.3f} | "
+               f"{min(v for _, v in res['affinity'][n]):.3f} |" for n in aff_runs]
+        md.append("")
+    reg_runs = [n for n in regions_runs if have(n)]
+    if reg_runs and regions_images > 0:
+        xr = _cifar_inputs(runs / reg_runs[0], data, regions_images)[0]
+        res["regions"] = {n: _cached(runs / n, f"regions_{regions_images}_r{regions_radius:g}",
+                                       lambda n=n: _regions(runs / n, xr, regions_radius))
+                          for n in reg_runs}
+
+        def draw_reg(ax):
+            for n in reg_runs:
+                r = res["regions"][n]
+                dens = np.array(r["segment_regions"]) / np.array(r["segment_length"])
+                ax.plot(dens, r["segment_deviation"], "o", ms=4, label=n[6:])
+            ax.set_xscale("log")
+            ax.set_yscale("log")
+            ax.set_xlabel("linear regions per unit input distance (segment)")
+            ax.set_ylabel("absolute deviation from the chord (mean over logits)")
+            ax.legend(fontsize=7)
+
+        _plot(out / "regions_vs_deviation.png", draw_reg)
+        md += [f"## Linear regions and absolute deviation along closed translation loops (seed 001), "
+               f"{regions_images} test image(s), 8 anchors, radius {regions_radius:g} px", "", "![regions](regions_vs_deviation.png)", "",
+               "| run | regions per loop (mean) | regions per unit length | absolute deviation per loop (mean) |",
+               "|---|---|---|---|"]
+        for n in reg_runs:
+            r = res["regions"][n]
+            md.append(f"| {n[6:]} | {np.mean(r['regions_per_loop']):.0f} | "
+                      f"{np.sum(r['regions_per_loop']) / np.sum(r['loop_length']):.2f} | "
+                      f"{np.mean(r['deviation_per_loop']):.3g} |")
+        md.append("")
+
+    md += ["## Runs", "", "| run | test acc / BLEU | steps | wall time | command |", "|---|---|---|---|---|"]
+    for n, v in runs_info.items():
+        score = _pct(v.get("test_accuracy")) if "test_accuracy" in v else f"BLEU {v.get('bleu')}"
+        md.append(f"| {n} | {score} | {v.get('total_steps')} | {v.get('wall_time_s', 0):.0f} s | `{v['command']}` |")
+    (out / "results.json").write_text(json.dumps(res, indent=2))
+    (out / "results.md").write_text("\n".join(md) + "\n")
+    return res
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--scale", choices=list(SCALES), default="cpu-small")
+    p.add_argument("--stage", choices=["all", "train", "analyze"], default="all")
+    p.add_argument("--parts", default="cifar,mt", help="comma-separated: cifar, mt")
+    p.add_argument("--cifar", default=os.environ.get("LINEARIZE_CIFAR10"), help="CIFAR-10 folder or .tar.gz")
+    p.add_argument("--multi30k", default=os.environ.get("LINEARIZE_MULTI30K"), help="Multi30k folder")
+    p.add_argument("--runs-dir", default=str(HERE.parent / "runs" / "reproduce"), help="run outputs (git-ignored)")
+    p.add_argument("--results-dir", default=str(HERE / "results"), help="tables and plots")
+    p.add_argument("--jobs", type=int, default=2, help="runs at a time")
+    p.add_argument("--threads", type=int, default=1, help="torch threads per run")
+    p.add_argument("--only", default=None, help="comma-separated run names: run just these, in this order")
+    p.add_argument("--regions-images", type=int, default=0,
+                   help="test images whose closed translation loops are searched for linear regions (slow: "
+                        "about a minute per 600 regions on one CPU thread; 0 skips)")
+    p.add_argument("--regions-radius", type=float, default=1.0, help="radius of the translation loops in pixels")
+    p.add_argument("--regions-runs", default="cifar_late_0.02,cifar_late_0.1,cifar_baseline",
+                   help="runs whose linear regions are counted, cheapest first")
+    args = p.parse_args()
+    scale = SCALES[args.scale]
+    runs = Path(args.runs_dir) / args.scale
+    runs.mkdir(parents=True, exist_ok=True)
+    parts = set(args.parts.split(","))
+    if args.stage in ("all", "train"):
+        jobs = []
+        if "cifar" in parts:
+            if not args.cifar:
+                sys.exit("CIFAR-10 not found: pass --cifar or set LINEARIZE_CIFAR10")
+            jobs += cifar_jobs(scale, args.cifar, runs)
+        if "mt" in parts:
+            if not args.multi30k:
+                sys.exit("Multi30k not found: pass --multi30k or set LINEARIZE_MULTI30K")
+            jobs += mt_jobs(scale, args.multi30k, runs)
+        if args.only:
+            by_name = dict(jobs)
+            unknown = [n for n in args.only.split(",") if n not in by_name]
+            if unknown:
+                sys.exit(f"--only: unknown runs {unknown}; known: {sorted(by_name)}")
+            jobs = [(n, by_name[n]) for n in args.only.split(",")]
+        train(jobs, runs, args.jobs, args.threads)
+    if args.stage in ("all", "analyze"):
+        analyze(runs, Path(args.results_dir), args.scale, args.cifar, args.regions_images, args.regions_radius,
+                args.regions_runs.split(","),
+                machine=f"{platform.machine()} CPU, {os.cpu_count()} cores, "
+                                           f"{args.threads} torch thread(s) per run, {args.jobs} runs at a time")
+    print(f"runs: {runs}\nresults: {args.results_dir}/results.md, results.json, *.png")
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(HERE))
+    main()
