@@ -154,6 +154,30 @@ def _fold_summary(run: Path, x) -> dict:
     return out
 
 
+def _latencies(runs: Path, names: list[str], x, reps: int = 15) -> dict:
+    """CPU latency (ms, median of ``reps`` interleaved repetitions, one thread) of the saved model of
+    every run in ``names`` and of its folded version, all measured side by side in one process."""
+    import linearize
+    import torch
+
+    torch.set_num_threads(1)
+    models = {}
+    for n in names:
+        m = _model(runs / n)
+        models[n] = m
+        models[n + "/folded"] = linearize.fold(m, x, latency=False)
+    times: dict = {k: [] for k in models}
+    with torch.inference_mode():
+        for k, m in models.items():
+            m(x)  # warm-up
+        for _ in range(reps):
+            for k, m in models.items():
+                t0 = time.perf_counter()
+                m(x)
+                times[k].append(1e3 * (time.perf_counter() - t0))
+    return {k: sorted(v)[len(v) // 2] for k, v in times.items()}
+
+
 def _baseline_path_length(run: Path, x) -> float:
     """Average path length of the plain baseline: every activation nonlinear (a fresh conversion)."""
     import linearize
@@ -175,21 +199,18 @@ def _affinity(run: Path, x) -> list:
     return [[n, float(v)] for n, v in linearize.measures.affinity_signature(_model(run), x, progress=False)]
 
 
-def _regions(run: Path, x, radius: float, n_anchors: int = 8) -> dict:
-    """Linear regions and exact absolute deviation along closed translation loops of ``x``
-    (``n_anchors`` shifts on a circle of ``radius`` pixels)."""
+def _regions(run: Path, x, radius: float, segments: int | None, n_anchors: int = 8) -> dict:
+    """Linear regions and exact absolute deviation along the closed translation loops of ``x``
+    (``n_anchors`` shifts on a circle of ``radius`` pixels), on the first ``segments`` segments."""
     import linearize
 
     m = linearize.measures
     x0, x1 = m.translation_loops(x.double(), n_anchors=n_anchors, radius=radius)
+    x0, x1 = x0[:segments], x1[:segments]
     res = m.linear_regions(_model(run), x0, x1)
-    dev = res.deviation().mean(1)  # [S], mean over the 10 logits, per unit of arc length x length
+    dev = res.deviation().mean(1)  # [S]: integral over arc length, mean over the logits
     length = (x1 - x0).flatten(1).norm(dim=1)
-    loops = len(x)
-    count = res.count.double().view(loops, n_anchors).sum(1)
-    return {"regions_per_loop": count.tolist(), "loop_length": length.view(loops, n_anchors).sum(1).tolist(),
-            "deviation_per_loop": dev.view(loops, n_anchors).sum(1).tolist(),
-            "segment_regions": res.count.tolist(), "segment_length": length.tolist(), "segment_deviation": dev.tolist()}
+    return {"segment_regions": res.count.tolist(), "segment_length": length.tolist(), "segment_deviation": dev.tolist()}
 
 
 def _plot(path: Path, draw) -> None:
@@ -329,16 +350,20 @@ def analyze(runs: Path, out: Path, scale: str, data: str | None, regions_images:
         x64 = _cifar_inputs(runs / fold_runs[0], data, 64)[0]
         res["fold"] = {n: _cached(runs / n, "fold_v2", lambda n=n: _fold_summary(runs / n, x64)) for n in fold_runs}
         md += ["## After freeze + fold (`linearize.freeze`, `linearize.fold`)", "",
-               "FLOPs and CPU latency for a batch of 64 test images (latency: median of interleaved runs, "
-               "1 thread, shared machine; noisy). Error: max |folded - model| over the logits.", "",
+               "FLOPs and CPU latency for a batch of 64 test images (latency: before -> after folding, median of 15 "
+               "repetitions of all models interleaved in one process, 1 thread, on the shared machine; "
+               "'vs baseline' compares with the plain baseline model). Error: max |folded - model| over the logits.", "",
                "| run | test acc | sites folded to identity | params | FLOPs (batch 64) | FLOPs vs baseline | latency ms | latency vs baseline | max abs error | conv merges refused |",
                "|---|---|---|---|---|---|---|---|---|---|"]
+        lat_ms = _latencies(runs, fold_runs, x64)
+        res["latency_ms_interleaved"] = lat_ms
         fb = res["fold"].get("cifar_baseline")
         for n, f in res["fold"].items():
             rel = f"{f['flops_after'] / fb['flops_after']:.3f}x" if fb else "-"
-            lat = (f"{f['latency_ms_after'] / fb['latency_ms_after']:.2f}x"
-                   if fb and f["latency_ms_after"] and fb["latency_ms_after"] else "-")
-            md.append(f"| {n[6:]} | {_pct(acc(n))} | {f['sites_to_identity']} of {f['sites_total']} | "
+            f = {**f, "latency_ms_before": lat_ms[n], "latency_ms_after": lat_ms[n + "/folded"]}
+            lat = (f"{f['latency_ms_after'] / lat_ms['cifar_baseline']:.2f}x" if fb else "-")
+            md.append(f"| {n[6:]} | {_pct(acc(n))} | "
+                      f"{f['sites_to_identity']} of {f['sites_total']} | "
                       f"{f['params_before']:,} -> {f['params_after']:,} | "
                       f"{f['flops_before'] / 1e6:.0f}M -> {f['flops_after'] / 1e6:.0f}M | {rel} | "
                       f"{f['latency_ms_before']:.1f} -> {f['latency_ms_after']:.1f} | {lat} | "
@@ -394,34 +419,40 @@ def analyze(runs: Path, out: Path, scale: str, data: str | None, regions_images:
         md += [f"| {n[6:]} | {np.mean([v for _, v in res['affinity'][n]]):.3f} | "
                f"{min(v for _, v in res['affinity'][n]):.3f} |" for n in aff_runs]
         md.append("")
-    reg_runs = [n for n in regions_runs if have(n)]
-    if reg_runs and regions_images > 0:
-        xr = _cifar_inputs(runs / reg_runs[0], data, regions_images)[0]
-        res["regions"] = {n: _cached(runs / n, f"regions_{regions_images}_r{regions_radius:g}",
-                                       lambda n=n: _regions(runs / n, xr, regions_radius))
-                          for n in reg_runs}
+    reg = [(n.split(":")[0], int(n.split(":")[1]) if ":" in n else None) for n in regions_runs]
+    reg = [(n, k) for n, k in reg if have(n)]
+    if reg and regions_images > 0:
+        xr = _cifar_inputs(runs / reg[0][0], data, regions_images)[0]
+        res["regions"] = {n: _cached(runs / n, f"regions_{regions_images}_r{regions_radius:g}" + (f"_s{k}" if k else ""),
+                                     lambda n=n, k=k: _regions(runs / n, xr, regions_radius, k)) for n, k in reg}
 
         def draw_reg(ax):
-            for n in reg_runs:
+            for n, _ in reg:
                 r = res["regions"][n]
-                dens = np.array(r["segment_regions"]) / np.array(r["segment_length"])
-                ax.plot(dens, r["segment_deviation"], "o", ms=4, label=n[6:])
+                length = np.array(r["segment_length"])
+                ax.plot(np.array(r["segment_regions"]) / length, np.array(r["segment_deviation"]) / length, "o", ms=5,
+                        label=n[6:])
             ax.set_xscale("log")
             ax.set_yscale("log")
-            ax.set_xlabel("linear regions per unit input distance (segment)")
-            ax.set_ylabel("absolute deviation from the chord (mean over logits)")
+            ax.set_xlabel("linear regions per unit input distance")
+            ax.set_ylabel("absolute deviation from the chord per unit distance")
+            ax.set_title("one point per segment of a closed translation loop", fontsize=9)
             ax.legend(fontsize=7)
 
         _plot(out / "regions_vs_deviation.png", draw_reg)
-        md += [f"## Linear regions and absolute deviation along closed translation loops (seed 001), "
-               f"{regions_images} test image(s), 8 anchors, radius {regions_radius:g} px", "", "![regions](regions_vs_deviation.png)", "",
-               "| run | regions per loop (mean) | regions per unit length | absolute deviation per loop (mean) |",
-               "|---|---|---|---|"]
-        for n in reg_runs:
+        md += ["## Linear regions and absolute deviation along closed translation loops (seed 001)", "",
+               f"{regions_images} test image(s), loop of 8 translations on a circle of radius {regions_radius:g} px, "
+               "exact regions (`linearize.measures.linear_regions`) and exact absolute deviation from the chord "
+               "(mean over the 10 logits; distances in normalized-input L2 units).", "",
+               "![regions](regions_vs_deviation.png)", "",
+               "| run | nonlinear | segments | regions per segment | regions per unit distance | deviation per unit distance |",
+               "|---|---|---|---|---|---|"]
+        for n, _ in reg:
             r = res["regions"][n]
-            md.append(f"| {n[6:]} | {np.mean(r['regions_per_loop']):.0f} | "
-                      f"{np.sum(r['regions_per_loop']) / np.sum(r['loop_length']):.2f} | "
-                      f"{np.mean(r['deviation_per_loop']):.3g} |")
+            length = np.array(r["segment_length"])
+            md.append(f"| {n[6:]} | {_pct(runs_info[n].get('nonlinear_fraction', 1.0))} | {len(length)} | "
+                      f"{np.mean(r['segment_regions']):.0f} | {np.sum(r['segment_regions']) / length.sum():.2f} | "
+                      f"{np.sum(r['segment_deviation']) / length.sum():.3g} |")
         md.append("")
 
     md += ["## Runs", "", "| run | test acc / BLEU | steps | wall time | command |", "|---|---|---|---|---|"]
@@ -449,8 +480,9 @@ def main() -> None:
                    help="test images whose closed translation loops are searched for linear regions (slow: "
                         "about a minute per 600 regions on one CPU thread; 0 skips)")
     p.add_argument("--regions-radius", type=float, default=1.0, help="radius of the translation loops in pixels")
-    p.add_argument("--regions-runs", default="cifar_late_0.02,cifar_late_0.1,cifar_baseline",
-                   help="runs whose linear regions are counted, cheapest first")
+    p.add_argument("--regions-runs", default="cifar_late_0.02,cifar_late_0.1,cifar_baseline:1",
+                   help="runs whose linear regions are counted, cheapest first; NAME:K uses only the first K "
+                        "segments of each loop (the unlinearized baseline has far more regions)")
     args = p.parse_args()
     scale = SCALES[args.scale]
     runs = Path(args.runs_dir) / args.scale
