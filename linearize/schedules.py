@@ -21,7 +21,7 @@ Why :func:`target` does not steer ``lam`` with a feedback controller: with an L1
 slopes sit just below 1 after every optimizer step, so the measured fraction stays at 100% until
 ``lam`` has grown by orders of magnitude, and then every unit flips at once (a probe on CIFAR-10
 overshot to 7% and collapsed, or oscillated between 3% and 47%; see
-``/work/shared/notes/sparsity-schedule-probe.md``). Instead the *wanted fraction* follows a
+the project notes, ``shared/notes/sparsity-schedule-probe.md``). Instead the *wanted fraction* follows a
 smooth cubic path from the fraction measured at ``start`` to the target at ``end`` (as in gradual
 magnitude pruning), a mild L1 proximal step orders the channels (those the loss tolerates drift
 up first), and a budget projection sets the slopes closest to 1 to exactly 1 so that the measured

@@ -126,6 +126,22 @@ def load_model(directory: str | Path) -> nn.Module:
     return model
 
 
+def trained_weights(directory: str | Path, arch: str, num_classes: int) -> dict:
+    """The state dict of an unlinearized model saved by this recipe, checked against ``arch``."""
+    meta_path = Path(directory) / "recipe.json"
+    if not meta_path.is_file():
+        raise FileNotFoundError(f"--init-from {directory}: no recipe.json; give the OUTPUT_DIR/model folder of a "
+                                "finished run of this recipe")
+    meta = json.loads(meta_path.read_text())
+    if meta["linearize"] != "none":
+        raise ValueError(f"--init-from {directory} holds a --linearize {meta['linearize']} model; start from an "
+                         "unlinearized (--linearize none) run")
+    if (meta["arch"], meta["num_classes"]) != (arch, num_classes):
+        raise ValueError(f"--init-from {directory} is a {meta['arch']} with {meta['num_classes']} classes, "
+                         f"not a {arch} with {num_classes}")
+    return load_model(directory).state_dict()
+
+
 # ----------------------------------------------------------------------------- data
 
 
@@ -313,6 +329,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="use only N test images")
     d.add_argument("--image-size", "--image_size", dest="image_size", type=int, default=32)
     d.add_argument("--arch", choices=ARCHS, default="resnet20")
+    d.add_argument("--init-from", "--init_from", dest="init_from", default=None,
+                   help="start from the weights of OUTPUT_DIR/model of an earlier --linearize none run (same "
+                        "--arch): linearize an already trained network, the 'late' setting of seed 000")
     t = p.add_argument_group("training")
     t.add_argument("--epochs", type=int, default=200)
     t.add_argument("--batch-size", "--batch_size", dest="batch_size", type=int, default=128,
@@ -371,6 +390,8 @@ def main(argv: list[str] | None = None) -> dict:
 
     torch.manual_seed(args.seed)
     model = build_model(args.arch, num_classes)
+    if args.init_from:
+        model.load_state_dict(trained_weights(args.init_from, args.arch, num_classes))
     example = torch.zeros(2, 3, args.image_size, args.image_size)
     model = common.convert_model(model, args, example_inputs=example)
     fingerprint = common.model_fingerprint(model)

@@ -22,7 +22,8 @@ from transformers import AutoModelForSequenceClassification, AutoTokenizer, Trai
 
 from linearize.integrations import LinearizeCallback, LinearizeTrainerMixin  # noqa: E402
 
-MULTI30K = Path(os.environ.get("LINEARIZE_MULTI30K", "/work/shared/data/multi30k"))
+SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"  # ../shared beside the checkout
+MULTI30K = Path(os.environ.get("LINEARIZE_MULTI30K", SHARED_DATA / "multi30k"))
 MODEL_DIR = Path(minilm.__file__).resolve().parent / "model"
 REPO = Path(__file__).resolve().parents[1]
 

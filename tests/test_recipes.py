@@ -23,8 +23,9 @@ REPO = Path(__file__).resolve().parents[1]
 RECIPES = REPO / "recipes"
 sys.path.insert(0, str(RECIPES))
 
-CIFAR = Path(os.environ.get("LINEARIZE_CIFAR10", "/work/shared/data/cifar10-jpeg.tar.gz"))
-MULTI30K = Path(os.environ.get("LINEARIZE_MULTI30K", "/work/shared/data/multi30k"))
+SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"  # ../shared beside the checkout
+CIFAR = Path(os.environ.get("LINEARIZE_CIFAR10", SHARED_DATA / "cifar10-jpeg.tar.gz"))
+MULTI30K = Path(os.environ.get("LINEARIZE_MULTI30K", SHARED_DATA / "multi30k"))
 needs_cifar = pytest.mark.skipif(not CIFAR.exists(), reason=f"real CIFAR-10 images not found at {CIFAR} "
                                  "(set LINEARIZE_CIFAR10 to the .tar.gz or image folder)")
 needs_multi30k = pytest.mark.skipif(not (MULTI30K / "train.jsonl.gz").exists(),
@@ -228,3 +229,21 @@ def test_checkpoint_from_another_model(cifar_args, cifar_full, tmp_path):
     args = [a if a != "resnet20" else "resnet56" for a in cifar_args]
     with pytest.raises(ValueError, match="written by another model"):
         cifar.main(args + ["--output_dir", str(tmp_path), "--resume_from_checkpoint", str(cifar_full)])
+
+
+@needs_cifar
+def test_init_from_a_trained_baseline(cifar_args, cifar_full, tmp_path):
+    import cifar
+
+    base = tmp_path / "base"
+    run_recipe("cifar.py", cifar_args + ["--linearize", "none", "--max-steps", "2", "--output_dir", str(base)])
+    late = tmp_path / "late"  # lr 0: the weights must stay those of the baseline
+    run_recipe("cifar.py", cifar_args + ["--init-from", str(base / "model"), "--lr", "0", "--max-steps", "2",
+                                         "--output_dir", str(late)])
+    trained, started = cifar.load_model(base / "model"), cifar.load_model(late / "model")
+    for name, weight in trained.named_parameters():
+        torch.testing.assert_close(dict(started.named_parameters())[name], weight, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="holds a --linearize prelu model"):
+        cifar.main(cifar_args + ["--init-from", str(cifar_full / "model"), "--output_dir", str(tmp_path / "x")])
+    with pytest.raises(FileNotFoundError, match="no recipe.json"):
+        cifar.main(cifar_args + ["--init-from", str(tmp_path), "--output_dir", str(tmp_path / "y")])
