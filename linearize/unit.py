@@ -4,8 +4,7 @@ One module class, :class:`LinearizableActivation`, replaces every activation cal
 Its learnable ``slope`` ``a`` has shape ``[C]`` (one value per channel) and lives in
 ``[0, 1]``: ``a = 0`` computes the original activation bit for bit, ``a = 1`` is exactly the
 identity. For ReLU (and LeakyReLU) the blend *is* a PReLU with negative slope ``a`` (the
-sparsified PReLU of seed 000) and runs as one fused ``F.prelu`` call (with a backward that
-reuses ReLU's kernel, see :class:`_PReLU`).
+sparsified PReLU of seed 000) and runs as one fused ``F.prelu`` call.
 
 Range of the slopes: the stored parameter is **projected** onto ``[0, 1]`` after every step
 of any ``torch.optim`` optimizer (projected gradient descent), by a global optimizer
@@ -41,30 +40,6 @@ __all__ = [
 # through ``__setstate__``; load_state_dict and ``.to()`` keep the same Parameter object).
 _SLOPE_OWNERS: WeakIdKeyDictionary = WeakIdKeyDictionary()
 _HOOKS_INSTALLED = False
-
-
-class _PReLU(torch.autograd.Function):
-    """``F.prelu`` (channels at dim 1) with a cheaper backward on the CPU.
-
-    The forward is the fused ``F.prelu`` kernel. The backward splits the incoming gradient with
-    ReLU's ``threshold_backward`` kernel into ``pos`` (where ``x > 0``) and ``neg = g - pos``, then
-    ``grad_x = pos + a * neg`` (one ``addcmul``) and ``grad_a = sum(neg * x)`` over all dims but 1.
-    Same values as PyTorch's PReLU backward (also at ``x = 0``: slope ``a``), in about half its time.
-    """
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(x, weight)
-        return F.prelu(x, weight)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        x, weight = ctx.saved_tensors
-        pos = torch.ops.aten.threshold_backward(grad, x, 0)
-        neg = grad - pos
-        grad_x = torch.addcmul(pos, neg, weight.view([1, -1] + [1] * (x.ndim - 2)))
-        grad_w = (neg * x).sum([d for d in range(x.ndim) if d != 1]) if ctx.needs_input_grad[1] else None
-        return grad_x, grad_w
 
 
 class LinearizableActivation(nn.Module):
@@ -140,10 +115,10 @@ class LinearizableActivation(nn.Module):
         if self.leak is not None:
             w = a if self.leak == 0 else a + (1 - a) * self.leak
             if dim == 1 or x.ndim == 2:
-                return _PReLU.apply(x, w)
+                return F.prelu(x, w)
             if dim == x.ndim - 1:
-                return _PReLU.apply(x.reshape(-1, self.num_channels), w).reshape(x.shape)
-            return _PReLU.apply(x.movedim(dim, 1), w).movedim(1, dim)
+                return F.prelu(x.reshape(-1, self.num_channels), w).reshape(x.shape)
+            return F.prelu(x.movedim(dim, 1), w).movedim(1, dim)
         shape = [1] * x.ndim
         shape[dim] = self.num_channels
         # torch.lerp is exact at both ends: weight 0 gives act(x), weight 1 gives x.

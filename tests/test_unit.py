@@ -109,25 +109,3 @@ def test_counters_on_a_hand_built_model():
     assert [n for n, _ in linearize.units(model)] == ["1", "3"]
     with pytest.raises(ValueError, match="convert"):
         linearize.count_units(nn.Linear(2, 2))
-
-
-@pytest.mark.parametrize("shape,dim", [((5, 3, 4, 4), 1), ((4, 6, 3), -1), ((7, 3), -1), ((2, 3, 4, 5), 2)])
-def test_prelu_gradients_match_pytorch_prelu_and_gradcheck(shape, dim):
-    gen = torch.Generator().manual_seed(0)
-    x = torch.randn(*shape, generator=gen, dtype=torch.float64)
-    x.view(-1)[0] = 0.0  # the kink: both use slope a there
-    c = shape[dim]
-    unit = LinearizableActivation("relu", c, dim).double()
-    with torch.no_grad():
-        unit.slope.copy_(torch.rand(c, generator=gen, dtype=torch.float64))
-    g = torch.randn(*shape, generator=gen, dtype=torch.float64)
-    xr = x.clone().requires_grad_()
-    gx, ga = torch.autograd.grad(unit(xr), (xr, unit.slope), g)
-    ref_x = x.movedim(dim, 1).clone().requires_grad_()
-    ref_a = unit.slope.detach().clone().requires_grad_()
-    rx, ra = torch.autograd.grad(F.prelu(ref_x, ref_a), (ref_x, ref_a), g.movedim(dim, 1))
-    torch.testing.assert_close(gx, rx.movedim(1, dim), rtol=1e-12, atol=1e-12)
-    torch.testing.assert_close(ga, ra, rtol=1e-12, atol=1e-12)
-    assert torch.autograd.gradcheck(lambda t, a: linearize.unit._PReLU.apply(t, a),
-                                    (torch.randn(3, c, 2, dtype=torch.float64, requires_grad=True),
-                                     torch.rand(c, dtype=torch.float64, requires_grad=True)))
