@@ -11,6 +11,7 @@ from torch import nn
 import linearize
 from linearize.folding import (
     BorderBiasConv,
+    BorderExactConv,
     ChannelBlend,
     ChannelPReLU,
     FoldVerificationError,
@@ -212,16 +213,20 @@ def test_conv_conv_merge_exact_including_border(case):
         assert (y - y0)[:, :, 0].abs().max() > 1e-2
 
 
-def test_padded_3x3_o_3x3_is_refused_at_the_border():
+def test_padded_3x3_o_3x3_needs_depth_objective_and_a_border_correction():
     unit = LA("relu", 6, 1)
     with torch.no_grad():
         unit.slope.fill_(1.0)
     model = nn.Sequential(nn.Conv2d(3, 6, 3, padding=1), unit, nn.Conv2d(6, 4, 3, padding=1)).eval()
     x = torch.randn(1, 3, 8, 8)
-    folded = linearize.fold(model, x, objective="depth", latency=False)
-    assert len(folded) == 2
-    assert any("border" in s for s in folded.linearize_fold_summary.skipped)
-    _same(model, folded, x)
+    by_flops = linearize.fold(model, x, latency=False)
+    assert len(by_flops) == 2
+    assert any("not exact at the border" in s for s in by_flops.linearize_fold_summary.skipped)
+    _same(model, by_flops, x)
+    by_depth = linearize.fold(model, x, objective="depth", latency=False)  # more in test_fold_border.py
+    assert len(by_depth) == 1 and isinstance(by_depth[0], BorderExactConv)
+    assert any("exact border correction" in s for s in by_depth.linearize_fold_summary.merged)
+    _same(model, by_depth, x)
 
 
 def test_flops_objective_refuses_3x3_o_3x3_depth_objective_merges():
@@ -263,14 +268,14 @@ def test_torchvision_bottleneck_and_basicblock_with_convert():
     torch.manual_seed(0)
     down = nn.Sequential(nn.Conv2d(8, 16, 1, stride=2, bias=False), nn.BatchNorm2d(16))
     for block, expect_merge in [(Bottleneck(16, 4), True), (Bottleneck(8, 4, stride=2, downsample=down), True),
-                                (BasicBlock(8, 8), False)]:
+                                (BasicBlock(8, 8), False)]:  # BasicBlock: objective="depth" in test_fold_border.py
         block = _randomize_bn(block).eval().double()
         x = torch.randn(2, block.conv1.in_channels, 9, 9, dtype=torch.float64)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             linearize.convert(block, example_inputs=x)
         _set_linear(block, 1.0)
-        folded = linearize.fold(block, x, objective="depth", latency=False)
+        folded = linearize.fold(block, x, objective="depth" if expect_merge else "flops", latency=False)
         _no_units(folded)
         convs = [m for m in folded.modules() if isinstance(m, nn.Conv2d)]
         assert (len(convs) == 1) == expect_merge

@@ -3,12 +3,16 @@
 For (a) a ResNet-style CNN (torchvision BasicBlocks), (b) a BERT-style encoder (Hugging Face
 ``BertModel`` from a small config, no download) and (c) a MobileNet-V2, each with 0%, 50%, 90%
 and 100% of every unit's channels set linear (slope 1, the rest slope 0 = the original
-activation; set directly, no training), fold and print the ratios folded / unfolded. Latency is
-the median of interleaved repetitions of both models in one run (``fold(latency=True)``). A last
-row times a stack of fully linear Transformer FFN blocks (target: >= 3x faster).
+activation; set directly, no training), fold with ``--objective`` and print the ratios folded /
+unfolded. Latency is the median of interleaved repetitions of both models in one run
+(``fold(latency=True)``). Then a row times a stack of fully linear Transformer FFN blocks
+(target: >= 3x faster), and a last row folds the ResNet-style model at 100% linear with
+``objective="depth"``: each BasicBlock becomes one border-corrected conv (``BorderExactConv``,
+skip in its centre tap), so the sequential conv layers drop while FLOPs rise.
 
     python recipes/benchmarks/fold.py            # small sizes, about 2 minutes on 2 cores
     python recipes/benchmarks/fold.py --threads 2 --batch 16
+    python recipes/benchmarks/fold.py --objective depth
 
 Targets (issue 4): error <= 1e-4 relative everywhere; latency ratio within 15% of the FLOP ratio
 where FLOPs drop by at least 2x; the fully linear FFN stack at least 3x faster.
@@ -23,6 +27,7 @@ import torch
 from torch import nn
 
 import linearize
+from linearize.folding import BorderExactConv
 
 FRACTIONS = (0.0, 0.5, 0.9, 1.0)
 
@@ -88,6 +93,13 @@ def set_linear_fraction(model: nn.Module, fraction: float, seed: int = 0) -> Non
         unit.slope[torch.randperm(unit.num_channels, generator=g)[:k]] = 1.0
 
 
+def sequential_convs(model: nn.Module) -> int:
+    """Conv layers on the main path (a ``BorderExactConv`` counts once: its strips run beside it)."""
+    inside = {id(m.conv) for m in model.modules() if isinstance(m, BorderExactConv)}
+    return sum(isinstance(m, BorderExactConv) or (isinstance(m, nn.Conv2d) and id(m) not in inside)
+               for m in model.modules())
+
+
 def row(name: str, fraction: float, summary) -> str:
     rel = summary.max_abs_error / max(summary.output_scale, 1e-12)
     flag = ""
@@ -132,6 +144,13 @@ def main() -> None:
     s = folded.linearize_fold_summary
     print(row("ffn-stack", 1.0, s))
     print(f"fully linear FFN stack: {1 / s.latency_ratio:.2f}x faster (target >= 3x)")
+
+    resnet, inputs = cases[0][1:]
+    set_linear_fraction(resnet, 1.0)
+    folded = linearize.fold(resnet, inputs, objective="depth")
+    print(row("resnet/depth", 1.0, folded.linearize_fold_summary))
+    print(f"resnet at 100% linear, objective='depth': sequential convs {sequential_convs(resnet)} -> "
+          f"{sequential_convs(folded)}")
 
 
 if __name__ == "__main__":
