@@ -10,6 +10,7 @@ from torch import nn
 
 import linearize
 from linearize import LinearizableActivation
+from linearize.unit import _PReLU
 
 ACTS = [
     (nn.ReLU(), "relu"),
@@ -109,3 +110,65 @@ def test_counters_on_a_hand_built_model():
     assert [n for n, _ in linearize.units(model)] == ["1", "3"]
     with pytest.raises(ValueError, match="convert"):
         linearize.count_units(nn.Linear(2, 2))
+
+
+@pytest.mark.parametrize("shape,dim", [((5, 3, 4, 4), 1), ((4, 6, 3), -1), ((7, 3), -1), ((2, 3, 4, 5), 2)])
+def test_prelu_gradients_and_tangents_match_pytorch_prelu(shape, dim):
+    """The unit's own PReLU backward and jvp against PyTorch's F.prelu autograd (incl. the kink x = 0)."""
+    import torch.autograd.forward_ad as fwAD
+
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(*shape, generator=gen, dtype=torch.float64)
+    x.view(-1)[:3] = 0.0  # the kink: both use slope a there
+    c = shape[dim]
+    unit = LinearizableActivation("relu", c, dim).double()
+    with torch.no_grad():
+        unit.slope.copy_(torch.rand(c, generator=gen, dtype=torch.float64))
+    g = torch.randn(*shape, generator=gen, dtype=torch.float64)
+    xr = x.clone().requires_grad_()
+    gx, ga = torch.autograd.grad(unit(xr), (xr, unit.slope), g)
+    ref_x = x.movedim(dim, 1).clone().requires_grad_()
+    ref_a = unit.slope.detach().clone().requires_grad_()
+    rx, ra = torch.autograd.grad(F.prelu(ref_x, ref_a), (ref_x, ref_a), g.movedim(dim, 1))
+    torch.testing.assert_close(gx, rx.movedim(1, dim), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(ga, ra, rtol=1e-12, atol=1e-12)
+
+    x_t = torch.randn(*shape, generator=gen, dtype=torch.float64)
+    a_t = torch.randn(c, generator=gen, dtype=torch.float64)
+    a, ab, at_b = unit.slope.detach(), unit.slope.detach().view(unit.broadcast_shape(x.ndim)), a_t.view(
+        unit.broadcast_shape(x.ndim))
+    with fwAD.dual_level():
+        both = fwAD.unpack_dual(_PReLU.apply(fwAD.make_dual(x.movedim(dim, 1), x_t.movedim(dim, 1)),
+                                             fwAD.make_dual(a, a_t))).tangent.movedim(1, dim)
+        only_x = fwAD.unpack_dual(unit(fwAD.make_dual(x, x_t))).tangent
+    # independent formula; at x = 0 the tangent uses slope a, as the backward does (PyTorch's own
+    # F.prelu jvp uses 1 there and its backward a)
+    expected_x = torch.where(x > 0, x_t, x_t * ab)
+    torch.testing.assert_close(only_x, expected_x, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(both, expected_x + x.clamp(max=0) * at_b, rtol=1e-12, atol=1e-12)
+
+
+def test_prelu_function_passes_gradcheck_and_gradgradcheck():
+    fn = _PReLU.apply
+    inputs = (torch.randn(3, 4, 2, dtype=torch.float64, requires_grad=True),
+              torch.rand(4, dtype=torch.float64, requires_grad=True))
+    assert torch.autograd.gradcheck(fn, inputs, check_forward_ad=True)
+    assert torch.autograd.gradgradcheck(fn, inputs)
+
+
+def test_frozen_channels_loaded_from_a_state_dict_hold_through_optimizer_steps():
+    src = LinearizableActivation("relu", 4)
+    src.freeze_(torch.tensor([True, False, False, True]), 0.0)
+    unit = LinearizableActivation("relu", 4)
+    opt = torch.optim.SGD(unit.parameters(), lr=0.5)
+    x = torch.randn(8, 4)
+    unit(x).sum().backward(), opt.step()  # caches "nothing frozen"
+    unit.load_state_dict(src.state_dict())  # in-place copy into the buffer: the cache must notice
+    for _ in range(3):
+        opt.zero_grad()
+        (unit(x) * 5).sum().backward()
+        opt.step()
+    assert unit.slope[0].item() == 0.0 and unit.slope[3].item() == 0.0 and unit.slope[1].item() > 0.0
+    assert 0.0 <= unit.slope[1].item() <= 1.0 and unit.has_frozen()
+    unit.unfreeze_()
+    assert not unit.has_frozen()
