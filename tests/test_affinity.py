@@ -8,12 +8,19 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from scipy.linalg import sqrtm as scipy_sqrtm
 from torch import nn
 
 import linearize
 from linearize import LinearizableActivation
 from linearize.measures import affinity_score, affinity_signature
-from linearize.measures.affinity import _pairing_is_optimal, _Recorder, exact_w2_squared
+from linearize.measures.affinity import (
+    _float32_certificate,
+    _pairing_is_optimal,
+    _Recorder,
+    exact_w2_squared,
+    gaussian_ot_matrix,
+)
 
 ot = pytest.importorskip("ot", reason="POT (pip install pot) is the independent reference")
 
@@ -117,21 +124,76 @@ def test_pairing_certificate_agrees_with_brute_force():
         gain += np.eye(6) * rng.integers(0, 5)  # identity optimal more or less often
         best = gain[np.arange(6), perms].sum(axis=1).max()
         optimal = gain.trace() >= best
-        assert _pairing_is_optimal(gain, budget=100.0) == optimal  # enough to always decide
+        weights = np.diag(gain)[:, None] - gain
+        assert _pairing_is_optimal(weights, budget=100.0) == optimal  # enough to always decide
         decided[optimal] += 1
     assert min(decided.values()) > 30  # both answers were exercised
 
 
-@pytest.mark.parametrize("shuffle", [False, True])
-def test_exact_w2_matches_pot_on_both_solver_paths(shuffle):
+def _brute_force_identity_optimal(p: np.ndarray, q: np.ndarray) -> bool:
+    perms = np.array(list(itertools.permutations(range(len(p)))))
+    gain = p @ q.T
+    return bool(gain.trace() >= gain[np.arange(len(p)), perms].sum(axis=1).max())
+
+
+def test_float32_certificate_is_sound_and_usually_decides():
+    rng = np.random.default_rng(9)
+    proved = 0
+    for trial in range(200):
+        p = rng.standard_normal((6, 3))
+        q = p + 0.3 * p**3 + rng.uniform(0, 1.5) * rng.standard_normal((6, 3))  # monotone map + noise
+        if _float32_certificate(p, q):
+            assert _brute_force_identity_optimal(p, q)
+            proved += 1
+    assert proved > 40
+
+
+@pytest.mark.parametrize("margin", [-1e-9, 1e-9])
+def test_float32_certificate_leaves_near_ties_to_float64(margin):
+    # rows 0 and 1: a close pair at c (|c| = 3) that q maps almost to one point, exchanging them
+    # gains -margin (far below float32 resolution at this scale); other exchanges cost ~|c - p_j|^2 >= 1
+    rng = np.random.default_rng(10)
+    p = rng.standard_normal((6, 3))
+    p *= 2.0 / np.linalg.norm(p, axis=1, keepdims=True)
+    c = 1.5 * p[0]
+    v = 0.05 * p[1]
+    p[0], p[1] = c + v / 2, c - v / 2
+    q = p.copy()
+    q[0], q[1] = c + margin * v / (v @ v) / 2, c - margin * v / (v @ v) / 2
+    assert _brute_force_identity_optimal(p, q) is (margin > 0)
+    assert not _float32_certificate(p, q)
+    gain = p @ q.T
+    assert _pairing_is_optimal(np.diag(gain)[:, None] - gain) is (margin > 0)
+
+
+@pytest.mark.parametrize("case", ["float32 proof", "float64 proof (ties)", "solver"])
+def test_exact_w2_matches_pot_on_every_path(case):
     rng = np.random.default_rng(8)
     p = rng.standard_normal((300, 4))
-    q = np.maximum(p, 0) - np.maximum(p, 0).mean(0)  # a monotone map: the pairing is optimal
-    if shuffle:
+    if case == "float32 proof":
+        q = p + 0.3 * p**3  # gradient of a strictly convex function: the pairing is optimal
+    else:
+        q = np.maximum(p, 0)  # monotone, but rows with p < 0 all map to 0: zero-cost exchanges
+    q = q - q.mean(0)
+    if case == "solver":
         q = q[rng.permutation(300)]
-    assert _pairing_is_optimal(p @ q.T) is (not shuffle)
+    gain = p @ q.T
+    assert _float32_certificate(p, q) is (case == "float32 proof")
+    assert _pairing_is_optimal(np.diag(gain)[:, None] - gain) is (case != "solver")
     w = np.full(300, 1 / 300)
     assert exact_w2_squared(p, q) == pytest.approx(ot.emd2(w, w, ot.dist(p, q)), rel=1e-10)
+
+
+def test_gaussian_ot_matrix_is_the_spd_solution_of_a_sx_a_equals_sy():
+    rng = np.random.default_rng(11)
+    sx, sy = _spd(7, rng), _spd(7, rng)
+    a = gaussian_ot_matrix(sx, sy, ridge=0.0)
+    assert np.array_equal(a, a.T)
+    assert np.linalg.eigvalsh(a).min() > 0
+    np.testing.assert_allclose(a @ sx @ a, sy, atol=1e-12)
+    sx_half = scipy_sqrtm(sx)  # the textbook formula with two matrix roots
+    expected = np.linalg.inv(sx_half) @ scipy_sqrtm(sx_half @ sy @ sx_half) @ np.linalg.inv(sx_half)
+    np.testing.assert_allclose(a, expected, atol=1e-10)
 
 
 def test_scores_lie_in_unit_interval():

@@ -21,7 +21,8 @@ This is the definition that reproduces the reference values of the seed and of i
 ``x = linspace(-1, 1, 1000)``: ``rho(x, x**3) = .7112`` (with ``W2^2`` it would be .9166), and
 ``x ~ N(0, I_64)``, ``n = 2048``: ``rho(x, relu(x)) = .622``.
 
-Numerics: float64 throughout; the clouds are centred before any distance (``T_aff x - mu_y``
+Numerics: float64 throughout (the one float32 step, a bound that proves the given pairing
+optimal, carries a rigorous rounding margin, see :func:`_float32_certificate`); the clouds are centred before any distance (``T_aff x - mu_y``
 against ``y - mu_y``), so large means cannot swamp float precision (``relu(x + 100)`` scores 1);
 a ridge ``1e-6 I`` is added to both covariances (or Ledoit-Wolf shrinkage plus the ridge); ``A``
 from one Cholesky factor and one symmetric eigendecomposition (``eigh``, never ``sqrtm``), see
@@ -33,12 +34,15 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 from scipy.linalg import solve_triangular
+from scipy.linalg.blas import dsyrk, dtrmm
 from scipy.optimize import linear_sum_assignment
+from threadpoolctl import threadpool_limits
 from torch import nn
 from tqdm.auto import tqdm
 
@@ -123,56 +127,102 @@ def gaussian_ot_matrix(sx: np.ndarray, sy: np.ndarray, ridge: float = 1e-6) -> n
     ``sx, sy``: symmetric PSD ``[d, d]`` float64. Returns the symmetric positive definite
     ``[d, d]`` matrix of the optimal transport map ``x -> A (x - mu_x) + mu_y`` between the two
     Gaussians: the unique SPD solution of ``A Sx A = Sy``. Computed with one Cholesky factor
-    ``Sx = L L^T`` and one eigendecomposition as ``A = L^-T (L^T Sy L)^(1/2) L^-1`` (the same matrix:
-    it is SPD and ``A Sx A = L^-T (L^T Sy L) L^-1 = Sy``), half the cost of two matrix roots and
-    without inverting a root of the often rank-deficient ``Sy``.
+    ``Sx = L L^T`` and one eigendecomposition ``L^T Sy L = V W V^T`` as ``A = B B^T`` with
+    ``B = L^-T V W^(1/4)`` (the same matrix: it is SPD and ``A Sx A = L^-T (L^T Sy L) L^-1 = Sy``),
+    half the cost of two matrix roots and without inverting a root of the often rank-deficient
+    ``Sy``. The triangular products (``trmm``) and ``B B^T`` (``syrk``) use the structure: half the
+    flops of general products.
     """
-    eye = ridge * np.eye(sx.shape[0])
-    chol = np.linalg.cholesky(sx + eye)
-    w, v = np.linalg.eigh(chol.T @ (sy + eye) @ chol)
+    d = sx.shape[0]
+    diagonal = np.diag_indices(d)
+    sx, sy = sx.copy(), np.array(sy, order="F")  # Fortran order: BLAS takes it without a copy
+    sx[diagonal] += ridge
+    sy[diagonal] += ridge
+    chol = np.asfortranarray(np.linalg.cholesky(sx))
+    m = dtrmm(1.0, chol, dtrmm(1.0, chol, sy, side=1, lower=1), lower=1, trans_a=1)  # L^T Sy L
+    w, v = np.linalg.eigh(m)  # reads the lower triangle
     b = solve_triangular(chol, v, lower=True, trans="T", check_finite=False)  # L^-T V
-    a = (b * np.sqrt(np.clip(w, 0.0, None))) @ b.T  # L^-T (V W^(1/2) V^T) L^-1
-    return (a + a.T) / 2
+    b *= np.sqrt(np.sqrt(np.clip(w, 0.0, None)))
+    a = dsyrk(1.0, b)  # upper triangle of B B^T, zeros below
+    a += np.triu(a, 1).T
+    return a
 
 
 def exact_w2_squared(p: np.ndarray, q: np.ndarray) -> float:
     """Exact squared 2-Wasserstein distance between uniform clouds ``p, q: [n, d]`` (float64).
 
     Solves the assignment problem on squared Euclidean costs (exact for equal-size uniform clouds)
-    and evaluates the optimal pairs' costs from the coordinates. Pass centred clouds (the inner products are then well scaled). The given
-    pairing ``p_i <-> q_i`` is tried first (:func:`_pairing_is_optimal`: for activation sites it
-    usually is optimal, and proving it is several times cheaper than solving); otherwise
-    :func:`scipy.optimize.linear_sum_assignment` solves it. In 1-d the sorted (monotone) matching
-    is optimal and used instead.
+    and evaluates the optimal pairs' costs from the coordinates. Pass centred clouds (the inner
+    products are then well scaled). The given pairing ``p_i <-> q_i`` is tried first, as it is
+    usually optimal for activation sites and proving it is several times cheaper than solving:
+    from float32 lower bounds (:func:`_float32_certificate`), then, where those are too loose (ties,
+    near-duplicate rows), from the float64 products (:func:`_pairing_is_optimal`); otherwise
+    :func:`scipy.optimize.linear_sum_assignment` solves it. In 1-d the sorted (monotone) matching is
+    optimal and used instead.
     """
     if p.shape[1] == 1:
         return float(np.mean((np.sort(p[:, 0]) - np.sort(q[:, 0])) ** 2))
-    # sum_i |p_i - q_s(i)|^2 = sum |p|^2 + sum |q|^2 - 2 sum_i <p_i, q_s(i)>
-    gain = p @ q.T
-    if _pairing_is_optimal(gain):
-        cols = np.arange(len(p))
-    else:  # the solver is ~2x faster on the squared distances than on -gain (same optimum)
-        gain *= -2.0
-        gain += np.einsum("ij,ij->i", p, p)[:, None]
-        gain += np.einsum("ij,ij->i", q, q)[None, :]
-        cols = linear_sum_assignment(gain)[1]
-    return float(np.mean(np.sum((p - q[cols]) ** 2, axis=1)))
+    matched = q  # q[s(i)] for an optimal assignment s
+    if not _float32_certificate(p, q):
+        gain = p @ q.T
+        if not _pairing_is_optimal(np.diag(gain)[:, None] - gain):
+            # squared distances |p|^2 + |q|^2 - 2 p.q: the solver is ~2x faster on them than on -gain
+            gain *= -2.0
+            gain += np.einsum("ij,ij->i", p, p)[:, None]
+            gain += np.einsum("ij,ij->i", q, q)[None, :]
+            matched = q[linear_sum_assignment(gain)[1]]
+    return float(np.mean(np.sum((p - matched) ** 2, axis=1)))
 
 
-def _pairing_is_optimal(gain: np.ndarray, budget: float = 16.0) -> bool:
-    """True if the identity permutation maximizes ``sum_i gain[i, s(i)]`` (a proof, not a guess).
+# unit roundoff of float32 and a floor under the norms that covers float32 underflow
+_U32, _TINY = 2.0**-24, 2.0**-60
 
-    The identity is optimal iff no cyclic exchange (row ``i`` takes column ``j``, ...) gains, i.e.
-    the graph with edge weights ``W[i, j] = gain[i, i] - gain[i, j]`` has no negative cycle.
-    Bellman-Ford from a virtual source (``d = 0``), relaxing only the edges of nodes whose ``d``
-    dropped in the previous round, settles to potentials with ``d[j] <= d[i] + W[i, j]`` for all
-    ``i, j`` exactly when there is none; such potentials bound every cycle's weight below by 0.
-    ``n`` rounds without settling prove a negative cycle. Gives up (False, undecided) after
-    relaxing ``budget * n`` rows of ``W``.
+
+def _float32_certificate(p: np.ndarray, q: np.ndarray) -> bool:
+    """True if the pairing ``p_i <-> q_i`` is an optimal assignment (a proof), False if undecided.
+
+    Maximizing ``sum_i p_i . q_s(i)`` is the same problem as minimizing squared distances. The
+    exchange costs ``W[i, j] = p_i . q_i - p_i . q_j`` are bounded below from a float32 product (half
+    the time of float64): with ``p, q`` scaled to unit largest row norm, an extra column
+    ``c |p_i|, |q_j|`` with ``c = 2 (d + 4) u`` (``u = 2^-24``) makes the computed ``G[i, j]`` exceed
+    ``p_i . q_j`` by more than the worst-case rounding error of a length-``d + 1`` float32 dot product
+    of rounded inputs (``<= (d + 3) u |p_i| |q_j|`` to first order), so ``W_lb = p_i . q_i - G[i, j]``
+    (diagonal: exact 0) is a lower bound of ``W``. No negative cycle in ``W_lb`` (:func:`_pairing_is_optimal`)
+    proves none in ``W``. The bound is loose by ``~d u |p| |q|``, far below the exchange costs of
+    distinct points, so it fails where a solver is needed anyway and on ties (zero-cost exchanges,
+    e.g. rows of ``q`` that a ReLU mapped to the same point).
     """
-    n = len(gain)
-    weights = np.diag(gain)[:, None] - gain
+    n, d = p.shape
+    p_norm, q_norm = np.linalg.norm(p, axis=1), np.linalg.norm(q, axis=1)
+    p_scale, q_scale = max(p_norm.max(), _TINY), max(q_norm.max(), _TINY)
+    pa, qa = np.empty((n, d + 1), np.float32), np.empty((n, d + 1), np.float32)
+    np.divide(p, p_scale, out=pa[:, :d], casting="same_kind")
+    np.divide(q, q_scale, out=qa[:, :d], casting="same_kind")
+    pa[:, d] = 2.0 * (d + 4) * _U32 * (p_norm / p_scale + _TINY)
+    qa[:, d] = q_norm / q_scale + _TINY
+    upper = pa @ qa.T  # float32 [n, n] >= p_i . q_j / (p_scale q_scale)
+    diag = np.einsum("ij,ij->i", p, q) / (p_scale * q_scale)
+    weights = diag[:, None] - upper  # float64
+    np.fill_diagonal(weights, 0.0)
+    return _pairing_is_optimal(weights)
+
+
+def _pairing_is_optimal(weights: np.ndarray, budget: float = 16.0) -> bool:
+    """True if the graph with edge weights ``weights[i, j]`` (``[n, n]``, zero diagonal) has no negative cycle.
+
+    With ``weights[i, j] = gain[i, i] - gain[i, j]`` (or a lower bound of it) this proves that the
+    identity permutation maximizes ``sum_i gain[i, s(i)]``: it is optimal iff no cyclic exchange
+    (row ``i`` takes column ``j``, ...) gains. Bellman-Ford from a virtual source (``d = 0``),
+    relaxing only the edges of nodes whose ``d`` dropped in the previous round, settles to potentials
+    with ``d[j] <= d[i] + W[i, j]`` for all ``i, j`` exactly when there is no negative cycle; such
+    potentials bound every cycle's weight below by 0. ``n`` rounds without settling prove a
+    negative cycle. Gives up (False, undecided) after relaxing ``budget * n`` rows of ``W``.
+    Non-finite weights count as undecided.
+    """
+    n = len(weights)
     dist = weights.min(axis=0)  # first round: d = min(0, min_i W[i, j]), and W[j, j] = 0
+    if not np.isfinite(dist).all():
+        return False
     changed = np.flatnonzero(dist < 0)
     work, rounds = n, 1
     while changed.size:
@@ -251,6 +301,9 @@ def affinity_signature(
     At most ``max_samples`` rows per site are kept: a uniform random subset drawn with a fixed seed
     (random keys, smallest kept), the same rows of input and output.
 
+    The sites are scored ``torch.get_num_threads()`` at a time, each on one thread with one BLAS
+    thread (BLAS is limited to one thread process-wide meanwhile), see :func:`_score_sites`.
+
     Args:
         model: any ``nn.Module``; run in eval mode under ``torch.no_grad`` (the train/eval flags of
             all its modules are restored afterwards), on the device of its first parameter.
@@ -305,8 +358,7 @@ def affinity_signature(
     sites = recorder.named_sites()
     if not sites:
         raise ValueError(f"none of the {len(modules)} activation modules was called by the forward pass")
-    scores = []
-    for name, site in tqdm(sites, desc="affinity: scores", disable=not progress):
+    for name, site in sites:
         if site.x.shape[0] < 2:
             raise ValueError(f"activation site {name!r} has {site.x.shape[0]} sample row(s), the affinity score needs at least 2: pass more inputs")
         if site.x.shape[0] <= site.x.shape[1] and shrinkage is None:
@@ -315,11 +367,40 @@ def affinity_signature(
                 "the sample covariance is singular; pass more inputs or shrinkage='ledoit-wolf'",
                 stacklevel=2,
             )
+    return _score_sites(sites, shrinkage, ridge, progress)
+
+
+def _score_sites(sites: list[tuple[str, _Site]], shrinkage: str | None, ridge: float, progress: bool) -> list[tuple[str, float]]:
+    """Scores of the sites in order, on ``torch.get_num_threads()`` threads (one BLAS thread each).
+
+    Sites are independent and numpy / scipy release the GIL in the BLAS / LAPACK calls and the
+    assignment solver, so threads use the cores the user gave torch: one site per thread scales
+    better than multi-threaded BLAS on these small ``[d, d]`` / ``[n, n]`` problems. The widest sites
+    are started first (shortest total time when their costs differ). BLAS is limited to one thread
+    process-wide while they run.
+    """
+
+    def score(name: str, site: _Site) -> float:
         try:
-            scores.append((name, affinity_score(site.x, site.y, shrinkage, ridge)))
+            return affinity_score(site.x, site.y, shrinkage, ridge)
         except ValueError as err:
             raise ValueError(f"activation site {name!r}: {err}") from err
-    return scores
+
+    workers = min(torch.get_num_threads(), len(sites))
+    order = sorted(range(len(sites)), key=lambda i: -sites[i][1].x.shape[1])
+    bar = tqdm(total=len(sites), desc="affinity: scores", disable=not progress)
+    with threadpool_limits(1), ThreadPoolExecutor(workers) as pool:
+        futures = {pool.submit(score, *sites[i]): i for i in order}
+        try:
+            for future in as_completed(futures):
+                future.result()  # the first error stops the run
+                bar.update()
+        finally:
+            for future in futures:
+                future.cancel()
+            bar.close()
+    done = {i: future.result() for future, i in futures.items()}
+    return [(sites[i][0], done[i]) for i in range(len(sites))]
 
 
 def activation_sites(model: nn.Module) -> list[tuple[str, nn.Module]]:
