@@ -1047,7 +1047,14 @@ class _Folder:
             inp = self.probe.in_shape.get(id(maps[0]))
             if inp is None:
                 return math.inf, "no shape recorded"
-            cost += _border_flops(tuple(inp[2:]), inp[0], *descs)
+            border = _border_flops(tuple(inp[2:]), inp[0], *descs)
+            two = sum(self._map_flops(m) for m in maps)
+            if border >= two:  # the strips' first -> second path would be the whole pair again
+                return math.inf, (
+                    f"the {'x'.join(map(str, inp[2:]))} map is nearly all border: the border correction "
+                    f"({border:,} FLOPs) would cost at least as much as the two convs ({two:,})"
+                )
+            cost += border
         return cost, ""
 
     def _plan_run(self, run: list[tuple[str, nn.Module]]) -> list[list[int]]:
@@ -1250,12 +1257,11 @@ class _Folder:
                 return block
             shortcut = mods[0]
         convs = [getattr(block, f"conv{i}") for i in range(1, n_convs + 1)]
-        plan, reason = _chain_plan([_ConvDesc.of(c) for c in convs], border_exact=self.objective == "depth")
-        if plan is None:
+        before = sum(self._map_flops(c) for c in convs)
+        after, reason = self._segment_cost(convs)
+        if reason:
             self.summary.skipped.append(f"{name}: linear body not merged ({reason})")
             return block
-        before = sum(self._map_flops(c) for c in convs)
-        after = self._segment_cost(convs)[0]
         if not self._better((after, 1), (before, n_convs)):
             self.summary.skipped.append(
                 f"{name}: linear body not merged (FLOPs {before:,} -> {after:,.0f} would not lower the {self.objective})"
