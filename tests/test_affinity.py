@@ -146,10 +146,13 @@ def test_float32_certificate_is_sound_and_usually_decides():
             assert _brute_force_identity_optimal(p, q)
             proved += 1
     assert proved > 40
+    p = rng.standard_normal((50, 4))
+    assert _float32_certificate(1e30 * p, 1e-30 * (p + 0.3 * p**3))  # scales float32 cannot hold
 
 
+@pytest.mark.parametrize("scale", [1e-30, 1.0, 1e30])  # float32 under- and overflows without rescaling
 @pytest.mark.parametrize("margin", [-1e-9, 1e-9])
-def test_float32_certificate_leaves_near_ties_to_float64(margin):
+def test_float32_certificate_leaves_near_ties_to_float64(margin, scale):
     # rows 0 and 1: a close pair at c (|c| = 3) that q maps almost to one point, exchanging them
     # gains -margin (far below float32 resolution at this scale); other exchanges cost ~|c - p_j|^2 >= 1
     rng = np.random.default_rng(10)
@@ -160,6 +163,7 @@ def test_float32_certificate_leaves_near_ties_to_float64(margin):
     p[0], p[1] = c + v / 2, c - v / 2
     q = p.copy()
     q[0], q[1] = c + margin * v / (v @ v) / 2, c - margin * v / (v @ v) / 2
+    p, q = p * scale, q * scale
     assert _brute_force_identity_optimal(p, q) is (margin > 0)
     assert not _float32_certificate(p, q)
     gain = p @ q.T

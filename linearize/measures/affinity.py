@@ -174,35 +174,39 @@ def exact_w2_squared(p: np.ndarray, q: np.ndarray) -> float:
     return float(np.mean(np.sum((p - matched) ** 2, axis=1)))
 
 
-# unit roundoff of float32 and a floor under the norms that covers float32 underflow
+# unit roundoff of float32, and a floor under the row norms whose square covers float32 underflow
 _U32, _TINY = 2.0**-24, 2.0**-60
 
 
 def _float32_certificate(p: np.ndarray, q: np.ndarray) -> bool:
     """True if the pairing ``p_i <-> q_i`` is an optimal assignment (a proof), False if undecided.
 
-    Maximizing ``sum_i p_i . q_s(i)`` is the same problem as minimizing squared distances. The
-    exchange costs ``W[i, j] = p_i . q_i - p_i . q_j`` are bounded below from a float32 product (half
-    the time of float64): with ``p, q`` scaled to unit largest row norm, an extra column
-    ``c |p_i|, |q_j|`` with ``c = 2 (d + 4) u`` (``u = 2^-24``) makes the computed ``G[i, j]`` exceed
-    ``p_i . q_j`` by more than the worst-case rounding error of a length-``d + 1`` float32 dot product
-    of rounded inputs (``<= (d + 3) u |p_i| |q_j|`` to first order), so ``W_lb = p_i . q_i - G[i, j]``
-    (diagonal: exact 0) is a lower bound of ``W``. No negative cycle in ``W_lb`` (:func:`_pairing_is_optimal`)
-    proves none in ``W``. The bound is loose by ``~d u |p| |q|``, far below the exchange costs of
-    distinct points, so it fails where a solver is needed anyway and on ties (zero-cost exchanges,
-    e.g. rows of ``q`` that a ReLU mapped to the same point).
+    Maximizing ``sum_i p_i . q_s(i)`` is the same problem as minimizing squared distances, so the
+    exchange costs are ``W[i, j] = D_i - p_i . q_j`` with ``D_i = p_i . q_i`` (float64). A lower
+    bound ``W_lb <= W`` without a negative cycle (:func:`_pairing_is_optimal`) proves that ``W`` has
+    none. ``W_lb`` costs one float32 product (half the time of float64) and one float32 pass: with
+    ``p, q`` scaled to unit largest row norm (``a_i = |p_i|``, ``b_j = |q_j| <= 1``), the product of
+    ``[p_i, c (a_i + t), e |D_i|]`` and ``[q_j, b_j + t, 1]`` (``c = 2 (d + 6) u``, ``e = 4 u``,
+    ``u = 2^-24``, ``t = 2^-60``) exceeds ``p_i . q_j`` by more than all rounding errors: of the
+    inputs (``2 u a_i b_j``), of a length-``d + 2`` dot product (``(d + 2) u a_i b_j``), of ``D_i`` and
+    of ``fl(D_i) - G[i, j]`` (``u |D_i|`` and ``u (a_i b_j + |D_i|)``), to first order and with ample
+    room; ``t^2`` covers underflow. The diagonal is exact: 0. The bound is loose by ``~d u |p_i| |q_j|``,
+    far below the exchange costs of distinct points: the certificate fails where a solver is needed
+    anyway and on ties (zero-cost exchanges, e.g. rows of ``q`` that a ReLU mapped to one point).
     """
     n, d = p.shape
     p_norm, q_norm = np.linalg.norm(p, axis=1), np.linalg.norm(q, axis=1)
     p_scale, q_scale = max(p_norm.max(), _TINY), max(q_norm.max(), _TINY)
-    pa, qa = np.empty((n, d + 1), np.float32), np.empty((n, d + 1), np.float32)
+    diag = np.einsum("ij,ij->i", p, q) / (p_scale * q_scale)
+    pa, qa = np.empty((n, d + 2), np.float32), np.empty((n, d + 2), np.float32)
     np.divide(p, p_scale, out=pa[:, :d], casting="same_kind")
     np.divide(q, q_scale, out=qa[:, :d], casting="same_kind")
-    pa[:, d] = 2.0 * (d + 4) * _U32 * (p_norm / p_scale + _TINY)
+    pa[:, d] = 2.0 * (d + 6) * _U32 * (p_norm / p_scale + _TINY)
     qa[:, d] = q_norm / q_scale + _TINY
-    upper = pa @ qa.T  # float32 [n, n] >= p_i . q_j / (p_scale q_scale)
-    diag = np.einsum("ij,ij->i", p, q) / (p_scale * q_scale)
-    weights = diag[:, None] - upper  # float64
+    pa[:, d + 1] = 4.0 * _U32 * np.abs(diag)
+    qa[:, d + 1] = 1.0
+    weights = pa @ qa.T  # float32 [n, n] >= p_i . q_j / (p_scale q_scale)
+    np.subtract(diag.astype(np.float32)[:, None], weights, out=weights)
     np.fill_diagonal(weights, 0.0)
     return _pairing_is_optimal(weights)
 
@@ -217,10 +221,10 @@ def _pairing_is_optimal(weights: np.ndarray, budget: float = 16.0) -> bool:
     with ``d[j] <= d[i] + W[i, j]`` for all ``i, j`` exactly when there is no negative cycle; such
     potentials bound every cycle's weight below by 0. ``n`` rounds without settling prove a
     negative cycle. Gives up (False, undecided) after relaxing ``budget * n`` rows of ``W``.
-    Non-finite weights count as undecided.
+    Non-finite weights count as undecided. ``weights``: float64, or float32 (sums in float64).
     """
     n = len(weights)
-    dist = weights.min(axis=0)  # first round: d = min(0, min_i W[i, j]), and W[j, j] = 0
+    dist = weights.min(axis=0).astype(np.float64)  # first round: min(0, min_i W[i, j]), as W[j, j] = 0
     if not np.isfinite(dist).all():
         return False
     changed = np.flatnonzero(dist < 0)
