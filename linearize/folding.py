@@ -1395,7 +1395,9 @@ def fold(
             the model's forward takes them (a small real batch); used to record shapes, count
             FLOPs, time both models and verify the result.
         objective: ``"flops"`` merges only where FLOPs drop; ``"depth"`` minimizes the number
-            of sequential layers (FLOPs break ties).
+            of sequential layers (FLOPs break ties), and also merges two zero-padded convs
+            (e.g. a BasicBlock body) into a :class:`BorderExactConv`, unless the map is so
+            small that its border correction would cost as much as the two convs.
         tol: channels with slope ``a >= 1 - tol`` count as linear and ``a <= tol`` as the plain
             activation (0 keeps the function exact; larger values approximate, and the
             verification tells by how much).

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 import linearize
-from linearize.folding import BorderExactConv, _border_flops, _ConvDesc, count_flops
+from linearize.folding import BorderExactConv, FoldVerificationError, _border_flops, _ConvDesc, count_flops
 
 CONV = {1: nn.Conv1d, 2: nn.Conv2d, 3: nn.Conv3d}
 
@@ -170,6 +170,16 @@ def _sequential_convs(model: nn.Module) -> int:
     inside = {id(m.conv) for m in model.modules() if isinstance(m, BorderExactConv)}
     return sum(isinstance(m, BorderExactConv) or (isinstance(m, nn.Conv2d) and id(m) not in inside)
                for m in model.modules())
+
+
+def test_fold_verification_catches_a_merge_without_the_correction(monkeypatch):
+    c1, c2 = _pair("3x3 pad o 3x3 pad (BasicBlock)")
+    model = nn.Sequential(c1, _linear_unit(8), c2).eval().double()
+    x = torch.randn(2, 4, 7, 6, dtype=torch.float64)
+    assert isinstance(linearize.fold(model, x, objective="depth", latency=False)[0], BorderExactConv)
+    monkeypatch.setattr(BorderExactConv, "correction", lambda self, x: [])
+    with pytest.raises(FoldVerificationError, match="differs by"):
+        linearize.fold(model, x, objective="depth", latency=False)
 
 
 def test_fold_sequential_chain_depth_vs_flops():
