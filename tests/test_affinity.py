@@ -198,6 +198,8 @@ def test_gaussian_ot_matrix_is_the_spd_solution_of_a_sx_a_equals_sy():
     sx_half = scipy_sqrtm(sx)  # the textbook formula with two matrix roots
     expected = np.linalg.inv(sx_half) @ scipy_sqrtm(sx_half @ sy @ sx_half) @ np.linalg.inv(sx_half)
     np.testing.assert_allclose(a, expected, atol=1e-10)
+    with pytest.raises(np.linalg.LinAlgError, match="ridge > 0"):
+        gaussian_ot_matrix(np.zeros((3, 3)), np.eye(3), ridge=0.0)  # singular Sx without a ridge
 
 
 def test_scores_lie_in_unit_interval():

@@ -39,8 +39,8 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from scipy.linalg import solve_triangular
-from scipy.linalg.blas import dsyrk, dtrmm
+from scipy.linalg.blas import dsyrk, dtrmm, dtrsm
+from scipy.linalg.lapack import dpotrf, dsyevd
 from scipy.optimize import linear_sum_assignment
 from threadpoolctl import threadpool_limits
 from torch import nn
@@ -130,19 +130,23 @@ def gaussian_ot_matrix(sx: np.ndarray, sy: np.ndarray, ridge: float = 1e-6) -> n
     ``Sx = L L^T`` and one eigendecomposition ``L^T Sy L = V W V^T`` as ``A = B B^T`` with
     ``B = L^-T V W^(1/4)`` (the same matrix: it is SPD and ``A Sx A = L^-T (L^T Sy L) L^-1 = Sy``),
     half the cost of two matrix roots and without inverting a root of the often rank-deficient
-    ``Sy``. The triangular products (``trmm``) and ``B B^T`` (``syrk``) use the structure: half the
-    flops of general products.
+    ``Sy``. BLAS / LAPACK are called directly, in place: the triangular products (``trmm``, ``trsm``)
+    and ``B B^T`` (``syrk``) take half the flops of general products. Raises ``LinAlgError`` if
+    ``Sx + ridge I`` is not positive definite (``ridge = 0`` on a singular ``Sx``).
     """
-    d = sx.shape[0]
-    diagonal = np.diag_indices(d)
-    sx, sy = sx.copy(), np.array(sy, order="F")  # Fortran order: BLAS takes it without a copy
+    diagonal = np.diag_indices(sx.shape[0])
+    sx, sy = np.array(sx, order="F"), np.array(sy, order="F")  # Fortran order: LAPACK works in place
     sx[diagonal] += ridge
     sy[diagonal] += ridge
-    chol = np.asfortranarray(np.linalg.cholesky(sx))
-    m = dtrmm(1.0, chol, dtrmm(1.0, chol, sy, side=1, lower=1), lower=1, trans_a=1)  # L^T Sy L
-    w, v = np.linalg.eigh(m)  # reads the lower triangle
-    b = solve_triangular(chol, v, lower=True, trans="T", check_finite=False)  # L^-T V
-    b *= np.sqrt(np.sqrt(np.clip(w, 0.0, None)))
+    chol, info = dpotrf(sx, lower=1, clean=1, overwrite_a=1)
+    if info != 0:
+        raise np.linalg.LinAlgError(f"Sx + {ridge} I is not positive definite (Cholesky failed at column {info}); use ridge > 0")
+    m = dtrmm(1.0, chol, dtrmm(1.0, chol, sy, side=1, lower=1, overwrite_b=1), lower=1, trans_a=1, overwrite_b=1)
+    w, v, info = dsyevd(m, compute_v=1, lower=1, overwrite_a=1)  # L^T Sy L = V W V^T, lower triangle
+    if info != 0:
+        raise np.linalg.LinAlgError(f"eigendecomposition did not converge (LAPACK dsyevd info {info})")
+    v *= np.sqrt(np.sqrt(np.clip(w, 0.0, None)))  # V W^(1/4)
+    b = dtrsm(1.0, chol, v, lower=1, trans_a=1, overwrite_b=1)  # L^-T V W^(1/4)
     a = dsyrk(1.0, b)  # upper triangle of B B^T, zeros below
     a += np.triu(a, 1).T
     return a
