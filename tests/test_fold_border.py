@@ -37,10 +37,10 @@ CASES = {
 SIZES = [(5, 5), (7, 6), (8, 8), (4, 11)]
 
 
-def _pair(case: str, dim: int = 2, seed: int = 0) -> tuple[nn.Module, nn.Module]:
-    torch.manual_seed(seed)
+def _pair(case: str) -> tuple[nn.Module, nn.Module]:
+    torch.manual_seed(0)
     k1, k2 = CASES[case]
-    c1, c2 = CONV[dim](4, 8, **k1).double(), CONV[dim](8, 6, **k2).double()
+    c1, c2 = nn.Conv2d(4, 8, **k1).double(), nn.Conv2d(8, 6, **k2).double()
     with torch.no_grad():
         c1.bias.uniform_(0.5, 1.5)  # a large bias through the padding ring: a wrong border shows
     return c1, c2
