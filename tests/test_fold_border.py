@@ -15,6 +15,7 @@ from torch import nn
 
 import linearize
 from linearize.folding import BorderExactConv, FoldVerificationError, _border_flops, _ConvDesc, count_flops
+from test_fold import _randomize_bn  # tests/ is on sys.path under pytest
 
 CONV = {1: nn.Conv1d, 2: nn.Conv2d, 3: nn.Conv3d}
 
@@ -136,18 +137,6 @@ def _linear_unit(channels: int) -> linearize.LinearizableActivation:
     with torch.no_grad():
         unit.slope.fill_(1.0)
     return unit
-
-
-def _randomize_bn(model: nn.Module) -> nn.Module:
-    g = torch.Generator().manual_seed(1)
-    for m in model.modules():
-        if isinstance(m, nn.modules.batchnorm._BatchNorm):
-            n = m.num_features
-            m.running_mean.copy_(torch.randn(n, generator=g) * 0.2)
-            m.running_var.copy_(torch.rand(n, generator=g) + 0.5)
-            m.weight.data.copy_(torch.rand(n, generator=g) + 0.5)
-            m.bias.data.copy_(torch.randn(n, generator=g) * 0.2)
-    return model
 
 
 def _max_rel_diff(model: nn.Module, folded: nn.Module, x: torch.Tensor) -> float:
