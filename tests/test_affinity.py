@@ -411,3 +411,22 @@ def test_signature_errors_name_the_problem():
     with pytest.raises(ValueError, match="'3' has NaN or inf"):
         affinity_signature(model, torch.randn(10, 3), progress=False)
     assert not model[1]._forward_hooks and not model[1]._forward_pre_hooks  # hooks removed
+
+
+def test_sites_scored_on_several_threads_give_the_same_signature():
+    torch.manual_seed(9)
+    model = nn.Sequential(nn.Linear(5, 12), nn.ReLU(), nn.Linear(12, 12), nn.Tanh(), nn.Linear(12, 7), nn.GELU())
+    x = torch.randn(400, 5)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = affinity_signature(model, x, progress=False)
+        torch.set_num_threads(3)  # more threads than the machine may have: still exact and ordered
+        three = affinity_signature(model, x, progress=False)
+    finally:
+        torch.set_num_threads(threads)
+    assert [name for name, _ in three] == ["1", "3", "5"]
+    assert three == one
+    with torch.no_grad():
+        h = model[0](x)
+    assert one[0][1] == pytest.approx(affinity_score(h, torch.relu(h)), abs=TOL)
