@@ -18,6 +18,7 @@ from linearize.measures.affinity import (
     _float32_certificate,
     _pairing_is_optimal,
     _Recorder,
+    _rows,
     exact_w2_squared,
     gaussian_ot_matrix,
 )
@@ -430,3 +431,13 @@ def test_sites_scored_on_several_threads_give_the_same_signature():
     with torch.no_grad():
         h = model[0](x)
     assert one[0][1] == pytest.approx(affinity_score(h, torch.relu(h)), abs=TOL)
+
+
+@pytest.mark.parametrize("bad", [float("inf"), -float("inf"), float("nan")])
+@pytest.mark.parametrize("shape", [(4, 3), (4, 3, 2, 2)])
+def test_non_finite_activations_are_found_in_any_single_entry(bad, shape):
+    t = torch.randn(*shape)
+    assert _rows(t, None, "s", "input").shape == (4, 3)
+    t.view(-1)[5] = bad
+    with pytest.raises(ValueError, match="'s' has NaN or inf values in its input"):
+        _rows(t, None, "s", "input")

@@ -35,7 +35,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor, as_completed
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -366,20 +366,26 @@ def affinity_signature(
     sites = recorder.named_sites()
     if not sites:
         raise ValueError(f"none of the {len(modules)} activation modules was called by the forward pass")
-    for name, site in sites:
-        if site.x.shape[0] < 2:
-            raise ValueError(f"activation site {name!r} has {site.x.shape[0]} sample row(s), the affinity score needs at least 2: pass more inputs")
-        if site.x.shape[0] <= site.x.shape[1] and shrinkage is None:
+    samples = [(name, site.x, site.y) for name, site in sites]
+    for name, x, _ in samples:
+        if x.shape[0] < 2:
+            raise ValueError(f"activation site {name!r} has {x.shape[0]} sample row(s), the affinity score needs at least 2: pass more inputs")
+        if x.shape[0] <= x.shape[1] and shrinkage is None:
             warnings.warn(
-                f"activation site {name!r}: {site.x.shape[0]} samples for {site.x.shape[1]} features, "
+                f"activation site {name!r}: {x.shape[0]} samples for {x.shape[1]} features, "
                 "the sample covariance is singular; pass more inputs or shrinkage='ledoit-wolf'",
                 stacklevel=2,
             )
-    return _score_sites(sites, shrinkage, ridge, progress)
+    return _score_sites(samples, shrinkage, ridge, progress)
 
 
-def _score_sites(sites: list[tuple[str, _Site]], shrinkage: str | None, ridge: float, progress: bool) -> list[tuple[str, float]]:
-    """Scores of the sites in order, on ``torch.get_num_threads()`` threads (one BLAS thread each).
+def _score_sites(
+    sites: list[tuple[str, torch.Tensor | np.ndarray, torch.Tensor | np.ndarray]],
+    shrinkage: str | None,
+    ridge: float,
+    progress: bool,
+) -> list[tuple[str, float]]:
+    """Scores of the ``(name, x, y)`` sites in order, on ``torch.get_num_threads()`` threads (one BLAS thread each).
 
     Sites are independent and numpy / scipy release the GIL in the BLAS / LAPACK calls and the
     assignment solver (two threads do the work of one in 0.50-0.55 of the time for ``eigh``, GEMM
@@ -390,14 +396,14 @@ def _score_sites(sites: list[tuple[str, _Site]], shrinkage: str | None, ridge: f
     process-wide while they run.
     """
 
-    def score(name: str, site: _Site) -> float:
+    def score(name: str, x: torch.Tensor | np.ndarray, y: torch.Tensor | np.ndarray) -> float:
         try:
-            return affinity_score(site.x, site.y, shrinkage, ridge)
+            return affinity_score(x, y, shrinkage, ridge)
         except ValueError as err:
             raise ValueError(f"activation site {name!r}: {err}") from err
 
     workers = min(torch.get_num_threads(), len(sites))
-    order = sorted(range(len(sites)), key=lambda i: -sites[i][1].x.shape[1])
+    order = sorted(range(len(sites)), key=lambda i: -sites[i][1].shape[1])
     bar = tqdm(total=len(sites), desc="affinity: scores", disable=not progress)
     with threadpool_limits(1), ThreadPoolExecutor(workers) as pool:
         futures = {pool.submit(score, *sites[i]): i for i in order}
@@ -437,13 +443,39 @@ def _is_standard_activation(module: nn.Module) -> bool:
 
 @dataclass
 class _Site:
-    """Reservoir of at most ``max_samples`` paired (input, output) rows of one call site."""
+    """Reservoir of at most ``max_samples`` paired (input, output) rows of one call site.
+
+    Rows are kept per call as chunks (in the activations' dtype) and joined only when the reservoir
+    overflows or is read: no re-copying of the kept rows at every batch.
+    """
 
     channel_dim: int | None
-    keys: torch.Tensor | None = None
-    x: torch.Tensor | None = None
-    y: torch.Tensor | None = None
-    pending: tuple | None = None  # (keys, row index, input rows, input row count) of the running call
+    chunks: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = field(default_factory=list)  # (keys, x, y)
+    rows: int = 0
+    pending: tuple | None = None  # (keys, row index or None, input rows, input row count) of the running call
+
+    def add(self, keys: torch.Tensor, x: torch.Tensor, y: torch.Tensor, max_samples: int) -> None:
+        self.chunks.append((keys, x, y))
+        self.rows += len(keys)
+        if self.rows > max_samples:
+            keys, x, y = self._joined()
+            best = keys.topk(max_samples, largest=False).indices
+            self.chunks, self.rows = [(keys[best], x[best], y[best])], max_samples
+
+    def _joined(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if len(self.chunks) > 1:
+            self.chunks = [tuple(torch.cat(parts) for parts in zip(*self.chunks))]
+        return self.chunks[0]
+
+    @property
+    def x(self) -> torch.Tensor:
+        """Kept input rows ``[rows, features]``, float64."""
+        return self._joined()[1].to(torch.float64)
+
+    @property
+    def y(self) -> torch.Tensor:
+        """Kept output rows ``[rows, features]``, float64, paired with :attr:`x`."""
+        return self._joined()[2].to(torch.float64)
 
 
 class _Recorder:
@@ -494,10 +526,12 @@ class _Recorder:
             site = self.sites.setdefault((name, call), _Site(channel_dim))
             rows = _rows(args[0] if args else None, site.channel_dim, name, "input")
             keys = torch.rand(rows.shape[0], generator=self.generator)
-            keep = keys.topk(min(self.max_samples, len(keys)), largest=False).indices
-            # Indexing copies the rows: an in-place activation cannot overwrite them.
-            kept = rows[keep.to(rows.device)].to("cpu", torch.float64)
-            site.pending = (keys[keep], keep, kept, rows.shape)
+            keep = None
+            if len(keys) > self.max_samples:
+                keep = keys.topk(self.max_samples, largest=False).indices
+                keys = keys[keep]
+            # a copy: an in-place activation cannot overwrite the kept rows
+            site.pending = (keys, keep, _kept(rows, keep), rows.shape)
 
         return hook
 
@@ -512,16 +546,16 @@ class _Recorder:
                     f"activation site {name!r}: output rows {tuple(rows.shape)} differ from input rows "
                     f"{tuple(in_shape)}; the affinity score needs an elementwise activation"
                 )
-            y = rows[keep.to(rows.device)].to("cpu", torch.float64)
-            if site.keys is not None:
-                keys = torch.cat([site.keys, keys])
-                x, y = torch.cat([site.x, x]), torch.cat([site.y, y])
-                if len(keys) > self.max_samples:
-                    best = keys.topk(self.max_samples, largest=False).indices
-                    keys, x, y = keys[best], x[best], y[best]
-            site.keys, site.x, site.y = keys, x, y
+            site.add(keys, x, _kept(rows, keep), self.max_samples)
 
         return hook
+
+
+def _kept(rows: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
+    """A CPU copy of ``rows[keep]`` (all rows for ``keep=None``)."""
+    if keep is None:
+        return rows.to("cpu", copy=True)
+    return rows[keep.to(rows.device)].to("cpu")
 
 
 def _rows(t: object, channel_dim: int | None, name: str, what: str) -> torch.Tensor:
@@ -540,7 +574,7 @@ def _rows(t: object, channel_dim: int | None, name: str, what: str) -> torch.Ten
         rows = t.mean(dim=[d for d in range(1, t.ndim) if d != keep], dtype=dtype)
     else:
         raise ValueError(f"activation site {name!r}: cannot read samples from a {what} of shape {tuple(t.shape)}")
-    if not torch.isfinite(rows).all():
+    if (rows - rows).sum() != 0:  # NaN iff a value is NaN or inf; one fused pass, unlike isfinite().all()
         raise ValueError(f"activation site {name!r} has NaN or inf values in its {what}")
     return rows
 

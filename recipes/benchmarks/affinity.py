@@ -42,7 +42,7 @@ from threadpoolctl import threadpool_limits
 from torch import nn
 
 from linearize.measures import affinity_signature
-from linearize.measures.affinity import _score_sites, _Site
+from linearize.measures.affinity import _score_sites
 
 CIFAR_MEAN, CIFAR_STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)
 
@@ -144,7 +144,6 @@ def main(argv: list[str] | None = None) -> dict:
     times: dict[str, list[tuple[float, float]]] = {}
     with threadpool_limits(args.threads):
         sites = capture(model, x, args.batch_size)
-        captured = [(name, _Site(None, x=xs, y=ys)) for name, xs, ys in sites]
         for _ in range(args.reps):
             with Timer(times, "forward"), torch.no_grad():
                 for batch in x.split(args.batch_size):
@@ -154,7 +153,7 @@ def main(argv: list[str] | None = None) -> dict:
             with Timer(times, "signature: reference"):
                 ref = reference_signature(model, x, args.batch_size)
             with Timer(times, "scores only: ours"):
-                ours_scores = [score for _, score in _score_sites(captured, None, 1e-6, progress=False)]
+                ours_scores = [score for _, score in _score_sites(sites, None, 1e-6, progress=False)]
             with Timer(times, "scores only: reference"):
                 ref_scores = [reference_score(xs, ys) for _, xs, ys in sites]
 
