@@ -199,7 +199,7 @@ def _float32_certificate(p: np.ndarray, q: np.ndarray) -> bool:
     anyway and on ties (zero-cost exchanges, e.g. rows of ``q`` that a ReLU mapped to one point).
     """
     n, d = p.shape
-    p_norm, q_norm = np.linalg.norm(p, axis=1), np.linalg.norm(q, axis=1)
+    p_norm, q_norm = np.sqrt(np.einsum("ij,ij->i", p, p)), np.sqrt(np.einsum("ij,ij->i", q, q))
     p_scale, q_scale = max(p_norm.max(), _TINY), max(q_norm.max(), _TINY)
     diag = np.einsum("ij,ij->i", p, q) / (p_scale * q_scale)
     pa, qa = np.empty((n, d + 2), np.float32), np.empty((n, d + 2), np.float32)
