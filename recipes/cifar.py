@@ -430,27 +430,12 @@ def main(argv: list[str] | None = None) -> dict:
     accelerator.print(f"{args.arch} on {args.dataset}: {len(train['y'])} train / {len(test['y'])} test images, "
                       f"{steps_per_epoch} steps/epoch, {total_steps} steps, {n_proc} process(es)")
 
-    bar = tqdm(total=last_step, initial=step, desc="train", disable=not show)
-    model.train()
-    while step < last_step:
-        epoch, skip = divmod(step, steps_per_epoch)
-        sampler.set_epoch(epoch)
-        loader = accelerator.skip_first_batches(train_loader, skip) if skip else train_loader
-        for x, y in loader:
-            common.seed_step(args.seed, step, accelerator.process_index)
-            logits = model(normalize(augment(x), mean, std))
-            loss = F.cross_entropy(logits, y, label_smoothing=args.label_smoothing)
-            accelerator.backward(loss)
-            optimizer.step()
-            scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
-            step += 1
-            common.end_of_step(accelerator, args, model, scheduler, bar, loss, step, last_step, epoch,
-                               out_dir, fingerprint, RECIPE)
-            if step >= last_step:
-                break
-    bar.close()
-    common.save_checkpoint(accelerator, out_dir, step, fingerprint, RECIPE, args.keep_checkpoints)
+    def loss_fn(batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        x, y = batch
+        return F.cross_entropy(model(normalize(augment(x), mean, std)), y, label_smoothing=args.label_smoothing)
+
+    step = common.train(accelerator, args, model, optimizer, scheduler, train_loader, sampler, loss_fn, step,
+                        last_step, steps_per_epoch, out_dir, fingerprint, RECIPE)
 
     metrics = {"recipe": RECIPE, "arch": args.arch, "dataset": args.dataset, "steps": step,
                "total_steps": total_steps, "train_images": len(train["y"])}

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+from tqdm.auto import tqdm
 
 import linearize
 
@@ -298,6 +299,40 @@ def latest_checkpoint(output_dir: str | Path) -> Path | None:
     found = sorted((Path(output_dir) / "checkpoints").glob("step_*"))
     found = [p for p in found if (p / STATE_FILE).exists()]
     return found[-1] if found else None
+
+
+def train(accelerator, args: argparse.Namespace, model: nn.Module, optimizer, scheduler, train_loader, sampler,
+          loss_fn, step: int, last_step: int, steps_per_epoch: int, out_dir: Path, fingerprint: str,
+          recipe: str) -> int:
+    """The training loop of both recipes, from optimizer step ``step`` to ``last_step``.
+
+    Resumes mid-epoch exactly (the sampler's epoch order, then ``skip_first_batches``), seeds every
+    step, clips gradients with ``--clip-grad`` when the recipe has it, logs and checkpoints through
+    :func:`end_of_step`, and saves a final checkpoint. ``loss_fn(batch)`` returns the scalar loss of
+    one batch. Returns the last step done."""
+    bar = tqdm(total=last_step, initial=step, desc="train", disable=not accelerator.is_local_main_process)
+    model.train()
+    while step < last_step:
+        epoch, skip = divmod(step, steps_per_epoch)
+        sampler.set_epoch(epoch)
+        loader = accelerator.skip_first_batches(train_loader, skip) if skip else train_loader
+        for batch in loader:
+            seed_step(args.seed, step, accelerator.process_index)
+            loss = loss_fn(batch)
+            accelerator.backward(loss)
+            if getattr(args, "clip_grad", 0):
+                accelerator.clip_grad_norm_(model.parameters(), args.clip_grad)
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            step += 1
+            end_of_step(accelerator, args, model, scheduler, bar, loss, step, last_step, epoch, out_dir,
+                        fingerprint, recipe)
+            if step >= last_step:
+                break
+    bar.close()
+    save_checkpoint(accelerator, out_dir, step, fingerprint, recipe, args.keep_checkpoints)
+    return step
 
 
 def end_of_step(accelerator, args, model, scheduler, bar, loss, step: int, last_step: int, epoch: int,

@@ -372,31 +372,14 @@ def main(argv: list[str] | None = None) -> dict:
                       f"vocab {len(tokenizer)}, {steps_per_epoch} steps/epoch, {total_steps} steps, "
                       f"{accelerator.num_processes} process(es)")
 
-    bar = tqdm(total=last_step, initial=step, desc="train", disable=not show)
-    model.train()
-    while step < last_step:
-        epoch, skip = divmod(step, steps_per_epoch)
-        sampler.set_epoch(epoch)
-        loader = accelerator.skip_first_batches(train_loader, skip) if skip else train_loader
-        for batch in loader:
-            common.seed_step(args.seed, step, accelerator.process_index)
-            labels = batch.pop("labels")
-            logits = model(**batch).logits
-            loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100,
-                                   label_smoothing=args.label_smoothing)
-            accelerator.backward(loss)
-            if args.clip_grad:
-                accelerator.clip_grad_norm_(model.parameters(), args.clip_grad)
-            optimizer.step()
-            scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
-            step += 1
-            common.end_of_step(accelerator, args, model, scheduler, bar, loss, step, last_step, epoch,
-                               out_dir, fingerprint, RECIPE)
-            if step >= last_step:
-                break
-    bar.close()
-    common.save_checkpoint(accelerator, out_dir, step, fingerprint, RECIPE, args.keep_checkpoints)
+    def loss_fn(batch: dict) -> torch.Tensor:
+        labels = batch.pop("labels")
+        logits = model(**batch).logits
+        return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100,
+                               label_smoothing=args.label_smoothing)
+
+    step = common.train(accelerator, args, model, optimizer, scheduler, train_loader, sampler, loss_fn, step,
+                        last_step, steps_per_epoch, out_dir, fingerprint, RECIPE)
 
     raw = accelerator.unwrap_model(model)
     if args.freeze:
