@@ -16,7 +16,10 @@ process CPU time (robust to other load on the machine, but it counts every threa
 
 Both methods get the same resources: ``--threads`` sets torch's threads and the BLAS threads
 (threadpoolctl) for both. The reference uses them the straightforward way (multi-threaded
-forward and BLAS); ours scores ``--threads`` sites at a time on one BLAS thread each.
+forward and BLAS); ours scores ``--threads`` sites at a time on one BLAS thread each. On a machine
+shared with other jobs, multi-threaded runs measure the sharing: OpenMP / OpenBLAS threads wait at
+barriers for peers that are descheduled (a 2-core machine under a load of ~3 ran the bare forward
+6x slower with 2 threads than with 1); compare the 1-thread numbers there.
 
     python recipes/benchmarks/affinity.py [--n 1024] [--reps 3] [--threads 1]
 
