@@ -92,7 +92,8 @@ def affinity_score(
         the score as a Python float. A constant ``y`` scores 1 (it is the affine image ``0 x + c``).
 
     Raises:
-        ValueError: fewer than 2 samples, different ``n`` or ``d``, NaN/inf values, bad options.
+        ValueError: fewer than 2 samples, different ``n`` or ``d``, NaN/inf values, bad options;
+            ``numpy.linalg.LinAlgError`` (a ``ValueError``) for ``ridge = 0`` with a singular ``Cov(x)``.
 
     Cost: ``O(n d^2 + d^3)`` for the map, ``O(n^2)`` memory and up to ``O(n^3)`` time for the exact
     assignment (fast in practice: the given pairing is proved optimal first, see
