@@ -172,7 +172,9 @@ class LinearizableActivation(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dim = self._check(x)
-        a = self.slope if self.slope.dtype == x.dtype else self.slope.to(x.dtype)
+        a = self.slope  # one module attribute lookup: the forward runs at every call site, every step
+        if a.dtype != x.dtype:
+            a = a.to(x.dtype)
         if self.leak is not None:
             w = a if self.leak == 0 else a + (1 - a) * self.leak
             if dim == 1 or x.ndim == 2:
