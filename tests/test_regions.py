@@ -299,3 +299,97 @@ def test_translation_loops():
     torch.testing.assert_close(a1[6:-6, 6:-6], ramp[0, 0, 6:-6, 6:-6] - 4 * math.cos(math.pi / 4))
     with pytest.raises(ValueError):
         translation_loops(torch.rand(3, 16, 16))
+
+
+def _assert_same_regions(a, b):
+    """Same counts, breakpoints and affine maps (1e-9), deviation and end values (1e-9)."""
+    assert torch.equal(a.count, b.count) and torch.equal(a.segment, b.segment)
+    for p, q in zip(a.breakpoints, b.breakpoints):
+        torch.testing.assert_close(p, q, rtol=0, atol=1e-9)
+    for field in ("value", "slope", "end_value", "length"):
+        torch.testing.assert_close(getattr(a, field), getattr(b, field), rtol=1e-9, atol=1e-9)
+    torch.testing.assert_close(a.deviation(), b.deviation(), rtol=0, atol=1e-9)
+
+
+def _cnn() -> nn.Module:
+    """Small CNN: residual block, BN in eval with non-trivial statistics, average pooling."""
+    cnn = nn.Sequential(
+        nn.Conv2d(2, 6, 3, stride=2, padding=1), nn.ReLU(), _Residual(6), nn.PReLU(6), nn.AvgPool2d(2),
+        nn.Conv2d(6, 6, 3, padding=1), nn.LeakyReLU(0.2), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(6, 3),
+    )
+    with torch.no_grad():
+        cnn[2].body[1].running_mean.uniform_(-0.5, 0.5)
+        cnn[2].body[1].running_var.uniform_(0.5, 2.0)
+    return cnn.eval()
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_pieces_give_the_unsplit_result_mlp(seed):
+    torch.manual_seed(10 + seed)
+    width = (8, 16, 24)[seed]
+    mlp = nn.Sequential(nn.Linear(3, width), nn.ReLU(), nn.Linear(width, width), nn.LeakyReLU(0.1), nn.Linear(width, 2))
+    x0, x1 = torch.randn(4, 3) * 3, torch.randn(4, 3) * 3
+    whole = linear_regions(mlp, x0, x1)
+    assert whole.count.min() > 3, "too few regions for a meaningful test"
+    for pieces, batch in ((7, 5), (32, 256), (32, 3)):
+        split = linear_regions(mlp, x0, x1, pieces=pieces, batch_size=batch)
+        _assert_same_regions(whole, split)
+    assert (whole.count < 32).any(), "32 pieces must have been stitched inside regions"
+
+
+def test_pieces_give_the_unsplit_result_cnn():
+    torch.manual_seed(13)
+    cnn = _cnn()
+    x0 = torch.randn(2, 2, 8, 8)
+    x1 = x0 + 0.5 * torch.randn(2, 2, 8, 8)
+    whole = linear_regions(cnn, x0, x1)
+    assert whole.count.min() > 5
+    for pieces in (7, 32):
+        _assert_same_regions(whole, linear_regions(cnn, x0, x1, pieces=pieces, batch_size=16))
+
+
+def test_pieces_reference_function_and_boundaries_on_breakpoints():
+    """The issue's reference on -1 -> 3 has kinks at t = 1/4, 1/2, 3/4: with 2 and 4 pieces every
+    piece boundary is a breakpoint, with 3, 7, 8 pieces some are not."""
+    net = _reference_net()
+    for pieces in (1, 2, 3, 4, 7, 8):
+        res = linear_regions(net, torch.tensor([[-1.0]]), torch.tensor([[3.0]]), pieces=pieces)
+        assert res.count.tolist() == [4]
+        torch.testing.assert_close(res.breakpoints[0], torch.tensor([0.25, 0.5, 0.75], dtype=torch.float64),
+                                   rtol=0, atol=1e-12)
+        torch.testing.assert_close(res.deviation()[0, 0], torch.tensor(1.0, dtype=torch.float64), rtol=0, atol=1e-12)
+        # per region: f = 0, rising to 1, falling to 0, 0 (values at the region starts, slopes in t)
+        torch.testing.assert_close(res.value[:, 0], torch.tensor([0.0, 0.0, 1.0, 0.0], dtype=torch.float64))
+        torch.testing.assert_close(res.slope[:, 0], torch.tensor([0.0, 4.0, -4.0, 0.0], dtype=torch.float64))
+
+
+@pytest.mark.parametrize("kink", [0.5, 0.5 - 1e-8, 0.5 + 1e-8, 0.5 - 3e-6, 0.5 + 3e-6])
+def test_pieces_kink_at_or_near_a_piece_boundary(kink):
+    """f(x) = relu(x - 0.3) + relu(x - kink) on 0 -> 1 (float64): breakpoints 0.3 and ``kink``,
+    found at the same place whether the piece boundary 1/2 lies exactly on, just before or just
+    after the kink (closer than eps = 1e-6, or farther)."""
+    net = nn.Sequential(nn.Linear(1, 2), nn.ReLU(), nn.Linear(2, 1)).double()
+    with torch.no_grad():
+        net[0].weight.fill_(1.0)
+        net[0].bias.copy_(torch.tensor([-0.3, -kink], dtype=torch.float64))
+        net[2].weight.fill_(1.0)
+        net[2].bias.zero_()
+    x0, x1 = torch.zeros(1, 1, dtype=torch.float64), torch.ones(1, 1, dtype=torch.float64)
+    expected = torch.tensor([0.3, kink], dtype=torch.float64)
+    # |f - chord| by quadrature of the closed form (the chord runs from f(0) = 0 to f(1) = 1.7 - kink)
+    ts = torch.linspace(0, 1, 2_000_001, dtype=torch.float64)
+    f = (ts - 0.3).clamp(min=0) + (ts - kink).clamp(min=0)
+    quad = torch.trapezoid((f - (1.7 - kink) * ts).abs(), ts)
+    for pieces in (1, 2, 4, 6):
+        res = linear_regions(net, x0, x1, pieces=pieces)
+        assert res.count.tolist() == [3]
+        torch.testing.assert_close(res.breakpoints[0], expected, rtol=0, atol=1e-12)
+        torch.testing.assert_close(res.slope[:, 0], torch.tensor([0.0, 1.0, 2.0], dtype=torch.float64))
+        torch.testing.assert_close(res.deviation()[0, 0], quad, rtol=0, atol=1e-9)
+
+
+def test_pieces_bad_values():
+    net = _reference_net()
+    for bad in (0, -2, 2.5):
+        with pytest.raises(ValueError, match="pieces"):
+            linear_regions(net, torch.zeros(1, 1), torch.ones(1, 1), pieces=bad)
