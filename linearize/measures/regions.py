@@ -355,8 +355,9 @@ def linear_regions(
         batch_size: (sub-)segments forwarded together.
         progress: show a tqdm bar over (sub-)segments.
         pieces: walk every segment as this many equal sub-segments in parallel and stitch them
-            (see the module docstring); same result, far faster for few segments with many
-            regions (set ``pieces * S`` near ``batch_size``).
+            (see the module docstring); the same result, faster for few segments with many
+            regions per piece (set ``pieces * S`` near ``batch_size``; on one CPU thread a
+            ResNet-20 segment with 25,000 regions runs about 2x faster with 32 pieces).
 
     Returns:
         :class:`RegionsResult` with breakpoints, counts and the affine map on every region.
