@@ -269,8 +269,10 @@ def fold_and_report(model: nn.Module, args: argparse.Namespace, example_inputs: 
         folded = _feature("fold")(model, example_inputs)
         path = output_dir / "folded.pt"
         torch.save(folded, path)
-        n_params = lambda m: sum(p.numel() for p in m.parameters())  # noqa: E731
-        out["fold"] = {"path": str(path), "params_before": n_params(model), "params_after": n_params(folded)}
+        summary = folded.linearize_fold_summary
+        out["fold"] = {"path": str(path), "params_before": summary.params_before, "params_after": summary.params_after,
+                       "flops_before": summary.flops_before, "flops_after": summary.flops_after,
+                       "max_abs_error": summary.max_abs_error, "output_scale": summary.output_scale}
     if args.report:
         skip = [m for m in args.report_skip.split(",") if m]
         rep = _feature("report")(model, report_data, tol=args.tol, max_samples=args.report_samples, skip=skip,

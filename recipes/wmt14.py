@@ -243,6 +243,14 @@ def load_model(directory: str | Path) -> tuple[nn.Module, object]:
 
 
 @torch.no_grad()
+def ffn_macs_per_token(model: nn.Module) -> int:
+    """Multiply-accumulates of the feed-forward blocks for one token through every encoder and decoder
+    layer: ``sum(fc1.in * fc1.out + fc2.in * fc2.out)`` over the layers' ``fc1`` / ``fc2`` (after
+    ``fold`` a narrower ``fc1`` plus a passthrough of the ``d`` inputs, and ``fc2`` reading both)."""
+    return sum(m.in_features * m.out_features for name, m in model.named_modules()
+               if name.rsplit(".", 1)[-1] in ("fc1", "fc2") and hasattr(m, "in_features"))
+
+
 def translate(model, tokenizer, encoded: list[tuple[list[int], list[int]]], accelerator, args) -> list[str]:
     """Beam-search translations of every source (sharded over processes, gathered in order); leaves
     ``model`` in eval mode."""
@@ -402,6 +410,10 @@ def main(argv: list[str] | None = None) -> dict:
         if args.fold or args.report:
             probe = {k: v.to(accelerator.device) for k, v in collate(evaluated[:16]).items() if k != "labels"}
             metrics.update(common.fold_and_report(raw, args, probe, probe, out_dir, history))
+            if "fold" in metrics:
+                folded = torch.load(metrics["fold"]["path"], weights_only=False)
+                metrics["fold"]["ffn_macs_per_token"] = {"before": ffn_macs_per_token(raw),
+                                                         "after": ffn_macs_per_token(folded)}
             common.write_metrics(out_dir, metrics, args, start_time, accelerator.num_processes, str(accelerator.device))
         accelerator.print(json.dumps({k: v for k, v in metrics.items() if not isinstance(v, dict)}))
     if args.with_tracking:

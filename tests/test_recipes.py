@@ -153,7 +153,7 @@ def wmt_args() -> list[str]:
 @pytest.fixture(scope="module")
 def wmt_full(wmt_args, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("wmt-full")
-    run_recipe("wmt14.py", wmt_args + ["--output_dir", str(out)])
+    run_recipe("wmt14.py", wmt_args + ["--output_dir", str(out), "--freeze", "--fold"])
     return out
 
 
@@ -165,6 +165,12 @@ def test_wmt_metrics_and_model(wmt_full):
     assert m["bleu_signature"].startswith("nrefs:1|case:mixed|eff:no|tok:13a")
     assert m["units_nonlinear"] == round(0.25 * m["units_total"])
     assert len((wmt_full / "test_hypotheses.txt").read_text().splitlines()) == 8
+    # tiny preset: one encoder and one decoder FFN, d = 64 -> 128 -> 64. After fold each FFN keeps its k
+    # nonlinear channels plus a d-wide linear passthrough: d k + (k + d) d MACs per token.
+    fold = m["fold"]
+    assert fold["ffn_macs_per_token"]["before"] == 2 * (64 * 128 + 128 * 64)
+    assert fold["ffn_macs_per_token"]["after"] == 2 * 64 * m["units_nonlinear"] + 2 * 64 * 64
+    assert fold["flops_after"] < fold["flops_before"] and fold["max_abs_error"] <= 1e-4 * fold["output_scale"]
 
     import linearize
     import wmt14
