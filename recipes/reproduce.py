@@ -506,7 +506,7 @@ def main() -> None:
                         "segment, less with few regions per piece")
     p.add_argument("--remeasure-latency", action="store_true",
                    help="measure the fold latencies again instead of reusing those of the previous results.json")
-    p.add_argument("--regions-runs", default="cifar_late_0.02,cifar_late_0.1:1,cifar_baseline:1",
+    p.add_argument("--regions-runs", default="cifar_late_0.02,cifar_late_0.1,cifar_baseline",
                    help="runs whose linear regions are counted, cheapest first; NAME:K uses only the first K "
                         "segments of each loop (the unlinearized baseline has far more regions)")
     args = p.parse_args()
