@@ -77,13 +77,14 @@ class _PReLU(torch.autograd.Function):
     @staticmethod
     def jvp(ctx, x_t: torch.Tensor | None, weight_t: torch.Tensor | None) -> torch.Tensor:
         x, weight = ctx.saved_tensors
-        out = torch.zeros_like(x)
+        out = None
         if x_t is not None:
             pos = torch.ops.aten.threshold_backward(x_t, x, 0)
             out = torch.addcmul(pos, x_t - pos, _channels(weight, x.ndim))
         if weight_t is not None:
-            out = torch.addcmul(out, x.clamp(max=0), _channels(weight_t, x.ndim))
-        return out
+            neg, w_t = x.clamp(max=0), _channels(weight_t, x.ndim)
+            out = neg * w_t if out is None else torch.addcmul(out, neg, w_t)
+        return torch.zeros_like(x) if out is None else out
 
 
 def _prelu(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -151,7 +152,7 @@ class LinearizableActivation(nn.Module):
         self.slope = nn.Parameter(torch.full((num_channels,), float(init_slope)))
         # NaN = free channel, 0. or 1. = frozen at that value.
         self.register_buffer("frozen", torch.full((num_channels,), math.nan))
-        self._frozen_seen: tuple[int, int, int, bool] | None = None  # (id, version, data_ptr, any)
+        self._frozen_seen: tuple[int, int, int, torch.Tensor | None] | None = None  # (id, version, data_ptr, mask)
         _SLOPE_OWNERS[self.slope] = self
         install_optimizer_hooks()
 
@@ -182,10 +183,8 @@ class LinearizableActivation(nn.Module):
             if dim == x.ndim - 1:
                 return _prelu(x.reshape(-1, self.num_channels), w).reshape(x.shape)
             return _prelu(x.movedim(dim, 1), w).movedim(1, dim)
-        shape = [1] * x.ndim
-        shape[dim] = self.num_channels
         # torch.lerp is exact at both ends: weight 0 gives act(x), weight 1 gives x.
-        return torch.lerp(self.activation(x), x, a.view(shape))
+        return torch.lerp(self.activation(x), x, a.view(self.broadcast_shape(x.ndim)))
 
     def _check(self, x: torch.Tensor) -> int:
         dim = self.channel_dim if self.channel_dim >= 0 else x.ndim + self.channel_dim
@@ -204,20 +203,26 @@ class LinearizableActivation(nn.Module):
         shape[self.channel_dim] = self.num_channels
         return shape
 
-    def has_frozen(self) -> bool:
-        """Whether any channel is frozen; cached on the ``frozen`` buffer's version (no sync per step)."""
+    def frozen_mask(self) -> torch.Tensor | None:
+        """Bool ``[C]`` of the frozen channels, or None when none is frozen. Cached on the ``frozen``
+        buffer's identity and version, so the optimizer hooks do no mask work or sync per step."""
         seen = getattr(self, "_frozen_seen", None)
         key = (id(self.frozen), self.frozen._version, self.frozen.data_ptr())
         if seen is None or seen[:3] != key:
-            seen = self._frozen_seen = (*key, bool((~torch.isnan(self.frozen)).any()))
+            mask = ~torch.isnan(self.frozen)
+            seen = self._frozen_seen = (*key, mask if bool(mask.any()) else None)
         return seen[3]
+
+    def has_frozen(self) -> bool:
+        """Whether any channel is frozen."""
+        return self.frozen_mask() is not None
 
     @torch.no_grad()
     def project_(self) -> None:
         """Clamp slopes to ``[0, 1]`` and restore frozen channels to their frozen value."""
         self.slope.clamp_(0.0, 1.0)
-        if self.has_frozen():
-            mask = ~torch.isnan(self.frozen)
+        mask = self.frozen_mask()
+        if mask is not None:
             self.slope[mask] = self.frozen[mask].to(self.slope.dtype)
 
     @torch.no_grad()
@@ -336,9 +341,9 @@ def _owned_units(optimizer: torch.optim.Optimizer) -> list[LinearizableActivatio
 
 def _mask_frozen_grads(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
     for unit in _owned_units(optimizer):
-        grad = unit.slope.grad
-        if grad is not None and unit.has_frozen():
-            grad.masked_fill_(~torch.isnan(unit.frozen), 0.0)
+        grad, mask = unit.slope.grad, unit.frozen_mask()
+        if grad is not None and mask is not None:
+            grad.masked_fill_(mask, 0.0)
 
 
 def _project_after_step(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
