@@ -415,18 +415,8 @@ def main(argv: list[str] | None = None) -> dict:
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
     sparsifier = common.make_sparsifier(model, args, total_steps, optimizer)
     model, optimizer, train_loader, test_loader = accelerator.prepare(model, optimizer, train_loader, test_loader)
-    accelerator.register_for_checkpointing(scheduler)
-    if sparsifier is not None:
-        accelerator.register_for_checkpointing(sparsifier)
     mean, std = mean.to(accelerator.device), std.to(accelerator.device)
-
-    step = 0
-    if args.resume_from_checkpoint:
-        path = common.resolve_checkpoint(args.resume_from_checkpoint, out_dir)
-        step = common.load_checkpoint(accelerator, path, fingerprint, RECIPE)
-        accelerator.print(f"resumed from {path} at step {step}")
-    common.init_tracking(accelerator, args, "cifar")
-    last_step = min(total_steps, args.max_steps) if args.max_steps else total_steps
+    step, last_step = common.start(accelerator, args, scheduler, sparsifier, out_dir, fingerprint, RECIPE, total_steps)
     accelerator.print(f"{args.arch} on {args.dataset}: {len(train['y'])} train / {len(test['y'])} test images, "
                       f"{steps_per_epoch} steps/epoch, {total_steps} steps, {n_proc} process(es)")
 

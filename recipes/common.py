@@ -25,7 +25,7 @@ import sys
 import time
 import warnings
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 from torch import nn
@@ -257,10 +257,13 @@ def freeze_units(model: nn.Module, args: argparse.Namespace) -> None:
 
 
 def fold_and_report(model: nn.Module, args: argparse.Namespace, example_inputs: Any, report_data: Any,
-                    output_dir: Path, history: Path | None = None) -> dict:
+                    output_dir: Path, history: Path | None = None,
+                    fold_counts: dict[str, Callable[[nn.Module], int]] | None = None) -> dict:
     """``--fold`` (the folded model pickled to ``folded.pt``) and ``--report`` (``report/``).
 
     ``history``: the sparsifier history JSON, for the report's fraction-over-time plot.
+    ``fold_counts``: recipe-specific counts (name -> function of a model), stored in the fold entry as
+    ``{"before": count(model), "after": count(folded)}``.
     Returns the entries for ``metrics.json``.
     """
     out: dict = {}
@@ -273,6 +276,8 @@ def fold_and_report(model: nn.Module, args: argparse.Namespace, example_inputs: 
         out["fold"] = {"path": str(path), "params_before": summary.params_before, "params_after": summary.params_after,
                        "flops_before": summary.flops_before, "flops_after": summary.flops_after,
                        "max_abs_error": summary.max_abs_error, "output_scale": summary.output_scale}
+        for name, count in (fold_counts or {}).items():
+            out["fold"][name] = {"before": count(model), "after": count(folded)}
     if args.report:
         skip = [m for m in args.report_skip.split(",") if m]
         rep = _feature("report")(model, report_data, tol=args.tol, max_samples=args.report_samples, skip=skip,
@@ -303,13 +308,29 @@ def latest_checkpoint(output_dir: str | Path) -> Path | None:
     return found[-1] if found else None
 
 
+def start(accelerator, args: argparse.Namespace, scheduler, sparsifier, out_dir: Path, fingerprint: str,
+          recipe: str, total_steps: int) -> tuple[int, int]:
+    """Register the scheduler and sparsifier for checkpointing, resume from ``--resume_from_checkpoint``,
+    start tracking. Returns ``(first step, last step)`` (``--max-steps`` caps the last one)."""
+    accelerator.register_for_checkpointing(scheduler)
+    if sparsifier is not None:
+        accelerator.register_for_checkpointing(sparsifier)
+    step = 0
+    if args.resume_from_checkpoint:
+        path = resolve_checkpoint(args.resume_from_checkpoint, out_dir)
+        step = load_checkpoint(accelerator, path, fingerprint, recipe)
+        accelerator.print(f"resumed from {path} at step {step}")
+    init_tracking(accelerator, args, recipe)
+    return step, min(total_steps, args.max_steps) if args.max_steps else total_steps
+
+
 def train(accelerator, args: argparse.Namespace, model: nn.Module, optimizer, scheduler, train_loader, sampler,
           loss_fn, step: int, last_step: int, steps_per_epoch: int, out_dir: Path, fingerprint: str,
-          recipe: str) -> int:
+          recipe: str, clip_grad: float = 0.0) -> int:
     """The training loop of both recipes, from optimizer step ``step`` to ``last_step``.
 
     Resumes mid-epoch exactly (the sampler's epoch order, then ``skip_first_batches``), seeds every
-    step, clips gradients with ``--clip-grad`` when the recipe has it, logs and checkpoints through
+    step, clips the gradient norm to ``clip_grad`` when it is nonzero, logs and checkpoints through
     :func:`end_of_step`, and saves a final checkpoint. ``loss_fn(batch)`` returns the scalar loss of
     one batch. Returns the last step done."""
     bar = tqdm(total=last_step, initial=step, desc="train", disable=not accelerator.is_local_main_process)
@@ -322,8 +343,8 @@ def train(accelerator, args: argparse.Namespace, model: nn.Module, optimizer, sc
             seed_step(args.seed, step, accelerator.process_index)
             loss = loss_fn(batch)
             accelerator.backward(loss)
-            if getattr(args, "clip_grad", 0):
-                accelerator.clip_grad_norm_(model.parameters(), args.clip_grad)
+            if clip_grad:
+                accelerator.clip_grad_norm_(model.parameters(), clip_grad)
             optimizer.step()
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)

@@ -242,7 +242,6 @@ def load_model(directory: str | Path) -> tuple[nn.Module, object]:
 # ----------------------------------------------------------------------------- evaluation
 
 
-@torch.no_grad()
 def ffn_macs_per_token(model: nn.Module) -> int:
     """Multiply-accumulates of the feed-forward blocks for one token through every encoder and decoder
     layer: ``sum(fc1.in * fc1.out + fc2.in * fc2.out)`` over the layers' ``fc1`` / ``fc2`` (after
@@ -251,6 +250,7 @@ def ffn_macs_per_token(model: nn.Module) -> int:
                if name.rsplit(".", 1)[-1] in ("fc1", "fc2") and hasattr(m, "in_features"))
 
 
+@torch.no_grad()
 def translate(model, tokenizer, encoded: list[tuple[list[int], list[int]]], accelerator, args) -> list[str]:
     """Beam-search translations of every source (sharded over processes, gathered in order); leaves
     ``model`` in eval mode."""
@@ -365,17 +365,7 @@ def main(argv: list[str] | None = None) -> dict:
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer.optimizer, lambda s: min((s + 1) / warmup, math.sqrt(warmup / (s + 1))))
     sparsifier = common.make_sparsifier(accelerator.unwrap_model(model), args, total_steps, optimizer)
-    accelerator.register_for_checkpointing(scheduler)
-    if sparsifier is not None:
-        accelerator.register_for_checkpointing(sparsifier)
-
-    step = 0
-    if args.resume_from_checkpoint:
-        path = common.resolve_checkpoint(args.resume_from_checkpoint, out_dir)
-        step = common.load_checkpoint(accelerator, path, fingerprint, RECIPE)
-        accelerator.print(f"resumed from {path} at step {step}")
-    common.init_tracking(accelerator, args, "wmt14")
-    last_step = min(total_steps, args.max_steps) if args.max_steps else total_steps
+    step, last_step = common.start(accelerator, args, scheduler, sparsifier, out_dir, fingerprint, RECIPE, total_steps)
     accelerator.print(f"{args.model_size} Transformer, {args.source_lang}->{args.target_lang}: {len(train)} pairs, "
                       f"vocab {len(tokenizer)}, {steps_per_epoch} steps/epoch, {total_steps} steps, "
                       f"{accelerator.num_processes} process(es)")
@@ -387,7 +377,7 @@ def main(argv: list[str] | None = None) -> dict:
                                label_smoothing=args.label_smoothing)
 
     step = common.train(accelerator, args, model, optimizer, scheduler, train_loader, sampler, loss_fn, step,
-                        last_step, steps_per_epoch, out_dir, fingerprint, RECIPE)
+                        last_step, steps_per_epoch, out_dir, fingerprint, RECIPE, clip_grad=args.clip_grad)
 
     raw = accelerator.unwrap_model(model)
     if args.freeze:
@@ -409,11 +399,8 @@ def main(argv: list[str] | None = None) -> dict:
         common.write_metrics(out_dir, metrics, args, start_time, accelerator.num_processes, str(accelerator.device))
         if args.fold or args.report:
             probe = {k: v.to(accelerator.device) for k, v in collate(evaluated[:16]).items() if k != "labels"}
-            metrics.update(common.fold_and_report(raw, args, probe, probe, out_dir, history))
-            if "fold" in metrics:
-                folded = torch.load(metrics["fold"]["path"], weights_only=False)
-                metrics["fold"]["ffn_macs_per_token"] = {"before": ffn_macs_per_token(raw),
-                                                         "after": ffn_macs_per_token(folded)}
+            metrics.update(common.fold_and_report(raw, args, probe, probe, out_dir, history,
+                                                  fold_counts={"ffn_macs_per_token": ffn_macs_per_token}))
             common.write_metrics(out_dir, metrics, args, start_time, accelerator.num_processes, str(accelerator.device))
         accelerator.print(json.dumps({k: v for k, v in metrics.items() if not isinstance(v, dict)}))
     if args.with_tracking:
