@@ -356,8 +356,9 @@ def linear_regions(
         progress: show a tqdm bar over (sub-)segments.
         pieces: walk every segment as this many equal sub-segments in parallel and stitch them
             (see the module docstring); the same result, faster for few segments with many
-            regions per piece (set ``pieces * S`` near ``batch_size``; on one CPU thread a
-            ResNet-20 segment with 25,000 regions runs about 2x faster with 32 pieces).
+            regions per piece (set ``pieces * S`` near ``batch_size``; measured on one CPU thread
+            on a trained ResNet-20 segment: 1.18x faster with 32 pieces, since float64
+            convolutions gain little from larger batches there).
 
     Returns:
         :class:`RegionsResult` with breakpoints, counts and the affine map on every region.
