@@ -10,7 +10,7 @@ from torch import nn
 
 import linearize
 from linearize import LinearizableActivation
-from linearize.unit import _PReLU
+from linearize.unit import _PReLU, _flat
 
 ACTS = [
     (nn.ReLU(), "relu"),
@@ -112,7 +112,8 @@ def test_counters_on_a_hand_built_model():
         linearize.count_units(nn.Linear(2, 2))
 
 
-@pytest.mark.parametrize("shape,dim", [((5, 3, 4, 4), 1), ((4, 6, 3), -1), ((7, 3), -1), ((2, 3, 4, 5), 2)])
+@pytest.mark.parametrize("shape,dim", [((5, 3, 4, 4), 1), ((4, 5, 2, 2), 1), ((3, 4, 6, 6), 1), ((4, 6, 3), -1),
+                                       ((7, 3), -1), ((2, 3, 4, 5), 2)])
 def test_prelu_gradients_and_tangents_match_pytorch_prelu(shape, dim):
     """The unit's own PReLU backward and jvp against PyTorch's F.prelu autograd (incl. the kink x = 0)."""
     import torch.autograd.forward_ad as fwAD
@@ -148,12 +149,27 @@ def test_prelu_gradients_and_tangents_match_pytorch_prelu(shape, dim):
     torch.testing.assert_close(both, expected_x + x.clamp(max=0) * at_b, rtol=1e-12, atol=1e-12)
 
 
-def test_prelu_function_passes_gradcheck_and_gradgradcheck():
+@pytest.mark.parametrize("shape", [(3, 4, 2), (2, 3, 5, 5), (2, 3, 2, 2)])
+def test_prelu_function_passes_gradcheck_and_gradgradcheck(shape):
     fn = _PReLU.apply
-    inputs = (torch.randn(3, 4, 2, dtype=torch.float64, requires_grad=True),
-              torch.rand(4, dtype=torch.float64, requires_grad=True))
+    inputs = (torch.randn(*shape, dtype=torch.float64, requires_grad=True),
+              torch.rand(shape[1], dtype=torch.float64, requires_grad=True))
     assert torch.autograd.gradcheck(fn, inputs, check_forward_ad=True)
     assert torch.autograd.gradgradcheck(fn, inputs)
+
+
+def test_small_maps_run_on_a_flat_view_and_others_as_given():
+    w = torch.rand(3)
+    flat_x, flat_w, inner = _flat(torch.randn(2, 3, 2, 2), w)
+    assert inner == 4 and flat_x.shape == (2, 12) and torch.equal(flat_w, w.repeat_interleave(4))
+    for x in (torch.randn(2, 3, 8, 8), torch.randn(2, 3, 2, 2).to(memory_format=torch.channels_last), torch.randn(2, 3)):
+        assert _flat(x, w)[2] == 1 and _flat(x, w)[0] is x
+    x = torch.randn(2, 3, 2, 2).to(memory_format=torch.channels_last).requires_grad_()  # the unflattened path
+    a = torch.rand(3, requires_grad=True)
+    g = torch.randn(2, 3, 2, 2)
+    ours = torch.autograd.grad(_PReLU.apply(x, a), (x, a), g)
+    ref = torch.autograd.grad(F.prelu(x, a), (x, a), g)
+    torch.testing.assert_close(ours, ref)
 
 
 def test_frozen_channels_loaded_from_a_state_dict_hold_through_optimizer_steps():
