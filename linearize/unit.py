@@ -67,6 +67,7 @@ class _PReLU(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         x, weight = ctx.saved_tensors
+        # recomputed, not saved from forward: double backward needs repeat_interleave's graph to ``weight``
         flat_x, flat_w, inner = _flat(x, weight)
         grad = grad.reshape(flat_x.shape)
         pos = torch.ops.aten.threshold_backward(grad, flat_x, 0)

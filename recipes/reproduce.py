@@ -502,8 +502,8 @@ def main() -> None:
     p.add_argument("--regions-radius", type=float, default=1.0, help="radius of the translation loops in pixels")
     p.add_argument("--regions-pieces", type=int, default=32,
                    help="sub-segments per segment walked in parallel (linear_regions(pieces=...)): the same "
-                        "regions; on one CPU thread about 2x faster for the baseline's ~25,000 regions per "
-                        "segment, less with few regions per piece")
+                        "regions; on one CPU thread 1.18x faster on a segment of the baseline (README, "
+                        "benchmarks/regions.py --trained), less with few regions per piece")
     p.add_argument("--remeasure-latency", action="store_true",
                    help="measure the fold latencies again instead of reusing those of the previous results.json")
     p.add_argument("--regions-runs", default="cifar_late_0.02,cifar_late_0.1,cifar_baseline",

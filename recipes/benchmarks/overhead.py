@@ -10,9 +10,10 @@ steps: the CPU analogue of ``torch.cuda.max_memory_allocated``. Both numbers are
 Allocator: ``--malloc tcmalloc`` (or ``jemalloc``) re-runs the script with that allocator preloaded
 (``LD_PRELOAD``), as PyTorch's CPU performance guide recommends for training; the default is glibc's
 ``malloc``. glibc returns freed heap memory to the kernel when enough of it sits at the top of the heap
-and faults it back in on the next step; whether that happens each step depends on the heap's history,
-and the units' extra buffers make it happen for the converted model: the minor page faults per step
-are printed next to the times. The memory ratio is measured with glibc only (``mallinfo2``).
+and faults it back in on the next step; how often depends on the heap's history, for both models
+alike: the minor page faults per step are printed next to the times (tcmalloc keeps freed memory
+and removes most of them; the ratio measured with it was the same). The memory ratio is measured
+with glibc only (``mallinfo2``).
 
 ``--profile`` adds a ``torch.profiler`` table: the ops whose self time per step differs most between
 the two models.
