@@ -4,8 +4,8 @@ One module class, :class:`LinearizableActivation`, replaces every activation cal
 Its learnable ``slope`` ``a`` has shape ``[C]`` (one value per channel) and lives in
 ``[0, 1]``: ``a = 0`` computes the original activation bit for bit, ``a = 1`` is exactly the
 identity. For ReLU (and LeakyReLU) the blend *is* a PReLU with negative slope ``a`` (the
-sparsified PReLU of seed 000) and runs as one fused ``F.prelu`` call, with a backward built
-from ReLU's kernel (see :class:`_PReLU`).
+sparsified PReLU of seed 000) and runs as one fused PReLU: on the CPU a compiled kernel whose
+backward is one pass (:mod:`linearize.kernels`), with a PyTorch-ops fallback (:class:`_PReLU`).
 
 Range of the slopes: the stored parameter is **projected** onto ``[0, 1]`` after every step
 of any ``torch.optim`` optimizer (projected gradient descent), by a global optimizer
@@ -19,14 +19,18 @@ momentum or weight decay cannot move them.
 from __future__ import annotations
 
 import math
+import weakref
 from typing import Callable, Iterable
 
 import torch
+import torch.autograd.forward_ad as fwAD
 import torch.nn.functional as F
 from torch import nn
 from torch.overrides import handle_torch_function, has_torch_function_variadic
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 from torch.utils.weak import WeakIdKeyDictionary
+
+from .kernels import cpu_prelu
 
 __all__ = [
     "LinearizableActivation",
@@ -41,11 +45,16 @@ __all__ = [
 # slope Parameter -> owning unit, for the global optimizer hooks (survives deepcopy/pickle
 # through ``__setstate__``; load_state_dict and ``.to()`` keep the same Parameter object).
 _SLOPE_OWNERS: WeakIdKeyDictionary = WeakIdKeyDictionary()
+# optimizer -> (ids of its parameters, the units among their owners)
+_OWNED_BY_OPTIMIZER: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _HOOKS_INSTALLED = False
 
 
 class _PReLU(torch.autograd.Function):
-    """``F.prelu`` (channels at dim 1) with a cheaper backward, and forward-mode AD.
+    """``F.prelu`` (channels at dim 1) with a cheaper backward, and forward-mode AD, from PyTorch ops.
+
+    The path of :func:`_prelu` where the compiled kernel does not apply (forward AD, ``torch.compile``,
+    channels-last or empty inputs) or is switched off.
 
     Forward: the fused ``F.prelu`` kernel. Backward: ReLU's ``threshold_backward`` kernel splits the
     incoming gradient ``g`` into ``pos`` (where ``x > 0``) and ``neg = g - pos``; then, in place,
@@ -96,13 +105,23 @@ class _PReLU(torch.autograd.Function):
 
 
 def _prelu(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """``F.prelu(x, weight)``, on the CPU through :class:`_PReLU`. Under a torch-function mode or with tensor
-    subclasses the call is dispatched as a plain ``F.prelu``, so tools that intercept functions
-    (linear regions, FLOP counting, graph recording) see the same call as before."""
+    """``F.prelu(x, weight)``; on the CPU through the compiled kernel of :mod:`linearize.kernels`.
+
+    That kernel (autograd in C++, one fused backward pass) takes contiguous non-empty inputs outside
+    ``torch.compile`` and forward-mode AD (it has no ``jvp``); the rest, and every call when it is
+    switched off or cannot be built, runs :class:`_PReLU`, which computes the same values. Under a
+    torch-function mode or with tensor subclasses the call is dispatched as a plain ``F.prelu``, so
+    tools that intercept functions (linear regions, FLOP counting, graph recording) see the same call
+    as before.
+    """
     if has_torch_function_variadic(x, weight):
         return handle_torch_function(F.prelu, (x, weight), x, weight)
     if x.device.type != "cpu":  # CUDA's PReLU backward is already one fused kernel
         return F.prelu(x, weight)
+    if x.ndim >= 2 and x.is_contiguous() and x.numel() and fwAD._current_level < 0 and not torch.compiler.is_compiling():
+        kernel = cpu_prelu()
+        if kernel is not None:
+            return kernel(x, weight)
     return _PReLU.apply(x, weight)
 
 
@@ -247,6 +266,9 @@ class LinearizableActivation(nn.Module):
     def project_(self) -> None:
         """Clamp slopes to ``[0, 1]`` and restore frozen channels to their frozen value."""
         self.slope.clamp_(0.0, 1.0)
+        self._restore_frozen()
+
+    def _restore_frozen(self) -> None:  # callers hold no_grad (a decorator here costs more than the check)
         mask = self.frozen_mask()
         if mask is not None:
             self.slope[mask] = self.frozen[mask].to(self.slope.dtype)
@@ -356,13 +378,13 @@ def project_slopes(model_or_units: nn.Module | Iterable[LinearizableActivation])
 
 
 def _owned_units(optimizer: torch.optim.Optimizer) -> list[LinearizableActivation]:
-    found = []
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            unit = _SLOPE_OWNERS.get(p)
-            if unit is not None:
-                found.append(unit)
-    return found
+    """The units whose slopes ``optimizer`` holds, cached until its parameter list changes."""
+    ids = tuple(id(p) for group in optimizer.param_groups for p in group["params"])
+    cached = _OWNED_BY_OPTIMIZER.get(optimizer)
+    if cached is None or cached[0] != ids:  # the held parameters are alive, so equal ids are the same ones
+        found = [_SLOPE_OWNERS.get(p) for group in optimizer.param_groups for p in group["params"]]
+        cached = _OWNED_BY_OPTIMIZER[optimizer] = (ids, [u for u in found if u is not None])
+    return cached[1]
 
 
 def _mask_frozen_grads(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
@@ -372,9 +394,15 @@ def _mask_frozen_grads(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
             grad.masked_fill_(mask, 0.0)
 
 
+@torch.no_grad()
 def _project_after_step(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
-    for unit in _owned_units(optimizer):
-        unit.project_()
+    owned = _owned_units(optimizer)
+    if owned:  # LinearizableActivation.project_ for all units, with one clamp kernel per bound
+        slopes = [unit.slope for unit in owned]
+        torch._foreach_clamp_min_(slopes, 0.0)
+        torch._foreach_clamp_max_(slopes, 1.0)
+        for unit in owned:
+            unit._restore_frozen()
 
 
 def install_optimizer_hooks() -> None:

@@ -207,6 +207,16 @@ def test_target_outside_range(tmp_path):
             cifar.parse_args(["--output_dir", str(tmp_path), "--target", bad])
 
 
+def test_default_pressure_matches_each_recipes_optimizer(tmp_path):
+    """lam scales the proximal step lr * lam: order 1 under AdamW (wmt14), 1e-3 under SGD (cifar)."""
+    import cifar
+    import wmt14
+
+    assert wmt14.parse_args(["--output_dir", str(tmp_path)]).lam == 1.0
+    assert cifar.parse_args(["--output_dir", str(tmp_path)]).lam == 1e-3
+    assert wmt14.parse_args(["--output_dir", str(tmp_path), "--lam", "0.001"]).lam == 1e-3
+
+
 def test_missing_cifar_data_hints(tmp_path):
     import cifar
 

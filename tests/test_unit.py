@@ -2,6 +2,7 @@
 
 import copy
 import math
+import os
 
 import pytest
 import torch
@@ -9,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import linearize
-from linearize import LinearizableActivation
+from linearize import LinearizableActivation, kernels
 from linearize.unit import _PReLU, _flat
 
 ACTS = [
@@ -188,3 +189,104 @@ def test_frozen_channels_loaded_from_a_state_dict_hold_through_optimizer_steps()
     assert 0.0 <= unit.slope[1].item() <= 1.0 and unit.has_frozen()
     unit.unfreeze_()
     assert not unit.has_frozen()
+
+
+# ------------------------------------------------------------------ the compiled CPU kernel
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    if os.environ.get(kernels.ENV_SWITCH) == "0":
+        pytest.skip(f"the compiled kernel is switched off ({kernels.ENV_SWITCH}=0)")
+    fn = kernels.cpu_prelu()
+    assert fn is not None, "the fused CPU PReLU kernel did not build: see the RuntimeWarning for why"
+    return fn
+
+
+@pytest.mark.parametrize("shape", [(5, 3, 4, 4), (4, 5, 2, 2), (3, 4, 9, 7), (6, 70), (2, 300, 1, 1), (3, 2, 4, 3, 2)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_kernel_matches_pytorch_prelu_values_and_gradients(kernel, shape, dtype):
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(*shape, generator=gen, dtype=dtype)
+    x.view(-1)[:5] = 0.0  # the kink: slope a, as PyTorch's backward
+    a = torch.rand(shape[1], generator=gen, dtype=dtype)
+    a[0] = 0.0  # a = 0: the slope gradient still needs min(x, 0)
+    g = torch.randn(*shape, generator=gen, dtype=dtype)
+    xk, ak, xr, ar = (t.clone().requires_grad_() for t in (x, a, x, a))
+    yk, yr = kernel(xk, ak), F.prelu(xr, ar)
+    assert torch.equal(yk, yr)
+    gk, gr = torch.autograd.grad(yk, (xk, ak), g), torch.autograd.grad(yr, (xr, ar), g)
+    assert torch.equal(gk[0], gr[0])  # one multiply per element in both
+    tol = 1e-12 if dtype == torch.float64 else 2e-5
+    torch.testing.assert_close(gk[1], gr[1], rtol=tol, atol=tol * x.numel() ** 0.5)
+
+
+def test_kernel_bfloat16_and_gradcheck_including_double_backward(kernel):
+    x = torch.randn(8, 6, 3, 3, dtype=torch.bfloat16, requires_grad=True)
+    a = torch.rand(6, dtype=torch.bfloat16, requires_grad=True)
+    g = torch.randn(8, 6, 3, 3, dtype=torch.bfloat16)
+    ref_x, ref_a = x.detach().float().requires_grad_(), a.detach().float().requires_grad_()
+    out = torch.autograd.grad(kernel(x, a), (x, a), g)
+    ref = torch.autograd.grad(F.prelu(ref_x, ref_a), (ref_x, ref_a), g.float())
+    torch.testing.assert_close(out[0].float(), ref[0], rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(out[1].float(), ref[1], rtol=2e-2, atol=5e-2)
+    for shape in [(3, 4, 2), (2, 3, 5, 5), (4, 3)]:
+        inputs = (torch.randn(*shape, dtype=torch.float64, requires_grad=True),
+                  torch.rand(shape[1], dtype=torch.float64, requires_grad=True))
+        assert torch.autograd.gradcheck(kernel, inputs)
+        assert torch.autograd.gradgradcheck(kernel, inputs)
+
+
+def test_kernel_slope_gradient_does_not_depend_on_the_thread_count(kernel):
+    x = torch.randn(64, 40, 6, 6, requires_grad=True)
+    a = torch.rand(40, requires_grad=True)
+    g = torch.randn(64, 40, 6, 6)
+    threads = torch.get_num_threads()
+    try:
+        grads = []
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            grads.append(torch.autograd.grad(kernel(x, a), (x, a), g))
+    finally:
+        torch.set_num_threads(threads)
+    for other in grads[1:]:
+        assert torch.equal(other[0], grads[0][0]) and torch.equal(other[1], grads[0][1])
+
+
+def test_units_route_to_the_kernel_or_the_pytorch_ops_path_with_equal_results(kernel, monkeypatch):
+    """Contiguous CPU inputs go through the kernel; channels-last inputs, forward AD and a switched-off
+    or failed build take the PyTorch-ops path; both give the same values and gradients."""
+    unit = LinearizableActivation("relu", 6)
+    with torch.no_grad():
+        unit.slope.uniform_(0, 1)
+    calls = []
+    monkeypatch.setitem(kernels._state, "prelu", lambda x, w: calls.append(x.shape) or kernel(x, w))
+    x = torch.randn(4, 6, 5, 5, requires_grad=True)
+    g = torch.randn(4, 6, 5, 5)
+    via_kernel = torch.autograd.grad(unit(x), (x, unit.slope), g)
+    assert calls == [x.shape]
+    unit(x.detach().to(memory_format=torch.channels_last))
+    assert len(calls) == 1
+    monkeypatch.setitem(kernels._state, "prelu", None)  # switched off / build failed
+    via_ops = torch.autograd.grad(unit(x), (x, unit.slope), g)
+    assert torch.equal(via_kernel[0], via_ops[0])
+    torch.testing.assert_close(via_kernel[1], via_ops[1], rtol=1e-5, atol=1e-5)
+
+
+def test_switch_off_and_failed_build(monkeypatch):
+    monkeypatch.delitem(kernels._state, "prelu", raising=False)
+    monkeypatch.setenv(kernels.ENV_SWITCH, "0")
+    monkeypatch.setattr(kernels, "_build", lambda: pytest.fail("switched off: must not build"))
+    assert kernels.cpu_prelu() is None
+    monkeypatch.delitem(kernels._state, "prelu")
+    monkeypatch.setenv(kernels.ENV_SWITCH, "1")
+
+    def broken():
+        raise OSError("no C++ compiler\nc++: command not found")
+
+    monkeypatch.setattr(kernels, "_build", broken)
+    with pytest.warns(RuntimeWarning, match="c\\+\\+: command not found.*PyTorch ops instead"):
+        assert kernels.cpu_prelu() is None
+    unit = LinearizableActivation("relu", 3)
+    x = torch.randn(2, 3, 4, 4)
+    assert torch.equal(unit(x), F.relu(x))  # the fallback path, still exact at a = 0
