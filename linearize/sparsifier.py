@@ -17,6 +17,13 @@ then means something different for every slope and every optimizer), momentum ca
 clipping. With plain SGD without momentum both coincide (except where the clamp at 0 binds: the
 proximal step adds ``lr * lam`` after clamping). The proximal step is optimizer-agnostic.
 
+Choosing ``lam``: a free slope moves by ``lr * lam`` per step, the loss moves it by ``lr * grad`` under
+SGD but by about ``lr`` under Adam(W), whatever the gradient scale: the recipes use ``lam = 1e-3`` with
+SGD (``cifar.py``) and ``lam = 1`` with AdamW (``wmt14.py``). Too small a ``lam`` leaves a :func:`~linearize.schedules.target` schedule to its
+projection alone, which sets channels to exactly 1 from wherever their slopes are. Measured on Multi30k
+(``recipes/wmt14.py``, AdamW, FFN at 10% nonlinear channels): -0.95 BLEU with ``lam = 1``,
+-1.52 BLEU with ``lam = 1e-3``.
+
 Three added lines in a plain loop::
 
     sparsifier = linearize.Sparsifier(model, linearize.schedules.target(0.10, end=0.8), total_steps)

@@ -118,7 +118,8 @@ def _prelu(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return handle_torch_function(F.prelu, (x, weight), x, weight)
     if x.device.type != "cpu":  # CUDA's PReLU backward is already one fused kernel
         return F.prelu(x, weight)
-    if x.ndim >= 2 and x.is_contiguous() and x.numel() and fwAD._current_level < 0 and not torch.compiler.is_compiling():
+    if (x.ndim >= 2 and x.is_contiguous() and x.numel() and weight.dtype == x.dtype and fwAD._current_level < 0
+            and not torch.compiler.is_compiling()):
         kernel = cpu_prelu()
         if kernel is not None:
             return kernel(x, weight)

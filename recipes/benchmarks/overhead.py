@@ -15,6 +15,9 @@ alike: the minor page faults per step are printed next to the times (tcmalloc ke
 and removes most of them; the ratio measured with it was the same). The memory ratio is measured
 with glibc only (``mallinfo2``).
 
+The units run on the compiled CPU kernel (:mod:`linearize.kernels`); ``LINEARIZE_CPU_KERNEL=0`` times
+their PyTorch-ops path instead. The script prints which one ran.
+
 ``--profile`` adds a ``torch.profiler`` table: the ops whose self time per step differs most between
 the two models.
 
@@ -41,6 +44,7 @@ import torchvision
 from tqdm import tqdm
 
 import linearize
+from linearize import kernels
 
 
 class _MallInfo2(ctypes.Structure):
@@ -170,6 +174,8 @@ def main() -> None:
     med = {k: statistics.median(v) for k, v in times.items()}
     print(f"ResNet-18, 32x32, batch 64, CPU, {torch.get_num_threads()} threads, {args.reps} interleaved reps, "
           f"{args.malloc} malloc")
+    print("  units run on " + ("the compiled CPU kernel" if kernels.cpu_prelu() else
+                               f"PyTorch ops (the compiled kernel is off: {kernels.ENV_SWITCH}=0 or its build failed)"))
     for name in steps:
         print(f"  {name:<10} step {med[name] * 1e3:8.1f} ms   {faults[name] / args.reps:8.0f} minor page faults per step")
     print(f"time ratio converted/original:        {med['converted'] / med['original']:.3f}  (target <= 1.05)")
