@@ -57,7 +57,7 @@ def _build() -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
     key = hashlib.sha1(
         b"\0".join([_SOURCE.read_bytes(), _cpu_signature().encode(), torch.__version__.encode(), " ".join(_FLAGS).encode()])
     ).hexdigest()[:12]
-    _log.info("linearize: building the fused CPU PReLU kernel (once per machine, about 30 s)")
+    _log.info("linearize: loading the fused CPU PReLU kernel (compiled on first use per machine, about 30 s)")
     if shutil.which("ninja") is None:  # the ninja wheel's binary, when its venv is not on PATH
         import ninja
 

@@ -42,7 +42,7 @@ import torch
 from torch import nn
 
 from . import schedules as _schedules
-from .unit import require_units, units
+from .unit import project_slopes, require_units, units
 
 __all__ = ["Sparsifier", "param_groups", "flops_weights"]
 
@@ -218,8 +218,7 @@ class Sparsifier:
                 stacklevel=2,
             )
             self._warned = True
-        for _, unit in self._units:
-            unit.project_()
+        project_slopes(u for _, u in self._units)
         lam_t = self.lam_at()
         if self.mode == "proximal" and lam_t > 0:
             self._proximal(lam_t)

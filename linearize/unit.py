@@ -372,10 +372,14 @@ def project_slopes(model_or_units: nn.Module | Iterable[LinearizableActivation])
     mods = (
         [u for _, u in units(model_or_units)]
         if isinstance(model_or_units, nn.Module)
-        else model_or_units
+        else list(model_or_units)
     )
-    for unit in mods:
-        unit.project_()
+    if mods:  # LinearizableActivation.project_ for every unit, with one clamp kernel per bound
+        slopes = [unit.slope for unit in mods]
+        torch._foreach_clamp_min_(slopes, 0.0)
+        torch._foreach_clamp_max_(slopes, 1.0)
+        for unit in mods:
+            unit._restore_frozen()
 
 
 def _owned_units(optimizer: torch.optim.Optimizer) -> list[LinearizableActivation]:
@@ -395,15 +399,8 @@ def _mask_frozen_grads(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
             grad.masked_fill_(mask, 0.0)
 
 
-@torch.no_grad()
 def _project_after_step(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
-    owned = _owned_units(optimizer)
-    if owned:  # LinearizableActivation.project_ for all units, with one clamp kernel per bound
-        slopes = [unit.slope for unit in owned]
-        torch._foreach_clamp_min_(slopes, 0.0)
-        torch._foreach_clamp_max_(slopes, 1.0)
-        for unit in owned:
-            unit._restore_frozen()
+    project_slopes(_owned_units(optimizer))
 
 
 def install_optimizer_hooks() -> None:
