@@ -263,11 +263,9 @@ class LinearizableActivation(nn.Module):
         """Whether any channel is frozen."""
         return self.frozen_mask() is not None
 
-    @torch.no_grad()
     def project_(self) -> None:
         """Clamp slopes to ``[0, 1]`` and restore frozen channels to their frozen value."""
-        self.slope.clamp_(0.0, 1.0)
-        self._restore_frozen()
+        project_slopes((self,))
 
     def _restore_frozen(self) -> None:  # callers hold no_grad (a decorator here costs more than the check)
         mask = self.frozen_mask()
@@ -374,7 +372,7 @@ def project_slopes(model_or_units: nn.Module | Iterable[LinearizableActivation])
         if isinstance(model_or_units, nn.Module)
         else list(model_or_units)
     )
-    if mods:  # LinearizableActivation.project_ for every unit, with one clamp kernel per bound
+    if mods:  # one clamp kernel per bound for all units
         slopes = [unit.slope for unit in mods]
         torch._foreach_clamp_min_(slopes, 0.0)
         torch._foreach_clamp_max_(slopes, 1.0)
