@@ -202,6 +202,10 @@ class Sparsifier:
             if id(p) in slope_ids
         }
 
+    def _project(self) -> None:
+        """Clamp all slopes to ``[0, 1]`` and restore frozen channels, in one batched call."""
+        project_slopes(u for _, u in self._units)
+
     def _slope_versions(self) -> list[int]:
         return [u.slope._version for _, u in self._units]
 
@@ -218,7 +222,7 @@ class Sparsifier:
                 stacklevel=2,
             )
             self._warned = True
-        project_slopes(u for _, u in self._units)
+        self._project()
         lam_t = self.lam_at()
         if self.mode == "proximal" and lam_t > 0:
             self._proximal(lam_t)
@@ -244,8 +248,8 @@ class Sparsifier:
                     f"no learning rate for the slopes of {name!r}: attach(optimizer) with the slopes "
                     "in it, pass optimizer=..., or pass lr=... to the Sparsifier"
                 )
-            unit.slope.add_(lr * lam_t * w).clamp_(max=1.0)
-            unit.project_()
+            unit.slope.add_(lr * lam_t * w)
+        self._project()
 
     def _project_budget(self, wanted: float) -> None:
         """Set the free slopes closest to 1 to exactly 1 so that ``round(wanted * C)`` stay nonlinear."""
@@ -270,8 +274,8 @@ class Sparsifier:
         for _, unit in self._units:
             n = unit.num_channels
             unit.slope.copy_(new[offset : offset + n].to(unit.slope))
-            unit.project_()
             offset += n
+        self._project()
         self._linear = torch.cat([u.slope.detach() >= 1.0 for _, u in self._units]).cpu()
 
     # ------------------------------------------------------------------ penalty and measures
