@@ -1,0 +1,29 @@
+"""The affinity benchmark script runs and its two methods agree (one repetition; no timing asserted)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("ot", reason="POT (pip install pot) is the benchmark's reference")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "recipes" / "benchmarks"))
+
+
+def test_affinity_benchmark_reference_and_ours_give_the_same_signature(capsys):
+    import affinity
+
+    threads = torch.get_num_threads()
+    try:
+        result = affinity.main(["--n", "1024", "--reps", "1", "--threads", "2"])
+    finally:
+        torch.set_num_threads(threads)
+    assert result["sites"] == 17  # stem ReLU + 2 calls x 8 BasicBlocks
+    assert result["max_abs_diff"] < 1e-7  # ours pools in float32, the reference in float64
+    assert result["max_abs_diff_same_input"] < 1e-10
+    times = result["signature"]
+    assert set(times) >= {"ours", "reference", "reference_blas1", "speedup_wall", "speedup_wall_blas1"}
+    assert all(t > 0 for pair in (times["ours"], times["reference"], times["reference_blas1"]) for t in pair)
+    assert "BLAS on 1 thread" in capsys.readouterr().out
