@@ -343,7 +343,9 @@ def train(accelerator, args: argparse.Namespace, model: nn.Module, optimizer, sc
     model.train()
     while step < last_step:
         epoch, skip = divmod(step, steps_per_epoch)
-        sampler.set_epoch(epoch)
+        # Accelerate's prepared loader calls set_epoch(its own pass counter) when iterated, over the
+        # sampler's epoch; that counter is 0 in a resumed process, so set it (and the sampler) here.
+        getattr(train_loader, "set_epoch", sampler.set_epoch)(epoch)
         loader = accelerator.skip_first_batches(train_loader, skip) if skip else train_loader
         for batch in loader:
             seed_step(args.seed, step, accelerator.process_index)
