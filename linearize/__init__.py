@@ -23,6 +23,7 @@ _EXPORTS = {
     "ConversionReport": "conversion",
     "save_pretrained": "serialization",
     "from_pretrained": "serialization",
+    "LoadError": "serialization",
     # sparsity pressure
     "Sparsifier": "sparsifier",
     "param_groups": "sparsifier",

@@ -10,7 +10,7 @@ def _inspect(args: argparse.Namespace) -> int:
     from .conversion import dry_run
     from .models import load_model
 
-    model = load_model(args.model)
+    model = load_model(args.model, trust_pickle=args.trust_pickle)
     print(dry_run(model))
     return 0
 
@@ -20,6 +20,13 @@ def _demo(args: argparse.Namespace) -> int:
 
     run_demo(epochs=args.epochs, target=args.target, seed=args.seed)
     return 0
+
+
+def add_trust_pickle(parser: argparse.ArgumentParser) -> None:
+    """The ``--trust-pickle`` option: without it, ``.pt`` files are read with ``torch.load(weights_only=True)``."""
+    parser.add_argument("--trust-pickle", action="store_true",
+                        help="fully unpickle .pt files (needed for a pickled nn.Module). Unpickling runs code "
+                        "from the file: only for files from a source you trust")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -37,7 +44,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.set_defaults(func=_demo)
 
     inspect = sub.add_parser("inspect", help="list the activation call sites convert would swap (dry run)")
-    inspect.add_argument("model", help="a torchvision builder name (resnet18) or a Hugging Face model directory")
+    inspect.add_argument("model", help="a torchvision builder name (resnet18), a Hugging Face model directory, "
+                         "or a .pt file holding a whole pickled nn.Module (needs --trust-pickle)")
+    add_trust_pickle(inspect)
     inspect.set_defaults(func=_inspect)
 
     from . import reporting

@@ -4,17 +4,20 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import torch
 from torch import nn
 
+from ._files import safe_torch_load
 
-def load_model(spec: str | Path, num_classes: int | None = None) -> nn.Module:
+
+def load_model(spec: str | Path, num_classes: int | None = None, *, trust_pickle: bool = False) -> nn.Module:
     """A model from ``spec``.
 
     - a Hugging Face model directory (its ``config.architectures`` class, else ``AutoModel``),
-      loaded offline;
-    - a ``.pt``/``.pth`` file holding a whole pickled ``nn.Module`` (trusted files only: unpickling
-      runs code);
+      loaded offline (``transformers`` reads weights without unpickling code, and no remote code);
+    - a ``.pt``/``.pth`` file holding a whole pickled ``nn.Module``: only with ``trust_pickle=True``
+      (``--trust-pickle``), since unpickling a module runs code from the file; without it the file
+      is read with ``torch.load(weights_only=True)`` and refused with a
+      :class:`~linearize._files.LoadError` that names the file and the flag;
     - a torchvision builder name (``"resnet18"``), randomly initialized, with ``num_classes`` outputs.
     """
     path = Path(spec)
@@ -28,7 +31,7 @@ def load_model(spec: str | Path, num_classes: int | None = None) -> nn.Module:
         cls = getattr(transformers, arch, None) if arch else None
         return (cls or transformers.AutoModel).from_pretrained(path, local_files_only=True)
     if path.suffix in (".pt", ".pth") and path.is_file():
-        model = torch.load(path, map_location="cpu", weights_only=False)
+        model = safe_torch_load(path, trust_pickle=trust_pickle)
         if not isinstance(model, nn.Module):
             raise TypeError(f"{path} holds a {type(model).__name__}, not a pickled nn.Module (a state_dict "
                             "needs a builder name as MODEL and --checkpoint)")

@@ -115,18 +115,17 @@ class Report:
     def save(self, out_dir: str | Path) -> dict[str, Path]:
         """Write ``report.json``, the PNG plots and ``report.html`` into ``out_dir`` (created).
 
-        Returns ``{file name: path}`` of everything written.
+        Returns ``{file name: path}`` of everything written. Each file is written atomically.
         """
+        from ._files import atomic_write
+
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
         images = self.plots()
-        written = {"report.json": out / "report.json"}
-        written["report.json"].write_text(self.to_json())
+        written = {"report.json": atomic_write(out / "report.json", self.to_json())}
         for name, png in images.items():
-            written[name] = out / name
-            written[name].write_bytes(png)
-        written["report.html"] = out / "report.html"
-        written["report.html"].write_text(self.to_html(images), encoding="utf-8")
+            written[name] = atomic_write(out / name, png)
+        written["report.html"] = atomic_write(out / "report.html", self.to_html(images))
         return written
 
 
@@ -656,7 +655,7 @@ def register_cli(subparsers: argparse._SubParsersAction) -> argparse.ArgumentPar
     )
     p.add_argument("model", help="a torchvision builder name (resnet18), a Hugging Face model directory "
                    "(with linearize_config.json if saved by linearize.save_pretrained), or a .pt file "
-                   "holding a whole pickled nn.Module (trusted files only)")
+                   "holding a whole pickled nn.Module (needs --trust-pickle)")
     p.add_argument("--data", required=True, help="'digits' (sklearn demo data), an image folder, the CIFAR-10 "
                    ".tar.gz of JPEGs, or a JSONL(.gz) text file (Hugging Face models)")
     p.add_argument("--checkpoint", help="state_dict file for a torchvision model (plain or converted)")
@@ -678,6 +677,9 @@ def register_cli(subparsers: argparse._SubParsersAction) -> argparse.ArgumentPar
     p.add_argument("--skip", nargs="+", default=[], choices=MEASURES, metavar="MEASURE",
                    help=f"measures not to run, of: {', '.join(MEASURES)}")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    from .cli import add_trust_pickle
+
+    add_trust_pickle(p)
     p.set_defaults(func=run_cli)
     return p
 
@@ -703,18 +705,23 @@ def run_cli(args: argparse.Namespace) -> int:
 def _load_model_and_data(args: argparse.Namespace) -> tuple[nn.Module, Any]:
     import linearize
 
+    from ._files import LoadError, safe_torch_load
     from .models import load_model
 
     spec = Path(args.model)
     hf_dir = spec.is_dir()
-    model = load_model(spec, args.num_classes)
+    trust = args.trust_pickle
+    model = load_model(spec, args.num_classes, trust_pickle=trust)
     data = _load_data(args, model, spec if hf_dir else None)
     example = _rows(data, slice(0, 2))
     if hf_dir and (spec / "linearize_config.json").is_file():
         model = linearize.from_pretrained(model, spec, example_inputs=example)
     elif args.units:
         model = linearize.from_pretrained(model, args.units, example_inputs=example)
-    state = torch.load(args.checkpoint, map_location="cpu", weights_only=True) if args.checkpoint else None
+    state = safe_torch_load(args.checkpoint, trust_pickle=trust, what="--checkpoint") if args.checkpoint else None
+    if state is not None and not isinstance(state, Mapping):
+        raise LoadError(f"--checkpoint {args.checkpoint} holds a {type(state).__name__}, not a state_dict; "
+                        "a whole pickled model goes in MODEL (with --trust-pickle)")
     converted = bool(units(model)) or getattr(model, "linearize_config", None) is not None
     if not converted and state is not None and any(k.endswith(".slope") for k in state):
         model, converted = linearize.convert(model, example_inputs=example), True

@@ -317,7 +317,10 @@ class Sparsifier:
         )
 
     def save_history(self, path: str | Path) -> Path:
-        """Write the per-site nonlinear fraction log as JSON ``{"sites", "total_steps", "history"}``."""
+        """Write the per-site nonlinear fraction log as JSON ``{"sites", "total_steps", "history"}``
+        (atomically: an interrupted write leaves the previous file)."""
+        from ._files import atomic_write
+
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         payload = {
@@ -328,8 +331,7 @@ class Sparsifier:
             ),
             "history": self.history,
         }
-        path.write_text(json.dumps(payload))
-        return path
+        return atomic_write(path, json.dumps(payload))
 
     # ------------------------------------------------------------------ checkpointing
     def state_dict(self) -> dict:

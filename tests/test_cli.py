@@ -1,11 +1,19 @@
-"""The console script: --help lists the subcommands, inspect prints the conversion plan."""
+"""The console script: --help lists the subcommands, inspect prints the conversion plan, and no file a
+user passes runs code unless --trust-pickle says so."""
 
+import pickle
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
+import torch
+from torch import nn
 
+import linearize
 from linearize.cli import main
+from linearize.models import load_model
 
 
 def test_help_lists_every_subcommand():
@@ -24,3 +32,71 @@ def test_inspect_prints_the_sites_of_a_torchvision_model(capsys):
 def test_inspect_rejects_an_unknown_model():
     with pytest.raises(ValueError, match="neither a Hugging Face model directory"):
         main(["inspect", "no_such_model"])
+
+
+# ----------------------------------------------------------------------------- no code runs from user files
+
+
+class WritesMarker:
+    """Unpickling this calls ``open(marker, "w")``: a stand-in for any code a crafted file could run."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def crafted(tmp_path: Path, writer: str) -> tuple[Path, Path]:
+    """``(file, marker)``: a ``.pt`` file whose unpickling creates ``marker``."""
+    marker, path = tmp_path / "marker", tmp_path / "model.pt"
+    if writer == "torch.save":  # the zip format torch.save writes
+        torch.save(WritesMarker(marker), path)
+    else:  # a plain pickle stream (torch.load's legacy format)
+        path.write_bytes(pickle.dumps(WritesMarker(marker)))
+    return path, marker
+
+
+@pytest.mark.filterwarnings("ignore:Detected pickle protocol")
+@pytest.mark.parametrize("writer", ["torch.save", "pickle"])
+@pytest.mark.parametrize("command", ["inspect", "report", "report --checkpoint", "load_model"])
+def test_a_crafted_pickle_runs_no_code(tmp_path, command, writer):
+    path, marker = crafted(tmp_path, writer)
+    out = tmp_path / "out"
+    label = re.escape(f"--checkpoint {path}" if "checkpoint" in command else str(path))
+    with pytest.raises(ValueError, match=rf"{label}: refused to unpickle it.*pass --trust-pickle") as err:
+        if command == "inspect":
+            main(["inspect", str(path)])
+        elif command == "report":
+            main(["report", str(path), "--data", "digits", "--output-dir", str(out)])
+        elif command == "report --checkpoint":
+            main(["report", "resnet18", "--checkpoint", str(path), "--data", "digits", "--output-dir", str(out)])
+        else:
+            load_model(path)
+    assert isinstance(err.value, linearize.LoadError)
+    assert not marker.exists() and not out.exists()
+
+
+def test_the_console_script_refuses_a_crafted_pickle(tmp_path):
+    path, marker = crafted(tmp_path, "torch.save")
+    run = subprocess.run([sys.executable, "-m", "linearize.cli", "inspect", str(path)], capture_output=True,
+                         text=True, cwd=tmp_path)
+    assert run.returncode != 0 and "--trust-pickle" in run.stderr and str(path) in run.stderr
+    assert not marker.exists()
+    torch.load(path, weights_only=False).close()  # the control: a full unpickle of this file does run its code
+    assert marker.exists()
+
+
+def test_trust_pickle_loads_a_pickled_module(tmp_path, capsys):
+    path = tmp_path / "mlp.pt"
+    torch.save(nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.Linear(6, 2)), path)
+    refused = rf"{re.escape(str(path))}: refused to unpickle it.*GLOBAL torch.nn.modules.container.Sequential"
+    with pytest.raises(ValueError, match=refused + ".*pass --trust-pickle"):
+        main(["inspect", str(path)])
+    assert main(["inspect", str(path), "--trust-pickle"]) == 0
+    assert capsys.readouterr().out.startswith("1 sites, 6 channels converted")
+    assert isinstance(load_model(path, trust_pickle=True), nn.Sequential)
+    torch.save(nn.Linear(4, 2).state_dict(), path)  # tensors only: still read without the flag
+    with pytest.raises(TypeError, match=rf"{re.escape(str(path))} holds a \w+, not a pickled nn.Module"):
+        load_model(path)
+

@@ -19,6 +19,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from linearize.serialization import load_unit_tensors
+
 REPO = Path(__file__).resolve().parents[1]
 RECIPES = REPO / "recipes"
 sys.path.insert(0, str(RECIPES))
@@ -59,8 +61,7 @@ def metrics(run: Path) -> dict:
 
 
 def slopes(run: Path) -> dict[str, torch.Tensor]:
-    return {k: v for k, v in load_file(str(run / "model" / "linearize_units.safetensors")).items()
-            if k.endswith(".slope")}
+    return {k: v for k, v in load_unit_tensors(run / "model").items() if k.endswith(".slope")}
 
 
 def assert_same_tensors(a: dict, b: dict, atol: float = 1e-6) -> None:

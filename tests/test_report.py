@@ -187,7 +187,7 @@ def test_cli_pickled_model_on_digits(tmp_path: Path, capsys) -> None:
     torch.save(model, tmp_path / "mlp.pt")
     out = tmp_path / "out"
     assert _cli(["report", str(tmp_path / "mlp.pt"), "--data", "digits", "--num-samples", "64",
-                 "--segments", "4", "--output-dir", str(out), "--no-progress"]) == 0
+                 "--segments", "4", "--output-dir", str(out), "--no-progress", "--trust-pickle"]) == 0
     data = json.loads((out / "report.json").read_text())
     assert data["units"]["nonlinear"] == 40 - 4 and data["num_samples"] == 64
     assert (out / "report.html").is_file() and "wrote" in capsys.readouterr().out

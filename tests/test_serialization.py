@@ -1,14 +1,22 @@
-"""Sidecar save/load: bit-identical round trips, clear errors on mismatch."""
+"""Sidecar save/load: bit-identical round trips, clear errors on mismatch, saves atomic as a pair,
+loads validated (damaged, truncated or tampered files refused with the file and the unit named)."""
 
+import errno
+import hashlib
 import json
+import os
+import re
 
 import pytest
+import safetensors.torch
 import torch
 import torchvision
 import transformers as hf
+from torch import nn
 
 import linearize
-from linearize.serialization import CONFIG_NAME, WEIGHTS_NAME
+from linearize import serialization
+from linearize.serialization import CONFIG_NAME
 
 
 def build(name="resnet18"):
@@ -33,8 +41,11 @@ def trained_like(model):
 def test_round_trip_is_bit_identical(tmp_path):
     model = trained_like(build())
     linearize.save_pretrained(model, tmp_path)
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([CONFIG_NAME, WEIGHTS_NAME])
     meta = json.loads((tmp_path / CONFIG_NAME).read_text())
+    weights = tmp_path / meta["weights"]["file"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([CONFIG_NAME, weights.name])
+    digest = hashlib.sha256(weights.read_bytes()).hexdigest()
+    assert meta["weights"]["sha256"] == digest and weights.name == f"linearize_units-{digest[:16]}.safetensors"
     assert len(meta["sites"]) == 17 and meta["config"]["mode"] == "prelu"
     loaded = linearize.from_pretrained(build(), tmp_path, example_inputs=X).eval()
     x = torch.randn(4, 3, 32, 32)
@@ -76,3 +87,377 @@ def test_errors(tmp_path):
     linearize.save_pretrained(trained_like(build()), tmp_path)
     with pytest.raises(ValueError, match="does not match the saved one"):
         linearize.from_pretrained(build("resnet34"), tmp_path, example_inputs=X)
+
+
+# ----------------------------------------------------------------------------- a small model for fast checks
+
+XS = torch.randn(2, 3, 8, 8, generator=torch.Generator().manual_seed(0))
+
+
+def small() -> nn.Module:
+    """Two ReLU units, named "1" (8 channels) and "3" (6 channels)."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 6, 3, padding=1), nn.ReLU(),
+                         nn.Flatten(), nn.Linear(6 * 8 * 8, 5))
+
+
+def trained_small(seed: int) -> nn.Module:
+    """Random slopes in [0, 1) and channels 0, 1 of unit "1" frozen at 1."""
+    model = linearize.convert(small(), example_inputs=XS)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for _, u in linearize.units(model):
+            u.slope.copy_(torch.rand(u.num_channels, generator=gen))
+    linearize.units(model)[0][1].freeze_(torch.arange(8) < 2, 1.0)
+    return model.eval()
+
+
+def unit_state(model: nn.Module) -> list:
+    return [(n, u.slope.detach().clone(), u.frozen.clone()) for n, u in linearize.units(model)]
+
+
+def assert_same_units(a: list, b: list) -> None:
+    assert [n for n, *_ in a] == [n for n, *_ in b]
+    for (_, sa, fa), (_, sb, fb) in zip(a, b):
+        torch.testing.assert_close(sa, sb, rtol=0, atol=0)
+        torch.testing.assert_close(fa, fb, rtol=0, atol=0, equal_nan=True)
+
+
+def snapshot(directory) -> dict:
+    return {p.name: p.read_bytes() for p in sorted(directory.iterdir())}
+
+
+def manifest(directory) -> dict:
+    return json.loads((directory / CONFIG_NAME).read_text())
+
+
+def tensor_file(directory):
+    """The tensor file of a save (format 2 names it in the manifest; format 1 has a fixed name)."""
+    weights = manifest(directory).get("weights")
+    return directory / (weights["file"] if weights else "linearize_units.safetensors")
+
+
+# ----------------------------------------------------------------------------- atomic saves
+
+
+def test_atomic_write_that_fails_midway_leaves_the_target_unchanged(tmp_path, monkeypatch):
+    from linearize._files import atomic_write
+
+    target = tmp_path / "f.json"
+    target.write_text("old")
+
+    def disk_full(fd):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "fsync", disk_full)  # after the bytes went to the temp file, before the rename
+    with pytest.raises(OSError, match="No space left"):
+        atomic_write(target, "new" * 1000)
+    with pytest.raises(OSError):
+        atomic_write(tmp_path / "fresh.json", "new")
+    monkeypatch.undo()
+    assert snapshot(tmp_path) == {"f.json": b"old"}  # no temp files, no half-written fresh.json
+
+
+def fail_nth(monkeypatch, name: str, n: int) -> None:
+    """Make the ``n``-th call of ``os.<name>`` raise ENOSPC (disk full). A save makes, in order:
+    fsync 1 (the tensor file's bytes), replace 1 (its rename into place), fsync 2 (the directory),
+    fsync 3 (the manifest's bytes), replace 2 (its rename), fsync 4 (the directory)."""
+    calls = []
+    real = getattr(os, name)
+
+    def failing(*args):
+        calls.append(args)
+        if len(calls) == n:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(*args)
+
+    monkeypatch.setattr(os, name, failing)
+
+
+FAILURES = [("replace", 1), ("replace", 2), ("fsync", 1), ("fsync", 2), ("fsync", 3), ("fsync", 4)]
+COMMITTED = ("fsync", 4)  # the manifest is renamed in: the new save is complete when this fails
+
+
+@pytest.mark.parametrize("call, n", FAILURES)
+def test_interrupted_save_leaves_the_previous_save_or_the_new_one_never_a_mix(tmp_path, monkeypatch, call, n):
+    old, new = trained_small(1), trained_small(2)
+    linearize.save_pretrained(old, tmp_path)
+    before = snapshot(tmp_path)
+    fail_nth(monkeypatch, call, n)
+    with pytest.raises(OSError, match="No space left"):
+        linearize.save_pretrained(new, tmp_path)
+    monkeypatch.undo()
+    assert not [p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
+    loaded = unit_state(linearize.from_pretrained(small(), tmp_path, example_inputs=XS))
+    if (call, n) != COMMITTED:  # the previous save, every byte unchanged
+        assert snapshot(tmp_path) == before
+        assert_same_units(loaded, unit_state(old))
+    else:  # the new save, complete
+        assert_same_units(loaded, unit_state(new))
+        linearize.save_pretrained(new, tmp_path)  # the next save removes the previous tensor file
+        assert len(snapshot(tmp_path)) == 2
+
+
+@pytest.mark.parametrize("failing", ["tensors", "manifest"])
+def test_save_whose_writer_fails_keeps_the_previous_save(tmp_path, monkeypatch, failing):
+    old = trained_small(1)
+    linearize.save_pretrained(old, tmp_path)
+    before = snapshot(tmp_path)
+    real = serialization.atomic_write
+
+    def writer(path, data):
+        if (path.name == CONFIG_NAME) == (failing == "manifest"):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(path, data)
+
+    monkeypatch.setattr(serialization, "atomic_write", writer)
+    with pytest.raises(OSError):
+        linearize.save_pretrained(trained_small(2), tmp_path)
+    assert snapshot(tmp_path) == before
+    assert_same_units(unit_state(linearize.from_pretrained(small(), tmp_path, example_inputs=XS)), unit_state(old))
+
+
+@pytest.mark.parametrize("call, n", [f for f in FAILURES if f != COMMITTED])
+def test_failed_first_save_leaves_nothing_that_loads(tmp_path, monkeypatch, call, n):
+    fail_nth(monkeypatch, call, n)
+    with pytest.raises(OSError):
+        linearize.save_pretrained(trained_small(1), tmp_path / "new")
+    monkeypatch.undo()
+    assert not (tmp_path / "new").exists()
+    (tmp_path / "kept").mkdir()  # a directory that existed before is kept, and left empty
+    fail_nth(monkeypatch, call, n)
+    with pytest.raises(OSError):
+        linearize.save_pretrained(trained_small(1), tmp_path / "kept")
+    monkeypatch.undo()
+    assert list((tmp_path / "kept").iterdir()) == []
+
+
+def test_save_killed_after_writing_the_tensors_still_loads_the_previous_save(tmp_path):
+    """A hard kill runs no clean-up: what it leaves (the new tensor file, a temp file) must not
+    change what loads, and the next save removes it."""
+    old, directory, other = trained_small(1), tmp_path / "model", tmp_path / "other"
+    linearize.save_pretrained(old, directory)
+    linearize.save_pretrained(trained_small(2), other)
+    orphan = tensor_file(other)
+    (directory / orphan.name).write_bytes(orphan.read_bytes())
+    (directory / f".{CONFIG_NAME}.0123456789ab.tmp").write_text('{"format"')
+    assert_same_units(unit_state(linearize.from_pretrained(small(), directory, example_inputs=XS)), unit_state(old))
+    (directory / "model.safetensors").write_bytes(b"not ours")  # the base model's files are left alone
+    linearize.save_pretrained(old, directory)
+    assert sorted(snapshot(directory)) == sorted([CONFIG_NAME, tensor_file(directory).name, "model.safetensors"])
+
+
+def test_reader_racing_a_save_loads_the_new_pair(tmp_path, monkeypatch):
+    """A save completes between the reader's manifest read and its tensor read (the old tensor file is
+    gone): the reader reads the new manifest again instead of failing or mixing."""
+    new = trained_small(2)
+    linearize.save_pretrained(trained_small(1), tmp_path)
+    real = serialization._parse_manifest
+    calls = []
+
+    def parse_then_save(raw, path):
+        meta = real(raw, path)
+        if not calls:
+            linearize.save_pretrained(new, tmp_path)
+        calls.append(path)
+        return meta
+
+    monkeypatch.setattr(serialization, "_parse_manifest", parse_then_save)
+    loaded = linearize.from_pretrained(small(), tmp_path, example_inputs=XS)
+    assert len(calls) == 2
+    assert_same_units(unit_state(loaded), unit_state(new))
+
+
+def test_save_refuses_a_state_that_would_not_load_back(tmp_path):
+    model = trained_small(1)
+    with torch.no_grad():
+        linearize.units(model)[1][1].slope[2] = 1.5  # set by hand, never projected
+    with pytest.raises(ValueError, match=r"cannot save unit '3': slope 1.5 at channel 2 lies outside \[0, 1\]"):
+        linearize.save_pretrained(model, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+    linearize.project_slopes(model)
+    linearize.save_pretrained(model, tmp_path / "out")
+
+
+# ----------------------------------------------------------------------------- validated loads
+
+
+def to_format_1(directory) -> None:
+    """Turn a save into a format-1 sidecar (fixed tensor file name, no checksum), as older versions wrote."""
+    meta = manifest(directory)
+    if "weights" in meta:
+        (directory / meta.pop("weights")["file"]).rename(directory / "linearize_units.safetensors")
+        meta["format"] = 1
+        (directory / CONFIG_NAME).write_text(json.dumps(meta))
+
+
+def rewrite_tensors(directory, edit) -> None:
+    """Apply ``edit`` to the saved tensors and rewrite the pair consistently (new checksum, as another
+    tool would), so only the checks of the values can catch the change."""
+    path = tensor_file(directory)
+    tensors = safetensors.torch.load(path.read_bytes())
+    edit(tensors)
+    data = safetensors.torch.save(tensors)
+    meta = manifest(directory)
+    if "weights" in meta:
+        digest = hashlib.sha256(data).hexdigest()
+        path.unlink()
+        path = directory / f"linearize_units-{digest[:16]}.safetensors"
+        meta["weights"] = {"file": path.name, "bytes": len(data), "sha256": digest}
+        (directory / CONFIG_NAME).write_text(json.dumps(meta))
+    path.write_bytes(data)
+
+
+def setitem(key, value):
+    return lambda tensors: tensors.__setitem__(key, value)
+
+
+def set_value(key, index, value):
+    return lambda tensors: tensors[key].__setitem__(index, value)
+
+
+TAMPERED = {  # edit of the saved tensors -> what the error says (unit "3" has 6 channels)
+    "slope 5": (set_value("3.slope", 4, 5.0), r"unit '3': slope 5.0 at channel 4 lies outside \[0, 1\]"),
+    "slope -3": (set_value("3.slope", 0, -3.0), r"unit '3': slope -3.0 at channel 0 lies outside \[0, 1\]"),
+    "slope NaN": (set_value("3.slope", 1, float("nan")),
+                  r"unit '3': slope holds 1 non-finite value\(s\), e.g. nan at channel 1"),
+    "slope inf": (set_value("1.slope", 5, float("inf")), r"unit '1': slope holds 1 non-finite value\(s\)"),
+    "slope int64": (setitem("3.slope", torch.ones(6, dtype=torch.int64)),
+                    r"unit '3': slope has dtype torch.int64, expected a floating"),
+    "slope shape": (setitem("3.slope", torch.rand(7)), r"unit '3': slope has shape \(7,\), expected \(6,\)"),
+    "frozen 0.5": (set_value("3.frozen", 3, 0.5),
+                   r"unit '3': frozen value 0.5 at channel 3: a frozen channel holds 0 or 1"),
+    "frozen off its slope": (set_value("1.slope", 0, 0.25),
+                             r"unit '1': channel 0 is frozen at 1 but its slope is 0.25"),
+    "frozen bool": (setitem("1.frozen", torch.zeros(8, dtype=torch.bool)), r"unit '1': frozen has dtype torch.bool"),
+    "missing key": (lambda t: t.pop("3.slope"), r"unit '3' has no 'slope' tensor \(3.slope\)"),
+    "extra key": (setitem("5.slope", torch.zeros(3)), r"tensors \['5.slope'\] belong to no unit"),
+}
+
+
+@pytest.mark.parametrize("fmt", [1, 2])
+@pytest.mark.parametrize("case", sorted(TAMPERED))
+def test_load_refuses_tampered_unit_tensors(tmp_path, case, fmt):
+    edit, message = TAMPERED[case]
+    linearize.save_pretrained(trained_small(1), tmp_path)
+    if fmt == 1:
+        to_format_1(tmp_path)
+    rewrite_tensors(tmp_path, edit)
+    base = small()
+    with pytest.raises(ValueError, match=message) as err:
+        linearize.from_pretrained(base, tmp_path, example_inputs=XS)
+    assert isinstance(err.value, linearize.LoadError)
+    assert str(tensor_file(tmp_path)) in str(err.value) and "save_pretrained" in str(err.value)
+    assert linearize.units(base) == []  # refused before the model was converted
+
+
+def test_format_1_sidecar_still_loads(tmp_path):
+    model = trained_small(1)
+    linearize.save_pretrained(model, tmp_path)
+    to_format_1(tmp_path)
+    assert_same_units(unit_state(linearize.from_pretrained(small(), tmp_path, example_inputs=XS)), unit_state(model))
+
+
+def flip_bit_in(key: str):
+    """Flip the lowest bit of the first element of tensor ``key`` (the slope moves by one ulp: still
+    in [0, 1], so only a checksum can tell)."""
+
+    def flip(path) -> None:
+        raw = bytearray(path.read_bytes())
+        n = int.from_bytes(raw[:8], "little")
+        start = json.loads(raw[8:8 + n])[key]["data_offsets"][0]
+        raw[8 + n + start] ^= 1
+        path.write_bytes(bytes(raw))
+
+    return flip
+
+
+def truncate(path) -> None:
+    path.write_bytes(path.read_bytes()[:-5])
+
+
+DAMAGED_TENSOR_FILE = {  # damage to the tensor file, the manifest untouched -> what the error says
+    "bit flip": (flip_bit_in("3.slope"), r"does not match the SHA-256 recorded at save time \(changed: 3.slope\)"),
+    "truncated": (truncate, r"has \d+ bytes, linearize_config.json recorded \d+ at save time \(truncated\?\)"),
+    "missing": (lambda p: p.unlink(), r"is missing, though linearize_config.json names it"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(DAMAGED_TENSOR_FILE))
+def test_load_refuses_a_damaged_tensor_file(tmp_path, case):
+    damage, message = DAMAGED_TENSOR_FILE[case]
+    linearize.save_pretrained(trained_small(1), tmp_path)
+    path = tensor_file(tmp_path)
+    damage(path)
+    base = small()
+    with pytest.raises(ValueError, match=message) as err:
+        linearize.from_pretrained(base, tmp_path, example_inputs=XS)
+    assert isinstance(err.value, linearize.LoadError) and str(path) in str(err.value)
+    assert linearize.units(base) == []
+
+
+def test_load_refuses_a_truncated_format_1_tensor_file(tmp_path):
+    linearize.save_pretrained(trained_small(1), tmp_path)
+    to_format_1(tmp_path)
+    path = tensor_file(tmp_path)
+    truncate(path)
+    with pytest.raises(ValueError, match=re.escape(str(path)) + r": not a readable safetensors file") as err:
+        linearize.from_pretrained(small(), tmp_path, example_inputs=XS)
+    assert isinstance(err.value, linearize.LoadError)
+
+
+def edit_manifest(edit):
+    def apply(path) -> None:
+        meta = json.loads(path.read_text())
+        edit(meta)
+        path.write_text(json.dumps(meta))
+
+    return apply
+
+
+TAMPERED_MANIFEST = {  # damage to linearize_config.json -> what the error says
+    "empty": (lambda p: p.write_text(""), r"the file is empty"),
+    "cut short": (lambda p: p.write_text(p.read_text()[:40]), r"not valid JSON"),
+    "not an object": (lambda p: p.write_text("[1, 2]"), r"expected a JSON object, got list"),
+    "no sites": (edit_manifest(lambda m: m.pop("sites")), r"missing 'sites'"),
+    "bad config": (edit_manifest(lambda m: m["config"].update(mode="gelu")), r"invalid 'config' \(mode must be one of"),
+    "bad site": (edit_manifest(lambda m: m["sites"][0].update(num_channels="8")), r"'sites' must be a list"),
+    "path in weights": (edit_manifest(lambda m: m["weights"].update(file="../../etc/passwd")), r"'weights' must be"),
+    "future format": (edit_manifest(lambda m: m.update(format=99)), r"unsupported sidecar format 99"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(TAMPERED_MANIFEST))
+def test_load_refuses_a_damaged_manifest(tmp_path, case):
+    damage, message = TAMPERED_MANIFEST[case]
+    linearize.save_pretrained(trained_small(1), tmp_path)
+    damage(tmp_path / CONFIG_NAME)
+    base = small()
+    with pytest.raises(ValueError, match=message) as err:
+        linearize.from_pretrained(base, tmp_path, example_inputs=XS)
+    assert isinstance(err.value, linearize.LoadError) and str(tmp_path / CONFIG_NAME) in str(err.value)
+    assert linearize.units(base) == []
+
+
+def test_gated_load_refuses_tensors_that_do_not_fit_the_model(tmp_path):
+    linearize.save_pretrained(linearize.convert(small(), mode="dgn", example_inputs=XS), tmp_path)
+    rewrite_tensors(tmp_path, lambda t: t.pop("value.0.weight"))
+    with pytest.raises(ValueError, match=re.escape(str(tensor_file(tmp_path))) +
+                       r": the saved gated model does not match the rebuilt one \(missing \['value.0.weight'\]") as err:
+        linearize.from_pretrained(small(), tmp_path, example_inputs=XS)
+    assert isinstance(err.value, linearize.LoadError)
+    rewrite_tensors(tmp_path, lambda t: t.__setitem__("value.0.weight", torch.zeros(8, 3, 1, 1)))
+    with pytest.raises(ValueError, match=r"tensor 'value.0.weight' is torch.float32 \(8, 3, 1, 1\), the model "
+                       r"expects torch.float32 \(8, 3, 3, 3\)"):
+        linearize.from_pretrained(small(), tmp_path, example_inputs=XS)
+
+
+def test_load_unit_tensors_reads_a_save_without_a_model(tmp_path):
+    model = trained_small(1)
+    linearize.save_pretrained(model, tmp_path)
+    tensors = serialization.load_unit_tensors(tmp_path)
+    assert sorted(tensors) == ["1.frozen", "1.slope", "3.frozen", "3.slope"]
+    assert_same_units([(n, tensors[f"{n}.slope"], tensors[f"{n}.frozen"]) for n in ("1", "3")], unit_state(model))
+    rewrite_tensors(tmp_path, set_value("3.slope", 0, 2.0))
+    with pytest.raises(ValueError, match=r"unit '3': slope 2.0 at channel 0 lies outside \[0, 1\]"):
+        serialization.load_unit_tensors(tmp_path)
