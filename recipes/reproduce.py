@@ -1,14 +1,48 @@
 """Rerun the seed-paper reproductions of the README on real data, then tabulate and plot them.
 
-    python recipes/reproduce.py                       # cpu-small: the reduced sweep of recipes/results/
-    python recipes/reproduce.py --scale full --jobs 1 # full CIFAR-10 / Multi30k (a GPU machine)
-    python recipes/reproduce.py --stage analyze       # only redo tables and plots from finished runs
+Two sweeps (``--scale``):
 
-Stage ``train`` runs ``recipes/cifar.py`` and ``recipes/wmt14.py`` (``--jobs`` at a time, each with
-``--threads`` torch threads, logs next to the runs; a run whose ``metrics.json`` exists is skipped,
-so an interrupted sweep resumes). Stage ``analyze`` loads the saved models and measures them with
-the library (fold summary, per-site fractions, affinity signature, linear regions along
-translation loops), then writes ``results.json``, ``results.md`` and PNG plots to ``--results-dir``.
+* ``cpu-small`` (default): the reduced sweep whose tables and plots are ``recipes/results/*.md|json|png``
+  (one seed, 5,000 training images, 5 epochs; CIFAR-10 and Multi30k)::
+
+      python recipes/reproduce.py --cifar /path/cifar10-jpeg.tar.gz --multi30k /path/multi30k
+      python recipes/reproduce.py --stage analyze       # only redo tables and plots from finished runs
+
+* ``full``: issue 19 on the full CIFAR-10 train and test sets, on the CPU (``recipes/reproduce_full.py``:
+  the run list and the analysis): ResNet-20 baselines (40 epochs, seeds 0 and 1), late linearization
+  of each baseline (15 epochs) to 25 / 10 / 5 / 2 % nonlinear channels, early linearization from
+  scratch (55 epochs) to 10 / 2 %, and late linearization to 5 % on 2- and 5-class subsets, two
+  single-thread runs side by side. Runs go to ``runs/reproduce/full/<run>`` (git-ignored), the small
+  results of each finished run (``model/``, ``metrics.json``, ``sparsifier_history.json``) to
+  ``recipes/results/<run>/`` (committed), tables and plots to ``recipes/results/full/``::
+
+      export LINEARIZE_CIFAR10=/path/cifar10-jpeg.tar.gz
+      # once, optional: adopt runs started by hand with the planned arguments (finished or still
+      # running): a symlink in the runs folder; the runner waits for them, or resumes them if they stop
+      python recipes/reproduce.py --scale full --stage collect --adopt r20_base_s0=/work/runs/r20_base_s0 \\
+          --adopt r20_base_s1=/work/runs/r20_base_s1
+      # start, and resume after a crash, a reboot or a kill -9 of anything (the same command):
+      mkdir -p runs && setsid nohup python recipes/reproduce.py --scale full --stage train >> runs/reproduce-full.log 2>&1 < /dev/null &
+      python recipes/reproduce.py --scale full --stage collect   # copy finished runs to recipes/results/ (train does too)
+      python recipes/reproduce.py --scale full --stage analyze   # tables + plots from recipes/results/<run>/ only
+      git add recipes/results/r20_* recipes/results/full
+
+Stage ``train`` runs ``recipes/cifar.py`` (and ``recipes/wmt14.py``) ``--jobs`` at a time, each with
+``--threads`` torch threads, logs appended to ``RUNS/<run>.log``, launches and exit codes to
+``RUNS/jobs.json``. All its state comes from the run folders, so the runner can be killed (even
+``kill -9``) and started again at any time: a run whose ``metrics.json`` is complete is done; a run
+that another process works on (a runner's child, which holds ``RUNS/<run>.lock``, or any process
+whose command line has ``--output_dir`` of that folder) is left alone and takes one of the ``--jobs``
+slots; a run with a checkpoint but no ``metrics.json`` is resumed with ``--resume_from_checkpoint
+latest``; a run whose dependency (the baseline of a late run) is not done waits without holding a
+slot. A run that exits non-zero is reported with its log and not started again by this runner
+(its dependents are reported as blocked); the next start of the runner tries it again.
+
+Stage ``analyze`` measures the saved models with the library and writes ``results.json``,
+``results.md`` and PNG plots (cpu-small: from the run folders, to ``--results-dir``; full: only
+from ``recipes/results/<run>/``, to ``recipes/results/full/``). Measurements that need test images
+(fold, latency) read ``--cifar``; without it the tables are rebuilt from the committed metrics and
+the per-run ``analysis.json`` caches, and the report names what was skipped.
 
 Data: ``--cifar`` (default ``$LINEARIZE_CIFAR10``) and ``--multi30k`` (a folder with
 ``{train,validation,test}.jsonl.gz``, default ``$LINEARIZE_MULTI30K``).
@@ -20,11 +54,12 @@ import argparse
 import json
 import os
 import platform
-import shlex
-import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any, Callable
+
+from sweep import Job, _read, _write_json, adopt, train
 
 HERE = Path(__file__).resolve().parent
 TARGETS = (0.5, 0.25, 0.10, 0.05, 0.02)
@@ -36,13 +71,11 @@ SCALES = {
     # do not converge far enough to say anything about linearization)
     "cpu-small": dict(subset=5000, eval_subset=2000, epochs=5, mt_train=None, mt_eval=None, mt_epochs=6,
                       mt_tokens=4000, mt_warmup=250, mt_beams=4),
-    "full": dict(subset=None, eval_subset=None, epochs=160, mt_train=None, mt_eval=None, mt_epochs=30,
-                 mt_tokens=4000, mt_warmup=800, mt_beams=4),
 }
 
 
-def cifar_jobs(s: dict, data: str, runs: Path) -> list[tuple[str, list[str]]]:
-    """``(name, argv)`` of every CIFAR run, most important first."""
+def cifar_jobs(s: dict, data: str, runs: Path) -> list[Job]:
+    """Every CIFAR run of the cpu-small sweep, most important first."""
     base = [str(HERE / "cifar.py"), "--data-dir", data, "--arch", "resnet20", "--epochs", str(s["epochs"]),
             "--cpu", "--seed", "0"]
     if s["subset"]:
@@ -57,11 +90,11 @@ def cifar_jobs(s: dict, data: str, runs: Path) -> list[tuple[str, list[str]]]:
                                                          "--target", f"{t:g}", "--freeze"]))
         if i == 2:  # the gated networks after the three most telling targets
             jobs += [(f"cifar_{m}", base + ["--linearize", m, "--schedule", "none"]) for m in ("dgn", "dlgn")]
-    return [(n, a + ["--output_dir", str(runs / n)]) for n, a in jobs]
+    return [Job(n, a + ["--output_dir", str(runs / n)]) for n, a in jobs]
 
 
-def mt_jobs(s: dict, data: str, runs: Path) -> list[tuple[str, list[str]]]:
-    """``(name, argv)`` of every Multi30k run."""
+def mt_jobs(s: dict, data: str, runs: Path) -> list[Job]:
+    """Every Multi30k run of the cpu-small sweep."""
     d = Path(data)
     base = [str(HERE / "wmt14.py"), "--train-file", str(d / "train.jsonl.gz"),
             "--validation-file", str(d / "validation.jsonl.gz"), "--test-file", str(d / "test.jsonl.gz"),
@@ -76,66 +109,50 @@ def mt_jobs(s: dict, data: str, runs: Path) -> list[tuple[str, list[str]]]:
     # --lam 0.001: the recorded runs predate wmt14.py's AdamW default of 1.0
     jobs += [(f"mt_late_{t:g}", base + ["--linearize", "prelu", "--schedule", "late", "--target", f"{t:g}",
                                         "--lam", "0.001", "--freeze", "--fold"]) for t in MT_TARGETS]
-    return [(n, a + ["--output_dir", str(runs / n)]) for n, a in jobs]
+    return [Job(n, a + ["--output_dir", str(runs / n)]) for n, a in jobs]
 
-
-def train(jobs: list[tuple[str, list[str]]], runs: Path, n_jobs: int, threads: int) -> None:
-    """Run ``jobs`` ``n_jobs`` at a time (skipping finished ones); wall times go to ``runs/jobs.json``."""
-    env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
-    log_path = runs / "jobs.json"
-    done = json.loads(log_path.read_text()) if log_path.exists() else {}
-    queue = [(n, a) for n, a in jobs if not (runs / n / "metrics.json").exists()]
-    running: dict[str, tuple[subprocess.Popen, float, list[str]]] = {}
-    print(f"{len(jobs) - len(queue)} of {len(jobs)} runs already done; {len(queue)} to go ({n_jobs} at a time)")
-    while queue or running:
-        while queue and len(running) < n_jobs:
-            name, argv = queue.pop(0)
-            cmd = [sys.executable] + argv
-            log = open(runs / f"{name}.log", "w")
-            print(f"start {name}: OMP_NUM_THREADS={threads} {shlex.join(['python'] + argv)}", flush=True)
-            running[name] = (subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env), time.time(), argv)
-        time.sleep(5)
-        for name, (proc, t0, argv) in list(running.items()):
-            if proc.poll() is None:
-                continue
-            del running[name]
-            wall = time.time() - t0
-            done[name] = {"returncode": proc.returncode, "wall_s": round(wall, 1), "threads": threads,
-                          "command": f"OMP_NUM_THREADS={threads} " + shlex.join(["python"] + argv)}
-            done = {**_read(log_path), name: done[name]}  # other runners may share the file
-            log_path.write_text(json.dumps(done, indent=2))
-            print(f"done {name}: rc {proc.returncode}, {wall:.0f} s" + ("" if proc.returncode == 0 else
-                  f" (see {runs / (name + '.log')})"), flush=True)
 
 # ----------------------------------------------------------------------------- analysis
 
 
-def _read(path: Path) -> dict:
-    return json.loads(path.read_text()) if path.exists() else {}
-
-
-def _cached(run: Path, key: str, fn):
-    """``fn()``, memoized in ``run/analysis.json`` under ``key`` (analysis reruns are cheap)."""
+def _cached(run: Path, key: str, fn: Callable[[], Any], replaces: str | None = None) -> Any:
+    """``fn()``, memoized in ``run/analysis.json`` under ``key`` (analysis reruns are cheap); other
+    entries whose key starts with ``replaces`` (stale versions of the same measure) are dropped."""
     path = run / "analysis.json"
     cache = _read(path)
     if key not in cache:
         t0 = time.time()
-        cache[key] = fn()
+        value = fn()
+        if replaces:
+            cache = {k: v for k, v in cache.items() if not k.startswith(replaces)}
+        cache[key] = value
         cache[key + "_seconds"] = round(time.time() - t0, 1)
-        path.write_text(json.dumps(cache, indent=2))
+        _write_json(path, cache)
     return cache[key]
 
 
 def _cifar_inputs(run: Path, data: str | None, n: int):
-    """The first ``n`` (normalized) test images of the run's test subset and their labels."""
+    """The first ``n`` test images of the run's test set (its ``--eval-subset``, its ``--classes`` in
+    their order), normalized as the run's model expects, and their labels (0..k-1)."""
     import cifar
     import torch
 
     meta = _read(run / "model" / "recipe.json")
     a = _read(run / "metrics.json")["args"]
+    cache = Path(os.environ.get("LINEARIZE_CACHE") or a["cache_dir"])
     test = cifar.load_split(data or a["data_dir"], a["dataset"], "test", a["eval_subset"], a["image_size"],
-                            Path(a["cache_dir"]), show=False)
-    return cifar.normalize(test["x"][:n], torch.tensor(meta["mean"]), torch.tensor(meta["std"])), test["y"][:n]
+                            cache, show=False)
+    x, y = test["x"], test["y"]
+    if a.get("classes"):
+        wanted = a["classes"].split(",") if isinstance(a["classes"], str) else list(a["classes"])
+        unknown = [c for c in wanted if c not in test["classes"]]
+        if unknown:
+            raise ValueError(f"{run / 'metrics.json'}: classes {unknown} are not in the test set of "
+                             f"{data} (it has {test['classes']}); pass the run's CIFAR data with --cifar")
+        old = torch.tensor([test["classes"].index(c) for c in wanted])
+        keep = (y[:, None] == old[None]).any(1)
+        x, y = x[keep], (y[keep][:, None] == old[None]).int().argmax(1)
+    return cifar.normalize(x[:n], torch.tensor(meta["mean"]), torch.tensor(meta["std"])), y[:n]
 
 
 def _model(run: Path):
@@ -144,11 +161,12 @@ def _model(run: Path):
     return cifar.load_model(run / "model").eval()
 
 
-def _fold_summary(run: Path, x) -> dict:
-    """``linearize.fold`` of the saved final model on ``x``: params, FLOPs, CPU latency, error."""
+def _fold_summary(run: Path, x, latency: bool = True) -> dict:
+    """``linearize.fold`` of the saved final model on ``x``: params, FLOPs, CPU latency (unless not
+    ``latency``), error."""
     import linearize
 
-    s = linearize.fold(_model(run), x).linearize_fold_summary
+    s = linearize.fold(_model(run), x, latency=latency).linearize_fold_summary
     out = {k: getattr(s, k) for k in ("params_before", "params_after", "flops_before", "flops_after",
                                       "latency_ms_before", "latency_ms_after", "max_abs_error", "output_scale",
                                       "units_before", "units_left", "skipped")}
@@ -157,43 +175,71 @@ def _fold_summary(run: Path, x) -> dict:
     return out
 
 
-def _latencies(runs: Path, names: list[str], x, reps: int = 15) -> dict:
-    """CPU latency (ms, median of ``reps`` interleaved repetitions, one thread) of the saved model of
-    every run in ``names`` and of its folded version, all measured side by side in one process."""
-    import linearize
+def interleaved_latency(models: dict[str, Any], inputs: dict[str, Any], reps: int = 15) -> dict[str, dict]:
+    """CPU latency in ms, ``{model: {input: median}}``: every model on every input, ``reps``
+    repetitions interleaved over all of them in this process, one torch thread (so that drifts of
+    a shared machine hit every model alike). An input of batch 1 is timed over 10 calls per repetition."""
     import torch
 
+    threads = torch.get_num_threads()
     torch.set_num_threads(1)
+    times: dict = {m: {i: [] for i in inputs} for m in models}
+    try:
+        with torch.inference_mode():
+            for m in models.values():
+                for x in inputs.values():
+                    m(x)  # warm-up
+            for _ in range(reps):
+                for k, m in models.items():
+                    for i, x in inputs.items():
+                        calls = 10 if len(x) == 1 else 1
+                        t0 = time.perf_counter()
+                        for _ in range(calls):
+                            m(x)
+                        times[k][i].append(1e3 * (time.perf_counter() - t0) / calls)
+    finally:
+        torch.set_num_threads(threads)
+    return {k: {i: sorted(v)[len(v) // 2] for i, v in d.items()} for k, d in times.items()}
+
+
+def _latencies(runs: Path, names: list[str], x, reps: int = 15) -> dict:
+    """Latency (ms) of the saved model of every run in ``names`` and of its folded version, on ``x``."""
+    import linearize
+
     models = {}
     for n in names:
-        m = _model(runs / n)
-        models[n] = m
-        models[n + "/folded"] = linearize.fold(m, x, latency=False)
-    times: dict = {k: [] for k in models}
-    with torch.inference_mode():
-        for k, m in models.items():
-            m(x)  # warm-up
-        for _ in range(reps):
-            for k, m in models.items():
-                t0 = time.perf_counter()
-                m(x)
-                times[k].append(1e3 * (time.perf_counter() - t0))
-    return {k: sorted(v)[len(v) // 2] for k, v in times.items()}
+        models[n] = _model(runs / n)
+        models[n + "/folded"] = linearize.fold(models[n], x, latency=False)
+    return {k: v["x"] for k, v in interleaved_latency(models, {"x": x}, reps).items()}
+
+
+def path_lengths(model, x, tol: float = 0.0) -> dict:
+    """Both average path lengths of ``model`` on inputs shaped like ``x``; a plain model counts as
+    every activation nonlinear (through a fresh conversion)."""
+    import linearize
+
+    if not linearize.units(model):
+        model = linearize.convert(model, example_inputs=x[:2])
+    r = linearize.measures.average_path_length(model, x, tol=tol, detailed=True)
+    return {"normalized": r.normalized, "unnormalized": r.unnormalized, "log10_paths": r.log10_paths,
+            "method": r.method}
 
 
 def _baseline_path_length(run: Path, x) -> float:
-    """Average path length of the plain baseline: every activation nonlinear (a fresh conversion)."""
+    """Average path length (normalized) of the plain baseline: every activation nonlinear."""
+    return float(path_lengths(_model(run), x)["normalized"])
+
+
+def _site_counts(run: Path, tol: float = 1e-3) -> dict:
+    """``{site: {"nonlinear": k, "total": C}}`` of the saved model (slope < 1 - tol is nonlinear)."""
     import linearize
 
-    return float(linearize.measures.average_path_length(linearize.convert(_model(run), example_inputs=x[:2]), x,
-                                                        normalized=True))
+    return {n: {"nonlinear": s["nonlinear"], "total": s["total"]}
+            for n, s in linearize.count_units(_model(run), tol)["sites"].items()}
 
 
 def _sites(run: Path) -> dict:
-    import linearize
-
-    m = _model(run)
-    return {n: s["fraction"] for n, s in linearize.count_units(m, 1e-3)["sites"].items()}
+    return {n: s["nonlinear"] / s["total"] for n, s in _site_counts(run).items()}
 
 
 def _affinity(run: Path, x) -> list:
@@ -484,63 +530,101 @@ def analyze(runs: Path, out: Path, scale: str, data: str | None, regions_images:
     return res
 
 
-def main() -> None:
+def machine_name(threads: int | None = None, jobs: int | None = None) -> str:
+    s = f"{platform.machine()} CPU, {os.cpu_count()} cores"
+    return s + (f", {threads} torch thread(s) per run, {jobs} runs at a time" if threads else "")
+
+
+def main(argv: list[str] | None = None) -> int:
+    import reproduce_full as full
+
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--scale", choices=list(SCALES), default="cpu-small")
-    p.add_argument("--stage", choices=["all", "train", "analyze"], default="all")
-    p.add_argument("--parts", default="cifar,mt", help="comma-separated: cifar, mt")
+    p.add_argument("--scale", choices=[*SCALES, *full.SCALES], default="cpu-small",
+                   help="cpu-small, full (issue 19), or tiny (a miniature of full for tests/test_reproduce.py)")
+    p.add_argument("--stage", choices=["all", "train", "collect", "analyze"], default="all",
+                   help="all = train, collect (full), analyze")
+    p.add_argument("--parts", default="cifar,mt", help="cpu-small: comma-separated: cifar, mt")
     p.add_argument("--cifar", default=os.environ.get("LINEARIZE_CIFAR10"), help="CIFAR-10 folder or .tar.gz")
     p.add_argument("--multi30k", default=os.environ.get("LINEARIZE_MULTI30K"), help="Multi30k folder")
-    p.add_argument("--runs-dir", default=str(HERE.parent / "runs" / "reproduce"), help="run outputs (git-ignored)")
-    p.add_argument("--results-dir", default=str(HERE / "results"), help="tables and plots")
+    p.add_argument("--runs-dir", default=str(HERE.parent / "runs" / "reproduce"),
+                   help="run outputs (git-ignored); runs go to RUNS_DIR/SCALE/<run>")
+    p.add_argument("--results-dir", default=str(HERE / "results"),
+                   help="cpu-small: tables and plots; full: collected runs in <run>/, tables and plots in full/")
     p.add_argument("--jobs", type=int, default=2, help="runs at a time")
     p.add_argument("--threads", type=int, default=1, help="torch threads per run")
     p.add_argument("--only", default=None, help="comma-separated run names: run just these, in this order")
+    p.add_argument("--adopt", action="append", default=[], metavar="NAME=DIR",
+                   help="full: link DIR, a run started by hand with the planned arguments of run NAME (finished or "
+                        "still running), into the runs folder, so that the runner waits for it (or resumes it) "
+                        "instead of starting it again; repeatable")
+    p.add_argument("--max-hours", type=float, default=72.0, help="start no run after this many hours")
+    p.add_argument("--poll", type=float, default=10.0, help="seconds between looks at the runs")
+    p.add_argument("--latency-reps", type=int, default=15, help="full: interleaved latency repetitions")
     p.add_argument("--regions-images", type=int, default=0,
-                   help="test images whose closed translation loops are searched for linear regions (slow: "
-                        "25,305 regions on the first segment of the 1-px loop of the unlinearized ResNet-20, 10 "
-                        "minutes on one CPU thread with --regions-pieces 32; 0 skips)")
+                   help="cpu-small: test images whose closed translation loops are searched for linear regions "
+                        "(slow: 25,305 regions on the first segment of the 1-px loop of the unlinearized ResNet-20, "
+                        "10 minutes on one CPU thread with --regions-pieces 32; 0 skips)")
     p.add_argument("--regions-radius", type=float, default=1.0, help="radius of the translation loops in pixels")
     p.add_argument("--regions-pieces", type=int, default=32,
                    help="sub-segments per segment walked in parallel (linear_regions(pieces=...)): the same "
                         "regions; on one CPU thread 1.18x faster on a segment of the baseline (README, "
                         "benchmarks/regions.py --trained), less with few regions per piece")
     p.add_argument("--remeasure-latency", action="store_true",
-                   help="measure the fold latencies again instead of reusing those of the previous results.json")
+                   help="measure the latencies again instead of reusing those of the previous results.json")
     p.add_argument("--regions-runs", default="cifar_late_0.02,cifar_late_0.1,cifar_baseline",
                    help="runs whose linear regions are counted, cheapest first; NAME:K uses only the first K "
                         "segments of each loop (the unlinearized baseline has far more regions)")
-    args = p.parse_args()
-    scale = SCALES[args.scale]
+    args = p.parse_args(argv)
     runs = Path(args.runs_dir) / args.scale
-    runs.mkdir(parents=True, exist_ok=True)
-    parts = set(args.parts.split(","))
-    if args.stage in ("all", "train"):
-        jobs = []
-        if "cifar" in parts:
-            if not args.cifar:
-                sys.exit("CIFAR-10 not found: pass --cifar or set LINEARIZE_CIFAR10")
-            jobs += cifar_jobs(scale, args.cifar, runs)
-        if "mt" in parts:
+    results = Path(args.results_dir)
+    is_full = args.scale in full.SCALES
+    parts = {"cifar"} if is_full else set(args.parts.split(","))
+    if args.stage in ("all", "train") and "cifar" in parts and not args.cifar:
+        sys.exit("CIFAR-10 not found: pass --cifar or set LINEARIZE_CIFAR10")
+    if is_full:
+        jobs = full.plan(args.scale, args.cifar, runs)
+    else:
+        if args.stage == "collect" or args.adopt:
+            sys.exit("--stage collect and --adopt are for --scale full: cpu-small analyzes its run folders directly")
+        jobs = cifar_jobs(SCALES[args.scale], args.cifar, runs) if "cifar" in parts and args.cifar else []
+        if "mt" in parts and args.stage in ("all", "train"):
             if not args.multi30k:
                 sys.exit("Multi30k not found: pass --multi30k or set LINEARIZE_MULTI30K")
-            jobs += mt_jobs(scale, args.multi30k, runs)
-        if args.only:
-            by_name = dict(jobs)
-            unknown = [n for n in args.only.split(",") if n not in by_name]
-            if unknown:
-                sys.exit(f"--only: unknown runs {unknown}; known: {sorted(by_name)}")
-            jobs = [(n, by_name[n]) for n in args.only.split(",")]
-        train(jobs, runs, args.jobs, args.threads)
+            jobs += mt_jobs(SCALES[args.scale], args.multi30k, runs)
+    by_name = {j.name: j for j in jobs}
+    for spec in args.adopt:
+        name, _, directory = spec.partition("=")
+        if name not in by_name or not directory:
+            sys.exit(f"--adopt {spec}: give NAME=DIR with NAME one of {sorted(by_name)}")
+        adopt(by_name[name], runs, Path(directory))
+    if args.only:
+        unknown = [n for n in args.only.split(",") if n not in by_name]
+        if unknown:
+            sys.exit(f"--only: unknown runs {unknown}; known: {sorted(by_name)}")
+        jobs = [by_name[n] for n in args.only.split(",")]
+    failures = 0
+    if args.stage in ("all", "train"):
+        runs.mkdir(parents=True, exist_ok=True)
+        on_done = (lambda n: full.collect(runs, results, n)) if is_full else None
+        failures = train(jobs, runs, args.jobs, args.threads, args.poll, args.max_hours, on_done)
+    if is_full and args.stage in ("all", "collect"):
+        for j in jobs:
+            full.collect(runs, results, j.name)
     if args.stage in ("all", "analyze"):
-        analyze(runs, Path(args.results_dir), args.scale, args.cifar, args.regions_images, args.regions_radius,
-                args.regions_runs.split(","), regions_pieces=args.regions_pieces,
-                remeasure_latency=args.remeasure_latency,
-                machine=f"{platform.machine()} CPU, {os.cpu_count()} cores, "
-                        f"{args.threads} torch thread(s) per run, {args.jobs} runs at a time")
-    print(f"runs: {runs}\nresults: {args.results_dir}/results.md, results.json, *.png")
+        if is_full:
+            full.analyze(results, args.scale, full.plan(args.scale, args.cifar, runs), args.cifar, args.latency_reps,
+                         args.remeasure_latency)
+        else:
+            analyze(runs, results, args.scale, args.cifar, args.regions_images, args.regions_radius,
+                    args.regions_runs.split(","), regions_pieces=args.regions_pieces,
+                    remeasure_latency=args.remeasure_latency, machine=machine_name(args.threads, args.jobs))
+    out = results / args.scale if is_full else results
+    print(f"runs: {runs}\nresults: {out}/results.md, results.json, *.png")
+    return 1 if failures else 0
 
 
 if __name__ == "__main__":
     sys.path.insert(0, str(HERE))
-    main()
+    import reproduce  # as the module `reproduce`, which reproduce_full imports (not a second copy as __main__)
+
+    sys.exit(reproduce.main())

@@ -1,0 +1,272 @@
+"""The sweep runner of ``recipes/reproduce.py``: runs recipe jobs a few at a time, with dependencies,
+resuming from checkpoints, and safe to kill and restart at any time (all state comes from the run
+folders; see the docstring of ``reproduce.py``). ``adopt`` links runs started by hand into a sweep.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import shlex
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+
+@dataclass
+class Job:
+    """One recipe run: ``argv`` (script and arguments, ``--output_dir RUNS/name`` included), the runs
+    that must be done before it starts, and what the analysis needs to know about it."""
+
+    name: str
+    argv: list[str]
+    deps: tuple[str, ...] = ()
+    meta: dict = field(default_factory=dict)
+
+
+
+def _read(path: Path) -> dict:
+    """JSON file contents, ``{}`` when absent or (being) half written."""
+    try:
+        return json.loads(path.read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return {}
+
+
+def _write_json(path: Path, obj: Any) -> None:
+    """Write ``obj`` as JSON atomically (temporary file, then rename)."""
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp.write_text(json.dumps(obj, indent=2))
+    tmp.replace(path)
+
+
+def is_done(run: Path) -> bool:
+    """A run is done when its ``model/`` and a ``metrics.json`` of the whole schedule are there."""
+    m = _read(run / "metrics.json")
+    return bool(m) and m.get("steps", 0) >= m.get("total_steps", 0) and (run / "model" / "recipe.json").is_file()
+
+
+def _has_checkpoint(run: Path) -> bool:
+    import common  # the recipes' own notion of a usable checkpoint
+
+    return run.is_dir() and common.latest_checkpoint(run) is not None
+
+
+def _output_dir_of(cmdline: list[str], cwd: str) -> str | None:
+    for i, a in enumerate(cmdline):
+        for flag in ("--output_dir", "--output-dir"):
+            if a == flag and i + 1 < len(cmdline):
+                return os.path.realpath(os.path.join(cwd, cmdline[i + 1]))
+            if a.startswith(flag + "="):
+                return os.path.realpath(os.path.join(cwd, a.split("=", 1)[1]))
+    return None
+
+
+def recipe_processes() -> dict[str, list[tuple[int, list[str]]]]:
+    """``{real output dir: [(pid, command line)]}`` of the live processes (Linux ``/proc``) that have
+    ``--output_dir`` on their command line; ``{}`` where ``/proc`` is missing."""
+    found: dict[str, list[tuple[int, list[str]]]] = {}
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            cmd = (proc / "cmdline").read_bytes().decode(errors="replace").split("\0")[:-1]
+            if int(proc.name) == os.getpid() or not any(a.startswith("--output") for a in cmd):
+                continue
+            out = _output_dir_of(cmd, os.readlink(proc / "cwd"))
+        except (OSError, ValueError):  # gone meanwhile, or not ours to read
+            continue
+        if out:
+            found.setdefault(out, []).append((int(proc.name), cmd))
+    return found
+
+
+def _try_lock(path: Path) -> int | None:
+    """An fd holding an exclusive ``flock`` on ``path``, or ``None`` when another process holds it."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    return fd
+
+
+def _record(runs: Path, name: str, entry: dict) -> None:
+    """Merge ``entry`` into ``runs/jobs.json[name]`` (re-read first: other runners may share the file)."""
+    path = runs / "jobs.json"
+    done = _read(path)
+    done[name] = {**done.get(name, {}), **entry}
+    _write_json(path, done)
+
+
+def train(jobs: list[Job], runs: Path, n_jobs: int, threads: int, poll_s: float = 10.0,
+          max_hours: float = 72.0, on_done: Callable[[str], None] | None = None) -> int:
+    """Run ``jobs`` (most important first), ``n_jobs`` at a time, until none can start; see the module
+    docstring for what is skipped, resumed, waited for. ``on_done(name)`` is called once for every run
+    found done (e.g. to collect it). After ``max_hours`` no run is started any more and the runner
+    returns (its children go on). Returns the number of runs that failed or could not start."""
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
+    names = {j.name for j in jobs}
+    running: dict[str, tuple[subprocess.Popen, float]] = {}
+    failed: dict[str, str] = {}
+    seen_done: set[str] = set()
+    announced: set[str] = set()
+    deadline = time.time() + 3600 * max_hours
+    n_done = sum(is_done(runs / j.name) for j in jobs)
+    print(f"{n_done} of {len(jobs)} runs already done; {n_jobs} at a time, {threads} thread(s) each", flush=True)
+    while True:
+        for name, (proc, t0) in list(running.items()):
+            if proc.poll() is None:
+                continue
+            del running[name]
+            wall = time.time() - t0
+            log = runs / f"{name}.log"
+            _record(runs, name, {"returncode": proc.returncode, "ended": time.time(), "wall_s": round(wall, 1)})
+            if proc.returncode != 0 or not is_done(runs / name):
+                failed[name] = f"exit code {proc.returncode}, see {log}"
+            print(f"done {name}: rc {proc.returncode}, {wall:.0f} s" + (f" (FAILED, see {log})" if name in failed
+                                                                       else ""), flush=True)
+        busy = recipe_processes()
+        state: dict[str, str] = {}
+        for j in jobs:
+            run = runs / j.name
+            if j.name in running:
+                state[j.name] = "running"
+            elif is_done(run):
+                state[j.name] = "done"
+                if on_done and j.name not in seen_done:
+                    try:
+                        on_done(j.name)
+                    except Exception as e:  # e.g. a full disk: report, keep the sweep going
+                        print(f"after {j.name}: {type(e).__name__}: {e}", flush=True)
+                seen_done.add(j.name)
+            elif j.name in failed:
+                state[j.name] = "failed"
+            elif (pids := [pid for pid, _ in busy.get(os.path.realpath(run), [])]) or _locked(runs / f"{j.name}.lock"):
+                state[j.name] = "busy"  # another runner's child, or a run started by hand
+                if j.name not in announced:
+                    print(f"{j.name} runs in another process ({f'pid {pids}' if pids else 'its lock is held'}): "
+                          "waiting for it", flush=True)
+                announced.add(j.name)
+            elif bad := [d for d in j.deps if d in failed or state.get(d) == "blocked"]:
+                state[j.name] = "blocked"
+                failed.setdefault(j.name, f"dependency {bad[0]} failed")
+            elif any(not is_done(runs / d) for d in j.deps):
+                state[j.name] = "waiting"
+            else:
+                state[j.name] = "ready"
+        slots = n_jobs - sum(s in ("running", "busy") for s in state.values())
+        for j in jobs:
+            if slots <= 0 or time.time() > deadline:
+                break
+            if state[j.name] == "ready" and _start(j, runs, env, threads, running):
+                state[j.name] = "running"
+                slots -= 1
+        if time.time() > deadline or not any(s in ("running", "busy") for s in state.values()):
+            break
+        time.sleep(poll_s)
+    waiting = [j for j in jobs if state[j.name] in ("waiting", "ready")]
+    for j in waiting:
+        missing = [d for d in j.deps if not is_done(runs / d)]
+        why = f"waits for {', '.join(missing)}" + ("" if set(missing) <= names else " (not in this sweep: run or "
+                                                   "--adopt it)") if missing else "time limit (--max-hours)"
+        print(f"not started {j.name}: {why}")
+    for name, why in failed.items():
+        print(f"FAILED {name}: {why}")
+    elsewhere = [n for n, s in state.items() if s == "busy"]
+    if elsewhere:
+        print(f"running in other processes (started by hand or by another runner): {', '.join(elsewhere)}")
+    if time.time() > deadline and running:
+        print(f"--max-hours {max_hours:g} reached; still running (resume by starting the runner again): "
+              f"{', '.join(running)}")
+    print(f"{sum(s == 'done' for s in state.values())} of {len(jobs)} runs done", flush=True)
+    return len(failed)
+
+
+def _locked(path: Path) -> bool:
+    if not path.exists():
+        return False
+    fd = _try_lock(path)
+    if fd is None:
+        return True
+    os.close(fd)
+    return False
+
+
+def _start(job: Job, runs: Path, env: dict, threads: int, running: dict) -> bool:
+    """Start ``job`` (resuming from its latest checkpoint when it has one) with its lock held by the
+    child; ``False`` if another process took the lock first."""
+    fd = _try_lock(runs / f"{job.name}.lock")
+    if fd is None:
+        return False
+    try:
+        resume = _has_checkpoint(runs / job.name)
+        argv = job.argv + (["--resume_from_checkpoint", "latest"] if resume else [])
+        command = f"OMP_NUM_THREADS={threads} " + shlex.join(["python"] + argv)
+        with open(runs / f"{job.name}.log", "a") as log:
+            log.write(f"\n=== reproduce.py (pid {os.getpid()}) {'resumes' if resume else 'starts'} {job.name} at "
+                      f"{time.strftime('%Y-%m-%d %H:%M:%S')}: {command}\n")
+            log.flush()
+            proc = subprocess.Popen([sys.executable] + argv, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                    pass_fds=(fd,))  # the child holds the lock until it exits
+    finally:
+        os.close(fd)
+    attempts = _read(runs / "jobs.json").get(job.name, {}).get("attempts", 0) + 1
+    _record(runs, job.name, {"command": command, "started": time.time(), "resumed": resume, "attempts": attempts,
+                             "log": str(runs / f"{job.name}.log"), "returncode": None})
+    running[job.name] = (proc, time.time())
+    print(f"{'resume' if resume else 'start'} {job.name}: {command}", flush=True)
+    return True
+
+
+# ----------------------------------------------------------------------------- adopt
+
+# arguments that do not change what a run computes (where it reads and writes, how it checkpoints)
+NEUTRAL_ARGS = {"output_dir", "data_dir", "cache_dir", "download", "cpu", "mixed_precision", "resume_from_checkpoint",
+                "with_tracking", "log_every", "checkpointing_steps", "keep_checkpoints", "init_from"}
+
+
+def _json_value(v: Any) -> Any:
+    return json.loads(json.dumps(v, default=str))
+
+
+def adopt(job: Job, runs: Path, source: Path) -> None:
+    """Link ``source``, the output folder of a run of ``job`` started by hand (finished or still
+    running), as ``runs/<job.name>``, after checking that its arguments (from its ``metrics.json`` or
+    its live process) are the job's, except :data:`NEUTRAL_ARGS`."""
+    import importlib
+
+    source = source.resolve()
+    if not source.is_dir():
+        raise SystemExit(f"--adopt {job.name}={source}: no such folder")
+    recipe = importlib.import_module(Path(job.argv[0]).stem)  # cifar / wmt14: their own parse_args
+    theirs, origin = _read(source / "metrics.json").get("args"), f"{source / 'metrics.json'}"
+    if theirs is None:
+        for pid, cmd in recipe_processes().get(str(source), []):
+            script = next((i for i, a in enumerate(cmd) if a.endswith(Path(job.argv[0]).name)), None)
+            if script is not None:
+                theirs, origin = vars(recipe.parse_args(cmd[script + 1:])), f"the command line of process {pid}"
+    if theirs is None:
+        print(f"--adopt {job.name}: {source} has no metrics.json and no live process: its arguments are not checked; "
+              "the runner resumes it from its latest checkpoint with the planned arguments")
+    else:
+        ours = vars(recipe.parse_args(job.argv[1:]))
+        diff = {k: (theirs[k], ours[k]) for k in ours if k in theirs and k not in NEUTRAL_ARGS
+                and _json_value(theirs[k]) != _json_value(ours[k])}
+        if diff:
+            raise SystemExit(f"--adopt {job.name}={source}: {origin} differs from the planned run in "
+                             + ", ".join(f"{k} ({a!r}, planned {b!r})" for k, (a, b) in diff.items())
+                             + f"; adopt a run of `{shlex.join(['python'] + job.argv)}`, or let the runner train it")
+    runs.mkdir(parents=True, exist_ok=True)
+    link = runs / job.name
+    if link.is_symlink() and link.resolve() == source:
+        return
+    if link.exists() or link.is_symlink():
+        raise SystemExit(f"--adopt {job.name}: {link} exists already; move it away to adopt {source} instead")
+    link.symlink_to(source, target_is_directory=True)
+    print(f"adopted {source} as {link}")
+
+

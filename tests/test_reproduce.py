@@ -1,0 +1,327 @@
+"""The full-scale sweep of ``recipes/reproduce.py`` (issue 19), run as its ``tiny`` miniature: the same
+plan, 1-2 epochs on a fake image-folder tree of 8x8 images (no real data, a few minutes of CPU).
+
+Checked against what the test itself sets up or reads from the files: a late run waits for its
+baseline without blocking the other slot; a failed run is reported with its log and not retried; a
+runner killed with SIGKILL leaves its child running, and a restarted runner waits for that child
+instead of starting the run again; a run with a checkpoint but no ``metrics.json`` is resumed;
+adoption of a run started by hand (finished or running) checks its arguments; collect copies
+exactly the small files and ``cifar.load_model`` loads them; analyze writes the table and plots
+with the seed mean and spread of the accuracies in the metrics files, with and without the data.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+REPO = Path(__file__).resolve().parents[1]
+RECIPES = REPO / "recipes"
+sys.path.insert(0, str(RECIPES))
+
+import sweep  # noqa: E402
+
+CLASSES = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"]
+SMALL = {"metrics.json", "model/recipe.json", "model/model.safetensors"}
+SMALL_LINEARIZED = SMALL | {"sparsifier_history.json", "model/linearize_config.json",
+                            "model/linearize_units.safetensors"}
+
+
+def _has_classes_option() -> bool:
+    import cifar
+
+    try:
+        cifar.parse_args(["--output_dir", "x", "--classes", "airplane,automobile"])
+    except SystemExit:  # argparse: unrecognized arguments
+        return False
+    return True
+
+
+@pytest.fixture(scope="module")
+def tree(tmp_path_factory) -> dict:
+    """A fake CIFAR-10 image-folder tree (2 train and 1 test image per class, 8x8 PNG), run and
+    results folders, and the environment of the subprocesses."""
+    from PIL import Image
+
+    root = tmp_path_factory.mktemp("reproduce")
+    rng = np.random.default_rng(0)
+    for split, n in (("train", 2), ("test", 1)):
+        for c in CLASSES:
+            (root / "data" / split / c).mkdir(parents=True)
+            for i in range(n):
+                Image.fromarray(rng.integers(0, 256, (8, 8, 3), dtype=np.uint8)).save(root / "data" / split / c / f"{i}.png")
+    env = {k: v for k, v in os.environ.items() if k != "LINEARIZE_CIFAR10"}
+    env.update(PYTHONPATH=str(REPO), LINEARIZE_CPU_KERNEL="0", LINEARIZE_CACHE=str(root / "cache"), TQDM_DISABLE="1")
+    return {"root": root, "data": root / "data", "runs": root / "runs" / "tiny", "results": root / "results", "env": env}
+
+
+def reproduce(tree: dict, *args: str, check: bool = True, data: bool = True, results: Path | None = None):
+    """Run ``reproduce.py --scale tiny`` to the end; fail with its output unless ``check`` is False."""
+    cmd = [sys.executable, str(RECIPES / "reproduce.py"), "--scale", "tiny", "--runs-dir", str(tree["root"] / "runs"),
+           "--results-dir", str(results or tree["results"]), "--poll", "0.5", "--latency-reps", "2"]
+    cmd += ["--cifar", str(tree["data"])] if data else []
+    proc = subprocess.run(cmd + list(args), env=tree["env"], capture_output=True, text=True, timeout=600)
+    if check and proc.returncode != 0:
+        pytest.fail(f"{' '.join(cmd + list(args))} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n"
+                    f"{proc.stderr[-4000:]}")
+    return proc
+
+
+def jobs_json(tree: dict) -> dict:
+    return json.loads((tree["runs"] / "jobs.json").read_text())
+
+
+def files_under(d: Path) -> set[str]:
+    return {str(p.relative_to(d)) for p in d.rglob("*") if p.is_file()}
+
+
+SWEEP = ["r20_late_10_s0", "r20_base_s0", "r20_early_10_s0", "r20_late_25_s0"]
+
+
+@pytest.fixture(scope="module")
+def swept(tree) -> dict:
+    """Baseline seed 0, late 10% (listed first: it must wait for the baseline), early 10% and a late 25%
+    run whose checkpoint belongs to another model (it must fail), two at a time, under a runner that is
+    killed with SIGKILL once it has started the first two, and then started again."""
+    import common
+
+    bad = common.checkpoint_dir(tree["runs"] / "r20_late_25_s0", 1)
+    bad.mkdir(parents=True)
+    (bad / common.STATE_FILE).write_text(json.dumps({"step": 1, "fingerprint": "another model", "recipe": "cifar"}))
+    cmd = [sys.executable, str(RECIPES / "reproduce.py"), "--scale", "tiny", "--stage", "train", "--jobs", "2",
+           "--only", ",".join(SWEEP), "--cifar", str(tree["data"]), "--runs-dir", str(tree["root"] / "runs"),
+           "--results-dir", str(tree["results"]), "--poll", "0.5"]
+    runner = subprocess.Popen(cmd, env=tree["env"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                              start_new_session=True)
+    for _ in range(600):  # the runner records "started" right after launching a child
+        started = jobs_json(tree) if (tree["runs"] / "jobs.json").exists() else {}
+        if all(started.get(n, {}).get("started") for n in ("r20_base_s0", "r20_early_10_s0")):
+            break
+        time.sleep(0.2)
+    else:
+        runner.kill()
+        pytest.fail("the runner did not start r20_base_s0 and r20_early_10_s0 within 2 minutes")
+    os.kill(runner.pid, signal.SIGKILL)
+    runner.wait(timeout=30)
+    orphans = [sweep._locked(tree["runs"] / f"{n}.lock") for n in ("r20_base_s0", "r20_early_10_s0")]
+    restarted = reproduce(tree, "--stage", "train", "--jobs", "2", "--only", ",".join(SWEEP), check=False)
+    return {"orphans_running": orphans, "restarted": restarted}
+
+
+def test_killed_runner_restarts_without_starting_runs_twice(tree, swept):
+    assert swept["orphans_running"] == [True, True], "the children of the killed runner should hold their locks"
+    out = swept["restarted"].stdout
+    for name in ("r20_base_s0", "r20_early_10_s0"):
+        assert f"start {name}" not in out and f"{name} runs in another process" in out
+        assert (tree["runs"] / f"{name}.log").read_text().count("=== reproduce.py") == 1
+        assert jobs_json(tree)[name]["attempts"] == 1
+        assert sweep.is_done(tree["runs"] / name) and (tree["results"] / name / "metrics.json").exists()
+
+
+def test_late_waits_for_its_baseline_without_blocking_the_other_slot(tree, swept):
+    j = jobs_json(tree)
+    base_done = (tree["runs"] / "r20_base_s0" / "metrics.json").stat().st_mtime
+    assert j["r20_late_10_s0"]["started"] >= base_done
+    assert j["r20_early_10_s0"]["started"] < base_done  # started beside the baseline, not after it
+    assert j["r20_late_10_s0"]["returncode"] == 0 and j["r20_late_10_s0"]["attempts"] == 1
+    for name in ("r20_base_s0", "r20_late_10_s0", "r20_early_10_s0"):
+        m = json.loads((tree["runs"] / name / "metrics.json").read_text())
+        assert m["steps"] == m["total_steps"] == (10 if "early" in name else 5)  # 20 images / batch 4, 1 or 2 epochs
+    late_args = json.loads((tree["runs"] / "r20_late_10_s0" / "metrics.json").read_text())["args"]
+    assert Path(late_args["init_from"]) == tree["runs"] / "r20_base_s0" / "model"
+    assert (late_args["schedule"], late_args["target"], late_args["lr"]) == ("late", 0.1, 0.02)
+
+
+def test_failed_run_is_reported_and_not_retried(tree, swept):
+    out = swept["restarted"]
+    assert out.returncode == 1
+    log = tree["runs"] / "r20_late_25_s0.log"
+    assert f"FAILED r20_late_25_s0: exit code 1, see {log}" in out.stdout
+    assert jobs_json(tree)["r20_late_25_s0"]["attempts"] == 1
+    assert "written by another model" in log.read_text()
+    assert not (tree["results"] / "r20_late_25_s0").exists()
+
+
+def test_run_with_checkpoint_but_no_metrics_is_resumed(tree, swept):
+    run = tree["runs"] / "r20_base_s0"
+    before = load_file(str(run / "model" / "model.safetensors"))
+    (run / "metrics.json").unlink()
+    out = reproduce(tree, "--stage", "train", "--only", "r20_base_s0")
+    assert "resume r20_base_s0" in out.stdout
+    assert "--resume_from_checkpoint latest" in jobs_json(tree)["r20_base_s0"]["command"]
+    assert "resumed from" in (tree["runs"] / "r20_base_s0.log").read_text()
+    m = json.loads((run / "metrics.json").read_text())
+    assert m["steps"] == m["total_steps"] == 5
+    after = load_file(str(run / "model" / "model.safetensors"))
+    for k in before:  # resumed at the end: the same weights, not a new training
+        torch.testing.assert_close(after[k], before[k], rtol=0, atol=0)
+
+
+def test_collect_copies_exactly_the_small_files(tree, swept):
+    import cifar
+
+    for name, expected in (("r20_base_s0", SMALL), ("r20_late_10_s0", SMALL_LINEARIZED),
+                           ("r20_early_10_s0", SMALL_LINEARIZED)):
+        got = tree["results"] / name
+        assert files_under(got) - {"analysis.json"} == expected, name
+        for rel in expected:
+            assert (got / rel).read_bytes() == (tree["runs"] / name / rel).read_bytes(), (name, rel)
+        model = cifar.load_model(got / "model")
+        ref = load_file(str(tree["runs"] / name / "model" / "model.safetensors"))
+        for k, v in model.state_dict().items():
+            torch.testing.assert_close(v, ref[k], rtol=0, atol=0, equal_nan=True)  # NaN: a channel not frozen
+    assert not [p for p in tree["results"].iterdir() if p.name.startswith(".")]  # no temporary folders left
+
+
+def test_adopt_checks_the_arguments_of_finished_and_running_runs(tree, swept, tmp_path):
+    import reproduce
+
+    src = tree["runs"] / "r20_base_s0"
+    runs2 = tmp_path / "runs"
+    base = ["--scale", "tiny", "--stage", "collect", "--runs-dir", str(runs2), "--results-dir", str(tmp_path / "results")]
+    assert reproduce.main(base + ["--adopt", f"r20_base_s0={src}"]) == 0
+    assert (runs2 / "tiny" / "r20_base_s0").resolve() == src.resolve()
+    assert files_under(tmp_path / "results" / "r20_base_s0") == SMALL
+    with pytest.raises(SystemExit, match=r"seed \(0, planned 1\)"):
+        reproduce.main(base + ["--adopt", f"r20_base_s1={src}"])
+
+    # a run still in progress, started by hand: its command line is checked, and the runner waits for it
+    import reproduce_full
+
+    job = {j.name: j for j in reproduce_full.plan("tiny", str(tree["data"]), runs2 / "tiny")}["r20_late_2_s0"]
+    outside = tmp_path / "by_hand"
+    outside.mkdir()
+    argv = [a if a != str(runs2 / "tiny" / "r20_late_2_s0") else str(outside) for a in job.argv]
+    bad = argv[:-1] + [str(tmp_path)]
+    bad[bad.index("--target") + 1] = "0.3"
+    fakes = [started_by_hand(argv), started_by_hand(bad)]
+    try:
+        with pytest.raises(SystemExit, match=r"target \(0.3, planned 0.02\)"):
+            sweep.adopt(job, runs2 / "tiny", tmp_path)
+        sweep.adopt(job, runs2 / "tiny", outside)
+        # its dependency (adopted above) is done: only the process working on it keeps the runner from starting it
+        t0 = time.time()
+        sweep.train([job], runs2 / "tiny", n_jobs=1, threads=1, poll_s=0.2, max_hours=2 / 3600)
+        assert time.time() - t0 >= 2 and fakes[0].poll() is None
+        assert not (runs2 / "tiny" / "jobs.json").exists()  # nothing was started
+    finally:
+        for p in fakes:
+            p.kill()
+            p.wait()
+
+
+def started_by_hand(argv: list[str]) -> subprocess.Popen:
+    """A process whose command line is that of a recipe run (it only sleeps), once ``/proc`` shows it."""
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"] + argv)
+    out = os.path.realpath(argv[argv.index("--output_dir") + 1])
+    for _ in range(100):
+        if out in sweep.recipe_processes():
+            return proc
+        time.sleep(0.1)
+    proc.kill()
+    pytest.fail(f"no process with --output_dir {out} in /proc")
+
+
+def _accuracy_stats(results: Path, names: list[str]) -> tuple[float, float, float]:
+    acc = [json.loads((results / n / "metrics.json").read_text())["test_accuracy"] for n in names]
+    return sum(acc) / len(acc), min(acc), max(acc)
+
+
+def analyze(tree: dict, results: Path, data: bool = True) -> None:
+    import reproduce
+
+    args = ["--scale", "tiny", "--stage", "analyze", "--runs-dir", str(tree["root"] / "runs"), "--results-dir",
+            str(results), "--latency-reps", "2"]
+    assert reproduce.main(args + (["--cifar", str(tree["data"])] if data else [])) == 0
+
+
+def test_analyze_table_and_plots(tree, swept, tmp_path, monkeypatch):
+    monkeypatch.delenv("LINEARIZE_CIFAR10", raising=False)
+    results = tmp_path / "results"
+    shutil.copytree(tree["results"], results)
+    # second seeds (copies of seed 0) and accuracies the test chooses
+    for name in ("r20_base", "r20_late_10"):
+        shutil.copytree(results / f"{name}_s0", results / f"{name}_s1")
+    for name, acc in (("r20_base_s0", 0.30), ("r20_base_s1", 0.42), ("r20_late_10_s0", 0.35),
+                      ("r20_late_10_s1", 0.39), ("r20_early_10_s0", 0.25)):
+        m = json.loads((results / name / "metrics.json").read_text())
+        m["test_accuracy"] = acc
+        (results / name / "metrics.json").write_text(json.dumps(m))
+    analyze(tree, results)
+    out = results / "tiny"
+    res = json.loads((out / "results.json").read_text())
+    md = (out / "results.md").read_text()
+    for key, names in (("base", ["r20_base_s0", "r20_base_s1"]), ("late_10", ["r20_late_10_s0", "r20_late_10_s1"])):
+        mean, lo, hi = _accuracy_stats(results, names)
+        a = res["configs"][key]["accuracy"]
+        assert (a["n"], a["mean"], a["min"], a["max"]) == (2, pytest.approx(mean), lo, hi)
+        assert f"{100 * mean:.2f} [{100 * lo:.2f}, {100 * hi:.2f}] (n=2)" in md
+    assert res["configs"]["late_10"]["vs_baseline_points"] == pytest.approx(100 * (0.37 - 0.36))
+    assert res["configs"]["late_25"]["accuracy"] is None and "| late 25% | missing |" in md
+    assert "r20_late_25_s0" in res["missing"] and res["skipped"] == []
+    # the goal sentences come from these numbers: +1.00 point (reproduces), late - early at 10% +12.00
+    # points, [+10.00, +14.00] over the pairs of seeds, early with one seed only
+    assert "+1.00 points" in md and "**reproduces**" in md
+    assert "+12.00 points" in md and "[+10.00, +14.00]" in md and "one seed on a side" in md
+    assert "**Late - early at 2%**: not measured yet" in md
+    for png in ("accuracy_vs_fraction.png", "path_length_vs_accuracy.png"):
+        assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # per-run measurements: the path lengths of a fresh library call, the fold error small
+    import cifar
+    import linearize
+
+    model = cifar.load_model(results / "r20_late_10_s0" / "model")
+    apl = linearize.measures.average_path_length(model, torch.zeros(2, 3, 8, 8), tol=1e-3, detailed=True)
+    run = res["runs"]["r20_late_10_s0"]
+    assert run["apl"]["normalized"] == pytest.approx(apl.normalized)
+    assert run["apl"]["unnormalized"] == pytest.approx(apl.unnormalized)
+    assert sum(s["nonlinear"] for s in run["sites"].values()) == linearize.count_units(model, 1e-3)["nonlinear"]
+    assert run["fold"]["max_abs_error"] <= 1e-4 * run["fold"]["output_scale"]
+    assert set(res["latency"]["ms"]) >= {"r20_late_10_s0/folded", "r20_base_s0/folded", "r20_base_s0/as trained"}
+
+    # without the data: the table from the committed metrics and caches; a run not measured yet is named
+    for name in ("r20_base_s0", "r20_base_s1", "r20_late_10_s0", "r20_late_10_s1", "r20_early_10_s0"):
+        m = json.loads((results / name / "metrics.json").read_text())
+        m["args"]["data_dir"] = str(tmp_path / "gone")
+        (results / name / "metrics.json").write_text(json.dumps(m))
+    (results / "r20_early_10_s0" / "analysis.json").unlink()
+    analyze(tree, results, data=False)
+    res2 = json.loads((out / "results.json").read_text())
+    md2 = (out / "results.md").read_text()
+    assert res2["configs"]["base"]["accuracy"] == res["configs"]["base"]["accuracy"]
+    assert res2["runs"]["r20_late_10_s0"]["fold"] == res["runs"]["r20_late_10_s0"]["fold"]  # from the cache
+    assert res2["skipped"] == ["fold of r20_early_10_s0"]
+    assert res2["latency"] == res["latency"]  # the same models: the measurements of the first analysis
+    assert "Skipped for want of the CIFAR-10 test images" in md2
+    assert res2["runs"]["r20_early_10_s0"]["apl"] == res["runs"]["r20_early_10_s0"]["apl"]  # needs no data
+
+
+@pytest.mark.skipif(not _has_classes_option(), reason="recipes/cifar.py has no --classes option yet (the class-subset "
+                    "runs r20_c2_*/r20_c5_* need it)")
+def test_class_subset_runs(tree, swept):
+    reproduce(tree, "--stage", "all", "--only", "r20_c2_late_5_s0,r20_c2_base_s0")
+    recipe = json.loads((tree["results"] / "r20_c2_late_5_s0" / "model" / "recipe.json").read_text())
+    assert recipe["num_classes"] == 2
+    m = json.loads((tree["results"] / "r20_c2_base_s0" / "metrics.json").read_text())
+    assert m["train_images"] == 4 and m["test_images"] == 2  # airplane + automobile: 2 train, 1 test image each
+    res = json.loads((tree["results"] / "tiny" / "results.json").read_text())
+    import cifar
+    import linearize
+
+    model = cifar.load_model(tree["results"] / "r20_c2_late_5_s0" / "model")
+    sites = linearize.count_units(model, 1e-3)["sites"]
+    assert {k: v["nonlinear"] for k, v in res["runs"]["r20_c2_late_5_s0"]["sites"].items()} == \
+        {k: v["nonlinear"] for k, v in sites.items()}
+    md = (tree["results"] / "tiny" / "results.md").read_text()
+    assert "| 2 classes |" in md and (tree["results"] / "tiny" / "nonlinear_sites.png").exists()
