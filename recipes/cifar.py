@@ -248,7 +248,7 @@ def load_split(data: str | Path | None, dataset: str, split: str, subset: int | 
                                      subset, size]).encode()).hexdigest()[:20]
     cache = cache_dir / f"{dataset}-{split}-{key}.pt"
     if cache.exists():
-        return torch.load(cache)
+        return torch.load(cache, weights_only=True)
     if path.is_file() and tarfile.is_tarfile(path):
         out = _from_tar(path, split, subset, size, show)
     elif path.is_dir() and (path / split).is_dir():
@@ -416,7 +416,8 @@ def main(argv: list[str] | None = None) -> dict:
     sparsifier = common.make_sparsifier(model, args, total_steps, optimizer)
     model, optimizer, train_loader, test_loader = accelerator.prepare(model, optimizer, train_loader, test_loader)
     mean, std = mean.to(accelerator.device), std.to(accelerator.device)
-    step, last_step = common.start(accelerator, args, scheduler, sparsifier, out_dir, fingerprint, RECIPE, total_steps)
+    run = common.Run(accelerator, args, model, optimizer, scheduler, sparsifier, out_dir, fingerprint, RECIPE)
+    step, last_step = common.start(run, total_steps)
     accelerator.print(f"{args.arch} on {args.dataset}: {len(train['y'])} train / {len(test['y'])} test images, "
                       f"{steps_per_epoch} steps/epoch, {total_steps} steps, {n_proc} process(es)")
 
@@ -424,8 +425,7 @@ def main(argv: list[str] | None = None) -> dict:
         x, y = batch
         return F.cross_entropy(model(normalize(augment(x), mean, std)), y, label_smoothing=args.label_smoothing)
 
-    step = common.train(accelerator, args, model, optimizer, scheduler, train_loader, sampler, loss_fn, step,
-                        last_step, steps_per_epoch, out_dir, fingerprint, RECIPE)
+    step = common.train(run, train_loader, sampler, loss_fn, step, last_step, steps_per_epoch)
 
     metrics = {"recipe": RECIPE, "arch": args.arch, "dataset": args.dataset, "steps": step,
                "total_steps": total_steps, "train_images": len(train["y"])}
