@@ -113,7 +113,8 @@ def build_model(arch: str, num_classes: int) -> nn.Module:
 
 def load_model(directory: str | Path) -> nn.Module:
     """Rebuild a model saved by this recipe (``OUTPUT_DIR/model``): the architecture from
-    ``recipe.json``, the units with ``linearize.from_pretrained``, then all weights."""
+    ``recipe.json``, the units with ``linearize.from_pretrained``, then all weights. ``recipe.json``
+    also lists the class names in label order (``classes``)."""
     from safetensors.torch import load_file
 
     directory = Path(directory)
@@ -126,8 +127,10 @@ def load_model(directory: str | Path) -> nn.Module:
     return model
 
 
-def trained_weights(directory: str | Path, arch: str, num_classes: int) -> dict:
-    """The state dict of an unlinearized model saved by this recipe, checked against ``arch``."""
+def trained_weights(directory: str | Path, arch: str, classes: list[str]) -> dict:
+    """The state dict of an unlinearized model saved by this recipe, checked against ``arch`` and the
+    class list (its names where ``recipe.json`` records them, else their number)."""
+    num_classes = len(classes)
     meta_path = Path(directory) / "recipe.json"
     if not meta_path.is_file():
         raise FileNotFoundError(f"--init-from {directory}: no recipe.json; give the OUTPUT_DIR/model folder of a "
@@ -139,6 +142,9 @@ def trained_weights(directory: str | Path, arch: str, num_classes: int) -> dict:
     if (meta["arch"], meta["num_classes"]) != (arch, num_classes):
         raise ValueError(f"--init-from {directory} is a {meta['arch']} with {meta['num_classes']} classes, "
                          f"not a {arch} with {num_classes}")
+    if meta.get("classes", classes) != classes:
+        raise ValueError(f"--init-from {directory} was trained on the classes {meta['classes']}, "
+                         f"this run has {classes}")
     return load_model(directory).state_dict()
 
 
@@ -171,13 +177,38 @@ def _label_of(path: str, split: str) -> str | None:
     return None
 
 
-def _tensors(items: list[tuple[str, str]], read, split: str, subset: int | None, size: int, show: bool) -> dict:
-    """Decode the selected ``(path, class)`` items with ``read(path) -> bytes`` into uint8 tensors."""
+def _pick(items: list[tuple[str, str]], split: str, subset: int | None, classes: list[str] | None,
+          drop_others: bool) -> tuple[list[tuple[str, str]], list[str]]:
+    """Apply the class list to ``(path, class)`` items, then select the subset.
+
+    ``classes`` None: the split's own classes (sorted). Otherwise labels are positions in ``classes``;
+    items of other classes are dropped (``drop_others``: a ``--classes`` subset) or refused (a test
+    class unknown to the training split). Each of ``classes`` must have training images.
+    """
     if not items:
-        raise FileNotFoundError(f"no images under '{split}/<class>/' ({', '.join(IMAGE_EXTS)})")
-    items.sort()
-    classes = sorted({c for _, c in items})
-    chosen = [items[i] for i in _select([p for p, _ in items], subset)]
+        raise FileNotFoundError(f"no images under '{split}/<class>/' ({', '.join(IMAGE_EXTS)}); expected the layout "
+                                "train/<class>/*.jpg and test/<class>/*.jpg")
+    items = sorted(items)
+    found = sorted({c for _, c in items})
+    if classes is None:
+        classes = found
+    else:
+        unknown = [c for c in found if c not in classes]
+        if unknown and not drop_others:
+            raise ValueError(f"{split}/ has images of class(es) {unknown} that train/ lacks (training classes: "
+                             f"{classes}); labels follow the training classes, so remove those folders from {split}/, "
+                             "add training images of them, or choose classes with --classes")
+        missing = [c for c in classes if c not in found]
+        if missing and split == "train":
+            raise ValueError(f"--classes {','.join(classes)}: no training images of {missing} (train/ has {found})")
+        items = [it for it in items if it[1] in classes]
+        if not items:
+            raise FileNotFoundError(f"no '{split}/<class>/' images of the classes {classes} (found {found})")
+    return [items[i] for i in _select([p for p, _ in items], subset)], list(classes)
+
+
+def _tensors(chosen: list[tuple[str, str]], classes: list[str], read, split: str, size: int, show: bool) -> dict:
+    """Decode the chosen ``(path, class)`` items with ``read(path) -> bytes`` into uint8 tensors."""
     x = torch.empty(len(chosen), 3, size, size, dtype=torch.uint8)
     y = torch.empty(len(chosen), dtype=torch.long)
     for i, (p, c) in enumerate(tqdm(chosen, desc=f"decode {split}", disable=not show, leave=False)):
@@ -186,42 +217,54 @@ def _tensors(items: list[tuple[str, str]], read, split: str, subset: int | None,
     return {"x": x, "y": y, "classes": classes}
 
 
-def _from_tar(path: Path, split: str, subset: int | None, size: int, show: bool) -> dict:
+def _from_tar(path: Path, split: str, subset: int | None, size: int, show: bool, classes: list[str] | None,
+              drop_others: bool) -> dict:
     """Decode only the selected members of a ``.tar.gz`` image-folder tree (two streaming passes)."""
     with tarfile.open(path, "r:*") as tar:
         items = [(m.name, c) for m in tar if m.isfile() and (c := _label_of(m.name, split))]
     if not items:
         raise FileNotFoundError(f"{path} holds no '{split}/<class>/*.jpg' images; expected the layout "
                                 "train/<class>/*.jpg and test/<class>/*.jpg")
-    items.sort()
-    wanted = {items[i][0] for i in _select([p for p, _ in items], subset)}
+    chosen, classes = _pick(items, split, subset, classes, drop_others)
+    wanted = {p for p, _ in chosen}
     blobs: dict[str, bytes] = {}
     with tarfile.open(path, "r:*") as tar:
         for m in tar:
             if m.name in wanted:
                 blobs[m.name] = tar.extractfile(m).read()
-    return _tensors([it for it in items if it[0] in wanted], blobs.__getitem__, split, None, size, show)
+    return _tensors(chosen, classes, blobs.__getitem__, split, size, show)
 
 
-def _from_folder(root: Path, split: str, subset: int | None, size: int, show: bool) -> dict:
+def _from_folder(root: Path, split: str, subset: int | None, size: int, show: bool, classes: list[str] | None,
+                 drop_others: bool) -> dict:
     base = root / split
     items = [(str(p.relative_to(root)), p.parent.name) for p in base.glob("*/*") if p.suffix.lower() in IMAGE_EXTS]
-    return _tensors(items, lambda p: (root / p).read_bytes(), split, subset, size, show)
+    chosen, classes = _pick(items, split, subset, classes, drop_others)
+    return _tensors(chosen, classes, lambda p: (root / p).read_bytes(), split, size, show)
 
 
-def _from_torchvision(root: Path, dataset: str, split: str, subset: int | None, size: int, download: bool) -> dict:
+def _from_torchvision(root: Path, dataset: str, split: str, subset: int | None, size: int, download: bool,
+                      classes: list[str] | None) -> dict:
     import torchvision
 
     cls = torchvision.datasets.CIFAR10 if dataset == "cifar10" else torchvision.datasets.CIFAR100
     ds = cls(str(root), train=split == "train", download=download)
     x = torch.from_numpy(ds.data).permute(0, 3, 1, 2).contiguous()
     y = torch.tensor(ds.targets, dtype=torch.long)
+    if classes is not None:  # keep those classes, labelled by their position in `classes`
+        unknown = [c for c in classes if c not in ds.classes]
+        if unknown:
+            raise ValueError(f"--classes: {unknown} are not {dataset} classes ({ds.classes})")
+        relabel = torch.full((len(ds.classes),), -1, dtype=torch.long)
+        relabel[torch.tensor([ds.classes.index(c) for c in classes])] = torch.arange(len(classes))
+        keep = relabel[y] >= 0
+        x, y = x[keep], relabel[y[keep]]
     idx = torch.tensor(_select([""] * len(y), subset))
     x, y = x[idx], y[idx]
     if size != x.shape[-1]:
         x = F.interpolate(x.float(), size=(size, size), mode="bilinear", antialias=True,
                           align_corners=False).round().clamp(0, 255).to(torch.uint8)
-    return {"x": x, "y": y, "classes": list(ds.classes)}
+    return {"x": x, "y": y, "classes": list(ds.classes) if classes is None else list(classes)}
 
 
 def _torchvision_present(root: Path, dataset: str) -> bool:
@@ -229,11 +272,14 @@ def _torchvision_present(root: Path, dataset: str) -> bool:
 
 
 def load_split(data: str | Path | None, dataset: str, split: str, subset: int | None, size: int,
-               cache_dir: Path, download: bool = False, show: bool = True) -> dict:
+               cache_dir: Path, download: bool = False, show: bool = True, classes: list[str] | None = None,
+               drop_others: bool = False) -> dict:
     """``{"x": uint8 [N, 3, size, size], "y": long [N], "classes": [str]}``, cached as a tensor file.
 
-    The cache key covers the source path, its size and mtime, the split, the subset and the size,
-    so a changed source is decoded again.
+    ``classes``: the class list the labels index (None: the split's own classes); images of other
+    classes are dropped with ``drop_others``, else refused (see :func:`_pick`). The cache key covers
+    the source path, its size and mtime, the split, the subset, the size and the class list, so a
+    changed source is decoded again.
     """
     if data is None:
         raise FileNotFoundError("no CIFAR data given: pass --data-dir (or set LINEARIZE_CIFAR10) to torchvision's "
@@ -244,17 +290,19 @@ def load_split(data: str | Path | None, dataset: str, split: str, subset: int | 
         raise FileNotFoundError(f"--data-dir {path} does not exist: pass an existing folder or .tar.gz, "
                                 "or add --download to fetch torchvision's CIFAR into it")
     stat = path.stat() if path.exists() else None
-    key = hashlib.sha256(json.dumps([str(path), stat and stat.st_size, stat and stat.st_mtime, dataset, split,
-                                     subset, size]).encode()).hexdigest()[:20]
+    parts = [str(path), stat and stat.st_size, stat and stat.st_mtime, dataset, split, subset, size]
+    if classes is not None:  # the training split without --classes keeps its old key; every test split
+        parts += [classes, drop_others]  # gets a new one (old caches labelled test classes per split)
+    key = hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:20]
     cache = cache_dir / f"{dataset}-{split}-{key}.pt"
     if cache.exists():
-        return torch.load(cache)
+        return torch.load(cache, weights_only=True)
     if path.is_file() and tarfile.is_tarfile(path):
-        out = _from_tar(path, split, subset, size, show)
+        out = _from_tar(path, split, subset, size, show, classes, drop_others)
     elif path.is_dir() and (path / split).is_dir():
-        out = _from_folder(path, split, subset, size, show)
+        out = _from_folder(path, split, subset, size, show, classes, drop_others)
     elif download or (path.is_dir() and _torchvision_present(path, dataset)):
-        out = _from_torchvision(path, dataset, split, subset, size, download)
+        out = _from_torchvision(path, dataset, split, subset, size, download, classes)
     else:
         raise FileNotFoundError(
             f"{path} is not CIFAR data: expected torchvision's '{'cifar-10-batches-py' if dataset == 'cifar10' else 'cifar-100-python'}' "
@@ -266,6 +314,17 @@ def load_split(data: str | Path | None, dataset: str, split: str, subset: int | 
     torch.save(out, tmp)
     tmp.replace(cache)
     return out
+
+
+def load_data(args: argparse.Namespace, show: bool = True) -> tuple[dict, dict]:
+    """The train and test splits (:func:`load_split`) with one class list: ``--classes`` (labels
+    0..k-1 in that order, other classes left out) or else the training split's classes, so a test
+    split lacking a class keeps the training labels and a test class unknown to training is refused."""
+    kw = dict(cache_dir=Path(args.cache_dir), download=args.download, show=show, drop_others=args.classes is not None)
+    train = load_split(args.data_dir, args.dataset, "train", args.subset, args.image_size, classes=args.classes, **kw)
+    test = load_split(args.data_dir, args.dataset, "test", args.eval_subset, args.image_size,
+                      classes=train["classes"], **kw)
+    return train, test
 
 
 class TensorImages(torch.utils.data.Dataset):
@@ -324,6 +383,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     d.add_argument("--cache-dir", "--cache_dir", dest="cache_dir",
                    default=os.environ.get("LINEARIZE_CACHE", str(Path.home() / ".cache" / "linearize")),
                    help="where decoded uint8 tensors are cached")
+    d.add_argument("--classes", default=None,
+                   help="comma-separated class names (e.g. airplane,cat): train and evaluate on these classes only, "
+                        "labelled 0..k-1 in this order (default: all classes of the training split)")
     d.add_argument("--subset", type=int, default=None, help="use only N training images (a fixed random subset)")
     d.add_argument("--eval-subset", "--eval_subset", dest="eval_subset", type=int, default=None,
                    help="use only N test images")
@@ -348,6 +410,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for name in ("subset", "eval_subset"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.classes is not None:
+        args.classes = [c.strip() for c in args.classes.split(",")]
+        if not all(args.classes) or len(set(args.classes)) != len(args.classes):
+            p.error(f"--classes takes distinct comma-separated class names, got {','.join(args.classes)!r}")
     return args
 
 
@@ -379,10 +445,9 @@ def main(argv: list[str] | None = None) -> dict:
     out_dir = Path(args.output_dir)
 
     with accelerator.main_process_first():
-        kw = dict(cache_dir=Path(args.cache_dir), download=args.download, show=show)
-        train = load_split(args.data_dir, args.dataset, "train", args.subset, args.image_size, **kw)
-        test = load_split(args.data_dir, args.dataset, "test", args.eval_subset, args.image_size, **kw)
-    num_classes = len(train["classes"])
+        train, test = load_data(args, show)
+    classes = train["classes"]
+    num_classes = len(classes)
     if len(train["y"]) < args.batch_size:
         raise ValueError(f"{len(train['y'])} training images are fewer than one batch ({args.batch_size})")
     mean = train["x"].float().mean((0, 2, 3)) / 255.0
@@ -391,10 +456,12 @@ def main(argv: list[str] | None = None) -> dict:
     torch.manual_seed(args.seed)
     model = build_model(args.arch, num_classes)
     if args.init_from:
-        model.load_state_dict(trained_weights(args.init_from, args.arch, num_classes))
+        model.load_state_dict(trained_weights(args.init_from, args.arch, classes))
     example = torch.zeros(2, 3, args.image_size, args.image_size)
     model = common.convert_model(model, args, example_inputs=example)
     fingerprint = common.model_fingerprint(model)
+    if args.classes is not None:  # a class subset must match on resume (all classes: the fingerprint as before)
+        fingerprint += "-" + hashlib.sha256(json.dumps(classes).encode()).hexdigest()[:8]
 
     sampler = common.EpochSampler(len(train["y"]), args.seed)
     train_loader = torch.utils.data.DataLoader(TensorImages(train["x"], train["y"]), batch_size=args.batch_size,
@@ -416,7 +483,8 @@ def main(argv: list[str] | None = None) -> dict:
     sparsifier = common.make_sparsifier(model, args, total_steps, optimizer)
     model, optimizer, train_loader, test_loader = accelerator.prepare(model, optimizer, train_loader, test_loader)
     mean, std = mean.to(accelerator.device), std.to(accelerator.device)
-    step, last_step = common.start(accelerator, args, scheduler, sparsifier, out_dir, fingerprint, RECIPE, total_steps)
+    run = common.Run(accelerator, args, model, optimizer, scheduler, sparsifier, out_dir, fingerprint, RECIPE)
+    step, last_step = common.start(run, total_steps)
     accelerator.print(f"{args.arch} on {args.dataset}: {len(train['y'])} train / {len(test['y'])} test images, "
                       f"{steps_per_epoch} steps/epoch, {total_steps} steps, {n_proc} process(es)")
 
@@ -424,8 +492,7 @@ def main(argv: list[str] | None = None) -> dict:
         x, y = batch
         return F.cross_entropy(model(normalize(augment(x), mean, std)), y, label_smoothing=args.label_smoothing)
 
-    step = common.train(accelerator, args, model, optimizer, scheduler, train_loader, sampler, loss_fn, step,
-                        last_step, steps_per_epoch, out_dir, fingerprint, RECIPE)
+    step = common.train(run, train_loader, sampler, loss_fn, step, last_step, steps_per_epoch)
 
     metrics = {"recipe": RECIPE, "arch": args.arch, "dataset": args.dataset, "steps": step,
                "total_steps": total_steps, "train_images": len(train["y"])}
@@ -443,7 +510,7 @@ def main(argv: list[str] | None = None) -> dict:
             apl = common.average_path_length(raw, probe)
             if apl is not None:
                 metrics["average_path_length"] = apl
-        save_final(raw, out_dir / "model", args, num_classes, mean, std)
+        save_final(raw, out_dir / "model", args, classes, mean, std)
         common.write_metrics(out_dir, metrics, args, start_time, n_proc, str(accelerator.device))
         if args.fold or args.report:
             data = (normalize(test["x"][:128].to(accelerator.device), mean, std), test["y"][:128])
@@ -456,7 +523,7 @@ def main(argv: list[str] | None = None) -> dict:
     return metrics
 
 
-def save_final(model: nn.Module, directory: Path, args: argparse.Namespace, num_classes: int,
+def save_final(model: nn.Module, directory: Path, args: argparse.Namespace, classes: list[str],
                mean: torch.Tensor, std: torch.Tensor) -> None:
     """Weights (``model.safetensors``), the linearize sidecar and ``recipe.json`` (what
     :func:`load_model` needs to rebuild the model)."""
@@ -467,8 +534,8 @@ def save_final(model: nn.Module, directory: Path, args: argparse.Namespace, num_
         linearize.save_pretrained(model, directory)
     save_file({k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()},
               str(directory / "model.safetensors"))
-    meta = {"arch": args.arch, "num_classes": num_classes, "dataset": args.dataset, "image_size": args.image_size,
-            "linearize": args.linearize, "mean": mean.tolist(), "std": std.tolist()}
+    meta = {"arch": args.arch, "num_classes": len(classes), "classes": classes, "dataset": args.dataset,
+            "image_size": args.image_size, "linearize": args.linearize, "mean": mean.tolist(), "std": std.tolist()}
     (directory / "recipe.json").write_text(json.dumps(meta, indent=2))
 
 

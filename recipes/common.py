@@ -2,8 +2,10 @@
 
 - argument groups: linearization flags and run flags (output, checkpoints, tracking);
 - linearization: convert, sparsity schedule, the optional end-of-run steps (freeze, fold, report);
-- checkpoints: ``save_state`` / ``load_state`` with a fingerprint of the model so a checkpoint
-  directory of another model is refused, plus the step counter for exact continuation;
+- the training loop (:func:`train`), which checks every step's loss for inf/NaN;
+- checkpoints written by the recipes themselves (safetensors, ``torch.load(weights_only=True)`` and
+  JSON, so that loading one executes no code), atomically, verified by size and sha256 before use,
+  with a fingerprint of the model so a checkpoint directory of another model is refused;
 - per-step seeding, so that augmentation and dropout depend only on (seed, step, process),
   which makes a resumed run repeat the uninterrupted one;
 - ``metrics.json`` writing (final metrics, command, versions, wall time).
@@ -24,6 +26,9 @@ import shutil
 import sys
 import time
 import warnings
+from collections.abc import Iterable
+from dataclasses import dataclass
+from itertools import chain
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -293,7 +298,184 @@ def fold_and_report(model: nn.Module, args: argparse.Namespace, example_inputs: 
     return out
 
 
+# ----------------------------------------------------------------------------- training
+
+
+@dataclass
+class Run:
+    """The objects of a training run that a checkpoint saves and restores, and the run's identity.
+
+    ``model`` and ``optimizer`` as returned by ``accelerator.prepare``; ``scheduler`` steps once per
+    optimizer step; ``sparsifier`` is ``None`` without sparsity pressure; ``fingerprint`` identifies
+    the model (and whatever else must match on resume), ``recipe`` the script.
+    """
+
+    accelerator: Accelerator
+    args: argparse.Namespace
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    sparsifier: linearize.Sparsifier | None
+    out_dir: Path
+    fingerprint: str
+    recipe: str
+
+
+def start(run: Run, total_steps: int) -> tuple[int, int]:
+    """Remove temp folders of interrupted checkpoint writes, resume from ``--resume_from_checkpoint``,
+    start tracking. Returns ``(first step, last step)`` (``--max-steps`` caps the last one)."""
+    acc, args = run.accelerator, run.args
+    if acc.is_main_process:
+        remove_partial_checkpoints(run.out_dir)
+    step = 0
+    if args.resume_from_checkpoint:
+        ckpt, skipped = find_checkpoint(args.resume_from_checkpoint, run.out_dir)
+        if acc.is_main_process:
+            for reason in skipped:
+                warnings.warn(f"skipping a damaged checkpoint: {reason}", RuntimeWarning, stacklevel=2)
+        load_checkpoint(run, ckpt)
+        step = ckpt.step
+        acc.print(f"resumed from {ckpt.path} at step {step}")
+    init_tracking(acc, args, run.recipe)
+    return step, min(total_steps, args.max_steps) if args.max_steps else total_steps
+
+
+NONFINITE_ADVICE = ("Lower --lr (or add warm-up or gradient clipping) and start again in a fresh --output_dir: "
+                    "resuming from a checkpoint with the same flags repeats the same steps exactly")
+
+
+class LossWatch:
+    """Checks the training loss of every step for inf/NaN.
+
+    On the CPU each loss is checked at once (reading it back costs nothing), before the backward
+    pass, so a bad step never reaches the weights. On an accelerator the first bad step is recorded
+    on the device and read back only by :meth:`check` (at log and checkpoint steps), adding no sync.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.eager = device.type == "cpu"
+        self.first_bad: torch.Tensor | None = None
+
+    def update(self, loss: torch.Tensor, step: int) -> None:
+        """Watch the loss of optimizer step ``step`` (1-based, the number of the checkpoint after it)."""
+        loss = loss.detach()
+        bad = ~torch.isfinite(loss)
+        if self.eager:
+            if bad:
+                self._raise(step, float(loss))
+            return
+        at = torch.where(bad, step, -1)
+        self.first_bad = at if self.first_bad is None else torch.where(self.first_bad >= 0, self.first_bad, at)
+
+    def check(self) -> None:
+        """Raise if a step since the start had a non-finite loss."""
+        if self.first_bad is not None and int(self.first_bad) >= 0:
+            self._raise(int(self.first_bad), None)
+
+    @staticmethod
+    def _raise(step: int, value: float | None) -> None:
+        what = f"is {value}" if value is not None else "became inf or NaN"
+        raise FloatingPointError(f"the training loss {what} at optimizer step {step}; the run stops here and "
+                                 f"writes no checkpoint of it. {NONFINITE_ADVICE}")
+
+
+def train(run: Run, train_loader, sampler, loss_fn: Callable[[Any], torch.Tensor], step: int, last_step: int,
+          steps_per_epoch: int, clip_grad: float = 0.0) -> int:
+    """The training loop of both recipes, from optimizer step ``step`` to ``last_step``.
+
+    Resumes mid-epoch exactly (the epoch's order, then ``skip_first_batches``), seeds every step,
+    checks every loss (:class:`LossWatch`), clips the gradient norm to ``clip_grad`` when it is
+    nonzero, logs and checkpoints through :func:`end_of_step`, and saves a final checkpoint.
+    ``loss_fn(batch)`` returns the scalar loss of one batch. Returns the last step done."""
+    acc, args, model, optimizer, scheduler = run.accelerator, run.args, run.model, run.optimizer, run.scheduler
+    bar = tqdm(total=last_step, initial=step, desc="train", disable=not acc.is_local_main_process)
+    watch = LossWatch(acc.device)
+    model.train()
+    with bar:
+        while step < last_step:
+            epoch, skip = divmod(step, steps_per_epoch)
+            # Accelerate's prepared loader calls set_epoch(its own pass counter) when iterated, over the
+            # sampler's epoch; that counter is 0 in a resumed process, so set both here.
+            sampler.set_epoch(epoch)
+            if hasattr(train_loader, "set_epoch"):
+                train_loader.set_epoch(epoch)
+            loader = acc.skip_first_batches(train_loader, skip) if skip else train_loader
+            for batch in loader:
+                seed_step(args.seed, step, acc.process_index)
+                loss = loss_fn(batch)
+                watch.update(loss, step + 1)
+                acc.backward(loss)
+                if clip_grad:
+                    acc.clip_grad_norm_(model.parameters(), clip_grad)
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad(set_to_none=True)
+                step += 1
+                end_of_step(run, watch, bar, loss, step, last_step, epoch)
+                if step >= last_step:
+                    break
+    watch.check()
+    save_checkpoint(run, step)
+    return step
+
+
+def end_of_step(run: Run, watch: LossWatch, bar, loss: torch.Tensor, step: int, last_step: int, epoch: int) -> None:
+    """After optimizer step ``step``: progress bar, logs every ``--log_every`` steps and at the end
+    (loss, lr, nonlinear fraction; to the tracker with ``--with_tracking``), and the periodic
+    checkpoint every ``--checkpointing_steps`` (after checking the losses since the last check)."""
+    args = run.args
+    bar.update(1)
+    if step % args.log_every == 0 or step == last_step:
+        watch.check()
+        logs = {"train_loss": loss.item(), "lr": run.scheduler.get_last_lr()[0], "epoch": epoch,
+                **unit_stats(run.accelerator.unwrap_model(run.model), args.tol)}
+        bar.set_postfix(loss=f"{logs['train_loss']:.3f}", nl=f"{logs.get('nonlinear_fraction', 1.0):.3f}")
+        if args.with_tracking:
+            run.accelerator.log(logs, step=step)
+    if args.checkpointing_steps and step % args.checkpointing_steps == 0 and step < last_step:
+        watch.check()
+        save_checkpoint(run, step)
+
+
 # ----------------------------------------------------------------------------- checkpoints
+#
+# OUTPUT_DIR/checkpoints/step_XXXXXXXX (the state after XXXXXXXX optimizer steps) holds
+#   model.safetensors  the unwrapped model's state dict (tied tensors once)
+#   optimizer.pt       the optimizer's state dict, read back with torch.load(weights_only=True)
+#   recipe_state.json  written last: format, step, recipe, model fingerprint, the LR scheduler's,
+#                      sparsifier's and grad scaler's state, and size + sha256 of the two files above.
+# Only the main process writes, into .tmp-step_XXXXXXXX-<pid> beside it, renamed into place when
+# complete; every process reads. No file of a checkpoint is unpickled with code execution.
+
+CHECKPOINT_FORMAT = 2
+MODEL_FILE = "model.safetensors"
+OPTIMIZER_FILE = "optimizer.pt"
+TMP_PREFIX = ".tmp-"
+# The `frozen` buffer of a linearize unit holds NaN for free channels (0 or 1 for frozen ones).
+NAN_SENTINEL_SUFFIX = ".frozen"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint folder that cannot be used: incomplete, damaged, unsafe to load or non-finite."""
+
+    def __init__(self, path: Path, reason: str) -> None:
+        super().__init__(f"{path}: {reason}")
+        self.path, self.reason = path, reason
+
+
+@dataclass
+class Checkpoint:
+    """A checkpoint read into CPU memory and verified (see :func:`read_checkpoint`)."""
+
+    path: Path
+    step: int
+    recipe: str | None
+    fingerprint: str | None
+    model: dict[str, torch.Tensor]
+    optimizer: dict
+    scheduler: dict
+    sparsifier: dict | None
+    scaler: dict | None
 
 
 def model_fingerprint(model: nn.Module) -> str:
@@ -305,127 +487,245 @@ def model_fingerprint(model: nn.Module) -> str:
 
 
 def checkpoint_dir(output_dir: str | Path, step: int) -> Path:
+    """``OUTPUT_DIR/checkpoints/step_XXXXXXXX``: the checkpoint after ``step`` optimizer steps."""
     return Path(output_dir) / "checkpoints" / f"step_{step:08d}"
 
 
-def latest_checkpoint(output_dir: str | Path) -> Path | None:
-    found = sorted((Path(output_dir) / "checkpoints").glob("step_*"))
-    found = [p for p in found if (p / STATE_FILE).exists()]
-    return found[-1] if found else None
+def first_nonfinite(tensors: Iterable[tuple[str, torch.Tensor]]) -> str | None:
+    """Name of the first floating tensor holding inf or NaN (NaN allowed in units' ``frozen`` buffers)."""
+    for name, t in tensors:
+        if not torch.is_floating_point(t):
+            continue
+        ok = ~torch.isinf(t).any() if name.endswith(NAN_SENTINEL_SUFFIX) else torch.isfinite(t).all()
+        if not bool(ok):
+            return name
+    return None
 
 
-def start(accelerator, args: argparse.Namespace, scheduler, sparsifier, out_dir: Path, fingerprint: str,
-          recipe: str, total_steps: int) -> tuple[int, int]:
-    """Register the scheduler and sparsifier for checkpointing, resume from ``--resume_from_checkpoint``,
-    start tracking. Returns ``(first step, last step)`` (``--max-steps`` caps the last one)."""
-    accelerator.register_for_checkpointing(scheduler)
-    if sparsifier is not None:
-        accelerator.register_for_checkpointing(sparsifier)
-    step = 0
-    if args.resume_from_checkpoint:
-        path = resolve_checkpoint(args.resume_from_checkpoint, out_dir)
-        step = load_checkpoint(accelerator, path, fingerprint, recipe)
-        accelerator.print(f"resumed from {path} at step {step}")
-    init_tracking(accelerator, args, recipe)
-    return step, min(total_steps, args.max_steps) if args.max_steps else total_steps
+def _optimizer_tensors(state: dict) -> list[tuple[str, torch.Tensor]]:
+    """``(name, tensor)`` of an optimizer state dict's per-parameter state (momentum buffers, ...)."""
+    return [(f"state.{i}.{k}", v) for i, s in state.get("state", {}).items() for k, v in s.items()
+            if isinstance(v, torch.Tensor)]
 
 
-def train(accelerator, args: argparse.Namespace, model: nn.Module, optimizer, scheduler, train_loader, sampler,
-          loss_fn, step: int, last_step: int, steps_per_epoch: int, out_dir: Path, fingerprint: str,
-          recipe: str, clip_grad: float = 0.0) -> int:
-    """The training loop of both recipes, from optimizer step ``step`` to ``last_step``.
-
-    Resumes mid-epoch exactly (the sampler's epoch order, then ``skip_first_batches``), seeds every
-    step, clips the gradient norm to ``clip_grad`` when it is nonzero, logs and checkpoints through
-    :func:`end_of_step`, and saves a final checkpoint. ``loss_fn(batch)`` returns the scalar loss of
-    one batch. Returns the last step done."""
-    bar = tqdm(total=last_step, initial=step, desc="train", disable=not accelerator.is_local_main_process)
-    model.train()
-    while step < last_step:
-        epoch, skip = divmod(step, steps_per_epoch)
-        # Accelerate's prepared loader calls set_epoch(its own pass counter) when iterated, over the
-        # sampler's epoch; that counter is 0 in a resumed process, so set it (and the sampler) here.
-        getattr(train_loader, "set_epoch", sampler.set_epoch)(epoch)
-        loader = accelerator.skip_first_batches(train_loader, skip) if skip else train_loader
-        for batch in loader:
-            seed_step(args.seed, step, accelerator.process_index)
-            loss = loss_fn(batch)
-            accelerator.backward(loss)
-            if clip_grad:
-                accelerator.clip_grad_norm_(model.parameters(), clip_grad)
-            optimizer.step()
-            scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
-            step += 1
-            end_of_step(accelerator, args, model, scheduler, bar, loss, step, last_step, epoch, out_dir,
-                        fingerprint, recipe)
-            if step >= last_step:
-                break
-    bar.close()
-    save_checkpoint(accelerator, out_dir, step, fingerprint, recipe, args.keep_checkpoints)
-    return step
+def file_sha256(path: Path) -> str:
+    """Hex sha256 of a file's bytes (read in 1 MiB blocks)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
 
 
-def end_of_step(accelerator, args, model, scheduler, bar, loss, step: int, last_step: int, epoch: int,
-                out_dir: Path, fingerprint: dict, recipe: str) -> None:
-    """After optimizer step ``step``: progress bar, logs every ``--log_every`` steps and at the end
-    (loss, lr, nonlinear fraction; to the tracker with ``--with_tracking``), and the periodic
-    checkpoint every ``--checkpointing_steps``. Raises on a non-finite loss."""
-    bar.update(1)
-    if step % args.log_every == 0 or step == last_step:
-        logs = {"train_loss": loss.item(), "lr": scheduler.get_last_lr()[0], "epoch": epoch,
-                **unit_stats(accelerator.unwrap_model(model), args.tol)}
-        bar.set_postfix(loss=f"{logs['train_loss']:.3f}", nl=f"{logs.get('nonlinear_fraction', 1.0):.3f}")
-        if args.with_tracking:
-            accelerator.log(logs, step=step)
-        if not math.isfinite(logs["train_loss"]):
-            raise FloatingPointError(f"training loss is {logs['train_loss']} at step {step}: lower --lr")
-    if args.checkpointing_steps and step % args.checkpointing_steps == 0 and step < last_step:
-        save_checkpoint(accelerator, out_dir, step, fingerprint, recipe, args.keep_checkpoints)
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
-def save_checkpoint(accelerator, output_dir: str | Path, step: int, fingerprint: str, recipe: str,
-                    keep: int) -> Path:
-    """``accelerator.save_state`` plus the step and model fingerprint; prunes old checkpoints."""
-    path = checkpoint_dir(output_dir, step)
-    accelerator.save_state(str(path))
-    if accelerator.is_main_process:
-        (path / STATE_FILE).write_text(json.dumps({"step": step, "fingerprint": fingerprint, "recipe": recipe}))
-        old = sorted((Path(output_dir) / "checkpoints").glob("step_*"))[:-keep] if keep > 0 else []
-        for p in old:
-            shutil.rmtree(p, ignore_errors=True)
-    accelerator.wait_for_everyone()
+def save_checkpoint(run: Run, step: int) -> Path:
+    """Write the checkpoint of ``step`` (main process; atomically) and prune old ones to
+    ``--keep_checkpoints``. Raises ``FloatingPointError`` instead of writing non-finite tensors."""
+    from safetensors.torch import save_model
+
+    acc = run.accelerator
+    path = checkpoint_dir(run.out_dir, step)
+    raw = acc.unwrap_model(run.model)
+    optimizer_state = run.optimizer.state_dict()
+    bad = first_nonfinite(chain(raw.state_dict().items(), _optimizer_tensors(optimizer_state)))
+    if bad is not None:
+        raise FloatingPointError(f"{bad} holds inf or NaN after optimizer step {step}: not writing checkpoint "
+                                 f"{path}. {NONFINITE_ADVICE}")
+    if acc.is_main_process:
+        state = {"format": CHECKPOINT_FORMAT, "step": step, "recipe": run.recipe, "fingerprint": run.fingerprint,
+                 "scheduler": run.scheduler.state_dict(),
+                 "sparsifier": None if run.sparsifier is None else run.sparsifier.state_dict(),
+                 "scaler": None if acc.scaler is None else acc.scaler.state_dict()}
+        tmp = path.parent / f"{TMP_PREFIX}{path.name}-{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        save_model(raw, str(tmp / MODEL_FILE))
+        torch.save(optimizer_state, tmp / OPTIMIZER_FILE)
+        state["files"] = {}
+        for name in (MODEL_FILE, OPTIMIZER_FILE):
+            _fsync(tmp / name)
+            state["files"][name] = {"size": (tmp / name).stat().st_size, "sha256": file_sha256(tmp / name)}
+        try:
+            text = json.dumps(state, indent=1)
+        except TypeError as e:
+            raise TypeError(f"checkpoint state of step {step} is not JSON ({e}): the LR scheduler's lambdas must be "
+                            "plain functions, the sparsifier's state plain values") from e
+        (tmp / STATE_FILE).write_text(text)
+        _fsync(tmp / STATE_FILE)
+        if path.exists():  # a damaged folder of this step, or the final step written again
+            _remove(path)
+        tmp.rename(path)
+        _fsync(path.parent)
+        if run.args.keep_checkpoints > 0:
+            for p in sorted(path.parent.glob("step_*"))[:-run.args.keep_checkpoints]:
+                _remove(p)
+    acc.wait_for_everyone()
     return path
 
 
-def resolve_checkpoint(arg: str, output_dir: str | Path) -> Path:
-    """``--resume_from_checkpoint`` value -> a checkpoint directory (``latest``: newest in output_dir)."""
-    if arg == "latest":
-        path = latest_checkpoint(output_dir)
-        if path is None:
-            raise FileNotFoundError(f"--resume_from_checkpoint latest: no checkpoint under {output_dir}/checkpoints")
-        return path
-    path = Path(arg)
-    if not (path / STATE_FILE).exists():
-        newest = latest_checkpoint(path)  # an output_dir was given
-        if newest is None:
+def _remove(path: Path) -> None:
+    """Delete a checkpoint folder: renamed to a temp name first, so that an interrupted delete leaves
+    no half-deleted ``step_*`` folder (only a temp folder, removed at the next start)."""
+    doomed = path.parent / f"{TMP_PREFIX}{path.name}-removed-{os.getpid()}"
+    path.rename(doomed)
+    shutil.rmtree(doomed, ignore_errors=True)
+
+
+def remove_partial_checkpoints(output_dir: str | Path) -> list[Path]:
+    """Remove the temp folders that interrupted checkpoint writes left under ``OUTPUT_DIR/checkpoints``."""
+    found = sorted((Path(output_dir) / "checkpoints").glob(f"{TMP_PREFIX}step_*"))
+    for p in found:
+        shutil.rmtree(p, ignore_errors=True)
+    return found
+
+
+def _load(path: Path, what: str, loader: Callable[[Path], Any]) -> Any:
+    """``loader(path)``, with any failure (missing, truncated, refused by ``weights_only``) as a CheckpointError."""
+    if not path.is_file():
+        raise CheckpointError(path.parent, f"{path.name} ({what}) is missing")
+    try:
+        return loader(path)
+    except Exception as e:  # SafetensorError, RuntimeError (bad zip), UnpicklingError (weights_only), ...
+        first = str(e).strip().splitlines()[0] if str(e).strip() else repr(e)
+        raise CheckpointError(path.parent, f"{path.name} ({what}) cannot be read safely: "
+                                           f"{type(e).__name__}: {first}") from e
+
+
+def _torch_load(path: Path) -> Any:
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def _safetensors_load(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(path))
+
+
+def read_checkpoint(path: str | Path) -> Checkpoint:
+    """Read and verify one checkpoint folder; raise :class:`CheckpointError` saying what is wrong.
+
+    Verified: the state JSON parses; every file it lists has its size and sha256; the tensors load
+    without executing code (safetensors, ``torch.load(weights_only=True)``) and are finite.
+    Folders written by ``accelerator.save_state`` (before format 2) are read by
+    :func:`_read_accelerate_layout`.
+    """
+    path = Path(path)
+    state_file = path / STATE_FILE
+    if not state_file.is_file():
+        raise CheckpointError(path, f"no {STATE_FILE} (an interrupted or foreign checkpoint)")
+    try:
+        state = json.loads(state_file.read_text())
+        step = int(state["step"])
+    except (ValueError, TypeError, KeyError, OSError) as e:
+        raise CheckpointError(path, f"{STATE_FILE} is empty or damaged ({type(e).__name__}: {e})") from e
+    if "files" not in state:
+        ckpt = _read_accelerate_layout(path, state)
+    else:
+        for name, meta in state["files"].items():
+            f = path / name
+            if not f.is_file():
+                raise CheckpointError(path, f"{name} is missing")
+            if f.stat().st_size != meta["size"]:
+                raise CheckpointError(path, f"{name} has {f.stat().st_size} bytes, {STATE_FILE} says {meta['size']} "
+                                            "(truncated)")
+            if file_sha256(f) != meta["sha256"]:
+                raise CheckpointError(path, f"{name} does not match its sha256 in {STATE_FILE} (modified or damaged)")
+        ckpt = Checkpoint(path, step, state.get("recipe"), state.get("fingerprint"),
+                          _load(path / MODEL_FILE, "model weights", _safetensors_load),
+                          _load(path / OPTIMIZER_FILE, "optimizer state", _torch_load),
+                          state["scheduler"], state.get("sparsifier"), state.get("scaler"))
+    bad = first_nonfinite(chain(ckpt.model.items(), _optimizer_tensors(ckpt.optimizer)))
+    if bad is not None:
+        raise CheckpointError(path, f"{bad} holds inf or NaN")
+    return ckpt
+
+
+def _read_accelerate_layout(path: Path, state: dict) -> Checkpoint:
+    """A checkpoint of the recipes before format 2, written by ``accelerator.save_state``:
+    ``model.safetensors``, ``optimizer.bin`` and the registered LR scheduler and sparsifier as
+    ``custom_checkpoint_<i>.pkl`` (or ``scheduler.bin``), all read with ``torch.load(weights_only=True)``.
+    ``random_states_*.pkl`` is not read: every step is re-seeded."""
+    scheduler = sparsifier = None
+    for f in sorted(path.glob("custom_checkpoint_*.pkl")) + sorted(path.glob("scheduler*.bin")):
+        obj = _load(f, "registered state", _torch_load)
+        if isinstance(obj, dict) and {"step_count", "channels", "history"} <= obj.keys():
+            sparsifier = obj
+        elif isinstance(obj, dict) and "base_lrs" in obj:
+            scheduler = obj
+        else:
+            raise CheckpointError(path, f"{f.name} holds neither an LR scheduler's nor a sparsifier's state")
+    if scheduler is None:
+        raise CheckpointError(path, "no LR scheduler state (custom_checkpoint_*.pkl or scheduler.bin)")
+    return Checkpoint(path, int(state["step"]), state.get("recipe"), state.get("fingerprint"),
+                      _load(path / MODEL_FILE, "model weights", _safetensors_load),
+                      _load(path / "optimizer.bin", "optimizer state", _torch_load), scheduler, sparsifier, None)
+
+
+def find_checkpoint(arg: str, output_dir: str | Path) -> tuple[Checkpoint, list[str]]:
+    """``--resume_from_checkpoint`` value -> ``(checkpoint, why newer folders were skipped)``.
+
+    ``latest`` (or an output folder): the newest intact checkpoint under ``OUTPUT_DIR/checkpoints``,
+    skipping damaged ones. A checkpoint folder: that one, or a :class:`CheckpointError`.
+    """
+    if arg != "latest":
+        path = Path(arg)
+        if (path / STATE_FILE).exists() or path.name.startswith("step_"):
+            return read_checkpoint(path), []
+        if not (path / "checkpoints").is_dir():
             raise FileNotFoundError(f"{path} is not a checkpoint of these recipes (no {STATE_FILE}); "
                                     "pass a directory like OUTPUT_DIR/checkpoints/step_00000100 or 'latest'")
-        path = newest
-    return path
+        output_dir = path  # an output_dir was given
+    root = Path(output_dir) / "checkpoints"
+    found = sorted((p for p in root.glob("step_*") if p.is_dir()), reverse=True)
+    if not found:
+        raise FileNotFoundError(f"--resume_from_checkpoint {arg}: no checkpoint under {root}")
+    skipped: list[str] = []
+    for p in found:
+        try:
+            return read_checkpoint(p), skipped
+        except CheckpointError as e:
+            skipped.append(str(e))
+    raise CheckpointError(root, "no intact checkpoint to resume from:\n  " + "\n  ".join(skipped) +
+                          "\nstart again without --resume_from_checkpoint (in a fresh --output_dir)")
 
 
-def load_checkpoint(accelerator, path: Path, fingerprint: str, recipe: str) -> int:
-    """Check the checkpoint belongs to this model, ``load_state`` it, return its step."""
-    state = json.loads((path / STATE_FILE).read_text())
-    if state.get("recipe") != recipe or state.get("fingerprint") != fingerprint:
+def _load_model_state(model: nn.Module, state: dict[str, torch.Tensor], path: Path) -> None:
+    """``load_state_dict`` that accepts tied tensors stored once (safetensors drops their aliases)."""
+    own = model.state_dict()
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    loaded = {(own[k].data_ptr(), own[k].shape) for k in state if k in own}
+    missing = [k for k in missing if (own[k].data_ptr(), own[k].shape) not in loaded]
+    if missing or unexpected:
+        raise ValueError(f"checkpoint {path} does not fit this model (missing {missing[:5]}, unexpected "
+                         f"{unexpected[:5]}): resume with the same model and --linearize flags")
+
+
+def load_checkpoint(run: Run, ckpt: Checkpoint) -> None:
+    """Check that ``ckpt`` belongs to this run's model and load it into the run's objects."""
+    if ckpt.recipe != run.recipe or ckpt.fingerprint != run.fingerprint:
         raise ValueError(
-            f"checkpoint {path} was written by another model ({state.get('recipe')}, fingerprint "
-            f"{state.get('fingerprint')}) than this run ({recipe}, fingerprint {fingerprint}): resume with "
-            "the same model, dataset and --linearize flags, or start a fresh --output_dir"
-        )
-    accelerator.load_state(str(path))
-    return int(state["step"])
+            f"checkpoint {ckpt.path} was written by another model ({ckpt.recipe}, fingerprint {ckpt.fingerprint}) "
+            f"than this run ({run.recipe}, fingerprint {run.fingerprint}): resume with the same model, dataset "
+            "and --linearize flags, or start a fresh --output_dir")
+    if (ckpt.sparsifier is None) != (run.sparsifier is None):
+        has = "no" if ckpt.sparsifier is None else "a"
+        raise ValueError(f"checkpoint {ckpt.path} has {has} sparsifier state but this run "
+                         f"{'uses' if run.sparsifier is not None else 'has no'} sparsity pressure: resume with the "
+                         "same --linearize/--schedule flags")
+    _load_model_state(run.accelerator.unwrap_model(run.model), ckpt.model, ckpt.path)
+    run.optimizer.load_state_dict(ckpt.optimizer)
+    run.scheduler.load_state_dict(ckpt.scheduler)
+    if run.sparsifier is not None:
+        run.sparsifier.load_state_dict(ckpt.sparsifier)
+    if run.accelerator.scaler is not None and ckpt.scaler:
+        run.accelerator.scaler.load_state_dict(ckpt.scaler)
 
 
 # ----------------------------------------------------------------------------- metrics

@@ -365,7 +365,8 @@ def main(argv: list[str] | None = None) -> dict:
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer.optimizer, lambda s: min((s + 1) / warmup, math.sqrt(warmup / (s + 1))))
     sparsifier = common.make_sparsifier(accelerator.unwrap_model(model), args, total_steps, optimizer)
-    step, last_step = common.start(accelerator, args, scheduler, sparsifier, out_dir, fingerprint, RECIPE, total_steps)
+    run = common.Run(accelerator, args, model, optimizer, scheduler, sparsifier, out_dir, fingerprint, RECIPE)
+    step, last_step = common.start(run, total_steps)
     accelerator.print(f"{args.model_size} Transformer, {args.source_lang}->{args.target_lang}: {len(train)} pairs, "
                       f"vocab {len(tokenizer)}, {steps_per_epoch} steps/epoch, {total_steps} steps, "
                       f"{accelerator.num_processes} process(es)")
@@ -376,8 +377,8 @@ def main(argv: list[str] | None = None) -> dict:
         return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100,
                                label_smoothing=args.label_smoothing)
 
-    step = common.train(accelerator, args, model, optimizer, scheduler, train_loader, sampler, loss_fn, step,
-                        last_step, steps_per_epoch, out_dir, fingerprint, RECIPE, clip_grad=args.clip_grad)
+    step = common.train(run, train_loader, sampler, loss_fn, step, last_step, steps_per_epoch,
+                        clip_grad=args.clip_grad)
 
     raw = accelerator.unwrap_model(model)
     if args.freeze:
