@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
+
+from .checks import as_patterns, check_channel_dim
 
 MODES = ("prelu", "dgn", "dlgn")
 DEFAULT_ACTIVATIONS = (
@@ -22,10 +25,12 @@ class LinearizeConfig:
         activations: activation kinds to convert (names as in ``DEFAULT_ACTIVATIONS``).
         target_modules: only convert activation modules whose qualified name matches one of these
             (a regex by ``re.fullmatch``, or a plain suffix such as ``"intermediate.intermediate_act_fn"``).
+            One string is one pattern (``"13"`` matches a module named ``13``, not ``1`` or ``3``).
             ``None`` converts all.
         exclude_modules: never convert modules matching these (same rules); wins over targets.
         init_slope: initial slope of every unit (0 keeps the original function exactly).
-        channel_dim: force the channel dimension of every unit; ``None`` infers it per call site
+        channel_dim: force the channel dimension of every unit (not 0, the batch dimension; checked
+            against each call's input when converting); ``None`` infers it per call site
             (1 after convs and batch norms and for inputs of 4+ dims, -1 after linear layers).
         beta: gate sharpness of ``sigmoid(beta * q)`` for gated modes (default 4 DGN, 10 DLGN).
         value_input: gated modes: feed the value network ``"x"`` or a constant ``"ones"`` input.
@@ -56,10 +61,14 @@ class LinearizeConfig:
             raise ValueError(f"unknown activation kinds {sorted(unknown)}; known: {DEFAULT_ACTIVATIONS}")
         if not 0.0 <= self.init_slope <= 1.0:
             raise ValueError(f"init_slope must lie in [0, 1], got {self.init_slope}")
+        self.target_modules = as_patterns(self.target_modules, "target_modules")
+        self.exclude_modules = as_patterns(self.exclude_modules, "exclude_modules")
+        if self.channel_dim is not None:
+            self.channel_dim = check_channel_dim(self.channel_dim)
         if self.beta is None and self.mode in DEFAULT_BETA:
             self.beta = DEFAULT_BETA[self.mode]
-        if self.beta is not None and self.beta <= 0:
-            raise ValueError(f"beta must be > 0, got {self.beta}")
+        if self.beta is not None and not (math.isfinite(self.beta) and self.beta > 0):
+            raise ValueError(f"beta must be a finite number > 0, got {self.beta}")
         if self.value_input not in ("x", "ones"):
             raise ValueError(f"value_input must be 'x' or 'ones', got {self.value_input!r}")
         if self.init not in ("independent", "copy"):

@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from .checks import as_patterns, check_channel_dim
 from .config import LinearizeConfig
 from .unit import LinearizableActivation, install_optimizer_hooks
 
@@ -320,7 +321,7 @@ class _Probe:
             x = args[0] if args else None
             if isinstance(x, torch.Tensor):
                 caller = self.stack[-1] if self.stack else None
-                self.calls[id(module)].append(_Call(caller, tuple(x.shape), self._channel_dim(x)))
+                self.calls[id(module)].append(_Call(caller, tuple(x.shape), self._channel_dim(module, x)))
         self.invocations[id(module)] += 1
         self.stack.append(module)
 
@@ -330,8 +331,10 @@ class _Probe:
         if id(module) not in self.candidates and next(module.children(), None) is None:
             self.last_leaf = module
 
-    def _channel_dim(self, x: torch.Tensor) -> int:
-        if self.channel_dim is not None:
+    def _channel_dim(self, module: nn.Module, x: torch.Tensor) -> int:
+        if self.channel_dim is not None:  # forced by the config: it must fit this call's input
+            where = f"activation {self.names.get(id(module), type(module).__name__)!r} (input shape {tuple(x.shape)})"
+            check_channel_dim(self.channel_dim, x.ndim, where)
             return self.channel_dim
         if x.ndim <= 2:
             return -1
@@ -406,10 +409,13 @@ def plan_conversion(
     regs = activation_registrations(model)
     report = ConversionReport()
     chosen = []
+    # validated again: a config's fields may have been set after it was built
+    targets = as_patterns(config.target_modules, "target_modules")
+    excludes = as_patterns(config.exclude_modules, "exclude_modules")
     for name, owner, attr, act in regs:
         if activation_kind(act) not in config.activations or (
-            config.target_modules is not None and not _matches(name, config.target_modules)
-        ) or _matches(name, config.exclude_modules):
+            targets is not None and not _matches(name, targets)
+        ) or _matches(name, excludes):
             report.excluded.append(name)
         else:
             chosen.append((name, owner, attr, act))

@@ -56,8 +56,9 @@ from torch.overrides import TorchFunctionMode
 from torchvision.models.mobilenetv2 import InvertedResidual
 from torchvision.models.resnet import BasicBlock, Bottleneck, ResNet
 
+from .checks import FoldVerificationError, check_positive, check_tol
 from .conversion import CallSites, FunctionalActivation, _reset_call_sites, call_model
-from .unit import LinearizableActivation
+from .unit import LinearizableActivation, check_finite_slopes, units
 
 __all__ = [
     "fold",
@@ -85,10 +86,6 @@ FFN_PATTERNS = (
     ("fc1", "activation_fn", "fc2"),  # Marian, BART, mBART, Pegasus, CLIP, ViT-MAE...
 )
 GATED_FFN_ATTRS = ("wi_0", "wi_1")  # T5DenseGatedActDense: act on the gate branch only
-
-
-class FoldVerificationError(RuntimeError):
-    """The folded model does not compute the same function within the tolerance."""
 
 
 @dataclass
@@ -499,6 +496,7 @@ def _linear_unit(u: nn.Module, tol: float) -> bool:
 
 
 def _snapped_slopes(unit: LinearizableActivation, tol: float) -> torch.Tensor:
+    """Slopes with the linear channels (:meth:`~LinearizableActivation.linear_mask`) at 1, then ``a <= tol`` at 0."""
     a = unit.slope.detach().clone()
     a[unit.linear_mask(tol)] = 1.0
     a[a <= tol] = 0.0
@@ -562,6 +560,30 @@ def _cast_inputs(inputs: Any, dtype: torch.dtype) -> Any:
     if isinstance(inputs, (tuple, list)):
         return type(inputs)(_cast_inputs(v, dtype) for v in inputs)
     return inputs
+
+
+def _is_empty_batch(inputs: Any) -> bool:
+    """Whether a tensor of ``inputs`` has no rows (batch dim 0)."""
+    if isinstance(inputs, torch.Tensor):
+        return inputs.ndim > 0 and inputs.shape[0] == 0
+    if isinstance(inputs, dict):
+        return any(_is_empty_batch(v) for v in inputs.values())
+    if isinstance(inputs, (tuple, list)):
+        return any(_is_empty_batch(v) for v in inputs)
+    return False
+
+
+def _check_reference(ref_out: list[torch.Tensor], inputs: Any) -> None:
+    """The model's own outputs must be non-empty and finite, or no tolerance can verify a fold."""
+    if any(t.numel() == 0 for t in ref_out):
+        raise ValueError(
+            f"the model's output on example_inputs {_describe_inputs(inputs)} is empty: pass at least one sample"
+        )
+    if not all(bool(torch.isfinite(t).all()) for t in ref_out):
+        raise ValueError(
+            f"the model's own output on example_inputs {_describe_inputs(inputs)} has NaN/inf values: fold "
+            "cannot verify against it (no tolerance helps); check the model's weights and the inputs"
+        )
 
 
 def _describe_inputs(inputs: Any) -> str:
@@ -1166,7 +1188,7 @@ class _Folder:
             self.summary.skipped.append(f"{site}: unit width does not match the FFN, not folded")
             return None
         a = _snapped_slopes(unit, self.tol)
-        lin = a >= 1
+        lin = unit.linear_mask(self.tol)
         k = int(lin.sum())
         if k == 0:
             return None
@@ -1398,11 +1420,11 @@ def fold(
             of sequential layers (FLOPs break ties), and also merges two zero-padded convs
             (e.g. a BasicBlock body) into a :class:`BorderExactConv`, unless the map is so
             small that its border correction would cost as much as the two convs.
-        tol: channels with slope ``a >= 1 - tol`` count as linear and ``a <= tol`` as the plain
-            activation (0 keeps the function exact; larger values approximate, and the
-            verification tells by how much).
-        atol: absolute tolerance of the verification; default ``rtol * max|reference output|``.
-        rtol: relative tolerance (to the output scale) used when ``atol`` is ``None``.
+        tol: in ``[0, 1)``: channels with slope ``a >= 1 - tol`` count as linear, the others with
+            ``a <= tol`` as the plain activation (0 keeps the function exact; larger values
+            approximate, and the verification tells by how much).
+        atol: absolute tolerance of the verification (finite, > 0); default ``rtol * max|reference output|``.
+        rtol: relative tolerance (finite, > 0; to the output scale) used when ``atol`` is ``None``.
         dtype: verify in this dtype instead (e.g. ``torch.float64``: copies of both models
             and the inputs are cast, so activation rounding does not blur the comparison; the
             folded weights keep the rounding of the model's own dtype); ``None`` verifies in the
@@ -1414,18 +1436,18 @@ def fold(
 
     Raises:
         TypeError: ``model`` is not an ``nn.Module``.
-        ValueError: bad ``objective`` / ``tol``, BatchNorm in training mode, or
-            ``example_inputs`` that the model cannot run.
+        ValueError: bad ``objective`` / ``tol`` / ``rtol`` / ``atol``, BatchNorm in training mode,
+            ``example_inputs`` that the model cannot run, an empty batch, or NaN/inf outputs of
+            the model itself (:class:`~linearize.unit.NonFiniteSlopeError` for NaN/inf slopes).
         FoldVerificationError: the folded model differs by more than the tolerance.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"fold expects an nn.Module, got {type(model).__name__}")
     if objective not in OBJECTIVES:
         raise ValueError(f"objective must be one of {OBJECTIVES}, got {objective!r}")
-    if not 0.0 <= tol < 1.0:
-        raise ValueError(f"tol must lie in [0, 1), got {tol}")
-    if rtol <= 0 or (atol is not None and atol <= 0):
-        raise ValueError("rtol and atol must be positive")
+    tol = check_tol(tol)
+    rtol = check_positive(rtol, "rtol")
+    atol = None if atol is None else check_positive(atol, "atol")
     training_bn = [n for n, m in model.named_modules() if isinstance(m, _BatchNorm) and m.training]
     if training_bn:
         raise ValueError(
@@ -1434,6 +1456,12 @@ def fold(
         )
     if example_inputs is None:
         raise ValueError("fold needs example_inputs (a batch shaped like the model's real inputs)")
+    if _is_empty_batch(example_inputs):
+        raise ValueError(
+            f"example_inputs {_describe_inputs(example_inputs)} is an empty batch: fold verifies the "
+            "folded model on it, so pass at least one sample"
+        )
+    check_finite_slopes(units(model), "fold")
 
     summary = FoldSummary(objective=objective, tol=tol)
     folded = copy.deepcopy(model).eval()
@@ -1448,6 +1476,7 @@ def fold(
     ref_out = _flatten_outputs(reference)
     if not ref_out:
         raise ValueError("the model returned no floating-point tensor to verify against")
+    _check_reference(ref_out, example_inputs)
     summary.units_before = sum(isinstance(m, LinearizableActivation) for m in folded.modules())
     summary.params_before = sum(p.numel() for p in model.parameters())
     if summary.units_before == 0:
@@ -1495,10 +1524,18 @@ def _verify(
         ref_out = _flatten_outputs(call_model(model_d, inputs))
         new_out = _flatten_outputs(call_model(folded_d, inputs))
     summary.verify_dtype = str(dtype or ref_out[0].dtype)
+    _check_reference(ref_out, inputs)
     if len(new_out) != len(ref_out) or any(a.shape != b.shape for a, b in zip(ref_out, new_out)):
         raise FoldVerificationError(
             f"folded model returns shapes {[tuple(t.shape) for t in new_out]}, expected "
             f"{[tuple(t.shape) for t in ref_out]}"
+        )
+    if not all(bool(torch.isfinite(t).all()) for t in new_out):
+        raise FoldVerificationError(
+            f"the folded model outputs NaN/inf where the model's outputs are finite (verified in "
+            f"{summary.verify_dtype}): not a tolerance problem but an overflow of merged weights in this "
+            "dtype (try dtype=torch.float64) or a wrong fold rule (please report this model). "
+            "Decisions:\n" + "\n".join(summary.merged)
         )
     err = max(float((a.double() - b.double()).abs().max()) for a, b in zip(ref_out, new_out))
     scale = max(float(a.double().abs().max()) for a in ref_out)

@@ -55,6 +55,11 @@ class LinearizeCallback(TrainerCallback, ExportableState):
             )
         if sparsifier is not None and (schedule is not None or sparsifier_kwargs):
             raise TypeError("pass either a Sparsifier or schedule arguments, not both")
+        if sparsifier is not None and sparsifier._hook is not None:
+            raise RuntimeError(
+                "this Sparsifier is attached to an optimizer, whose hook already steps it: the callback "
+                "would apply the pressure a second time per step; call sparsifier.detach() first"
+            )
         self.sparsifier = sparsifier
         self.schedule = schedule
         self.sparsifier_kwargs = sparsifier_kwargs

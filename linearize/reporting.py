@@ -35,7 +35,8 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from .unit import LinearizableActivation, count_units, units
+from .checks import arg_type, check_positive_int, check_tol
+from .unit import LinearizableActivation, check_finite_slopes, count_units, units
 
 __all__ = ["Report", "report", "register_cli", "load_history", "MEASURES"]
 
@@ -152,13 +153,14 @@ def report(
             (tokenizer output), or an iterable of such batches (a ``DataLoader``); at most
             ``max_samples`` samples are used. At least 2 are needed.
         history: a sparsifier history: a JSON path or dict written by
-            :meth:`linearize.Sparsifier.save_history`, or a dict ``{step: {site: fraction}}``.
-        tol: a channel is linear when its slope ``a >= 1 - tol``.
-        max_samples: samples taken from ``data``.
-        segments: number of input segments for linear regions and absolute deviation.
+            :meth:`linearize.Sparsifier.save_history`, or a dict ``{step: {site: fraction}}``;
+            read and checked before any measure runs.
+        tol: in ``[0, 1)``: a channel is linear when its slope ``a >= 1 - tol``.
+        max_samples: samples taken from ``data`` (at least 2).
+        segments: number of input segments for linear regions and absolute deviation (0 skips them).
         paths: ``"pairs"`` (segments between consecutive samples) or ``"loops"`` (closed
             translation loops of images, 8 anchors of radius 4 px, seed 001; ``segments`` images).
-        batch_size: forward batch size.
+        batch_size: forward batch size (at least 1).
         sources: inputs that start paths for the average path length (see
             :func:`~linearize.measures.average_path_length`).
         skip: measures not to run, from ``MEASURES`` (``"affinity"`` costs the most: an exact
@@ -167,12 +169,17 @@ def report(
 
     Raises:
         ValueError: fewer than 2 samples, no activation sites (call ``linearize.convert``),
-            NaN/inf activations (names the site).
+            NaN/inf activations (names the site), an unreadable ``history`` (names the file), an
+            argument out of range. :class:`~linearize.unit.NonFiniteSlopeError`: NaN/inf slopes.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
     if paths not in ("pairs", "loops"):
         raise ValueError(f"paths must be 'pairs' or 'loops', got {paths!r}")
+    tol = check_tol(tol)
+    max_samples = check_positive_int(max_samples, "max_samples", minimum=2)
+    segments = check_positive_int(segments, "segments", minimum=0)
+    batch_size = check_positive_int(batch_size, "batch_size")
     gated = _gated_module()
     is_gated = gated is not None and isinstance(model, gated.GatedNetwork)
     if not is_gated and not units(model):
@@ -183,6 +190,8 @@ def report(
     skip = set(skip)
     if skip - set(MEASURES):
         raise ValueError(f"unknown measures in skip: {sorted(skip - set(MEASURES))}; known: {MEASURES}")
+    check_finite_slopes(units(model), "report")
+    records = _read_history(history) if history is not None and "history" not in skip else None
     inputs, n = _collect(data, max_samples)
     if n < 2:
         raise ValueError(f"report needs at least 2 samples, got {n}: pass a larger batch")
@@ -208,10 +217,10 @@ def report(
         elif step == "regions":
             _regions(rep, model, inputs, segments, paths, batch_size, is_gated, progress)
         elif step == "history":
-            if history is None:
+            if records is None:
                 rep.skipped["history"] = "no sparsifier history given"
             else:
-                rep.history = load_history(history, rep.units)
+                rep.history = _history_summary(records, rep.units)
         elif step == "gates":
             if is_gated:
                 rep.gates = gated.gate_statistics(model, iter(_batches(inputs, n, batch_size, device)))
@@ -305,23 +314,71 @@ def load_history(history: str | Path | Mapping, counts: dict | None = None) -> d
         counts: :func:`linearize.count_units` of the model, to weight sites by their channels when
             the log has no total; without it the total is the unweighted mean over sites.
     """
+    return _history_summary(_read_history(history), counts)
+
+
+_Record = tuple[int, dict[str, float], "float | None"]
+
+
+def _read_history(history: str | Path | Mapping) -> list[_Record]:
+    """Records ``(step, {site: fraction}, logged total or None)`` of a sparsifier history, by step.
+
+    Every fraction must be a number in ``[0, 1]``; errors name the file.
+    """
+    source = "the sparsifier history"
     if isinstance(history, (str, Path)):
         path = Path(history)
+        source = f"sparsifier history {str(path)!r}"
         if not path.is_file():
-            raise FileNotFoundError(f"sparsifier history {path} does not exist")
-        history = json.loads(path.read_text())
-    if not isinstance(history, Mapping):
-        raise TypeError(f"history must be a JSON path or a dict, got {type(history).__name__}")
-    if "history" in history:
-        records = [(int(r["step"]), dict(r.get("sites", {})), r.get("nonlinear_fraction")) for r in history["history"]]
-    else:
+            raise FileNotFoundError(f"{source} does not exist")
         try:
-            records = [(int(step), dict(sites), None) for step, sites in history.items()]
-        except (TypeError, ValueError) as err:
-            raise ValueError("history must map steps to {site: fraction} dicts") from err
+            history = json.loads(path.read_text())
+        except (ValueError, UnicodeDecodeError) as err:  # JSONDecodeError is a ValueError
+            raise ValueError(f"{source} is not valid JSON ({err})") from None
+    if not isinstance(history, Mapping):
+        raise TypeError(f"{source} must be a JSON path or a dict, got {type(history).__name__}")
+    try:
+        if "history" in history:
+            if not isinstance(history["history"], list):
+                raise ValueError("its 'history' is not a list of records")
+            records = [(_history_step(r["step"]), _history_sites(r.get("sites", {})),
+                        _history_fraction(r.get("nonlinear_fraction"), "nonlinear_fraction", optional=True))
+                       for r in history["history"]]
+        else:
+            records = [(_history_step(step), _history_sites(sites), None) for step, sites in history.items()]
+    except KeyError as err:
+        raise ValueError(f"{source}: a record has no {err} key (expected the JSON of "
+                         "Sparsifier.save_history or a {step: {site: fraction}} dict)") from None
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"{source}: {err} (expected the JSON of Sparsifier.save_history or a "
+                         "{step: {site: fraction}} dict)") from None
     if not records:
-        raise ValueError("the sparsifier history is empty")
-    records.sort(key=lambda r: r[0])
+        raise ValueError(f"{source} is empty")
+    return sorted(records, key=lambda r: r[0])
+
+
+def _history_step(step: Any) -> int:
+    if isinstance(step, bool) or not isinstance(step, (int, str)) or not str(step).lstrip("-").isdigit():
+        raise ValueError(f"step {step!r} is not an integer")
+    return int(step)
+
+
+def _history_fraction(value: Any, what: str, optional: bool = False) -> float | None:
+    if value is None and optional:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value <= 1.0:
+        raise ValueError(f"{what} is {value!r}, not a fraction in [0, 1]")  # NaN fails the range test too
+    return float(value)
+
+
+def _history_sites(sites: Any) -> dict[str, float]:
+    if not isinstance(sites, Mapping):
+        raise TypeError(f"sites {sites!r} is not a {{site: fraction}} dict")
+    return {str(name): _history_fraction(f, f"the fraction of site {name!r}") for name, f in sites.items()}
+
+
+def _history_summary(records: list[_Record], counts: dict | None) -> dict:
+    """:func:`load_history`'s result from checked records, sites weighted by ``counts`` channels."""
     names = list(dict.fromkeys(name for _, sites, _ in records for name in sites))
     widths = {n: s["total"] for n, s in (counts or {}).get("sites", {}).items()}
     total = []
@@ -663,17 +720,23 @@ def register_cli(subparsers: argparse._SubParsersAction) -> argparse.ArgumentPar
     p.add_argument("--units", help="directory written by linearize.save_pretrained for a torchvision model")
     p.add_argument("--history", help="sparsifier history JSON (Sparsifier.save_history)")
     p.add_argument("--output-dir", default="linearize-report", help="where to write (default linearize-report)")
-    p.add_argument("--num-samples", type=int, default=512, help="samples used (default 512)")
-    p.add_argument("--segments", type=int, default=16, help="segments for linear regions (default 16)")
+    p.add_argument("--num-samples", type=arg_type(check_positive_int, "--num-samples", 2), default=512,
+                   help="samples used, at least 2 (default 512)")
+    p.add_argument("--segments", type=arg_type(check_positive_int, "--segments", 0), default=16,
+                   help="segments for linear regions (default 16; 0 skips them)")
     p.add_argument("--paths", choices=["pairs", "loops"], default="pairs", help="segments between samples or translation loops")
-    p.add_argument("--tol", type=float, default=0.0, help="a channel is linear when a >= 1 - tol")
-    p.add_argument("--batch-size", type=int, default=128)
+    p.add_argument("--tol", type=arg_type(check_tol, 1.0, "--tol"), default=0.0,
+                   help="in [0, 1): a channel is linear when a >= 1 - tol (default 0)")
+    p.add_argument("--batch-size", type=arg_type(check_positive_int, "--batch-size"), default=128,
+                   help="forward batch size (default 128)")
     p.add_argument("--normalize", choices=["auto", "cifar10", "imagenet", "none"], default="auto",
                    help="image normalization (auto: cifar10 for the .tar.gz, imagenet for folders)")
-    p.add_argument("--image-size", type=int, help="resize images to this square size")
+    p.add_argument("--image-size", type=arg_type(check_positive_int, "--image-size"),
+                   help="resize images to this square size")
     p.add_argument("--text-field", help="JSONL field with the text, dotted for nesting (default: text, sentence or translation.en)")
     p.add_argument("--tokenizer", help="tokenizer directory (default: the model directory)")
-    p.add_argument("--max-length", type=int, default=64, help="tokens per text (default 64)")
+    p.add_argument("--max-length", type=arg_type(check_positive_int, "--max-length"), default=64,
+                   help="tokens per text (default 64)")
     p.add_argument("--skip", nargs="+", default=[], choices=MEASURES, metavar="MEASURE",
                    help=f"measures not to run, of: {', '.join(MEASURES)}")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")

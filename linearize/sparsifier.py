@@ -35,6 +35,7 @@ from __future__ import annotations
 import json
 import math
 import warnings
+import weakref
 from pathlib import Path
 from typing import Mapping
 
@@ -42,11 +43,14 @@ import torch
 from torch import nn
 
 from . import schedules as _schedules
-from .unit import project_slopes, require_units, units
+from .checks import check_positive, check_positive_int
+from .unit import check_finite_slopes, count_channels, linear_masks, project_slopes, require_units, units
 
 __all__ = ["Sparsifier", "param_groups", "flops_weights"]
 
 MODES = ("proximal", "loss")
+# torch optimizer -> weakref to the Sparsifier attached to it (one per optimizer: two would apply the pressure twice)
+_ATTACHED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _torch_optimizer(optimizer) -> torch.optim.Optimizer:
@@ -116,9 +120,9 @@ class Sparsifier:
         self.total_steps = total_steps
         self.lam = float(lam)
         self.mode = mode
-        self.lr = lr
+        self.lr = None if lr is None else check_positive(lr, "lr")
         self.release = release
-        self.log_every = log_every or max(1, total_steps // 500)
+        self.log_every = max(1, total_steps // 500) if log_every is None else check_positive_int(log_every, "log_every")
         self.optimizer = _torch_optimizer(optimizer) if optimizer is not None else None
         self._weights = self._build_weights(model, weights, example_inputs)
         self.step_count = 0
@@ -167,10 +171,27 @@ class Sparsifier:
 
         Accepts wrappers such as accelerate's ``AcceleratedOptimizer`` (the hook goes on the
         torch optimizer inside, so skipped accumulation steps do not count).
+
+        Raises:
+            RuntimeError: this Sparsifier is attached already, or another one is attached to
+                ``optimizer`` (each would apply the pressure once per step): :meth:`detach` first.
         """
-        self.detach()
-        self.optimizer = _torch_optimizer(optimizer)
-        self._hook = self.optimizer.register_step_post_hook(lambda opt, args, kwargs: self.step())
+        inner = _torch_optimizer(optimizer)
+        if self._hook is not None:
+            raise RuntimeError(
+                "this Sparsifier is already attached to an optimizer: a second hook would apply the "
+                "pressure twice per step; call sparsifier.detach() before attaching it again"
+            )
+        other = _ATTACHED.get(inner)
+        other = other() if other is not None else None
+        if other is not None and other._hook is not None:
+            raise RuntimeError(
+                f"another Sparsifier is already attached to this {type(inner).__name__}: both would apply "
+                "their pressure after every step; use one Sparsifier, or call detach() on the other first"
+            )
+        self.optimizer = inner
+        self._hook = inner.register_step_post_hook(lambda opt, args, kwargs: self.step())
+        _ATTACHED[inner] = weakref.ref(self)
         return self
 
     def detach(self) -> None:
@@ -178,6 +199,9 @@ class Sparsifier:
         if self._hook is not None:
             self._hook.remove()
             self._hook = None
+            ref = _ATTACHED.get(self.optimizer)
+            if ref is not None and ref() is self:
+                del _ATTACHED[self.optimizer]
 
     # ------------------------------------------------------------------ schedule
     def lam_at(self, step: int | None = None) -> float:
@@ -212,7 +236,12 @@ class Sparsifier:
     # ------------------------------------------------------------------ the step
     @torch.no_grad()
     def step(self) -> None:
-        """Apply the schedule once: proximal step, target projection, log. Call after optimizer.step()."""
+        """Apply the schedule once: proximal step, target projection, log. Call after optimizer.step().
+
+        Raises :class:`~linearize.unit.NonFiniteSlopeError` naming the units when a slope is NaN or
+        inf (the training diverged): nothing is projected or logged then (one device sync per step).
+        """
+        check_finite_slopes(self._units, f"Sparsifier.step (step {self.step_count})")
         if self._slope_versions() == self._versions and not self._warned:
             warnings.warn(
                 "Sparsifier.step() was called but the slopes did not change since the last call: "
@@ -230,7 +259,7 @@ class Sparsifier:
         if isinstance(self.schedule, _schedules.Target):
             start = _schedules.resolve_step(self.schedule.start, self.total_steps)
             if self.initial_fraction is None and self.step_count >= start:
-                self.initial_fraction = self._fraction()
+                self.initial_fraction = self._fraction("Sparsifier target start")
             if self.initial_fraction is not None:
                 wanted = self.schedule.wanted(self.step_count, self.total_steps, self.initial_fraction)
                 self._project_budget(wanted)
@@ -259,7 +288,7 @@ class Sparsifier:
         total = slopes.numel()
         k = total - int(round(wanted * total))  # linear channels wanted
         k_free = min(max(k - int((frozen == 1).sum()), 0), int(free.sum()))
-        prev = self._linear if self._linear is not None else slopes >= 1.0
+        prev = self._linear if self._linear is not None else torch.cat(self._linear_masks()).to(slopes.device)
         # rank free channels by slope, then by "was linear before" (stable sort = tie-break)
         candidates = torch.nonzero(free).squeeze(1)
         order = torch.sort(prev[candidates].to(torch.int8), descending=True, stable=True).indices
@@ -276,7 +305,7 @@ class Sparsifier:
             unit.slope.copy_(new[offset : offset + n].to(unit.slope))
             offset += n
         self._project()
-        self._linear = torch.cat([u.slope.detach() >= 1.0 for _, u in self._units]).cpu()
+        self._linear = torch.cat(self._linear_masks()).cpu()
 
     # ------------------------------------------------------------------ penalty and measures
     def penalty(self) -> torch.Tensor:
@@ -292,27 +321,37 @@ class Sparsifier:
             terms.append(w * ((1.0 - unit.slope) * free).sum())
         return lam_t * torch.stack(terms).sum()
 
-    def _fraction(self) -> float:
-        nonlinear = sum(int((u.slope < 1.0).sum()) for _, u in self._units)
-        return nonlinear / sum(u.num_channels for _, u in self._units)
+    def _linear_masks(self, where: str = "Sparsifier target projection") -> list[torch.Tensor]:
+        """Linear channels (slope exactly 1) of every unit, by :func:`linearize.unit.linear_masks` with ``tol=0``."""
+        return linear_masks(self._units, 0.0, where)
+
+    def _counts(self, where: str) -> dict:
+        return count_channels(self._units, 0.0, where)
+
+    def _fraction(self, where: str = "Sparsifier.nonlinear_fraction") -> float:
+        counts = self._counts(where)
+        return counts["nonlinear"] / counts["total"]
 
     def nonlinear_fraction(self) -> float:
-        """Fraction of channels with slope < 1 (now)."""
+        """Fraction of channels with slope < 1 (now); the same as ``linearize.nonlinear_fraction(model)``.
+
+        Raises :class:`~linearize.unit.NonFiniteSlopeError` on NaN/inf slopes.
+        """
         return self._fraction()
 
     def linear_units(self) -> int:
         """Number of channels with slope exactly 1 (now)."""
-        return sum(int((u.slope >= 1.0).sum()) for _, u in self._units)
+        return self._counts("Sparsifier.linear_units")["linear"]
 
     def _record(self, lam_t: float, wanted: float | None) -> None:
-        sites = {name: float((u.slope < 1.0).float().mean()) for name, u in self._units}
+        counts = self._counts("Sparsifier history")
         self.history.append(
             {
                 "step": self.step_count,
                 "lam": lam_t,
-                "nonlinear_fraction": self._fraction(),
+                "nonlinear_fraction": counts["nonlinear"] / counts["total"],
                 "wanted": wanted,
-                "sites": sites,
+                "sites": {name: site["fraction"] for name, site in counts["sites"].items()},
             }
         )
 

@@ -34,7 +34,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from .unit import LinearizableActivation
+from .checks import FoldVerificationError, NonFiniteSlopeError, check_positive, check_positive_int
+from .unit import LinearizableActivation, check_finite_slopes
 
 __all__ = [
     "stable_units",
@@ -235,6 +236,7 @@ def _negative_slopes(module: nn.Module, name: str) -> torch.Tensor:
                 f"site {name!r} is a {module.kind} unit: bound propagation needs ReLU/PReLU units "
                 "(use method='data' for other activations)"
             )
+        check_finite_slopes([(name, module)], "stable_units")
         a = module.slope.detach().double().cpu()
         w = module.leak + a * (1.0 - module.leak)
     elif isinstance(module, nn.ReLU):
@@ -243,6 +245,8 @@ def _negative_slopes(module: nn.Module, name: str) -> torch.Tensor:
         w = torch.tensor([module.negative_slope], dtype=torch.float64)
     else:  # nn.PReLU
         w = module.weight.detach().double().cpu()
+        if not bool(torch.isfinite(w).all()):
+            raise NonFiniteSlopeError(f"stable_units: site {name!r} (nn.PReLU) has NaN/inf negative slopes")
     if (w < 0).any() or (w > 1).any():
         raise ValueError(f"site {name!r} has negative slopes outside [0, 1]: not supported")
     return w
@@ -617,6 +621,7 @@ def stable_units(
         sites = _site_modules(model)
         if not sites:
             raise ValueError("the model has no units or ReLU modules: call linearize.convert(model) first")
+        check_finite_slopes([(n, m) for n, m in sites if isinstance(m, LinearizableActivation)], "stable_units")
         ranges = record_preactivations(model, domain, sites, per_channel, progress)
         result = {}
         for name, module in sites:
@@ -736,9 +741,17 @@ def _max_error(original: nn.Module, small: nn.Module, batches) -> tuple[float, f
             x = batch[0] if isinstance(batch, (tuple, list)) else batch
             if not isinstance(x, torch.Tensor):
                 raise TypeError(f"compress verifies on tensor batches, got {type(x).__name__}")
+            if x.shape[0] == 0:
+                continue
             x = x.to(dtype)
             y0 = call_model(original, x).double().cpu()
             y1 = small(x.cpu()).double()
+            if not bool(torch.isfinite(y0).all()):  # a NaN difference would be dropped by max() below
+                raise ValueError("compress: the model's own output has NaN/inf values on the verification "
+                                 "inputs, so nothing can be verified; check its weights and the domain")
+            if not bool(torch.isfinite(y1).all()):
+                raise FoldVerificationError("compress: the compressed model outputs NaN/inf where the model's "
+                                            "outputs are finite; please report this model")
             err = max(err, float((y0 - y1).abs().max()))
             scale = max(scale, float(y0.abs().max()))
             count += x.shape[0]
@@ -922,10 +935,14 @@ def compress(
 
     Returns: the compressed ``nn.Sequential`` with a ``.compression_report``
     (:class:`CompressionReport`; conv sites count channels, MLP sites neurons). Raises
-    ``RuntimeError`` if verification finds a difference.
+    :class:`~linearize.folding.FoldVerificationError` (a ``RuntimeError``, as :func:`linearize.fold`)
+    if verification finds a difference, ``ValueError`` when nothing could be verified.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"expected an nn.Module, got {type(model).__name__}")
+    rtol = check_positive(rtol, "rtol")
+    rank_tol = check_positive(rank_tol, "rank_tol")
+    samples = check_positive_int(samples, "samples")
     box = _as_box(domain)
     if box is not None:
         in_shape = tuple(box[0].shape)
@@ -958,8 +975,10 @@ def compress(
     small = nn.Sequential(*layers).eval()
     datasets = ([] if box is not None else [domain]) + ([] if data is None else [data])
     err, scale, count = _max_error(model, small, _verification_batches(box, datasets, samples, seed))
+    if count == 0:
+        raise ValueError("compress: the verification data holds no sample (empty batches); pass data with samples")
     if err > rtol * max(scale, 1e-12) + 1e-7:
-        raise RuntimeError(
+        raise FoldVerificationError(
             f"compression is not lossless: max abs output difference {err:.3g} at output scale {scale:.3g} "
             f"on {count} samples (rtol {rtol}); please report this model"
         )

@@ -17,8 +17,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from .checks import check_tol
 from .stability import record_preactivations
-from .unit import units
+from .unit import linear_masks, units
 
 __all__ = ["freeze", "FreezeSummary"]
 
@@ -91,7 +92,8 @@ def freeze(
     Args:
         model: a model with :class:`LinearizableActivation` units (``linearize.convert`` output).
         tol: channels with slope ``a >= 1 - tol`` are set to exactly 1 and frozen; with
-            ``snap_zero``, channels with ``a <= tol`` are set to exactly 0 and frozen.
+            ``snap_zero``, channels with ``a <= tol`` are set to exactly 0 and frozen. In
+            ``[0, 0.5)``, so that no channel is in both ranges.
         data: optional tensor batch, DataLoader or iterable of batches (``(inputs, targets)``
             tuples use the first element, dicts are passed as keyword arguments). ReLU-like
             channels whose pre-activation is ``> 0`` on every sample and position are frozen at 1.
@@ -100,25 +102,24 @@ def freeze(
         progress: tqdm bar over the data.
 
     Returns: a :class:`FreezeSummary` with per-site counts before and after.
+
+    Raises: ``ValueError`` for ``tol`` outside ``[0, 0.5)``, :class:`~linearize.unit.NonFiniteSlopeError`
+    (naming the units) when a slope is NaN or inf: nothing is frozen then.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"expected an nn.Module, got {type(model).__name__}")
-    if not 0.0 <= tol < 0.5:
-        raise ValueError(f"tol must lie in [0, 0.5), got {tol}")
+    tol = check_tol(tol, upper=0.5)
     found = units(model)
     if not found:
         raise ValueError("the model has no linearizable units: call linearize.convert(model) first")
     sites: dict[str, dict] = {}
-    for name, unit in found:
-        a = unit.slope.detach()
-        if torch.isnan(a).any():
-            raise ValueError(f"unit {name!r} has NaN slopes")
-        one = a >= 1.0 - tol
+    before = linear_masks(found, 0.0, "freeze")  # all masks first: freeze_ below changes slopes
+    for (name, unit), one, linear in zip(found, linear_masks(found, tol, "freeze"), before):
         sites[name] = {
             "kind": unit.kind,
             "total": unit.num_channels,
-            "linear_before": int((a == 1).sum()),
-            "snapped_one": int((one & (unit.frozen != 1).to(a.device)).sum()),
+            "linear_before": int(linear.sum()),
+            "snapped_one": int((one & (unit.frozen != 1).to(one.device)).sum()),
             "stably_active": 0,
             "snapped_zero": 0,
         }
@@ -128,15 +129,15 @@ def freeze(
     if data is not None and relu_like:
         ranges = record_preactivations(model, data, relu_like, per_channel=True, progress=progress)
         for name, unit in relu_like:
-            active = (ranges[name][0].to(unit.slope.device) > 0) & (unit.slope.detach() != 1)
+            active = (ranges[name][0].to(unit.slope.device) > 0) & ~unit.linear_mask(0.0, name)
             sites[name]["stably_active"] = int(active.sum())
             unit.freeze_(active, 1.0)
-    for name, unit in found:
-        a = unit.slope.detach()
+    for (name, unit), linear in zip(found, linear_masks(found, 0.0, "freeze")):
         if snap_zero:
+            a = unit.slope.detach()
             zero = (a <= tol) & (unit.frozen != 0).to(a.device)
             sites[name]["snapped_zero"] = int(zero.sum())
             unit.freeze_(zero, 0.0)
-        sites[name]["linear_after"] = int((a == 1).sum())
+        sites[name]["linear_after"] = int(linear.sum())
     return FreezeSummary(sites, skipped)
 

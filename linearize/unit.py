@@ -30,6 +30,7 @@ from torch.overrides import handle_torch_function, has_torch_function_variadic
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 from torch.utils.weak import WeakIdKeyDictionary
 
+from .checks import NonFiniteSlopeError, check_channel_dim, check_tol
 from .kernels import cpu_prelu
 
 __all__ = [
@@ -37,6 +38,10 @@ __all__ = [
     "units",
     "count_units",
     "nonlinear_fraction",
+    "linear_masks",
+    "count_channels",
+    "check_finite_slopes",
+    "NonFiniteSlopeError",
     "project_slopes",
     "install_optimizer_hooks",
     "require_units",
@@ -181,6 +186,7 @@ class LinearizableActivation(nn.Module):
             raise ValueError(f"num_channels must be a positive int, got {num_channels!r}")
         if not 0.0 <= init_slope <= 1.0:
             raise ValueError(f"init_slope must lie in [0, 1], got {init_slope}")
+        channel_dim = check_channel_dim(channel_dim)
         if act == "relu":
             act = nn.ReLU()
         if isinstance(act, nn.Module):
@@ -286,9 +292,12 @@ class LinearizableActivation(nn.Module):
         """Let every channel train again."""
         self.frozen.fill_(math.nan)
 
-    def linear_mask(self, tol: float = 0.0) -> torch.Tensor:
-        """Bool ``[C]``: channels that count as linear (``a >= 1 - tol``)."""
-        return self.slope.detach() >= 1.0 - tol
+    def linear_mask(self, tol: float = 0.0, name: str | None = None) -> torch.Tensor:
+        """Bool ``[C]``: channels that count as linear (``a >= 1 - tol``, see :func:`linear_masks`).
+
+        Raises :class:`NonFiniteSlopeError` (naming ``name``, or the unit's kind) on a NaN/inf slope.
+        """
+        return linear_masks([(name or f"<{self.kind} unit>", self)], tol, "linear_mask")[0]
 
     def extra_repr(self) -> str:
         return f"{self.kind}, channels={self.num_channels}, channel_dim={self.channel_dim}"
@@ -333,21 +342,65 @@ def require_units(model: nn.Module, why: str = "") -> list[tuple[str, Linearizab
     return found
 
 
-def count_units(model: nn.Module, tol: float = 0.0) -> dict:
-    """Channel counts: ``{"total", "nonlinear", "linear", "sites": {name: {...}}}``.
+def check_finite_slopes(named_units: Iterable[tuple[str, LinearizableActivation]], where: str) -> None:
+    """Raise :class:`NonFiniteSlopeError` naming every unit with a NaN/inf slope; ``where`` names the caller.
 
-    A channel is linear when its slope ``a >= 1 - tol``. Each site entry holds ``total``,
-    ``nonlinear``, ``linear``, ``fraction`` (nonlinear / total) and ``kind``. A gated model
-    (DGN/DLGN, :mod:`linearize.gated`) has gates instead of slopes: every gate channel counts as
-    nonlinear (see ``linearize.gated.gate_statistics`` for how often gates switch on data).
+    After a divergence the slopes are NaN: they are neither linear nor nonlinear, so no count,
+    fraction, history, projection or fold may turn them into a number. One device sync per
+    device and dtype (the slopes are concatenated); frozen channels are not exempt: a frozen
+    slope is restored to its frozen value (0 or 1) after every step, so it is finite unless the
+    model itself was corrupted.
     """
-    found = units(model)
-    if found:
-        per_site = [(n, u.kind, u.num_channels, int(u.linear_mask(tol).sum())) for n, u in found]
-    elif callable(getattr(model, "gates", None)):
-        per_site = [(n, g.kind, g.num_channels, 0) for n, g in model.gates()]
-    else:
-        require_units(model)
+    named = list(named_units)
+    groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+    for i, (_, unit) in enumerate(named):
+        groups.setdefault((unit.slope.device, unit.slope.dtype), []).append(i)
+    slope = lambda i: named[i][1].slope.detach()  # noqa: E731
+    bad: list[int] = []
+    for idx in groups.values():
+        if not bool(torch.isfinite(torch.cat([slope(i) for i in idx])).all()):
+            bad += [i for i in idx if not bool(torch.isfinite(slope(i)).all())]
+    if bad:
+        sites = []
+        for i in sorted(bad)[:5]:
+            name, unit = named[i]
+            a = unit.slope.detach()
+            sites.append(f"{name!r} ({int(torch.isnan(a).sum())} NaN, {int(torch.isinf(a).sum())} inf "
+                         f"of {unit.num_channels} channels)")
+        more = f" and {len(bad) - 5} more" if len(bad) > 5 else ""
+        raise NonFiniteSlopeError(
+            f"{where}: non-finite slopes in {len(bad)} unit(s): {', '.join(sites)}{more}. Training "
+            "diverged (a NaN/inf loss or gradient reached the slopes): a NaN slope is neither linear nor "
+            "nonlinear, so nothing is counted. Restore a checkpoint and lower the learning rate or lam."
+        )
+
+
+def linear_masks(
+    named_units: Iterable[tuple[str, LinearizableActivation]], tol: float = 0.0, where: str = "linear_masks"
+) -> list[torch.Tensor]:
+    """The one definition of a linear channel: bool ``[C]`` per unit, True where ``a >= 1 - tol``.
+
+    A channel is *nonlinear* exactly when it is not linear (its slope is below ``1 - tol``); every
+    count, fraction, history, projection and fold in the package uses these masks. ``tol`` lies
+    in ``[0, 1)`` (:func:`linearize.checks.check_tol`). A NaN/inf slope is neither:
+    :class:`NonFiniteSlopeError` names the units (see :func:`check_finite_slopes`).
+    """
+    named = list(named_units)
+    tol = check_tol(tol)
+    check_finite_slopes(named, where)
+    return [unit.slope.detach() >= 1.0 - tol for _, unit in named]
+
+
+def count_channels(
+    named_units: Iterable[tuple[str, LinearizableActivation]], tol: float = 0.0, where: str = "count_units"
+) -> dict:
+    """:func:`count_units` of the given ``(name, unit)`` pairs (the :class:`~linearize.Sparsifier` counts its own)."""
+    named = list(named_units)
+    masks = linear_masks(named, tol, where)
+    return _counts([(n, u.kind, u.num_channels, int(m.sum())) for (n, u), m in zip(named, masks)])
+
+
+def _counts(per_site: list[tuple[str, str, int, int]]) -> dict:
     sites = {
         name: {"kind": kind, "total": total, "nonlinear": total - lin, "linear": lin,
                "fraction": (total - lin) / total}
@@ -358,22 +411,44 @@ def count_units(model: nn.Module, tol: float = 0.0) -> dict:
     return {"total": total, "nonlinear": nonlinear, "linear": total - nonlinear, "sites": sites}
 
 
+def count_units(model: nn.Module, tol: float = 0.0) -> dict:
+    """Channel counts: ``{"total", "nonlinear", "linear", "sites": {name: {...}}}``.
+
+    A channel is linear when its slope ``a >= 1 - tol`` (``tol`` in ``[0, 1)``), nonlinear
+    otherwise (:func:`linear_masks`); a NaN/inf slope raises :class:`NonFiniteSlopeError`. Each site entry holds ``total``,
+    ``nonlinear``, ``linear``, ``fraction`` (nonlinear / total) and ``kind``. A gated model
+    (DGN/DLGN, :mod:`linearize.gated`) has gates instead of slopes: every gate channel counts as
+    nonlinear (see ``linearize.gated.gate_statistics`` for how often gates switch on data).
+    """
+    if not units(model) and callable(getattr(model, "gates", None)):
+        check_tol(tol)
+        return _counts([(n, g.kind, g.num_channels, 0) for n, g in model.gates()])
+    return count_channels(require_units(model), tol, "count_units")
+
+
 def nonlinear_fraction(model: nn.Module, tol: float = 0.0) -> float:
-    """Fraction in ``[0, 1]`` of channels (over all units) whose slope is below ``1 - tol``."""
+    """Fraction in ``[0, 1]`` of channels (over all units) whose slope is below ``1 - tol`` (see :func:`count_units`)."""
     counts = count_units(model, tol)
     return counts["nonlinear"] / counts["total"]
 
 
 @torch.no_grad()
 def project_slopes(model_or_units: nn.Module | Iterable[LinearizableActivation]) -> None:
-    """Clamp every slope to ``[0, 1]`` and restore frozen channels (what the optimizer hook does)."""
+    """Clamp every slope to ``[0, 1]`` and restore frozen channels (what the optimizer hook does).
+
+    A non-finite slope stays non-finite: NaN passes the clamp, and ``+-inf`` becomes NaN first
+    (``lerp(a, a, 0) = a + 0 * (a - a)``: exact for finite ``a``, one kernel, no device sync), so a
+    diverged slope is never projected to exactly 0 or 1 and the next count or
+    :meth:`Sparsifier.step` reports it (:func:`check_finite_slopes`).
+    """
     mods = (
         [u for _, u in units(model_or_units)]
         if isinstance(model_or_units, nn.Module)
         else list(model_or_units)
     )
-    if mods:  # one clamp kernel per bound for all units
+    if mods:  # one kernel per operation for all units
         slopes = [unit.slope for unit in mods]
+        torch._foreach_lerp_(slopes, slopes, 0.0)  # inf -> NaN, finite unchanged
         torch._foreach_clamp_min_(slopes, 0.0)
         torch._foreach_clamp_max_(slopes, 1.0)
         for unit in mods:

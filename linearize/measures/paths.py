@@ -54,8 +54,9 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakTensorKeyDictionary
 
+from ..checks import check_tol
 from ..conversion import call_model
-from ..unit import LinearizableActivation, units
+from ..unit import LinearizableActivation, check_finite_slopes, units
 
 __all__ = ["average_path_length", "PathLengthResult"]
 
@@ -323,7 +324,8 @@ def average_path_length(
             runs one forward pass (eval mode, no grad), so a batch of 1-2 samples suffices.
         normalized: ``True`` for the equal-split random walk, ``False`` for every channel-level
             path equally likely (see the module docstring for both definitions).
-        tol: a channel is nonlinear when its slope ``a < 1 - tol``.
+        tol: in ``[0, 1)``: a channel is nonlinear when its slope ``a < 1 - tol``
+            (:func:`linearize.unit.linear_masks`; NaN/inf slopes raise ``NonFiniteSlopeError``).
         method: ``"auto"``, ``"fx"`` (torch.fx trace) or ``"record"`` (tensor provenance during a
             real forward).
         sources: which inputs start paths: dict keys or tuple positions. Default: the main
@@ -337,6 +339,8 @@ def average_path_length(
         raise ValueError(f"method must be 'auto', 'fx' or 'record', got {method!r}")
     if not units(model):
         raise ValueError("the model has no linearizable units: call linearize.convert(model) first")
+    tol = check_tol(tol)
+    check_finite_slopes(units(model), "average_path_length")
     srcs = _sources(example_inputs, model, sources)
     was_training = model.training
     model.eval()

@@ -1,0 +1,301 @@
+"""Issue 16, items 6 and 11: NaN/inf slopes never become a number, and arguments are validated.
+
+Expected counts are worked out by hand from slopes set by the test; every entry point must agree
+on them (one definition of a linear channel) and must raise, naming the unit, on a NaN/inf slope.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from collections import OrderedDict
+
+import pytest
+import torch
+from torch import nn
+
+import linearize
+from linearize import reporting
+from linearize.folding import FoldVerificationError
+from linearize.measures import average_path_length
+from linearize.unit import LinearizableActivation
+
+NAN, INF = float("nan"), float("inf")
+
+
+def two_units() -> nn.Sequential:
+    """Units 'a' (4 channels) and 'b' (3) with slopes a = [1, 0.999, 0.5, 0], b = [1, 1, 0.2]."""
+    torch.manual_seed(0)
+    model = nn.Sequential(OrderedDict(
+        fc1=nn.Linear(3, 4), a=LinearizableActivation("relu", 4, -1),
+        fc2=nn.Linear(4, 3), b=LinearizableActivation("relu", 3, -1), out=nn.Linear(3, 2),
+    )).eval()
+    with torch.no_grad():
+        model.a.slope.copy_(torch.tensor([1.0, 0.999, 0.5, 0.0]))
+        model.b.slope.copy_(torch.tensor([1.0, 1.0, 0.2]))
+    return model
+
+
+# ----------------------------------------------------------------------------- one definition
+
+
+def test_every_count_agrees_with_hand_counts_and_none_counts_nan():
+    model = two_units()
+    # tol = 0: linear a[0], b[0], b[1] -> 4 of 7 nonlinear; tol = 0.01 adds a[1] -> 3 of 7
+    counts = linearize.count_units(model)
+    assert (counts["nonlinear"], counts["linear"]) == (4, 3)
+    assert (counts["sites"]["a"]["nonlinear"], counts["sites"]["b"]["nonlinear"]) == (3, 1)
+    assert linearize.count_units(model, tol=0.01)["nonlinear"] == 3
+    assert linearize.nonlinear_fraction(model) == pytest.approx(4 / 7)
+    sp = linearize.Sparsifier(model, total_steps=10, lr=0.1)
+    assert sp.nonlinear_fraction() == pytest.approx(4 / 7)
+    assert sp.linear_units() == 3
+    # path length of a chain: sum over units of nonlinear / width = 3/4 + 1/3
+    apl = average_path_length(model, torch.randn(2, 3), tol=0.0)
+    assert apl == pytest.approx(3 / 4 + 1 / 3)
+    _poison(model)  # before: the Sparsifier said 3/7 (NaN counted linear), count_units 4/7 (nonlinear)
+    for count in (linearize.count_units, linearize.nonlinear_fraction, lambda m: sp.nonlinear_fraction(),
+                  lambda m: sp.linear_units()):
+        with pytest.raises(ValueError, match="non-finite slopes"):
+            count(model)
+
+
+def _poison(model: nn.Module, value: float = NAN) -> nn.Module:
+    with torch.no_grad():
+        model.b.slope[1] = value
+    return model
+
+
+ENTRY_POINTS = {
+    "count_units": lambda m: linearize.count_units(m),
+    "nonlinear_fraction": lambda m: linearize.nonlinear_fraction(m),
+    "Sparsifier.nonlinear_fraction": lambda m: linearize.Sparsifier(m, total_steps=4, lr=0.1).nonlinear_fraction(),
+    "Sparsifier.linear_units": lambda m: linearize.Sparsifier(m, total_steps=4, lr=0.1).linear_units(),
+    "freeze": lambda m: linearize.freeze(m),
+    "fold": lambda m: linearize.fold(m, torch.randn(5, 3), latency=False),
+    "average_path_length": lambda m: average_path_length(m, torch.randn(2, 3)),
+    "stable_units (data)": lambda m: linearize.stable_units(m, torch.randn(8, 3)),
+    "stable_units (box)": lambda m: linearize.stable_units(m, (torch.zeros(3), torch.ones(3))),
+    "report": lambda m: linearize.report(m, torch.randn(8, 3), progress=False, skip=["affinity", "regions"]),
+}
+
+
+@pytest.mark.parametrize("value", [NAN, INF])
+@pytest.mark.parametrize("entry", list(ENTRY_POINTS))
+def test_nonfinite_slope_raises_naming_the_unit(entry, value):
+    model = _poison(two_units(), value)
+    with pytest.raises(ValueError, match=r"non-finite slopes in 1 unit\(s\): 'b' \(\d NaN, \d inf of 3 channels\)"):
+        ENTRY_POINTS[entry](model)
+    if value != value:  # NaN: nothing above rewrote it
+        assert math.isnan(model.b.slope[1].item())
+
+
+def test_unit_linear_mask_refuses_nan():
+    model = _poison(two_units())
+    with pytest.raises(ValueError, match=r"non-finite slopes in 1 unit\(s\): '<relu unit>'"):
+        model.b.linear_mask()
+    assert model.a.linear_mask().tolist() == [True, False, False, False]
+
+
+def test_sparsifier_step_raises_and_logs_no_number_after_divergence():
+    model = two_units()
+    linearize.freeze(model, tol=0.01)  # frozen channels (the buffer holds NaN for free ones) are no divergence
+    assert linearize.count_units(model)["nonlinear"] == 3  # a[1] = 0.999 snapped to 1
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sp = linearize.Sparsifier(model, linearize.schedules.target(0.5, start=0, end=0.5), total_steps=10,
+                              lam=0.1, log_every=1).attach(opt)
+    model(torch.randn(4, 3)).sum().backward()
+    opt.step()
+    assert len(sp.history) == 1
+    logged = list(sp.history)
+    _poison(model)
+    with pytest.raises(ValueError, match=r"Sparsifier\.step.*non-finite slopes.*'b'") as raised:
+        opt.step()  # the attached hook runs Sparsifier.step
+    assert isinstance(raised.value, linearize.NonFiniteSlopeError)
+    assert sp.history == logged  # no NaN counted as linear (0.0) in the history
+    assert math.isnan(model.b.slope[1].item())  # the target projection did not set it to 1.0
+
+
+def test_infinite_slope_is_not_projected_to_one():
+    model = _poison(two_units(), INF)
+    linearize.project_slopes(model)  # what the global optimizer hook runs after every step
+    b = model.b.slope.detach().tolist()
+    assert math.isnan(b[1])  # still non-finite, not clamped to exactly 1
+    assert b[0] == 1.0 and b[2] == pytest.approx(0.2)  # finite ones untouched
+    with pytest.raises(linearize.NonFiniteSlopeError):
+        linearize.count_units(model)
+
+
+# ----------------------------------------------------------------------------- tol
+
+
+BAD_TOLS = [-0.1, 1.0, 2.0, NAN]
+
+
+@pytest.mark.parametrize("tol", BAD_TOLS)
+@pytest.mark.parametrize("call", [
+    lambda m, t: linearize.count_units(m, t),
+    lambda m, t: linearize.nonlinear_fraction(m, t),
+    lambda m, t: linearize.report(m, torch.randn(8, 3), tol=t, progress=False),
+    lambda m, t: average_path_length(m, torch.randn(2, 3), tol=t),
+    lambda m, t: m.a.linear_mask(t),
+], ids=["count_units", "nonlinear_fraction", "report", "average_path_length", "linear_mask"])
+def test_tol_outside_its_range_is_refused(call, tol):
+    with pytest.raises(ValueError, match="tol must"):
+        call(two_units(), tol)
+
+
+def _report_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="linearize")
+    reporting.register_cli(parser.add_subparsers())
+    return parser
+
+
+@pytest.mark.parametrize("flag,value", [("--tol", "2"), ("--tol", "-1"), ("--tol", "nan"), ("--batch-size", "0"),
+                                        ("--batch-size", "-3"), ("--num-samples", "1"), ("--max-length", "0")])
+def test_cli_refuses_out_of_range_numbers(flag, value, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        _report_parser().parse_args(["report", "resnet18", "--data", "digits", flag, value])
+    assert exit_info.value.code == 2  # an argparse usage error, not a traceback later
+    assert flag in capsys.readouterr().err
+
+
+def test_report_refuses_bad_sizes():
+    with pytest.raises(ValueError, match="batch_size must be an int >= 1"):
+        linearize.report(two_units(), torch.randn(8, 3), batch_size=0, progress=False)
+    with pytest.raises(ValueError, match="max_samples"):
+        linearize.report(two_units(), torch.randn(8, 3), max_samples=1, progress=False)
+
+
+# ----------------------------------------------------------------------------- history
+
+
+@pytest.mark.parametrize("text,why", [
+    ("{not json", "not valid JSON"),
+    ('{"history": [{"step": 1, "sites": {"a": NaN}}]}', "not a fraction"),
+    ('{"history": [{"step": 1, "sites": {"a": 0.5}, "nonlinear_fraction": 3}]}', "not a fraction"),
+    ('{"history": [{"sites": {"a": 0.5}}]}', "no 'step' key"),
+    ('{"history": []}', "is empty"),
+])
+def test_corrupt_history_fails_before_any_measure_naming_the_file(tmp_path, monkeypatch, text, why):
+    path = tmp_path / "my_history.json"
+    path.write_text(text)
+
+    def no_measure(*args, **kwargs):
+        raise AssertionError("a measure ran before the history was checked")
+
+    monkeypatch.setattr(reporting, "_check_finite", no_measure)
+    with pytest.raises(ValueError, match=f"my_history.json.*{why}"):
+        linearize.report(two_units(), torch.randn(8, 3), history=path, progress=False)
+
+
+# ----------------------------------------------------------------------------- conversion
+
+
+def fourteen_layers() -> nn.Sequential:
+    """Linear layers at 0, 2, ..., 14 and ReLUs at 1, 3, ..., 13."""
+    layers = []
+    for _ in range(7):
+        layers += [nn.Linear(4, 4), nn.ReLU()]
+    return nn.Sequential(*layers, nn.Linear(4, 2))
+
+
+def test_a_string_pattern_is_one_pattern_not_its_characters():
+    model = linearize.convert(fourteen_layers(), target_modules="13", example_inputs=torch.randn(2, 4))
+    assert [n for n, _ in linearize.units(model)] == ["13"]
+    model = linearize.convert(fourteen_layers(), exclude_modules="13", example_inputs=torch.randn(2, 4))
+    assert [n for n, _ in linearize.units(model)] == ["1", "3", "5", "7", "9", "11"]
+    with pytest.raises(ValueError, match=r"target_modules pattern '\(' is not a valid regular expression"):
+        linearize.LinearizeConfig(target_modules="(")
+
+
+def test_channel_dim_is_checked_against_the_input():
+    x = torch.randn(2, 4)
+    with pytest.raises(ValueError, match="batch dimension"):
+        linearize.convert(fourteen_layers(), channel_dim=0, example_inputs=x)
+    with pytest.raises(ValueError, match=r"channel_dim=2 is out of range for the 2-dim input at activation '1'"):
+        linearize.convert(fourteen_layers(), channel_dim=2, example_inputs=x)
+    with pytest.raises(ValueError, match="batch dimension"):
+        LinearizableActivation("relu", 4, channel_dim=0)
+    model = linearize.convert(fourteen_layers(), channel_dim=-1, example_inputs=x)
+    assert all(u.num_channels == 4 for _, u in linearize.units(model))
+
+
+def test_config_refuses_nan_beta():
+    with pytest.raises(ValueError, match="beta"):
+        linearize.LinearizeConfig(beta=NAN)
+
+
+# ----------------------------------------------------------------------------- fold and compress
+
+
+def test_fold_refuses_empty_batches_and_bad_tolerances():
+    model = two_units()
+    with pytest.raises(ValueError, match="empty batch"):
+        linearize.fold(model, torch.randn(0, 3), latency=False)
+    for kwargs in ({"rtol": NAN}, {"rtol": 0.0}, {"rtol": INF}, {"atol": NAN}, {"atol": -1.0}):
+        name = next(iter(kwargs))
+        with pytest.raises(ValueError, match=name):
+            linearize.fold(model, torch.randn(4, 3), latency=False, **kwargs)
+
+
+def test_fold_names_nan_outputs_instead_of_the_tolerance():
+    model = two_units()
+    with torch.no_grad():
+        model.out.bias[0] = NAN
+    with pytest.raises(ValueError, match="own output .* NaN/inf"):
+        linearize.fold(model, torch.randn(4, 3), latency=False)
+
+
+def _mlp() -> nn.Sequential:
+    torch.manual_seed(3)
+    return nn.Sequential(nn.Linear(2, 8), nn.ReLU(), nn.Linear(8, 2)).eval()
+
+
+def test_compress_raises_the_fold_verification_error():
+    model = _mlp()
+    narrow = torch.rand(100, 2) * 0.1
+    with pytest.raises(FoldVerificationError, match="not lossless"):  # as fold, not a bare RuntimeError
+        linearize.compress(model, narrow, data=torch.randn(100, 2) * 5)
+
+
+def test_compress_refuses_nan_outputs_and_bad_arguments():
+    model = _mlp()
+    box = (torch.zeros(2), torch.ones(2))
+    with torch.no_grad():
+        model[2].bias[0] = NAN  # a NaN difference must not pass as "lossless"
+    with pytest.raises(ValueError, match="own output has NaN/inf"):
+        linearize.compress(model, box)
+    for kwargs in ({"rtol": NAN}, {"rank_tol": -1.0}, {"samples": 0}):
+        with pytest.raises(ValueError, match=next(iter(kwargs))):
+            linearize.compress(_mlp(), box, **kwargs)
+
+
+def test_stable_units_refuses_nan_prelu_weights():
+    model = nn.Sequential(nn.Linear(2, 3), nn.PReLU(3), nn.Linear(3, 1)).eval()
+    with torch.no_grad():
+        model[1].weight[0] = NAN
+    with pytest.raises(ValueError, match="'1' .* NaN/inf negative slopes"):
+        linearize.stable_units(model, (torch.zeros(2), torch.ones(2)))
+
+
+# ----------------------------------------------------------------------------- Sparsifier
+
+
+def test_one_optimizer_takes_one_sparsifier():
+    model = two_units()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    first = linearize.Sparsifier(model, total_steps=10).attach(opt)
+    with pytest.raises(RuntimeError, match="another Sparsifier is already attached"):
+        linearize.Sparsifier(model, total_steps=10).attach(opt)
+    with pytest.raises(RuntimeError, match="already attached"):
+        first.attach(opt)
+    first.detach()
+    second = linearize.Sparsifier(model, total_steps=10).attach(opt)  # allowed once the first let go
+    assert second._hook is not None
+
+
+def test_sparsifier_refuses_bad_lr_and_log_every():
+    for kwargs in ({"lr": NAN}, {"lr": -0.1}, {"log_every": 0}):
+        with pytest.raises(ValueError, match=next(iter(kwargs))):
+            linearize.Sparsifier(two_units(), total_steps=10, **kwargs)
