@@ -403,7 +403,9 @@ def _check_agree(directory: Path, tensors: dict[str, torch.Tensor]) -> None:
     if not hf.has_manifest(directory):
         return
     found, path = hf.read_unit_tensors(directory, sorted(tensors))
-    differ = sorted(k for k, t in found.items() if not torch.equal(t.to(tensors[k].dtype), tensors[k]))
+    differ = sorted(k for k, t in found.items()
+                    if t.shape != tensors[k].shape or not torch.equal(t.to(tensors[k].dtype).nan_to_num(-1.0),
+                                                                      tensors[k].nan_to_num(-1.0)))
     if differ:
         raise LoadError(f"{path} and {directory / CONFIG_NAME} hold different unit tensors (e.g. {differ[:3]}): "
                         "one of them is stale (saved at another time). Save the model again with both "

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,7 @@ import linearize
 from linearize import LoadError
 
 hf = pytest.importorskip("transformers")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "recipes"))
 
 
 def _bert() -> torch.nn.Module:
@@ -127,3 +129,27 @@ def test_trainer_checkpoint_loads_and_resumes(tmp_path):
     resumed = build()
     hf.Trainer(model=resumed, args=args, train_dataset=data).train(resume_from_checkpoint=str(ckpt))
     assert torch.equal(_out(resumed, X), ref)
+
+
+def test_wmt14_load_model_returns_the_model(tmp_path, capfd):
+    import argparse
+
+    import wmt14
+
+    model = wmt14.build_model("tiny", vocab_size=40)
+    torch.manual_seed(0)
+    linearize.convert(model.eval(), example_inputs=wmt14.example_inputs())
+    with torch.no_grad():
+        for _, u in linearize.units(model):
+            u.slope.uniform_(0, 1)
+    tokenizer = wmt14.train_tokenizer([("a dog runs", "ein hund rennt")] * 8, 40, False)
+    args = argparse.Namespace(model_size="tiny", source_lang="en", target_lang="de", linearize="prelu")
+    wmt14.save_final(model, tokenizer, tmp_path, args)
+    capfd.readouterr()
+    loaded = wmt14.load_model(tmp_path)
+    assert isinstance(loaded, torch.nn.Module)  # the model, as the README says (was a tuple)
+    assert "UNEXPECTED" not in "".join(capfd.readouterr())
+    inputs = wmt14.example_inputs()
+    with torch.no_grad():
+        assert torch.equal(loaded.eval()(**inputs).logits, model(**inputs).logits)
+    assert wmt14.load_tokenizer(tmp_path)("a dog").input_ids[-1] == wmt14.EOS

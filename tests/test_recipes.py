@@ -184,7 +184,7 @@ def test_wmt_metrics_and_model(wmt_full):
     import linearize
     import wmt14
 
-    model, tokenizer = wmt14.load_model(wmt_full / "model")
+    model, tokenizer = wmt14.load_model(wmt_full / "model"), wmt14.load_tokenizer(wmt_full / "model")
     loaded = {f"{n}.slope": u.slope.detach() for n, u in linearize.units(model)}
     assert_same_tensors(loaded, slopes(wmt_full), atol=0)
     assert tokenizer("a dog").input_ids[-1] == wmt14.EOS
