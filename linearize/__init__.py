@@ -26,6 +26,8 @@ _EXPORTS = {
     "save_pretrained": "serialization",
     "from_pretrained": "serialization",
     "LoadError": "serialization",
+    "save_folded": "deploy",
+    "load_folded": "deploy",
     # sparsity pressure
     "Sparsifier": "sparsifier",
     "param_groups": "sparsifier",

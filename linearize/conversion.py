@@ -467,6 +467,9 @@ def _check_model(model: object) -> None:
             "this model is already converted (it has linearize units); convert the original model, "
             "or load saved units with linearize.from_pretrained(fresh_model, directory)"
         )
+    from .hf import refuse_stripped
+
+    refuse_stripped(model)  # saved converted, loaded plain: its units were dropped
 
 
 def convert(
@@ -528,6 +531,9 @@ def convert(
         install_call_sites(owner, attr, made)
     model.linearize_config = config
     model.linearize_report = report
+    from .hf import mark
+
+    mark(model)  # config.json of model.save_pretrained / Trainer checkpoints carries the manifest
     install_optimizer_hooks()
     problems = report.problems()
     if problems:

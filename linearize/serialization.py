@@ -210,10 +210,13 @@ def _remove_stale(directory: Path, keep: str) -> None:
                 path.unlink()
 
 
-def _parse_manifest(raw: bytes, path: Path) -> dict[str, Any]:
+def _parse_manifest(raw: bytes, path: Path, weights: bool = True) -> dict[str, Any]:
     """The checked contents of ``linearize_config.json``: ``format``, ``config`` (a
     :class:`LinearizeConfig`), ``sites`` and ``weights`` (``file``, ``bytes``, ``sha256``; the last
-    two None for format 1). Raises :class:`LoadError` naming ``path``."""
+    two None for format 1). Raises :class:`LoadError` naming ``path``.
+
+    ``weights=False``: the manifest an HF ``config.json`` carries (``linearize`` key), whose tensors
+    are in the model's own weights: no ``weights`` entry (returned as None)."""
 
     def bad(what: str) -> LoadError:
         return LoadError(f"{path}: {what}. The sidecar config is damaged or was edited. {_SAVE_AGAIN}")
@@ -229,7 +232,7 @@ def _parse_manifest(raw: bytes, path: Path) -> dict[str, Any]:
         raise LoadError(f"{path}: unsupported sidecar format {fmt!r}; this linearize reads formats 1 and "
                         f"{FORMAT_VERSION}. If a newer linearize wrote it, upgrade linearize; else the file is "
                         f"damaged. {_SAVE_AGAIN}")
-    missing = [k for k in ("config", "sites", "weights")[: 3 if fmt >= 2 else 2] if k not in meta]
+    missing = [k for k in ("config", "sites", "weights")[: 3 if fmt >= 2 and weights else 2] if k not in meta]
     if missing:
         raise bad(f"missing {', '.join(map(repr, missing))}")
     if not isinstance(meta["config"], dict):
@@ -243,6 +246,8 @@ def _parse_manifest(raw: bytes, path: Path) -> dict[str, Any]:
         raise bad("'sites' must be a list of {name, kind, num_channels >= 1, channel_dim}")
     if len({s["name"] for s in sites}) != len(sites):
         raise bad("'sites' names a unit twice")
+    if not weights:
+        return {"format": fmt, "config": config, "sites": sites, "weights": None}
     if fmt == 1:
         return {"format": fmt, "config": config, "sites": sites,
                 "weights": {"file": LEGACY_WEIGHTS_NAME, "bytes": None, "sha256": None}}
@@ -375,12 +380,49 @@ def _load_checked(directory: Path) -> tuple[dict[str, Any], dict[str, torch.Tens
     return meta, tensors, path
 
 
-def from_pretrained(model: nn.Module, directory: str | os.PathLike, example_inputs: Any = None) -> nn.Module:
+def _load_hf_checked(directory: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor], Path]:
+    """``(manifest, unit tensors, weights file)`` of a converted HF model saved with its own
+    ``save_pretrained`` (manifest in ``config.json``, units in its weights), checked as a sidecar is."""
+    from . import hf
+
+    meta = hf.read_manifest(directory)
+    if meta["config"].mode != "prelu":
+        raise LoadError(f"{directory / hf.HF_CONFIG}: gated mode {meta['config'].mode!r} is saved with "
+                        "linearize.save_pretrained(model, directory) only")
+    keys = [f"{s['name']}.{k}" for s in meta["sites"] for k in ("slope", "frozen")]
+    tensors, path = hf.read_unit_tensors(directory, keys)
+    _check_unit_tensors(tensors, meta["sites"], path)
+    return meta, tensors, path
+
+
+def _check_agree(directory: Path, tensors: dict[str, torch.Tensor]) -> None:
+    """Refuse a directory whose HF weights hold unit tensors other than the sidecar's: one of them
+    was saved later (``model.save_pretrained`` into a folder with an older sidecar)."""
+    from . import hf
+
+    if not hf.has_manifest(directory):
+        return
+    found, path = hf.read_unit_tensors(directory, sorted(tensors))
+    differ = sorted(k for k, t in found.items()
+                    if t.shape != tensors[k].shape or not torch.equal(t.to(tensors[k].dtype).nan_to_num(-1.0),
+                                                                      tensors[k].nan_to_num(-1.0)))
+    if differ:
+        raise LoadError(f"{path} and {directory / CONFIG_NAME} hold different unit tensors (e.g. {differ[:3]}): "
+                        "one of them is stale (saved at another time). Save the model again with both "
+                        "model.save_pretrained(directory) and linearize.save_pretrained(model, directory), or "
+                        f"remove {CONFIG_NAME} to load the units of model.save_pretrained.")
+
+
+def from_pretrained(model: nn.Module | type, directory: str | os.PathLike, example_inputs: Any = None,
+                    **hf_kwargs: Any) -> nn.Module:
     """Re-convert a freshly built base ``model`` with the saved config and load the saved units.
 
     Args:
-        model: the same architecture the sidecar was saved from, *not* converted.
-        directory: a folder written by :func:`save_pretrained`.
+        model: the same architecture the sidecar was saved from, *not* converted; or a Hugging
+            Face model class (``AutoModel``, ``BertModel`` ...), loaded from ``directory`` with
+            ``from_pretrained(directory, **hf_kwargs)`` (the unit tensors it holds are expected).
+        directory: a folder written by :func:`save_pretrained`, or by ``model.save_pretrained`` /
+            a Trainer checkpoint of a converted HF model (its ``config.json`` carries the manifest).
         example_inputs: the probe input for ``convert`` (needed for models whose input
             ``convert`` cannot guess).
 
@@ -388,12 +430,29 @@ def from_pretrained(model: nn.Module, directory: str | os.PathLike, example_inpu
     when the sidecar is missing, :class:`LoadError` (a ``ValueError``) naming the file and the unit
     when the sidecar is damaged, tampered with or inconsistent (checked before ``model`` is
     converted), and ``ValueError`` when its sites do not match the model.
+
+    Example::
+
+        model.save_pretrained("out")                      # a converted HF model (or a Trainer)
+        model = linearize.from_pretrained(AutoModel, "out")
     """
+    from . import hf
     from .conversion import convert
 
     directory = Path(directory)
-    meta, tensors, path = _load_checked(directory)
+    if (directory / CONFIG_NAME).is_file() or not hf.has_manifest(directory):
+        meta, tensors, path = _load_checked(directory)
+        if meta["config"].mode == "prelu":
+            _check_agree(directory, tensors)
+    else:
+        meta, tensors, path = _load_hf_checked(directory)
+    if isinstance(model, type):
+        keys = [f"{s['name']}.{k}" for s in meta["sites"] for k in ("slope", "frozen")]
+        model = hf.load_plain(model, directory, keys, hf_kwargs)
+    elif hf_kwargs:
+        raise TypeError(f"unexpected keyword arguments {sorted(hf_kwargs)} (only with a model class)")
     config = meta["config"]
+    hf.unmark(model)
     model = convert(model, config, example_inputs=example_inputs)
     found = _sites(model)
     if found != meta["sites"]:

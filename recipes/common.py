@@ -93,7 +93,7 @@ def add_linearize_args(parser: argparse.ArgumentParser, default_mode: str = "pre
                    help="strength of the L1 pressure on the slopes: each step moves them by lr * lam")
     g.add_argument("--tol", type=float, default=1e-3, help="a channel is linear when its slope >= 1 - tol")
     g.add_argument("--freeze", action="store_true", help="at the end, freeze linear channels at slope 1")
-    g.add_argument("--fold", action="store_true", help="at the end, fold linear parts away (folded.pt)")
+    g.add_argument("--fold", action="store_true", help="at the end, fold linear parts away (folded/)")
     g.add_argument("--report", action="store_true", help="at the end, write a linearize report (report/)")
     g.add_argument("--report-skip", "--report_skip", dest="report_skip", default="regions",
                    help="comma-separated report measures to skip (of units, path_length, affinity, regions, "
@@ -270,7 +270,8 @@ def freeze_units(model: nn.Module, args: argparse.Namespace) -> None:
 def fold_and_report(model: nn.Module, args: argparse.Namespace, example_inputs: Any, report_data: Any,
                     output_dir: Path, history: Path | None = None,
                     fold_counts: dict[str, Callable[[nn.Module], int]] | None = None) -> dict:
-    """``--fold`` (the folded model pickled to ``folded.pt``) and ``--report`` (``report/``).
+    """``--fold`` (the folded model in ``folded/``, :func:`linearize.save_folded`: safetensors + JSON, no
+    pickle; read it with ``linearize.load_folded(dir)``) and ``--report`` (``report/``).
 
     ``history``: the sparsifier history JSON, for the report's fraction-over-time plot.
     ``fold_counts``: recipe-specific counts (name -> function of a model), stored in the fold entry as
@@ -281,8 +282,8 @@ def fold_and_report(model: nn.Module, args: argparse.Namespace, example_inputs: 
     model.eval()
     if args.fold:
         folded = _feature("fold")(model, example_inputs)
-        path = output_dir / "folded.pt"
-        torch.save(folded, path)
+        path = output_dir / "folded"
+        _feature("save_folded")(folded, path)
         summary = folded.linearize_fold_summary
         out["fold"] = {"path": str(path), "params_before": summary.params_before, "params_after": summary.params_after,
                        "flops_before": summary.flops_before, "flops_after": summary.flops_after,

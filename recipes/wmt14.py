@@ -227,16 +227,30 @@ def example_inputs(batch: int = 2, length: int = 8) -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "decoder_input_ids": ids}
 
 
-def load_model(directory: str | Path) -> tuple[nn.Module, object]:
-    """``(model, tokenizer)`` saved by this recipe (``OUTPUT_DIR/model``)."""
-    from transformers import MarianMTModel, PreTrainedTokenizerFast
+def load_model(directory: str | Path) -> nn.Module:
+    """The ``MarianMTModel`` saved by this recipe (``OUTPUT_DIR/model``), converted and with its units
+    restored bit-identically when it was trained linearized (see :func:`load_tokenizer` for the tokenizer).
+
+    Example::
+
+        model = wmt14.load_model("out/model")
+        tokenizer = wmt14.load_tokenizer("out/model")
+    """
+    from transformers import MarianMTModel
 
     directory = Path(directory)
     meta = json.loads((directory / "recipe.json").read_text())
-    model = MarianMTModel.from_pretrained(str(directory))
-    if meta["linearize"] != "none":
-        model = linearize.from_pretrained(model, directory, example_inputs=example_inputs())
-    return model, PreTrainedTokenizerFast.from_pretrained(str(directory))
+    if meta["linearize"] == "none":
+        return MarianMTModel.from_pretrained(str(directory))
+    # loads the weights with the unit tensors expected (no UNEXPECTED-keys table), then the units
+    return linearize.from_pretrained(MarianMTModel, directory, example_inputs=example_inputs())
+
+
+def load_tokenizer(directory: str | Path):
+    """The tokenizer saved next to the model by this recipe (``OUTPUT_DIR/model``)."""
+    from transformers import PreTrainedTokenizerFast
+
+    return PreTrainedTokenizerFast.from_pretrained(str(directory))
 
 
 # ----------------------------------------------------------------------------- evaluation

@@ -112,7 +112,9 @@ def test_cifar_metrics_and_model(cifar_full):
     assert linearize.nonlinear_fraction(model) == pytest.approx(m["nonlinear_fraction"])
 
     # --fold: a plain model with the same function; --report: the report files
-    folded = torch.load(cifar_full / "folded.pt", weights_only=False).eval()
+    meta = json.loads((cifar_full / "model" / "recipe.json").read_text())
+    assert not (cifar_full / "folded.pt").exists()  # no pickle: safetensors + JSON, rebuilt on the recipe's base
+    folded = linearize.load_folded(cifar_full / "folded", base=cifar.build_model(meta["arch"], meta["num_classes"]))
     x = torch.randn(4, 3, 16, 16, generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         torch.testing.assert_close(folded(x), model.eval()(x), rtol=1e-4, atol=1e-4)
@@ -184,7 +186,7 @@ def test_wmt_metrics_and_model(wmt_full):
     import linearize
     import wmt14
 
-    model, tokenizer = wmt14.load_model(wmt_full / "model")
+    model, tokenizer = wmt14.load_model(wmt_full / "model"), wmt14.load_tokenizer(wmt_full / "model")
     loaded = {f"{n}.slope": u.slope.detach() for n, u in linearize.units(model)}
     assert_same_tensors(loaded, slopes(wmt_full), atol=0)
     assert tokenizer("a dog").input_ids[-1] == wmt14.EOS

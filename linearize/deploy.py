@@ -1,0 +1,385 @@
+"""Save and load folded models without pickle: ``save_folded(model, dir)`` / ``load_folded(dir)``.
+
+``linearize.fold`` returns a plain model whose structure differs from its family's (a BERT FFN
+narrowed plus a ``d x d`` linear path, merged convs, ...), so neither ``model.save_pretrained`` nor a
+state dict alone rebuilds it. A folded save holds:
+
+- ``folded.safetensors``: the whole state dict (loaded strictly);
+- ``folded.json``: how to rebuild the structure: the *base* (a Hugging Face class and its config, a
+  torchvision or timm builder and its keyword arguments, or ``"plain"``: the caller passes it), then
+  every module in order (qualified name, class, constructor arguments). Modules of an allow-list
+  (``torch.nn`` layers, linearize's fold modules, transformers activations) are built from their
+  arguments; any other class is taken from the base at the same name, and must have the same class
+  there. Anything else is refused with a :class:`LoadError` naming the class: loading runs no code
+  from the files.
+
+Example::
+
+    folded = linearize.fold(model, x)
+    linearize.save_folded(folded, "deploy/")
+    same = linearize.load_folded("deploy/")                  # HF, timm, all-torch.nn models
+    same = linearize.load_folded("deploy/", base=MyNet())    # your own classes
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import inspect
+import json
+import os
+from pathlib import Path
+from typing import Any, Callable
+
+import safetensors.torch
+import torch
+from torch import nn
+
+from ._files import LoadError, atomic_write
+
+__all__ = ["save_folded", "load_folded", "FOLDED_CONFIG", "FOLDED_WEIGHTS"]
+
+FOLDED_CONFIG = "folded.json"
+FOLDED_WEIGHTS = "folded.safetensors"
+FORMAT_VERSION = 1
+_JSON = (bool, int, float, str, type(None))
+
+
+# ----------------------------------------------------------------------------- allow-list
+
+
+def _nn_classes() -> dict[str, type]:
+    found = {}
+    for name in dir(nn):
+        obj = getattr(nn, name)
+        if isinstance(obj, type) and issubclass(obj, nn.Module) and obj.__module__.startswith("torch.nn.modules"):
+            found[f"torch.nn.{name}"] = obj
+    return found
+
+
+def _fold_classes() -> dict[str, type]:
+    from . import folding
+    from .conversion import CallSites, FunctionalActivation
+
+    names = ["ChannelPReLU", "ChannelBlend", "LinearWithPassthrough", "BorderBiasConv", "BorderExactConv", "_Residual"]
+    found = {f"linearize.folding.{n}": getattr(folding, n) for n in names if hasattr(folding, n)}
+    found["linearize.conversion.FunctionalActivation"] = FunctionalActivation
+    found["linearize.conversion.CallSites"] = CallSites  # one plain module per call of a reused site
+    return found
+
+
+def _hf_activation(name: str) -> type | None:
+    if not name.startswith("transformers.activations."):
+        return None
+    try:
+        acts = importlib.import_module("transformers.activations")
+    except ImportError:
+        return None
+    cls = getattr(acts, name.rsplit(".", 1)[1], None)
+    return cls if isinstance(cls, type) and issubclass(cls, nn.Module) else None
+
+
+def _allowed(name: str) -> type | None:
+    return _nn_classes().get(name) or _fold_classes().get(name) or _hf_activation(name)
+
+
+def _class_name(module: nn.Module) -> str:
+    cls = type(module)
+    if cls.__module__.startswith("torch.nn.modules") and getattr(nn, cls.__name__, None) is cls:
+        return f"torch.nn.{cls.__name__}"
+    if cls.__module__.startswith("transformers.activations"):
+        return f"transformers.activations.{cls.__name__}"
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+_FUNCTIONS = {f"torch.nn.functional.{n}": getattr(torch.nn.functional, n)
+              for n in ("relu", "relu6", "leaky_relu", "gelu", "silu", "hardswish", "mish", "elu", "celu", "selu",
+                        "softplus", "tanh", "sigmoid", "hardsigmoid", "hardtanh")}
+_FUNCTIONS.update({"torch.tanh": torch.tanh, "torch.sigmoid": torch.sigmoid, "torch.relu": torch.relu})
+
+
+# ----------------------------------------------------------------------------- module specs
+
+
+def _jsonable(v: Any) -> Any:
+    if isinstance(v, (tuple, list)):
+        return [_jsonable(x) for x in v]
+    if isinstance(v, _JSON):
+        return v
+    raise TypeError(type(v).__name__)
+
+
+def _tupled(v: Any) -> Any:
+    return tuple(_tupled(x) for x in v) if isinstance(v, list) else v
+
+
+def _shapes(module: nn.Module) -> dict[str, list[int] | None]:
+    """Shapes of the module's own parameters and buffers (None for an attribute set to None)."""
+    out: dict[str, list[int] | None] = {}
+    for store in (module._parameters, module._buffers):
+        for k, t in store.items():
+            out[k] = None if t is None else list(t.shape)
+    return out
+
+
+def _generic_args(module: nn.Module) -> dict[str, Any]:
+    """Constructor arguments of a ``torch.nn`` layer read back from its attributes of the same names."""
+    args: dict[str, Any] = {}
+    for p in list(inspect.signature(type(module).__init__).parameters)[1:]:
+        if p in ("device", "dtype", "_weight", "_freeze") or p.startswith("*"):
+            continue
+        if p == "bias" and ("bias" in module._parameters or hasattr(module, "bias")):
+            args[p] = getattr(module, "bias", None) is not None
+        elif p in ("elementwise_affine", "affine") and hasattr(module, p):
+            args[p] = bool(getattr(module, p))
+        elif hasattr(module, p) and not isinstance(getattr(module, p), (nn.Module, torch.Tensor)) and not callable(
+            getattr(module, p)
+        ):
+            try:
+                args[p] = _jsonable(getattr(module, p))
+            except TypeError:
+                raise ValueError(f"cannot record argument {p!r} of {type(module).__name__}") from None
+    return args
+
+
+def _spec(module: nn.Module) -> dict[str, Any]:
+    """``{"args": ...}`` for a module of the allow-list (raises ValueError for an unrecordable one)."""
+    from . import folding
+    from .conversion import FunctionalActivation
+
+    if isinstance(module, FunctionalActivation):
+        name = next((k for k, f in _FUNCTIONS.items() if f is module.fn), None)
+        if name is None:
+            raise ValueError(f"activation function {module.fn!r} is not one save_folded can record")
+        return {"fn": name, "kind": module.kind}
+    if isinstance(module, folding.ChannelPReLU):
+        return {"num_parameters": module.num_parameters, "channel_dim": module.channel_dim}
+    if isinstance(module, folding.ChannelBlend):
+        return {"channels": module.slope.numel(), "channel_dim": module.channel_dim}
+    if isinstance(module, folding.BorderBiasConv):
+        return {"tap_bias": list(module.tap_bias.shape), "inner_stride": _jsonable(module.inner_stride),
+                "stride": _jsonable(module.stride), "padding": _jsonable(module.padding),
+                "dilation": _jsonable(module.dilation)}
+    if isinstance(module, folding.BorderExactConv):
+        return {"shapes": _shapes(module), "first_geometry": _jsonable(module.first_geometry),
+                "second_geometry": _jsonable(module.second_geometry), "geometry": _jsonable(module.geometry)}
+    if type(module).__name__ in ("_Residual", "CallSites"):
+        return {}
+    return _generic_args(module)
+
+
+def _build(cls: type, args: dict[str, Any]) -> nn.Module:
+    """A module of the allow-listed ``cls`` from its recorded ``args`` (weights are loaded later)."""
+    from . import folding
+    from .conversion import FunctionalActivation
+
+    if cls is FunctionalActivation:
+        if args.get("fn") not in _FUNCTIONS:
+            raise ValueError(f"unknown activation function {args.get('fn')!r}")
+        return FunctionalActivation(_FUNCTIONS[args["fn"]], str(args.get("kind")))
+    if cls is folding.ChannelPReLU:
+        return cls(torch.zeros(int(args["num_parameters"])), int(args["channel_dim"]))
+    if cls is folding.ChannelBlend:
+        return cls(nn.Identity(), torch.zeros(int(args["channels"])), int(args["channel_dim"]))
+    if cls is folding.BorderBiasConv:
+        shape = [int(s) for s in args["tap_bias"]]
+        return cls(nn.Identity(), torch.zeros([shape[0], *shape[2:]]), *(_tupled(args[k]) for k in
+                                                                          ("inner_stride", "stride", "padding", "dilation")))
+    if cls is folding.BorderExactConv:
+        m = cls.__new__(cls)
+        nn.Module.__init__(m)
+        m.conv = nn.Identity()
+        for k, shape in args["shapes"].items():
+            if k not in ("first_weight", "first_bias", "second_weight"):
+                raise ValueError(f"unexpected tensor {k!r}")
+            setattr(m, k, None if shape is None else nn.Parameter(torch.zeros(shape), requires_grad=False))
+        for k in ("first_geometry", "second_geometry", "geometry"):
+            setattr(m, k, _tupled(args[k]))
+        return m
+    if cls.__name__ == "_Residual":
+        return cls(nn.Identity(), None)
+    if cls.__name__ == "CallSites":
+        return cls([])
+    return cls(**{k: _tupled(v) for k, v in args.items()})
+
+
+# ----------------------------------------------------------------------------- base models
+
+
+def _base_of(model: nn.Module, builder: str | None, builder_kwargs: dict | None) -> dict[str, Any]:
+    from .hf import CONFIG_KEY, is_hf_model
+
+    if builder is not None:
+        family, _, name = builder.partition(":")
+        if family not in ("torchvision", "timm") or not name:
+            raise ValueError(f"builder must be 'torchvision:NAME' or 'timm:NAME', got {builder!r}")
+        return {"kind": family, "name": name, "kwargs": _jsonable_dict(builder_kwargs or {})}
+    if is_hf_model(model):
+        config = {k: v for k, v in model.config.to_dict().items() if k != CONFIG_KEY}
+        return {"kind": "transformers", "class": type(model).__name__, "config": config}
+    arch = (getattr(model, "pretrained_cfg", None) or {}).get("architecture")
+    if arch and type(model).__module__.startswith("timm."):
+        kwargs = {"num_classes": getattr(model, "num_classes", None)}
+        return {"kind": "timm", "name": arch, "kwargs": {k: v for k, v in kwargs.items() if v is not None}}
+    return {"kind": "plain", "class": f"{type(model).__module__}.{type(model).__qualname__}"}
+
+
+def _jsonable_dict(d: dict) -> dict:
+    try:
+        return {str(k): _jsonable(v) for k, v in d.items()}
+    except TypeError as err:
+        raise ValueError(f"builder_kwargs must hold JSON values, got a {err}") from None
+
+
+def _build_base(base: dict[str, Any], given: nn.Module | None, path: Path) -> nn.Module | None:
+    if given is not None:
+        return given
+    kind = base.get("kind")
+    if kind == "transformers":
+        import transformers
+
+        cls = getattr(transformers, str(base.get("class")), None)
+        if not (isinstance(cls, type) and hasattr(cls, "config_class")):
+            raise LoadError(f"{path}: unknown transformers class {base.get('class')!r}")
+        return cls(cls.config_class.from_dict(base["config"]))
+    if kind == "torchvision":
+        import torchvision
+
+        return torchvision.models.get_model(str(base["name"]), weights=None, **base.get("kwargs", {}))
+    if kind == "timm":
+        import timm
+
+        return timm.create_model(str(base["name"]), pretrained=False, **base.get("kwargs", {}))
+    if kind == "plain":
+        return None
+    raise LoadError(f"{path}: unknown base kind {kind!r}")
+
+
+# ----------------------------------------------------------------------------- save / load
+
+
+def save_folded(model: nn.Module, directory: str | os.PathLike, *, builder: str | None = None,
+                builder_kwargs: dict[str, Any] | None = None) -> Path:
+    """Write a folded ``model`` to ``directory`` as ``folded.safetensors`` + ``folded.json`` (no pickle).
+
+    ``builder`` (``"torchvision:resnet18"``, ``"timm:resnet18"``) and ``builder_kwargs`` name how to
+    build the base of a torchvision model (HF and timm models are recognised by themselves); models
+    made only of ``torch.nn`` layers need none; for your own classes pass ``base=`` to :func:`load_folded`.
+    Raises ``ValueError`` for a module whose class is neither allow-listed nor rebuildable from the base.
+
+    Example::
+
+        linearize.save_folded(linearize.fold(model, x), "deploy/")
+    """
+    from .serialization import _tensors, unwrap_model
+
+    model = unwrap_model(model)
+    modules = []
+    for name, module in model.named_modules():
+        cls = _class_name(module)
+        entry: dict[str, Any] = {"name": name, "class": cls, "children": list(module._modules)}
+        if _allowed(cls) is type(module):
+            try:
+                entry["args"] = _spec(module)
+            except ValueError as err:
+                raise ValueError(f"save_folded: module {name or '<root>'!r} ({cls}): {err}") from None
+        modules.append(entry)
+    tensors = _tensors(model, gated=True)
+    data = safetensors.torch.save(tensors, {"format": "pt"})
+    meta = {"format": FORMAT_VERSION, "base": _base_of(model, builder, builder_kwargs), "modules": modules,
+            "weights": {"file": FOLDED_WEIGHTS, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}}
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    atomic_write(directory / FOLDED_WEIGHTS, data)
+    atomic_write(directory / FOLDED_CONFIG, json.dumps(meta, indent=1))
+    return directory
+
+
+def _rebuild(meta: dict[str, Any], base: nn.Module | None, path: Path) -> nn.Module:
+    from .folding import _get
+
+    built: dict[str, nn.Module] = {}
+    for entry in meta["modules"]:
+        name, cls_name = entry["name"], entry["class"]
+        cls = _allowed(cls_name)
+        where = name or "<root>"
+        same = None if base is None else (base if not name else _get(base, name))
+        if same is not None and cls is type(same) and "args" in entry:
+            try:  # the base's own module when it is the same (keeps arguments a description may miss)
+                same = same if _spec(same) == entry["args"] else None
+            except ValueError:
+                same = None
+        else:
+            same = None
+        if same is not None:
+            module = same
+        elif cls is not None and "args" in entry:
+            try:
+                module = _build(cls, entry["args"])
+            except (TypeError, ValueError, KeyError) as err:
+                raise LoadError(f"{path}: module {where!r} ({cls_name}): bad arguments ({err})") from None
+        else:
+            module = None if base is None else (base if not name else _get(base, name))
+            if module is None:
+                hint = ("pass the base model: linearize.load_folded(directory, base=YourModel(...))"
+                        if base is None else "the base model given has no module there")
+                raise LoadError(f"{path}: module {where!r} has class {cls_name}, which load_folded does not "
+                                f"build from a description (allowed: torch.nn layers, linearize fold modules); "
+                                f"{hint}")
+            if _class_name(module) != cls_name:
+                raise LoadError(f"{path}: module {where!r} is a {cls_name} in the save but a "
+                                f"{_class_name(module)} in the base model; build the same architecture")
+        for child in list(module._modules):
+            if child not in entry["children"]:
+                del module._modules[child]
+        if name:
+            parent, _, attr = name.rpartition(".")
+            built[parent].add_module(attr, module)
+        built[name] = module
+    from .conversion import CallSites, _reset_call_sites
+
+    for name, module in built.items():
+        owner = built.get(name.rpartition(".")[0])
+        if isinstance(module, CallSites) and not getattr(owner, "_linearize_reset_hook", False):
+            owner.register_forward_pre_hook(_reset_call_sites)  # resets the call counter, as convert does
+            owner._linearize_reset_hook = True
+    return built[""]
+
+
+def load_folded(directory: str | os.PathLike, base: nn.Module | None = None) -> nn.Module:
+    """Rebuild the folded model saved by :func:`save_folded` in ``directory`` and load its weights strictly.
+
+    ``base``: a freshly built model of the original architecture, needed only when ``folded.json``
+    names classes of your own (a plain base). Runs no code from the files. Raises
+    ``FileNotFoundError`` and :class:`LoadError` naming the file (damaged, tampered with, unknown class).
+
+    Example::
+
+        model = linearize.load_folded("deploy/").eval()
+    """
+    directory = Path(directory)
+    path = directory / FOLDED_CONFIG
+    if not path.is_file():
+        raise FileNotFoundError(f"{directory} has no {FOLDED_CONFIG}; write one with linearize.save_folded(model, dir)")
+    try:
+        meta = json.loads(path.read_text(encoding="utf-8"))
+        ok = meta.get("format") == FORMAT_VERSION and isinstance(meta.get("modules"), list) and meta["modules"]
+    except (ValueError, AttributeError):
+        ok = False
+    if not ok or meta["modules"][0].get("name") != "":
+        raise LoadError(f"{path}: not a folded-model description of format {FORMAT_VERSION}; save it again with "
+                        "linearize.save_folded(model, dir)")
+    weights = directory / FOLDED_WEIGHTS
+    data = weights.read_bytes() if weights.is_file() else None
+    w = meta.get("weights") or {}
+    if data is None or len(data) != w.get("bytes") or hashlib.sha256(data).hexdigest() != w.get("sha256"):
+        raise LoadError(f"{weights}: missing, truncated or modified (size or SHA-256 differ from {FOLDED_CONFIG}); "
+                        "save the model again with linearize.save_folded(model, dir)")
+    model = _rebuild(meta, _build_base(meta.get("base") or {}, base, path), path)
+    tensors = safetensors.torch.load(data)
+    try:
+        model.load_state_dict(tensors, strict=True)
+    except RuntimeError as err:
+        raise LoadError(f"{weights}: does not fit the rebuilt model ({err}); the base model differs from the "
+                        "one folded") from None
+    return model.eval()

@@ -1,0 +1,185 @@
+"""Hugging Face save paths of converted models: ``model.save_pretrained`` and Trainer checkpoints.
+
+``linearize.convert`` of a Hugging Face model records the linearize manifest (format, config,
+sites) in ``model.config.linearize``, so the ``config.json`` that ``model.save_pretrained(dir)``
+(and every Trainer ``checkpoint-N/``) writes carries it; the unit tensors are already in the
+model's state dict (``<site>.slope``, ``<site>.frozen``) and therefore in ``model.safetensors``.
+No separate sidecar is needed:
+
+    model = linearize.from_pretrained(AutoModel, dir)            # class: loaded without a warning table
+    model = linearize.from_pretrained(AutoModel.from_pretrained(dir), dir)   # also works
+
+restores the model bit-identically, with the checks of :mod:`linearize.serialization` (manifest
+structure, unit tensors finite in ``[0, 1]``, frozen channels at their value).
+
+A plain ``AutoModel.from_pretrained(dir)`` cannot be changed by linearize: transformers builds the
+original activations and lists the unit tensors as UNEXPECTED keys. The model it returns still
+carries ``config.linearize``, and :func:`linearize.convert` (and :func:`refuse_stripped`) refuse
+it with the one-line fix instead of silently starting from fresh units.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from ._files import LoadError, safe_torch_load
+
+__all__ = ["CONFIG_KEY", "is_hf_model", "mark", "unmark", "refuse_stripped", "has_manifest",
+           "read_manifest", "read_unit_tensors", "load_plain"]
+
+CONFIG_KEY = "linearize"
+HF_CONFIG = "config.json"
+_SAFE = "model.safetensors"
+_SAFE_INDEX = "model.safetensors.index.json"
+_BIN = "pytorch_model.bin"
+_BIN_INDEX = "pytorch_model.bin.index.json"
+
+
+def is_hf_model(model: object) -> bool:
+    """True for a Hugging Face ``PreTrainedModel`` (a ``config`` with ``to_dict`` and a ``save_pretrained``)."""
+    return (isinstance(model, nn.Module) and callable(getattr(model, "save_pretrained", None))
+            and callable(getattr(getattr(model, "config", None), "to_dict", None)))
+
+
+def mark(model: nn.Module) -> None:
+    """Record the linearize manifest of a converted HF ``model`` in ``model.config.linearize``.
+
+    Called by :func:`linearize.convert`; a no-op for other models.
+    """
+    from .serialization import FORMAT_VERSION, _sites
+
+    config = getattr(model, "linearize_config", None)
+    if is_hf_model(model) and config is not None and config.mode == "prelu":
+        setattr(model.config, CONFIG_KEY, {"format": FORMAT_VERSION, "config": config.to_dict(),
+                                           "sites": _sites(model)})
+
+
+def unmark(model: nn.Module) -> None:
+    """Remove ``config.linearize`` (before a restore re-converts the model)."""
+    cfg = getattr(model, "config", None)
+    if cfg is not None and hasattr(cfg, CONFIG_KEY):
+        delattr(cfg, CONFIG_KEY)
+
+
+def refuse_stripped(model: nn.Module) -> None:
+    """Raise :class:`LoadError` when ``model`` was saved converted but loaded without its units.
+
+    A model whose ``config`` carries a linearize manifest but that holds no units was loaded by a
+    plain ``from_pretrained``: it computes another function than the one saved.
+    """
+    from .unit import units
+
+    if getattr(getattr(model, "config", None), CONFIG_KEY, None) is not None and not units(model):
+        where = getattr(model.config, "_name_or_path", "") or "DIR"
+        raise LoadError(
+            f"{type(model).__name__} loaded from {where!r} was saved after linearize.convert, but it was "
+            "loaded with a plain from_pretrained, which dropped its linearizable units (its activations are "
+            "the original ones, so it computes another function). Load it with "
+            f"linearize.from_pretrained({type(model).__name__}, {where!r}) instead."
+        )
+
+
+def has_manifest(directory: str | os.PathLike) -> bool:
+    """True when ``directory/config.json`` carries a linearize manifest."""
+    path = Path(directory) / HF_CONFIG
+    if not path.is_file():
+        return False
+    try:
+        return CONFIG_KEY in json.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, TypeError):
+        return False
+
+
+def read_manifest(directory: Path) -> dict[str, Any]:
+    """The checked linearize manifest of ``directory/config.json`` (see ``serialization._parse_manifest``)."""
+    from .serialization import _parse_manifest
+
+    path = directory / HF_CONFIG
+    block = json.loads(path.read_text(encoding="utf-8")).get(CONFIG_KEY)
+    return _parse_manifest(json.dumps(block).encode(), path, weights=False)
+
+
+def _weight_files(directory: Path) -> dict[str, Path]:
+    """Which file of an HF save holds each tensor name (``{}``: unsharded, see ``_single_file``)."""
+    for index in (_SAFE_INDEX, _BIN_INDEX):
+        if (directory / index).is_file():
+            try:
+                weight_map = json.loads((directory / index).read_text(encoding="utf-8"))["weight_map"]
+            except (ValueError, KeyError, TypeError) as err:
+                raise LoadError(f"{directory / index}: not a valid shard index ({err})") from None
+            return {k: directory / v for k, v in weight_map.items()}
+    return {}
+
+
+def read_unit_tensors(directory: Path, keys: list[str]) -> tuple[dict[str, torch.Tensor], Path]:
+    """The tensors ``keys`` of the HF weights in ``directory`` (absent ones left out), and the file read.
+
+    Reads ``model.safetensors`` (or its shards) without touching other tensors, or
+    ``pytorch_model.bin`` with ``torch.load(weights_only=True)``.
+    """
+    import safetensors
+
+    files = _weight_files(directory)
+    if not files:
+        single = next((directory / n for n in (_SAFE, _BIN) if (directory / n).is_file()), None)
+        if single is None:
+            raise FileNotFoundError(f"{directory} has a linearize manifest in {HF_CONFIG} but no weights "
+                                    f"({_SAFE} or {_BIN}); save the model again with model.save_pretrained(dir)")
+        files = dict.fromkeys(keys, single)
+    out: dict[str, torch.Tensor] = {}
+    by_file: dict[Path, list[str]] = {}
+    for k in keys:
+        if k in files:
+            by_file.setdefault(files[k], []).append(k)
+    path = next(iter(by_file), directory / _SAFE)
+    for path, names in by_file.items():
+        try:
+            if path.suffix == ".safetensors":
+                with safetensors.safe_open(str(path), framework="pt") as f:
+                    present = set(f.keys())
+                    out.update({k: f.get_tensor(k) for k in names if k in present})
+            else:
+                state = safe_torch_load(path)
+                out.update({k: state[k] for k in names if k in state})
+        except (OSError, LoadError):
+            raise
+        except Exception as err:  # a decoder of arbitrary bytes
+            raise LoadError(f"{path}: not a readable weights file ({type(err).__name__}: {err}); it is truncated "
+                            "or damaged. Save the model again with model.save_pretrained(dir).") from err
+    return out, path
+
+
+def load_plain(cls: type, directory: Path, keys: list[str], kwargs: dict[str, Any]) -> nn.Module:
+    """``cls.from_pretrained(directory, **kwargs)`` with the unit tensors ``keys`` expected.
+
+    The model is built with its original activations (the units are restored afterwards); the unit
+    keys are declared in ``_keys_to_ignore_on_load_unexpected`` of a throw-away subclass, so
+    transformers reports only real problems (no UNEXPECTED table for the units). ``Auto*`` classes
+    are resolved from the saved config first.
+    """
+    if not callable(getattr(cls, "from_pretrained", None)):
+        raise TypeError(f"linearize.from_pretrained got the class {cls.__name__}, which has no from_pretrained")
+    if hasattr(cls, "_model_mapping"):  # an Auto class
+        from transformers import AutoConfig
+        from transformers.models.auto.auto_factory import _get_model_class
+
+        config = kwargs.get("config") or AutoConfig.from_pretrained(str(directory))
+        kwargs = {**kwargs, "config": config}
+        cls = _get_model_class(config, cls._model_mapping)
+    pattern = r"(^|\.)(" + "|".join(re.escape(k) for k in keys) + r")$"
+    ignore = set(cls._keys_to_ignore_on_load_unexpected or []) | {pattern}
+    sub = type(cls.__name__, (cls,), {"_keys_to_ignore_on_load_unexpected": ignore, "__module__": cls.__module__,
+                                      "__qualname__": cls.__qualname__})
+    model = sub.from_pretrained(str(directory), **kwargs)
+    model.__class__ = cls
+    own = getattr(model, "_keys_to_ignore_on_load_unexpected", None)
+    if isinstance(own, set):
+        own.discard(pattern)
+    return model

