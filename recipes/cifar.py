@@ -540,7 +540,7 @@ def save_final(model: nn.Module, directory: Path, args: argparse.Namespace, clas
 
 
 if __name__ == "__main__":
-    # run as the module `cifar`, so pickles (folded.pt) name `cifar.CifarResNet`, not `__main__`
+    # run as the module `cifar`, so its classes are `cifar.CifarResNet`, not `__main__.CifarResNet`
     import cifar
 
     cifar.main()

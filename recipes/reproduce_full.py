@@ -92,7 +92,7 @@ def _small_files(run: Path) -> dict[str, Path]:
 def collect(runs: Path, results: Path, name: str) -> bool:
     """Copy the small results of the finished run ``runs/name`` to ``results/name`` (a temporary
     folder, then renamed into place; the ``analysis.json`` cache there is kept). Never copies
-    checkpoints, logs or ``folded.pt``. ``False`` when the run is not done or already collected."""
+    checkpoints, logs or ``folded/``. ``False`` when the run is not done or already collected."""
     src, dst = runs / name, results / name
     if not sweep.is_done(src):
         return False
