@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import math
 
 import numpy as np
 import pytest
@@ -222,14 +223,140 @@ def test_constant_output_scores_one():
     assert affinity_score(x, np.full((50, 3), 0.1)) == 1.0
 
 
+# ---------------------------------------------------------------------------- scale (issue 16, item 7)
+
+
+def _paper_score(x: np.ndarray, y: np.ndarray) -> float:
+    """The seed's definition without any regularisation, textbook formulas in float64:
+    ``A = Sy^1/2 (Sy^1/2 Sx Sy^1/2)^-1/2 Sy^1/2`` with scipy's ``sqrtm``, ``W2`` by POT's exact ``emd2``."""
+    n = len(x)
+    sx, sy = np.cov(x, rowvar=False, bias=True), np.cov(y, rowvar=False, bias=True)
+    sy_half = np.real(scipy_sqrtm(sy))
+    a = np.real(sy_half @ np.linalg.inv(scipy_sqrtm(sy_half @ sx @ sy_half)) @ sy_half)
+    mapped = (x - x.mean(0)) @ a.T + y.mean(0)
+    w = np.full(n, 1.0 / n)
+    return 1.0 - np.sqrt(ot.emd2(w, w, ot.dist(mapped, y))) / np.sqrt(2.0 * np.trace(sy))
+
+
+def _nonlinear_pair(seed: int = 12, n: int = 300, d: int = 4) -> tuple[np.ndarray, np.ndarray]:
+    """A full-rank cloud and a non-linear function of it (full-rank covariances: the paper's A exists)."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((n, d)) @ _spd(d, rng) + 2.0  # condition number <= 16: the ridge barely acts
+    y = np.maximum(x @ rng.standard_normal((d, d)) - 0.5, 0.0) + 0.1 * x**2
+    return x, y
+
+
+@pytest.fixture(scope="module")
+def paper_reference() -> float:
+    value = _paper_score(*_nonlinear_pair())
+    assert 0.3 < value < 0.95  # a genuinely non-linear case
+    return value
+
+
+SCALES = [(1.0, 1.0), (1e-8, 1e-8), (1e8, 1e8), (1e-4, 1e-4), (1e-8, 1.0), (1.0, 1e-8), (1e8, 1.0), (1.0, 1e8),
+          (1e-8, 1e8), (1e8, 1e-8), (1e-200, 1e-200), (1e200, 1e200), (1e-300, 1e300), (1e300, 1e-300)]
+
+
+@pytest.mark.parametrize("shrinkage", [None, "ledoit-wolf"])
+@pytest.mark.parametrize("sx, sy", SCALES)
+def test_score_is_invariant_to_common_and_separate_scales(sx, sy, shrinkage, paper_reference):
+    """rho(a x, c y) = rho(x, y) (the definition is scale-free), equal to the paper's
+    unregularised value computed at scale 1, from 1e-300 to 1e300. Before the relative ridge:
+    .47 for ReLU at 1e-3, -1210 with y alone at 1e-6, NaN at 1e-200."""
+    x, y = _nonlinear_pair()
+    got = affinity_score(x * sx, y * sy, shrinkage=shrinkage)
+    if shrinkage is None:
+        assert got == pytest.approx(paper_reference, abs=1e-6)
+    else:  # Ledoit-Wolf shrinks the covariances: near, not equal to, the unregularised value
+        assert got == pytest.approx(affinity_score(x, y, shrinkage=shrinkage), abs=1e-12)
+        assert got == pytest.approx(paper_reference, abs=0.01)
+
+
+@pytest.mark.parametrize("scale", [1e-8, 1e-3, 1e8, 1e-200, 1e200])
+def test_relu_and_affine_maps_at_any_scale(scale):
+    """ReLU of N(0, I) keeps its score (.62 at scale 1) at every scale; an SPD affine map of a tiny
+    or huge cloud scores 1; a constant y at any scale scores 1."""
+    g = np.random.default_rng(13).standard_normal((512, 8))
+    assert affinity_score(g * scale, np.maximum(g * scale, 0)) == pytest.approx(affinity_score(g, np.maximum(g, 0)), abs=1e-12)
+    assert affinity_score(g, np.maximum(g, 0)) == pytest.approx(0.62, abs=0.02)
+    rng = np.random.default_rng(14)
+    y = (g @ _spd(8, rng) + rng.standard_normal(8)) * scale
+    assert affinity_score(g / scale, y) == pytest.approx(1.0, abs=1e-6)
+    assert affinity_score(g, np.full((512, 8), 3.0 * scale)) == 1.0
+
+
+def test_degenerate_clouds_give_the_definitions_value():
+    """Constant x with a varying y: every affine map sends x to one point, W2^2 = tr Cov(y), so
+    rho = 1 - 1 / sqrt(2) at any scale; all-zero x and y: y is constant, rho = 1; constant columns
+    (zero variance) of x and y leave the score of the other columns unchanged."""
+    rng = np.random.default_rng(15)
+    y = rng.standard_normal((200, 3))
+    for scale in (1.0, 1e-300, 1e300):
+        assert affinity_score(np.full((200, 3), 5.0 * scale), y * scale) == pytest.approx(1 - 1 / np.sqrt(2), abs=1e-9)
+    assert affinity_score(np.zeros((200, 3)), np.zeros((200, 3))) == 1.0
+    x, y = _nonlinear_pair()
+    padded = lambda a, c: np.hstack([a, np.full((len(a), 2), c)])  # noqa: E731
+    assert affinity_score(padded(x, 7.0) * 1e-6, padded(y, -1.0) * 1e-6) == pytest.approx(_paper_score(x, y), abs=1e-6)
+
+
+def _adversarial_pairs() -> list[tuple[str, np.ndarray, np.ndarray]]:
+    rng = np.random.default_rng(16)
+    x = rng.standard_normal((120, 6))
+    cauchy = rng.standard_cauchy((120, 6))
+    two_point = np.repeat(np.eye(2, 6), 60, axis=0)
+    few = rng.standard_normal((5, 6))  # n < d
+    return [
+        ("y tiny", x, 1e-6 * np.maximum(x, 0)),
+        ("x tiny", 1e-6 * x, np.maximum(x, 0)),
+        ("y of mixed scales", x, np.maximum(x, 0) * np.logspace(-12, 12, 6)),
+        ("heavy tails", cauchy, np.tanh(cauchy)),
+        ("two points to noise", two_point, rng.standard_normal((120, 6))),
+        ("noise to two points", rng.standard_normal((120, 6)), two_point),
+        ("n < d", few, np.maximum(few, 0)),
+        ("two samples", x[:2], x[:2] ** 2),
+        ("one outlier", np.vstack([x[:-1], 1e6 * np.ones((1, 6))]), np.sign(x)),
+        ("sign", x, np.sign(x) * 1e-9),
+        ("dead and live channels", x, np.maximum(x - np.array([0, 0, 0, 50, 50, 50]), 0)),
+    ]
+
+
+@pytest.mark.parametrize("shrinkage", [None, "ledoit-wolf"])
+def test_scores_stay_in_unit_interval_on_adversarial_inputs(shrinkage):
+    rng = np.random.default_rng(17)
+    pairs = _adversarial_pairs() + [
+        (f"random {i}", a, b) for i in range(20)
+        for a, b in [(rng.standard_normal((50, 3)) * 10.0 ** rng.uniform(-10, 10),
+                      rng.standard_normal((50, 3)) * 10.0 ** rng.uniform(-10, 10))]
+    ]
+    for name, x, y in pairs:
+        score = affinity_score(x, y, shrinkage=shrinkage)
+        assert 0.0 <= score <= 1.0, (name, score)
+
+
+def test_signature_of_a_model_with_tiny_activations_matches_the_unscaled_one():
+    """A network whose pre-activations are 1e-5 of another's (ReLU is positively homogeneous)
+    has the same signature."""
+    torch.manual_seed(9)
+    model = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU())
+    tiny = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU()).double()
+    tiny.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        tiny[0].weight.mul_(1e-5)
+        tiny[0].bias.mul_(1e-5)
+        tiny[2].bias.mul_(1e-5)  # every pre-activation is then 1e-5 of the original's
+    x = torch.randn(400, 6, dtype=torch.float64)
+    base = affinity_signature(model.double(), x, progress=False)
+    assert affinity_signature(tiny, x, progress=False) == [(n, pytest.approx(v, abs=1e-9)) for n, v in base]
+
+
 @pytest.mark.parametrize(
     "x, y, match",
     [
         (np.ones((1, 3)), np.ones((1, 3)), "at least 2"),
         (np.zeros((5, 3)), np.zeros((4, 3)), "same number of samples"),
         (np.zeros((5, 3)), np.zeros((5, 2)), "same number of features"),
-        (np.array([[0.0, 1], [np.nan, 2]]), np.zeros((2, 2)), "NaN or inf"),
-        (np.zeros((2, 2)), np.array([[0.0, np.inf], [1, 2]]), "NaN or inf"),
+        (np.array([[0.0, 1], [np.nan, 2]]), np.zeros((2, 2)), "x contains NaN or inf.*row 1, column 0"),
+        (np.zeros((2, 2)), np.array([[0.0, np.inf], [1, 2]]), "y contains NaN or inf.*row 0, column 1"),
         (np.zeros((2, 2, 2)), np.zeros((2, 2, 2)), r"shape \[n, d\]"),
     ],
 )
@@ -241,6 +368,12 @@ def test_bad_input_raises(x, y, match):
 def test_bad_shrinkage_raises():
     with pytest.raises(ValueError, match="shrinkage"):
         affinity_score(np.eye(3), np.eye(3), shrinkage="oas")
+
+
+@pytest.mark.parametrize("ridge", [-1e-6, math.inf, math.nan, "1e-6"])
+def test_bad_ridge_raises(ridge):
+    with pytest.raises(ValueError, match="ridge must be a finite number"):
+        affinity_score(np.eye(3), np.eye(3), ridge=ridge)
 
 
 # ---------------------------------------------------------------------------- signature
