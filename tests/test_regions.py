@@ -9,13 +9,15 @@ from __future__ import annotations
 
 import copy
 import math
+import types
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from linearize.measures.regions import linear_regions, absolute_deviation, translation_loops
+from linearize.measures import regions as regions_module
+from linearize.measures.regions import PartialResultWarning, linear_regions, absolute_deviation, translation_loops
 from linearize.unit import LinearizableActivation
 
 _ACTS = (nn.ReLU, nn.LeakyReLU, nn.PReLU, LinearizableActivation)
@@ -67,6 +69,7 @@ def _check_against_dense(model, x0, x1, grid=4001, max_grid=100_001):
     """Every found breakpoint changes the hook pattern, no pattern change inside a region, and
     the per-region affine maps reproduce the plain forward on the grid."""
     result = linear_regions(model, x0, x1, batch_size=5)
+    assert result.complete and result.stopped is None and torch.equal(result.covered, torch.ones(x0.shape[0], dtype=torch.float64))
     ts = torch.linspace(0, 1, grid, dtype=torch.float64)
     matched = 0
     for s in range(x0.shape[0]):
@@ -393,3 +396,174 @@ def test_pieces_bad_values():
     for bad in (0, -2, 2.5):
         with pytest.raises(ValueError, match="pieces"):
             linear_regions(net, torch.zeros(1, 1), torch.ones(1, 1), pieces=bad)
+
+
+# ---------------------------------------------------------------------------- budgets (issue 16, item 10)
+
+
+def _kinks_net(kinks: torch.Tensor) -> nn.Module:
+    """f(x) = sum_k c_k relu(x - b_k), x scalar: its kinks are exactly ``kinks`` (c_k = +-1, +-2 never 0)."""
+    k = len(kinks)
+    net = nn.Sequential(nn.Linear(1, k), nn.ReLU(), nn.Linear(k, 1)).double()
+    with torch.no_grad():
+        net[0].weight.fill_(1.0)
+        net[0].bias.copy_(-kinks)
+        net[2].weight.copy_(torch.tensor([(-1.0) ** i * (1 + i % 2) for i in range(k)], dtype=torch.float64)[None])
+        net[2].bias.zero_()
+    return net
+
+
+def _kinks() -> torch.Tensor:
+    """30 kinks in (0, 1), at least 1e-3 apart (far above eps)."""
+    gen = torch.Generator().manual_seed(20)
+    b = torch.sort(torch.rand(30, generator=gen, dtype=torch.float64) * 0.96 + 0.02).values
+    return b[torch.cat([torch.tensor([True]), b.diff() > 1e-3])]
+
+
+# segments 0 -> 1, 1 -> 0 and 0.2 -> 0.7: the breakpoints in t are b, 1 - b and (b - 0.2) / 0.5
+_X0 = torch.tensor([[0.0], [1.0], [0.2]], dtype=torch.float64)
+_X1 = torch.tensor([[1.0], [0.0], [0.7]], dtype=torch.float64)
+
+
+def _known_breakpoints(kinks: torch.Tensor) -> list[torch.Tensor]:
+    out = []
+    for a, b in zip(_X0[:, 0].tolist(), _X1[:, 0].tolist()):
+        t = (kinks - a) / (b - a)
+        out.append(torch.sort(t[(t > 0) & (t < 1)]).values)
+    return out
+
+
+def _quadrature_deviation(net: nn.Module, s: int, upto: float) -> float:
+    """int_0^upto |f(x(t)) - chord(t)| ||x1 - x0|| dt by the trapezoid rule on a dense grid (plain forward)."""
+    a, b = _X0[s], _X1[s]
+    with torch.no_grad():
+        f0, f1 = net(a[None])[0, 0], net(b[None])[0, 0]
+        ts = torch.linspace(0, upto, 400_001, dtype=torch.float64)
+        f = net(a + ts[:, None] * (b - a))[:, 0]
+    return float(torch.trapezoid((f - (f0 + ts * (f1 - f0))).abs(), ts) * (b - a).norm())
+
+
+def _assert_prefix(part, full) -> None:
+    """Every segment of ``part`` holds exactly the first ``part.count[s]`` regions of ``full``, the
+    last one cut at ``part.covered[s]``, which lies inside the full result's region."""
+    for s in range(len(full.count)):
+        got, ref = part.regions(s), full.regions(s)
+        m = int(part.count[s])
+        torch.testing.assert_close(got["start"], ref["start"][:m], rtol=0, atol=1e-12)
+        torch.testing.assert_close(got["value"], ref["value"][:m], rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(got["slope"], ref["slope"][:m], rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(got["end"][:-1], ref["end"][: max(m - 1, 0)], rtol=0, atol=1e-12)
+        if m:
+            assert ref["start"][m - 1] < part.covered[s] <= ref["end"][m - 1] + 1e-12
+    torch.testing.assert_close(part.end_value, full.end_value, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("pieces", [1, 4])
+def test_complete_walk_finds_the_known_breakpoints(pieces):
+    kinks = _kinks()
+    full = linear_regions(_kinks_net(kinks), _X0, _X1, pieces=pieces, max_regions=None)
+    assert full.complete and full.stopped is None and full.covered.tolist() == [1.0, 1.0, 1.0]
+    for got, expected in zip(full.breakpoints, _known_breakpoints(kinks)):
+        torch.testing.assert_close(got, expected, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("m", [1, 2, 7, 16])
+def test_max_regions_stops_with_the_first_regions_marked_partial(m):
+    kinks = _kinks()
+    net = _kinks_net(kinks)
+    known = _known_breakpoints(kinks)
+    full = linear_regions(net, _X0, _X1)
+    assert [len(k) + 1 for k in known] == full.count.tolist() and min(full.count.tolist()) > 16
+    with pytest.warns(PartialResultWarning, match=f"max_regions={m}.*3 of 3 segments are incomplete"):
+        part = linear_regions(net, _X0, _X1, max_regions=m, batch_size=2)
+    assert not part.complete and part.stopped == f"max_regions={m}"
+    assert part.count.tolist() == [m, m, m]
+    for s, k in enumerate(known):
+        torch.testing.assert_close(part.breakpoints[s], k[: m - 1], rtol=0, atol=1e-12)
+        # the walk knows region m up to its true end: the m-th known breakpoint
+        assert part.covered[s].item() == pytest.approx(k[m - 1].item(), abs=1e-12)
+        # deviation: the integral over the covered part only
+        assert part.deviation()[s, 0].item() == pytest.approx(_quadrature_deviation(net, s, part.covered[s].item()), rel=1e-6, abs=1e-12)
+    _assert_prefix(part, full)
+    # a budget the walk does not reach changes nothing
+    roomy = linear_regions(net, _X0, _X1, max_regions=int(full.count.max()))
+    assert roomy.complete and torch.equal(roomy.count, full.count) and torch.equal(roomy.start, full.start)
+
+
+@pytest.mark.parametrize("pieces, m", [(4, 5), (4, 12), (8, 29), (3, 1)])
+def test_max_regions_with_pieces_keeps_a_prefix(pieces, m):
+    """Pieces are walked in parallel: a stopped segment keeps its finished pieces up to the first
+    unfinished one, so its rows are still the full result's first ones; a segment with at most
+    ``m`` regions completes."""
+    net = _kinks_net(_kinks())
+    full = linear_regions(net, _X0, _X1)
+    with pytest.warns(PartialResultWarning, match=f"max_regions={m}"):
+        part = linear_regions(net, _X0, _X1, pieces=pieces, max_regions=m, batch_size=64)
+    assert not part.complete and part.stopped == f"max_regions={m}"
+    assert torch.equal(part.covered < 1, full.count > m) and (part.count <= m).all()
+    _assert_prefix(part, full)
+    for s in range(3):
+        assert part.deviation()[s, 0].item() == pytest.approx(_quadrature_deviation(net, s, part.covered[s].item()), rel=1e-6, abs=1e-12)
+    exact = linear_regions(net, _X0, _X1, pieces=pieces, max_regions=int(full.count.max()), batch_size=64)
+    assert exact.complete and torch.equal(exact.count, full.count)
+
+
+def test_max_seconds_stops_every_segment_and_marks_unstarted_ones(monkeypatch):
+    """A fake clock advancing one second per reading (one before the walk, one after each forward):
+    at 4 s the next forward would end past 4.5 s, so the walk stops after its third forward. Two
+    segments per batch: segments 0 and 1 have 3 regions each, segment 2 never started."""
+    readings = iter(range(1000))
+    monkeypatch.setattr(regions_module, "time", types.SimpleNamespace(monotonic=lambda: float(next(readings))))
+    net = _kinks_net(_kinks())
+    full = linear_regions(net, _X0, _X1)
+    with pytest.warns(PartialResultWarning, match="max_seconds=4.5"):
+        part = linear_regions(net, _X0, _X1, batch_size=2, max_seconds=4.5)
+    assert part.stopped == "max_seconds=4.5" and not part.complete
+    assert part.count.tolist() == [3, 3, 0] and part.covered[2].item() == 0.0
+    assert part.deviation()[2, 0].item() == 0.0 and part.breakpoints[2].numel() == 0
+    _assert_prefix(part, full)
+
+
+def test_absolute_deviation_passes_the_budget_on():
+    net = _kinks_net(_kinks())
+    with pytest.warns(PartialResultWarning):
+        dev = absolute_deviation(net, _X0, _X1, max_regions=3)
+    part = linear_regions(net, _X0, _X1, max_regions=None)
+    assert (dev[:, 0] < part.deviation()[:, 0]).all()
+    assert dev[0, 0].item() == pytest.approx(_quadrature_deviation(net, 0, _known_breakpoints(_kinks())[0][2].item()), rel=1e-6)
+
+
+def test_progress_bar_shows_regions_and_distance(capsys):
+    net = _kinks_net(_kinks())
+    full = linear_regions(net, _X0[:1], _X1[:1], progress=True)
+    err = capsys.readouterr().err
+    assert f"{int(full.count[0])} regions" in err and "1/1 segments" in err
+    with pytest.warns(PartialResultWarning):
+        part = linear_regions(net, _X0[:1], _X1[:1], progress=True, max_regions=5)
+    err = capsys.readouterr().err
+    assert f"{part.covered.item():.3g}/1 segments" in err and "5 regions" in err
+
+
+def test_eps_zero_terminates_on_kinks_closer_than_float64_resolution():
+    """relu(relu(x - 1/2) - 1e-18) on 0 -> 1: kinks at 1/2 and 1/2 + 1e-18, closer than float64 can
+    tell apart at 1/2. With eps = 0 the step 1e-18 used to leave t unchanged, forever."""
+    net = nn.Sequential(nn.Linear(1, 1), nn.ReLU(), nn.Linear(1, 1), nn.ReLU()).double()
+    with torch.no_grad():
+        net[0].weight.fill_(1.0)
+        net[0].bias.fill_(-0.5)
+        net[2].weight.fill_(1.0)
+        net[2].bias.fill_(-1e-18)
+    x0, x1 = torch.zeros(1, 1, dtype=torch.float64), torch.ones(1, 1, dtype=torch.float64)
+    res = linear_regions(net, x0, x1, eps=0.0, max_regions=1000)
+    assert res.complete and res.count.tolist() == [3]
+    torch.testing.assert_close(res.breakpoints[0], torch.tensor([0.5, 0.5], dtype=torch.float64), rtol=0, atol=1e-15)
+    torch.testing.assert_close(res.slope[:, 0], torch.tensor([0.0, 0.0, 1.0], dtype=torch.float64))
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"max_regions": 0}, "max_regions"), ({"max_regions": 2.5}, "max_regions"), ({"max_regions": True}, "max_regions"),
+    ({"max_seconds": 0}, "max_seconds"), ({"max_seconds": -1.0}, "max_seconds"), ({"max_seconds": math.nan}, "max_seconds"),
+])
+def test_bad_budgets(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        linear_regions(_reference_net(), torch.zeros(1, 1), torch.ones(1, 1), **kwargs)

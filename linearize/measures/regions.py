@@ -16,6 +16,13 @@ such a unit takes the side the segment is heading to, so regions shorter than ``
 segment are merged with the next one. Many segments are processed in one batch, each at its own
 ``t``; finished segments are replaced by new ones from the queue.
 
+Each region costs one forward, and a segment through an untrained CIFAR ResNet-20 holds thousands
+to tens of thousands of them, so the walk has a budget: ``max_regions`` per segment (default
+100,000) and ``max_seconds`` for the call (default none). A segment stopped by it keeps exactly the
+first regions of the complete result and is marked: ``RegionsResult.covered[s] < 1`` (the fraction
+of the segment walked), ``complete`` False, ``stopped`` naming the budget, and a
+:class:`PartialResultWarning`.
+
 The walk along one segment is sequential (one forward per region), so a single segment with many
 regions does not fill a batch. ``pieces=P`` cuts every segment into ``P`` equal sub-segments
 ``[j / P, (j + 1) / P]`` that are walked in parallel in the same batches (still in the segment's
@@ -49,6 +56,8 @@ from __future__ import annotations
 
 import copy
 import math
+import time
+import warnings
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -60,6 +69,7 @@ from torch.overrides import TorchFunctionMode
 from tqdm.auto import tqdm
 
 __all__ = [
+    "PartialResultWarning",
     "RegionsResult",
     "linear_regions",
     "absolute_deviation",
@@ -267,12 +277,22 @@ def _check_segments(x0: torch.Tensor, x1: torch.Tensor) -> None:
         raise ValueError("x0 and x1 contain NaN or inf")
 
 
+class PartialResultWarning(UserWarning):
+    """:func:`linear_regions` stopped at its budget (``max_regions`` / ``max_seconds``) before the end
+    of some segment: the result is partial (``result.complete`` is False)."""
+
+
 @dataclass
 class RegionsResult:
     """Linear regions of ``f`` along ``S`` segments, stored flat (one row per region).
 
+    A budget (``max_regions``, ``max_seconds`` of :func:`linear_regions`) can stop the walk of a
+    segment before its end: the segment is then covered on ``[0, covered[s]]`` only, and its rows
+    are exactly the first regions of the complete result (the last one cut at ``covered[s]``).
+
     Attributes:
-        count: ``[S]`` int64, regions per segment (breakpoints + 1).
+        count: ``[S]`` int64, regions per segment (breakpoints + 1); for a truncated segment the
+            regions found on ``[0, covered]``, a lower bound.
         segment: ``[N]`` int64, the segment of each region (sorted, ``N = count.sum()``).
         start: ``[N]`` float64, region start ``t_k`` (0 for a segment's first region).
         value: ``[N, K]`` float64, ``f(x(t_k))``, outputs flattened to ``K``.
@@ -280,6 +300,9 @@ class RegionsResult:
         end_value: ``[S, K]`` float64, ``f(x1)``.
         length: ``[S]`` float64, ``||x1 - x0||_2``.
         output_shape: shape of one output of the model.
+        covered: ``[S]`` float64, the fraction ``t`` of each segment walked: 1 where complete.
+        stopped: ``None`` for a complete result, else which budget stopped the walk
+            (``"max_regions=..."``, ``"max_seconds=..."``).
     """
 
     count: torch.Tensor
@@ -290,11 +313,23 @@ class RegionsResult:
     end_value: torch.Tensor
     length: torch.Tensor
     output_shape: tuple[int, ...]
+    covered: torch.Tensor | None = None
+    stopped: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.covered is None:
+            self.covered = torch.ones(len(self.count), dtype=torch.float64, device=self.start.device)
+
+    @property
+    def complete(self) -> bool:
+        """True when every segment was walked to its end (no budget stopped the walk)."""
+        return bool((self.covered >= 1).all())
 
     @property
     def end(self) -> torch.Tensor:
-        """``[N]`` float64, region end ``t`` (the next region's start, 1 for the last)."""
-        end = torch.ones_like(self.start)
+        """``[N]`` float64, region end ``t`` (the next region's start; ``covered``, i.e. 1 when
+        complete, for a segment's last region)."""
+        end = self.covered[self.segment].clone()
         same = self.segment[1:] == self.segment[:-1]
         end[:-1] = torch.where(same, self.start[1:], end[:-1])
         return end
@@ -313,10 +348,11 @@ class RegionsResult:
         """Exact ``int |f(x(t)) - g(t)|`` with ``g`` the chord from ``f(x0)`` to ``f(x1)``.
 
         Returns ``[S, K]`` (or ``[N, K]`` per region with ``per_region=True``). With
-        ``arc_length`` the measure is ``||x1 - x0|| dt`` (the line integral), else ``dt``.
+        ``arc_length`` the measure is ``||x1 - x0|| dt`` (the line integral), else ``dt``. A
+        truncated segment (``covered < 1``) gets the integral over ``[0, covered]``, a lower bound.
         """
         first = torch.cumsum(self.count, 0) - self.count  # row of each segment's first region
-        f0, f1 = self.value[first][self.segment], self.end_value[self.segment]
+        f0, f1 = self.value[first[self.segment]], self.end_value[self.segment]
         a, b = self.start[:, None], self.end[:, None]
         ha = self.value - (f0 + a * (f1 - f0))
         hb = self.value + (b - a) * self.slope - (f0 + b * (f1 - f0))
@@ -334,6 +370,16 @@ class RegionsResult:
         return out.index_add_(0, self.segment, area)
 
 
+def check_budget(max_regions: int | None, max_seconds: float | None, seconds_name: str = "max_seconds") -> None:
+    """Raise ``ValueError`` unless ``max_regions`` is an int >= 1 or None and ``max_seconds`` a finite
+    number > 0 or None (the budget of :func:`linear_regions`; ``seconds_name`` names it in the error)."""
+    if max_regions is not None and (isinstance(max_regions, bool) or not isinstance(max_regions, int) or max_regions < 1):
+        raise ValueError(f"max_regions must be an int >= 1 (regions per segment) or None (no limit), got {max_regions!r}")
+    if max_seconds is not None and (isinstance(max_seconds, bool) or not isinstance(max_seconds, (int, float))
+                                    or not 0 < max_seconds < math.inf):
+        raise ValueError(f"{seconds_name} must be a finite number of seconds > 0 or None (no limit), got {max_seconds!r}")
+
+
 @torch.no_grad()
 def linear_regions(
     model: nn.Module,
@@ -343,8 +389,17 @@ def linear_regions(
     batch_size: int = 256,
     progress: bool = False,
     pieces: int = 1,
+    max_regions: int | None = 100_000,
+    max_seconds: float | None = None,
 ) -> RegionsResult:
     """Every linear region of ``model`` along the segments ``x0[s] -> x1[s]``, exactly.
+
+    Each region costs one forward (float64, forward-mode AD); a segment through a large untrained
+    network can hold 10^4 to 10^5 of them. The walk therefore has a budget: a segment stops after
+    ``max_regions`` regions, every segment stops once ``max_seconds`` have passed. A stopped
+    segment is marked (``result.covered[s] < 1``, ``result.complete`` is False, ``result.stopped``
+    names the budget, and a :class:`PartialResultWarning` is issued); its regions are exactly the
+    first ones of the complete result, on ``[0, covered[s]]``.
 
     Args:
         model: a piecewise-linear network (see the module docstring); it is copied to float64
@@ -353,25 +408,46 @@ def linear_regions(
         eps: steps ``<= eps`` (as a fraction of the segment) count as "on the boundary";
             regions shorter than that are merged with the next one.
         batch_size: (sub-)segments forwarded together.
-        progress: show a tqdm bar over (sub-)segments.
+        progress: show a tqdm bar of the distance covered (in segments, pieces summed) and the
+            regions found so far.
         pieces: walk every segment as this many equal sub-segments in parallel and stitch them
             (see the module docstring); the same result, faster for few segments with many
             regions per piece (set ``pieces * S`` near ``batch_size``; measured on one CPU thread
             on a trained ResNet-20 segment: 1.18x faster with 32 pieces, since float64
-            convolutions gain little from larger batches there).
+            convolutions gain little from larger batches there). When a budget stops a segment,
+            only its pieces before the first unfinished one (and that one's regions) are kept.
+        max_regions: at most this many regions per segment (a segment with that many or fewer
+            is always complete); ``None``: no limit (the walk still ends: every step advances ``t``).
+        max_seconds: stop every segment once this many seconds of wall-clock time have passed
+            since the call: no forward is started that would end later (predicted from the last
+            one), so the overshoot is about one forward, plus one plain forward for ``f(x1)`` of
+            the stopped segments and, with ``pieces > 1``, the stitching. ``None``: no limit.
+            Where it stops a walk, the result depends on the machine.
 
     Returns:
-        :class:`RegionsResult` with breakpoints, counts and the affine map on every region.
+        :class:`RegionsResult` with breakpoints, counts and the affine map on every region, and
+        ``covered`` / ``complete`` / ``stopped`` marking a partial result.
 
     Raises:
         ValueError: for a model that is not piecewise linear (names the module), bad shapes,
-            NaN/inf inputs.
+            NaN/inf inputs, bad budgets.
+
+    Example:
+        >>> _ = torch.manual_seed(0)
+        >>> net = nn.Sequential(nn.Linear(1, 3), nn.ReLU(), nn.Linear(3, 1))  # 3 kinks at most
+        >>> x0, x1 = torch.tensor([[-5.0]]), torch.tensor([[5.0]])
+        >>> full = linear_regions(net, x0, x1)
+        >>> part = linear_regions(net, x0, x1, max_regions=1)  # warns: PartialResultWarning
+        >>> full.count.item(), part.complete, part.count.item(), part.covered.item() == full.end[0].item()
+        (3, False, 1, True)
     """
     _check_segments(x0, x1)
     if batch_size < 1 or not 0 <= eps < 1:
         raise ValueError(f"need batch_size >= 1 and 0 <= eps < 1, got {batch_size}, {eps}")
     if not isinstance(pieces, int) or pieces < 1:
         raise ValueError(f"pieces must be an int >= 1, got {pieces!r}")
+    check_budget(max_regions, max_seconds)
+    deadline = None if max_seconds is None else time.monotonic() + max_seconds
     net = _float64_copy(model)
     device = next((p.device for p in net.parameters()), x0.device)
     x0 = x0.to(device=device, dtype=torch.float64)
@@ -382,36 +458,82 @@ def linear_regions(
     j = torch.arange(n_sub, device=device) % pieces
     owner = torch.arange(n_sub, device=device) // pieces
     t = j.to(torch.float64) / pieces
-    t_stop = (j + 1).to(torch.float64) / pieces
+    t_begin, t_stop = t.clone(), (j + 1).to(torch.float64) / pieces
+    reached = t.clone()  # the regions of sub-segment q are known on [t_begin[q], reached[q]]
     last_start, crossing = torch.empty_like(t), torch.empty_like(t)  # of each piece's last region
+    # regions found per segment; a piece's first region may continue its left neighbour's last
+    # one and is not counted, so a segment with at most max_regions regions always completes
+    found = torch.zeros(n, dtype=torch.int64, device=device)
     queue = iter(range(n_sub))
-    active = torch.tensor([q for _, q in zip(range(batch_size), queue)], device=device)
+
+    def take(k: int) -> list[int]:
+        """The next ``k`` queued sub-segments of segments still under ``max_regions``."""
+        out: list[int] = []
+        capped = [] if max_regions is None else (found >= max_regions).tolist()
+        for q in queue if k > 0 else ():
+            if not (capped and capped[q // pieces]):
+                out.append(q)
+                if len(out) == k:
+                    break
+        return out
+
+    active = torch.tensor(take(batch_size), dtype=torch.int64, device=device)
     rows: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = []
     end_value = None
-    bar = tqdm(total=n_sub, desc="linear regions", unit="seg" if pieces == 1 else "piece", disable=not progress)
+    timed_out = False
+    bar = tqdm(total=n, desc="linear regions", unit="seg", disable=not progress,
+               bar_format="{l_bar}{bar}| {n:.3g}/{total_fmt} segments [{elapsed}<{remaining}{postfix}]")
     view = (-1,) + (1,) * (x0.ndim - 1)
+    tick = time.monotonic()
     while active.numel():
         seg = owner[active]
         value, grad, step = tracer.run(x0[seg] + t[active].view(view) * direction[seg], direction[seg])
         if end_value is None:
             end_value = value.new_empty((n, value.shape[1]))
         rows.append((active, t[active], value, grad))
-        t_next = t[active] + step
+        new = (j[active] == 0) | (t[active] > t_begin[active])
+        # a step below float64 resolution at t (possible for eps < 1e-16) still moves on by one ulp
+        t_next = torch.maximum(t[active] + step, torch.nextafter(t[active], t.new_tensor(math.inf)))
         done = t_next >= t_stop[active]
+        moved = torch.minimum(t_next, t_stop[active])
+        bar.update(float((moved - reached[active]).sum()))
+        reached[active] = moved
         last_start[active[done]], crossing[active[done]] = t[active[done]], t_next[done]
         ends = (done & (j[active] == pieces - 1)).nonzero().squeeze(1)
         end_value[seg[ends]] = value[ends] + (1 - t[active[ends]])[:, None] * grad[ends]
         t[active[~done]] = t_next[~done]
-        refill = [q for _, q in zip(range(int(done.sum())), queue)]
-        active = torch.cat([active[~done], torch.tensor(refill, dtype=active.dtype, device=device)])
-        bar.update(int(done.sum()))
+        found += torch.bincount(seg[new], minlength=n)
+        bar.set_postfix_str(f"{int(found.sum()):,} regions", refresh=False)
+        go_on = ~done if max_regions is None else ~done & (found[seg] < max_regions)
+        if deadline is not None:
+            now = time.monotonic()
+            if now + (now - tick) > deadline:  # the next forward, as long as this one, would end past it
+                timed_out = True
+                break
+            tick = now
+        refill = take(active.numel() - int(go_on.sum()))
+        active = torch.cat([active[go_on], torch.tensor(refill, dtype=active.dtype, device=device)])
     bar.close()
+    # each segment keeps its pieces up to the first unfinished one, J (J = pieces: all finished)
+    unfinished = (reached < t_stop).view(n, pieces)
+    first_open = torch.where(unfinished.any(1), unfinished.to(torch.int64).argmax(1), pieces)
+    covered = torch.where(
+        first_open < pieces,
+        reached.view(n, pieces).gather(1, first_open.clamp(max=pieces - 1)[:, None]).squeeze(1),
+        torch.ones_like(reached[:n]),
+    )
     sub, start, value, grad = (torch.cat(c) for c in zip(*rows))
     order = torch.sort(sub, stable=True).indices  # rows of a sub-segment come in increasing t
     sub, start, value, grad = sub[order], start[order], value[order], grad[order]
-    if pieces > 1:  # stitch each piece q with j > 0 to its left neighbour q - 1
-        right = (j > 0).nonzero().squeeze(1)
-        first = torch.cumsum(torch.bincount(sub, minlength=n_sub), 0)[right - 1]  # row of q's first region
+    kept = j[sub] <= first_open[owner[sub]]
+    sub, start, value, grad = sub[kept], start[kept], value[kept], grad[kept]
+    open_end = unfinished[:, -1].nonzero().squeeze(1)  # f(x1) not reached by the walk: a plain forward
+    for chunk in open_end.split(batch_size) if open_end.numel() else ():
+        end_value[chunk] = _output_tensor(net(x0[chunk] + direction[chunk])).reshape(len(chunk), -1)
+    per_sub = torch.bincount(sub, minlength=n_sub)
+    right = ((j > 0) & (per_sub > 0)).nonzero().squeeze(1)
+    if right.numel():  # stitch each kept piece q with j > 0 to its left neighbour q - 1 (finished)
+        first = (torch.cumsum(per_sub, 0) - per_sub)[right]  # row of q's first region
         half = max(1, batch_size // 2)  # boundaries per forward (a left and a right point each)
         same = torch.cat([_same_pattern(tracer, x0[owner[q]], direction[owner[q]], last_start[q - 1], start[f])
                           for q, f in zip(right.split(half), first.split(half))])
@@ -425,8 +547,26 @@ def linear_regions(
         keep[first[same]] = False
         sub, start, value, grad = sub[keep], start[keep], value[keep], grad[keep]
     segment = sub // pieces
+    count = torch.bincount(segment, minlength=n)
+    if max_regions is not None and bool((count > max_regions).any()):  # pieces overshot: cut to the first ones
+        rank = torch.arange(len(segment), device=device) - (torch.cumsum(count, 0) - count)[segment]
+        cut = rank == max_regions
+        covered[segment[cut]] = start[cut]
+        keep = rank < max_regions
+        segment, start, value, grad = segment[keep], start[keep], value[keep], grad[keep]
+        count = count.clamp(max=max_regions)
+    stopped = None
+    if bool((covered < 1).any()):
+        capped = max_regions is not None and bool(((found >= max_regions) & (covered < 1)).any())
+        stopped = ", ".join(([f"max_seconds={max_seconds:g}"] if timed_out else [])
+                            + ([f"max_regions={max_regions}"] if capped else []))
+        warnings.warn(PartialResultWarning(
+            f"linear_regions stopped at {stopped}: {int((covered < 1).sum())} of {n} segments are incomplete "
+            f"(covered {float(covered.mean()):.1%} of the distance on average); the result is partial "
+            "(result.complete is False, result.covered per segment). Raise the budget, or pass None for no limit."
+        ), stacklevel=3)
     return RegionsResult(
-        count=torch.bincount(segment, minlength=n),
+        count=count,
         segment=segment,
         start=start,
         value=value,
@@ -434,6 +574,8 @@ def linear_regions(
         end_value=end_value,
         length=direction.flatten(1).norm(dim=1),
         output_shape=tracer.output_shape,
+        covered=covered,
+        stopped=stopped,
     )
 
 
@@ -446,15 +588,25 @@ def absolute_deviation(
     arc_length: bool = True,
     progress: bool = False,
     pieces: int = 1,
+    max_regions: int | None = 100_000,
+    max_seconds: float | None = None,
 ) -> torch.Tensor:
     """Exact absolute deviation ``[S, K]`` of ``model`` from its chord along each segment.
 
     ``int_0^1 |f(x(t)) - ((1 - t) f(x0) + t f(x1))| * ||x1 - x0|| dt`` per output (flattened to
     ``K``); ``arc_length=False`` drops the ``||x1 - x0||`` factor. Regions on which the
     difference changes sign are split at the root, and every region (the last included)
-    counts. Arguments as in :func:`linear_regions`.
+    counts. Arguments as in :func:`linear_regions`; where its budget stops a segment, the
+    integral covers ``[0, covered]`` only (a lower bound) and a :class:`PartialResultWarning` says
+    so: call ``linear_regions(...).deviation()`` to get the marked result.
+
+    Example:
+        >>> net = nn.Sequential(nn.Linear(1, 1), nn.ReLU())  # relu(w x + b)
+        >>> absolute_deviation(net, torch.tensor([[-1.0]]), torch.tensor([[1.0]])).shape
+        torch.Size([1, 1])
     """
-    result = linear_regions(model, x0, x1, eps=eps, batch_size=batch_size, progress=progress, pieces=pieces)
+    result = linear_regions(model, x0, x1, eps=eps, batch_size=batch_size, progress=progress, pieces=pieces,
+                            max_regions=max_regions, max_seconds=max_seconds)
     return result.deviation(arc_length=arc_length)
 
 
