@@ -26,21 +26,26 @@ import html
 import importlib
 import io
 import json
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 import numpy as np
 import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from .checks import arg_type, check_positive_int, check_tol
+from .checks import arg_type, check_positive, check_positive_int, check_tol
 from .unit import LinearizableActivation, check_finite_slopes, count_units, units
 
 __all__ = ["Report", "report", "register_cli", "load_history", "MEASURES"]
 
 MEASURES = ("units", "path_length", "affinity", "regions", "history", "gates")
+# Budget of the linear-regions walk (one float64 forward per region): an untrained CIFAR ResNet-20
+# has thousands of regions on a segment between two images, at ~0.05-0.1 s a region on a CPU core.
+REGIONS_MAX_REGIONS = 1000  # per segment
+REGIONS_SECONDS = 10.0  # wall clock for all segments together
 PLOTS = {
     "fraction": "nonlinear_fraction.png",
     "affinity": "affinity_signature.png",
@@ -68,7 +73,10 @@ class Report:
         affinity: ``[[site, score], ...]`` in forward order (score 1 = affine).
         regions: ``segments`` (how they were built), ``counts`` (regions per segment) and
             ``deviation`` (exact absolute deviation from the chord per segment, line integral,
-            mean over outputs), ``mean_count``, ``mean_deviation``.
+            mean over outputs), ``mean_count``, ``mean_deviation``; ``budget`` (``max_regions``,
+            ``max_seconds``), ``complete``, ``stopped`` (the budget that stopped the walk, or
+            ``None``) and ``covered`` (fraction of each segment walked). When ``complete`` is
+            False, counts and deviations are those of the covered parts: lower bounds.
         history: ``steps``, ``total`` (nonlinear fraction of all channels) and ``sites``
             ``{name: [fraction per step]}`` from a sparsifier log.
         gates: per-site gate statistics of a gated model.
@@ -143,6 +151,8 @@ def report(
     sources: list | None = None,
     skip: Iterable[str] = (),
     progress: bool = True,
+    max_regions: int | None = REGIONS_MAX_REGIONS,
+    regions_seconds: float | None = REGIONS_SECONDS,
 ) -> Report:
     """Measure where the nonlinearity of ``model`` sits, on ``data``.
 
@@ -166,11 +176,27 @@ def report(
         skip: measures not to run, from ``MEASURES`` (``"affinity"`` costs the most: an exact
             assignment of up to ``max_samples`` points per site).
         progress: tqdm progress bars.
+        max_regions, regions_seconds: budget of the linear regions: at most ``max_regions`` per
+            segment, and ``regions_seconds`` of wall-clock time for all segments (``None``: no
+            limit; see :func:`~linearize.measures.linear_regions`). The defaults finish in seconds:
+            on an untrained CIFAR ResNet-20, whose segments between test images hold ~50,000
+            regions each, the regions stop after 12 s and the whole report takes 14 s on one CPU
+            thread. A walk they stop is reported as partial (``regions["complete"]`` False, a
+            warning in the HTML and the plot titles, a line on the command line).
+
+    Example:
+        >>> import linearize
+        >>> net = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+        >>> model = linearize.convert(net, example_inputs=torch.randn(2, 4))
+        >>> rep = linearize.report(model, torch.randn(64, 4), progress=False)
+        >>> rep.regions["complete"], len(rep.regions["counts"])  # rep.save("out") writes the files
+        (True, 16)
 
     Raises:
         ValueError: fewer than 2 samples, no activation sites (call ``linearize.convert``),
             NaN/inf activations (names the site), an unreadable ``history`` (names the file), an
-            argument out of range. :class:`~linearize.unit.NonFiniteSlopeError`: NaN/inf slopes.
+            argument out of range (the regions budget included). :class:`~linearize.unit.NonFiniteSlopeError`:
+            NaN/inf slopes.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
@@ -190,6 +216,8 @@ def report(
     skip = set(skip)
     if skip - set(MEASURES):
         raise ValueError(f"unknown measures in skip: {sorted(skip - set(MEASURES))}; known: {MEASURES}")
+    max_regions = None if max_regions is None else check_positive_int(max_regions, "max_regions")
+    regions_seconds = None if regions_seconds is None else check_positive(regions_seconds, "regions_seconds")
     check_finite_slopes(units(model), "report")
     records = _read_history(history) if history is not None and "history" not in skip else None
     inputs, n = _collect(data, max_samples)
@@ -215,7 +243,7 @@ def report(
         elif step == "affinity":
             _affinity(rep, model, inputs, batch_size, max_samples, progress)
         elif step == "regions":
-            _regions(rep, model, inputs, segments, paths, batch_size, is_gated, progress)
+            _regions(rep, model, inputs, segments, paths, batch_size, is_gated, progress, max_regions, regions_seconds)
         elif step == "history":
             if records is None:
                 rep.skipped["history"] = "no sparsifier history given"
@@ -258,7 +286,8 @@ def _affinity(rep: Report, model: nn.Module, inputs: Any, batch_size: int, max_s
     rep.affinity = [[name, float(score)] for name, score in sig]
 
 
-def _regions(rep: Report, model, inputs, segments: int, paths: str, batch_size: int, is_gated: bool, progress: bool) -> None:
+def _regions(rep: Report, model, inputs, segments: int, paths: str, batch_size: int, is_gated: bool, progress: bool,
+             max_regions: int | None, max_seconds: float | None) -> None:
     smooth = sorted({u.kind for _, u in units(model) if not u.is_prelu})
     if is_gated:
         reason = "gated model: products of gates and values are not piecewise linear"
@@ -289,7 +318,10 @@ def _regions(rep: Report, model, inputs, segments: int, paths: str, batch_size: 
         x0, x1 = inputs[idx], inputs[(idx + 1) % len(inputs)]
         how = "straight segments between consecutive samples"
     try:
-        res = regions.linear_regions(model, x0, x1, batch_size=batch_size, progress=progress)
+        with warnings.catch_warnings():  # a partial result is marked in the report itself
+            warnings.simplefilter("ignore", regions.PartialResultWarning)
+            res = regions.linear_regions(model, x0, x1, batch_size=batch_size, progress=progress,
+                                         max_regions=max_regions, max_seconds=max_seconds)
     except ValueError as err:
         rep.skipped["regions"] = str(err)
         return
@@ -301,6 +333,10 @@ def _regions(rep: Report, model, inputs, segments: int, paths: str, batch_size: 
         "deviation": deviation,
         "mean_count": float(np.mean(counts)),
         "mean_deviation": float(np.mean(deviation)),
+        "budget": {"max_regions": max_regions, "max_seconds": max_seconds},
+        "complete": res.complete,
+        "stopped": res.stopped,
+        "covered": res.covered.tolist(),
     }
 
 
@@ -584,10 +620,11 @@ def _ecdf(ax, values: list[float], xlabel: str) -> None:
 def _plot_regions(regions: dict) -> bytes:
     fig = _figure(9.0)
     ax1, ax2 = fig.subplots(1, 2)
+    partial = "" if regions.get("complete", True) else ", partial: lower bounds"
     _ecdf(ax1, regions["counts"], "linear regions per segment")
-    ax1.set_title("Region counts (ECDF)")
+    ax1.set_title(f"Region counts (ECDF{partial})")
     _ecdf(ax2, regions["deviation"], "absolute deviation from the chord")
-    ax2.set_title("Absolute deviation (ECDF)")
+    ax2.set_title(f"Absolute deviation (ECDF{partial})")
     return _png(fig)
 
 
@@ -611,7 +648,7 @@ def _plot_gates(gates: dict) -> bytes:
 _CSS = """body{font-family:system-ui,sans-serif;margin:2em auto;max-width:1100px;color:#222}
 table{border-collapse:collapse;margin:.5em 0 1.5em}td,th{border:1px solid #ccc;padding:.25em .6em;text-align:right}
 th{background:#f3f3f3}td:first-child,th:first-child{text-align:left}img{max-width:100%;display:block;margin:.5em 0}
-.skip{color:#777;font-style:italic}"""
+.skip{color:#777;font-style:italic}.partial{color:#a40;border-left:4px solid #a40;padding-left:.6em}"""
 
 # marks each image with data-loaded="yes"/"no" once the page has loaded (for headless checks)
 _SCRIPT = """window.addEventListener("load", function () {
@@ -648,6 +685,24 @@ def _section(title: str, rep: Report, key: str, body: str) -> str:
     return f"<h2>{html.escape(title)}</h2>\n{body}"
 
 
+def _percent(fraction: float) -> str:
+    """``0.37 -> '37%'``, ``3.2e-5 -> '0.0032%'``: three significant digits at most, however small."""
+    return f"{100 * float(fraction):.3g}%"
+
+
+def _regions_note(regions: dict) -> str:
+    """A warning paragraph when the regions walk was stopped by its budget (empty when complete)."""
+    if regions.get("complete", True):
+        return ""
+    covered = regions["covered"]
+    short = sum(c < 1 for c in covered)
+    return (f'<p class="partial"><strong>Partial result</strong>: the walk stopped at its budget '
+            f"({html.escape(str(regions['stopped']))}) on {short} of {len(covered)} segments, after "
+            f"{_percent(np.mean(covered))} of their length on average. Counts and deviations cover the "
+            "walked parts only: lower bounds. Raise the budget (max_regions / regions_seconds, or "
+            "--max-regions / --regions-seconds) for the complete result.</p>")
+
+
 def _html(rep: Report, images: Mapping[str, bytes]) -> str:
     parts = [f"<h1>linearize report: {html.escape(rep.model)}</h1>",
              f"<p>{rep.num_samples} samples; a channel is linear when its slope a &ge; 1 &minus; {rep.tol:g}.</p>"]
@@ -675,7 +730,7 @@ def _html(rep: Report, images: Mapping[str, bytes]) -> str:
     body = ""
     if rep.regions is not None:
         r = rep.regions
-        body = (f"<p>{html.escape(r['segments'])}: {len(r['counts'])} segments, mean {r['mean_count']:.4g} "
+        body = (_regions_note(r) + f"<p>{html.escape(r['segments'])}: {len(r['counts'])} segments, mean {r['mean_count']:.4g} "
                 f"regions, mean absolute deviation {r['mean_deviation']:.4g}.</p>" + _img(images, "regions", "region ECDFs"))
     parts.append(_section("Linear regions and absolute deviation", rep, "regions", body))
     body = ""
@@ -724,6 +779,13 @@ def register_cli(subparsers: argparse._SubParsersAction) -> argparse.ArgumentPar
                    help="samples used, at least 2 (default 512)")
     p.add_argument("--segments", type=arg_type(check_positive_int, "--segments", 0), default=16,
                    help="segments for linear regions (default 16; 0 skips them)")
+    p.add_argument("--max-regions", type=_or_none(arg_type(check_positive_int, "--max-regions")),
+                   default=REGIONS_MAX_REGIONS, metavar="N",
+                   help=f"linear regions: stop a segment after N regions ('none': no limit; default {REGIONS_MAX_REGIONS})")
+    p.add_argument("--regions-seconds", type=_or_none(arg_type(check_positive, "--regions-seconds")),
+                   default=REGIONS_SECONDS, metavar="S",
+                   help=f"linear regions: stop all segments after S seconds ('none': no limit; default {REGIONS_SECONDS:g}); "
+                   "a stopped walk is reported as partial")
     p.add_argument("--paths", choices=["pairs", "loops"], default="pairs", help="segments between samples or translation loops")
     p.add_argument("--tol", type=arg_type(check_tol, 1.0, "--tol"), default=0.0,
                    help="in [0, 1): a channel is linear when a >= 1 - tol (default 0)")
@@ -747,18 +809,32 @@ def register_cli(subparsers: argparse._SubParsersAction) -> argparse.ArgumentPar
     return p
 
 
+def _or_none(parse: Callable[[str], object]) -> Callable[[str], object]:
+    """An ``argparse`` ``type=``: ``'none'`` (no limit) as ``None``, anything else through ``parse``."""
+    def wrapped(text: str) -> object:
+        return None if text.strip().lower() == "none" else parse(text)
+
+    wrapped.__name__ = parse.__name__  # argparse names the type in its "invalid" message
+    return wrapped
+
+
 def run_cli(args: argparse.Namespace) -> int:
     """Run the ``report`` subcommand; prints where the files went."""
     model, data = _load_model_and_data(args)
     rep = report(model, data, history=args.history, tol=args.tol, max_samples=args.num_samples,
                  segments=args.segments, paths=args.paths, batch_size=args.batch_size,
-                 skip=args.skip, progress=not args.no_progress)
+                 skip=args.skip, progress=not args.no_progress, max_regions=args.max_regions,
+                 regions_seconds=args.regions_seconds)
     written = rep.save(args.output_dir)
     if rep.units is not None:
         print(f"nonlinear channels: {rep.units['nonlinear']} / {rep.units['total']} ({rep.units['fraction']:.2%})")
     if rep.path_length is not None:
         print(f"average path length: normalized {rep.path_length['normalized']:.3f}, "
               f"unnormalized {rep.path_length['unnormalized']:.3f}")
+    if rep.regions is not None and not rep.regions["complete"]:
+        print(f"linear regions: partial result, stopped at {rep.regions['stopped']} after "
+              f"{_percent(np.mean(rep.regions['covered']))} of the segments' length on average "
+              "(counts are lower bounds; raise --max-regions / --regions-seconds)")
     for what, reason in rep.skipped.items():
         print(f"skipped {what}: {reason}")
     print(f"wrote {', '.join(sorted(written))} to {Path(args.output_dir).resolve()}")

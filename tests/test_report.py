@@ -77,6 +77,7 @@ def test_report_on_digits_matches_measures(trained, tmp_path: Path) -> None:
     assert len(regions["counts"]) == len(regions["deviation"]) == 8
     exact = linearize.measures.linear_regions(model, x[:8], x[torch.arange(1, 9) % 200])
     assert regions["counts"] == exact.count.tolist()
+    assert regions["complete"] and regions["stopped"] is None and regions["covered"] == [1.0] * 8
     assert regions["deviation"] == pytest.approx(exact.deviation().mean(1).tolist())
     # the last logged step is now: the history ends at the current fraction
     assert data["history"]["total"][-1] == pytest.approx(data["units"]["fraction"])
@@ -115,6 +116,82 @@ def test_translation_loops_of_images() -> None:
     assert "translation loops" in rep.regions["segments"]
     with pytest.raises(ValueError, match="unknown measures"):
         linearize.report(model, x, skip=["regoins"], progress=False)
+
+
+@pytest.fixture
+def one_thread():
+    """Small float64 forwards run far faster on one thread on a shared, busy machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_regions_budget_gives_a_marked_partial_result(tmp_path: Path, one_thread) -> None:
+    """max_regions=2: every segment with more regions keeps its first two, exactly those of the
+    complete walk, and the JSON, the HTML and the plot say the result is partial."""
+    model, x = _mlp(), _digits(64)
+    x0, x1 = x[:6], x[torch.arange(1, 7)]
+    full = linearize.measures.linear_regions(model, x0, x1, max_regions=None)
+    assert full.complete and (full.count > 2).sum() >= 3
+    rep = linearize.report(model, x, segments=6, max_regions=2, skip=["affinity", "path_length"], progress=False)
+    r = rep.regions
+    assert r["counts"] == full.count.clamp(max=2).tolist()
+    assert not r["complete"] and r["stopped"] == "max_regions=2"
+    assert r["budget"] == {"max_regions": 2, "max_seconds": reporting.REGIONS_SECONDS}
+    for s in range(6):  # a truncated segment is covered up to the end of its 2nd region
+        expected = 1.0 if full.count[s] <= 2 else full.regions(s)["end"][1].item()
+        assert r["covered"][s] == pytest.approx(expected, abs=1e-12)
+        assert r["deviation"][s] <= full.deviation()[s].mean().item() + 1e-12
+    written = rep.save(tmp_path)
+    page = written["report.html"].read_text()
+    assert "Partial result" in page and "max_regions=2" in page and "lower bounds" in page
+    assert json.loads(written["report.json"].read_text())["regions"]["complete"] is False
+    complete = linearize.report(model, x, segments=6, skip=["affinity", "path_length"], progress=False)
+    assert complete.regions["complete"] and complete.regions["counts"] == full.count.tolist()
+    assert "Partial result" not in complete.to_html()
+    for bad, match in (({"max_regions": 0}, "max_regions"), ({"regions_seconds": -1.0}, "regions_seconds")):
+        with pytest.raises(ValueError, match=match):  # before any measure runs
+            linearize.report(model, x, progress=False, **bad)
+
+
+def test_default_regions_budget_stops_an_untrained_cifar_resnet20(one_thread) -> None:
+    """The issue's case: one segment through an untrained CIFAR ResNet-20 holds thousands of
+    regions (it ran for minutes); the report's time budget stops it, marked partial."""
+    import sys
+    import time
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "recipes"))
+    import cifar
+
+    torch.manual_seed(0)
+    model = linearize.convert(cifar.build_model("resnet20", 10).eval(), example_inputs=torch.zeros(2, 3, 32, 32))
+    x = torch.randn(2, 3, 32, 32)
+    start = time.monotonic()
+    rep = linearize.report(model, x, segments=1, regions_seconds=1.0, progress=False,
+                           skip=["units", "path_length", "affinity", "history", "gates"])
+    elapsed = time.monotonic() - start
+    r = rep.regions
+    assert not r["complete"] and r["stopped"] == "max_seconds=1" and r["covered"][0] < 0.5
+    assert r["counts"][0] >= 1 and elapsed < 30  # a few forwards past the budget at most
+    assert reporting.REGIONS_SECONDS is not None and reporting.REGIONS_MAX_REGIONS is not None
+
+
+def test_cli_regions_budget_flags(tmp_path: Path, capsys, one_thread) -> None:
+    torch.save(_mlp(), tmp_path / "mlp.pt")
+    out = tmp_path / "out"
+    assert _cli(["report", str(tmp_path / "mlp.pt"), "--data", "digits", "--num-samples", "16", "--segments", "4",
+                 "--max-regions", "1", "--regions-seconds", "none", "--skip", "affinity",
+                 "--output-dir", str(out), "--no-progress"]) == 0
+    regions = json.loads((out / "report.json").read_text())["regions"]
+    assert regions["budget"] == {"max_regions": 1, "max_seconds": None} and regions["counts"] == [1, 1, 1, 1]
+    assert not regions["complete"] and "partial result, stopped at max_regions=1" in capsys.readouterr().out
+    for bad, message in ((["--max-regions", "0"], "--max-regions must be an int >= 1"),
+                         (["--regions-seconds", "-1"], "--regions-seconds must be > 0"),
+                         (["--max-regions", "many"], "invalid int value")):
+        with pytest.raises(SystemExit):
+            _cli(["report", "mlp.pt", "--data", "digits", *bad])
+        assert message in capsys.readouterr().err
 
 
 def test_history_formats_and_weighting() -> None:
