@@ -22,7 +22,9 @@ def test_affinity_benchmark_reference_and_ours_give_the_same_signature(capsys):
         torch.set_num_threads(threads)
     assert result["sites"] == 17  # stem ReLU + 2 calls x 8 BasicBlocks
     assert result["max_abs_diff"] < 1e-7  # ours pools in float32, the reference in float64
-    assert result["max_abs_diff_same_input"] < 1e-10
+    # rounding of the two map computations grows with cond(Sx + ridge): up to 2.5e7 at layer4.1 (the
+    # relative ridge no longer caps it at ~4e3 there, as the absolute 1e-6 did at variance ~4e-3): 1.6e-9
+    assert result["max_abs_diff_same_input"] < 1e-8
     times = result["signature"]
     assert set(times) >= {"ours", "reference", "reference_blas1", "speedup_wall", "speedup_wall_blas1"}
     assert all(t > 0 for pair in (times["ours"], times["reference"], times["reference_blas1"]) for t in pair)

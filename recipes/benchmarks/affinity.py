@@ -6,7 +6,7 @@ N(0, 1) images, or the first CIFAR-10 test images when ``LINEARIZE_CIFAR10`` (or
 to CIFAR data (any format ``recipes/cifar.py`` reads). All 17 activation call sites (the stem ReLU
 and two calls of each ``BasicBlock.relu``), feature maps pooled over space to ``[1024, C]``.
 
-Reference, per site: covariances as in ours (1/n, ridge 1e-6 I), ``A = Sx^(-1/2) (Sx^(1/2) Sy
+Reference, per site: covariances as in ours (1/n, relative ridge ``1e-6 tr(C) / d I``), ``A = Sx^(-1/2) (Sx^(1/2) Sy
 Sx^(1/2))^(1/2) Sx^(-1/2)`` with ``scipy.linalg.sqrtm``, ``W2^2 = ot.emd2`` on ``ot.dist(A x + b, y)``.
 Timed twice: the whole signature (forward pass, capture, scores), and the scores alone on the
 same captured activations. Also timed: the bare forward pass (no hooks), which both methods must
@@ -87,13 +87,15 @@ def capture(model: nn.Module, x: torch.Tensor, batch_size: int) -> list[tuple[st
 
 
 def reference_score(xs: np.ndarray, ys: np.ndarray, ridge: float = 1e-6) -> float:
-    """``1 - W2 / sqrt(2 tr Cov(y))`` with POT's Bures map formula on ``scipy.linalg.sqrtm`` and ``ot.emd2``."""
+    """``1 - W2 / sqrt(2 tr Cov(y))`` with POT's Bures map formula on ``scipy.linalg.sqrtm`` and ``ot.emd2``;
+    ``ridge`` relative to each covariance's average variance ``tr(C) / d``, as in ours."""
     n, d = xs.shape
-    cx = np.cov(xs, rowvar=False, bias=True) + ridge * np.eye(d)
+    cx = np.cov(xs, rowvar=False, bias=True)
+    cx += ridge * np.trace(cx) / d * np.eye(d)
     cy = np.cov(ys, rowvar=False, bias=True)
     cx12 = np.real(scipy.linalg.sqrtm(cx))
     cx12inv = np.linalg.inv(cx12)
-    a = cx12inv @ np.real(scipy.linalg.sqrtm(cx12 @ (cy + ridge * np.eye(d)) @ cx12)) @ cx12inv
+    a = cx12inv @ np.real(scipy.linalg.sqrtm(cx12 @ (cy + ridge * np.trace(cy) / d * np.eye(d)) @ cx12)) @ cx12inv
     b = ys.mean(0) - xs.mean(0) @ a
     w = np.full(n, 1.0 / n)
     w2 = np.sqrt(ot.emd2(w, w, ot.dist(xs @ a + b, ys), numItermax=10**7))
