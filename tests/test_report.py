@@ -182,7 +182,7 @@ def test_cli_regions_budget_flags(tmp_path: Path, capsys, one_thread) -> None:
     out = tmp_path / "out"
     assert _cli(["report", str(tmp_path / "mlp.pt"), "--data", "digits", "--num-samples", "16", "--segments", "4",
                  "--max-regions", "1", "--regions-seconds", "none", "--skip", "affinity",
-                 "--output-dir", str(out), "--no-progress"]) == 0
+                 "--output-dir", str(out), "--no-progress", "--trust-pickle"]) == 0
     regions = json.loads((out / "report.json").read_text())["regions"]
     assert regions["budget"] == {"max_regions": 1, "max_seconds": None} and regions["counts"] == [1, 1, 1, 1]
     assert not regions["complete"] and "partial result, stopped at max_regions=1" in capsys.readouterr().out

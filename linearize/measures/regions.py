@@ -68,6 +68,8 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from tqdm.auto import tqdm
 
+from ..checks import check_positive, check_positive_int
+
 __all__ = [
     "PartialResultWarning",
     "RegionsResult",
@@ -370,16 +372,6 @@ class RegionsResult:
         return out.index_add_(0, self.segment, area)
 
 
-def check_budget(max_regions: int | None, max_seconds: float | None, seconds_name: str = "max_seconds") -> None:
-    """Raise ``ValueError`` unless ``max_regions`` is an int >= 1 or None and ``max_seconds`` a finite
-    number > 0 or None (the budget of :func:`linear_regions`; ``seconds_name`` names it in the error)."""
-    if max_regions is not None and (isinstance(max_regions, bool) or not isinstance(max_regions, int) or max_regions < 1):
-        raise ValueError(f"max_regions must be an int >= 1 (regions per segment) or None (no limit), got {max_regions!r}")
-    if max_seconds is not None and (isinstance(max_seconds, bool) or not isinstance(max_seconds, (int, float))
-                                    or not 0 < max_seconds < math.inf):
-        raise ValueError(f"{seconds_name} must be a finite number of seconds > 0 or None (no limit), got {max_seconds!r}")
-
-
 @torch.no_grad()
 def linear_regions(
     model: nn.Module,
@@ -430,7 +422,7 @@ def linear_regions(
 
     Raises:
         ValueError: for a model that is not piecewise linear (names the module), bad shapes,
-            NaN/inf inputs, bad budgets.
+            NaN/inf inputs, a budget out of range (``TypeError``: not a number).
 
     Example:
         >>> _ = torch.manual_seed(0)
@@ -446,7 +438,8 @@ def linear_regions(
         raise ValueError(f"need batch_size >= 1 and 0 <= eps < 1, got {batch_size}, {eps}")
     if not isinstance(pieces, int) or pieces < 1:
         raise ValueError(f"pieces must be an int >= 1, got {pieces!r}")
-    check_budget(max_regions, max_seconds)
+    max_regions = None if max_regions is None else check_positive_int(max_regions, "max_regions")
+    max_seconds = None if max_seconds is None else check_positive(max_seconds, "max_seconds")
     deadline = None if max_seconds is None else time.monotonic() + max_seconds
     net = _float64_copy(model)
     device = next((p.device for p in net.parameters()), x0.device)
