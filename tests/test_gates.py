@@ -15,6 +15,7 @@ from torch import nn
 
 import linearize
 from linearize.conversion import CallSites
+from linearize.reporting import MEASURES
 
 GATE_TYPES = (nn.Sigmoid, nn.Hardsigmoid)
 
@@ -168,3 +169,15 @@ def test_gates_option_is_validated_and_round_trips():
     cfg = linearize.LinearizeConfig(gates="include")
     assert linearize.LinearizeConfig.from_dict(cfg.to_dict()) == cfg
     assert linearize.LinearizeConfig().gates == "exclude"
+
+
+def test_report_lists_the_excluded_gates():
+    torch.manual_seed(0)
+    model = Probe().eval()
+    x = torch.randn(4, 3, 6, 6)
+    linearize.convert(model, example_inputs=x)
+    skip = [m for m in MEASURES if m != "units"]
+    rep = linearize.report(model, x, skip=skip, progress=False)
+    assert set(rep.excluded) == {"se_gate", "relu_gate", "swish_sig", "shared.calls.0", "Probe: sigmoid"}
+    assert rep.units["total"] == sum(u.num_channels for _, u in linearize.units(model))
+    assert "swish_sig" in rep.to_html({}) and "Not converted on purpose" in rep.to_html({})
