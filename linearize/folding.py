@@ -1457,7 +1457,9 @@ def fold(
         ValueError: bad ``objective`` / ``tol`` / ``rtol`` / ``atol``, BatchNorm in training mode,
             ``example_inputs`` that the model cannot run, an empty batch, or NaN/inf outputs of
             the model itself (:class:`~linearize.unit.NonFiniteSlopeError` for NaN/inf slopes).
-        FoldVerificationError: the folded model differs by more than the tolerance.
+        FoldVerificationError: the folded model differs by more than the tolerance (at the output,
+            or at the verified inner signal when the output is zero or the same for every sample;
+            see ``FoldSummary.verified_on``), or no signal that varies can be verified.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"fold expects an nn.Module, got {type(model).__name__}")
