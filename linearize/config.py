@@ -14,6 +14,8 @@ DEFAULT_ACTIVATIONS = (
     "softplus", "tanh", "sigmoid", "hardsigmoid", "hardtanh", "quick_gelu", "relu2",
 )
 DEFAULT_BETA = {"dgn": 4.0, "dlgn": 10.0}
+GATES = ("exclude", "include")
+GATE_KINDS = ("sigmoid", "hardsigmoid")  # squashing into [0, 1]: their role is to scale another tensor
 
 
 @dataclass
@@ -37,6 +39,15 @@ class LinearizeConfig:
         init: gated modes: ``"independent"`` (fresh feature weights) or ``"copy"`` (from the model).
         hard_gates: gated modes: use the step ``q > 0`` instead of a sigmoid.
         freeze_feature: gated modes: keep the feature (gating) network fixed ("fixed learnt gates").
+        gates: ``"exclude"`` (default) leaves multiplicative gates unconverted, ``"include"``
+            converts them like any activation. A call is a gate when, in the probe forward, its
+            output (or a view of it) multiplies another tensor and either its kind is in
+            ``GATE_KINDS`` (sigmoid, hardsigmoid: squeeze-excitation, attention and GLU gates,
+            ``x * sigmoid(x)``) or it is broadcast over the other factor (a ``[N, C, 1, 1]``
+            channel gate of any kind). Making a gate linear leaves a product, not a linear map, so
+            excluded gates are not units and not counted; ``model.linearize_report.gates`` lists
+            them with the reason. GLU-style products of same-shaped tensors with other kinds
+            (SwiGLU/GeGLU MLPs) are not gates: that activation is the MLP's nonlinearity.
     """
 
     mode: str = "prelu"
@@ -50,6 +61,7 @@ class LinearizeConfig:
     init: str = "independent"
     hard_gates: bool = False
     freeze_feature: bool = False
+    gates: str = "exclude"
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -71,6 +83,8 @@ class LinearizeConfig:
             raise ValueError(f"beta must be a finite number > 0, got {self.beta}")
         if self.value_input not in ("x", "ones"):
             raise ValueError(f"value_input must be 'x' or 'ones', got {self.value_input!r}")
+        if self.gates not in GATES:
+            raise ValueError(f"gates must be one of {GATES}, got {self.gates!r}")
         if self.init not in ("independent", "copy"):
             raise ValueError(f"init must be 'independent' or 'copy', got {self.init!r}")
 

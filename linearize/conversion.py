@@ -10,7 +10,10 @@ How it works (like PEFT's injection, but per *call*, not per module):
    ``forward`` made the call, the input shape and the last leaf layer that ran before it (to infer
    the channel dimension). A ``TorchFunctionMode`` records functional activation calls made
    inside ``forward`` code (``F.relu`` in torchvision DenseNet, ``torch.tanh`` ...): those cannot
-   be swapped and are listed in the report, with a warning.
+   be swapped and are listed in the report, with a warning. The same forward follows every
+   activation output (through views and reshapes) into products: a call whose output
+   multiplies another tensor as a gate (squeeze-excitation ``x * sigmoid(s)``, see
+   ``LinearizeConfig.gates``) is left as it is by default and listed in ``report.gates``.
 3. Each registration ``owner.attr`` of an activation module is replaced: by one
    :class:`~linearize.unit.LinearizableActivation` when ``owner`` calls it once per forward, or by
    a :class:`CallSites` dispatcher holding one unit per call when it is reused (torchvision
@@ -26,6 +29,7 @@ from __future__ import annotations
 import copy
 import re
 import warnings
+import weakref
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -36,7 +40,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from .checks import as_patterns, check_channel_dim
-from .config import LinearizeConfig
+from .config import GATE_KINDS, LinearizeConfig
 from .unit import LinearizableActivation, install_optimizer_hooks
 
 __all__ = [
@@ -87,6 +91,22 @@ _FUNCTION_KINDS: dict[Callable, str] = {
 _FUNCTIONAL_CALLS: set[Callable] = set(_FUNCTION_KINDS) | {
     F.relu_, torch.relu_, torch.Tensor.relu, torch.Tensor.relu_, torch.Tensor.tanh,
     torch.Tensor.sigmoid, torch.sigmoid_, torch.tanh_, F.elu_, F.leaky_relu_,
+    torch.Tensor.sigmoid_, torch.Tensor.tanh_,  # timm's Sigmoid(inplace=True): x.sigmoid_()
+}
+# products that make an activation's output a multiplicative gate: op -> positions of the factors
+_PRODUCTS: dict[Callable, tuple[int, int]] = {
+    torch.mul: (0, 1), torch.Tensor.mul: (0, 1), torch.Tensor.mul_: (0, 1), torch.Tensor.__mul__: (0, 1),
+    torch.Tensor.__rmul__: (0, 1), torch.Tensor.__imul__: (0, 1), torch.addcmul: (1, 2),
+    torch.Tensor.addcmul: (1, 2), torch.Tensor.addcmul_: (1, 2),
+}
+# ops whose output is the same values as their first argument (a gate is often reshaped first)
+_SAME_VALUES: set[Callable] = {
+    torch.Tensor.view, torch.Tensor.view_as, torch.Tensor.reshape, torch.reshape, torch.Tensor.expand,
+    torch.Tensor.expand_as, torch.Tensor.flatten, torch.flatten, torch.Tensor.unsqueeze, torch.unsqueeze,
+    torch.Tensor.squeeze, torch.squeeze, torch.Tensor.permute, torch.permute, torch.Tensor.transpose,
+    torch.transpose, torch.Tensor.contiguous, torch.Tensor.to, torch.Tensor.type_as, torch.Tensor.clone,
+    torch.clone, torch.Tensor.__getitem__, torch.Tensor.float, torch.Tensor.half, torch.Tensor.bfloat16,
+    F.dropout,
 }
 _CHANNEL_FIRST = (nn.modules.conv._ConvNd, nn.modules.batchnorm._NormBase, nn.GroupNorm)
 
@@ -189,11 +209,18 @@ class ConversionReport:
     uncalled: list[str] = field(default_factory=list)
     unreachable: list[str] = field(default_factory=list)
     excluded: list[str] = field(default_factory=list)
+    # multiplicative gates left unconverted (LinearizeConfig.gates="exclude"): site -> why it is a gate
+    # (a functional gate call is named "owner: fn", like functional_calls)
+    gates: dict[str, str] = field(default_factory=dict)
 
     @property
     def num_channels(self) -> int:
         """Total number of converted channels over all sites."""
         return sum(s.num_channels for s in self.sites)
+
+    def excluded_sites(self) -> dict[str, str]:
+        """Every activation left unconverted on purpose: ``{site: reason}`` (config filters, gates)."""
+        return {**{n: "excluded by the config" for n in self.excluded}, **self.gates}
 
     def problems(self) -> list[str]:
         """Human-readable lines for everything left unconverted that was not excluded on purpose."""
@@ -214,6 +241,9 @@ class ConversionReport:
             rows += [f"  {p}" for p in problems]
         if self.excluded:
             rows.append(f"excluded by the config: {', '.join(self.excluded)}")
+        if self.gates:
+            rows.append(f"{len(self.gates)} multiplicative gate(s) left as they are (gates='exclude'):")
+            rows += [f"  {n}: {why}" for n, why in self.gates.items()]
         return "\n".join(rows)
 
 
@@ -274,9 +304,13 @@ def default_example_inputs(model: nn.Module) -> Any:
 
 @dataclass
 class _Call:
+    """One activation call of the probe forward; ``gate`` says why its output is a multiplicative gate."""
+
     caller: nn.Module | None
     shape: tuple[int, ...]
     channel_dim: int
+    kind: str = ""
+    gate: str | None = None
 
 
 class _FunctionalRecorder(TorchFunctionMode):
@@ -287,9 +321,15 @@ class _FunctionalRecorder(TorchFunctionMode):
         self.probe = probe
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        if func in _FUNCTIONAL_CALLS and not self.probe.inside_activation():
-            self.probe.record_functional(func)
-        return func(*args, **(kwargs or {}))
+        out = func(*args, **(kwargs or {}))
+        if not self.probe.inside_activation():
+            if func in _FUNCTIONAL_CALLS:
+                self.probe.record_functional(func, out)
+            elif func in _SAME_VALUES and args:
+                self.probe.follow(args[0], out)
+            elif func in _PRODUCTS:
+                self.probe.record_product(func, args, out)
+        return out
 
 
 class _Probe:
@@ -305,29 +345,71 @@ class _Probe:
         self.stack: list[nn.Module] = []
         self.invocations: Counter[int] = Counter()
         self.calls: dict[int, list[_Call]] = defaultdict(list)
-        self.functional: Counter[str] = Counter()
+        self.functional: list[tuple[str, _Call]] = []  # ("owner: fn", call) per functional activation call
+        self.outputs: dict[int, tuple[weakref.ref, _Call]] = {}  # activation outputs (and their views)
+        self.pending: dict[int, _Call] = {}  # candidate module id -> its call now running
         self.last_leaf: nn.Module | None = None
 
     def inside_activation(self) -> bool:
         return any(id(m) in self.activations for m in self.stack)
 
-    def record_functional(self, func: Callable) -> None:
+    def record_functional(self, func: Callable, out: Any) -> None:
         owner = next((m for m in reversed(self.stack) if id(m) in self.names), None)
         where = self.names.get(id(owner), "") if owner is not None else ""
-        self.functional[f"{where or type(owner).__name__}: {getattr(func, '__name__', func)}"] += 1
+        name = getattr(func, "__name__", str(func))
+        call = _Call(None, tuple(getattr(out, "shape", ())), -1, _FUNCTION_KINDS.get(func, name.rstrip("_")))
+        self.functional.append((f"{where or type(owner).__name__}: {name}", call))
+        self._tag(out, call)
+
+    def _tag(self, out: Any, call: _Call) -> None:
+        if isinstance(out, torch.Tensor):
+            self.outputs[id(out)] = (weakref.ref(out), call)
+
+    def _source(self, x: Any) -> _Call | None:
+        """The activation call whose output ``x`` is (or is a view of), if any."""
+        entry = self.outputs.get(id(x)) if isinstance(x, torch.Tensor) else None
+        return entry[1] if entry is not None and entry[0]() is x else None
+
+    def follow(self, x: Any, out: Any) -> None:
+        """``out`` holds the values of ``x`` (a view, reshape, cast): it inherits ``x``'s source."""
+        call = self._source(x)
+        if call is not None and out is not x:
+            self._tag(out, call)
+
+    def record_product(self, func: Callable, args: tuple, out: Any) -> None:
+        """Mark the activation calls whose outputs are factors of this product as gates (see
+        ``LinearizeConfig.gates``): a sigmoid-like kind scaling a tensor, or any kind broadcast."""
+        i, j = _PRODUCTS[func]
+        if len(args) <= j or not isinstance(out, torch.Tensor):
+            return
+        for mine, other in ((args[i], args[j]), (args[j], args[i])):
+            call = self._source(mine)
+            if call is None or call.gate is not None or not isinstance(other, torch.Tensor):
+                continue
+            if isinstance(other, nn.Parameter) or other.numel() <= 1:  # a constant scale keeps it linear
+                continue
+            if mine.numel() < out.numel():
+                call.gate = f"{call.kind} output {list(mine.shape)} scales a {list(other.shape)} tensor (broadcast gate)"
+            elif call.kind in GATE_KINDS:
+                call.gate = f"{call.kind} output multiplies a {list(other.shape)} tensor (gate)"
 
     def pre_hook(self, module: nn.Module, args: tuple) -> None:
         if id(module) in self.candidates:
             x = args[0] if args else None
             if isinstance(x, torch.Tensor):
                 caller = self.stack[-1] if self.stack else None
-                self.calls[id(module)].append(_Call(caller, tuple(x.shape), self._channel_dim(module, x)))
+                call = _Call(caller, tuple(x.shape), self._channel_dim(module, x), activation_kind(module) or "")
+                self.calls[id(module)].append(call)
+                self.pending[id(module)] = call
         self.invocations[id(module)] += 1
         self.stack.append(module)
 
     def hook(self, module: nn.Module, args: tuple, output: Any) -> None:
         if self.stack and self.stack[-1] is module:
             self.stack.pop()
+        call = self.pending.pop(id(module), None)
+        if call is not None:
+            self._tag(output, call)
         if id(module) not in self.candidates and next(module.children(), None) is None:
             self.last_leaf = module
 
@@ -421,7 +503,14 @@ def plan_conversion(
             chosen.append((name, owner, attr, act))
     probe = _Probe(model, {id(act) for *_, act in chosen}, {id(act) for *_, act in regs}, config.channel_dim)
     probe.run(model, example_inputs if example_inputs is not None else default_example_inputs(model))
-    report.functional_calls = dict(probe.functional)
+    exclude_gates = config.gates == "exclude"
+    functional: Counter[str] = Counter()
+    for where, call in probe.functional:
+        if exclude_gates and call.gate is not None:
+            report.gates.setdefault(where, f"{call.gate}; functional call")
+        else:
+            functional[where] += 1
+    report.functional_calls = dict(functional)
 
     plan = []
     owned_calls: Counter[int] = Counter()
@@ -434,13 +523,18 @@ def plan_conversion(
             continue
         per_forward = len(calls) // max(1, probe.invocations[id(owner)])
         calls = calls[: max(1, per_forward)]
-        plan.append((owner, attr, act, calls))
         for k, call in enumerate(calls):
             unit_name = name if len(calls) == 1 else f"{name}.calls.{k}"
+            if call.gate is not None and exclude_gates:
+                report.gates[unit_name] = call.gate
+                continue
+            call.gate = None  # converted: convert() builds a unit for every call without a gate
             report.sites.append(
                 SiteInfo(unit_name, activation_kind(act) or "", call.shape[call.channel_dim],
                          call.channel_dim, list(call.shape))
             )
+        if any(call.gate is None for call in calls):
+            plan.append((owner, attr, act, calls))
     for name, owner, attr, act in chosen:
         if probe.calls[id(act)] and owned_calls[id(act)] < len(probe.calls[id(act)]):
             report.unreachable.append(name)
@@ -517,7 +611,7 @@ def convert(
     param = next(model.parameters(), None)
     for owner, attr, act, calls in plan:
         made = [
-            LinearizableActivation(
+            act if call.gate is not None else LinearizableActivation(  # an excluded gate call keeps act
                 act.fn if isinstance(act, FunctionalActivation) else act,
                 num_channels=call.shape[call.channel_dim],
                 channel_dim=call.channel_dim,

@@ -32,7 +32,10 @@ reason (a 5x5 costs more than two 3x3), as is a longer chain with such a step.
 
 Then it verifies: ``example_inputs`` run through both models and the max abs difference must
 stay below ``rtol * max|output|`` (or ``atol``); the summary holds the error, params, FLOPs and
-measured latency before and after.
+measured latency before and after. When that check is vacuous (the output is zero, or the same
+for every sample although the samples differ: a zero-initialised head), it also verifies the
+input of the last layer that fold left untouched and that does vary (the features before the
+head), and ``summary.verified_on`` names it; if no such signal exists, fold raises.
 """
 
 from __future__ import annotations
@@ -98,6 +101,11 @@ class FoldSummary:
     Latencies are medians in milliseconds of interleaved repetitions on ``example_inputs``
     (``None`` with ``latency=False``). ``max_abs_error`` is the largest absolute difference
     between the outputs; ``output_scale`` the largest absolute reference output.
+
+    ``verified_on`` is ``"output"``, or, when the output cannot tell a wrong fold from a right one
+    (zero, or constant over samples that differ), ``"input of '<layer>'"``: that signal was
+    verified too, with ``signal_error`` / ``signal_scale`` / ``signal_tolerance`` (``rtol`` times
+    its scale), and the reason in ``verified_why``.
     """
 
     objective: str
@@ -116,6 +124,11 @@ class FoldSummary:
     output_scale: float = 0.0
     tolerance: float = 0.0
     verify_dtype: str = ""
+    verified_on: str = "output"
+    verified_why: str = ""
+    signal_error: float | None = None
+    signal_scale: float | None = None
+    signal_tolerance: float | None = None
 
     @property
     def flop_ratio(self) -> float:
@@ -149,6 +162,11 @@ class FoldSummary:
             f"max abs error {self.max_abs_error:.3g} (output scale {self.output_scale:.3g}, "
             f"tolerance {self.tolerance:.3g}, {self.verify_dtype})"
         )
+        if self.verified_on != "output":
+            lines.append(
+                f"verified on the {self.verified_on} ({self.verified_why}): max abs error "
+                f"{self.signal_error:.3g} (scale {self.signal_scale:.3g}, tolerance {self.signal_tolerance:.3g})"
+            )
         lines += [f"merged: {m}" for m in self.merged] + [f"skipped: {s}" for s in self.skipped]
         return "\n".join(lines)
 
@@ -1439,7 +1457,9 @@ def fold(
         ValueError: bad ``objective`` / ``tol`` / ``rtol`` / ``atol``, BatchNorm in training mode,
             ``example_inputs`` that the model cannot run, an empty batch, or NaN/inf outputs of
             the model itself (:class:`~linearize.unit.NonFiniteSlopeError` for NaN/inf slopes).
-        FoldVerificationError: the folded model differs by more than the tolerance.
+        FoldVerificationError: the folded model differs by more than the tolerance (at the output,
+            or at the verified inner signal when the output is zero or the same for every sample;
+            see ``FoldSummary.verified_on``), or no signal that varies can be verified.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"fold expects an nn.Module, got {type(model).__name__}")
@@ -1466,6 +1486,7 @@ def fold(
     summary = FoldSummary(objective=objective, tol=tol)
     folded = copy.deepcopy(model).eval()
     probe = _Probe({}, {}, {}, list(folded.modules()))
+    before_fold = dict(folded.named_modules())  # path -> layer, to find the layers fold left alone
     try:  # the untouched eval copy gives the reference output, shapes and FLOPs in one forward
         summary.flops_before, reference = _run_counting(folded, example_inputs, probe)
     except Exception as exc:  # the model's own error, re-raised with what to do
@@ -1494,7 +1515,8 @@ def fold(
     summary.params_after = sum(p.numel() for p in folded.parameters())
     summary.flops_after, output = _run_counting(folded, example_inputs)
 
-    _verify(model, folded, example_inputs, ref_out, _flatten_outputs(output), summary, atol, rtol, dtype)
+    untouched = functools.partial(_untouched_layers, model, folded, before_fold, probe)
+    _verify(model, folded, example_inputs, ref_out, _flatten_outputs(output), summary, atol, rtol, dtype, untouched)
     if latency:
         was_training = model.training
         try:
@@ -1517,12 +1539,16 @@ def _verify(
     atol: float | None,
     rtol: float,
     dtype: torch.dtype | None,
+    untouched: Callable[[], list[str]] = list,
 ) -> None:
+    """Compare the outputs (raise :class:`FoldVerificationError` beyond the tolerance); when they
+    cannot tell a wrong fold from a right one, compare an inner signal too (:func:`_verify_signal`)."""
+    model_v, folded_v = model, folded
     if dtype is not None:
-        model_d, folded_d = copy.deepcopy(model).to(dtype).eval(), copy.deepcopy(folded).to(dtype).eval()
+        model_v, folded_v = copy.deepcopy(model).to(dtype).eval(), copy.deepcopy(folded).to(dtype).eval()
         inputs = _cast_inputs(inputs, dtype)
-        ref_out = _flatten_outputs(call_model(model_d, inputs))
-        new_out = _flatten_outputs(call_model(folded_d, inputs))
+        ref_out = _flatten_outputs(call_model(model_v, inputs))
+        new_out = _flatten_outputs(call_model(folded_v, inputs))
     summary.verify_dtype = str(dtype or ref_out[0].dtype)
     _check_reference(ref_out, inputs)
     if len(new_out) != len(ref_out) or any(a.shape != b.shape for a, b in zip(ref_out, new_out)):
@@ -1540,10 +1566,107 @@ def _verify(
     err = max(float((a.double() - b.double()).abs().max()) for a, b in zip(ref_out, new_out))
     scale = max(float(a.double().abs().max()) for a in ref_out)
     summary.max_abs_error, summary.output_scale = err, scale
-    summary.tolerance = atol if atol is not None else rtol * max(scale, 1e-12)
+    summary.tolerance = atol if atol is not None else rtol * max(scale, _ZERO)
     if not err <= summary.tolerance:
         raise FoldVerificationError(
             f"folded model differs by {err:.3g} (output scale {scale:.3g}, tolerance "
             f"{summary.tolerance:.3g}); with tol={summary.tol} near-linear channels were snapped, "
             "lower tol or raise rtol/atol. Decisions:\n" + "\n".join(summary.merged)
         )
+    why = _vacuous(ref_out, rtol, inputs)
+    if why:
+        _verify_signal(model_v, folded_v, inputs, untouched(), summary, rtol, why)
+
+
+_ZERO = 1e-12  # an output scale at or below this is zero: it verifies nothing (the tolerance floor)
+
+
+def _row_spread(t: torch.Tensor) -> float:
+    """Largest difference between a sample (row) of ``t`` and the first one (0 for one row)."""
+    if t.ndim == 0 or t.shape[0] < 2:
+        return 0.0
+    return float((t.double() - t[:1].double()).abs().max())
+
+
+def _samples_differ(inputs: Any) -> bool:
+    """Whether some input tensor has two different samples (rows)."""
+    tensors = inputs.values() if isinstance(inputs, dict) else inputs if isinstance(inputs, (tuple, list)) else [inputs]
+    return any(isinstance(t, torch.Tensor) and _row_spread(t) > 0 for t in tensors)
+
+
+def _vacuous(signal: list[torch.Tensor], rtol: float, inputs: Any) -> str:
+    """Why ``signal`` cannot tell a wrong fold from a right one ("" if it can): it is zero (below
+    ``_ZERO``), or every sample gives the same values (within ``rtol`` times the scale) although the
+    samples of ``inputs`` differ: the model ignores its input there (a zero-weight head)."""
+    scale = max(float(t.double().abs().max()) for t in signal)
+    if scale <= _ZERO:
+        return "zero"
+    if _samples_differ(inputs) and max(_row_spread(t) for t in signal) <= rtol * scale:
+        return "the same for every sample of example_inputs"
+    return ""
+
+
+def _untouched_layers(model: nn.Module, folded: nn.Module, before: dict[str, nn.Module], probe: _Probe) -> list[str]:
+    """Paths of the leaf layers that fold left alone: the same layer object at the same path, called
+    once, with the same parameters and buffers as in ``model`` (their input is the same signal)."""
+    original = dict(model.named_modules())
+    paths = []
+    for path, m in folded.named_modules():
+        if next(m.children(), None) is not None or before.get(path) is not m or not probe.once(m):
+            continue
+        mine, theirs = m.state_dict(), original[path].state_dict() if path in original else None
+        if theirs is not None and mine.keys() == theirs.keys() and all(
+            mine[k].shape == theirs[k].shape and torch.equal(mine[k], theirs[k].to(mine[k].device)) for k in mine
+        ):
+            paths.append(path)
+    return paths
+
+
+def _layer_inputs(model: nn.Module, paths: list[str], inputs: Any) -> dict[str, torch.Tensor]:
+    """The first floating-point input of each layer at ``paths`` in one forward, in call order; a
+    layer fed one of ``inputs`` itself is left out (that signal verifies nothing)."""
+    seen: dict[str, torch.Tensor] = {}
+    given = {id(t) for t in _flatten_outputs(inputs)}
+
+    def hook_for(path: str):
+        def hook(m: nn.Module, args: tuple) -> None:
+            x = args[0] if args else None
+            if path not in seen and isinstance(x, torch.Tensor) and x.is_floating_point() and id(x) not in given:
+                seen[path] = x.detach().clone()
+        return hook
+
+    handles = [model.get_submodule(p).register_forward_pre_hook(hook_for(p)) for p in paths]
+    try:
+        call_model(model, inputs)
+    finally:
+        for h in handles:
+            h.remove()
+    return seen
+
+
+def _verify_signal(
+    model: nn.Module, folded: nn.Module, inputs: Any, paths: list[str], summary: FoldSummary, rtol: float, why: str
+) -> None:
+    """Verify the input of the last untouched layer (``paths``) whose input is not vacuous either
+    (:func:`_vacuous` with ``rtol`` times its scale); raise :class:`FoldVerificationError` if none is."""
+    ref, new = _layer_inputs(model, paths, inputs), _layer_inputs(folded, paths, inputs)
+    for path in reversed(list(ref)):
+        a, b = ref[path], new.get(path)
+        scale = float(a.double().abs().max())
+        if b is None or b.shape != a.shape or _vacuous([a], rtol, inputs):
+            continue
+        err = float((a.double() - b.double()).abs().max()) if bool(torch.isfinite(b).all()) else math.inf
+        summary.verified_on, summary.verified_why = f"input of {path!r}", f"the output is {why}"
+        summary.signal_error, summary.signal_scale, summary.signal_tolerance = err, scale, rtol * scale
+        if not err <= rtol * scale:
+            raise FoldVerificationError(
+                f"folded model differs by {err:.3g} at the input of {path!r} (scale {scale:.3g}, tolerance "
+                f"{rtol * scale:.3g}), verified there because the output is {why} and cannot show it. "
+                "Decisions:\n" + "\n".join(summary.merged)
+            )
+        return
+    raise FoldVerificationError(
+        f"fold cannot verify the folded model: its output on example_inputs {_describe_inputs(inputs)} is {why}, "
+        "and no layer input that fold left untouched varies either. Pass example_inputs with at least 2 "
+        "different samples, or give the model a head that is not zero (e.g. a random one) to verify the fold"
+    )

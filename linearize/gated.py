@@ -408,7 +408,8 @@ def convert_gated(model: nn.Module, config: LinearizeConfig, example_inputs: Any
     """
     _check(model, config)
     gated_kinds = tuple(k for k in config.activations if k in GATED_KINDS)
-    probe_config = dataclasses.replace(config, mode="prelu", activations=gated_kinds or ("relu",))
+    probe_config = dataclasses.replace(  # ReLU-family sites only: all are gated, none is a product gate
+        config, mode="prelu", activations=gated_kinds or ("relu",), gates="include")
     inputs = example_inputs if example_inputs is not None else default_example_inputs(model)
     if config.value_input == "ones":  # fail now, not at the first training step
         _constant_inputs(*_as_call(inputs))

@@ -80,6 +80,9 @@ class Report:
         history: ``steps``, ``total`` (nonlinear fraction of all channels) and ``sites``
             ``{name: [fraction per step]}`` from a sparsifier log.
         gates: per-site gate statistics of a gated model.
+        excluded: ``{site: reason}`` of the activations ``convert`` left unconverted on purpose
+            (``exclude_modules``/``target_modules`` filters, multiplicative gates such as
+            squeeze-excitation sigmoids); they are not in ``units`` or any count.
         skipped: ``{measure: reason}`` for every measure that did not run.
     """
 
@@ -92,6 +95,7 @@ class Report:
     regions: dict | None = None
     history: dict | None = None
     gates: dict | None = None
+    excluded: dict = field(default_factory=dict)
     skipped: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
@@ -225,6 +229,9 @@ def report(
         raise ValueError(f"report needs at least 2 samples, got {n}: pass a larger batch")
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     rep = Report(model=type(model).__name__, num_samples=n, tol=tol)
+    conversion = getattr(model, "linearize_report", None)
+    if callable(getattr(conversion, "excluded_sites", None)):
+        rep.excluded = conversion.excluded_sites()
     bar = tqdm(("finite",) + MEASURES, desc="report", disable=not progress)
     for step in bar:
         bar.set_postfix_str(step)
@@ -714,6 +721,9 @@ def _html(rep: Report, images: Mapping[str, bytes]) -> str:
                 + _img(images, "fraction", "nonlinear fraction per site")
                 + _table(["site", "kind", "channels", "nonlinear", "fraction"],
                          [[n, s["kind"], s["total"], s["nonlinear"], s["fraction"]] for n, s in u["sites"].items()]))
+    if rep.excluded:
+        body += ("<p>Not converted on purpose, so not counted:</p>"
+                 + _table(["site", "reason"], [[n, why] for n, why in rep.excluded.items()]))
     parts.append(_section("Nonlinear units", rep, "units", body))
     body = ""
     if rep.path_length is not None:

@@ -238,7 +238,8 @@ def _parse_manifest(raw: bytes, path: Path, weights: bool = True) -> dict[str, A
     if not isinstance(meta["config"], dict):
         raise bad("'config' is not a JSON object")
     try:
-        config = LinearizeConfig.from_dict(meta["config"])
+        # a sidecar written before LinearizeConfig.gates existed converted gates: keep that
+        config = LinearizeConfig.from_dict({"gates": "include", **meta["config"]})
     except (TypeError, ValueError) as err:
         raise bad(f"invalid 'config' ({err})") from None
     sites = meta["sites"]

@@ -977,6 +977,11 @@ def compress(
     err, scale, count = _max_error(model, small, _verification_batches(box, datasets, samples, seed))
     if count == 0:
         raise ValueError("compress: the verification data holds no sample (empty batches); pass data with samples")
+    if scale <= 1e-12:  # every output is zero: any compressed model would pass, so nothing is verified
+        raise FoldVerificationError(
+            f"compress cannot verify the compressed model: the model's output is zero on all {count} samples "
+            "(a zero-initialised last layer?); give it a last layer that is not zero to compress it"
+        )
     if err > rtol * max(scale, 1e-12) + 1e-7:
         raise FoldVerificationError(
             f"compression is not lossless: max abs output difference {err:.3g} at output scale {scale:.3g} "

@@ -17,12 +17,14 @@ ACT_TYPES = (nn.ReLU, nn.ReLU6, nn.GELU, nn.SiLU, nn.Hardswish, nn.Hardsigmoid, 
 
 
 def count_activation_calls(model, inputs):
-    """Number of activation *calls* in one forward of the unconverted model (forward hooks)."""
+    """Number of activation *calls* in one forward of the unconverted model (forward hooks), less
+    the squeeze-excitation gates (``SqueezeExcitation.scale_activation``), which convert leaves alone."""
+    gates = {id(m.scale_activation) for m in model.modules() if isinstance(m, torchvision.ops.SqueezeExcitation)}
     calls = []
     hooks = [
         m.register_forward_hook(lambda *_: calls.append(1))
         for m in model.modules()
-        if isinstance(m, ACT_TYPES) or type(m).__module__ == "transformers.activations"
+        if (isinstance(m, ACT_TYPES) or type(m).__module__ == "transformers.activations") and id(m) not in gates
     ]
     with torch.no_grad():
         call_model(model, inputs)

@@ -60,7 +60,7 @@ def test_report_on_digits_matches_measures(trained, tmp_path: Path) -> None:
     rep = linearize.report(model, x, history=history, max_samples=200, segments=8, progress=False)
     data = json.loads(rep.to_json())
     assert set(data) == {"model", "num_samples", "tol", "units", "path_length", "affinity", "regions",
-                         "history", "gates", "skipped"}
+                         "history", "gates", "excluded", "skipped"}
     assert data["num_samples"] == 200
     counts = linearize.count_units(model)
     assert {k: data["units"][k] for k in ("total", "nonlinear", "linear", "sites")} == counts
