@@ -21,7 +21,9 @@ def test_affinity_benchmark_reference_and_ours_give_the_same_signature(capsys):
     finally:
         torch.set_num_threads(threads)
     assert result["sites"] == 17  # stem ReLU + 2 calls x 8 BasicBlocks
-    assert result["max_abs_diff"] < 1e-7  # ours pools in float32, the reference in float64
+    # ours pools in float32, the reference in float64: float32 rounding of the inputs (~1e-7) grows with
+    # cond(Sx + ridge) (2.5e7 at layer4.1 under the relative ridge); measured 2.8e-7
+    assert result["max_abs_diff"] < 1e-6
     # rounding of the two map computations grows with cond(Sx + ridge): up to 2.5e7 at layer4.1 (the
     # relative ridge no longer caps it at ~4e3 there, as the absolute 1e-6 did at variance ~4e-3): 1.6e-9
     assert result["max_abs_diff_same_input"] < 1e-8
