@@ -57,8 +57,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``linearize`` console script."""
+    from ._optional import MissingExtra
+
     args = build_parser().parse_args(argv)
-    return int(args.func(args) or 0)
+    try:
+        return int(args.func(args) or 0)
+    except MissingExtra as err:  # an optional package this command needs: say which extra, no traceback
+        print(err, file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":
