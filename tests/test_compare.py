@@ -33,7 +33,10 @@ def runs(tmp_path_factory) -> dict[str, Path]:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("LINEARIZE_CPU_KERNEL", "0")
+        import linearize.kernels as kernels
+
+        mp.setenv(kernels.ENV_SWITCH, "0")
+        mp.setattr(kernels, "_state", dict(kernels._state))  # the "off" stays in this fixture
         out = {"baseline": root / "baseline", "late": root / "late", "early": root / "early"}
         cifar.main(common + ["--linearize", "none", "--schedule", "none", "--max-steps", "3",
                              "--output_dir", str(out["baseline"])])

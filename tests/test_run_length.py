@@ -21,7 +21,10 @@ import common  # noqa: E402  (recipes/common.py)
 @pytest.fixture(autouse=True)
 def one_thread(monkeypatch):
     """The PyTorch-ops path of the units (no kernel build here) and one thread: same bits run to run."""
-    monkeypatch.setenv("LINEARIZE_CPU_KERNEL", "0")
+    import linearize.kernels as kernels
+
+    monkeypatch.setenv(kernels.ENV_SWITCH, "0")
+    monkeypatch.setattr(kernels, "_state", dict(kernels._state))  # the "off" stays in this test
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
