@@ -41,6 +41,7 @@ _EXPORTS = {
     "compress": "stability",
     # report
     "report": "reporting",
+    "compare": "comparison",
 }
 _SUBMODULES = {"schedules", "integrations", "measures", "gated"}
 

@@ -34,6 +34,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="linearize",
         description="Find out how much of a trained network's nonlinearity is needed, and remove the rest.",
+        epilog="linearize report --compare RUN_A RUN_B ... [--out compare.html]: several run directories "
+        "(baseline and linearized) side by side on one HTML page.",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
@@ -57,8 +59,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``linearize`` console script."""
-    args = build_parser().parse_args(argv)
-    return int(args.func(args) or 0)
+    from ._optional import MissingExtra
+
+    argv = sys.argv[1:] if argv is None else list(argv)
+    try:
+        if argv[:1] == ["report"] and any(a == "--compare" or a.startswith("--compare=") for a in argv):
+            from .comparison import main as compare_main  # `linearize report --compare RUN_A RUN_B ...`
+
+            return compare_main(argv[1:])
+        args = build_parser().parse_args(argv)
+        return int(args.func(args) or 0)
+    except MissingExtra as err:  # an optional package this command needs: say which extra, no traceback
+        print(err, file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

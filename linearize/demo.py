@@ -16,11 +16,12 @@ from torch import nn
 from tqdm import tqdm
 
 import linearize
+from linearize._optional import require
 
 
 def digits_data(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """sklearn digits as float tensors in ``[0, 1]``: ``x_train [1437, 64]``, ``y_train``, ``x_test [360, 64]``, ``y_test``."""
-    from sklearn.datasets import load_digits
+    load_digits = require("sklearn.datasets", what="the demo's digits data").load_digits
     from sklearn.model_selection import train_test_split
 
     x, y = load_digits(return_X_y=True)

@@ -36,6 +36,7 @@ import torch
 from torch import nn
 
 from ._files import LoadError, atomic_write
+from ._optional import require
 
 __all__ = ["save_folded", "load_folded", "FOLDED_CONFIG", "FOLDED_WEIGHTS"]
 
@@ -236,7 +237,7 @@ def _build_base(base: dict[str, Any], given: nn.Module | None, path: Path) -> nn
         return given
     kind = base.get("kind")
     if kind == "transformers":
-        import transformers
+        transformers = require("transformers", what="a saved Hugging Face base model")
 
         cls = getattr(transformers, str(base.get("class")), None)
         if not (isinstance(cls, type) and hasattr(cls, "config_class")):

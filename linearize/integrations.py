@@ -19,7 +19,13 @@ without its values (``trainer.state.log_history`` gets them either way).
 
 from __future__ import annotations
 
+import warnings
+
 from torch.optim.optimizer import register_optimizer_step_post_hook
+
+from ._optional import require
+
+require("transformers", what="linearize.integrations")
 from transformers import TrainerCallback
 from transformers.trainer_callback import ExportableState
 
@@ -77,6 +83,8 @@ class LinearizeCallback(TrainerCallback, ExportableState):
             self.sparsifier.optimizer = _torch_optimizer(optimizer)
         elif self.sparsifier.optimizer is None:
             self._find_optimizer()
+        if self.sparsifier.optimizer is not None:
+            self._check_decay(self.sparsifier.optimizer)
         if state.global_step > 0:  # resuming: the checkpoint's trainer_state.json holds our state
             saved = (state.stateful_callbacks or {}).get(type(self).__name__)
             saved = saved[0] if isinstance(saved, list) else saved
@@ -94,10 +102,33 @@ class LinearizeCallback(TrainerCallback, ExportableState):
         def hook(opt, args, kwargs):
             if any(id(p) in slope_ids for g in opt.param_groups for p in g["params"]):
                 self.sparsifier.optimizer = opt
+                self._check_decay(opt)
                 self._hook.remove()
                 self._hook = None
 
         self._hook = register_optimizer_step_post_hook(hook)
+
+    def _check_decay(self, optimizer) -> None:
+        """Warn (once per callback) when the optimizer puts weight decay on unit slopes.
+
+        Decay pulls slopes towards 0, back to the activation, against the sparsity pressure; a plain
+        ``Trainer`` decays every parameter but biases and norms, slopes included.
+        """
+        if getattr(self, "_decay_checked", False):
+            return
+        self._decay_checked = True
+        names = {id(u.slope): f"{n}.slope" if n else "slope" for n, u in self.sparsifier._units}
+        decayed = [names[id(p)] for g in optimizer.param_groups if g.get("weight_decay", 0.0) > 0
+                   for p in g["params"] if id(p) in names]
+        if decayed:
+            decays = sorted({g["weight_decay"] for g in optimizer.param_groups if g.get("weight_decay", 0.0) > 0})
+            warnings.warn(
+                f"linearize: the optimizer puts weight decay ({', '.join(map(str, decays))}) on {len(decayed)} of "
+                f"{len(names)} unit slopes (e.g. {decayed[0]}): it pulls them back towards the activation, "
+                f"against the sparsity pressure. Fix: build the Trainer from LinearizeTrainerMixin "
+                f"(class LinearizeTrainer(LinearizeTrainerMixin, Trainer): pass), or pass "
+                f"optimizers=(torch.optim.AdamW(linearize.param_groups(model, weight_decay=...)), None)",
+                UserWarning, stacklevel=2)
 
     def on_optimizer_step(self, args, state, control, **kwargs):
         self.sparsifier.step()

@@ -30,6 +30,10 @@ loaded machine), saying so when they start waiting; past that they warn, naming 
 and the fixes, and use the PyTorch ops. Torch's own lock file in the folder (``lock``: before torch
 used an OS lock it waited forever on one left by an interrupted build) is removed before building.
 
+Progress: a build says so on stderr when it starts and when it ends (with its time), once per
+process (the first run of ``linearize demo`` would otherwise print nothing for minutes); waiting for
+another process's build is a logged warning.
+
 Switch: ``LINEARIZE_CPU_KERNEL=0`` uses the PyTorch-ops path without trying to build. A failed build
 warns once per process, with the compiler's message and a log file, and falls back.
 
@@ -260,6 +264,12 @@ def _failure_message(err: BaseException, log: Path | None = None) -> str:
             f"one) to get it, or set {ENV_SWITCH}=0 to silence this.")
 
 
+def _announce(line: str) -> None:
+    """Say ``line`` on stderr (a first build takes minutes: a run must not sit silent) and in the log."""
+    print(line, file=sys.stderr, flush=True)
+    _log.info(line)
+
+
 def _build() -> PReLU:
     """The kernel's ``prelu``: from this environment's finished build, else built now under the lock."""
     directory = build_directory()
@@ -269,8 +279,9 @@ def _build() -> PReLU:
         with _build_lock(directory / _LOCK_NAME, _wait_bound()):
             module = _load_built(directory)  # built by the process we waited for
             if module is None:
-                _log.info("linearize: compiling the fused CPU PReLU kernel in %s (once per environment, "
-                          "30 s or more)", directory)
+                _announce(f"linearize: compiling the fused CPU PReLU kernel in {directory} (once per "
+                          f"environment; 30 s or more, longer on a loaded machine)...")
+                started = time.perf_counter()
                 try:
                     module = _compile(directory)
                 except Exception as err:
@@ -279,7 +290,10 @@ def _build() -> PReLU:
                         log.write_text(str(err))
                     except OSError:
                         log = None
+                    _announce(f"linearize: the kernel's build failed after {time.perf_counter() - started:.0f} s")
                     raise KernelUnavailable(_failure_message(err, log)) from err
+                _announce(f"linearize: kernel compiled in {time.perf_counter() - started:.0f} s "
+                          f"(later runs load it from {directory})")
                 marker = directory / f"{_BUILT_NAME}.{os.getpid()}"
                 marker.write_text(Path(module.__file__).name)  # torch may name it ..._v1 (a rebuild in-process)
                 os.replace(marker, directory / _BUILT_NAME)

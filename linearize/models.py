@@ -7,6 +7,7 @@ from pathlib import Path
 from torch import nn
 
 from ._files import safe_torch_load
+from ._optional import require
 
 
 def load_model(spec: str | Path, num_classes: int | None = None, *, trust_pickle: bool = False) -> nn.Module:
@@ -22,7 +23,7 @@ def load_model(spec: str | Path, num_classes: int | None = None, *, trust_pickle
     """
     path = Path(spec)
     if path.is_dir():
-        import transformers
+        transformers = require("transformers", what="a Hugging Face model directory")
 
         if not (path / "config.json").is_file():
             raise FileNotFoundError(f"{path} has no config.json: not a Hugging Face model directory")

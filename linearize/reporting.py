@@ -36,6 +36,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from ._optional import require
 from .checks import arg_type, check_positive, check_positive_int, check_tol
 from .unit import LinearizableActivation, check_finite_slopes, count_units, units
 
@@ -547,6 +548,7 @@ def _gated_module():
 
 
 def _figure(width: float, height: float = 3.6):
+    require("matplotlib", what="the report's plots")
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -885,7 +887,7 @@ def _load_model_and_data(args: argparse.Namespace) -> tuple[nn.Module, Any]:
 def _load_data(args: argparse.Namespace, model: nn.Module, hf_dir: Path | None) -> Any:
     src, n = args.data, args.num_samples
     if src == "digits":
-        from sklearn.datasets import load_digits
+        load_digits = require("sklearn.datasets", what="--data digits").load_digits
 
         x = torch.tensor(load_digits().data[:n], dtype=torch.float32) / 16.0
         first = next((m for m in model.modules() if next(m.parameters(recurse=False), None) is not None), None)
@@ -945,7 +947,7 @@ def _decode(images: list[bytes], size: int | None, norm: str) -> torch.Tensor:
 
 
 def _load_text(path: Path, n: int, text_field: str | None, tokenizer_dir: Path, max_length: int, model: nn.Module) -> dict:
-    import transformers
+    transformers = require("transformers", what="a text model's report")
 
     opener = gzip.open if path.name.lower().endswith(".gz") else open
     texts = []

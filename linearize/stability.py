@@ -34,6 +34,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from ._optional import require
 from .checks import FoldVerificationError, NonFiniteSlopeError, check_positive, check_positive_int
 from .unit import LinearizableActivation, check_finite_slopes
 
@@ -377,6 +378,7 @@ def _milp_bounds(affines, sites, bounds, k, rows, xl, xu, time_limit):
     Variables: the input ``x``, then per earlier site ``z`` (pre-activation), ``h`` (output) and a
     binary ``d`` (1 = active). The bound is the solver's dual bound, so a solve stopped by
     ``time_limit`` (seconds) still gives a sound, looser bound."""
+    require("scipy", what="compress's exact bounds")
     from scipy.optimize import Bounds, LinearConstraint, milp
     from scipy.sparse import coo_matrix
 
@@ -682,6 +684,7 @@ class CompressionReport:
 def _independent_rows(A: torch.Tensor, rank_tol: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Split the rows of ``A`` [s, n] into a linearly independent subset ``R`` (indices) and a
     matrix ``T`` [s, |R|] with ``A = T @ A[R]`` (checked; rows that do not fit stay independent)."""
+    require("scipy", what="compress")
     import scipy.linalg
 
     if A.shape[0] == 0:

@@ -469,7 +469,7 @@ def main(argv: list[str] | None = None) -> dict:
     test_loader = torch.utils.data.DataLoader(TensorImages(test["x"], test["y"]), batch_size=args.eval_batch_size,
                                               shuffle=False, collate_fn=_identity)
     steps_per_epoch = len(train_loader)
-    total_steps = steps_per_epoch * args.epochs
+    total_steps = common.run_length(args, steps_per_epoch)
     warmup = int(args.warmup_epochs * steps_per_epoch)
 
     optimizer = torch.optim.SGD(common.param_groups(model, args.weight_decay), lr=args.lr, momentum=0.9, nesterov=True)

@@ -67,7 +67,11 @@ def add_run_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--resume_from_checkpoint", "--resume-from-checkpoint", dest="resume_from_checkpoint",
                    default=None, help="a checkpoint directory, or 'latest' (newest under output_dir)")
     g.add_argument("--max_steps", "--max-steps", dest="max_steps", type=int, default=None,
-                   help="stop after this many optimizer steps (the schedules still span all epochs)")
+                   help="the run's length in optimizer steps, instead of --epochs (as Hugging Face's max_steps "
+                   "and Accelerate's --max_train_steps): the LR and sparsity schedules span these steps")
+    g.add_argument("--stop_after", "--stop-after", dest="stop_after", type=int, default=None,
+                   help="stop (with a checkpoint) after this many optimizer steps, without changing the "
+                   "schedules; --resume_from_checkpoint latest continues the run")
     g.add_argument("--log_every", "--log-every", dest="log_every", type=int, default=50)
 
 
@@ -320,12 +324,28 @@ class Run:
     out_dir: Path
     fingerprint: str
     recipe: str
+    total_steps: int | None = None  # the run's length (set by :func:`start`); must match on resume
+
+
+def run_length(args: argparse.Namespace, steps_per_epoch: int) -> int:
+    """Optimizer steps of the whole run, which the LR and sparsity schedules span.
+
+    ``--max-steps`` when given (as Hugging Face's ``max_steps`` and Accelerate's ``--max_train_steps``:
+    it overrides ``--epochs``, and the run goes on into further epochs if it needs them), else
+    ``--epochs`` full epochs. Example: 8 steps per epoch, ``--epochs 10 --max-steps 20``: 20.
+    """
+    if args.max_steps is not None and args.max_steps < 1:
+        raise ValueError(f"--max-steps {args.max_steps}: give a positive number of optimizer steps")
+    if args.stop_after is not None and args.stop_after < 1:
+        raise ValueError(f"--stop-after {args.stop_after}: give a positive number of optimizer steps")
+    return args.max_steps if args.max_steps else steps_per_epoch * args.epochs
 
 
 def start(run: Run, total_steps: int) -> tuple[int, int]:
     """Remove temp folders of interrupted checkpoint writes, resume from ``--resume_from_checkpoint``,
-    start tracking. Returns ``(first step, last step)`` (``--max-steps`` caps the last one)."""
+    start tracking. Returns ``(first step, last step)`` (``--stop-after`` caps the last one)."""
     acc, args = run.accelerator, run.args
+    run.total_steps = total_steps
     if acc.is_main_process:
         remove_partial_checkpoints(run.out_dir)
     step = 0
@@ -338,7 +358,7 @@ def start(run: Run, total_steps: int) -> tuple[int, int]:
         step = ckpt.step
         acc.print(f"resumed from {ckpt.path} at step {step}")
     init_tracking(acc, args, run.recipe)
-    return step, min(total_steps, args.max_steps) if args.max_steps else total_steps
+    return step, min(total_steps, args.stop_after) if args.stop_after else total_steps
 
 
 NONFINITE_ADVICE = ("Lower --lr (or add warm-up or gradient clipping) and start again in a fresh --output_dir: "
@@ -477,6 +497,7 @@ class Checkpoint:
     scheduler: dict
     sparsifier: dict | None
     scaler: dict | None
+    total_steps: int | None = None  # the run length it was written by (None: before it was recorded)
 
 
 def model_fingerprint(model: nn.Module) -> str:
@@ -541,7 +562,7 @@ def save_checkpoint(run: Run, step: int) -> Path:
                                  f"{path}. {NONFINITE_ADVICE}")
     if acc.is_main_process:
         state = {"format": CHECKPOINT_FORMAT, "step": step, "recipe": run.recipe, "fingerprint": run.fingerprint,
-                 "scheduler": run.scheduler.state_dict(),
+                 "total_steps": run.total_steps, "scheduler": run.scheduler.state_dict(),
                  "sparsifier": None if run.sparsifier is None else run.sparsifier.state_dict(),
                  "scaler": None if acc.scaler is None else acc.scaler.state_dict()}
         tmp = path.parent / f"{TMP_PREFIX}{path.name}-{os.getpid()}"
@@ -641,7 +662,8 @@ def read_checkpoint(path: str | Path) -> Checkpoint:
         ckpt = Checkpoint(path, step, state.get("recipe"), state.get("fingerprint"),
                           _load(path / MODEL_FILE, "model weights", _safetensors_load),
                           _load(path / OPTIMIZER_FILE, "optimizer state", _torch_load),
-                          state["scheduler"], state.get("sparsifier"), state.get("scaler"))
+                          state["scheduler"], state.get("sparsifier"), state.get("scaler"),
+                          total_steps=state.get("total_steps"))
     bad = first_nonfinite(chain(ckpt.model.items(), _optimizer_tensors(ckpt.optimizer)))
     if bad is not None:
         raise CheckpointError(path, f"{bad} holds inf or NaN")
@@ -715,6 +737,11 @@ def load_checkpoint(run: Run, ckpt: Checkpoint) -> None:
             f"checkpoint {ckpt.path} was written by another model ({ckpt.recipe}, fingerprint {ckpt.fingerprint}) "
             f"than this run ({run.recipe}, fingerprint {run.fingerprint}): resume with the same model, dataset "
             "and --linearize flags, or start a fresh --output_dir")
+    if ckpt.total_steps is not None and run.total_steps is not None and ckpt.total_steps != run.total_steps:
+        raise ValueError(
+            f"checkpoint {ckpt.path} belongs to a run of {ckpt.total_steps} optimizer steps, this one has "
+            f"{run.total_steps}: the LR and sparsity schedules span the run, so resume with the same --epochs and "
+            "--max-steps (to stop early and resume later, use --stop-after)")
     if (ckpt.sparsifier is None) != (run.sparsifier is None):
         has = "no" if ckpt.sparsifier is None else "a"
         raise ValueError(f"checkpoint {ckpt.path} has {has} sparsifier state but this run "

@@ -374,7 +374,7 @@ def main(argv: list[str] | None = None) -> dict:
     if steps_per_epoch == 0:
         raise ValueError(f"{len(train)} training pairs give no batch per process: lower the number of processes "
                          "or --max-tokens, or use more data")
-    total_steps = steps_per_epoch * args.epochs
+    total_steps = common.run_length(args, steps_per_epoch)
     warmup = max(1, args.warmup_steps)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer.optimizer, lambda s: min((s + 1) / warmup, math.sqrt(warmup / (s + 1))))

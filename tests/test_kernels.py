@@ -7,6 +7,7 @@ that ``tests/test_unit.py`` needs anyway (one compile per session and environmen
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import socket
@@ -237,3 +238,23 @@ def test_a_second_checkout_loads_the_built_kernel_without_compiling(tmp_path):
     assert Path(module).is_relative_to(tmp_path) and built_in == str(directory) and ok == "True"
     assert {p.name: p.stat().st_mtime_ns for p in directory.iterdir()} == before
     assert float(seconds) < 30
+
+
+def test_a_first_build_says_so_on_stderr_once_with_its_time(fresh, monkeypatch, capfd):
+    """The first use compiles for minutes: one line on stderr when the build starts and one when it
+    ends (with the seconds), even with logging unconfigured; later uses and later processes that load
+    the finished build print nothing (before, the build said so only through ``logging.info``)."""
+    calls = _fake_build(monkeypatch)
+    capfd.readouterr()
+    assert kernels.cpu_prelu() is F.prelu
+    assert kernels.cpu_prelu() is F.prelu  # this process has it: nothing more
+    out, err = capfd.readouterr()
+    lines = err.splitlines()
+    assert out == ""
+    assert [c["kind"] for c in calls] == ["build"]
+    assert len(lines) == 2, err
+    assert "compiling" in lines[0] and str(kernels.build_directory()) in lines[0]
+    assert re.search(r"compiled in \d+ s", lines[1]), lines[1]
+    monkeypatch.delitem(kernels._state, "prelu")  # a later process: loads the finished build silently
+    assert kernels.cpu_prelu() is F.prelu
+    assert capfd.readouterr().err == ""

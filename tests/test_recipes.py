@@ -125,7 +125,7 @@ def test_cifar_metrics_and_model(cifar_full):
 @needs_cifar
 def test_cifar_resume_matches_uninterrupted(cifar_args, cifar_full, tmp_path):
     out = tmp_path / "run"
-    run_recipe("cifar.py", cifar_args + ["--output_dir", str(out), "--max-steps", "3"])
+    run_recipe("cifar.py", cifar_args + ["--output_dir", str(out), "--stop-after", "3"])
     assert metrics(out)["steps"] == 3
     run_recipe("cifar.py", cifar_args + ["--output_dir", str(out), "--resume_from_checkpoint", "latest"])
     assert metrics(out)["steps"] == 8
@@ -195,7 +195,7 @@ def test_wmt_metrics_and_model(wmt_full):
 @needs_multi30k
 def test_wmt_resume_and_two_processes(wmt_args, wmt_full, tmp_path):
     out = tmp_path / "run"
-    run_recipe("wmt14.py", wmt_args + ["--output_dir", str(out), "--max-steps", "2"])
+    run_recipe("wmt14.py", wmt_args + ["--output_dir", str(out), "--stop-after", "2"])
     run_recipe("wmt14.py", wmt_args + ["--output_dir", str(out), "--resume_from_checkpoint", "latest"])
     assert metrics(out)["steps"] == metrics(wmt_full)["steps"]
     assert_same_tensors(slopes(out), slopes(wmt_full))

@@ -55,6 +55,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+
+from .._optional import require
+
+require("scipy", "threadpoolctl", what="the affinity measure")
 from scipy.linalg.blas import dsyrk, dtrmm, dtrsm
 from scipy.linalg.lapack import dpotrf, dsyevd
 from scipy.optimize import linear_sum_assignment
@@ -319,7 +323,7 @@ def _standardised(a: np.ndarray) -> np.ndarray:
 
 def _covariance(centred: np.ndarray, shrinkage: str | None) -> np.ndarray:
     if shrinkage == "ledoit-wolf":
-        from sklearn.covariance import ledoit_wolf
+        ledoit_wolf = require("sklearn.covariance", what="shrinkage='ledoit-wolf'").ledoit_wolf
 
         return ledoit_wolf(centred, assume_centered=True)[0]
     return centred.T @ centred / centred.shape[0]

@@ -1,0 +1,125 @@
+"""``linearize.compare`` / ``linearize report --compare``: tiny cifar-recipe runs on fake images side by side.
+
+Truths: each run's numbers read here from its own ``metrics.json`` and ``report/report.json``, and the
+per-site nonlinear fractions of its model loaded through the recipe (``cifar.load_model``) and counted
+with :func:`linearize.count_units`.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+import linearize
+from test_report import _chromium, _dump_dom
+from test_resume import CIFAR_CLASSES, write_images  # also puts recipes/ on sys.path
+
+pytest.importorskip("matplotlib")
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, Path]:
+    """A baseline (no units), a linearized run with --report --fold, and one without a report."""
+    import cifar
+
+    root = tmp_path_factory.mktemp("compare")
+    data = write_images(root / "data", {"train": {c: 16 for c in CIFAR_CLASSES}, "test": {c: 4 for c in CIFAR_CLASSES}})
+    common = ["--data-dir", str(data), "--cache-dir", str(root / "cache"), "--image-size", "8", "--arch", "resnet20",
+              "--batch-size", "8", "--eval-batch-size", "12", "--lr", "0.05", "--log_every", "1"]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    with pytest.MonkeyPatch.context() as mp:
+        import linearize.kernels as kernels
+
+        mp.setenv(kernels.ENV_SWITCH, "0")
+        mp.setattr(kernels, "_state", dict(kernels._state))  # the "off" stays in this fixture
+        out = {"baseline": root / "baseline", "late": root / "late", "early": root / "early"}
+        cifar.main(common + ["--linearize", "none", "--schedule", "none", "--max-steps", "3",
+                             "--output_dir", str(out["baseline"])])
+        cifar.main(common + ["--schedule", "late", "--late-start", "0.25", "--ramp-end", "0.75", "--target", "0.34",
+                             "--lam", "0.01", "--max-steps", "6", "--report", "--report-samples", "24", "--fold",
+                             "--output_dir", str(out["late"])])
+        cifar.main(common + ["--schedule", "early", "--ramp-end", "0.5", "--target", "0.5", "--lam", "0.01",
+                             "--max-steps", "4", "--output_dir", str(out["early"])])
+    torch.set_num_threads(threads)
+    return out
+
+
+def _fmt(v: float) -> str:
+    return f"{v:.4g}"  # as the report's tables print numbers
+
+
+def _rows(page: str) -> list[list[str]]:
+    """Every table row of ``page`` as its cells' text."""
+    return [re.findall(r"<t[dh]>(.*?)</t[dh]>", row) for row in re.findall(r"<tr>(.*?)</tr>", page)]
+
+
+def _site_fractions(run: Path) -> dict[str, float]:
+    import cifar
+
+    model = cifar.load_model(run / "model")
+    return {site: s["fraction"] for site, s in linearize.count_units(model)["sites"].items()}
+
+
+def test_compare_page_holds_each_runs_numbers(runs, tmp_path):
+    page_path = tmp_path / "compare.html"
+    page = linearize.compare([runs["baseline"], runs["late"], runs["early"]], out=page_path)
+    assert page_path.read_text() == page
+    rows = _rows(page)
+    header = next(r for r in rows if r[:1] == ["run"] and "test accuracy" in r)
+    by_run = {r[0]: r for r in rows[rows.index(header) + 1:rows.index(header) + 4]}
+    assert sorted(by_run) == sorted(runs), by_run
+    for name, run in runs.items():
+        m = json.loads((run / "metrics.json").read_text())
+        row = dict(zip(header, by_run[name]))
+        assert row["test accuracy"] == _fmt(m["test_accuracy"])
+        assert row["test loss"] == _fmt(m["test_loss"])
+        assert row["steps"] == str(m["steps"])
+        if "nonlinear_fraction" in m:
+            assert row["nonlinear fraction"] == _fmt(m["nonlinear_fraction"])
+            assert row["average path length"] == _fmt(m["average_path_length"])
+        else:
+            assert row["nonlinear fraction"] == "–"
+    late = json.loads((runs["late"] / "metrics.json").read_text())
+    assert dict(zip(header, by_run["late"]))["FLOPs ratio (folded)"] == _fmt(
+        late["fold"]["flops_after"] / late["fold"]["flops_before"])
+
+    # per-site fractions: the report run's and the sidecar run's, against count_units of the loaded models
+    site_header = next(r for r in rows if r[:1] == ["site"] and "late" in r and "early" in r)
+    sites = {r[0]: dict(zip(site_header, r)) for r in rows if len(r) == len(site_header) and r[0] != "site"}
+    for name in ("late", "early"):
+        truth = _site_fractions(runs[name])
+        assert truth and all(sites[s][name] == _fmt(f) for s, f in truth.items())
+    assert "baseline: a baseline without linearizable units" in page
+
+    # affinity signature: from the report run's report.json
+    report = json.loads((runs["late"] / "report" / "report.json").read_text())
+    aff_header = next(r for r in rows if r[:1] == ["site"] and r[1:] == ["late"])
+    aff_rows = {r[0]: r[1] for r in rows if len(r) == 2 and r[0] != "site"}
+    assert report["affinity"] and all(aff_rows[s] == _fmt(v) for s, v in report["affinity"])
+    assert aff_header == ["site", "late"]
+    assert "early: the run has no report/" in page
+    assert page.count("data:image/png;base64,") == 2  # sites and affinity plots
+
+
+def test_cli_report_compare_writes_the_page(runs, tmp_path, capsys):
+    from linearize.cli import main
+
+    out = tmp_path / "page.html"
+    assert main(["report", "--compare", str(runs["baseline"]), str(runs["late"]), "--out", str(out)]) == 0
+    assert str(out.resolve()) in capsys.readouterr().out
+    assert out.read_text() == linearize.compare([runs["baseline"], runs["late"]])
+    with pytest.raises(FileNotFoundError, match="has no metrics.json"):
+        linearize.compare([tmp_path])
+
+
+@pytest.mark.skipif(_chromium() is None, reason="no chromium binary (Debian: apt-get install -y chromium)")
+def test_compare_page_renders_in_headless_chromium(runs, tmp_path):
+    page = tmp_path / "compare.html"
+    linearize.compare([runs["baseline"], runs["late"], runs["early"]], out=page)
+    dom = _dump_dom(page, tmp_path)
+    assert dom.count('data-loaded="yes"') == 2 and 'data-images="loaded"' in dom
