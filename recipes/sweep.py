@@ -51,9 +51,11 @@ def is_done(run: Path) -> bool:
 
 
 def _has_checkpoint(run: Path) -> bool:
-    import common  # the recipes' own notion of a usable checkpoint
+    """Any checkpoint folder: the run is resumed and the recipe judges it (a damaged or foreign one
+    fails the run loudly, with the recipe's reasons, instead of silently starting it over)."""
+    import common
 
-    return run.is_dir() and common.latest_checkpoint(run) is not None
+    return run.is_dir() and any(p.is_dir() for p in common.checkpoint_dir(run, 0).parent.glob("step_*"))
 
 
 def _output_dir_of(cmdline: list[str], cwd: str) -> str | None:

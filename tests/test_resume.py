@@ -30,6 +30,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+import linearize
+
 REPO = Path(__file__).resolve().parents[1]
 RECIPES = REPO / "recipes"
 sys.path.insert(0, str(RECIPES))
@@ -239,7 +241,7 @@ def assert_same_run(a: Path, b: Path, total: int, logged_from: int = 1) -> None:
     for f in sorted(p.name for p in (a / "model").glob("*.safetensors")):
         ta, tb = load_file(str(a / "model" / f)), load_file(str(b / "model" / f))
         assert_same_tree(ta, tb, f"model/{f}")
-    slopes = [k for k in load_file(str(a / "model" / "linearize_units.safetensors")) if k.endswith(".slope")]
+    slopes = [k for k in linearize.serialization.load_unit_tensors(a / "model") if k.endswith(".slope")]
     assert slopes
     if (a / "sparsifier_history.json").exists() or (b / "sparsifier_history.json").exists():
         assert json.loads((a / "sparsifier_history.json").read_text()) == \
