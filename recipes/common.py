@@ -564,7 +564,11 @@ def save_checkpoint(run: Run, step: int) -> Path:
         tmp.rename(path)
         _fsync(path.parent)
         if run.args.keep_checkpoints > 0:
-            for p in sorted(path.parent.glob("step_*"))[:-run.args.keep_checkpoints]:
+            # The newest --keep_checkpoints of this run: the one just written and those before it.
+            # Folders of later steps (left by a run resumed from an earlier checkpoint) are neither
+            # counted nor removed: counting them would delete the checkpoint just written.
+            older = sorted(p for p in path.parent.glob("step_*") if p.name < path.name)
+            for p in older[:max(0, len(older) - (run.args.keep_checkpoints - 1))]:
                 _remove(p)
     acc.wait_for_everyone()
     return path
@@ -579,11 +583,27 @@ def _remove(path: Path) -> None:
 
 
 def remove_partial_checkpoints(output_dir: str | Path) -> list[Path]:
-    """Remove the temp folders that interrupted checkpoint writes left under ``OUTPUT_DIR/checkpoints``."""
-    found = sorted((Path(output_dir) / "checkpoints").glob(f"{TMP_PREFIX}step_*"))
-    for p in found:
+    """Remove the temp folders that interrupted checkpoint writes left under ``OUTPUT_DIR/checkpoints``.
+
+    One exception: a complete, verified write of a step whose folder is missing (a rewrite of the same
+    step killed between removing the old folder and renaming the new one into place) is renamed into
+    place instead. Returns the temp folders removed."""
+    root = Path(output_dir) / "checkpoints"
+    removed = []
+    for p in sorted(root.glob(f"{TMP_PREFIX}step_*")):
+        name = p.name[len(TMP_PREFIX):].split("-")[0]
+        target = root / name
+        if "-removed-" not in p.name and name[5:].isdigit() and not target.exists():
+            try:
+                complete = read_checkpoint(p).step == int(name[5:])
+            except CheckpointError:
+                complete = False
+            if complete:
+                p.rename(target)
+                continue
         shutil.rmtree(p, ignore_errors=True)
-    return found
+        removed.append(p)
+    return removed
 
 
 def _load(path: Path, what: str, loader: Callable[[Path], Any]) -> Any:
@@ -622,9 +642,12 @@ def read_checkpoint(path: str | Path) -> Checkpoint:
         raise CheckpointError(path, f"no {STATE_FILE} (an interrupted or foreign checkpoint)")
     try:
         state = json.loads(state_file.read_text())
-        step = int(state["step"])
+        step = state["step"]
     except (ValueError, TypeError, KeyError, OSError) as e:
         raise CheckpointError(path, f"{STATE_FILE} is empty or damaged ({type(e).__name__}: {e})") from e
+    problem = _state_problem(state, path)
+    if problem:
+        raise CheckpointError(path, f"{STATE_FILE} is damaged or was edited: {problem}")
     if "files" not in state:
         ckpt = _read_accelerate_layout(path, state)
     else:
@@ -645,6 +668,31 @@ def read_checkpoint(path: str | Path) -> Checkpoint:
     if bad is not None:
         raise CheckpointError(path, f"{bad} holds inf or NaN")
     return ckpt
+
+
+def _state_problem(state: Any, path: Path) -> str | None:
+    """What is wrong with the structure of a parsed ``recipe_state.json`` (None when nothing is)."""
+    if not isinstance(state, dict):
+        return f"expected a JSON object, got {type(state).__name__}"
+    step = state.get("step")
+    if type(step) is not int or step < 0:
+        return f"step {step!r} is not a non-negative integer"
+    if path.name.startswith("step_") and path.name[5:].isdigit() and int(path.name[5:]) != step:
+        return f"it says step {step}, the folder name says {int(path.name[5:])}"
+    if "files" not in state:  # the accelerate layout: its own files are checked when read
+        return None
+    files = state["files"]
+    if not isinstance(files, dict) or set(files) != {MODEL_FILE, OPTIMIZER_FILE}:
+        return f"'files' must record exactly {MODEL_FILE} and {OPTIMIZER_FILE}"
+    for name, meta in files.items():
+        if not (isinstance(meta, dict) and type(meta.get("size")) is int and isinstance(meta.get("sha256"), str)):
+            return f"'files' entry of {name} must be {{size, sha256}}"
+    if not isinstance(state.get("scheduler"), dict):
+        return "no LR scheduler state"
+    for key in ("sparsifier", "scaler"):
+        if state.get(key) is not None and not isinstance(state[key], dict):
+            return f"{key!r} is neither null nor a JSON object"
+    return None
 
 
 def _read_accelerate_layout(path: Path, state: dict) -> Checkpoint:
