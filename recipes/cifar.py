@@ -119,11 +119,17 @@ def load_model(directory: str | Path) -> nn.Module:
 
     directory = Path(directory)
     meta = json.loads((directory / "recipe.json").read_text())
+    weights = directory / "model.safetensors"
+    for name, rec in (meta.get("files") or {}).items():  # recorded since saves became atomic
+        f = directory / name
+        if not f.is_file() or f.stat().st_size != rec["size"] or common.file_sha256(f) != rec["sha256"]:
+            raise linearize.LoadError(f"{f}: missing, truncated or modified (its size or sha256 is not the one "
+                                      f"{directory / 'recipe.json'} recorded); refusing to load it")
     model = build_model(meta["arch"], meta["num_classes"])
     if meta["linearize"] != "none":
         example = torch.zeros(2, 3, meta["image_size"], meta["image_size"])
         model = linearize.from_pretrained(model, directory, example_inputs=example)
-    model.load_state_dict(load_file(str(directory / "model.safetensors")))
+    model.load_state_dict(load_file(str(weights)))
     return model
 
 
@@ -529,14 +535,17 @@ def save_final(model: nn.Module, directory: Path, args: argparse.Namespace, clas
     :func:`load_model` needs to rebuild the model)."""
     from safetensors.torch import save_file
 
-    directory.mkdir(parents=True, exist_ok=True)
-    if args.linearize != "none":
-        linearize.save_pretrained(model, directory)
-    save_file({k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()},
-              str(directory / "model.safetensors"))
-    meta = {"arch": args.arch, "num_classes": len(classes), "classes": classes, "dataset": args.dataset,
-            "image_size": args.image_size, "linearize": args.linearize, "mean": mean.tolist(), "std": std.tolist()}
-    (directory / "recipe.json").write_text(json.dumps(meta, indent=2))
+    with common.replaced_dir(directory) as stage:  # the three files replace the old ones together
+        if args.linearize != "none":
+            linearize.save_pretrained(model, stage)
+        save_file({k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()},
+                  str(stage / "model.safetensors"))
+        weights = stage / "model.safetensors"
+        meta = {"arch": args.arch, "num_classes": len(classes), "classes": classes, "dataset": args.dataset,
+                "image_size": args.image_size, "linearize": args.linearize, "mean": mean.tolist(),
+                "std": std.tolist(), "files": {"model.safetensors": {"size": weights.stat().st_size,
+                                                                     "sha256": common.file_sha256(weights)}}}
+        (stage / "recipe.json").write_text(json.dumps(meta, indent=2))
 
 
 if __name__ == "__main__":

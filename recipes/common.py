@@ -17,6 +17,7 @@ Everything here is plain Python around ``accelerate.Accelerator``; the recipes s
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import math
@@ -776,6 +777,44 @@ def load_checkpoint(run: Run, ckpt: Checkpoint) -> None:
         run.accelerator.scaler.load_state_dict(ckpt.scaler)
 
 
+# ----------------------------------------------------------------------------- final model folder
+
+
+@contextlib.contextmanager
+def replaced_dir(directory: str | Path):
+    """Write a folder as a whole: yields a fresh temp sibling to fill; on success it replaces
+    ``directory`` (old folder renamed aside, new one renamed into place, old one deleted), on any
+    failure it is deleted and ``directory`` is left as it was. Readers see the old folder or the
+    complete new one (or, killed between the two renames, none: never a mix of the two)."""
+    directory = Path(directory)
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    for leftover in directory.parent.glob(f"{TMP_PREFIX}{directory.name}-*"):  # of interrupted saves
+        shutil.rmtree(leftover, ignore_errors=True)
+    stage = directory.with_name(f"{TMP_PREFIX}{directory.name}-{os.getpid()}")
+    stage.mkdir()
+    try:
+        yield stage
+        for f in stage.iterdir():
+            if f.is_file():
+                _fsync(f)
+        if directory.is_dir() and not directory.is_symlink():
+            old = directory.with_name(f"{TMP_PREFIX}{directory.name}-old-{os.getpid()}")
+            shutil.rmtree(old, ignore_errors=True)
+            directory.rename(old)
+            try:
+                stage.rename(directory)
+            except BaseException:
+                old.rename(directory)  # the earlier folder back in place
+                raise
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(stage, directory)  # raises for a file or a symlink in the way: nothing removed
+        _fsync(directory.parent)
+    except BaseException:
+        shutil.rmtree(stage, ignore_errors=True)
+        raise
+
+
 # ----------------------------------------------------------------------------- metrics
 
 
@@ -815,6 +854,6 @@ def write_metrics(output_dir: str | Path, metrics: dict, args: argparse.Namespac
         "args": {k: v for k, v in vars(args).items()},
         "versions": versions(),
     }
-    path = Path(output_dir) / "metrics.json"
-    path.write_text(json.dumps(payload, indent=2, default=str))
-    return path
+    from linearize._files import atomic_write
+
+    return atomic_write(Path(output_dir) / "metrics.json", json.dumps(payload, indent=2, default=str))

@@ -119,3 +119,126 @@ def test_latest_skips_a_tampered_state_json(tmp_path, tamper):
     assert len(skipped) == 1 and "step_00000002" in skipped[0]
     with pytest.raises(common.CheckpointError):
         common.read_checkpoint(newest)
+
+
+# ----------------------------------------------------------------------------- cifar final model
+
+
+def _cifar_model(seed: int):
+    import cifar
+
+    torch.manual_seed(seed)
+    model = linearize.convert(cifar.build_model("resnet20", 3), mode="prelu", example_inputs=torch.zeros(2, 3, 8, 8))
+    with torch.no_grad():
+        for _, unit in linearize.units(model):
+            unit.slope.uniform_(0, 1)
+    return model
+
+
+def _save(model, directory: Path, classes: tuple[str, ...] = ("a", "b", "c")) -> None:
+    import cifar
+
+    args = argparse.Namespace(arch="resnet20", dataset="cifar10", image_size=8, linearize="prelu")
+    cifar.save_final(model, directory, args, list(classes), torch.zeros(3), torch.ones(3))
+
+
+def _same_state(model, reference: dict[str, torch.Tensor]) -> bool:
+    state = model.state_dict()
+    return state.keys() == reference.keys() and all(
+        torch.equal(state[k].reshape(-1).view(torch.uint8), reference[k].reshape(-1).view(torch.uint8))
+        for k in reference)
+
+
+NEW_CLASSES = ("x", "y", "z")
+
+
+@pytest.mark.parametrize("call", ["replace", "rename", "fsync", "write"])
+def test_cifar_final_save_is_atomic_under_oserror_at_every_call(tmp_path, monkeypatch, call):
+    """save_final over an earlier final model fails with OSError at the n-th os.replace / os.rename /
+    os.fsync / file write, for every n until it succeeds: each failure leaves the earlier model (all of
+    model.safetensors, sidecar and recipe.json) loading bit for bit, with no temp leftovers; the save
+    that succeeds loads the new model."""
+    import builtins
+    import io
+    import os
+
+    import cifar
+
+    directory = tmp_path / "out" / "model"
+    old_model, new_model = _cifar_model(0), _cifar_model(1)
+    old = {k: v.clone() for k, v in old_model.state_dict().items()}
+    new = {k: v.clone() for k, v in new_model.state_dict().items()}
+    assert not _same_state(new_model, old)
+    _save(old_model, directory)
+
+    def failing(real, n):
+        count = [0]
+
+        def f(*a, **k):
+            count[0] += 1
+            if count[0] == n:
+                raise OSError(28, "No space left on device (injected)")
+            return real(*a, **k)
+        return f
+
+    for n in range(1, 200):
+        with monkeypatch.context() as m:
+            if call == "write":  # the n-th file opened for writing (Path.write_text, os.fdopen, open)
+                real_open, counter = io.open, [0]
+
+                def opened(file, mode="r", *a, **k):
+                    if isinstance(mode, str) and any(c in mode for c in "wax+"):
+                        counter[0] += 1
+                        if counter[0] == n:
+                            raise OSError(28, "No space left on device (injected)")
+                    return real_open(file, mode, *a, **k)
+                m.setattr(io, "open", opened)
+                m.setattr(builtins, "open", opened)
+            else:
+                m.setattr(os, call, failing(getattr(os, call), n))
+            try:
+                _save(new_model, directory, NEW_CLASSES)
+                ok = True
+            except OSError as e:
+                assert "injected" in str(e)
+                ok = False
+        leftovers = [p.name for p in directory.parent.iterdir() if p.name != "model"]
+        assert not leftovers, f"call {n}: left {leftovers}"
+        loaded = cifar.load_model(directory)
+        classes = tuple(json.loads((directory / "recipe.json").read_text())["classes"])
+        if ok:
+            assert _same_state(loaded, new) and classes == NEW_CLASSES
+            break
+        # before the new folder is in place: the earlier model; after (a failed fsync of the parent
+        # folder): the new one. Never a mix (weights of one save, recipe.json of the other).
+        assert (_same_state(loaded, old) and classes == ("a", "b", "c")) or (
+            _same_state(loaded, new) and classes == NEW_CLASSES), f"failed {call} #{n} left a mixed model"
+    else:
+        pytest.fail("the save never succeeded")
+
+
+def test_cifar_load_model_refuses_a_flipped_bit(tmp_path):
+    import cifar
+
+    directory = tmp_path / "model"
+    _save(_cifar_model(0), directory)
+    f = directory / "model.safetensors"
+    raw = bytearray(f.read_bytes())
+    raw[-5] ^= 0x10  # inside the last tensor's data: safetensors still decodes it
+    f.write_bytes(bytes(raw))
+    with pytest.raises(linearize.LoadError, match="model.safetensors: missing, truncated or modified"):
+        cifar.load_model(directory)
+
+
+def test_metrics_json_is_written_atomically(tmp_path, monkeypatch):
+    """An OSError while writing metrics.json keeps the previous file whole."""
+    import os
+
+    args = argparse.Namespace(x=1)
+    common.write_metrics(tmp_path, {"acc": 0.5}, args, 0.0, 1, "cpu")
+    before = (tmp_path / "metrics.json").read_text()
+    monkeypatch.setattr(os, "fsync", lambda fd: (_ for _ in ()).throw(OSError(5, "I/O error (injected)")))
+    with pytest.raises(OSError, match="injected"):
+        common.write_metrics(tmp_path, {"acc": 0.9}, args, 0.0, 1, "cpu")
+    assert (tmp_path / "metrics.json").read_text() == before
+    assert [p.name for p in tmp_path.iterdir()] == ["metrics.json"]
