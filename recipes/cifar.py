@@ -15,12 +15,14 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import io
 import json
 import math
 import os
 import sys
 import tarfile
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -302,7 +304,9 @@ def load_split(data: str | Path | None, dataset: str, split: str, subset: int | 
     key = hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:20]
     cache = cache_dir / f"{dataset}-{split}-{key}.pt"
     if cache.exists():
-        return torch.load(cache, weights_only=True)
+        cached = _read_cache(cache, size, classes)
+        if cached is not None:
+            return cached
     if path.is_file() and tarfile.is_tarfile(path):
         out = _from_tar(path, split, subset, size, show, classes, drop_others)
     elif path.is_dir() and (path / split).is_dir():
@@ -316,10 +320,34 @@ def load_split(data: str | Path | None, dataset: str, split: str, subset: int | 
             "or a .tar.gz of that tree"
         )
     cache_dir.mkdir(parents=True, exist_ok=True)
-    tmp = cache.with_suffix(f".tmp{os.getpid()}")
-    torch.save(out, tmp)
-    tmp.replace(cache)
+    from linearize._files import atomic_write
+
+    buf = io.BytesIO()
+    torch.save(out, buf)
+    atomic_write(cache, buf.getvalue())
     return out
+
+
+def _read_cache(cache: Path, size: int, classes: list[str] | None) -> dict | None:
+    """A decoded split from ``cache`` (``torch.load(weights_only=True)``), or None (with a warning)
+    when the file is damaged, refused or not a split of ``size``-pixel images: it is decoded again."""
+    try:
+        out = torch.load(cache, map_location="cpu", weights_only=True)
+        x, y, names = out["x"], out["y"], out["classes"]
+        ok = (isinstance(x, torch.Tensor) and x.dtype == torch.uint8 and x.dim() == 4
+              and tuple(x.shape[1:]) == (3, size, size) and isinstance(y, torch.Tensor) and y.dtype == torch.long
+              and tuple(y.shape) == (len(x),) and isinstance(names, list) and all(isinstance(c, str) for c in names)
+              and (classes is None or names == list(classes))
+              and (len(y) == 0 or 0 <= int(y.min()) and int(y.max()) < len(names)))
+    except Exception as e:  # a decoder of arbitrary bytes: truncated zip, refused pickle, missing keys
+        ok, why = False, f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+    else:
+        why = "not a decoded split of this size and class list"
+    if ok:
+        return out
+    warnings.warn(f"ignoring the damaged CIFAR cache {cache} ({why}); decoding the data again", RuntimeWarning,
+                  stacklevel=3)
+    return None
 
 
 def load_data(args: argparse.Namespace, show: bool = True) -> tuple[dict, dict]:

@@ -242,3 +242,62 @@ def test_metrics_json_is_written_atomically(tmp_path, monkeypatch):
         common.write_metrics(tmp_path, {"acc": 0.9}, args, 0.0, 1, "cpu")
     assert (tmp_path / "metrics.json").read_text() == before
     assert [p.name for p in tmp_path.iterdir()] == ["metrics.json"]
+
+
+# ----------------------------------------------------------------------------- cifar decode cache
+
+
+class WritesMarker:
+    """A pickle whose unpickling creates a file (code execution)."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.touch, (self.marker,))
+
+
+def _damage_cache(kind: str, cache: Path, marker: Path) -> None:
+    if kind == "truncated":
+        cache.write_bytes(cache.read_bytes()[: cache.stat().st_size // 2])
+    elif kind == "empty":
+        cache.write_bytes(b"")
+    elif kind == "code":
+        torch.save({"x": WritesMarker(marker)}, cache)
+    elif kind == "wrong shape":
+        torch.save({"x": torch.zeros(2, 3, 4, 4, dtype=torch.uint8), "y": torch.zeros(2, dtype=torch.long),
+                    "classes": ["a"]}, cache)
+    elif kind == "labels out of range":
+        d = torch.load(cache, weights_only=True)
+        d["y"] = d["y"] + 7
+        torch.save(d, cache)
+
+
+@pytest.mark.parametrize("kind", ["truncated", "empty", "code", "wrong shape", "labels out of range"])
+def test_a_damaged_cifar_cache_is_decoded_again(tmp_path, kind):
+    """The decode cache is a file anyone with access to the cache folder can replace: a damaged or
+    crafted one runs no code and is neither fatal nor used; the split is decoded again, equal to the
+    first decode (the truth: the images on disk)."""
+    from torchvision.io import write_png
+
+    import cifar
+
+    for split, n in (("train", 3), ("test", 2)):
+        for c in ("cat", "dog"):
+            (tmp_path / "data" / split / c).mkdir(parents=True)
+            for i in range(n):
+                write_png(torch.full((3, 8, 8), 40 * i + (c == "dog") * 9, dtype=torch.uint8),
+                          str(tmp_path / "data" / split / c / f"{i}.png"))
+    cache_dir = tmp_path / "cache"
+    first = cifar.load_split(tmp_path / "data", "cifar10", "train", None, 8, cache_dir, show=False)
+    (cache,) = cache_dir.glob("*.pt")
+    marker = tmp_path / "marker"
+    _damage_cache(kind, cache, marker)
+    with pytest.warns(RuntimeWarning, match="damaged CIFAR cache"):
+        again = cifar.load_split(tmp_path / "data", "cifar10", "train", None, 8, cache_dir, show=False)
+    assert not marker.exists()
+    assert torch.equal(again["x"], first["x"]) and torch.equal(again["y"], first["y"])
+    assert again["classes"] == first["classes"] == ["cat", "dog"]
+    third = cifar.load_split(tmp_path / "data", "cifar10", "train", None, 8, cache_dir, show=False)
+    assert torch.equal(third["x"], first["x"])  # the cache was rewritten whole
+    assert [p.name for p in cache_dir.iterdir()] == [cache.name]
