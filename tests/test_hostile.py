@@ -301,3 +301,29 @@ def test_a_damaged_cifar_cache_is_decoded_again(tmp_path, kind):
     third = cifar.load_split(tmp_path / "data", "cifar10", "train", None, 8, cache_dir, show=False)
     assert torch.equal(third["x"], first["x"])  # the cache was rewritten whole
     assert [p.name for p in cache_dir.iterdir()] == [cache.name]
+
+
+# ----------------------------------------------------------------------------- the linear threshold
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64])
+def test_linear_masks_are_exact_in_low_precision(dtype):
+    """``a >= 1 - tol`` decided in exact arithmetic (the Python float of each slope against the
+    Python float ``1 - tol``), for the 40 values of ``dtype`` just below 1 and tolerances that fall
+    between them: comparing in ``dtype`` rounded ``1 - tol`` onto a slope below it."""
+    from linearize.unit import count_channels, linear_masks
+
+    values = [torch.tensor(1.0, dtype=dtype)]
+    for _ in range(40):
+        values.append(torch.nextafter(values[-1], torch.tensor(0.0, dtype=dtype)))
+    slopes = torch.stack(values)
+    unit = linearize.LinearizableActivation("relu", len(slopes), -1).to(dtype)
+    with torch.no_grad():
+        unit.slope.copy_(slopes)
+    floats = [float(v) for v in slopes]
+    tols = [0.0] + [1 - (a + b) / 2 for a, b in zip(floats, floats[1:])] + [1 - (0.3 * a + 0.7 * b)
+                                                                             for a, b in zip(floats, floats[1:])]
+    for tol in tols:
+        truth = [f >= 1.0 - tol for f in floats]
+        assert linear_masks([("u", unit)], tol)[0].tolist() == truth, (dtype, tol)
+        assert count_channels([("u", unit)], tol)["linear"] == sum(truth)
