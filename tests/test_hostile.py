@@ -327,3 +327,25 @@ def test_linear_masks_are_exact_in_low_precision(dtype):
         truth = [f >= 1.0 - tol for f in floats]
         assert linear_masks([("u", unit)], tol)[0].tolist() == truth, (dtype, tol)
         assert count_channels([("u", unit)], tol)["linear"] == sum(truth)
+
+
+# ----------------------------------------------------------------------------- kernel build lock
+
+
+@pytest.mark.parametrize("value", ["nan", "-1", "-inf", "soon"])
+def test_kernel_wait_bound_refuses_values_that_wait_forever(monkeypatch, value):
+    """filelock waits forever for a negative timeout and never times out for NaN: such a
+    LINEARIZE_CPU_KERNEL_WAIT must be refused (the units then use PyTorch ops), not obeyed."""
+    import linearize.kernels as kernels
+
+    monkeypatch.setenv(kernels.ENV_WAIT, value)
+    with pytest.raises(kernels.KernelUnavailable, match="LINEARIZE_CPU_KERNEL_WAIT"):
+        kernels._wait_bound()
+
+
+def test_kernel_wait_bound_accepts_plain_seconds(monkeypatch):
+    import linearize.kernels as kernels
+
+    for value, seconds in (("0", 0.0), ("2.5", 2.5), ("", kernels.DEFAULT_WAIT_S)):
+        monkeypatch.setenv(kernels.ENV_WAIT, value)
+        assert kernels._wait_bound() == seconds
