@@ -384,3 +384,18 @@ def test_report_checkpoint_with_invalid_unit_state_is_refused(tmp_path, bad):
     with pytest.raises(linearize.LoadError, match=r"--checkpoint .*ckpt.pt: unit '1'"):
         args.func(args)
     assert not (tmp_path / "out").exists()
+
+
+# ----------------------------------------------------------------------------- sparsifier weights
+
+
+def test_sparsifier_weights_survive_huge_values():
+    """Only the ratios of unit weights matter (normalized to mean 1 over channels): weights of 1e308
+    overflowed the sum and became 0 for every unit (no pressure at all), silently."""
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.ReLU(), torch.nn.Linear(4, 4), torch.nn.ReLU())
+    linearize.convert(model, example_inputs=torch.randn(2, 3))
+    a, b = (n for n, _ in linearize.units(model))
+    equal = linearize.Sparsifier(model, total_steps=10, weights={a: 1e308, b: 1e308}).weights
+    assert equal == {a: 1.0, b: 1.0}
+    ratio = linearize.Sparsifier(model, total_steps=10, weights={a: 1e308, b: 0.5e308}).weights
+    assert ratio[a] == pytest.approx(4 / 3) and ratio[b] == pytest.approx(2 / 3)  # 4 channels each
