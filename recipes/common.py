@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import hashlib
+import io
 import json
 import math
 import os
@@ -38,6 +39,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 import linearize
+from linearize._files import atomic_write
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
@@ -283,7 +285,9 @@ def fold_and_report(model: nn.Module, args: argparse.Namespace, example_inputs: 
     if args.fold:
         folded = _feature("fold")(model, example_inputs)
         path = output_dir / "folded.pt"
-        torch.save(folded, path)
+        buf = io.BytesIO()
+        torch.save(folded, buf)
+        atomic_write(path, buf.getvalue())  # never a truncated folded.pt beside an older metrics.json
         summary = folded.linearize_fold_summary
         out["fold"] = {"path": str(path), "params_before": summary.params_before, "params_after": summary.params_after,
                        "flops_before": summary.flops_before, "flops_after": summary.flops_after,
@@ -854,6 +858,4 @@ def write_metrics(output_dir: str | Path, metrics: dict, args: argparse.Namespac
         "args": {k: v for k, v in vars(args).items()},
         "versions": versions(),
     }
-    from linearize._files import atomic_write
-
     return atomic_write(Path(output_dir) / "metrics.json", json.dumps(payload, indent=2, default=str))

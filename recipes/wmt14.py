@@ -412,14 +412,14 @@ def main(argv: list[str] | None = None) -> dict:
 
 def save_final(model: nn.Module, tokenizer, directory: Path, args: argparse.Namespace) -> None:
     """HF weights + tokenizer, the linearize sidecar and ``recipe.json`` (see :func:`load_model`)."""
-    directory.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(str(directory))
-    tokenizer.save_pretrained(str(directory))
-    if args.linearize != "none":
-        linearize.save_pretrained(model, directory)
-    meta = {"model_size": args.model_size, "source_lang": args.source_lang, "target_lang": args.target_lang,
-            "linearize": args.linearize}
-    (directory / "recipe.json").write_text(json.dumps(meta, indent=2))
+    with common.replaced_dir(directory) as stage:  # all files replace the old ones together
+        model.save_pretrained(str(stage))
+        tokenizer.save_pretrained(str(stage))
+        if args.linearize != "none":
+            linearize.save_pretrained(model, stage)
+        meta = {"model_size": args.model_size, "source_lang": args.source_lang, "target_lang": args.target_lang,
+                "linearize": args.linearize}
+        (stage / "recipe.json").write_text(json.dumps(meta, indent=2))
 
 
 if __name__ == "__main__":

@@ -399,3 +399,39 @@ def test_sparsifier_weights_survive_huge_values():
     assert equal == {a: 1.0, b: 1.0}
     ratio = linearize.Sparsifier(model, total_steps=10, weights={a: 1e308, b: 0.5e308}).weights
     assert ratio[a] == pytest.approx(4 / 3) and ratio[b] == pytest.approx(2 / 3)  # 4 channels each
+
+
+# ----------------------------------------------------------------------------- wmt14 final model
+
+
+class _Writes:
+    """Stands in for a Hugging Face model or tokenizer: save_pretrained writes one file, or fails."""
+
+    def __init__(self, name: str, text: str, fail: bool = False) -> None:
+        self.name, self.text, self.fail = name, text, fail
+
+    def save_pretrained(self, directory: str) -> None:
+        (Path(directory) / self.name).write_text(self.text)
+        if self.fail:
+            raise OSError(28, "No space left on device (injected)")
+
+
+def test_wmt14_final_save_is_atomic(tmp_path):
+    """An OSError while the tokenizer is written leaves the earlier final model folder as it was
+    (not new weights beside the old tokenizer and recipe.json), and no temp folder."""
+    import wmt14
+
+    args = argparse.Namespace(model_size="tiny", source_lang="en", target_lang="de", linearize="none")
+    directory = tmp_path / "model"
+    wmt14.save_final(_Writes("model.safetensors", "old weights"), _Writes("tokenizer.json", "old tok"), directory,
+                     args)
+    before = {p.name: p.read_text() for p in directory.iterdir()}
+    with pytest.raises(OSError, match="injected"):
+        wmt14.save_final(_Writes("model.safetensors", "new weights"), _Writes("tokenizer.json", "new", fail=True),
+                         directory, args)
+    assert {p.name: p.read_text() for p in directory.iterdir()} == before
+    assert [p.name for p in tmp_path.iterdir()] == ["model"]
+    wmt14.save_final(_Writes("model.safetensors", "new weights"), _Writes("tokenizer.json", "new tok"), directory,
+                     args)
+    assert (directory / "model.safetensors").read_text() == "new weights"
+    assert (directory / "tokenizer.json").read_text() == "new tok"
