@@ -558,6 +558,7 @@ def save_checkpoint(run: Run, step: int) -> Path:
             _fsync(tmp / name)
             state["files"][name] = {"size": (tmp / name).stat().st_size, "sha256": file_sha256(tmp / name)}
         try:
+            state["state_sha256"] = _state_digest(state)  # a flipped bit in the JSON itself is caught too
             text = json.dumps(state, indent=1)
         except TypeError as e:
             raise TypeError(f"checkpoint state of step {step} is not JSON ({e}): the LR scheduler's lambdas must be "
@@ -675,10 +676,19 @@ def read_checkpoint(path: str | Path) -> Checkpoint:
     return ckpt
 
 
+def _state_digest(state: dict) -> str:
+    """sha256 of ``state`` (less its own ``state_sha256``) as canonical JSON (floats round-trip exactly)."""
+    rest = json.loads(json.dumps({k: v for k, v in state.items() if k != "state_sha256"}))  # as read back:
+    # int keys become strings, tuples lists
+    return hashlib.sha256(json.dumps(rest, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
 def _state_problem(state: Any, path: Path) -> str | None:
     """What is wrong with the structure of a parsed ``recipe_state.json`` (None when nothing is)."""
     if not isinstance(state, dict):
         return f"expected a JSON object, got {type(state).__name__}"
+    if "state_sha256" in state and state["state_sha256"] != _state_digest(state):  # absent before it was added
+        return "its contents do not match the sha256 recorded in it (a flipped bit, or edited)"
     step = state.get("step")
     if type(step) is not int or step < 0:
         return f"step {step!r} is not a non-negative integer"

@@ -435,3 +435,18 @@ def test_wmt14_final_save_is_atomic(tmp_path):
                      args)
     assert (directory / "model.safetensors").read_text() == "new weights"
     assert (directory / "tokenizer.json").read_text() == "new tok"
+
+
+def test_a_flipped_digit_in_the_state_json_is_caught(tmp_path):
+    """recipe_state.json holds the LR scheduler's state: a changed digit there (still valid JSON)
+    would resume with another learning rate; `latest` must skip it."""
+    run = tiny_run(tmp_path, keep=5)
+    for _ in range(3):
+        run.scheduler.step()
+    common.save_checkpoint(run, 1)
+    newest = common.save_checkpoint(run, 2)
+    text = (newest / common.STATE_FILE).read_text()
+    assert '"last_epoch": 3' in text
+    (newest / common.STATE_FILE).write_text(text.replace('"last_epoch": 3', '"last_epoch": 7'))
+    ckpt, skipped = common.find_checkpoint("latest", tmp_path)
+    assert ckpt.step == 1 and len(skipped) == 1 and "step_00000002" in skipped[0]
