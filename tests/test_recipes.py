@@ -144,8 +144,9 @@ def test_cifar_two_processes(cifar_args, cifar_full, tmp_path):
     resumed = tmp_path / "resumed"
     run_recipe("cifar.py", cifar_args + ["--output_dir", str(resumed), "--resume_from_checkpoint",
                                          str(tmp_path / "checkpoints" / "step_00000003")], processes=2)
-    for f in ("model.safetensors", "linearize_units.safetensors"):
-        assert_same_tensors(load_file(str(resumed / "model" / f)), load_file(str(tmp_path / "model" / f)), atol=0)
+    assert_same_tensors(load_file(str(resumed / "model" / "model.safetensors")),
+                        load_file(str(tmp_path / "model" / "model.safetensors")), atol=0)
+    assert_same_tensors(load_unit_tensors(resumed / "model"), load_unit_tensors(tmp_path / "model"), atol=0)
 
 
 # ----------------------------------------------------------------------------- WMT (Multi30k)
