@@ -299,6 +299,8 @@ def load_split(data: str | Path | None, dataset: str, split: str, subset: int | 
                                 "or add --download to fetch torchvision's CIFAR into it")
     stat = path.stat() if path.exists() else None
     parts = [str(path), stat and stat.st_size, stat and stat.st_mtime, dataset, split, subset, size]
+    if path.is_dir():  # a folder's own mtime misses images added, removed or replaced in its subfolders
+        parts.append(_tree_signature(path / split if (path / split).is_dir() else path))
     if classes is not None:  # the training split without --classes keeps its old key; every test split
         parts += [classes, drop_others]  # gets a new one (old caches labelled test classes per split)
     key = hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:20]
@@ -326,6 +328,16 @@ def load_split(data: str | Path | None, dataset: str, split: str, subset: int | 
     torch.save(out, buf)
     atomic_write(cache, buf.getvalue())
     return out
+
+
+def _tree_signature(root: Path) -> str:
+    """Hash of the relative path, size and mtime of every file under ``root``."""
+    h = hashlib.sha256()
+    for dirpath, _, filenames in sorted(os.walk(root)):
+        for name in sorted(filenames):
+            st = os.stat(os.path.join(dirpath, name))
+            h.update(f"{os.path.relpath(os.path.join(dirpath, name), root)}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+    return h.hexdigest()
 
 
 def _read_cache(cache: Path, size: int, classes: list[str] | None) -> dict | None:

@@ -450,3 +450,29 @@ def test_a_flipped_digit_in_the_state_json_is_caught(tmp_path):
     (newest / common.STATE_FILE).write_text(text.replace('"last_epoch": 3', '"last_epoch": 7'))
     ckpt, skipped = common.find_checkpoint("latest", tmp_path)
     assert ckpt.step == 1 and len(skipped) == 1 and "step_00000002" in skipped[0]
+
+
+def test_cifar_cache_notices_images_added_to_a_class_folder(tmp_path):
+    """The cache key covered the data folder's own size and mtime only: an image added to (or
+    replaced in) train/<class>/ leaves those unchanged, and the stale decode was served."""
+    import os
+
+    from torchvision.io import write_png
+
+    import cifar
+
+    def image(path: Path, value: int) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_png(torch.full((3, 8, 8), value, dtype=torch.uint8), str(path))
+
+    for c in ("cat", "dog"):
+        for i in range(2):
+            image(tmp_path / "data" / "train" / c / f"{i}.png", 10 * i)
+    root_stat = os.stat(tmp_path / "data")
+    cache_dir = tmp_path / "cache"
+    first = cifar.load_split(tmp_path / "data", "cifar10", "train", None, 8, cache_dir, show=False)
+    assert len(first["y"]) == 4
+    image(tmp_path / "data" / "train" / "cat" / "2.png", 200)
+    os.utime(tmp_path / "data", ns=(root_stat.st_atime_ns, root_stat.st_mtime_ns))
+    second = cifar.load_split(tmp_path / "data", "cifar10", "train", None, 8, cache_dir, show=False)
+    assert sorted(second["y"].tolist()) == [0, 0, 0, 1, 1]  # the truth: 3 cat and 2 dog images on disk
