@@ -801,6 +801,8 @@ def replaced_dir(directory: str | Path):
     failure it is deleted and ``directory`` is left as it was. Readers see the old folder or the
     complete new one (or, killed between the two renames, none: never a mix of the two)."""
     directory = Path(directory)
+    if directory.is_symlink() and directory.is_dir():  # a link to the real folder: replace that one
+        directory = directory.resolve()
     directory.parent.mkdir(parents=True, exist_ok=True)
     for leftover in directory.parent.glob(f"{TMP_PREFIX}{directory.name}-*"):  # of interrupted saves
         shutil.rmtree(leftover, ignore_errors=True)
@@ -811,7 +813,7 @@ def replaced_dir(directory: str | Path):
         for f in stage.iterdir():
             if f.is_file():
                 _fsync(f)
-        if directory.is_dir() and not directory.is_symlink():
+        if directory.is_dir():
             old = directory.with_name(f"{TMP_PREFIX}{directory.name}-old-{os.getpid()}")
             shutil.rmtree(old, ignore_errors=True)
             directory.rename(old)
@@ -822,7 +824,7 @@ def replaced_dir(directory: str | Path):
                 raise
             shutil.rmtree(old, ignore_errors=True)
         else:
-            os.replace(stage, directory)  # raises for a file or a symlink in the way: nothing removed
+            os.replace(stage, directory)  # raises for a file (or a dangling link) in the way: nothing removed
         _fsync(directory.parent)
     except BaseException:
         shutil.rmtree(stage, ignore_errors=True)

@@ -476,3 +476,24 @@ def test_cifar_cache_notices_images_added_to_a_class_folder(tmp_path):
     os.utime(tmp_path / "data", ns=(root_stat.st_atime_ns, root_stat.st_mtime_ns))
     second = cifar.load_split(tmp_path / "data", "cifar10", "train", None, 8, cache_dir, show=False)
     assert sorted(second["y"].tolist()) == [0, 0, 0, 1, 1]  # the truth: 3 cat and 2 dog images on disk
+
+
+def test_final_save_through_a_symlink_and_onto_a_file(tmp_path):
+    """OUTPUT_DIR/model as a link to a folder elsewhere: the save lands there and the link stays;
+    a file in its place: a clear OSError, the file untouched, no temp folder left."""
+    import wmt14
+
+    args = argparse.Namespace(model_size="tiny", source_lang="en", target_lang="de", linearize="none")
+    real = tmp_path / "elsewhere" / "model"
+    real.mkdir(parents=True)
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "model").symlink_to(real)
+    wmt14.save_final(_Writes("model.safetensors", "w"), _Writes("tokenizer.json", "t"), tmp_path / "out" / "model",
+                     args)
+    assert (tmp_path / "out" / "model").is_symlink() and (real / "tokenizer.json").read_text() == "t"
+    blocker = tmp_path / "file" / "model"
+    blocker.parent.mkdir()
+    blocker.write_text("not a folder")
+    with pytest.raises(OSError):
+        wmt14.save_final(_Writes("model.safetensors", "w"), _Writes("tokenizer.json", "t"), blocker, args)
+    assert blocker.read_text() == "not a folder" and [p.name for p in blocker.parent.iterdir()] == ["model"]
