@@ -377,6 +377,7 @@ def put_nan(folder: Path) -> None:
     state = json.loads((folder / common.STATE_FILE).read_text())
     state["files"][common.MODEL_FILE] = {"size": (folder / common.MODEL_FILE).stat().st_size,
                                          "sha256": common.file_sha256(folder / common.MODEL_FILE)}
+    state["state_sha256"] = common._state_digest(state)
     (folder / common.STATE_FILE).write_text(json.dumps(state))
 
 
