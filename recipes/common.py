@@ -332,6 +332,7 @@ def start(run: Run, total_steps: int) -> tuple[int, int]:
     acc, args = run.accelerator, run.args
     if acc.is_main_process:
         remove_partial_checkpoints(run.out_dir)
+    acc.wait_for_everyone()  # it may rename a restored checkpoint into place: every process then sees it
     step = 0
     if args.resume_from_checkpoint:
         ckpt, skipped = find_checkpoint(args.resume_from_checkpoint, run.out_dir)
