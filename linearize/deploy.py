@@ -29,7 +29,7 @@ import inspect
 import json
 import os
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import safetensors.torch
 import torch

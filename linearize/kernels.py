@@ -49,6 +49,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import logging
+import math
 import os
 import platform
 import re
@@ -151,9 +152,12 @@ def _wait_bound() -> float:
     """Seconds to wait for another process's build: ``LINEARIZE_CPU_KERNEL_WAIT``, default 300."""
     value = os.environ.get(ENV_WAIT, "")
     try:
-        return float(value) if value.strip() else DEFAULT_WAIT_S
+        seconds = float(value) if value.strip() else DEFAULT_WAIT_S
     except ValueError:
-        raise KernelUnavailable(f"linearize: {ENV_WAIT}={value!r} is not a number of seconds") from None
+        seconds = math.nan
+    if not seconds >= 0:  # NaN or negative: filelock would wait forever (a negative timeout blocks)
+        raise KernelUnavailable(f"linearize: {ENV_WAIT}={value!r} is not a number of seconds >= 0")
+    return seconds
 
 
 def _holder(owner: Path) -> str:

@@ -157,6 +157,10 @@ class Sparsifier:
             raise ValueError("unit weights must be finite and >= 0")
         channels = sum(u.num_channels for _, u in self._units)
         mean = sum(raw[n] * u.num_channels for n, u in self._units) / channels
+        if not math.isfinite(mean):  # huge weights overflowed the sum: only their ratios matter
+            top = max(raw.values())
+            raw = {n: w / top for n, w in raw.items()}
+            mean = sum(raw[n] * u.num_channels for n, u in self._units) / channels
         if mean <= 0:
             raise ValueError("all unit weights are 0: no unit would get any pressure")
         return [raw[n] / mean for n in names]

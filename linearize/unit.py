@@ -18,6 +18,8 @@ momentum or weight decay cannot move them.
 
 from __future__ import annotations
 
+import functools
+
 import math
 import weakref
 from typing import Callable, Iterable
@@ -388,7 +390,21 @@ def linear_masks(
     named = list(named_units)
     tol = check_tol(tol)
     check_finite_slopes(named, where)
-    return [unit.slope.detach() >= 1.0 - tol for _, unit in named]
+    return [unit.slope.detach() >= _least_at_or_above(1.0 - tol, unit.slope.dtype) for _, unit in named]
+
+
+@functools.lru_cache(maxsize=64)
+def _least_at_or_above(t: float, dtype: torch.dtype) -> float:
+    """The smallest value of ``dtype`` that is ``>= t``: ``a >= it`` in ``dtype`` is ``a >= t`` exactly.
+
+    Comparing a tensor with a Python float rounds the float to the tensor's dtype: a threshold
+    ``1 - tol`` rounded *down* onto a representable slope would count that slope as linear though
+    it lies below ``1 - tol`` (e.g. bfloat16 slope 0.99609 with tol 0.0035).
+    """
+    r = torch.tensor(t, dtype=torch.float64).to(dtype)
+    if float(r) < t:
+        r = torch.nextafter(r, torch.tensor(2.0, dtype=dtype))
+    return float(r)
 
 
 def count_channels(

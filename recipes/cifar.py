@@ -15,12 +15,14 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import io
 import json
 import math
 import os
 import sys
 import tarfile
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -119,11 +121,17 @@ def load_model(directory: str | Path) -> nn.Module:
 
     directory = Path(directory)
     meta = json.loads((directory / "recipe.json").read_text())
+    weights = directory / "model.safetensors"
+    for name, rec in (meta.get("files") or {}).items():  # recorded since saves became atomic
+        f = directory / name
+        if not f.is_file() or f.stat().st_size != rec["size"] or common.file_sha256(f) != rec["sha256"]:
+            raise linearize.LoadError(f"{f}: missing, truncated or modified (its size or sha256 is not the one "
+                                      f"{directory / 'recipe.json'} recorded); refusing to load it")
     model = build_model(meta["arch"], meta["num_classes"])
     if meta["linearize"] != "none":
         example = torch.zeros(2, 3, meta["image_size"], meta["image_size"])
         model = linearize.from_pretrained(model, directory, example_inputs=example)
-    model.load_state_dict(load_file(str(directory / "model.safetensors")))
+    model.load_state_dict(load_file(str(weights)))
     return model
 
 
@@ -291,12 +299,16 @@ def load_split(data: str | Path | None, dataset: str, split: str, subset: int | 
                                 "or add --download to fetch torchvision's CIFAR into it")
     stat = path.stat() if path.exists() else None
     parts = [str(path), stat and stat.st_size, stat and stat.st_mtime, dataset, split, subset, size]
+    if path.is_dir():  # a folder's own mtime misses images added, removed or replaced in its subfolders
+        parts.append(_tree_signature(path / split if (path / split).is_dir() else path))
     if classes is not None:  # the training split without --classes keeps its old key; every test split
         parts += [classes, drop_others]  # gets a new one (old caches labelled test classes per split)
     key = hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:20]
     cache = cache_dir / f"{dataset}-{split}-{key}.pt"
     if cache.exists():
-        return torch.load(cache, weights_only=True)
+        cached = _read_cache(cache, size, classes)
+        if cached is not None:
+            return cached
     if path.is_file() and tarfile.is_tarfile(path):
         out = _from_tar(path, split, subset, size, show, classes, drop_others)
     elif path.is_dir() and (path / split).is_dir():
@@ -310,10 +322,44 @@ def load_split(data: str | Path | None, dataset: str, split: str, subset: int | 
             "or a .tar.gz of that tree"
         )
     cache_dir.mkdir(parents=True, exist_ok=True)
-    tmp = cache.with_suffix(f".tmp{os.getpid()}")
-    torch.save(out, tmp)
-    tmp.replace(cache)
+    from linearize._files import atomic_write
+
+    buf = io.BytesIO()
+    torch.save(out, buf)
+    atomic_write(cache, buf.getvalue())
     return out
+
+
+def _tree_signature(root: Path) -> str:
+    """Hash of the relative path, size and mtime of every file under ``root``."""
+    h = hashlib.sha256()
+    for dirpath, _, filenames in sorted(os.walk(root)):
+        for name in sorted(filenames):
+            st = os.stat(os.path.join(dirpath, name))
+            h.update(f"{os.path.relpath(os.path.join(dirpath, name), root)}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+    return h.hexdigest()
+
+
+def _read_cache(cache: Path, size: int, classes: list[str] | None) -> dict | None:
+    """A decoded split from ``cache`` (``torch.load(weights_only=True)``), or None (with a warning)
+    when the file is damaged, refused or not a split of ``size``-pixel images: it is decoded again."""
+    try:
+        out = torch.load(cache, map_location="cpu", weights_only=True)
+        x, y, names = out["x"], out["y"], out["classes"]
+        ok = (isinstance(x, torch.Tensor) and x.dtype == torch.uint8 and x.dim() == 4
+              and tuple(x.shape[1:]) == (3, size, size) and isinstance(y, torch.Tensor) and y.dtype == torch.long
+              and tuple(y.shape) == (len(x),) and isinstance(names, list) and all(isinstance(c, str) for c in names)
+              and (classes is None or names == list(classes))
+              and (len(y) == 0 or 0 <= int(y.min()) and int(y.max()) < len(names)))
+    except Exception as e:  # a decoder of arbitrary bytes: truncated zip, refused pickle, missing keys
+        ok, why = False, f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+    else:
+        why = "not a decoded split of this size and class list"
+    if ok:
+        return out
+    warnings.warn(f"ignoring the damaged CIFAR cache {cache} ({why}); decoding the data again", RuntimeWarning,
+                  stacklevel=3)
+    return None
 
 
 def load_data(args: argparse.Namespace, show: bool = True) -> tuple[dict, dict]:
@@ -529,14 +575,17 @@ def save_final(model: nn.Module, directory: Path, args: argparse.Namespace, clas
     :func:`load_model` needs to rebuild the model)."""
     from safetensors.torch import save_file
 
-    directory.mkdir(parents=True, exist_ok=True)
-    if args.linearize != "none":
-        linearize.save_pretrained(model, directory)
-    save_file({k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()},
-              str(directory / "model.safetensors"))
-    meta = {"arch": args.arch, "num_classes": len(classes), "classes": classes, "dataset": args.dataset,
-            "image_size": args.image_size, "linearize": args.linearize, "mean": mean.tolist(), "std": std.tolist()}
-    (directory / "recipe.json").write_text(json.dumps(meta, indent=2))
+    with common.replaced_dir(directory) as stage:  # the three files replace the old ones together
+        if args.linearize != "none":
+            linearize.save_pretrained(model, stage)
+        save_file({k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()},
+                  str(stage / "model.safetensors"))
+        weights = stage / "model.safetensors"
+        meta = {"arch": args.arch, "num_classes": len(classes), "classes": classes, "dataset": args.dataset,
+                "image_size": args.image_size, "linearize": args.linearize, "mean": mean.tolist(),
+                "std": std.tolist(), "files": {"model.safetensors": {"size": weights.stat().st_size,
+                                                                     "sha256": common.file_sha256(weights)}}}
+        (stage / "recipe.json").write_text(json.dumps(meta, indent=2))
 
 
 if __name__ == "__main__":

@@ -17,9 +17,9 @@ Everything here is plain Python around ``accelerate.Accelerator``; the recipes s
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
-import math
 import os
 import platform
 import shutil
@@ -37,6 +37,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 import linearize
+from linearize._files import atomic_write
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
@@ -287,7 +288,8 @@ def fold_and_report(model: nn.Module, args: argparse.Namespace, example_inputs: 
     if args.fold:
         folded = _feature("fold")(model, example_inputs)
         path = output_dir / "folded"
-        _feature("save_folded")(folded, path)
+        with replaced_dir(path) as stage:  # never a half-written folded/ beside an older metrics.json
+            _feature("save_folded")(folded, stage)
         summary = folded.linearize_fold_summary
         out["fold"] = {"path": str(path), "params_before": summary.params_before, "params_after": summary.params_after,
                        "flops_before": summary.flops_before, "flops_after": summary.flops_after,
@@ -348,6 +350,7 @@ def start(run: Run, total_steps: int) -> tuple[int, int]:
     run.total_steps = total_steps
     if acc.is_main_process:
         remove_partial_checkpoints(run.out_dir)
+    acc.wait_for_everyone()  # it may rename a restored checkpoint into place: every process then sees it
     step = 0
     if args.resume_from_checkpoint:
         ckpt, skipped = find_checkpoint(args.resume_from_checkpoint, run.out_dir)
@@ -575,6 +578,7 @@ def save_checkpoint(run: Run, step: int) -> Path:
             _fsync(tmp / name)
             state["files"][name] = {"size": (tmp / name).stat().st_size, "sha256": file_sha256(tmp / name)}
         try:
+            state["state_sha256"] = _state_digest(state)  # a flipped bit in the JSON itself is caught too
             text = json.dumps(state, indent=1)
         except TypeError as e:
             raise TypeError(f"checkpoint state of step {step} is not JSON ({e}): the LR scheduler's lambdas must be "
@@ -586,7 +590,11 @@ def save_checkpoint(run: Run, step: int) -> Path:
         tmp.rename(path)
         _fsync(path.parent)
         if run.args.keep_checkpoints > 0:
-            for p in sorted(path.parent.glob("step_*"))[:-run.args.keep_checkpoints]:
+            # The newest --keep_checkpoints of this run: the one just written and those before it.
+            # Folders of later steps (left by a run resumed from an earlier checkpoint) are neither
+            # counted nor removed: counting them would delete the checkpoint just written.
+            older = sorted(p for p in path.parent.glob("step_*") if p.name < path.name)
+            for p in older[:max(0, len(older) - (run.args.keep_checkpoints - 1))]:
                 _remove(p)
     acc.wait_for_everyone()
     return path
@@ -601,11 +609,27 @@ def _remove(path: Path) -> None:
 
 
 def remove_partial_checkpoints(output_dir: str | Path) -> list[Path]:
-    """Remove the temp folders that interrupted checkpoint writes left under ``OUTPUT_DIR/checkpoints``."""
-    found = sorted((Path(output_dir) / "checkpoints").glob(f"{TMP_PREFIX}step_*"))
-    for p in found:
+    """Remove the temp folders that interrupted checkpoint writes left under ``OUTPUT_DIR/checkpoints``.
+
+    One exception: a complete, verified write of a step whose folder is missing (a rewrite of the same
+    step killed between removing the old folder and renaming the new one into place) is renamed into
+    place instead. Returns the temp folders removed."""
+    root = Path(output_dir) / "checkpoints"
+    removed = []
+    for p in sorted(root.glob(f"{TMP_PREFIX}step_*")):
+        name = p.name[len(TMP_PREFIX):].split("-")[0]
+        target = root / name
+        if "-removed-" not in p.name and name[5:].isdigit() and not target.exists():
+            try:
+                complete = read_checkpoint(p).step == int(name[5:])
+            except CheckpointError:
+                complete = False
+            if complete:
+                p.rename(target)
+                continue
         shutil.rmtree(p, ignore_errors=True)
-    return found
+        removed.append(p)
+    return removed
 
 
 def _load(path: Path, what: str, loader: Callable[[Path], Any]) -> Any:
@@ -644,9 +668,12 @@ def read_checkpoint(path: str | Path) -> Checkpoint:
         raise CheckpointError(path, f"no {STATE_FILE} (an interrupted or foreign checkpoint)")
     try:
         state = json.loads(state_file.read_text())
-        step = int(state["step"])
+        step = state["step"]
     except (ValueError, TypeError, KeyError, OSError) as e:
         raise CheckpointError(path, f"{STATE_FILE} is empty or damaged ({type(e).__name__}: {e})") from e
+    problem = _state_problem(state, path)
+    if problem:
+        raise CheckpointError(path, f"{STATE_FILE} is damaged or was edited: {problem}")
     if "files" not in state:
         ckpt = _read_accelerate_layout(path, state)
     else:
@@ -668,6 +695,40 @@ def read_checkpoint(path: str | Path) -> Checkpoint:
     if bad is not None:
         raise CheckpointError(path, f"{bad} holds inf or NaN")
     return ckpt
+
+
+def _state_digest(state: dict) -> str:
+    """sha256 of ``state`` (less its own ``state_sha256``) as canonical JSON (floats round-trip exactly)."""
+    rest = json.loads(json.dumps({k: v for k, v in state.items() if k != "state_sha256"}))  # as read back:
+    # int keys become strings, tuples lists
+    return hashlib.sha256(json.dumps(rest, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def _state_problem(state: Any, path: Path) -> str | None:
+    """What is wrong with the structure of a parsed ``recipe_state.json`` (None when nothing is)."""
+    if not isinstance(state, dict):
+        return f"expected a JSON object, got {type(state).__name__}"
+    if "state_sha256" in state and state["state_sha256"] != _state_digest(state):  # absent before it was added
+        return "its contents do not match the sha256 recorded in it (a flipped bit, or edited)"
+    step = state.get("step")
+    if type(step) is not int or step < 0:
+        return f"step {step!r} is not a non-negative integer"
+    if path.name.startswith("step_") and path.name[5:].isdigit() and int(path.name[5:]) != step:
+        return f"it says step {step}, the folder name says {int(path.name[5:])}"
+    if "files" not in state:  # the accelerate layout: its own files are checked when read
+        return None
+    files = state["files"]
+    if not isinstance(files, dict) or set(files) != {MODEL_FILE, OPTIMIZER_FILE}:
+        return f"'files' must record exactly {MODEL_FILE} and {OPTIMIZER_FILE}"
+    for name, meta in files.items():
+        if not (isinstance(meta, dict) and type(meta.get("size")) is int and isinstance(meta.get("sha256"), str)):
+            return f"'files' entry of {name} must be {{size, sha256}}"
+    if not isinstance(state.get("scheduler"), dict):
+        return "no LR scheduler state"
+    for key in ("sparsifier", "scaler"):
+        if state.get(key) is not None and not isinstance(state[key], dict):
+            return f"{key!r} is neither null nor a JSON object"
+    return None
 
 
 def _read_accelerate_layout(path: Path, state: dict) -> Checkpoint:
@@ -756,6 +817,46 @@ def load_checkpoint(run: Run, ckpt: Checkpoint) -> None:
         run.accelerator.scaler.load_state_dict(ckpt.scaler)
 
 
+# ----------------------------------------------------------------------------- final model folder
+
+
+@contextlib.contextmanager
+def replaced_dir(directory: str | Path):
+    """Write a folder as a whole: yields a fresh temp sibling to fill; on success it replaces
+    ``directory`` (old folder renamed aside, new one renamed into place, old one deleted), on any
+    failure it is deleted and ``directory`` is left as it was. Readers see the old folder or the
+    complete new one (or, killed between the two renames, none: never a mix of the two)."""
+    directory = Path(directory)
+    if directory.is_symlink() and directory.is_dir():  # a link to the real folder: replace that one
+        directory = directory.resolve()
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    for leftover in directory.parent.glob(f"{TMP_PREFIX}{directory.name}-*"):  # of interrupted saves
+        shutil.rmtree(leftover, ignore_errors=True)
+    stage = directory.with_name(f"{TMP_PREFIX}{directory.name}-{os.getpid()}")
+    stage.mkdir()
+    try:
+        yield stage
+        for f in stage.iterdir():
+            if f.is_file():
+                _fsync(f)
+        if directory.is_dir():
+            old = directory.with_name(f"{TMP_PREFIX}{directory.name}-old-{os.getpid()}")
+            shutil.rmtree(old, ignore_errors=True)
+            directory.rename(old)
+            try:
+                stage.rename(directory)
+            except BaseException:
+                old.rename(directory)  # the earlier folder back in place
+                raise
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(stage, directory)  # raises for a file (or a dangling link) in the way: nothing removed
+        _fsync(directory.parent)
+    except BaseException:
+        shutil.rmtree(stage, ignore_errors=True)
+        raise
+
+
 # ----------------------------------------------------------------------------- metrics
 
 
@@ -795,6 +896,4 @@ def write_metrics(output_dir: str | Path, metrics: dict, args: argparse.Namespac
         "args": {k: v for k, v in vars(args).items()},
         "versions": versions(),
     }
-    path = Path(output_dir) / "metrics.json"
-    path.write_text(json.dumps(payload, indent=2, default=str))
-    return path
+    return atomic_write(Path(output_dir) / "metrics.json", json.dumps(payload, indent=2, default=str))

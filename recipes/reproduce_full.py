@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import filecmp
 import os
-import shlex
 import shutil
 import time
 from pathlib import Path
@@ -311,7 +310,7 @@ def _claims(cfg: dict, runs: dict) -> list[str]:
         d = [drops[k] for k in (2, 5, 10)]
         trend = ("grows with the number of classes" if d[0] < d[1] < d[2] else
                  "shrinks with the number of classes" if d[0] > d[1] > d[2] else "is not monotonic in the number of classes")
-        out.append(f"**Task difficulty** (late to 5%, seed 0): the accuracy lost against the task's own baseline is "
+        out.append("**Task difficulty** (late to 5%, seed 0): the accuracy lost against the task's own baseline is "
                    + ", ".join(f"{drops[k]:.2f} points with {k} classes" for k in (2, 5, 10))
                    + f": it {trend} (one seed each, so differences of a few tenths are within seed noise).")
     else:
@@ -457,7 +456,7 @@ def _difficulty_md(runs: dict) -> list[str]:
         md.append(f"| {s} | {next(iter(have.values()))['sites'][s]['total']} | "
                   + " | ".join(str(r["sites"].get(s, {}).get("nonlinear", "-")) for r in have.values()) + " |")
     missing = [n for n in DIFFICULTY_RUNS.values() if n not in runs]
-    return md + ([f"", "Missing: " + ", ".join(missing) + "."] if missing else []) + [""]
+    return md + (["", "Missing: " + ", ".join(missing) + "."] if missing else []) + [""]
 
 
 def _legend(ax: Any) -> None:

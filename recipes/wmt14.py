@@ -117,6 +117,8 @@ def train_tokenizer(pairs: list[tuple[str, str]], vocab_size: int, show: bool):
 
 
 def load_tokenizer(path: str | Path):
+    """The tokenizer of ``--tokenizer`` or the one saved next to a model (``OUTPUT_DIR/model``), checked
+    for this recipe's special tokens."""
     from transformers import PreTrainedTokenizerFast
 
     path = Path(path)
@@ -244,13 +246,6 @@ def load_model(directory: str | Path) -> nn.Module:
         return MarianMTModel.from_pretrained(str(directory))
     # loads the weights with the unit tensors expected (no UNEXPECTED-keys table), then the units
     return linearize.from_pretrained(MarianMTModel, directory, example_inputs=example_inputs())
-
-
-def load_tokenizer(directory: str | Path):
-    """The tokenizer saved next to the model by this recipe (``OUTPUT_DIR/model``)."""
-    from transformers import PreTrainedTokenizerFast
-
-    return PreTrainedTokenizerFast.from_pretrained(str(directory))
 
 
 # ----------------------------------------------------------------------------- evaluation
@@ -426,14 +421,14 @@ def main(argv: list[str] | None = None) -> dict:
 
 def save_final(model: nn.Module, tokenizer, directory: Path, args: argparse.Namespace) -> None:
     """HF weights + tokenizer, the linearize sidecar and ``recipe.json`` (see :func:`load_model`)."""
-    directory.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(str(directory))
-    tokenizer.save_pretrained(str(directory))
-    if args.linearize != "none":
-        linearize.save_pretrained(model, directory)
-    meta = {"model_size": args.model_size, "source_lang": args.source_lang, "target_lang": args.target_lang,
-            "linearize": args.linearize}
-    (directory / "recipe.json").write_text(json.dumps(meta, indent=2))
+    with common.replaced_dir(directory) as stage:  # all files replace the old ones together
+        model.save_pretrained(str(stage))
+        tokenizer.save_pretrained(str(stage))
+        if args.linearize != "none":
+            linearize.save_pretrained(model, stage)
+        meta = {"model_size": args.model_size, "source_lang": args.source_lang, "target_lang": args.target_lang,
+                "linearize": args.linearize}
+        (stage / "recipe.json").write_text(json.dumps(meta, indent=2))
 
 
 if __name__ == "__main__":

@@ -107,7 +107,6 @@ def test_cifar_metrics_and_model(cifar_full):
     import cifar
 
     model = cifar.load_model(cifar_full / "model")
-    import linearize
 
     loaded = {f"{n}.slope": u.slope.detach() for n, u in linearize.units(model)}
     assert_same_tensors(loaded, slopes(cifar_full), atol=0)
@@ -150,8 +149,7 @@ def test_cifar_two_processes(cifar_args, cifar_full, tmp_path):
                                          str(tmp_path / "checkpoints" / "step_00000003")], processes=2)
     assert_same_tensors(load_file(str(resumed / "model" / "model.safetensors")),
                         load_file(str(tmp_path / "model" / "model.safetensors")), atol=0)
-    assert_same_tensors(linearize.serialization.load_unit_tensors(resumed / "model"),
-                        linearize.serialization.load_unit_tensors(tmp_path / "model"), atol=0)
+    assert_same_tensors(load_unit_tensors(resumed / "model"), load_unit_tensors(tmp_path / "model"), atol=0)
 
 
 # ----------------------------------------------------------------------------- WMT (Multi30k)
@@ -187,7 +185,6 @@ def test_wmt_metrics_and_model(wmt_full):
     assert fold["ffn_macs_per_token"]["after"] == 2 * 64 * m["units_nonlinear"] + 2 * 64 * 64
     assert fold["flops_after"] < fold["flops_before"] and fold["max_abs_error"] <= 1e-4 * fold["output_scale"]
 
-    import linearize
     import wmt14
 
     model, tokenizer = wmt14.load_model(wmt_full / "model"), wmt14.load_tokenizer(wmt_full / "model")

@@ -346,6 +346,7 @@ def test_checkpoint_files_never_execute_code(cifar_runs, cifar_args, tmp_path):
     state = json.loads((new / common.STATE_FILE).read_text())
     state["files"][common.OPTIMIZER_FILE] = {"size": (new / common.OPTIMIZER_FILE).stat().st_size,
                                              "sha256": common.file_sha256(new / common.OPTIMIZER_FILE)}
+    state["state_sha256"] = common._state_digest(state)  # the JSON's own hash too: only the pickle is wrong
     (new / common.STATE_FILE).write_text(json.dumps(state))
     for folder, bad in ((old, "custom_checkpoint_0.pkl"), (new, common.OPTIMIZER_FILE)):
         with pytest.raises(common.CheckpointError, match=rf"{folder.name}: {bad} .* cannot be read safely"):
@@ -375,6 +376,7 @@ def put_nan(folder: Path) -> None:
     state = json.loads((folder / common.STATE_FILE).read_text())
     state["files"][common.MODEL_FILE] = {"size": (folder / common.MODEL_FILE).stat().st_size,
                                          "sha256": common.file_sha256(folder / common.MODEL_FILE)}
+    state["state_sha256"] = common._state_digest(state)
     (folder / common.STATE_FILE).write_text(json.dumps(state))
 
 

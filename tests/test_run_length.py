@@ -15,8 +15,6 @@ from safetensors.torch import load_file
 
 from test_resume import CIFAR_CLASSES, write_images, write_pairs  # the recipes' fake data (also puts recipes/ on sys.path)
 
-import common  # noqa: E402  (recipes/common.py)
-
 
 @pytest.fixture(autouse=True)
 def one_thread(monkeypatch):

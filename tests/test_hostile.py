@@ -1,0 +1,498 @@
+"""Hostile tests of the reliability claims of issue 16: checkpoint pruning and tampered checkpoint
+state (recipes/common.py), atomic final saves and validated loads of recipes/cifar.py, the decode
+cache, metrics.json. Small models and synthetic files only; each test states its own truth."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "recipes"))
+
+import common  # noqa: E402
+
+import linearize  # noqa: E402
+
+
+def tiny_run(out: Path, keep: int) -> common.Run:
+    from accelerate import Accelerator
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), linearize.LinearizableActivation("relu", 4, -1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.randn(2, 3)).sum().backward()
+    optimizer.step()
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+    return common.Run(Accelerator(cpu=True), argparse.Namespace(keep_checkpoints=keep), model, optimizer,
+                      scheduler, None, out, "f", "test")
+
+
+def steps_of(out: Path) -> list[int]:
+    return sorted(int(p.name[5:]) for p in (out / "checkpoints").glob("step_*"))
+
+
+# ----------------------------------------------------------------------------- checkpoint pruning
+
+
+def test_pruning_never_removes_the_checkpoint_just_written(tmp_path):
+    """A run resumed from an earlier checkpoint (here: steps 20 and 30 are left from before) writes
+    step 15 with --keep_checkpoints 2: step 15 must survive, and with it the step before."""
+    run = tiny_run(tmp_path, keep=5)
+    for step in (10, 20, 30):
+        common.save_checkpoint(run, step)
+    run.args.keep_checkpoints = 2
+    common.save_checkpoint(run, 15)
+    assert 15 in steps_of(tmp_path) and 10 in steps_of(tmp_path)
+    common.save_checkpoint(run, 16)
+    assert {15, 16} <= set(steps_of(tmp_path)) and 10 not in steps_of(tmp_path)
+    run.args.keep_checkpoints = 1
+    common.save_checkpoint(run, 17)
+    assert 17 in steps_of(tmp_path) and not {15, 16} & set(steps_of(tmp_path))
+
+
+def test_rewrite_of_a_step_killed_between_the_renames_keeps_it(tmp_path, monkeypatch):
+    """--keep_checkpoints 1, the final step written again (a finished run resumed): interrupted after
+    the old folder was removed and before the new one was renamed into place, the next start must
+    still find an intact checkpoint of that step."""
+    run = tiny_run(tmp_path, keep=1)
+    common.save_checkpoint(run, 3)
+    real = Path.rename
+
+    def killed(self, target):
+        if self.name.startswith(common.TMP_PREFIX) and "-removed-" not in self.name:
+            raise KeyboardInterrupt  # stands for SIGKILL at this point
+        return real(self, target)
+
+    monkeypatch.setattr(Path, "rename", killed)
+    with pytest.raises(KeyboardInterrupt):
+        common.save_checkpoint(run, 3)
+    monkeypatch.setattr(Path, "rename", real)
+    common.remove_partial_checkpoints(tmp_path)
+    ckpt, skipped = common.find_checkpoint("latest", tmp_path)
+    assert ckpt.step == 3 and not skipped
+    assert not list((tmp_path / "checkpoints").glob(".*"))
+
+
+# ----------------------------------------------------------------------------- tampered state JSON
+
+
+def _mutate_files(value):
+    def f(s):
+        s["files"] = value(s["files"])
+        return s
+    return f
+
+
+TAMPER = {
+    "files is a list": _mutate_files(lambda f: []),
+    "files entry a string": _mutate_files(lambda f: {**f, common.MODEL_FILE: "x"}),
+    "files entry lacks size": _mutate_files(lambda f: {**f, common.MODEL_FILE: {"sha256": "0" * 64}}),
+    "files empty (nothing verified)": _mutate_files(lambda f: {}),
+    "files names a path outside": _mutate_files(lambda f: {"../x": f[common.MODEL_FILE]}),
+    "no scheduler": lambda s: {k: v for k, v in s.items() if k != "scheduler"},
+    "scheduler a string": lambda s: {**s, "scheduler": "x"},
+    "step negative": lambda s: {**s, "step": -5},
+    "step a float": lambda s: {**s, "step": 2.5},
+    "step a bool": lambda s: {**s, "step": True},
+    "step not the folder's": lambda s: {**s, "step": 7},
+}
+
+
+@pytest.mark.parametrize("tamper", list(TAMPER))
+def test_latest_skips_a_tampered_state_json(tmp_path, tamper):
+    """The newest checkpoint's recipe_state.json is edited: `latest` must skip it with a
+    CheckpointError reason and resume from the previous step (never crash, never use it)."""
+    run = tiny_run(tmp_path, keep=5)
+    common.save_checkpoint(run, 1)
+    newest = common.save_checkpoint(run, 2)
+    state = json.loads((newest / common.STATE_FILE).read_text())
+    (newest / common.STATE_FILE).write_text(json.dumps(TAMPER[tamper](state)))
+    ckpt, skipped = common.find_checkpoint("latest", tmp_path)
+    assert ckpt.step == 1
+    assert len(skipped) == 1 and "step_00000002" in skipped[0]
+    with pytest.raises(common.CheckpointError):
+        common.read_checkpoint(newest)
+
+
+# ----------------------------------------------------------------------------- cifar final model
+
+
+def _cifar_model(seed: int):
+    import cifar
+
+    torch.manual_seed(seed)
+    model = linearize.convert(cifar.build_model("resnet20", 3), mode="prelu", example_inputs=torch.zeros(2, 3, 8, 8))
+    with torch.no_grad():
+        for _, unit in linearize.units(model):
+            unit.slope.uniform_(0, 1)
+    return model
+
+
+def _save(model, directory: Path, classes: tuple[str, ...] = ("a", "b", "c")) -> None:
+    import cifar
+
+    args = argparse.Namespace(arch="resnet20", dataset="cifar10", image_size=8, linearize="prelu")
+    cifar.save_final(model, directory, args, list(classes), torch.zeros(3), torch.ones(3))
+
+
+def _same_state(model, reference: dict[str, torch.Tensor]) -> bool:
+    state = model.state_dict()
+    return state.keys() == reference.keys() and all(
+        torch.equal(state[k].reshape(-1).view(torch.uint8), reference[k].reshape(-1).view(torch.uint8))
+        for k in reference)
+
+
+NEW_CLASSES = ("x", "y", "z")
+
+
+@pytest.mark.parametrize("call", ["replace", "rename", "fsync", "write"])
+def test_cifar_final_save_is_atomic_under_oserror_at_every_call(tmp_path, monkeypatch, call):
+    """save_final over an earlier final model fails with OSError at the n-th os.replace / os.rename /
+    os.fsync / file write, for every n until it succeeds: each failure leaves the earlier model (all of
+    model.safetensors, sidecar and recipe.json) loading bit for bit, with no temp leftovers; the save
+    that succeeds loads the new model."""
+    import builtins
+    import io
+    import os
+
+    import cifar
+
+    directory = tmp_path / "out" / "model"
+    old_model, new_model = _cifar_model(0), _cifar_model(1)
+    old = {k: v.clone() for k, v in old_model.state_dict().items()}
+    new = {k: v.clone() for k, v in new_model.state_dict().items()}
+    assert not _same_state(new_model, old)
+    _save(old_model, directory)
+
+    def failing(real, n):
+        count = [0]
+
+        def f(*a, **k):
+            count[0] += 1
+            if count[0] == n:
+                raise OSError(28, "No space left on device (injected)")
+            return real(*a, **k)
+        return f
+
+    for n in range(1, 200):
+        with monkeypatch.context() as m:
+            if call == "write":  # the n-th file opened for writing (Path.write_text, os.fdopen, open)
+                real_open, counter = io.open, [0]
+
+                def opened(file, mode="r", *a, **k):
+                    if isinstance(mode, str) and any(c in mode for c in "wax+"):
+                        counter[0] += 1
+                        if counter[0] == n:
+                            raise OSError(28, "No space left on device (injected)")
+                    return real_open(file, mode, *a, **k)
+                m.setattr(io, "open", opened)
+                m.setattr(builtins, "open", opened)
+            else:
+                m.setattr(os, call, failing(getattr(os, call), n))
+            try:
+                _save(new_model, directory, NEW_CLASSES)
+                ok = True
+            except OSError as e:
+                assert "injected" in str(e)
+                ok = False
+        leftovers = [p.name for p in directory.parent.iterdir() if p.name != "model"]
+        assert not leftovers, f"call {n}: left {leftovers}"
+        loaded = cifar.load_model(directory)
+        classes = tuple(json.loads((directory / "recipe.json").read_text())["classes"])
+        if ok:
+            assert _same_state(loaded, new) and classes == NEW_CLASSES
+            break
+        # before the new folder is in place: the earlier model; after (a failed fsync of the parent
+        # folder): the new one. Never a mix (weights of one save, recipe.json of the other).
+        assert (_same_state(loaded, old) and classes == ("a", "b", "c")) or (
+            _same_state(loaded, new) and classes == NEW_CLASSES), f"failed {call} #{n} left a mixed model"
+    else:
+        pytest.fail("the save never succeeded")
+
+
+def test_cifar_load_model_refuses_a_flipped_bit(tmp_path):
+    import cifar
+
+    directory = tmp_path / "model"
+    _save(_cifar_model(0), directory)
+    f = directory / "model.safetensors"
+    raw = bytearray(f.read_bytes())
+    raw[-5] ^= 0x10  # inside the last tensor's data: safetensors still decodes it
+    f.write_bytes(bytes(raw))
+    with pytest.raises(linearize.LoadError, match="model.safetensors: missing, truncated or modified"):
+        cifar.load_model(directory)
+
+
+def test_metrics_json_is_written_atomically(tmp_path, monkeypatch):
+    """An OSError while writing metrics.json keeps the previous file whole."""
+    import os
+
+    args = argparse.Namespace(x=1)
+    common.write_metrics(tmp_path, {"acc": 0.5}, args, 0.0, 1, "cpu")
+    before = (tmp_path / "metrics.json").read_text()
+    monkeypatch.setattr(os, "fsync", lambda fd: (_ for _ in ()).throw(OSError(5, "I/O error (injected)")))
+    with pytest.raises(OSError, match="injected"):
+        common.write_metrics(tmp_path, {"acc": 0.9}, args, 0.0, 1, "cpu")
+    assert (tmp_path / "metrics.json").read_text() == before
+    assert [p.name for p in tmp_path.iterdir()] == ["metrics.json"]
+
+
+# ----------------------------------------------------------------------------- cifar decode cache
+
+
+class WritesMarker:
+    """A pickle whose unpickling creates a file (code execution)."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.touch, (self.marker,))
+
+
+def _damage_cache(kind: str, cache: Path, marker: Path) -> None:
+    if kind == "truncated":
+        cache.write_bytes(cache.read_bytes()[: cache.stat().st_size // 2])
+    elif kind == "empty":
+        cache.write_bytes(b"")
+    elif kind == "code":
+        torch.save({"x": WritesMarker(marker)}, cache)
+    elif kind == "wrong shape":
+        torch.save({"x": torch.zeros(2, 3, 4, 4, dtype=torch.uint8), "y": torch.zeros(2, dtype=torch.long),
+                    "classes": ["a"]}, cache)
+    elif kind == "labels out of range":
+        d = torch.load(cache, weights_only=True)
+        d["y"] = d["y"] + 7
+        torch.save(d, cache)
+
+
+@pytest.mark.parametrize("kind", ["truncated", "empty", "code", "wrong shape", "labels out of range"])
+def test_a_damaged_cifar_cache_is_decoded_again(tmp_path, kind):
+    """The decode cache is a file anyone with access to the cache folder can replace: a damaged or
+    crafted one runs no code and is neither fatal nor used; the split is decoded again, equal to the
+    first decode (the truth: the images on disk)."""
+    from torchvision.io import write_png
+
+    import cifar
+
+    for split, n in (("train", 3), ("test", 2)):
+        for c in ("cat", "dog"):
+            (tmp_path / "data" / split / c).mkdir(parents=True)
+            for i in range(n):
+                write_png(torch.full((3, 8, 8), 40 * i + (c == "dog") * 9, dtype=torch.uint8),
+                          str(tmp_path / "data" / split / c / f"{i}.png"))
+    cache_dir = tmp_path / "cache"
+    first = cifar.load_split(tmp_path / "data", "cifar10", "train", None, 8, cache_dir, show=False)
+    (cache,) = cache_dir.glob("*.pt")
+    marker = tmp_path / "marker"
+    _damage_cache(kind, cache, marker)
+    with pytest.warns(RuntimeWarning, match="damaged CIFAR cache"):
+        again = cifar.load_split(tmp_path / "data", "cifar10", "train", None, 8, cache_dir, show=False)
+    assert not marker.exists()
+    assert torch.equal(again["x"], first["x"]) and torch.equal(again["y"], first["y"])
+    assert again["classes"] == first["classes"] == ["cat", "dog"]
+    third = cifar.load_split(tmp_path / "data", "cifar10", "train", None, 8, cache_dir, show=False)
+    assert torch.equal(third["x"], first["x"])  # the cache was rewritten whole
+    assert [p.name for p in cache_dir.iterdir()] == [cache.name]
+
+
+# ----------------------------------------------------------------------------- the linear threshold
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64])
+def test_linear_masks_are_exact_in_low_precision(dtype):
+    """``a >= 1 - tol`` decided in exact arithmetic (the Python float of each slope against the
+    Python float ``1 - tol``), for the 40 values of ``dtype`` just below 1 and tolerances that fall
+    between them: comparing in ``dtype`` rounded ``1 - tol`` onto a slope below it."""
+    from linearize.unit import count_channels, linear_masks
+
+    values = [torch.tensor(1.0, dtype=dtype)]
+    for _ in range(40):
+        values.append(torch.nextafter(values[-1], torch.tensor(0.0, dtype=dtype)))
+    slopes = torch.stack(values)
+    unit = linearize.LinearizableActivation("relu", len(slopes), -1).to(dtype)
+    with torch.no_grad():
+        unit.slope.copy_(slopes)
+    floats = [float(v) for v in slopes]
+    tols = [0.0] + [1 - (a + b) / 2 for a, b in zip(floats, floats[1:])] + [1 - (0.3 * a + 0.7 * b)
+                                                                             for a, b in zip(floats, floats[1:])]
+    for tol in tols:
+        truth = [f >= 1.0 - tol for f in floats]
+        assert linear_masks([("u", unit)], tol)[0].tolist() == truth, (dtype, tol)
+        assert count_channels([("u", unit)], tol)["linear"] == sum(truth)
+
+
+# ----------------------------------------------------------------------------- kernel build lock
+
+
+@pytest.mark.parametrize("value", ["nan", "-1", "-inf", "soon"])
+def test_kernel_wait_bound_refuses_values_that_wait_forever(monkeypatch, value):
+    """filelock waits forever for a negative timeout and never times out for NaN: such a
+    LINEARIZE_CPU_KERNEL_WAIT must be refused (the units then use PyTorch ops), not obeyed."""
+    import linearize.kernels as kernels
+
+    monkeypatch.setenv(kernels.ENV_WAIT, value)
+    with pytest.raises(kernels.KernelUnavailable, match="LINEARIZE_CPU_KERNEL_WAIT"):
+        kernels._wait_bound()
+
+
+def test_kernel_wait_bound_accepts_plain_seconds(monkeypatch):
+    import linearize.kernels as kernels
+
+    for value, seconds in (("0", 0.0), ("2.5", 2.5), ("", kernels.DEFAULT_WAIT_S)):
+        monkeypatch.setenv(kernels.ENV_WAIT, value)
+        assert kernels._wait_bound() == seconds
+
+
+# ----------------------------------------------------------------------------- report --checkpoint
+
+
+@pytest.mark.parametrize("bad", ["slope 3", "slope -1", "frozen 0.5", "frozen off its slope"])
+def test_report_checkpoint_with_invalid_unit_state_is_refused(tmp_path, bad):
+    """``linearize report MODEL --checkpoint FILE`` loads a state_dict a user passes: slopes outside
+    [0, 1] (counted as linear: a >= 1 - tol) or a broken frozen buffer must be refused like
+    linearize.from_pretrained refuses them, not reported on."""
+    from linearize import reporting
+
+    model = torch.nn.Sequential(torch.nn.Linear(64, 20), torch.nn.ReLU(), torch.nn.Linear(20, 10))
+    torch.save(model, tmp_path / "mlp.pt")
+    linearize.convert(model, example_inputs=torch.randn(2, 64))
+    state = model.state_dict()
+    (slope,) = [k for k in state if k.endswith(".slope")]
+    frozen = slope[: -len("slope")] + "frozen"
+    if bad == "slope 3":
+        state[slope][0] = 3.0
+    elif bad == "slope -1":
+        state[slope][1] = -1.0
+    elif bad == "frozen 0.5":
+        state[frozen][2] = 0.5
+    else:
+        state[frozen][3], state[slope][3] = 1.0, 0.2
+    torch.save(state, tmp_path / "ckpt.pt")
+    parser = argparse.ArgumentParser(prog="linearize")
+    reporting.register_cli(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["report", str(tmp_path / "mlp.pt"), "--trust-pickle", "--checkpoint",
+                              str(tmp_path / "ckpt.pt"), "--data", "digits", "--num-samples", "16", "--segments",
+                              "0", "--output-dir", str(tmp_path / "out"), "--no-progress"])
+    with pytest.raises(linearize.LoadError, match=r"--checkpoint .*ckpt.pt: unit '1'"):
+        args.func(args)
+    assert not (tmp_path / "out").exists()
+
+
+# ----------------------------------------------------------------------------- sparsifier weights
+
+
+def test_sparsifier_weights_survive_huge_values():
+    """Only the ratios of unit weights matter (normalized to mean 1 over channels): weights of 1e308
+    overflowed the sum and became 0 for every unit (no pressure at all), silently."""
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.ReLU(), torch.nn.Linear(4, 4), torch.nn.ReLU())
+    linearize.convert(model, example_inputs=torch.randn(2, 3))
+    a, b = (n for n, _ in linearize.units(model))
+    equal = linearize.Sparsifier(model, total_steps=10, weights={a: 1e308, b: 1e308}).weights
+    assert equal == {a: 1.0, b: 1.0}
+    ratio = linearize.Sparsifier(model, total_steps=10, weights={a: 1e308, b: 0.5e308}).weights
+    assert ratio[a] == pytest.approx(4 / 3) and ratio[b] == pytest.approx(2 / 3)  # 4 channels each
+
+
+# ----------------------------------------------------------------------------- wmt14 final model
+
+
+class _Writes:
+    """Stands in for a Hugging Face model or tokenizer: save_pretrained writes one file, or fails."""
+
+    def __init__(self, name: str, text: str, fail: bool = False) -> None:
+        self.name, self.text, self.fail = name, text, fail
+
+    def save_pretrained(self, directory: str) -> None:
+        (Path(directory) / self.name).write_text(self.text)
+        if self.fail:
+            raise OSError(28, "No space left on device (injected)")
+
+
+def test_wmt14_final_save_is_atomic(tmp_path):
+    """An OSError while the tokenizer is written leaves the earlier final model folder as it was
+    (not new weights beside the old tokenizer and recipe.json), and no temp folder."""
+    import wmt14
+
+    args = argparse.Namespace(model_size="tiny", source_lang="en", target_lang="de", linearize="none")
+    directory = tmp_path / "model"
+    wmt14.save_final(_Writes("model.safetensors", "old weights"), _Writes("tokenizer.json", "old tok"), directory,
+                     args)
+    before = {p.name: p.read_text() for p in directory.iterdir()}
+    with pytest.raises(OSError, match="injected"):
+        wmt14.save_final(_Writes("model.safetensors", "new weights"), _Writes("tokenizer.json", "new", fail=True),
+                         directory, args)
+    assert {p.name: p.read_text() for p in directory.iterdir()} == before
+    assert [p.name for p in tmp_path.iterdir()] == ["model"]
+    wmt14.save_final(_Writes("model.safetensors", "new weights"), _Writes("tokenizer.json", "new tok"), directory,
+                     args)
+    assert (directory / "model.safetensors").read_text() == "new weights"
+    assert (directory / "tokenizer.json").read_text() == "new tok"
+
+
+def test_a_flipped_digit_in_the_state_json_is_caught(tmp_path):
+    """recipe_state.json holds the LR scheduler's state: a changed digit there (still valid JSON)
+    would resume with another learning rate; `latest` must skip it."""
+    run = tiny_run(tmp_path, keep=5)
+    for _ in range(3):
+        run.scheduler.step()
+    common.save_checkpoint(run, 1)
+    newest = common.save_checkpoint(run, 2)
+    text = (newest / common.STATE_FILE).read_text()
+    assert '"last_epoch": 3' in text
+    (newest / common.STATE_FILE).write_text(text.replace('"last_epoch": 3', '"last_epoch": 7'))
+    ckpt, skipped = common.find_checkpoint("latest", tmp_path)
+    assert ckpt.step == 1 and len(skipped) == 1 and "step_00000002" in skipped[0]
+
+
+def test_cifar_cache_notices_images_added_to_a_class_folder(tmp_path):
+    """The cache key covered the data folder's own size and mtime only: an image added to (or
+    replaced in) train/<class>/ leaves those unchanged, and the stale decode was served."""
+    import os
+
+    from torchvision.io import write_png
+
+    import cifar
+
+    def image(path: Path, value: int) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_png(torch.full((3, 8, 8), value, dtype=torch.uint8), str(path))
+
+    for c in ("cat", "dog"):
+        for i in range(2):
+            image(tmp_path / "data" / "train" / c / f"{i}.png", 10 * i)
+    root_stat = os.stat(tmp_path / "data")
+    cache_dir = tmp_path / "cache"
+    first = cifar.load_split(tmp_path / "data", "cifar10", "train", None, 8, cache_dir, show=False)
+    assert len(first["y"]) == 4
+    image(tmp_path / "data" / "train" / "cat" / "2.png", 200)
+    os.utime(tmp_path / "data", ns=(root_stat.st_atime_ns, root_stat.st_mtime_ns))
+    second = cifar.load_split(tmp_path / "data", "cifar10", "train", None, 8, cache_dir, show=False)
+    assert sorted(second["y"].tolist()) == [0, 0, 0, 1, 1]  # the truth: 3 cat and 2 dog images on disk
+
+
+def test_final_save_through_a_symlink_and_onto_a_file(tmp_path):
+    """OUTPUT_DIR/model as a link to a folder elsewhere: the save lands there and the link stays;
+    a file in its place: a clear OSError, the file untouched, no temp folder left."""
+    import wmt14
+
+    args = argparse.Namespace(model_size="tiny", source_lang="en", target_lang="de", linearize="none")
+    real = tmp_path / "elsewhere" / "model"
+    real.mkdir(parents=True)
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "model").symlink_to(real)
+    wmt14.save_final(_Writes("model.safetensors", "w"), _Writes("tokenizer.json", "t"), tmp_path / "out" / "model",
+                     args)
+    assert (tmp_path / "out" / "model").is_symlink() and (real / "tokenizer.json").read_text() == "t"
+    blocker = tmp_path / "file" / "model"
+    blocker.parent.mkdir()
+    blocker.write_text("not a folder")
+    with pytest.raises(OSError):
+        wmt14.save_final(_Writes("model.safetensors", "w"), _Writes("tokenizer.json", "t"), blocker, args)
+    assert blocker.read_text() == "not a folder" and [p.name for p in blocker.parent.iterdir()] == ["model"]
