@@ -43,13 +43,7 @@ def randomize_bn(model: nn.Module) -> nn.Module:
     return model
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Small convs on a shared 2-core machine: one thread is ~10x faster than two contended ones."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def cfg(mode: str, **kw) -> LinearizeConfig:

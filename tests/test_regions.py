@@ -23,13 +23,7 @@ from linearize.unit import LinearizableActivation
 _ACTS = (nn.ReLU, nn.LeakyReLU, nn.PReLU, LinearizableActivation)
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Small float64 convs run far faster on one thread on a shared, busy machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _hook_patterns(model: nn.Module, xs: torch.Tensor) -> torch.Tensor:

@@ -118,15 +118,6 @@ def test_translation_loops_of_images() -> None:
         linearize.report(model, x, skip=["regoins"], progress=False)
 
 
-@pytest.fixture
-def one_thread():
-    """Small float64 forwards run far faster on one thread on a shared, busy machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def test_regions_budget_gives_a_marked_partial_result(tmp_path: Path, one_thread) -> None:
     """max_regions=2: every segment with more regions keeps its first two, exactly those of the
     complete walk, and the JSON, the HTML and the plot say the result is partial."""

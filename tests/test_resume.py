@@ -56,13 +56,7 @@ def kernel() -> bool:
         return kernels.cpu_prelu() is not None
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """In-process runs on one thread, like the subprocesses (same thread count: same bits)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

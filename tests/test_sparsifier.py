@@ -19,13 +19,7 @@ BATCH = 64
 EPOCHS = 12
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models: one intra-op thread is faster on a shared CPU and keeps runs reproducible."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
