@@ -321,12 +321,13 @@ class Sparsifier:
             )
             self._warned = True
         self._project()
-        before = torch.cat([u.slope.detach().float() for _, u in self._units])
+        target = isinstance(self.schedule, _schedules.Target)
+        before = torch.cat([u.slope.detach().float() for _, u in self._units]) if target else None
         lam_t = self.lam_at()
         if self.mode == "proximal" and lam_t > 0:
             self._proximal(lam_t)
         wanted = None
-        if isinstance(self.schedule, _schedules.Target):
+        if target:
             start = _schedules.resolve_step(self.schedule.start, self.total_steps)
             if self.initial_fraction is None and self.step_count >= start:
                 self.initial_fraction = self._fraction("Sparsifier target start")
