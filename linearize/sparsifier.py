@@ -96,7 +96,8 @@ class Sparsifier:
             optimizer's scale). Give either ``rate`` or ``lam``, not both.
         glide: a target schedule's glide time ``G`` as a fraction of its ramp ``end - start``:
             no slope rises by more than ``1 / G`` per step (:attr:`max_step`); ``0`` = the old
-            instant projection (snaps channels to 1 from wherever they are).
+            instant projection (snaps channels to 1 from wherever they are). ``None``: 0.1 with
+            ``rate``, 0 with a legacy ``lam`` (which then reproduces earlier results exactly).
         weights: per-unit cost weighting: ``None`` (all 1), ``"flops"`` (multiply-adds of the
             layers next to the unit, per channel; needs ``example_inputs``, see
             :func:`flops_weights`) or a dict ``{unit_name: weight}`` (missing names weigh 1).
@@ -132,7 +133,7 @@ class Sparsifier:
         log_every: int | None = None,
         example_inputs=None,
         rate: float | None = None,
-        glide: float = 0.1,
+        glide: float | None = None,
     ) -> None:
         self._units = require_units(model, "there is nothing to sparsify")
         if isinstance(total_steps, bool) or not isinstance(total_steps, int) or total_steps < 1:
@@ -157,6 +158,8 @@ class Sparsifier:
             )
         if rate is not None and (isinstance(rate, bool) or not math.isfinite(rate) or rate < 0):
             raise ValueError(f"rate must be a finite number >= 0 (slope units per step), got {rate!r}")
+        if glide is None:
+            glide = 0.0 if legacy else 0.1
         if isinstance(glide, bool) or not isinstance(glide, (int, float)) or not 0.0 <= glide <= 1.0:
             raise ValueError(f"glide must lie in [0, 1] (a fraction of the target's ramp), got {glide!r}")
         self.schedule = schedule
