@@ -31,6 +31,7 @@ _EXPORTS = {
     # sparsity pressure
     "Sparsifier": "sparsifier",
     "param_groups": "sparsifier",
+    "distill_loss": "distill",
     # surgery
     "freeze": "surgery",
     "fold": "folding",

@@ -4,7 +4,7 @@ Convert **before** building the Trainer: the Trainer builds its optimizer from t
 parameters, so the unit slopes must exist by then::
 
     model = linearize.convert(AutoModelForSequenceClassification.from_pretrained(path))
-    callback = LinearizeCallback(schedule=linearize.schedules.target(0.10, end=0.8), lam=1e-3)
+    callback = LinearizeCallback(schedule=linearize.schedules.target(0.10, end=0.8))  # teacher=original: distil
     trainer = LinearizeTrainer(model=model, args=args, train_dataset=ds, callbacks=[callback])
     trainer.train()          # or trainer.train(resume_from_checkpoint=True)
 
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import warnings
 
+import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from ._optional import require
@@ -29,6 +30,7 @@ require("transformers", what="linearize.integrations")
 from transformers import TrainerCallback
 from transformers.trainer_callback import ExportableState
 
+from .distill import KINDS, distill_loss
 from .sparsifier import Sparsifier, _torch_optimizer
 from .unit import units
 
@@ -42,8 +44,12 @@ class LinearizeCallback(TrainerCallback, ExportableState):
         sparsifier: a ready :class:`~linearize.Sparsifier`; or leave it ``None`` and give
         schedule: a :mod:`linearize.schedules` schedule; the Sparsifier is then built at
             ``on_train_begin`` with ``total_steps = state.max_steps``.
-        **sparsifier_kwargs: further :class:`~linearize.Sparsifier` arguments (``lam``, ``mode``,
-            ``weights``...).
+        teacher: the original model (e.g. before ``linearize.convert``): with
+            :class:`LinearizeTrainerMixin`, ``compute_loss`` becomes :func:`linearize.distill_loss`
+            of the student's outputs to the teacher's (no labels needed).
+        distill: what to match: ``"hidden"`` (last hidden states), ``"logits"`` or ``"pooled"``.
+        **sparsifier_kwargs: further :class:`~linearize.Sparsifier` arguments (``rate``, ``lam``,
+            ``mode``, ``weights``...).
 
     Logs ``nonlinear_fraction``, ``lambda`` and ``linear_units`` with every Trainer log. Its
     state (step count, target path, history) is stored in the checkpoint's ``trainer_state.json``
@@ -51,7 +57,12 @@ class LinearizeCallback(TrainerCallback, ExportableState):
     at its default ``False`` (the callback restores itself; the Trainer would rebuild it empty).
     """
 
-    def __init__(self, sparsifier: Sparsifier | None = None, schedule=None, **sparsifier_kwargs) -> None:
+    def __init__(
+        self, sparsifier: Sparsifier | None = None, schedule=None, teacher=None, distill: str = "hidden",
+        **sparsifier_kwargs,
+    ) -> None:
+        if distill not in KINDS:
+            raise ValueError(f"distill must be one of {KINDS}, got {distill!r}")
         if sparsifier is None and schedule is None:
             raise TypeError(
                 "LinearizeCallback needs a Sparsifier or a schedule (e.g. "
@@ -69,6 +80,8 @@ class LinearizeCallback(TrainerCallback, ExportableState):
         self.sparsifier = sparsifier
         self.schedule = schedule
         self.sparsifier_kwargs = sparsifier_kwargs
+        self.teacher = teacher.eval().requires_grad_(False) if teacher is not None else None
+        self.distill = distill
         self._hook = None
 
     def state(self) -> dict:
@@ -162,7 +175,8 @@ class LinearizeTrainerMixin:
 
     - no weight decay on slopes (``create_optimizer`` reads :meth:`get_decay_parameter_names`);
     - ``compute_loss`` adds ``sparsifier.penalty()`` (via ``super()``) when the callback's
-      Sparsifier has ``mode="loss"``;
+      Sparsifier has ``mode="loss"``; with ``LinearizeCallback(teacher=...)`` the loss is
+      :func:`linearize.distill_loss` to the teacher instead of the model's own loss;
     - moves the :class:`LinearizeCallback` first, so reporters log its values.
     """
 
@@ -176,15 +190,34 @@ class LinearizeTrainerMixin:
         slope_names = {f"{name}.slope" if name else "slope" for name, _ in units(model)}
         return [n for n in super().get_decay_parameter_names(model) if n not in slope_names]
 
+    def _linearize_callback(self) -> LinearizeCallback | None:
+        return next((cb for cb in self.callback_handler.callbacks if isinstance(cb, LinearizeCallback)), None)
+
     def _linearize_sparsifier(self) -> Sparsifier | None:
-        for cb in self.callback_handler.callbacks:
-            if isinstance(cb, LinearizeCallback):
-                return cb.sparsifier
-        return None
+        cb = self._linearize_callback()
+        return cb.sparsifier if cb is not None else None
+
+    def _distill_loss(self, cb: LinearizeCallback, model, inputs, return_outputs: bool):
+        """The student's distance to ``cb.teacher`` on ``inputs`` (labels are not used)."""
+        inputs = {k: v for k, v in inputs.items() if k not in ("labels", "label")}
+        hidden = {"output_hidden_states": True} if cb.distill != "logits" else {}
+        outputs = model(**inputs, **hidden)
+        teacher = cb.teacher
+        device = next(model.parameters()).device
+        if next(teacher.parameters()).device != device:
+            teacher.to(device)
+        with torch.no_grad():
+            target = teacher(**inputs, **hidden)
+        loss = distill_loss(outputs, target, cb.distill, inputs.get("attention_mask"))
+        return (loss, outputs) if return_outputs else loss
 
     def compute_loss(self, model, inputs, return_outputs=False, **kwargs):
-        result = super().compute_loss(model, inputs, return_outputs=return_outputs, **kwargs)
-        sparsifier = self._linearize_sparsifier()
+        cb = self._linearize_callback()
+        if cb is not None and cb.teacher is not None:
+            result = self._distill_loss(cb, model, inputs, return_outputs)
+        else:
+            result = super().compute_loss(model, inputs, return_outputs=return_outputs, **kwargs)
+        sparsifier = cb.sparsifier if cb is not None else None
         if sparsifier is None or sparsifier.mode != "loss":
             return result
         if return_outputs:

@@ -1,4 +1,4 @@
-"""Schedules of the sparsity pressure: how strong ``lam`` is at each optimizer step.
+"""Schedules of the sparsity pressure: how strong it is at each optimizer step.
 
 A schedule is a small object (or any plain function) evaluated at ``(step, total_steps)``:
 
@@ -12,8 +12,10 @@ Step arguments (``start``, ``end``, ``ramp``) are either a **float in [0, 1]**, 
 ``total_steps``, or an **int**, an absolute optimizer step (so ``1.0`` is the end of training,
 ``1`` is step one).
 
-``lam=None`` in a schedule means "the ``lam`` of the :class:`~linearize.Sparsifier`": the
-schedule then only gives the shape (a multiplier in ``[0, 1]``). Called directly,
+``lam=None`` in a schedule (the default) means "the pressure of the :class:`~linearize.Sparsifier`"
+(its scale-free ``rate`` in slope units per step, or its legacy ``lam``): the schedule then only
+gives the shape (a multiplier in ``[0, 1]``). A schedule with its own ``lam`` is the legacy
+``lr * lam`` pressure. Called directly,
 ``schedule(step, total_steps)`` returns ``lam * shape`` (``shape`` alone when ``lam`` is None).
 A plain function ``f(step, total_steps) -> lam`` works as a schedule too.
 
@@ -24,10 +26,11 @@ overshot to 7% and collapsed, or oscillated between 3% and 47%; see
 the project notes, ``shared/notes/sparsity-schedule-probe.md``). Instead the *wanted fraction* follows a
 smooth cubic path from the fraction measured at ``start`` to the target at ``end`` (as in gradual
 magnitude pruning), a mild L1 proximal step orders the channels (those the loss tolerates drift
-up first), and a budget projection sets the slopes closest to 1 to exactly 1 so that the measured
-fraction after the step equals the path value (to one channel). After ``end`` the projection
-holds the target: the fraction is exactly ``round(target * C) / C`` at every later step, so it
-stays within +-0.01 without oscillation for any model of 50 channels or more.
+up first), and a gentle budget projection selects the channels the path wants linear a glide time
+``G`` ahead (highest slopes first, kept once selected), moves them up by at most ``1 / G`` per step
+and sets them to exactly 1 when they arrive (see :class:`~linearize.Sparsifier`, ``glide``). From
+``end`` on the fraction is exactly ``round(target * C) / C`` at every step, so it stays within
++-0.01 without oscillation for any model of 50 channels or more.
 """
 
 from __future__ import annotations

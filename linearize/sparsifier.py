@@ -1,28 +1,47 @@
 """Sparsity pressure on the slopes of linearizable units, on a schedule.
 
-The penalty is ``lam * sum_c w_c * (1 - a_c)`` over all free channels ``c`` (``w_c = 1`` unless
-weighted by cost). By default it is applied as a **proximal step** after each optimizer step::
+The penalty is ``sum_c w_c * (1 - a_c)`` over all free channels ``c`` (``w_c = 1`` unless weighted
+by cost). By default it is applied as a **proximal step** after each optimizer step::
 
-    a <- min(1, a + lr_eff * lam_t * w)        then clamp to [0, 1] and restore frozen channels
+    a <- min(1, a + delta_t * w)        then clamp to [0, 1] and restore frozen channels
 
 so that channels become *exactly* linear (``a == 1``), not 0.98, and stay there unless the loss
-gradient pulls harder than ``lam``. ``lr_eff`` is the current learning rate of the optimizer
-param group that holds the slope, so the pressure follows the LR schedule like a gradient would.
+gradient pulls harder. The per-step displacement ``delta_t`` is given in **slope units per step**,
+independent of the optimizer's scale::
+
+    delta_t = rate * shape_t * (lr_t / lr_peak)
+
+``shape_t`` is the schedule's multiplier in ``[0, 1]``; ``lr_t / lr_peak`` is the current learning
+rate of the slopes' param group over the largest one seen so far (1 without an optimizer), so the
+push follows the *shape* of the LR schedule but not its scale: the same ``rate`` means the same
+under SGD at lr 0.1 and AdamW at lr 2e-5, from scratch or fine-tuning. The default ``rate=None``
+is ``1 / ramp_steps`` (``end - start`` of a :func:`~linearize.schedules.target` schedule, else
+``total_steps``): a free slope that nothing resists drifts across ``[0, 1]`` once over the ramp.
+
+=====================  ===========================================  ==================================
+argument               a free slope moves per step by               meaning
+=====================  ===========================================  ==================================
+``rate=None`` (auto)   ``shape_t * lr_t/lr_peak / ramp_steps``      crosses [0, 1] once over the ramp
+``rate=r``             ``r * shape_t * lr_t/lr_peak``               r slope units per step at peak LR
+``lam=l`` (legacy)     ``lr_t * l * shape_t``                       depends on the optimizer's scale
+=====================  ===========================================  ==================================
+
+The legacy ``lam`` (also a schedule built with its own ``lam``, a number, or a plain function
+``(step, total_steps) -> lam``) keeps the old ``lr * lam`` step; its strength depends on the
+optimizer (``lam = 1e-3`` under SGD at lr 0.1 is ``1e-4`` per step, the same ``lam`` under AdamW at
+lr 2e-5 is ``2e-8``: nothing).
+
+A :func:`~linearize.schedules.target` schedule adds a **gentle budget projection** (see
+:meth:`Sparsifier.max_step`): the channels the cubic path wants linear ``G`` steps ahead are
+selected (highest slopes first, a selected channel stays selected), each selected channel moves up
+by ``1 / G`` per step and becomes exactly 1 when it arrives (within ``1 / G`` of 1); unselected
+channels at 1 are released to ``1 - release``. No slope rises by more than ``1 / G`` in one step, so
+no channel is snapped from far away, and the exactly-linear count reaches the target exactly at
+``end`` and holds it. ``G = ceil(glide * (end - start))``; ``glide=0`` is the old instant projection.
 
 :meth:`Sparsifier.penalty` offers the same prior as a differentiable loss term instead
-(``mode="loss"``). The difference: the loss term's gradient ``-lam * w`` goes through the
-optimizer, so with Adam it is rescaled per parameter by the running second moment (``lam``
-then means something different for every slope and every optimizer), momentum carries it past
-1 (the projection clips it, but the momentum keeps pushing), and units reach exactly 1 only by
-clipping. With plain SGD without momentum both coincide (except where the clamp at 0 binds: the
-proximal step adds ``lr * lam`` after clamping). The proximal step is optimizer-agnostic.
-
-Choosing ``lam``: a free slope moves by ``lr * lam`` per step, the loss moves it by ``lr * grad`` under
-SGD but by about ``lr`` under Adam(W), whatever the gradient scale: the recipes use ``lam = 1e-3`` with
-SGD (``cifar.py``) and ``lam = 1`` with AdamW (``wmt14.py``). Too small a ``lam`` leaves a :func:`~linearize.schedules.target` schedule to its
-projection alone, which sets channels to exactly 1 from wherever their slopes are. Measured on Multi30k
-(``recipes/wmt14.py``, AdamW, FFN at 10% nonlinear channels): -0.95 BLEU with ``lam = 1``,
--1.52 BLEU with ``lam = 1e-3``.
+(``mode="loss"``): its gradient ``-lam_t * w`` goes through the optimizer, so with Adam it is
+rescaled per parameter and momentum carries it past 1; the proximal step is optimizer-agnostic.
 
 Three added lines in a plain loop::
 
@@ -68,24 +87,36 @@ class Sparsifier:
 
     Args:
         model: a converted model (raises ``ValueError`` when it has no units).
-        schedule: a :mod:`linearize.schedules` object, a function ``(step, total_steps) -> lam``,
-            a number (constant ``lam``) or ``None`` (constant ``lam``).
+        schedule: a :mod:`linearize.schedules` object, a function ``(step, total_steps) -> lam``
+            (legacy ``lam``), a number (constant legacy ``lam``) or ``None`` (constant pressure).
         total_steps: number of optimizer steps of the run (resolves fractional schedule steps).
-        lam: pressure used by schedules built with ``lam=None``.
+        rate: pressure in slope units per step at the peak LR (see the module docs); ``None``:
+            ``1 / ramp_steps``. Used by schedules built with ``lam=None``.
+        lam: legacy pressure: a free slope moves by ``lr * lam`` per step (depends on the
+            optimizer's scale). Give either ``rate`` or ``lam``, not both.
+        glide: a target schedule's glide time ``G`` as a fraction of its ramp ``end - start``:
+            no slope rises by more than ``1 / G`` per step (:attr:`max_step`); ``0`` = the old
+            instant projection (snaps channels to 1 from wherever they are). ``None``: 0.1 with
+            ``rate``, 0 with a legacy ``lam`` (which then reproduces earlier results exactly).
         weights: per-unit cost weighting: ``None`` (all 1), ``"flops"`` (multiply-adds of the
             layers next to the unit, per channel; needs ``example_inputs``, see
             :func:`flops_weights`) or a dict ``{unit_name: weight}`` (missing names weigh 1).
-            Weights are normalized to mean 1 over channels, so ``lam`` keeps its meaning.
+            Weights are normalized to mean 1 over channels, so ``rate`` keeps its meaning.
         mode: ``"proximal"`` (default: the step applies the pressure) or ``"loss"`` (add
             :meth:`penalty` to the loss yourself; the step then only projects and logs).
         optimizer: the optimizer, to read the learning rate and detect a missed optimizer step
             (:meth:`attach` sets it too).
-        lr: learning rate for ``lr_eff`` when no optimizer is known.
+        lr: learning rate of the slopes when no optimizer is known (legacy ``lam`` only).
         release: a :func:`~linearize.schedules.target` schedule keeps exactly its budget of
             linear channels; channels at 1 beyond it are set back to ``1 - release``.
         log_every: record the per-site fractions every this many steps (default: about 500
             records per run).
         example_inputs: inputs for ``weights="flops"``.
+
+    Example::
+
+        sp = Sparsifier(model, schedules.target(0.25, start=0.1, end=0.8), total_steps=2000)
+        sp.attach(torch.optim.AdamW(param_groups(model), lr=2e-5))   # rate = 1/1400 per step
     """
 
     def __init__(
@@ -93,7 +124,7 @@ class Sparsifier:
         model: nn.Module,
         schedule: _schedules.ScheduleLike = None,
         total_steps: int = 1,
-        lam: float = 1e-3,
+        lam: float | None = None,
         weights: str | Mapping[str, float] | None = None,
         mode: str = "proximal",
         optimizer: torch.optim.Optimizer | None = None,
@@ -101,6 +132,8 @@ class Sparsifier:
         release: float = 0.01,
         log_every: int | None = None,
         example_inputs=None,
+        rate: float | None = None,
+        glide: float | None = None,
     ) -> None:
         self._units = require_units(model, "there is nothing to sparsify")
         if isinstance(total_steps, bool) or not isinstance(total_steps, int) or total_steps < 1:
@@ -116,9 +149,25 @@ class Sparsifier:
             raise TypeError(f"schedule must be a linearize.schedules object, a function or a number, got {schedule!r}")
         if isinstance(schedule, _schedules.Schedule):
             schedule.validate(total_steps)
+        # legacy lr * lam: an explicit lam, a schedule with its own lam, or a plain function (returns lam)
+        legacy = lam is not None or not isinstance(schedule, _schedules.Schedule) or schedule.lam is not None
+        if legacy and rate is not None:
+            raise ValueError(
+                "pass either rate= (slope units per step) or a legacy lam (Sparsifier(lam=...), a "
+                "schedule with its own lam, a number or a function), not both"
+            )
+        if rate is not None and (isinstance(rate, bool) or not math.isfinite(rate) or rate < 0):
+            raise ValueError(f"rate must be a finite number >= 0 (slope units per step), got {rate!r}")
+        if glide is None:
+            glide = 0.0 if legacy else 0.1
+        if isinstance(glide, bool) or not isinstance(glide, (int, float)) or not 0.0 <= glide <= 1.0:
+            raise ValueError(f"glide must lie in [0, 1] (a fraction of the target's ramp), got {glide!r}")
         self.schedule = schedule
         self.total_steps = total_steps
-        self.lam = float(lam)
+        self.legacy = legacy
+        self.lam = None if lam is None else float(lam)
+        self.rate = (1.0 / self.ramp_steps()) if rate is None else float(rate)
+        self.glide = float(glide)
         self.mode = mode
         self.lr = None if lr is None else check_positive(lr, "lr")
         self.release = release
@@ -127,7 +176,8 @@ class Sparsifier:
         self._weights = self._build_weights(model, weights, example_inputs)
         self.step_count = 0
         self.initial_fraction: float | None = None  # measured at a target schedule's start
-        self._linear: torch.Tensor | None = None  # bool [C], linear set after the last projection
+        self._selected: torch.Tensor | None = None  # bool [C], channels the target glides to 1
+        self._lr_peak: list[float | None] = [None] * len(self._units)  # largest slope LR seen, per unit
         self.history: list[dict] = []
         self._hook = None
         self._versions = self._slope_versions()
@@ -208,12 +258,34 @@ class Sparsifier:
                 del _ATTACHED[self.optimizer]
 
     # ------------------------------------------------------------------ schedule
+    def ramp_steps(self) -> int:
+        """Steps over which the pressure acts: ``end - start`` of a target schedule, else ``total_steps``
+        (at least 1). The auto ``rate`` is ``1 / ramp_steps()``."""
+        sched, total = self.schedule, self.total_steps
+        if isinstance(sched, _schedules.Target):
+            return max(1, _schedules.resolve_step(sched.end, total) - _schedules.resolve_step(sched.start, total))
+        return total
+
+    def glide_steps(self) -> int:
+        """``G``: a selected channel of a target schedule reaches 1 within ``G`` steps (0: instantly)."""
+        return math.ceil(self.glide * self.ramp_steps()) if self.glide > 0 else 0
+
+    @property
+    def max_step(self) -> float:
+        """The most a slope rises in one step of a target schedule: ``1 / G`` (``inf`` with ``glide=0``).
+
+        Example: ``Sparsifier(model, target(0.1, start=0, end=1000), 1000).max_step == 0.01``.
+        """
+        g = self.glide_steps()
+        return 1.0 / g if g > 0 else math.inf
+
     def lam_at(self, step: int | None = None) -> float:
-        """Pressure ``lam_t`` at ``step`` (default: the next step)."""
+        """Pressure at ``step`` (default: the next step): ``rate * shape_t`` in slope units per step at
+        the peak LR, or the legacy ``lam_t`` (see the module docs)."""
         step = self.step_count if step is None else step
         value = self.schedule(step, self.total_steps)
         if isinstance(self.schedule, _schedules.Schedule) and self.schedule.lam is None:
-            value = value * self.lam
+            value = value * (self.lam if self.legacy else self.rate)
         value = float(value)
         if not math.isfinite(value) or value < 0:
             raise ValueError(f"the schedule returned lam={value} at step {step}; it must be finite and >= 0")
@@ -256,17 +328,21 @@ class Sparsifier:
             )
             self._warned = True
         self._project()
+        target = isinstance(self.schedule, _schedules.Target)
+        before = torch.cat([u.slope.detach().float() for _, u in self._units]) if target else None
         lam_t = self.lam_at()
         if self.mode == "proximal" and lam_t > 0:
             self._proximal(lam_t)
         wanted = None
-        if isinstance(self.schedule, _schedules.Target):
+        if target:
             start = _schedules.resolve_step(self.schedule.start, self.total_steps)
             if self.initial_fraction is None and self.step_count >= start:
                 self.initial_fraction = self._fraction("Sparsifier target start")
             if self.initial_fraction is not None:
                 wanted = self.schedule.wanted(self.step_count, self.total_steps, self.initial_fraction)
-                self._project_budget(wanted)
+                ahead = self.schedule.wanted(self.step_count + self.glide_steps(), self.total_steps,
+                                             self.initial_fraction)
+                self._project_budget(ahead, before)
         self.step_count += 1
         if self.step_count % self.log_every == 0 or self.step_count == 1:
             self._record(lam_t, wanted)
@@ -274,34 +350,49 @@ class Sparsifier:
 
     def _proximal(self, lam_t: float) -> None:
         lrs = self._lr_by_slope()
-        for (name, unit), w in zip(self._units, self._weights):
+        for i, ((name, unit), w) in enumerate(zip(self._units, self._weights)):
             lr = lrs.get(id(unit.slope), self.lr)
-            if lr is None:
-                raise ValueError(
-                    f"no learning rate for the slopes of {name!r}: attach(optimizer) with the slopes "
-                    "in it, pass optimizer=..., or pass lr=... to the Sparsifier"
-                )
-            unit.slope.add_(lr * lam_t * w)
+            if self.legacy:
+                if lr is None:
+                    raise ValueError(
+                        f"no learning rate for the slopes of {name!r}: attach(optimizer) with the slopes "
+                        "in it, pass optimizer=..., or pass lr=... to the Sparsifier (legacy lam only)"
+                    )
+                unit.slope.add_(lr * lam_t * w)
+                continue
+            scale = 1.0
+            if lr is not None and lr > 0:  # follow the LR schedule's shape, not its scale
+                peak = self._lr_peak[i] = max(lr, self._lr_peak[i] or 0.0)
+                scale = lr / peak
+            unit.slope.add_(lam_t * scale * w)
         self._project()
 
-    def _project_budget(self, wanted: float) -> None:
-        """Set the free slopes closest to 1 to exactly 1 so that ``round(wanted * C)`` stay nonlinear."""
+    def _project_budget(self, wanted: float, before: torch.Tensor) -> None:
+        """Glide the selected channels to 1 so that ``round(wanted * C)`` stay nonlinear (module docs).
+
+        ``wanted``: the path's fraction ``G`` steps ahead; ``before``: the slopes before the
+        proximal step (a slope rises by at most :attr:`max_step` from there).
+        """
         slopes = torch.cat([u.slope.detach().float() for _, u in self._units])
         frozen = torch.cat([u.frozen for _, u in self._units]).to(slopes.device)
+        before = before.to(slopes.device)
         free = torch.isnan(frozen)
         total = slopes.numel()
         k = total - int(round(wanted * total))  # linear channels wanted
         k_free = min(max(k - int((frozen == 1).sum()), 0), int(free.sum()))
-        prev = self._linear if self._linear is not None else torch.cat(self._linear_masks()).to(slopes.device)
-        # rank free channels by slope, then by "was linear before" (stable sort = tie-break)
-        candidates = torch.nonzero(free).squeeze(1)
-        order = torch.sort(prev[candidates].to(torch.int8), descending=True, stable=True).indices
-        candidates = candidates[order]
-        order = torch.sort(slopes[candidates], descending=True, stable=True).indices
-        ranked = candidates[order]
-        new = slopes.clone()
-        new[ranked[:k_free]] = 1.0
-        beyond = ranked[k_free:]
+        linear = torch.cat(self._linear_masks()).to(slopes.device)
+        selected = (self._selected.to(slopes.device) if self._selected is not None else linear) & free
+        # rank free channels: selected first (hysteresis), then by slope, then "linear now" (stable sorts)
+        ranked = torch.nonzero(free).squeeze(1)
+        for key in (linear, slopes, selected):
+            ranked = ranked[torch.sort(key[ranked].float(), descending=True, stable=True).indices]
+        chosen, beyond = ranked[:k_free], ranked[k_free:]
+        delta = self.max_step
+        new = torch.minimum(slopes, before + delta)  # the proximal step's share of the cap
+        new[chosen] = torch.clamp(before[chosen] + delta, max=1.0)  # exactly 1 once within delta of 1
+        end = _schedules.resolve_step(self.schedule.end, self.total_steps)
+        if self.step_count >= end - 1:  # the path is at the target: a channel the loss pulled down: a channel the loss pulled down harder than the glide
+            new[chosen] = 1.0  # harder than the glide arrives now (held exactly)
         new[beyond] = torch.minimum(new[beyond], torch.tensor(1.0 - self.release))
         offset = 0
         for _, unit in self._units:
@@ -309,7 +400,8 @@ class Sparsifier:
             unit.slope.copy_(new[offset : offset + n].to(unit.slope))
             offset += n
         self._project()
-        self._linear = torch.cat(self._linear_masks()).cpu()
+        self._selected = torch.zeros(total, dtype=torch.bool)
+        self._selected[chosen.cpu()] = True
 
     # ------------------------------------------------------------------ penalty and measures
     def penalty(self) -> torch.Tensor:
@@ -382,9 +474,11 @@ class Sparsifier:
         return {
             "step_count": self.step_count,
             "initial_fraction": self.initial_fraction,
-            "linear": None if self._linear is None else torch.nonzero(self._linear).squeeze(1).tolist(),
+            "selected": None if self._selected is None else torch.nonzero(self._selected).squeeze(1).tolist(),
             "channels": sum(u.num_channels for _, u in self._units),
             "lam": self.lam,
+            "rate": self.rate,
+            "lr_peak": list(self._lr_peak),
             "history": list(self.history),
         }
 
@@ -395,11 +489,15 @@ class Sparsifier:
             raise ValueError(f"state is for {state['channels']} channels, this model has {channels}")
         self.step_count = int(state["step_count"])
         self.initial_fraction = state["initial_fraction"]
-        self._linear = None
-        if state["linear"] is not None:
-            self._linear = torch.zeros(channels, dtype=torch.bool)
-            self._linear[torch.tensor(state["linear"], dtype=torch.long)] = True
-        self.lam = float(state["lam"])
+        self._selected = None
+        selected = state.get("selected", state.get("linear"))  # "linear": states saved before the glide
+        if selected is not None:
+            self._selected = torch.zeros(channels, dtype=torch.bool)
+            self._selected[torch.tensor(selected, dtype=torch.long)] = True
+        self.lam = None if state["lam"] is None else float(state["lam"])
+        self.rate = float(state.get("rate", self.rate))
+        peaks = state.get("lr_peak")
+        self._lr_peak = list(peaks) if peaks is not None else [None] * len(self._units)
         self.history = list(state["history"])
         self._versions = [-1] * len(self._units)  # the model was loaded: do not warn on the next step
 

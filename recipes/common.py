@@ -76,12 +76,12 @@ def add_run_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--log_every", "--log-every", dest="log_every", type=int, default=50)
 
 
-def add_linearize_args(parser: argparse.ArgumentParser, default_mode: str = "prelu", default_lam: float = 1e-3) -> None:
-    """``--linearize --schedule --target --late-start --ramp-end --lam --tol --freeze --fold --report``.
+def add_linearize_args(parser: argparse.ArgumentParser, default_mode: str = "prelu",
+                       default_lam: float | None = None) -> None:
+    """``--linearize --schedule --target --late-start --ramp-end --rate --lam --tol --freeze --fold --report``.
 
-    ``default_lam``: the proximal step moves a slope by ``lr * lam`` per step. Under SGD a slope's loss
-    step is ``lr * grad``, so a small ``lam`` (1e-3) competes with it; under Adam(W) updates are about
-    ``lr`` per step whatever the gradient scale, so ``lam`` of order 1 puts the pressure on that scale.
+    By default the pressure is scale-free (``--rate``, slope units per step, auto ``1 / ramp``: the same
+    under SGD and AdamW); ``--lam`` (``default_lam``) is the legacy ``lr * lam`` step.
     """
     g = parser.add_argument_group("linearization")
     g.add_argument("--linearize", choices=LINEARIZE_MODES, default=default_mode,
@@ -94,8 +94,10 @@ def add_linearize_args(parser: argparse.ArgumentParser, default_mode: str = "pre
                    help="start of the late schedule: a fraction of training (< 1) or a step (>= 1)")
     g.add_argument("--ramp-end", "--ramp_end", dest="ramp_end", type=float, default=0.8,
                    help="fraction of training by which the target is reached")
+    g.add_argument("--rate", type=float, default=None,
+                   help="pressure in slope units per step at the peak LR (default: 1 / ramp steps)")
     g.add_argument("--lam", type=float, default=default_lam,
-                   help="strength of the L1 pressure on the slopes: each step moves them by lr * lam")
+                   help="legacy pressure instead of --rate: each step moves the slopes by lr * lam")
     g.add_argument("--tol", type=float, default=1e-3, help="a channel is linear when its slope >= 1 - tol")
     g.add_argument("--freeze", action="store_true", help="at the end, freeze linear channels at slope 1")
     g.add_argument("--fold", action="store_true", help="at the end, fold linear parts away (folded/)")
@@ -217,7 +219,8 @@ def make_sparsifier(model: nn.Module, args: argparse.Namespace, total_steps: int
 
     if isinstance(optimizer, AcceleratedOptimizer):  # hook the torch optimizer inside the wrapper
         optimizer = optimizer.optimizer
-    return linearize.Sparsifier(model, schedule=schedule, total_steps=total_steps, lam=args.lam).attach(optimizer)
+    return linearize.Sparsifier(model, schedule=schedule, total_steps=total_steps, lam=args.lam,
+                               rate=getattr(args, "rate", None)).attach(optimizer)
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:

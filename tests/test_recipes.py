@@ -220,13 +220,15 @@ def test_target_outside_range(tmp_path):
 
 
 def test_default_pressure_matches_each_recipes_optimizer(tmp_path):
-    """lam scales the proximal step lr * lam: order 1 under AdamW (wmt14), 1e-3 under SGD (cifar)."""
+    """Both recipes default to the scale-free pressure (no per-optimizer lam); --lam stays the legacy knob."""
     import cifar
     import wmt14
 
-    assert wmt14.parse_args(["--output_dir", str(tmp_path)]).lam == 1.0
-    assert cifar.parse_args(["--output_dir", str(tmp_path)]).lam == 1e-3
+    for recipe in (wmt14, cifar):
+        args = recipe.parse_args(["--output_dir", str(tmp_path)])
+        assert args.lam is None and args.rate is None
     assert wmt14.parse_args(["--output_dir", str(tmp_path), "--lam", "0.001"]).lam == 1e-3
+    assert cifar.parse_args(["--output_dir", str(tmp_path), "--rate", "1e-4"]).rate == 1e-4
 
 
 def test_missing_cifar_data_hints(tmp_path):

@@ -1,0 +1,92 @@
+"""Distillation from the original model: the natural teacher of a converted model (no labels needed).
+
+A converted model with all slopes at 0 computes exactly the original function, so the original is the
+teacher and :func:`distill_loss` is 0 at the first step; the sparsity pressure then moves slopes
+towards 1 and the loss measures how far the student drifts from the original.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["distill_loss", "mean_pool", "KINDS"]
+
+KINDS = ("hidden", "logits", "pooled")
+
+
+def _field(out: Any, kind: str) -> torch.Tensor:
+    """The tensor of a model output that ``kind`` compares (a tensor passes through)."""
+    if isinstance(out, torch.Tensor):
+        return out
+    if kind == "logits":
+        value = getattr(out, "logits", None) if not isinstance(out, dict) else out.get("logits")
+    else:
+        get = out.get if isinstance(out, dict) else lambda k: getattr(out, k, None)
+        value = get("last_hidden_state")
+        if value is None and get("hidden_states") is not None:
+            value = get("hidden_states")[-1]
+    if value is None:
+        need = "logits" if kind == "logits" else "last_hidden_state (or hidden_states: output_hidden_states=True)"
+        raise ValueError(f"distill_loss(kind={kind!r}) needs outputs with {need}, got {type(out).__name__}")
+    return value
+
+
+def mean_pool(hidden: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Mean of ``hidden [B, T, D]`` over the tokens where ``attention_mask [B, T]`` is 1 -> ``[B, D]``.
+
+    Example: ``mean_pool(torch.ones(2, 3, 4)).shape == (2, 4)``.
+    """
+    if attention_mask is None:
+        return hidden.mean(dim=1)
+    m = attention_mask.to(hidden.dtype).unsqueeze(-1)
+    return (hidden * m).sum(dim=1) / m.sum(dim=1).clamp(min=1.0)
+
+
+def distill_loss(
+    student_out: Any,
+    teacher_out: Any,
+    kind: str = "hidden",
+    attention_mask: torch.Tensor | None = None,
+    temperature: float = 1.0,
+) -> torch.Tensor:
+    """How far the student's outputs are from the teacher's (scalar; 0 when they are equal).
+
+    Args:
+        student_out, teacher_out: model outputs (``ModelOutput``/dict) or tensors.
+        kind: ``"hidden"``: mean squared error of the last hidden states over the unmasked tokens,
+            divided by the teacher's mean square (relative, so it means the same for any width);
+            ``"logits"``: ``T^2 * KL(softmax(t / T) || softmax(s / T))`` over the last dim, averaged
+            over the unmasked positions; ``"pooled"``: ``1 - cosine`` of the mean-pooled hidden
+            states (sentence embeddings), averaged over the batch.
+        attention_mask: ``[B, T]`` (1 = token); ``None``: every position counts.
+        temperature: ``T`` of ``"logits"``.
+
+    Example::
+
+        with torch.no_grad():
+            t = teacher(**batch)
+        loss = linearize.distill_loss(student(**batch), t, "hidden", batch["attention_mask"])
+    """
+    if kind not in KINDS:
+        raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    s, t = _field(student_out, kind).float(), _field(teacher_out, kind).detach().float()
+    if s.shape != t.shape:
+        raise ValueError(f"student and teacher outputs differ in shape: {tuple(s.shape)} vs {tuple(t.shape)}")
+    if kind == "pooled":
+        if s.ndim == 3:
+            s, t = mean_pool(s, attention_mask), mean_pool(t, attention_mask)
+        return (1.0 - F.cosine_similarity(s, t, dim=-1)).mean()
+    if kind == "logits":
+        per = F.kl_div(F.log_softmax(s / temperature, -1), F.log_softmax(t / temperature, -1),
+                       reduction="none", log_target=True).sum(-1) * temperature**2
+    else:
+        per = (s - t).pow(2).mean(-1) / t.pow(2).mean().clamp(min=1e-12)
+    if attention_mask is not None and per.shape == attention_mask.shape:
+        m = attention_mask.to(per.dtype)
+        return (per * m).sum() / m.sum().clamp(min=1.0)
+    return per.mean()

@@ -1,0 +1,222 @@
+"""Distil a converted Hugging Face model from its original: no labels, the original is the teacher.
+
+The feed-forward activations of any local HF encoder or decoder (``--model-dir``, loaded with
+``AutoModel``) become linearizable units; a :func:`linearize.schedules.target` schedule with the
+default scale-free pressure drives ``--target`` of those channels to exactly linear, while AdamW
+trains the student to match the teacher (``--kind hidden``: last hidden states, ``pooled``:
+mean-pooled sentence embeddings, ``logits``: for ``AutoModelForCausalLM``-style outputs).
+
+Evaluation on ``--eval-file``: mean cosine of the student's mean-pooled sentence embeddings to the
+teacher's, retrieval top-1 (each sentence's student embedding finds its own teacher embedding among
+all), then freeze + fold and the FFN FLOPs and CPU latency of the folded model. ``metrics.json``
+goes to ``--output-dir`` (no weights unless ``--save-model``)::
+
+    python recipes/distill.py --model-dir <dir> --train-file train.jsonl.gz --eval-file test.jsonl.gz \\
+        --text-field translation.en --target 0.25 --output-dir runs/distill_25
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import gzip
+import json
+import random
+import resource
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import linearize  # noqa: E402
+from linearize.distill import KINDS, distill_loss, mean_pool  # noqa: E402
+
+FFN_PATTERNS = [r".*(intermediate|mlp|ffn|feed_forward|fc1|fc2).*"]  # FFN activations, not the pooler
+
+
+def read_texts(path: str | Path, field: str, limit: int | None = None) -> list[str]:
+    """Lines of a text file, or ``field`` (dotted: ``translation.en``) of a .jsonl(.gz) file."""
+    path = Path(path)
+    opener = gzip.open if path.suffix == ".gz" else open
+    texts: list[str] = []
+    with opener(path, "rt", encoding="utf-8") as f:
+        for line in f:
+            line = line.strip()
+            if not line:
+                continue
+            if ".jsonl" in path.name or ".json" in path.name:
+                value = json.loads(line)
+                for key in field.split("."):
+                    if not isinstance(value, dict) or key not in value:
+                        raise ValueError(f"{path}: no field {field!r} in {line[:120]}")
+                    value = value[key]
+                line = str(value)
+            texts.append(line)
+            if limit is not None and len(texts) >= limit:
+                break
+    if not texts:
+        raise ValueError(f"{path}: no text")
+    return texts
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model-dir", required=True, help="a local Hugging Face model directory (AutoModel)")
+    p.add_argument("--train-file", required=True, help="text lines, or .jsonl(.gz) with --text-field")
+    p.add_argument("--eval-file", required=True)
+    p.add_argument("--text-field", default="text", help="dotted field of jsonl records, e.g. translation.en")
+    p.add_argument("--max-train", type=int, default=None, help="use the first N training texts")
+    p.add_argument("--max-eval", type=int, default=1000)
+    p.add_argument("--target", type=float, default=0.25, help="fraction of FFN channels left nonlinear")
+    p.add_argument("--start", type=float, default=0.1, help="start of the target path (fraction of training)")
+    p.add_argument("--end", type=float, default=0.8, help="the target is reached by this fraction")
+    p.add_argument("--rate", type=float, default=None, help="pressure, slope units per step (default 1/ramp)")
+    p.add_argument("--lam", type=float, default=None, help="legacy lr * lam pressure (overrides --rate)")
+    p.add_argument("--kind", choices=KINDS, default="hidden", help="what the student matches")
+    p.add_argument("--steps", type=int, default=1000, help="optimizer steps")
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--max-length", type=int, default=64)
+    p.add_argument("--lr", type=float, default=1e-4, help="AdamW peak learning rate (linear decay)")
+    p.add_argument("--warmup", type=float, default=0.05, help="LR warm-up, fraction of --steps")
+    p.add_argument("--weight-decay", type=float, default=0.01)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--output-dir", required=True)
+    p.add_argument("--save-model", action="store_true", help="also save the student (linearize.save_pretrained)")
+    p.add_argument("--log-every", type=int, default=50)
+    args = p.parse_args(argv)
+    if not 0.0 < args.target <= 1.0:
+        raise ValueError(f"--target must lie in (0, 1], got {args.target}")
+    if not 0.0 <= args.start < args.end <= 1.0:
+        raise ValueError(f"need 0 <= --start < --end <= 1, got {args.start}, {args.end}")
+    return args
+
+
+@torch.no_grad()
+def embed(model, tokenizer, texts: list[str], args, device) -> torch.Tensor:
+    """Mean-pooled last hidden states, L2-normalized ``[N, D]``."""
+    out = []
+    for i in range(0, len(texts), 64):
+        batch = tokenizer(texts[i : i + 64], padding=True, truncation=True, max_length=args.max_length,
+                          return_tensors="pt").to(device)
+        hidden = model(**batch).last_hidden_state
+        out.append(F.normalize(mean_pool(hidden, batch["attention_mask"]).float(), dim=-1).cpu())
+    return torch.cat(out)
+
+
+def ffn_flops_per_token(model) -> int:
+    """FLOPs (2 per multiply-add) of the converted FFN blocks for one token: the Linear before and
+    after each unit (e.g. ``intermediate.dense`` and ``output.dense`` of BERT)."""
+    total = 0
+    for _, unit in linearize.units(model):
+        total += 2 * 2 * unit.num_channels * model.config.hidden_size
+    return total
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    from accelerate import Accelerator
+    from transformers import AutoModel, AutoTokenizer, get_linear_schedule_with_warmup
+
+    t0, cpu0 = time.time(), resource.getrusage(resource.RUSAGE_SELF)
+    random.seed(args.seed)
+    torch.manual_seed(args.seed)
+    accelerator = Accelerator()
+    device = accelerator.device
+    tokenizer = AutoTokenizer.from_pretrained(args.model_dir)
+    teacher = AutoModel.from_pretrained(args.model_dir).eval().to(device)
+    for p_ in teacher.parameters():
+        p_.requires_grad_(False)
+    student = linearize.convert(copy.deepcopy(teacher), target_modules=FFN_PATTERNS)
+    for p_ in student.parameters():
+        p_.requires_grad_(True)
+    student.eval()  # no dropout: the student matches the deterministic teacher (loss 0 at step 0)
+    channels = sum(u.num_channels for _, u in linearize.units(student))
+    train_texts = read_texts(args.train_file, args.text_field, args.max_train)
+    eval_texts = read_texts(args.eval_file, args.text_field, args.max_eval)
+
+    optimizer = torch.optim.AdamW(linearize.param_groups(student, weight_decay=args.weight_decay), lr=args.lr)
+    scheduler = get_linear_schedule_with_warmup(optimizer, int(args.warmup * args.steps), args.steps)
+    student, optimizer = accelerator.prepare(student, optimizer)
+    schedule = linearize.schedules.target(args.target, start=args.start, end=args.end)
+    sparsifier = linearize.Sparsifier(accelerator.unwrap_model(student), schedule, args.steps,
+                                      lam=args.lam, rate=args.rate).attach(optimizer)
+
+    rng = random.Random(args.seed)
+    order: list[int] = []
+    log = []
+    for step in range(args.steps):
+        if len(order) < args.batch_size:
+            order += rng.sample(range(len(train_texts)), len(train_texts))
+        idx, order = order[: args.batch_size], order[args.batch_size :]
+        batch = tokenizer([train_texts[i] for i in idx], padding=True, truncation=True,
+                          max_length=args.max_length, return_tensors="pt").to(device)
+        with torch.no_grad():
+            t_out = teacher(**batch)
+        loss = distill_loss(student(**batch), t_out, args.kind, batch["attention_mask"])
+        accelerator.backward(loss)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad()
+        if step % args.log_every == 0 or step == args.steps - 1:
+            rec = {"step": step + 1, "loss": round(loss.item(), 6),
+                   "nonlinear_fraction": round(sparsifier.nonlinear_fraction(), 4),
+                   "minutes": round((time.time() - t0) / 60, 2)}
+            log.append(rec)
+            accelerator.print(json.dumps(rec))
+
+    student = accelerator.unwrap_model(student)
+    train_minutes = (time.time() - t0) / 60
+    te, se = embed(teacher, tokenizer, eval_texts, args, device), embed(student, tokenizer, eval_texts, args, device)
+    cosine = (te * se).sum(-1).mean().item()
+    top1 = ((se @ te.T).argmax(1) == torch.arange(len(te))).float().mean().item()
+
+    linearize.freeze(student, tol=0.0)
+    example = tokenizer(eval_texts[:32], padding=True, truncation=True, max_length=args.max_length,
+                        return_tensors="pt")
+    student_cpu = copy.deepcopy(student).cpu().float()
+    folded = linearize.fold(student_cpu, dict(example))
+    summary = folded.linearize_fold_summary
+    tokens = int(example["input_ids"].numel())
+    ffn_before = ffn_flops_per_token(student_cpu) * tokens
+    ffn_after = ffn_before - (summary.flops_before - summary.flops_after)
+    cpu1 = resource.getrusage(resource.RUSAGE_SELF)
+    metrics = {
+        "model_dir": str(args.model_dir),
+        "target": args.target,
+        "ffn_channels": channels,
+        "nonlinear_fraction": linearize.nonlinear_fraction(student),
+        "eval_sentences": len(eval_texts),
+        "train_sentences": len(train_texts),
+        "mean_cosine": round(cosine, 5),
+        "retrieval_top1": round(top1, 5),
+        "ffn_flops_ratio": round(ffn_after / ffn_before, 4),
+        "model_flops_ratio": round(summary.flop_ratio, 4),
+        "latency_ms_before": summary.latency_ms_before,
+        "latency_ms_after": summary.latency_ms_after,
+        "latency_ratio": (round(summary.latency_ms_after / summary.latency_ms_before, 4)
+                          if summary.latency_ms_before else None),
+        "fold_max_abs_error": summary.max_abs_error,
+        "sparsifier_rate": sparsifier.rate,
+        "sparsifier_max_step": sparsifier.max_step,
+        "train_minutes_wall": round(train_minutes, 2),
+        "minutes_wall": round((time.time() - t0) / 60, 2),
+        "minutes_cpu": round((cpu1.ru_utime + cpu1.ru_stime - cpu0.ru_utime - cpu0.ru_stime) / 60, 2),
+        "torch_threads": torch.get_num_threads(),
+        "log": log,
+        "command": "python " + " ".join(sys.argv) if argv is None else "main(" + repr(argv) + ")",
+        "args": vars(args),
+    }
+    out = Path(args.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "metrics.json").write_text(json.dumps(metrics, indent=2))
+    if args.save_model:
+        linearize.save_pretrained(student, out / "model")
+    accelerator.print(json.dumps({k: v for k, v in metrics.items() if k not in ("log", "args")}, indent=1))
+    return metrics
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,212 @@
+"""Scale-free pressure, the gentle target and distillation (issue 22), on the real digits data."""
+
+from __future__ import annotations
+
+import copy
+import math
+import warnings
+
+import pytest
+import torch
+from sklearn.datasets import load_digits
+from torch import nn
+
+import linearize
+from linearize import LinearizableActivation
+from linearize import schedules as S
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def digits():
+    d = load_digits()
+    x = torch.tensor(d.data, dtype=torch.float32) / 16.0
+    return x[:1300], torch.tensor(d.target)[:1300]
+
+
+def gelu_mlp(width: int = 64) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(64, width), nn.GELU(), nn.Linear(width, width), nn.GELU(), nn.Linear(width, 10))
+
+
+@pytest.fixture(scope="module")
+def pretrained(digits):
+    """A GELU MLP trained on digits (the 'pretrained model'), then converted: slopes 0 = same function."""
+    x, y = digits
+    model = gelu_mlp()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    for _ in range(150):
+        loss = nn.functional.cross_entropy(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return linearize.convert(model)
+
+
+def slopes(model) -> torch.Tensor:
+    return torch.cat([u.slope.detach().clone() for _, u in linearize.units(model)])
+
+
+@pytest.mark.parametrize("make_opt", [
+    lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),
+    lambda p: torch.optim.AdamW(p, lr=2e-5),
+], ids=["sgd-0.1", "adamw-2e-5"])
+def test_free_slope_moves_the_same_per_step_under_any_optimizer(make_opt):
+    """Defaults only: a slope with zero loss gradient moves by (1 / total) * lr_t / lr_peak per step."""
+    total = 50
+    model = nn.Sequential(nn.Linear(4, 8), LinearizableActivation("relu", 8, -1))
+    opt = make_opt(linearize.param_groups(model, weight_decay=0.0))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda t: 1.0 - t / total)  # linear decay from the peak
+    linearize.Sparsifier(model, S.constant(), total_steps=total).attach(opt)
+    expected = 0.0
+    for t in range(20):
+        for p in model.parameters():
+            p.grad = torch.zeros_like(p)  # nothing resists the pressure
+        opt.step()
+        expected += (1.0 / total) * (1.0 - t / total)  # rate = 1/total_steps, times lr_t / lr_peak
+        sched.step()
+        assert slopes(model) == pytest.approx(torch.full((8,), expected), abs=1e-6)
+
+
+def test_rate_and_lam_are_exclusive_and_lam_keeps_the_legacy_step():
+    model = nn.Sequential(nn.Linear(4, 8), LinearizableActivation("relu", 8, -1))
+    with pytest.raises(ValueError, match="either rate"):
+        linearize.Sparsifier(model, S.constant(), total_steps=10, rate=0.1, lam=1.0)
+    with pytest.raises(ValueError, match="rate"):
+        linearize.Sparsifier(model, S.constant(), total_steps=10, rate=-1.0)
+    with pytest.raises(ValueError, match="glide"):
+        linearize.Sparsifier(model, S.target(0.5), total_steps=10, glide=2.0)
+    sp = linearize.Sparsifier(model, S.constant(), total_steps=10, lam=0.5, lr=0.2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # no optimizer stepped: the "called before optimizer.step()" warning
+        sp.step()
+    assert slopes(model) == pytest.approx(torch.full((8,), 0.1))  # lr * lam
+    assert linearize.Sparsifier(model, S.target(0.5, start=10, end=110), 200).rate == pytest.approx(0.01)
+
+
+def run_target(model, x, y, opt, total, start, end, fraction, teacher=None, **kw):
+    """Train with a target schedule; per step: the slopes' largest rise, the linear count, the loss
+    (cross-entropy to ``y``, or with a ``teacher`` the distillation loss to its logits)."""
+    if teacher is not None:
+        with torch.no_grad():
+            y = teacher(x)
+    sp = linearize.Sparsifier(model, S.target(fraction, start=start, end=end), total, optimizer=opt, **kw)
+    rises, linear, losses = [], [], []
+    for step in range(total):
+        out = model(x)
+        loss = nn.functional.cross_entropy(out, y) if teacher is None else linearize.distill_loss(out, y, "hidden")
+        losses.append(loss.item())
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        before = slopes(model)
+        sp.step()
+        rises.append((slopes(model) - before).max().item())
+        linear.append(int((slopes(model) == 1.0).sum()))
+    return rises, linear, losses
+
+
+def test_target_reached_exactly_at_end_held_and_no_slope_rises_more_than_max_step(digits):
+    x, y = digits
+    model = linearize.convert(gelu_mlp())
+    opt = torch.optim.SGD(linearize.param_groups(model, weight_decay=5e-4), lr=0.1, momentum=0.9)
+    total, start, end, fraction = 120, 10, 90, 0.25
+    rises, linear, _ = run_target(model, x, y, opt, total, start, end, fraction)
+    channels = 128
+    k = channels - round(fraction * channels)  # 96 linear channels wanted
+    delta_max = 1.0 / math.ceil(0.1 * (end - start))  # glide G = 10% of the 80-step ramp: 1/8 per step
+    assert max(rises) <= delta_max + 1e-6  # every step, every slope
+    assert linear[end - 1] == k and all(n == k for n in linear[end - 1 :])  # exact at end, then held
+    assert 0 < linear[start + 20] < k  # on the way: channels arrive gradually, not all at once
+
+
+def test_no_loss_jump_at_the_first_projections_of_a_pretrained_model(pretrained, digits):
+    """Fine-tuning (AdamW 2e-5): the old lr * lam step did nothing and the projection snapped whole
+    channels from 0 to 1 at once; the gentle target glides them (old vs new, same run otherwise)."""
+    x, y = digits
+    curves = {}
+    for name, kw in {"old": {"lam": 1e-3, "glide": 0.0}, "new": {}}.items():
+        model = copy.deepcopy(pretrained)
+        opt = torch.optim.AdamW(linearize.param_groups(model, weight_decay=0.0), lr=2e-5)
+        _, _, losses = run_target(model, x, y, opt, 80, 10, 70, 0.1, teacher=pretrained, **kw)
+        curves[name] = max(b - a for a, b in zip(losses, losses[1:]))
+    # measured (relative MSE to the teacher's logits): old +0.0073 in one step, new +0.0005 at most
+    assert curves["new"] < 0.002 < curves["old"], curves
+    assert curves["new"] < curves["old"] / 5, curves
+
+
+def test_state_dict_resumes_the_glide_exactly(digits):
+    x, y = digits
+    def build():
+        model = linearize.convert(gelu_mlp())
+        opt = torch.optim.SGD(linearize.param_groups(model, weight_decay=0.0), lr=0.05)
+        sp = linearize.Sparsifier(model, S.target(0.3, start=5, end=45), total_steps=60).attach(opt)
+        return model, opt, sp
+    def steps(model, opt, n):
+        for _ in range(n):
+            loss = nn.functional.cross_entropy(model(x[:256]), y[:256])
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    ref, ref_opt, _ = build()
+    steps(ref, ref_opt, 40)
+    a, a_opt, a_sp = build()
+    steps(a, a_opt, 20)
+    b, b_opt, b_sp = build()
+    b.load_state_dict(a.state_dict())
+    b_opt.load_state_dict(a_opt.state_dict())
+    b_sp.load_state_dict(a_sp.state_dict())
+    steps(b, b_opt, 20)
+    assert torch.equal(slopes(b), slopes(ref))
+
+
+def test_distill_loss_values():
+    s, t = torch.tensor([[[1.0, 2.0], [3.0, 4.0]]]), torch.tensor([[[1.0, 0.0], [3.0, 4.0]]])
+    mask = torch.tensor([[1, 0]])
+    # hidden: squared error per token / teacher mean square (26 / 4 = 6.5); only token 0 counts
+    assert linearize.distill_loss(s, t, "hidden", mask).item() == pytest.approx((4.0 / 2) / 6.5)
+    assert linearize.distill_loss(t, t, "hidden").item() == 0.0
+    # pooled: 1 - cos([1, 2], [1, 0]) over the unmasked token
+    assert linearize.distill_loss(s, t, "pooled", mask).item() == pytest.approx(1 - 1 / math.sqrt(5))
+    logits = torch.tensor([[0.0, math.log(3.0)]])  # softmax (1/4, 3/4) vs uniform (1/2, 1/2)
+    kl = 0.5 * math.log(0.5 / 0.25) + 0.5 * math.log(0.5 / 0.75)
+    assert linearize.distill_loss(logits, torch.zeros(1, 2), "logits").item() == pytest.approx(kl)
+    with pytest.raises(ValueError, match="kind"):
+        linearize.distill_loss(s, t, "mse")
+    with pytest.raises(ValueError, match="shape"):
+        linearize.distill_loss(s, t[:, :1], "hidden")
+
+
+def test_trainer_callback_distils_from_the_teacher(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    from linearize.integrations import LinearizeCallback, LinearizeTrainerMixin
+
+    config = transformers.BertConfig(vocab_size=50, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                                     intermediate_size=32, hidden_dropout_prob=0.0,
+                                     attention_probs_dropout_prob=0.0)
+    torch.manual_seed(0)
+    teacher = transformers.BertModel(config)
+    student = linearize.convert(copy.deepcopy(teacher), target_modules=[r".*intermediate.*"])
+    data = [{"input_ids": torch.randint(0, 50, (8,)), "attention_mask": torch.ones(8, dtype=torch.long)}
+            for _ in range(32)]
+    cb = LinearizeCallback(schedule=S.target(0.5, start=0, end=0.5), teacher=teacher)
+    trainer_cls = type("T", (LinearizeTrainerMixin, transformers.Trainer), {})
+    args = transformers.TrainingArguments(str(tmp_path), per_device_train_batch_size=8, max_steps=8,
+                                          learning_rate=1e-3, logging_steps=1, report_to=[], save_strategy="no",
+                                          use_cpu=True)
+    trainer = trainer_cls(model=student, args=args, train_dataset=data, callbacks=[cb])
+    losses = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        first = trainer.compute_loss(student, {k: torch.stack([d[k] for d in data[:8]]) for k in data[0]})
+        trainer.train()
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    assert first.item() == 0.0  # slopes 0: the converted student is the teacher
+    assert losses[-1] > 0.0 and linearize.nonlinear_fraction(student) == pytest.approx(0.5)
