@@ -14,7 +14,7 @@ import secrets
 from pathlib import Path
 from typing import Any
 
-__all__ = ["LoadError", "atomic_write", "fsync_dir", "safe_torch_load", "TRUST_PICKLE_FLAG"]
+__all__ = ["LoadError", "atomic_write", "fsync_path", "safe_torch_load", "TRUST_PICKLE_FLAG"]
 
 TRUST_PICKLE_FLAG = "--trust-pickle"
 
@@ -26,11 +26,12 @@ class LoadError(ValueError):
     """
 
 
-def fsync_dir(directory: str | os.PathLike) -> None:
-    """Flush a directory entry (a rename into it) to disk; a no-op where directories cannot be opened."""
+def fsync_path(path: str | os.PathLike) -> None:
+    """Flush a file's data, or a directory's entries (a rename into it), to disk; a no-op where
+    that cannot be done by path (not POSIX)."""
     if os.name != "posix":
         return
-    fd = os.open(directory, os.O_RDONLY)
+    fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
@@ -62,7 +63,7 @@ def atomic_write(path: str | os.PathLike, data: bytes | str) -> Path:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    fsync_dir(path.parent)
+    fsync_path(path.parent)
     return path
 
 

@@ -37,7 +37,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 import linearize
-from linearize._files import atomic_write
+from linearize._files import atomic_write, fsync_path
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
@@ -545,14 +545,6 @@ def file_sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def save_checkpoint(run: Run, step: int) -> Path:
     """Write the checkpoint of ``step`` (main process; atomically) and prune old ones to
     ``--keep_checkpoints``. Raises ``FloatingPointError`` instead of writing non-finite tensors."""
@@ -578,7 +570,7 @@ def save_checkpoint(run: Run, step: int) -> Path:
         torch.save(optimizer_state, tmp / OPTIMIZER_FILE)
         state["files"] = {}
         for name in (MODEL_FILE, OPTIMIZER_FILE):
-            _fsync(tmp / name)
+            fsync_path(tmp / name)
             state["files"][name] = {"size": (tmp / name).stat().st_size, "sha256": file_sha256(tmp / name)}
         try:
             state["state_sha256"] = _state_digest(state)  # a flipped bit in the JSON itself is caught too
@@ -587,11 +579,11 @@ def save_checkpoint(run: Run, step: int) -> Path:
             raise TypeError(f"checkpoint state of step {step} is not JSON ({e}): the LR scheduler's lambdas must be "
                             "plain functions, the sparsifier's state plain values") from e
         (tmp / STATE_FILE).write_text(text)
-        _fsync(tmp / STATE_FILE)
+        fsync_path(tmp / STATE_FILE)
         if path.exists():  # a damaged folder of this step, or the final step written again
             _remove(path)
         tmp.rename(path)
-        _fsync(path.parent)
+        fsync_path(path.parent)
         if run.args.keep_checkpoints > 0:
             # The newest --keep_checkpoints of this run: the one just written and those before it.
             # Folders of later steps (left by a run resumed from an earlier checkpoint) are neither
@@ -841,7 +833,7 @@ def replaced_dir(directory: str | Path):
         yield stage
         for f in stage.iterdir():
             if f.is_file():
-                _fsync(f)
+                fsync_path(f)
         if directory.is_dir():
             old = directory.with_name(f"{TMP_PREFIX}{directory.name}-old-{os.getpid()}")
             shutil.rmtree(old, ignore_errors=True)
@@ -854,7 +846,7 @@ def replaced_dir(directory: str | Path):
             shutil.rmtree(old, ignore_errors=True)
         else:
             os.replace(stage, directory)  # raises for a file (or a dangling link) in the way: nothing removed
-        _fsync(directory.parent)
+        fsync_path(directory.parent)
     except BaseException:
         shutil.rmtree(stage, ignore_errors=True)
         raise
