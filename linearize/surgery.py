@@ -19,7 +19,7 @@ from torch import nn
 
 from .checks import check_tol
 from .stability import record_preactivations
-from .unit import linear_masks, units
+from .unit import exact_threshold, linear_masks, units
 
 __all__ = ["freeze", "FreezeSummary"]
 
@@ -135,7 +135,7 @@ def freeze(
     for (name, unit), linear in zip(found, linear_masks(found, 0.0, "freeze")):
         if snap_zero:
             a = unit.slope.detach()
-            zero = (a <= tol) & (unit.frozen != 0).to(a.device)
+            zero = (a <= exact_threshold(tol, a.dtype, above=False)) & (unit.frozen != 0).to(a.device)
             sites[name]["snapped_zero"] = int(zero.sum())
             unit.freeze_(zero, 0.0)
         sites[name]["linear_after"] = int(linear.sum())

@@ -390,20 +390,23 @@ def linear_masks(
     named = list(named_units)
     tol = check_tol(tol)
     check_finite_slopes(named, where)
-    return [unit.slope.detach() >= _least_at_or_above(1.0 - tol, unit.slope.dtype) for _, unit in named]
+    return [unit.slope.detach() >= exact_threshold(1.0 - tol, unit.slope.dtype) for _, unit in named]
 
 
 @functools.lru_cache(maxsize=64)
-def _least_at_or_above(t: float, dtype: torch.dtype) -> float:
-    """The smallest value of ``dtype`` that is ``>= t``: ``a >= it`` in ``dtype`` is ``a >= t`` exactly.
+def exact_threshold(t: float, dtype: torch.dtype, above: bool = True) -> float:
+    """The value of ``dtype`` nearest ``t`` on one side: with ``above``, the smallest ``>= t``, so that
+    ``a >= it`` in ``dtype`` is ``a >= t`` exactly; otherwise the largest ``<= t`` (``a <= it`` is
+    ``a <= t``).
 
     Comparing a tensor with a Python float rounds the float to the tensor's dtype: a threshold
     ``1 - tol`` rounded *down* onto a representable slope would count that slope as linear though
-    it lies below ``1 - tol`` (e.g. bfloat16 slope 0.99609 with tol 0.0035).
+    it lies below ``1 - tol`` (e.g. bfloat16 slope 0.99609 with tol 0.0035), and ``tol`` rounded *up*
+    would snap a slope above ``tol`` to 0.
     """
     r = torch.tensor(t, dtype=torch.float64).to(dtype)
-    if float(r) < t:
-        r = torch.nextafter(r, torch.tensor(2.0, dtype=dtype))
+    if (float(r) < t) if above else (float(r) > t):
+        r = torch.nextafter(r, torch.tensor(2.0 if above else -2.0, dtype=dtype))
     return float(r)
 
 

@@ -123,3 +123,16 @@ def test_errors():
         linearize.freeze(mlp(), data=x)
     with pytest.raises(ValueError, match="tol"):
         linearize.freeze(mlp(), tol=0.7)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_snap_zero_is_exact_in_the_slope_dtype(dtype):
+    """``a <= tol`` as float64 decides it (the truth), not ``tol`` rounded into the slope's dtype."""
+    v = float(torch.tensor(0.0035).to(dtype))
+    tol = v - 1e-7  # rounds up onto v in dtype: a slope of exactly v lies above tol and must stay free
+    assert float(torch.tensor(tol, dtype=torch.float64).to(dtype)) == v > tol
+    slopes = torch.tensor([v, 0.0, 0.5, tol / 2, 1.0]).to(dtype)
+    model = mlp()
+    model[1].slope.data = slopes.clone()
+    linearize.freeze(model, tol=tol, snap_zero=True)
+    assert torch.equal(model[1].frozen == 0, slopes.double() <= tol)
