@@ -208,7 +208,7 @@ def _build(cls: type, args: dict[str, Any]) -> nn.Module:
 
 
 def _base_of(model: nn.Module, builder: str | None, builder_kwargs: dict | None) -> dict[str, Any]:
-    from .hf import CONFIG_KEY, is_hf_model
+    from .hf import CONFIG_KEY, GUARD_KEY, is_guard, is_hf_model
 
     if builder is not None:
         family, _, name = builder.partition(":")
@@ -216,7 +216,8 @@ def _base_of(model: nn.Module, builder: str | None, builder_kwargs: dict | None)
             raise ValueError(f"builder must be 'torchvision:NAME' or 'timm:NAME', got {builder!r}")
         return {"kind": family, "name": name, "kwargs": _jsonable_dict(builder_kwargs or {})}
     if is_hf_model(model):
-        config = {k: v for k, v in model.config.to_dict().items() if k != CONFIG_KEY}
+        config = {k: v for k, v in model.config.to_dict().items()
+                  if k != CONFIG_KEY and not (k == GUARD_KEY and is_guard(v))}
         return {"kind": "transformers", "class": type(model).__name__, "config": config}
     arch = (getattr(model, "pretrained_cfg", None) or {}).get("architecture")
     if arch and type(model).__module__.startswith("timm."):

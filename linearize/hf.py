@@ -6,16 +6,20 @@ sites) in ``model.config.linearize``, so the ``config.json`` that ``model.save_p
 model's state dict (``<site>.slope``, ``<site>.frozen``) and therefore in ``model.safetensors``.
 No separate sidecar is needed:
 
-    model = linearize.from_pretrained(AutoModel, dir)            # class: loaded without a warning table
-    model = linearize.from_pretrained(AutoModel.from_pretrained(dir), dir)   # also works
+    model = linearize.from_pretrained(AutoModel, dir)            # loaded without a warning table
 
 restores the model bit-identically, with the checks of :mod:`linearize.serialization` (manifest
 structure, unit tensors finite in ``[0, 1]``, frozen channels at their value).
 
-A plain ``AutoModel.from_pretrained(dir)`` cannot be changed by linearize: transformers builds the
-original activations and lists the unit tensors as UNEXPECTED keys. The model it returns still
-carries ``config.linearize``, and :func:`linearize.convert` (and :func:`refuse_stripped`) refuse
-it with the one-line fix instead of silently starting from fresh units.
+A plain ``AutoModel.from_pretrained(dir)`` (or ``BertModel.from_pretrained(dir)``, any class) would
+build the original activations and drop the units: another function. It fails instead: the
+converted model's config also holds a *load guard*, ``quantization_config = {"linearize": <how to
+load>}`` without a ``quant_method``, which every ``from_pretrained`` of transformers refuses with
+``ValueError: The model's quantization config ... has no `quant_method` attribute`` before it reads
+a weight; ``config.json`` shows why and the fix. :func:`load_plain` lifts the guard for its own
+load. (A model that is really quantized keeps its ``quantization_config`` and gets no guard; a
+stripped reload of it, or of a save made before the guard existed, is still refused by
+:func:`linearize.convert` through :func:`refuse_stripped`.)
 """
 
 from __future__ import annotations
@@ -31,10 +35,13 @@ from torch import nn
 
 from ._files import LoadError, safe_torch_load
 
-__all__ = ["CONFIG_KEY", "is_hf_model", "mark", "unmark", "refuse_stripped", "has_manifest",
+__all__ = ["CONFIG_KEY", "GUARD_KEY", "is_guard", "lift_guard", "is_hf_model", "mark", "unmark", "refuse_stripped", "has_manifest",
            "read_manifest", "read_unit_tensors", "load_plain"]
 
 CONFIG_KEY = "linearize"
+GUARD_KEY = "quantization_config"  # transformers refuses to load a config whose entry has no quant_method
+GUARD = {CONFIG_KEY: "saved after linearize.convert: transformers alone would drop its linearizable units and "
+                     "load another function. Load it with linearize.from_pretrained(<ModelClass>, <this folder>)."}
 HF_CONFIG = "config.json"
 _SAFE = "model.safetensors"
 _SAFE_INDEX = "model.safetensors.index.json"
@@ -49,7 +56,8 @@ def is_hf_model(model: object) -> bool:
 
 
 def mark(model: nn.Module) -> None:
-    """Record the linearize manifest of a converted HF ``model`` in ``model.config.linearize``.
+    """Record the linearize manifest of a converted HF ``model`` in ``model.config.linearize``, and
+    the load guard that makes a plain ``from_pretrained`` of its saves fail (see the module docstring).
 
     Called by :func:`linearize.convert`; a no-op for other models.
     """
@@ -59,13 +67,27 @@ def mark(model: nn.Module) -> None:
     if is_hf_model(model) and config is not None and config.mode == "prelu":
         setattr(model.config, CONFIG_KEY, {"format": FORMAT_VERSION, "config": config.to_dict(),
                                            "sites": _sites(model)})
+        if getattr(model.config, GUARD_KEY, None) is None:  # a really quantized model keeps its own
+            setattr(model.config, GUARD_KEY, dict(GUARD))
+
+
+def is_guard(value: object) -> bool:
+    """True for the load guard that :func:`mark` puts in ``config.quantization_config``."""
+    return isinstance(value, dict) and set(value) == {CONFIG_KEY}
+
+
+def lift_guard(config: Any) -> None:
+    """Remove the load guard that :func:`mark` put in ``config`` (a transformers config), if any."""
+    if is_guard(getattr(config, GUARD_KEY, None)):
+        delattr(config, GUARD_KEY)
 
 
 def unmark(model: nn.Module) -> None:
-    """Remove ``config.linearize`` (before a restore re-converts the model)."""
+    """Remove ``config.linearize`` and the load guard (before a restore re-converts the model)."""
     cfg = getattr(model, "config", None)
     if cfg is not None and hasattr(cfg, CONFIG_KEY):
         delattr(cfg, CONFIG_KEY)
+    lift_guard(cfg)
 
 
 def refuse_stripped(model: nn.Module) -> None:
@@ -171,8 +193,11 @@ def load_plain(cls: type, directory: Path, keys: list[str], kwargs: dict[str, An
         from transformers.models.auto.auto_factory import _get_model_class
 
         config = kwargs.get("config") or AutoConfig.from_pretrained(str(directory))
-        kwargs = {**kwargs, "config": config}
         cls = _get_model_class(config, cls._model_mapping)
+    else:
+        config = kwargs.get("config") or cls.config_class.from_pretrained(str(directory))
+    lift_guard(config)  # this load restores the units
+    kwargs = {**kwargs, "config": config}
     pattern = r"(^|\.)(" + "|".join(re.escape(k) for k in keys) + r")$"
     ignore = set(cls._keys_to_ignore_on_load_unexpected or []) | {pattern}
     sub = type(cls.__name__, (cls,), {"_keys_to_ignore_on_load_unexpected": ignore, "__module__": cls.__module__,

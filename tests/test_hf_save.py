@@ -60,17 +60,37 @@ def test_save_pretrained_reloads_identically(tmp_path, capfd, build, auto):
     loaded = linearize.from_pretrained(getattr(hf, auto), tmp_path)
     assert torch.equal(_out(loaded, X), ref)
     assert "UNEXPECTED" not in "".join(capfd.readouterr())  # a correct load prints no warning table
-    # the model a plain from_pretrained returns is restored by passing it in
-    plain = getattr(hf, auto).from_pretrained(tmp_path)
-    assert not torch.equal(_out(plain, X), ref)  # the function that must never pass silently
-    assert torch.equal(_out(linearize.from_pretrained(plain, tmp_path), X), ref)
 
 
-def test_plain_reload_is_refused_with_the_fix(tmp_path):
+@pytest.mark.parametrize("build,classes", [(_bert, ("AutoModel", "BertModel", "BertForMaskedLM")),
+                                           (_gpt2, ("AutoModelForCausalLM", "GPT2LMHeadModel", "GPT2Model"))])
+def test_plain_from_pretrained_fails_instead_of_loading_another_function(tmp_path, build, classes):
+    model = _trained(build())
+    model.save_pretrained(tmp_path)
+    saved = json.loads((tmp_path / "config.json").read_text())
+    assert "linearize.from_pretrained" in json.dumps(saved["quantization_config"])  # the fix, where users look
+    for name in classes:  # transformers alone, any class: an error before any weight is read
+        with pytest.raises(ValueError, match="quant_method"):
+            getattr(hf, name).from_pretrained(tmp_path)
+    # the live model is unchanged by the guard: it still saves, trains and reloads exactly
+    assert torch.equal(_out(linearize.from_pretrained(getattr(hf, classes[0]), tmp_path), X), _out(model, X))
+
+
+def test_plain_reload_of_an_unguarded_save_is_refused_with_the_fix(tmp_path):
     _trained(_bert()).save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    del config["quantization_config"]  # a save made before the load guard existed
+    (tmp_path / "config.json").write_text(json.dumps(config))
     plain = hf.AutoModel.from_pretrained(tmp_path)
     with pytest.raises(LoadError, match=r"linearize\.from_pretrained\(BertModel"):
         linearize.convert(plain)  # would silently restart from fresh units
+
+
+def test_really_quantized_config_is_kept(tmp_path):
+    model = _bert()
+    model.config.quantization_config = {"quant_method": "bitsandbytes", "load_in_8bit": True}
+    _trained(model)
+    assert model.config.quantization_config == {"quant_method": "bitsandbytes", "load_in_8bit": True}
 
 
 def test_stale_sidecar_is_refused(tmp_path):
