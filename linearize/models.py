@@ -7,6 +7,7 @@ from pathlib import Path
 from torch import nn
 
 from ._files import safe_torch_load
+from .hf import has_manifest
 from ._optional import require
 
 
@@ -30,6 +31,10 @@ def load_model(spec: str | Path, num_classes: int | None = None, *, trust_pickle
         config = transformers.AutoConfig.from_pretrained(path, local_files_only=True)
         arch = (getattr(config, "architectures", None) or [None])[0]
         cls = getattr(transformers, arch, None) if arch else None
+        if has_manifest(path):  # saved converted: restore its units (a plain load is refused)
+            from .serialization import from_pretrained
+
+            return from_pretrained(cls or transformers.AutoModel, path, local_files_only=True)
         return (cls or transformers.AutoModel).from_pretrained(path, local_files_only=True)
     if path.suffix in (".pt", ".pth") and path.is_file():
         model = safe_torch_load(path, trust_pickle=trust_pickle)

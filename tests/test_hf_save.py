@@ -173,3 +173,12 @@ def test_wmt14_load_model_returns_the_model(tmp_path, capfd):
     with torch.no_grad():
         assert torch.equal(loaded.eval()(**inputs).logits, model(**inputs).logits)
     assert wmt14.load_tokenizer(tmp_path)("a dog").input_ids[-1] == wmt14.EOS
+
+
+def test_command_line_loader_restores_a_converted_save(tmp_path):
+    from linearize.models import load_model
+
+    model = _trained(_bert())
+    model.save_pretrained(tmp_path)
+    loaded = load_model(tmp_path)  # what `linearize report DIR` and `linearize inspect DIR` load
+    assert linearize.units(loaded) and torch.equal(_out(loaded, X), _out(model, X))
