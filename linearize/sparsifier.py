@@ -31,6 +31,19 @@ The legacy ``lam`` (also a schedule built with its own ``lam``, a number, or a p
 optimizer (``lam = 1e-3`` under SGD at lr 0.1 is ``1e-4`` per step, the same ``lam`` under AdamW at
 lr 2e-5 is ``2e-8``: nothing).
 
+**Which channels a target makes linear** (``select``). With ``select="slope"`` (default) the
+channels whose slopes the pressure carried highest go first: the loss gradient decides by holding
+important slopes down against the push. That works when the optimizer can move a slope about as
+far per step as the push (SGD at usual rates), but not under Adam fine-tuning, where a slope moves
+about ``lr`` (2e-5) per step against a push of ``1 / ramp_steps`` (1e-3): every slope drifts up
+alike, the choice is arbitrary, and the channels left nonlinear end at ``1 - release``, nearly
+linear. ``select="saliency"`` (a target schedule only) measures instead what each channel costs:
+the running mean of its squared loss gradient ``E[(dL/da_c)^2]`` (the diagonal Fisher of the
+slope, a second-order estimate of the loss increase of moving it; decay ``0.9`` per step,
+optimizer-independent), and glides the *cheapest* channels to 1; there is no uniform push, so
+the channels kept nonlinear keep their slopes (the loss alone moves them). Gradients are read at
+each :meth:`Sparsifier.step` (call it before ``zero_grad``; :meth:`attach` does).
+
 A :func:`~linearize.schedules.target` schedule adds a **gentle budget projection** (see
 :meth:`Sparsifier.max_step`): the channels the cubic path wants linear ``G`` steps ahead are
 selected (highest slopes first, a selected channel stays selected), each selected channel moves up
@@ -68,6 +81,8 @@ from .unit import check_finite_slopes, count_channels, linear_masks, project_slo
 __all__ = ["Sparsifier", "param_groups", "flops_weights"]
 
 MODES = ("proximal", "loss")
+SELECT = ("slope", "saliency")
+SALIENCY_DECAY = 0.9  # running mean of the squared slope gradients, per step
 # torch optimizer -> weakref to the Sparsifier attached to it (one per optimizer: two would apply the pressure twice)
 _ATTACHED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
@@ -112,6 +127,9 @@ class Sparsifier:
         log_every: record the per-site fractions every this many steps (default: about 500
             records per run).
         example_inputs: inputs for ``weights="flops"``.
+        select: how a target schedule picks the channels it makes linear: ``"slope"`` (pushed
+            highest first) or ``"saliency"`` (lowest running mean of the squared loss gradient
+            of the slope first, no uniform push; for fine-tuning under Adam, see the module docs).
 
     Example::
 
@@ -134,8 +152,14 @@ class Sparsifier:
         example_inputs=None,
         rate: float | None = None,
         glide: float | None = None,
+        select: str = "slope",
     ) -> None:
         self._units = require_units(model, "there is nothing to sparsify")
+        if select not in SELECT:
+            raise ValueError(f"select must be one of {SELECT}, got {select!r}")
+        if select == "saliency" and not isinstance(schedule, _schedules.Target):
+            raise ValueError("select='saliency' picks the channels of a target schedule: pass "
+                             "schedule=linearize.schedules.target(...), or select='slope'")
         if isinstance(total_steps, bool) or not isinstance(total_steps, int) or total_steps < 1:
             raise ValueError(f"total_steps must be a positive int, got {total_steps!r}")
         _schedules._check_lam(lam)
@@ -177,6 +201,9 @@ class Sparsifier:
         self.step_count = 0
         self.initial_fraction: float | None = None  # measured at a target schedule's start
         self._selected: torch.Tensor | None = None  # bool [C], channels the target glides to 1
+        self.select = select
+        # float64 [C]: running mean of squared slope gradients (select="saliency")
+        self._saliency = torch.zeros(sum(u.num_channels for _, u in self._units), dtype=torch.float64)
         self._lr_peak: list[float | None] = [None] * len(self._units)  # largest slope LR seen, per unit
         self.history: list[dict] = []
         self._hook = None
@@ -327,11 +354,13 @@ class Sparsifier:
                 stacklevel=2,
             )
             self._warned = True
+        if self.select == "saliency":
+            self._observe()
         self._project()
         target = isinstance(self.schedule, _schedules.Target)
         before = torch.cat([u.slope.detach().float() for _, u in self._units]) if target else None
         lam_t = self.lam_at()
-        if self.mode == "proximal" and lam_t > 0:
+        if self.mode == "proximal" and lam_t > 0 and self.select == "slope":
             self._proximal(lam_t)
         wanted = None
         if target:
@@ -347,6 +376,28 @@ class Sparsifier:
         if self.step_count % self.log_every == 0 or self.step_count == 1:
             self._record(lam_t, wanted)
         self._versions = self._slope_versions()
+
+    def _observe(self) -> None:
+        """Fold this step's slope gradients into the running saliency (units without a gradient
+        this step, e.g. unused, keep theirs)."""
+        offset = 0
+        for name, unit in self._units:
+            n, grad = unit.num_channels, unit.slope.grad
+            if grad is not None:
+                if not torch.isfinite(grad).all():
+                    raise ValueError(f"Sparsifier.step (step {self.step_count}): the slope gradient of unit "
+                                     f"{name!r} is NaN or inf (the loss diverged); lower the learning rate")
+                part = self._saliency[offset : offset + n]
+                part.mul_(SALIENCY_DECAY).add_(grad.detach().double().cpu().square(), alpha=1 - SALIENCY_DECAY)
+            offset += n
+
+    def saliency(self) -> dict[str, torch.Tensor]:
+        """Per unit, the running mean of each channel's squared slope gradient (``select="saliency"``)."""
+        out, offset = {}, 0
+        for name, unit in self._units:
+            out[name] = self._saliency[offset : offset + unit.num_channels].clone()
+            offset += unit.num_channels
+        return out
 
     def _proximal(self, lam_t: float) -> None:
         lrs = self._lr_by_slope()
@@ -382,10 +433,13 @@ class Sparsifier:
         k_free = min(max(k - int((frozen == 1).sum()), 0), int(free.sum()))
         linear = torch.cat(self._linear_masks()).to(slopes.device)
         selected = (self._selected.to(slopes.device) if self._selected is not None else linear) & free
-        # rank free channels: selected first (hysteresis), then by slope, then "linear now" (stable sorts)
+        # rank free channels (stable sorts, the last key first): "slope": selected first (hysteresis),
+        # then "linear now", then by slope; "saliency": linear now first, then the cheapest, then by slope
         ranked = torch.nonzero(free).squeeze(1)
-        for key in (linear, slopes, selected):
-            ranked = ranked[torch.sort(key[ranked].float(), descending=True, stable=True).indices]
+        keys = (linear, slopes, selected) if self.select == "slope" else (
+            slopes, -self._saliency.to(slopes.device), linear)
+        for key in keys:
+            ranked = ranked[torch.sort(key[ranked].double(), descending=True, stable=True).indices]
         chosen, beyond = ranked[:k_free], ranked[k_free:]
         delta = self.max_step
         new = torch.minimum(slopes, before + delta)  # the proximal step's share of the cap
@@ -480,6 +534,8 @@ class Sparsifier:
             "rate": self.rate,
             "lr_peak": list(self._lr_peak),
             "history": list(self.history),
+            "select": self.select,
+            "saliency": self._saliency.tolist() if self.select == "saliency" else None,
         }
 
     def load_state_dict(self, state: Mapping) -> None:
@@ -499,6 +555,14 @@ class Sparsifier:
         peaks = state.get("lr_peak")
         self._lr_peak = list(peaks) if peaks is not None else [None] * len(self._units)
         self.history = list(state["history"])
+        if state.get("select", "slope") != self.select:
+            raise ValueError(f"state was saved with select={state.get('select', 'slope')!r}, this Sparsifier "
+                             f"has select={self.select!r}: build it with the same select to resume")
+        if state.get("saliency") is not None:
+            saliency = torch.tensor(state["saliency"], dtype=torch.float64)
+            if saliency.shape != self._saliency.shape or not torch.isfinite(saliency).all() or (saliency < 0).any():
+                raise ValueError(f"state's saliency must be {channels} finite values >= 0")
+            self._saliency = saliency
         self._versions = [-1] * len(self._units)  # the model was loaded: do not warn on the next step
 
 

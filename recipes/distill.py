@@ -33,6 +33,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import linearize  # noqa: E402
 from linearize.distill import KINDS, distill_loss, mean_pool  # noqa: E402
+from linearize.sparsifier import SELECT  # noqa: E402
 
 FFN_PATTERNS = [r".*(intermediate|mlp|ffn|feed_forward|fc1|fc2).*"]  # FFN activations, not the pooler
 
@@ -75,6 +76,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--end", type=float, default=0.8, help="the target is reached by this fraction")
     p.add_argument("--rate", type=float, default=None, help="pressure, slope units per step (default 1/ramp)")
     p.add_argument("--lam", type=float, default=None, help="legacy lr * lam pressure (overrides --rate)")
+    p.add_argument("--select", choices=SELECT, default="saliency",
+                   help="which channels the target makes linear: saliency (cheapest by the loss, no uniform "
+                        "push: for Adam fine-tuning) or slope (pushed highest first)")
     p.add_argument("--kind", choices=KINDS, default="hidden", help="what the student matches")
     p.add_argument("--steps", type=int, default=1000, help="optimizer steps")
     p.add_argument("--batch-size", type=int, default=32)
@@ -142,7 +146,7 @@ def main(argv: list[str] | None = None) -> dict:
     student, optimizer = accelerator.prepare(student, optimizer)
     schedule = linearize.schedules.target(args.target, start=args.start, end=args.end)
     sparsifier = linearize.Sparsifier(accelerator.unwrap_model(student), schedule, args.steps,
-                                      lam=args.lam, rate=args.rate).attach(optimizer)
+                                      lam=args.lam, rate=args.rate, select=args.select).attach(optimizer)
 
     rng = random.Random(args.seed)
     order: list[int] = []

@@ -142,12 +142,13 @@ def test_no_loss_jump_at_the_first_projections_of_a_pretrained_model(pretrained,
     assert curves["new"] < curves["old"] / 5, curves
 
 
-def test_state_dict_resumes_the_glide_exactly(digits):
+@pytest.mark.parametrize("select", ["slope", "saliency"])
+def test_state_dict_resumes_the_glide_exactly(digits, select):
     x, y = digits
     def build():
         model = linearize.convert(gelu_mlp())
         opt = torch.optim.SGD(linearize.param_groups(model, weight_decay=0.0), lr=0.05)
-        sp = linearize.Sparsifier(model, S.target(0.3, start=5, end=45), total_steps=60).attach(opt)
+        sp = linearize.Sparsifier(model, S.target(0.3, start=5, end=45), total_steps=60, select=select).attach(opt)
         return model, opt, sp
     def steps(model, opt, n):
         for _ in range(n):
@@ -165,6 +166,65 @@ def test_state_dict_resumes_the_glide_exactly(digits):
     b_sp.load_state_dict(a_sp.state_dict())
     steps(b, b_opt, 20)
     assert torch.equal(slopes(b), slopes(ref))
+
+
+def _half_dead_teacher() -> nn.Module:
+    """GELU MLP whose hidden channels 8..15 feed nothing (zero outgoing weights): linearizing them
+    costs exactly nothing, linearizing any of 0..7 changes the output (the independent truth)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 4))
+    with torch.no_grad():
+        model[0].bias.uniform_(-1, 0)  # the units' inputs cross zero: GELU is far from linear there
+        model[2].weight[:, 8:] = 0
+    return model
+
+
+def _distil_slopes(select: str) -> tuple[nn.Module, float]:
+    """Fine-tune only the slopes with Adam at a fine-tuning LR to a 50% target; return the student
+    and its final distillation MSE."""
+    teacher = _half_dead_teacher()
+    student = linearize.convert(copy.deepcopy(teacher))
+    slopes_ = [u.slope for _, u in linearize.units(student)]
+    opt = torch.optim.Adam(slopes_, lr=1e-3)
+    sp = linearize.Sparsifier(student, S.target(0.5, start=0.1, end=0.6), total_steps=300, select=select).attach(opt)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(300):
+        x = torch.randn(64, 8, generator=gen)
+        loss = nn.functional.mse_loss(student(x), teacher(x).detach())
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    x = torch.randn(4096, 8, generator=gen)
+    with torch.no_grad():
+        return student, nn.functional.mse_loss(student(x), teacher(x)).item()
+
+
+def test_saliency_linearizes_the_channels_that_cost_nothing_under_adam():
+    student, loss = _distil_slopes("saliency")
+    unit = linearize.units(student)[0][1]
+    assert torch.equal(unit.slope[8:], torch.ones(8))  # the free channels, exactly linear
+    assert (unit.slope[:8] < 0.5).all()  # the ones that matter stay nonlinear (no uniform push)
+    assert linearize.nonlinear_fraction(student) == 0.5
+    # with the uniform push (Adam moves a slope ~lr per step against it) the kept channels drift up
+    pushed, pushed_loss = _distil_slopes("slope")
+    kept = linearize.units(pushed)[0][1].slope < 1
+    assert linearize.units(pushed)[0][1].slope[kept].mean() > 0.5
+    assert loss < 0.1 * pushed_loss
+
+
+def test_select_is_checked():
+    model = linearize.convert(gelu_mlp())
+    with pytest.raises(ValueError, match="select must be one of"):
+        linearize.Sparsifier(model, S.target(0.5), total_steps=10, select="random")
+    with pytest.raises(ValueError, match="target schedule"):
+        linearize.Sparsifier(model, S.late(start=0.5), total_steps=10, select="saliency")
+    sp = linearize.Sparsifier(model, S.target(0.5), total_steps=10, select="saliency")
+    state = sp.state_dict()
+    with pytest.raises(ValueError, match="select"):
+        linearize.Sparsifier(model, S.target(0.5), total_steps=10).load_state_dict(state)
+    state["saliency"][0] = float("nan")
+    with pytest.raises(ValueError, match="finite"):
+        sp.load_state_dict(state)
 
 
 def test_distill_loss_values():
