@@ -612,6 +612,7 @@ def convert(
         if param is not None:
             made = [u.to(param.device) for u in made]
         install_call_sites(owner, attr, made)
+        getattr(owner, attr).train(act.training)  # new units (and dispatcher) take the replaced flag
     model.linearize_config = config
     model.linearize_report = report
     from .hf import mark

@@ -250,7 +250,7 @@ class Batches:
             yield batch if self._parsed else _model_inputs(batch, f"batch {i} of {self.name}")
         if empty:
             raise ValueError(
-                f"{self.name} yielded no batches (an empty list, loader or generator): pass at least one batch"
+                f"{self.name} yielded no batches (empty loader, list or generator): pass at least one batch"
             )
 
     def __len__(self) -> int:

@@ -836,7 +836,8 @@ def compress(
         domain = Batches.of(domain, "domain")
         first = next(iter(domain))
         if not isinstance(first, torch.Tensor):
-            raise TypeError(f"compress needs tensor inputs, got {type(first).__name__}")
+            raise TypeError(f"compress runs an nn.Sequential on one input tensor: give data whose inputs are "
+                            f"tensors (a tensor batch, (x, y) pairs, a loader of them), got {type(first).__name__}")
         in_shape = tuple(first.shape[1:])
     affines, sites = _build(model, in_shape)
     stability = stable_units(model, domain, method, progress=progress)
