@@ -254,6 +254,8 @@ class Batches:
             )
 
     def __len__(self) -> int:
+        if self._iterator is None and hasattr(self._source, "__len__"):  # a list, a DataLoader
+            return len(self._source)
         return sum(1 for _ in self)
 
     @property
@@ -322,7 +324,8 @@ def eval_mode(model: nn.Module) -> Iterator[nn.Module]:
     BatchNorm that was deliberately kept in eval mode back to training.
 
     Example:
-        >>> net = nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2).eval()).train()
+        >>> net = nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2))
+        >>> _ = net[1].eval()  # a frozen BatchNorm inside a model in training mode
         >>> with eval_mode(net):
         ...     pass
         >>> net.training, net[1].training

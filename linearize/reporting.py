@@ -166,8 +166,9 @@ def report(
         model: a model converted by :func:`linearize.convert` (or a gated network from
             ``convert(mode="dgn" | "dlgn")``).
         data: a tensor ``[N, ...]``, an ``(inputs, labels)`` pair, a dict of tensors with ``N`` rows
-            (tokenizer output), or an iterable of such batches (a ``DataLoader``); at most
-            ``max_samples`` samples are used. At least 2 are needed.
+            (tokenizer output), or an iterable of such batches (a ``DataLoader``; see
+            :mod:`linearize.inputs`); the first ``max_samples`` samples are read once and used by
+            every measure. At least 2 are needed.
         history: a sparsifier history: a JSON path or dict written by
             :meth:`linearize.Sparsifier.save_history`, or a dict ``{step: {site: fraction}}``;
             read and checked before any measure runs.

@@ -7,7 +7,6 @@ gate_statistics the quantity itself computed directly from the first layer's pre
 
 from __future__ import annotations
 
-import copy
 
 import pytest
 import torch
