@@ -274,15 +274,17 @@ class Batches:
 
         def head(it: Iterator[Any]) -> Iterator[Any]:
             left = samples
-            for i, inputs in enumerate(it):
-                if (batches is not None and i >= batches) or (left is not None and left <= 0):
-                    return
+            if batches == 0 or (left is not None and left <= 0):
+                return
+            for i, inputs in enumerate(it, 1):  # stops without reading a batch beyond the limit
                 n = num_rows(inputs)
                 if left is not None and n > left:
                     inputs, n = _slice(inputs, 0, left), left
                 yield inputs
                 if left is not None:
                     left -= n
+                if i == batches or (left is not None and left <= 0):
+                    return
 
         return self._derive(head)
 

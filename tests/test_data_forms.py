@@ -286,3 +286,15 @@ def test_eval_mode_and_gate_statistics_keep_every_flag(root_training):
     before = _flags(gated)
     gate_statistics(gated, (X, Y))
     assert _flags(gated) == before
+
+
+def test_limit_reads_no_batch_beyond_it():
+    read = []
+
+    def gen():
+        for a, b in CUTS:
+            read.append(a)
+            yield X[a:b]
+
+    assert Batches.of(gen()).limit(samples=7).num_samples == 7 and read == [0]
+    assert len(Batches.of(gen()).limit(batches=2)) == 2 and read == [0, 0, 7]
