@@ -41,6 +41,7 @@ from torch.overrides import TorchFunctionMode
 
 from .checks import as_patterns, check_channel_dim
 from .config import GATE_KINDS, LinearizeConfig
+from .inputs import call_model, eval_mode  # call_model: re-exported (folding, users)
 from .unit import LinearizableActivation, install_optimizer_hooks
 
 __all__ = [
@@ -250,15 +251,6 @@ class ConversionReport:
 # ----------------------------------------------------------------------------- inputs
 
 
-def call_model(model: nn.Module, inputs: Any) -> Any:
-    """Run ``model`` on ``inputs``: a tensor, a tuple/list of positional args, or a dict of kwargs."""
-    if isinstance(inputs, dict):
-        return model(**inputs)
-    if isinstance(inputs, (tuple, list)):
-        return model(*inputs)
-    return model(inputs)
-
-
 def default_example_inputs(model: nn.Module) -> Any:
     """A small input batch for the probe forward, when the user gives none.
 
@@ -431,15 +423,12 @@ class _Probe:
     def run(self, model: nn.Module, inputs: Any) -> None:
         pre = torch.nn.modules.module.register_module_forward_pre_hook(self.pre_hook)
         post = torch.nn.modules.module.register_module_forward_hook(self.hook)
-        was_training = model.training
-        model.eval()
         try:
-            with torch.no_grad(), _FunctionalRecorder(self):
+            with eval_mode(model), torch.no_grad(), _FunctionalRecorder(self):
                 call_model(model, inputs)
         finally:
             pre.remove()
             post.remove()
-            model.train(was_training)
 
 
 # ----------------------------------------------------------------------------- convert
@@ -623,6 +612,7 @@ def convert(
         if param is not None:
             made = [u.to(param.device) for u in made]
         install_call_sites(owner, attr, made)
+        getattr(owner, attr).train(act.training)  # new units (and dispatcher) take the replaced flag
     model.linearize_config = config
     model.linearize_report = report
     from .hf import mark

@@ -55,7 +55,6 @@ import copy
 import dataclasses
 import math
 import warnings
-from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -71,9 +70,9 @@ from .conversion import (
     install_call_sites,
     wrap_function_attributes,
     activation_kind,
-    call_model,
     default_example_inputs,
 )
+from .inputs import Batches, as_call, call_model, eval_mode, model_device
 
 __all__ = ["GATED_KINDS", "GaLU", "FeatureTap", "GatedNetwork", "convert_gated", "gate_statistics"]
 
@@ -230,13 +229,6 @@ def _constant_inputs(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         "value_input='ones' replaces the model input by ones, but the call has no positional argument "
         f"and none of pixel_values / inputs_embeds / x / input (got {sorted(kwargs)})"
     )
-
-
-def _as_call(inputs: Any) -> tuple[tuple, dict]:
-    """``(args, kwargs)`` of an input in the ``call_model`` convention."""
-    if isinstance(inputs, dict):
-        return (), inputs
-    return (tuple(inputs), {}) if isinstance(inputs, (tuple, list)) else ((inputs,), {})
 
 
 def _ones(x: Any, what: str) -> torch.Tensor:
@@ -412,7 +404,7 @@ def convert_gated(model: nn.Module, config: LinearizeConfig, example_inputs: Any
         config, mode="prelu", activations=gated_kinds or ("relu",), gates="include")
     inputs = example_inputs if example_inputs is not None else default_example_inputs(model)
     if config.value_input == "ones":  # fail now, not at the first training step
-        _constant_inputs(*_as_call(inputs))
+        _constant_inputs(*as_call(inputs))
 
     value, feature = copy.deepcopy(model), copy.deepcopy(model)
     for net in (value, feature):
@@ -458,27 +450,13 @@ def convert_gated(model: nn.Module, config: LinearizeConfig, example_inputs: Any
 
     gated = GatedNetwork(feature, value, config, store)
     gated.linearize_report = report
-    return gated.train(model.training)  # deep copies: already on the model's device
+    gated.training = model.training  # the deep copies keep each module's own flag (and device)
+    if config.freeze_feature:
+        feature.eval()  # as GatedNetwork.train does: fixed gates keep their statistics
+    return gated
 
 
 # ----------------------------------------------------------------------------- statistics
-
-
-def _batches(inputs: Any, max_batches: int | None) -> Iterable[Any]:
-    if isinstance(inputs, (torch.Tensor, dict, tuple)):
-        return [inputs]
-    if not isinstance(inputs, Iterable):
-        raise TypeError(
-            f"inputs must be a tensor, a tuple, a dict or an iterable of batches, got {type(inputs).__name__}"
-        )
-
-    def gen():
-        for i, batch in enumerate(inputs):
-            if max_batches is not None and i >= max_batches:
-                return
-            yield batch[0] if isinstance(batch, (tuple, list)) else batch
-
-    return gen()
 
 
 def _plogp(p: torch.Tensor) -> torch.Tensor:
@@ -491,10 +469,11 @@ def gate_statistics(gated: GatedNetwork, inputs: Any, max_batches: int | None = 
 
     Args:
         gated: a :class:`GatedNetwork`.
-        inputs: one batch (a tensor, a tuple of positional arguments, a dict of keyword arguments)
-            or any other iterable of batches (a list, a ``DataLoader``); there a tuple/list batch
-            ``(x, y, ...)`` uses ``x`` only.
-        max_batches: stop after this many batches of an iterable.
+        inputs: data (:mod:`linearize.inputs`): a tensor batch, a dict of keyword arguments, an
+            ``(inputs, *targets)`` tuple (only ``inputs`` is fed; a model with several positional
+            arguments takes ``((a, b), targets)``) or an iterable of such batches (a list, a
+            ``DataLoader``).
+        max_batches: stop after this many batches.
 
     Returns:
         ``{site: {"channels": C, "fraction_on": f, "entropy": H, "always_on": n1, "always_off": n0}}``
@@ -508,24 +487,21 @@ def gate_statistics(gated: GatedNetwork, inputs: Any, max_batches: int | None = 
         raise TypeError(
             f"gate_statistics expects a GatedNetwork (from convert(mode='dgn'|'dlgn')), got {type(gated).__name__}"
         )
+    data = Batches.of(inputs, "inputs")
+    if max_batches is not None:
+        if max_batches < 1:
+            raise ValueError(f"gate_statistics got no batch: max_batches must be >= 1, got {max_batches}")
+        data = data.limit(batches=max_batches)
     galus = [g for _, g in gated.gates()]
     for g in galus:
         g.on_counts, g.positions = None, 0
-    was_training = gated.training
-    gated.eval()
     gated._store.recording = True
-    batches = 0
     try:
-        with torch.no_grad():
-            batch_iter = _batches(inputs, max_batches)
-            for batch in tqdm(batch_iter, desc="gate statistics", leave=False, disable=isinstance(batch_iter, list)):
+        with eval_mode(gated), torch.no_grad():
+            for batch in tqdm(data.to(model_device(gated)), desc="gate statistics", leave=False):
                 call_model(gated, batch)
-                batches += 1
     finally:
         gated._store.recording = False
-        gated.train(was_training)
-    if batches == 0:
-        raise ValueError("gate_statistics got no batch (empty loader or max_batches=0)")
     stats = {}
     for g in galus:
         if g.on_counts is None:

@@ -38,6 +38,7 @@ from tqdm.auto import tqdm
 
 from ._optional import require
 from .checks import arg_type, check_positive, check_positive_int, check_tol
+from .inputs import Batches, call_model, eval_mode, hooks, model_device, to_device
 from .unit import LinearizableActivation, check_finite_slopes, count_units, units
 
 __all__ = ["Report", "report", "register_cli", "load_history", "MEASURES"]
@@ -165,8 +166,9 @@ def report(
         model: a model converted by :func:`linearize.convert` (or a gated network from
             ``convert(mode="dgn" | "dlgn")``).
         data: a tensor ``[N, ...]``, an ``(inputs, labels)`` pair, a dict of tensors with ``N`` rows
-            (tokenizer output), or an iterable of such batches (a ``DataLoader``); at most
-            ``max_samples`` samples are used. At least 2 are needed.
+            (tokenizer output), or an iterable of such batches (a ``DataLoader``; see
+            :mod:`linearize.inputs`); the first ``max_samples`` samples are read once and used by
+            every measure. At least 2 are needed.
         history: a sparsifier history: a JSON path or dict written by
             :meth:`linearize.Sparsifier.save_history`, or a dict ``{step: {site: fraction}}``;
             read and checked before any measure runs.
@@ -225,10 +227,11 @@ def report(
     regions_seconds = None if regions_seconds is None else check_positive(regions_seconds, "regions_seconds")
     check_finite_slopes(units(model), "report")
     records = _read_history(history) if history is not None and "history" not in skip else None
-    inputs, n = _collect(data, max_samples)
+    data = Batches.of(data).limit(samples=max_samples).cached()
+    n = data.num_samples
     if n < 2:
         raise ValueError(f"report needs at least 2 samples, got {n}: pass a larger batch")
-    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    batches = data.split(batch_size).to(model_device(model))
     rep = Report(model=type(model).__name__, num_samples=n, tol=tol)
     conversion = getattr(model, "linearize_report", None)
     if callable(getattr(conversion, "excluded_sites", None)):
@@ -239,7 +242,7 @@ def report(
         if step in skip:
             rep.skipped[step] = "skipped on request"
         elif step == "finite":
-            _check_finite(model, inputs, n, batch_size, device)
+            _check_finite(model, batches)
         elif step == "units":
             if is_gated:
                 rep.skipped["units"] = "gated model: it has gates, not slope units"
@@ -247,11 +250,11 @@ def report(
                 rep.units = count_units(model, tol)
                 rep.units["fraction"] = rep.units["nonlinear"] / rep.units["total"]
         elif step == "path_length":
-            _path_length(rep, model, inputs, tol, sources, is_gated, device)
+            _path_length(rep, model, data, tol, sources, is_gated)
         elif step == "affinity":
-            _affinity(rep, model, inputs, batch_size, max_samples, progress)
+            _affinity(rep, model, data, batch_size, max_samples, progress)
         elif step == "regions":
-            _regions(rep, model, inputs, segments, paths, batch_size, is_gated, progress, max_regions, regions_seconds)
+            _regions(rep, model, data.concat(), segments, paths, batch_size, is_gated, progress, max_regions, regions_seconds)
         elif step == "history":
             if records is None:
                 rep.skipped["history"] = "no sparsifier history given"
@@ -259,7 +262,7 @@ def report(
                 rep.history = _history_summary(records, rep.units)
         elif step == "gates":
             if is_gated:
-                rep.gates = gated.gate_statistics(model, iter(_batches(inputs, n, batch_size, device)))
+                rep.gates = gated.gate_statistics(model, batches)
             else:
                 rep.skipped["gates"] = "not a gated (DGN/DLGN) model"
     return rep
@@ -268,17 +271,17 @@ def report(
 # ----------------------------------------------------------------------------- measures
 
 
-def _path_length(rep: Report, model: nn.Module, inputs: Any, tol: float, sources, is_gated: bool, device) -> None:
+def _path_length(rep: Report, model: nn.Module, data: Batches, tol: float, sources, is_gated: bool) -> None:
     if is_gated:
         rep.skipped["path_length"] = "gated model: the average path length counts slope units"
         return
     from .measures.paths import average_path_length
 
-    example = _to_device(_rows(inputs, slice(0, 2)), device)
+    example = to_device(data.limit(samples=2).concat(), model_device(model))
     rep.path_length = average_path_length(model, example, tol=tol, sources=sources, detailed=True).to_dict()
 
 
-def _affinity(rep: Report, model: nn.Module, inputs: Any, batch_size: int, max_samples: int, progress: bool) -> None:
+def _affinity(rep: Report, model: nn.Module, data: Batches, batch_size: int, max_samples: int, progress: bool) -> None:
     try:
         affinity = importlib.import_module(".measures.affinity", __package__)
     except ImportError as err:
@@ -286,7 +289,7 @@ def _affinity(rep: Report, model: nn.Module, inputs: Any, batch_size: int, max_s
         return
     try:
         sig = affinity.affinity_signature(
-            model, inputs, batch_size=batch_size, max_samples=max(2, max_samples), progress=progress
+            model, data, batch_size=batch_size, max_samples=max(2, max_samples), progress=progress
         )
     except ValueError as err:  # e.g. no site the signature can read; NaN/inf was checked before
         rep.skipped["affinity"] = str(err)
@@ -443,73 +446,8 @@ def _history_summary(records: list[_Record], counts: dict | None) -> dict:
 # ----------------------------------------------------------------------------- data
 
 
-def _num_rows(x: Any) -> int:
-    if isinstance(x, torch.Tensor):
-        return x.shape[0] if x.ndim else 1
-    return min(_num_rows(v) for v in x.values() if isinstance(v, torch.Tensor))
-
-
-def _rows(x: Any, index) -> Any:
-    if isinstance(x, torch.Tensor):
-        return x[index]
-    return {k: v[index] if isinstance(v, torch.Tensor) else v for k, v in x.items()}
-
-
-def _as_batch(batch: Any) -> Any:
-    if isinstance(batch, np.ndarray):
-        return torch.from_numpy(batch)
-    if isinstance(batch, (tuple, list)):
-        if not batch:
-            raise ValueError("got an empty tuple/list as a batch")
-        return _as_batch(batch[0])
-    if isinstance(batch, torch.Tensor):
-        return batch
-    if isinstance(batch, Mapping) and any(isinstance(v, torch.Tensor) for v in batch.values()):
-        return dict(batch)
-    raise TypeError(f"cannot use a batch of type {type(batch).__name__}: give tensors or dicts of tensors")
-
-
-def _collect(data: Any, max_samples: int) -> tuple[Any, int]:
-    """Up to ``max_samples`` samples of ``data`` as one tensor or dict of tensors, and their count."""
-    if isinstance(data, (torch.Tensor, np.ndarray, Mapping)) or (
-        isinstance(data, (tuple, list)) and data and isinstance(data[0], (torch.Tensor, np.ndarray))
-    ):
-        batch = _as_batch(data)
-        return _rows(batch, slice(0, max_samples)), min(_num_rows(batch), max_samples)
-    if not isinstance(data, Iterable) or isinstance(data, (str, bytes)):
-        raise TypeError(f"data must be a tensor, a dict of tensors or an iterable of batches, got {type(data).__name__}")
-    parts, n = [], 0
-    for batch in data:
-        batch = _as_batch(batch)
-        parts.append(batch)
-        n += _num_rows(batch)
-        if n >= max_samples:
-            break
-    if not parts:
-        raise ValueError("data yielded no batches: pass at least 2 samples")
-    if isinstance(parts[0], torch.Tensor):
-        out = torch.cat(parts)
-    else:
-        out = {k: torch.cat([p[k] for p in parts]) if isinstance(parts[0][k], torch.Tensor) else parts[0][k] for k in parts[0]}
-    return _rows(out, slice(0, max_samples)), min(n, max_samples)
-
-
-def _to_device(x: Any, device: torch.device) -> Any:
-    if isinstance(x, torch.Tensor):
-        return x.to(device)
-    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in x.items()}
-
-
-def _batches(inputs: Any, n: int, batch_size: int, device: torch.device) -> list:
-    return [_to_device(_rows(inputs, slice(i, i + batch_size)), device) for i in range(0, n, batch_size)]
-
-
-def _call(model: nn.Module, batch: Any) -> Any:
-    return model(**batch) if isinstance(batch, dict) else model(batch)
-
-
 @torch.no_grad()
-def _check_finite(model: nn.Module, inputs: Any, n: int, batch_size: int, device: torch.device) -> None:
+def _check_finite(model: nn.Module, batches: Batches) -> None:
     """One forward over the inputs; raise naming the first site with NaN/inf input or output."""
     gated = _gated_module()
     sites = [(name, m) for name, m in model.named_modules()
@@ -525,16 +463,10 @@ def _check_finite(model: nn.Module, inputs: Any, n: int, batch_size: int, device
                     )
         return hook
 
-    handles = [m.register_forward_hook(hook_for(name)) for name, m in sites]
-    was_training = model.training
-    model.eval()
-    try:
-        for batch in _batches(inputs, n, batch_size, device):
-            _call(model, batch)
-    finally:
-        model.train(was_training)
-        for h in handles:
-            h.remove()
+    with hooks() as handles, eval_mode(model):
+        handles += [m.register_forward_hook(hook_for(name)) for name, m in sites]
+        for batch in batches:
+            call_model(model, batch)
 
 
 def _gated_module():
@@ -864,7 +796,7 @@ def _load_model_and_data(args: argparse.Namespace) -> tuple[nn.Module, Any]:
     trust = args.trust_pickle
     model = load_model(spec, args.num_classes, trust_pickle=trust)
     data = _load_data(args, model, spec if hf_dir else None)
-    example = _rows(data, slice(0, 2))
+    example = Batches.of(data).limit(samples=2).concat()
     if hf_dir and (spec / "linearize_config.json").is_file():
         model = linearize.from_pretrained(model, spec, example_inputs=example)
     elif args.units:

@@ -76,6 +76,7 @@ from torch import nn
 
 from . import schedules as _schedules
 from .checks import check_positive, check_positive_int
+from .inputs import call_model
 from .unit import check_finite_slopes, count_channels, linear_masks, project_slopes, require_units, units
 
 __all__ = ["Sparsifier", "param_groups", "flops_weights"]
@@ -593,12 +594,7 @@ def flops_weights(model: nn.Module, example_inputs) -> dict[str, float]:
             hooks.append(module.register_forward_hook(unit_hook))
     try:
         with torch.no_grad():
-            if isinstance(example_inputs, Mapping):
-                model(**example_inputs)
-            elif isinstance(example_inputs, (tuple, list)):
-                model(*example_inputs)
-            else:
-                model(example_inputs)
+            call_model(model, example_inputs)
     finally:
         for h in hooks:
             h.remove()

@@ -28,7 +28,7 @@ from __future__ import annotations
 import copy
 import math
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Iterator
+from typing import Any
 
 import numpy as np
 import torch
@@ -36,6 +36,7 @@ from torch import nn
 
 from ._optional import require
 from .checks import FoldVerificationError, NonFiniteSlopeError, check_positive, check_positive_int
+from .inputs import Batches, eval_mode, model_device, record_preactivations, site_channel_dim, to_device
 from .unit import LinearizableActivation, check_finite_slopes
 
 __all__ = [
@@ -44,8 +45,6 @@ __all__ = [
     "StabilityResult",
     "SiteStability",
     "CompressionReport",
-    "iter_batches",
-    "call_model",
     "record_preactivations",
 ]
 
@@ -60,62 +59,7 @@ _MAX_DENSE = 20_000_000  # entries of one dense affine block (160 MB in float64)
 _MILP_SLACK = 1e-7  # relative widening of MILP bounds, above HiGHS feasibility tolerances
 
 
-# ----------------------------------------------------------------------------- data helpers
-
-
-def iter_batches(data: Any) -> Iterator[Any]:
-    """Yield the batches of ``data``: a tensor batch (one batch), a DataLoader or any iterable.
-
-    Raises ``ValueError`` if the iterable yields nothing.
-    """
-    if isinstance(data, torch.Tensor):
-        if data.numel() == 0:
-            raise ValueError("data is an empty tensor: pass a batch with at least one sample")
-        yield data
-        return
-    if isinstance(data, (str, bytes, dict)) or not isinstance(data, Iterable):
-        raise TypeError(
-            f"data must be a tensor batch, a DataLoader or an iterable of batches, got {type(data).__name__}"
-        )
-    empty = True
-    for batch in data:
-        empty = False
-        yield batch
-    if empty:
-        raise ValueError("data yielded no batches (empty loader): pass a loader with at least one batch")
-
-
-def call_model(model: nn.Module, batch: Any) -> Any:
-    """Run ``model`` on one batch: a tensor, an ``(inputs, targets, ...)`` tuple/list (the first
-    element is the input) or a dict of keyword arguments (Hugging Face style). Tensors are moved to
-    the model's device."""
-    param = next(model.parameters(), None)
-    device = param.device if param is not None else torch.device("cpu")
-    if isinstance(batch, (tuple, list)):
-        if not batch:
-            raise ValueError("got an empty tuple/list as a batch")
-        batch = batch[0]
-    if isinstance(batch, torch.Tensor):
-        return model(batch.to(device))
-    if isinstance(batch, dict):
-        return model(**{k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()})
-    raise TypeError(f"cannot feed a batch of type {type(batch).__name__} to the model")
-
-
-class _EvalMode:
-    """Context manager: every module in eval mode, the previous flags restored on exit."""
-
-    def __init__(self, model: nn.Module) -> None:
-        self.model = model
-        self.flags = [(m, m.training) for m in model.modules()]
-
-    def __enter__(self) -> nn.Module:
-        self.model.eval()
-        return self.model
-
-    def __exit__(self, *exc) -> None:
-        for m, flag in self.flags:
-            m.training = flag
+# ----------------------------------------------------------------------------- sites
 
 
 def _site_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -127,70 +71,6 @@ def _site_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
             if isinstance(m, LinearizableActivation):
                 inside = inside + (f"{name}.",)
     return found
-
-
-def record_preactivations(
-    model: nn.Module,
-    data: Any,
-    sites: list[tuple[str, nn.Module]],
-    per_channel: bool,
-    progress: bool = False,
-) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    """Min and max of the input of every site over ``data`` (eval mode, no grad).
-
-    Returns ``{name: (min, max)}`` per channel (``[C]``, reduced over samples and positions) when
-    ``per_channel``, else per neuron (the site's input shape without the batch dim, which must then
-    be the same for every batch). Raises ``ValueError`` naming the site on a NaN.
-    """
-    stats: dict[str, list[torch.Tensor]] = {}
-
-    def hook_for(name: str, module: nn.Module):
-        def hook(mod, args):
-            x = args[0].detach()
-            if torch.isnan(x).any():
-                raise ValueError(f"NaN in the pre-activation of site {name!r}: check the model and data")
-            if per_channel:
-                dim = _channel_dim(module, x.ndim)
-                flat = x.movedim(dim, -1).reshape(-1, x.shape[dim])
-                lo, hi = flat.amin(0), flat.amax(0)
-            else:
-                lo, hi = x.amin(0), x.amax(0)
-            if name in stats:
-                old_lo, old_hi = stats[name]
-                if old_lo.shape != lo.shape:
-                    raise ValueError(
-                        f"site {name!r} saw inputs of different shapes {tuple(old_lo.shape)} and "
-                        f"{tuple(lo.shape)}: use per_channel=True for variable-length inputs"
-                    )
-                lo, hi = torch.minimum(old_lo, lo), torch.maximum(old_hi, hi)
-            stats[name] = [lo, hi]
-
-        return hook
-
-    handles = [m.register_forward_pre_hook(hook_for(n, m)) for n, m in sites]
-    try:
-        with _EvalMode(model), torch.no_grad():
-            batches = iter_batches(data)
-            if progress:
-                from tqdm.auto import tqdm
-
-                batches = tqdm(batches, desc="recording pre-activations", leave=False)
-            for batch in batches:
-                call_model(model, batch)
-    finally:
-        for h in handles:
-            h.remove()
-    missing = [n for n, _ in sites if n not in stats]
-    if missing:
-        raise ValueError(f"sites {missing} were never called on the data")
-    return {n: (lo.cpu(), hi.cpu()) for n, (lo, hi) in stats.items()}
-
-
-def _channel_dim(module: nn.Module, ndim: int) -> int:
-    """Channel dim of a site's input with ``ndim`` dims (batch included)."""
-    if isinstance(module, LinearizableActivation):
-        return module.channel_dim % ndim
-    return 1 if ndim > 1 else 0
 
 
 # ----------------------------------------------------------------------------- the network
@@ -256,7 +136,7 @@ def _negative_slopes(module: nn.Module, name: str) -> torch.Tensor:
 def _site_slopes(module: nn.Module, name: str, shape: tuple[int, ...]) -> tuple[torch.Tensor, int]:
     w = _negative_slopes(module, name)
     full = (1, *shape)
-    dim = _channel_dim(module, len(full))
+    dim = site_channel_dim(module, len(full))
     view = [1] * len(full)
     view[dim] = w.numel()
     try:
@@ -598,7 +478,9 @@ def stable_units(
         model: a feedforward ``nn.Sequential`` ReLU/PReLU network (see the module docstring) in
             eval mode, for the box methods; any model with units or ReLU modules for ``"data"``.
         domain: an input box ``(lower, upper)`` (tensors of one input's shape, no batch dim), or
-            data: a tensor batch, a DataLoader or an iterable of batches.
+            data (:mod:`linearize.inputs`): a tensor batch, a mapping of keyword arguments, an
+            ``(inputs, *targets)`` tuple or an iterable of batches (a ``DataLoader``). A pair of
+            two tensors of the same shape is read as a box.
         method: ``"crown"`` (default for a box), ``"ibp"``, ``"milp"`` (exact bounds by two MILPs
             per neuron that CROWN leaves unstable, and per output; stable neurons keep their CROWN
             bounds; small MLPs: ~2 s per solve at 64 inputs and 25 binaries) or ``"data"``
@@ -624,11 +506,11 @@ def stable_units(
         if not sites:
             raise ValueError("the model has no units or ReLU modules: call linearize.convert(model) first")
         check_finite_slopes([(n, m) for n, m in sites if isinstance(m, LinearizableActivation)], "stable_units")
-        ranges = record_preactivations(model, domain, sites, per_channel, progress)
+        ranges = record_preactivations(model, Batches.of(domain, "domain"), sites, per_channel, progress)
         result = {}
         for name, module in sites:
             lo, hi = (t.double() for t in ranges[name])
-            cdim = 0 if per_channel else _channel_dim(module, lo.ndim + 1) - 1
+            cdim = 0 if per_channel else site_channel_dim(module, lo.ndim + 1) - 1
             result[name] = _site_result(name, module, lo, hi, cdim)
         return StabilityResult("data", result)
     if box is None:
@@ -733,21 +615,21 @@ def _verification_batches(box, datasets, samples: int, seed: int, batch: int = 1
             n = min(batch, samples - start)
             yield lower + (upper - lower) * torch.rand(n, *lower.shape, generator=gen, dtype=torch.float64)
     for data in datasets:
-        yield from iter_batches(data)
+        yield from data
 
 
 def _max_error(original: nn.Module, small: nn.Module, batches) -> tuple[float, float, int]:
     err, scale, count = 0.0, 0.0, 0
     dtype = next(small.parameters()).dtype
-    with _EvalMode(original), torch.no_grad():
-        for batch in batches:
-            x = batch[0] if isinstance(batch, (tuple, list)) else batch
+    device = model_device(original)
+    with eval_mode(original), torch.no_grad():
+        for x in batches:
             if not isinstance(x, torch.Tensor):
-                raise TypeError(f"compress verifies on tensor batches, got {type(x).__name__}")
+                raise TypeError(f"compress verifies on tensor inputs, got {type(x).__name__}")
             if x.shape[0] == 0:
                 continue
             x = x.to(dtype)
-            y0 = call_model(original, x).double().cpu()
+            y0 = original(to_device(x, device)).double().cpu()
             y1 = small(x.cpu()).double()
             if not bool(torch.isfinite(y0).all()):  # a NaN difference would be dropped by max() below
                 raise ValueError("compress: the model's own output has NaN/inf values on the verification "
@@ -928,9 +810,10 @@ def compress(
 
     Args:
         model: an ``nn.Sequential`` as for :func:`stable_units`.
-        domain: an input box ``(lower, upper)`` (tensors of one input's shape) or data.
+        domain: an input box ``(lower, upper)`` (tensors of one input's shape) or data whose
+            inputs are tensors (see :func:`stable_units`).
         method: how to find stable units (see :func:`stable_units`; ``"crown"`` for a box).
-        data: extra data to verify on (a tensor batch or loader of ``(inputs, ...)``).
+        data: extra data to verify on (any form of :mod:`linearize.inputs`, tensor inputs).
         samples: uniform samples of the box (plus its two extreme corners and centre) to verify on.
         rtol: allowed max abs output difference, relative to the largest abs output seen.
         rank_tol: relative tolerance of the rank of a layer's linear rows.
@@ -950,10 +833,11 @@ def compress(
     if box is not None:
         in_shape = tuple(box[0].shape)
     else:
-        first = next(iter_batches(domain))
-        first = first[0] if isinstance(first, (tuple, list)) else first
+        domain = Batches.of(domain, "domain")
+        first = next(iter(domain))
         if not isinstance(first, torch.Tensor):
-            raise TypeError(f"compress needs tensor batches, got {type(first).__name__}")
+            raise TypeError(f"compress runs an nn.Sequential on one input tensor: give data whose inputs are "
+                            f"tensors (a tensor batch, (x, y) pairs, a loader of them), got {type(first).__name__}")
         in_shape = tuple(first.shape[1:])
     affines, sites = _build(model, in_shape)
     stability = stable_units(model, domain, method, progress=progress)
@@ -976,7 +860,7 @@ def compress(
             layers += mlp_layers
             stats.update(mlp_stats)
     small = nn.Sequential(*layers).eval()
-    datasets = ([] if box is not None else [domain]) + ([] if data is None else [data])
+    datasets = ([] if box is not None else [domain]) + ([] if data is None else [Batches.of(data)])
     err, scale, count = _max_error(model, small, _verification_batches(box, datasets, samples, seed))
     if count == 0:
         raise ValueError("compress: the verification data holds no sample (empty batches); pass data with samples")

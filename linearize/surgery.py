@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from .checks import check_tol
-from .stability import record_preactivations
+from .inputs import Batches, record_preactivations
 from .unit import exact_threshold, linear_masks, units
 
 __all__ = ["freeze", "FreezeSummary"]
@@ -94,9 +94,10 @@ def freeze(
         tol: channels with slope ``a >= 1 - tol`` are set to exactly 1 and frozen; with
             ``snap_zero``, channels with ``a <= tol`` are set to exactly 0 and frozen. In
             ``[0, 0.5)``, so that no channel is in both ranges.
-        data: optional tensor batch, DataLoader or iterable of batches (``(inputs, targets)``
-            tuples use the first element, dicts are passed as keyword arguments). ReLU-like
-            channels whose pre-activation is ``> 0`` on every sample and position are frozen at 1.
+        data: optional data (:mod:`linearize.inputs`): a tensor batch, a mapping of keyword
+            arguments, an ``(inputs, *targets)`` tuple (only ``inputs`` is fed to the model) or an
+            iterable of such batches (a ``DataLoader``). ReLU-like channels whose pre-activation
+            is ``> 0`` on every sample and position are frozen at 1.
             The pass runs in eval mode without gradients; training flags are restored after.
         snap_zero: also snap ``a <= tol`` to 0.
         progress: tqdm bar over the data.
@@ -109,6 +110,7 @@ def freeze(
     if not isinstance(model, nn.Module):
         raise TypeError(f"expected an nn.Module, got {type(model).__name__}")
     tol = check_tol(tol, upper=0.5)
+    data = None if data is None else Batches.of(data)  # before any change: a bad type raises here
     found = units(model)
     if not found:
         raise ValueError("the model has no linearizable units: call linearize.convert(model) first")

@@ -49,9 +49,9 @@ from __future__ import annotations
 import math
 import numbers
 import warnings
-from collections.abc import Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -66,6 +66,7 @@ from threadpoolctl import threadpool_limits
 from torch import nn
 from tqdm.auto import tqdm
 
+from ..inputs import Batches, call_model, eval_mode, model_device
 from ..unit import LinearizableActivation
 
 __all__ = ["affinity_score", "affinity_signature"]
@@ -335,7 +336,7 @@ def _covariance(centred: np.ndarray, shrinkage: str | None) -> np.ndarray:
 
 def affinity_signature(
     model: nn.Module,
-    inputs: torch.Tensor | np.ndarray | Mapping | Iterable,
+    inputs: Any,
     batch_size: int = 256,
     max_samples: int = 2048,
     progress: bool = True,
@@ -371,11 +372,10 @@ def affinity_signature(
     Args:
         model: any ``nn.Module``; run in eval mode under ``torch.no_grad`` (the train/eval flags of
             all its modules are restored afterwards), on the device of its first parameter.
-        inputs: a tensor or array (samples along dim 0, split into ``batch_size`` batches), a mapping
-            of tensors (``model(**batch)``, e.g. tokenizer output), or an iterable of batches
-            (a ``DataLoader``): each a tensor, a mapping, or a tuple/list whose first item is the
-            input (``(images, labels)``).
-        batch_size: batch size used to split a tensor or mapping.
+        inputs: data (:mod:`linearize.inputs`): a tensor or array (samples along dim 0), a mapping
+            of tensors (``model(**batch)``, e.g. tokenizer output), an ``(inputs, *targets)`` tuple
+            (only ``inputs`` is fed), or an iterable of such batches (a ``DataLoader``).
+        batch_size: batches larger than this are split.
         max_samples: rows kept per site (the assignment costs ``O(max_samples^2)`` memory).
         progress: show tqdm progress bars.
         shrinkage, ridge: passed to :func:`affinity_score`.
@@ -402,23 +402,16 @@ def affinity_signature(
             "activation modules (nn.ReLU, nn.GELU, ...). Activations called as functions inside "
             "forward cannot be measured; linearize.convert reports them."
         )
-    batches = _batches(inputs, batch_size)
-    device = next((t.device for t in [*model.parameters(), *model.buffers()]), None)
+    batches = Batches.of(inputs, "inputs").split(batch_size).to(model_device(model))
     recorder = _Recorder(modules, max_samples)
-    flags = [(m, m.training) for m in model.modules()]
-    model.eval()
     try:
-        with torch.no_grad():
+        with eval_mode(model), torch.no_grad():
             for batch in tqdm(batches, desc="affinity: forward", disable=not progress):
                 recorder.start_forward()
-                _call(model, batch, device)
+                call_model(model, batch)
                 recorder.end_forward()
     finally:
         recorder.remove()
-        for module, training in flags:
-            module.training = training
-    if recorder.calls_per_forward is None:
-        raise ValueError("inputs yielded no batches: pass at least 2 samples")
     sites = recorder.named_sites()
     if not sites:
         raise ValueError(f"none of the {len(modules)} activation modules was called by the forward pass")
@@ -633,38 +626,3 @@ def _rows(t: object, channel_dim: int | None, name: str, what: str) -> torch.Ten
     if (rows - rows).sum() != 0:  # NaN iff a value is NaN or inf; one fused pass, unlike isfinite().all()
         raise ValueError(f"activation site {name!r} has NaN or inf values in its {what}")
     return rows
-
-
-def _batches(inputs: object, batch_size: int) -> Iterable:
-    if isinstance(inputs, np.ndarray):
-        inputs = torch.from_numpy(inputs)
-    if isinstance(inputs, torch.Tensor):
-        return inputs.split(batch_size)
-    if isinstance(inputs, Mapping):
-        sizes = {len(v) for v in inputs.values() if isinstance(v, torch.Tensor)}
-        if len(sizes) != 1:
-            raise ValueError(f"a mapping of inputs needs tensors with one common batch size, got sizes {sorted(sizes)}")
-        n = sizes.pop()
-        return [
-            {k: v[i : i + batch_size] if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
-            for i in range(0, n, batch_size)
-        ]
-    if isinstance(inputs, Iterable) and not isinstance(inputs, (str, bytes)):
-        return inputs
-    raise TypeError(f"inputs must be a tensor, an array, a mapping of tensors or an iterable of batches, got {type(inputs).__name__}")
-
-
-def _call(model: nn.Module, batch: object, device: torch.device | None) -> None:
-    def move(v: object) -> object:
-        return v.to(device) if isinstance(v, torch.Tensor) and device is not None else v
-
-    if isinstance(batch, (tuple, list)):
-        if not batch:
-            raise ValueError("an empty batch tuple")
-        batch = batch[0]
-    if isinstance(batch, Mapping):
-        model(**{k: move(v) for k, v in batch.items()})
-    elif isinstance(batch, np.ndarray):
-        model(move(torch.from_numpy(batch)))
-    else:
-        model(move(batch))

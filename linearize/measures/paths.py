@@ -45,6 +45,7 @@ from __future__ import annotations
 import math
 import operator
 from dataclasses import asdict, dataclass
+from collections.abc import Mapping
 from typing import Any, Sequence
 
 import torch
@@ -55,7 +56,7 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakTensorKeyDictionary
 
 from ..checks import check_tol
-from ..conversion import call_model
+from ..inputs import call_model, eval_mode
 from ..unit import LinearizableActivation, check_finite_slopes, units
 
 __all__ = ["average_path_length", "PathLengthResult"]
@@ -155,7 +156,7 @@ def _sources(example_inputs: Any, model: nn.Module, sources: Sequence[str | int]
     """The input tensors that start paths."""
     if isinstance(example_inputs, torch.Tensor):
         return [example_inputs]
-    if isinstance(example_inputs, dict):
+    if isinstance(example_inputs, Mapping):
         keys = list(sources) if sources is not None else [_main_key(example_inputs, model)]
         missing = [k for k in keys if k not in example_inputs]
         if missing:
@@ -263,7 +264,7 @@ def _fx(model: nn.Module, example_inputs: Any, sources: Sequence[str | int] | No
     """Walk a ``torch.fx`` trace of ``model``; raises if it cannot trace or misses a unit."""
     fx_graph = _UnitLeafTracer().trace(model)
     placeholders = [n for n in fx_graph.nodes if n.op == "placeholder"]
-    if isinstance(example_inputs, dict):
+    if isinstance(example_inputs, Mapping):
         keys = list(sources) if sources is not None else [_main_key(example_inputs, model)]
         starts = {n for n in placeholders if n.target in keys}
     elif isinstance(example_inputs, (tuple, list)):
@@ -342,9 +343,7 @@ def average_path_length(
     tol = check_tol(tol)
     check_finite_slopes(units(model), "average_path_length")
     srcs = _sources(example_inputs, model, sources)
-    was_training = model.training
-    model.eval()
-    try:
+    with eval_mode(model):
         node, used = None, method
         if method in ("auto", "fx"):
             graph = _Graph(tol)
@@ -356,8 +355,6 @@ def average_path_length(
         if node is None:
             graph = _Graph(tol)
             node, used = _record(model, example_inputs, srcs, graph), "record"
-    finally:
-        model.train(was_training)
     result = PathLengthResult(
         normalized=node.mean_normalized,
         unnormalized=node.mean_unnormalized,
