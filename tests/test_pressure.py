@@ -186,7 +186,7 @@ def _distil_slopes(select: str) -> tuple[nn.Module, float]:
     student = linearize.convert(copy.deepcopy(teacher))
     slopes_ = [u.slope for _, u in linearize.units(student)]
     opt = torch.optim.Adam(slopes_, lr=1e-3)
-    sp = linearize.Sparsifier(student, S.target(0.5, start=0.1, end=0.6), total_steps=300, select=select).attach(opt)
+    linearize.Sparsifier(student, S.target(0.5, start=0.1, end=0.6), total_steps=300, select=select).attach(opt)
     gen = torch.Generator().manual_seed(1)
     for _ in range(300):
         x = torch.randn(64, 8, generator=gen)
