@@ -32,14 +32,14 @@ _EXPORTS = {
     "Sparsifier": "sparsifier",
     "param_groups": "sparsifier",
     "distill_loss": "distill",
-    # surgery
-    "freeze": "surgery",
+    # freeze, fold, compress
+    "freeze": "freezing",
     "fold": "folding",
     "FoldSummary": "folding",
     "FoldVerificationError": "checks",
     "count_flops": "folding",
     "stable_units": "stability",
-    "compress": "stability",
+    "compress": "compression",
     # report
     "report": "reporting",
     "compare": "comparison",
