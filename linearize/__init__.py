@@ -38,6 +38,8 @@ _EXPORTS = {
     "FoldSummary": "folding",
     "FoldVerificationError": "checks",
     "count_flops": "folding",
+    "register_fold_rule": "folding",
+    "FoldRule": "folding",
     "stable_units": "stability",
     "compress": "stability",
     # report
