@@ -47,6 +47,8 @@ def _visit(module: nn.Module, ctx: FoldContext, rules: list[FoldRuleLike]) -> nn
                 f"fold rule {rule.name!r} returned {type(new).__name__} for {ctx.name or 'the model'}: "
                 "apply must return an nn.Module (the replacement) or None (decline)"
             )
+        if new is not module and id(new) not in ctx.probe.calls:
+            ctx.probe.register(new, like=module)  # later rules see it as the layer it replaced
         return new
     return module
 

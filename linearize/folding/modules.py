@@ -25,7 +25,7 @@ class ChannelPReLU(nn.PReLU):
     """
 
     def __init__(self, weight: torch.Tensor, channel_dim: int = 1) -> None:
-        super().__init__(num_parameters=weight.numel())
+        super().__init__(num_parameters=weight.numel(), device=weight.device, dtype=weight.dtype)
         with torch.no_grad():
             self.weight.copy_(weight.reshape(-1))
         self.channel_dim = channel_dim

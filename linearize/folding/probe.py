@@ -75,13 +75,15 @@ class Probe:
         """Whether ``m`` ran exactly once in the probe forward."""
         return self.calls.get(id(m), 0) == 1
 
-    def register(self, new: nn.Module, like: nn.Module | None = None, first: nn.Module | None = None) -> None:
-        """Record a module built by fold as called once, with ``first``'s input and ``like``'s output shape."""
-        if like is not None and id(like) in self.out_shape:
+    def register(self, new: nn.Module, like: nn.Module, first: nn.Module | None = None) -> None:
+        """Record a module built by fold in place of ``first .. like`` (``first`` defaults to ``like``):
+        called as often as ``like``, with ``first``'s input and ``like``'s output shape."""
+        first = like if first is None else first
+        if id(like) in self.out_shape:
             self.out_shape[id(new)] = self.out_shape[id(like)]
-        if first is not None and id(first) in self.in_shape:
+        if id(first) in self.in_shape:
             self.in_shape[id(new)] = self.in_shape[id(first)]
-        self.calls[id(new)] = 1
+        self.calls[id(new)] = self.calls.get(id(like), 0)
         self.keep.append(new)
 
     def flow(self, module: nn.Module) -> Flow:
