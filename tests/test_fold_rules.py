@@ -359,3 +359,27 @@ def test_fully_linear_conv_ffn_becomes_one_1x1_conv():
     torch.testing.assert_close(convs[0].weight.flatten(1), w2 @ w1)
     torch.testing.assert_close(convs[0].bias, w2 @ mlp.fc1.bias + mlp.fc2.bias)
     assert count_flops(folded, x) == 2 * 2 * 25 * 8 * 8 == math.prod(x.shape) * 2 * 8
+
+
+def test_folded_files_naming_the_old_module_still_load(tmp_path):
+    """Files written before fold became a package name its classes ``linearize.folding.<name>``."""
+    import json
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    x = torch.randn(5, 4)
+    model = _convert(model, x).float()
+    with torch.no_grad():
+        model[1].slope.copy_(torch.tensor([0.0, 0.5, 1.0, 1.0, 0.2, 1.0, 1.0, 1.0]))
+    folded = _fold(model, x)
+    linearize.save_folded(folded, tmp_path)
+    meta = json.loads((tmp_path / "folded.json").read_text())
+    renamed = 0
+    for entry in meta["modules"]:
+        if entry["class"].startswith("linearize.folding.modules."):
+            entry["class"] = "linearize.folding." + entry["class"].rsplit(".", 1)[1]
+            renamed += 1
+    assert renamed == 2  # LinearWithPassthrough and ChannelPReLU
+    (tmp_path / "folded.json").write_text(json.dumps(meta))
+    loaded = linearize.load_folded(tmp_path)
+    torch.testing.assert_close(loaded(x), model(x), rtol=0, atol=1e-6)

@@ -36,7 +36,7 @@ def _visit(module: nn.Module, ctx: FoldContext, rules: list[FoldRuleLike]) -> nn
     for rule in rules:
         if not rule.matches(module, ctx):
             continue
-        reported = len(ctx.summary.skipped)
+        reported, merged = len(ctx.summary.skipped), len(ctx.summary.merged)
         new = rule.apply(module, ctx)
         if new is None:
             if len(ctx.summary.skipped) == reported:
@@ -47,6 +47,8 @@ def _visit(module: nn.Module, ctx: FoldContext, rules: list[FoldRuleLike]) -> nn
                 f"fold rule {rule.name!r} returned {type(new).__name__} for {ctx.name or 'the model'}: "
                 "apply must return an nn.Module (the replacement) or None (decline)"
             )
+        if new is not module and len(ctx.summary.merged) == merged:
+            ctx.merged(f"fold rule {rule.name!r} replaced {type(module).__name__} by {type(new).__name__}")
         if new is not module and id(new) not in ctx.probe.calls:
             ctx.probe.register(new, like=module)  # later rules see it as the layer it replaced
         return new
