@@ -40,6 +40,7 @@ _EXPORTS = {
     "count_flops": "folding",
     "register_fold_rule": "folding",
     "FoldRule": "folding",
+    "Objective": "folding",
     "stable_units": "stability",
     "compress": "stability",
     # report

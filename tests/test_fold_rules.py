@@ -47,16 +47,20 @@ class AddLinear(nn.Module):
         return x + self.act(self.lin(x))
 
 
-def _fold_add_linear(block: nn.Module, ctx) -> nn.Module | None:
-    """Linear unit: ``x + W x + b`` is one Linear with weight ``W + I``."""
-    if not ctx.is_linear(block.act):
-        return None
+def _as_linear(block: AddLinear) -> nn.Linear:
+    """``x + W x + b`` (the unit linear) as one Linear with weight ``W + I``."""
     new = nn.Linear(block.lin.in_features, block.lin.out_features).to(block.lin.weight.dtype)
     with torch.no_grad():
         new.weight.copy_(block.lin.weight + torch.eye(block.lin.in_features, dtype=block.lin.weight.dtype))
         new.bias.copy_(block.lin.bias)
-    ctx.merged("x + lin(x) merged into one Linear")
     return new
+
+
+def _fold_add_linear(block: nn.Module, ctx) -> nn.Module | None:
+    if not ctx.is_linear(block.act):
+        return None
+    ctx.merged("x + lin(x) merged into one Linear")
+    return _as_linear(block)
 
 
 ADD_LINEAR = FoldRule("add-linear", lambda m, ctx: isinstance(m, AddLinear), _fold_add_linear)
@@ -120,6 +124,14 @@ def test_rules_per_call_replace_the_registry_for_that_call():
     assert [r.name for r in fold_rules()] == before  # nothing registered
     for folded in (only_mine, none, with_defaults):
         torch.testing.assert_close(folded(x), model(x), rtol=0, atol=1e-12)
+
+
+def test_a_rule_that_does_not_report_is_reported_for_it():
+    model, x = _user_model()
+    _set_slopes(model, 1.0)
+    silent = FoldRule("silent", lambda m, ctx: isinstance(m, AddLinear), lambda m, ctx: _as_linear(m))
+    folded = _fold(model, x, rules=[silent])
+    assert "0: fold rule 'silent' replaced AddLinear by Linear" in folded.linearize_fold_summary.merged
 
 
 def test_registry_order_before_and_first_match_wins():

@@ -20,7 +20,7 @@ from ..unit import LinearizableActivation, check_finite_slopes, units
 from .layers import set_path
 from .modules import plain_unit
 from .probe import Probe, run_counting
-from .rules import FoldContext, FoldRuleLike, Objective, check_rules, fold_rules
+from .rules import FoldContext, FoldRuleLike, Objective, check_rules, fold_rules, is_builtin
 from .summary import FoldSummary
 from .verify import _check_reference, _describe_inputs, _flatten_outputs, _is_empty_batch, _untouched_layers, _verify
 
@@ -47,7 +47,7 @@ def _visit(module: nn.Module, ctx: FoldContext, rules: list[FoldRuleLike]) -> nn
                 f"fold rule {rule.name!r} returned {type(new).__name__} for {ctx.name or 'the model'}: "
                 "apply must return an nn.Module (the replacement) or None (decline)"
             )
-        if new is not module and len(ctx.summary.merged) == merged:
+        if new is not module and len(ctx.summary.merged) == merged and not is_builtin(rule):
             ctx.merged(f"fold rule {rule.name!r} replaced {type(module).__name__} by {type(new).__name__}")
         if new is not module and id(new) not in ctx.probe.calls:
             ctx.probe.register(new, like=module)  # later rules see it as the layer it replaced

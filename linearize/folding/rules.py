@@ -23,6 +23,7 @@ from ..unit import LinearizableActivation
 from .flops import module_flops
 from .modules import linear_unit, plain_unit
 from .probe import Probe
+from .summary import FoldSummary
 
 __all__ = ["Cost", "Objective", "FoldContext", "FoldRule", "register_fold_rule", "unregister_fold_rule", "fold_rules"]
 
@@ -100,7 +101,7 @@ class FoldContext:
     objective: Objective
     tol: float
     probe: Probe
-    summary: "object"  # FoldSummary (kept untyped here: core imports this module)
+    summary: FoldSummary
     name: str = ""
 
     def at(self, name: str) -> "FoldContext":
@@ -212,6 +213,7 @@ def check_rules(rules: Iterable[object]) -> list[FoldRuleLike]:
 
 _REGISTRY: list[FoldRuleLike] = []  # user rules first, then the built-in ones (filled by .builtin)
 _BUILTIN: set[str] = set()
+_BUILTIN_RULES: list[FoldRuleLike] = []
 
 
 def _index(name: str) -> int:
@@ -259,9 +261,15 @@ def fold_rules() -> list[FoldRuleLike]:
     return list(_REGISTRY)
 
 
+def is_builtin(rule: FoldRuleLike) -> bool:
+    """Whether ``rule`` is one of linearize's own rules (they report every change themselves)."""
+    return any(r is rule for r in _BUILTIN_RULES)
+
+
 def register_builtin(rules: Sequence[FoldRuleLike]) -> None:
     """Append the built-in rules (once, at import of :mod:`linearize.folding`)."""
     for rule in rules:
         _REGISTRY.append(check_rule(rule))
         _BUILTIN.add(rule.name)
+        _BUILTIN_RULES.append(rule)
 
