@@ -39,7 +39,7 @@ def _visit(module: nn.Module, ctx: FoldContext, rules: list[FoldRuleLike]) -> nn
         reported, merged = len(ctx.summary.skipped), len(ctx.summary.merged)
         new = rule.apply(module, ctx)
         if new is None:
-            if len(ctx.summary.skipped) == reported:
+            if len(ctx.summary.skipped) == reported and not is_builtin(rule):  # built-ins say why themselves
                 ctx.skipped(f"fold rule {rule.name!r} matched {type(module).__name__} but declined; left as is")
             continue
         if not isinstance(new, nn.Module):

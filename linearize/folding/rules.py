@@ -14,7 +14,7 @@ the built-in ones (:func:`fold_rules` lists them all); ``before=`` places a rule
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Callable, Iterable, Protocol, Sequence, runtime_checkable
+from typing import Callable, Iterable, Protocol, Sequence
 
 import torch
 from torch import nn
@@ -151,7 +151,6 @@ class FoldContext:
         self.summary.skipped.append(f"{self.name if site is None else site}: {why}")
 
 
-@runtime_checkable
 class FoldRuleLike(Protocol):
     """Anything with a ``name``, ``matches(module, ctx) -> bool`` and ``apply(module, ctx) -> nn.Module | None``."""
 
