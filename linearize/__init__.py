@@ -38,6 +38,9 @@ _EXPORTS = {
     "FoldSummary": "folding",
     "FoldVerificationError": "checks",
     "count_flops": "folding",
+    "register_fold_rule": "folding",
+    "FoldRule": "folding",
+    "Objective": "folding",
     "stable_units": "stability",
     "compress": "compression",
     # report

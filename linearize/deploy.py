@@ -59,11 +59,14 @@ def _nn_classes() -> dict[str, type]:
 
 
 def _fold_classes() -> dict[str, type]:
-    from . import folding
     from .conversion import CallSites, FunctionalActivation
+    from .folding import conv, modules
 
-    names = ["ChannelPReLU", "ChannelBlend", "LinearWithPassthrough", "BorderBiasConv", "BorderExactConv", "_Residual"]
-    found = {f"linearize.folding.{n}": getattr(folding, n) for n in names if hasattr(folding, n)}
+    classes = [modules.ChannelPReLU, modules.ChannelBlend, modules.LinearWithPassthrough, modules.ConvWithPassthrough,
+               modules._Residual, conv.BorderBiasConv, conv.BorderExactConv]
+    found = {f"{c.__module__}.{c.__qualname__}": c for c in classes}
+    # files written before fold became a package name the classes linearize.folding.<name>
+    found.update({f"linearize.folding.{c.__qualname__}": c for c in classes})
     found["linearize.conversion.FunctionalActivation"] = FunctionalActivation
     found["linearize.conversion.CallSites"] = CallSites  # one plain module per call of a reused site
     return found
@@ -145,23 +148,23 @@ def _generic_args(module: nn.Module) -> dict[str, Any]:
 
 def _spec(module: nn.Module) -> dict[str, Any]:
     """``{"args": ...}`` for a module of the allow-list (raises ValueError for an unrecordable one)."""
-    from . import folding
     from .conversion import FunctionalActivation
+    from .folding import conv, modules
 
     if isinstance(module, FunctionalActivation):
         name = next((k for k, f in _FUNCTIONS.items() if f is module.fn), None)
         if name is None:
             raise ValueError(f"activation function {module.fn!r} is not one save_folded can record")
         return {"fn": name, "kind": module.kind}
-    if isinstance(module, folding.ChannelPReLU):
+    if isinstance(module, modules.ChannelPReLU):
         return {"num_parameters": module.num_parameters, "channel_dim": module.channel_dim}
-    if isinstance(module, folding.ChannelBlend):
+    if isinstance(module, modules.ChannelBlend):
         return {"channels": module.slope.numel(), "channel_dim": module.channel_dim}
-    if isinstance(module, folding.BorderBiasConv):
+    if isinstance(module, conv.BorderBiasConv):
         return {"tap_bias": list(module.tap_bias.shape), "inner_stride": _jsonable(module.inner_stride),
                 "stride": _jsonable(module.stride), "padding": _jsonable(module.padding),
                 "dilation": _jsonable(module.dilation)}
-    if isinstance(module, folding.BorderExactConv):
+    if isinstance(module, conv.BorderExactConv):
         return {"shapes": _shapes(module), "first_geometry": _jsonable(module.first_geometry),
                 "second_geometry": _jsonable(module.second_geometry), "geometry": _jsonable(module.geometry)}
     if type(module).__name__ in ("_Residual", "CallSites"):
@@ -171,22 +174,22 @@ def _spec(module: nn.Module) -> dict[str, Any]:
 
 def _build(cls: type, args: dict[str, Any]) -> nn.Module:
     """A module of the allow-listed ``cls`` from its recorded ``args`` (weights are loaded later)."""
-    from . import folding
     from .conversion import FunctionalActivation
+    from .folding import conv, modules
 
     if cls is FunctionalActivation:
         if args.get("fn") not in _FUNCTIONS:
             raise ValueError(f"unknown activation function {args.get('fn')!r}")
         return FunctionalActivation(_FUNCTIONS[args["fn"]], str(args.get("kind")))
-    if cls is folding.ChannelPReLU:
+    if cls is modules.ChannelPReLU:
         return cls(torch.zeros(int(args["num_parameters"])), int(args["channel_dim"]))
-    if cls is folding.ChannelBlend:
+    if cls is modules.ChannelBlend:
         return cls(nn.Identity(), torch.zeros(int(args["channels"])), int(args["channel_dim"]))
-    if cls is folding.BorderBiasConv:
+    if cls is conv.BorderBiasConv:
         shape = [int(s) for s in args["tap_bias"]]
         return cls(nn.Identity(), torch.zeros([shape[0], *shape[2:]]), *(_tupled(args[k]) for k in
                                                                           ("inner_stride", "stride", "padding", "dilation")))
-    if cls is folding.BorderExactConv:
+    if cls is conv.BorderExactConv:
         m = cls.__new__(cls)
         nn.Module.__init__(m)
         m.conv = nn.Identity()
@@ -298,14 +301,14 @@ def save_folded(model: nn.Module, directory: str | os.PathLike, *, builder: str 
 
 
 def _rebuild(meta: dict[str, Any], base: nn.Module | None, path: Path) -> nn.Module:
-    from .folding import _get
+    from .folding.layers import get_path
 
     built: dict[str, nn.Module] = {}
     for entry in meta["modules"]:
         name, cls_name = entry["name"], entry["class"]
         cls = _allowed(cls_name)
         where = name or "<root>"
-        same = None if base is None else (base if not name else _get(base, name))
+        same = None if base is None else (base if not name else get_path(base, name))
         if same is not None and cls is type(same) and "args" in entry:
             try:  # the base's own module when it is the same (keeps arguments a description may miss)
                 same = same if _spec(same) == entry["args"] else None
@@ -321,7 +324,7 @@ def _rebuild(meta: dict[str, Any], base: nn.Module | None, path: Path) -> nn.Mod
             except (TypeError, ValueError, KeyError) as err:
                 raise LoadError(f"{path}: module {where!r} ({cls_name}): bad arguments ({err})") from None
         else:
-            module = None if base is None else (base if not name else _get(base, name))
+            module = None if base is None else (base if not name else get_path(base, name))
             if module is None:
                 hint = ("pass the base model: linearize.load_folded(directory, base=YourModel(...))"
                         if base is None else "the base model given has no module there")

@@ -76,6 +76,8 @@ from torch import nn
 
 from . import schedules as _schedules
 from .checks import check_positive, check_positive_int
+from .folding.flops import module_flops
+from .folding.layers import CONVS, is_hf_conv1d
 from .inputs import call_model
 from .unit import check_finite_slopes, count_channels, linear_masks, project_slopes, require_units, units
 
@@ -568,27 +570,27 @@ class Sparsifier:
 
 
 def flops_weights(model: nn.Module, example_inputs) -> dict[str, float]:
-    """Per-unit cost: multiply-adds of the Linear/Conv call just before and just after it, per channel.
+    """Per-unit cost: multiply-adds of the linear layer call just before and just after it, per channel.
 
     Runs one forward pass on ``example_inputs`` (a tensor, a tuple of positional inputs or a
     dict of keyword inputs) and orders layer and unit calls by execution. A channel made linear
-    lets these two layers fold, so its weight is ``(macs(prev) + macs(next)) / C`` (a heuristic;
-    units without a neighbouring layer get the mean weight).
+    lets these two layers fold, so its weight is ``(macs(prev) + macs(next)) / C`` per sample, the
+    layers' multiply-adds counted as fold counts them (:func:`~linearize.folding.flops.module_flops`:
+    ``nn.Linear``, HF ``Conv1D``, convs); units without a neighbouring layer get the mean weight.
     """
     events: list[tuple[str, object]] = []
     hooks = []
     names = {id(u): n for n, u in require_units(model)}
 
     def layer_hook(module, args, out):
-        if isinstance(out, torch.Tensor):  # weights x output positions per sample
-            positions = out.numel() // max(out.shape[0], 1) // module.weight.shape[0]
-            events.append(("layer", module.weight.numel() * positions))
+        if isinstance(out, torch.Tensor):  # multiply-adds per sample
+            events.append(("layer", module_flops(module, args, out) / 2 / max(out.shape[0], 1)))
 
     def unit_hook(module, args, out):
         events.append(("unit", names[id(module)]))
 
     for module in model.modules():
-        if isinstance(module, (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)):
+        if isinstance(module, (nn.Linear, *CONVS)) or is_hf_conv1d(module):
             hooks.append(module.register_forward_hook(layer_hook))
         elif id(module) in names:
             hooks.append(module.register_forward_hook(unit_hook))

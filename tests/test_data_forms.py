@@ -248,11 +248,7 @@ NEED_EVAL_BATCHNORM = {"compress", "fold"}  # they refuse a BatchNorm in trainin
 def _operations():
     for name in OPERATIONS:
         for root_training in (True, False):
-            marks = ()
-            if name == "fold" and root_training:
-                marks = pytest.mark.xfail(reason="folding.py flag restore: fold package branch", strict=True)
-            yield pytest.param(name, root_training, marks=marks,
-                               id=f"{name}-{'train' if root_training else 'eval'}_root")
+            yield pytest.param(name, root_training, id=f"{name}-{'train' if root_training else 'eval'}_root")
 
 
 @pytest.mark.parametrize("name, root_training", _operations())

@@ -14,7 +14,8 @@ import torch
 from torch import nn
 
 import linearize
-from linearize.folding import BorderExactConv, FoldVerificationError, _border_flops, _ConvDesc, count_flops
+from linearize.folding import BorderExactConv, FoldVerificationError, count_flops
+from linearize.folding.conv import _border_flops, _ConvDesc
 from test_fold import _randomize_bn  # tests/ is on sys.path under pytest
 
 CONV = {1: nn.Conv1d, 2: nn.Conv2d, 3: nn.Conv3d}

@@ -11,7 +11,7 @@ import torchvision
 from torch import nn
 
 import linearize
-import linearize.folding as folding
+import linearize.folding.core as folding
 from linearize.folding import FoldVerificationError
 from linearize.unit import LinearizableActivation as LA
 

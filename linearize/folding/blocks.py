@@ -1,0 +1,159 @@
+"""Rules for torchvision's residual blocks: BatchNorm folded into the convs of ``BasicBlock`` /
+``Bottleneck`` (and the ``ResNet`` stem), a body whose inner sites are all linear merged into one conv,
+and the skip (identity, or a 1x1 downsample conv with the merged stride) folded into the centre tap
+of that conv; MobileNet-V2 inverted residuals whose body became one conv (DepthShrinker-style).
+
+The classes are looked up only if torchvision's module is already imported: a model that holds
+them has imported it, and fold never imports torchvision itself."""
+
+from __future__ import annotations
+
+import copy
+import sys
+
+import torch
+from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
+
+from .chains import segment_cost
+from .conv import BorderBiasConv, BorderExactConv, merge_convs
+from .layers import CONVS, bn_foldable, fold_bn, is_plain_conv
+from .modules import _Residual, units_of
+from .rules import Cost, FoldContext, FoldRule
+
+
+def _torchvision(module: str, *names: str) -> tuple[type, ...]:
+    """torchvision classes ``names`` of ``torchvision.models.<module>`` if it is imported, else ``()``."""
+    mod = sys.modules.get(f"torchvision.models.{module}")
+    return tuple(getattr(mod, n) for n in names) if mod is not None else ()
+
+
+def fold_bn_attr(module: nn.Module, ctx: FoldContext, conv_attr: str, bn_attr: str) -> None:
+    """Fold ``module.<bn_attr>`` into ``module.<conv_attr>`` (replaced by ``nn.Identity``)."""
+    conv, bn = getattr(module, conv_attr), getattr(module, bn_attr)
+    if not isinstance(bn, _BatchNorm):
+        return
+    reason = bn_foldable(conv, bn)
+    if reason is None and not (ctx.once(conv) and ctx.once(bn)):
+        reason = "layer called more than once"
+    if reason:
+        ctx.skipped(f"BatchNorm kept ({reason})", ctx.site(bn_attr))
+        return
+    fold_bn(conv, bn)
+    setattr(module, bn_attr, nn.Identity())
+    ctx.merged(f"BatchNorm folded into {ctx.site(conv_attr)}", ctx.site(bn_attr))
+
+
+def centre_tap_reason(conv: nn.Module, shortcut: nn.Module | None) -> str:
+    """Why the skip cannot be added to ``conv``'s centre tap ("" if it can)."""
+    if not isinstance(conv, CONVS):
+        return "not a conv"
+    k, p = conv.kernel_size, conv.padding
+    if any(ki % 2 == 0 or pi != ki // 2 for ki, pi in zip(k, p)) or any(d != 1 for d in conv.dilation):
+        return "the kernel has no centre tap aligned with the input"
+    if shortcut is None:
+        if conv.in_channels != conv.out_channels or any(s != 1 for s in conv.stride):
+            return "shapes change and there is no projection shortcut"
+        return ""
+    if not (is_plain_conv(shortcut) and all(kk == 1 for kk in shortcut.kernel_size) and not any(shortcut.padding)
+            and shortcut.groups == 1 and tuple(shortcut.stride) == tuple(conv.stride)
+            and shortcut.out_channels == conv.out_channels and conv.groups == 1):
+        return "the shortcut is not a plain 1x1 conv with the same stride"
+    if conv.bias is None:
+        return "merged conv has no bias"
+    return ""
+
+
+def fold_skip(conv: nn.Module, shortcut: nn.Module | None, ctx: FoldContext, what: str) -> nn.Module:
+    """``conv(x) + shortcut(x)`` as one conv (the skip added into the centre tap) if shapes allow,
+    else a ``_Residual`` (reported)."""
+    inner = conv.conv if isinstance(conv, (BorderBiasConv, BorderExactConv)) else conv
+    reason = centre_tap_reason(inner, shortcut)
+    if reason:
+        ctx.skipped(f"skip of the {what} not folded ({reason})")
+        return _Residual(conv, shortcut)
+    centre = tuple(k // 2 for k in inner.kernel_size)
+    with torch.no_grad():
+        g, co = inner.groups, inner.out_channels
+        ci_g = inner.in_channels // g
+        if shortcut is None:
+            skip = torch.eye(co, dtype=torch.float64)
+        else:
+            skip = shortcut.weight.detach().double().reshape(co, -1)
+            if shortcut.bias is not None:
+                inner.bias.add_(shortcut.bias.to(inner.bias.dtype))
+        for o in range(co):
+            grp = o // (co // g)
+            cols = slice(grp * ci_g, (grp + 1) * ci_g)
+            inner.weight[(o, slice(None)) + centre] += skip[o, cols].to(inner.weight.dtype)
+    ctx.merged(f"{what} became one conv, skip folded into the centre tap")
+    return conv
+
+
+def fold_inverted_residual(block: nn.Module, ctx: FoldContext) -> nn.Module:
+    """MobileNet-V2 block whose body merged into one conv: ``x + conv(x)`` -> one conv."""
+    body = block.conv
+    mods = list(body) if isinstance(body, nn.Sequential) else [body]
+    if len(mods) != 1 or not isinstance(mods[0], (*CONVS, BorderBiasConv, BorderExactConv)):
+        return block
+    if getattr(block, "use_res_connect", False):
+        return fold_skip(mods[0], None, ctx, "inverted residual")
+    ctx.merged("inverted residual became one conv (DepthShrinker)")
+    return mods[0]
+
+
+def fold_resnet_block(block: nn.Module, ctx: FoldContext) -> nn.Module:
+    """torchvision BasicBlock / Bottleneck: fold BNs; merge the body if its sites are linear."""
+    n_convs = 3 if hasattr(block, "conv3") else 2
+    for i in range(1, n_convs + 1):
+        fold_bn_attr(block, ctx, f"conv{i}", f"bn{i}")
+    if any(isinstance(getattr(block, f"bn{i}"), _BatchNorm) for i in range(1, n_convs + 1)):
+        return block  # a BatchNorm that could not fold sits in the body (reason reported)
+    calls = units_of(block.relu)
+    # a unit reused for every call (built by hand) shares its slopes between all sites
+    inner = calls if len(calls) == 1 else calls[: n_convs - 1]
+    if not inner or not all(ctx.is_linear(u) for u in inner):
+        return block
+    shortcut = None
+    if block.downsample is not None:
+        mods = list(block.downsample) if isinstance(block.downsample, nn.Sequential) else [block.downsample]
+        if len(mods) != 1 or not is_plain_conv(mods[0]):
+            ctx.skipped("linear body not merged (downsample is not one conv)")
+            return block
+        shortcut = mods[0]
+    convs = [getattr(block, f"conv{i}") for i in range(1, n_convs + 1)]
+    before = ctx.cost(*convs)
+    after, reason = segment_cost(convs, ctx)
+    if after is None:
+        ctx.skipped(f"linear body not merged ({reason})")
+        return block
+    if not ctx.better(Cost(after.flops, 1, after.params), before):
+        ctx.skipped(
+            f"linear body not merged (FLOPs {before.flops:,.0f} -> {after.flops:,.0f} would not lower the "
+            f"{ctx.objective})"
+        )
+        return block
+    conv, kind = merge_convs(convs, ctx.probe.in_shape.get(id(convs[0])))
+    ctx.merged(f"linear body conv1..conv{n_convs} merged into one {kind} (FLOPs {before.flops:,.0f} -> {after.flops:,.0f})")
+    last_call = calls[-1] if calls else block.relu
+    act = ctx.plain(last_call) if calls else copy.deepcopy(last_call)
+    body = fold_skip(conv, shortcut, ctx, type(block).__name__)
+    return nn.Sequential(body, act) if not isinstance(act, nn.Identity) else body
+
+
+def _fold_stem(model: nn.Module, ctx: FoldContext) -> nn.Module:
+    fold_bn_attr(model, ctx, "conv1", "bn1")
+    return model
+
+
+INVERTED_RESIDUAL = FoldRule(
+    "torchvision-inverted-residual",
+    lambda m, ctx: isinstance(m, _torchvision("mobilenetv2", "InvertedResidual")),
+    fold_inverted_residual,
+)
+RESNET_BLOCK = FoldRule(
+    "torchvision-resnet-block",
+    lambda m, ctx: isinstance(m, _torchvision("resnet", "BasicBlock", "Bottleneck")),
+    fold_resnet_block,
+)
+RESNET_STEM = FoldRule("torchvision-resnet-stem", lambda m, ctx: isinstance(m, _torchvision("resnet", "ResNet")), _fold_stem)

@@ -1,0 +1,205 @@
+"""The ``nn.Sequential`` rule: in every plain ``nn.Sequential`` (nested ones flattened) drop units
+whose channels are all linear, fold BatchNorm (eval statistics) into the layer before it, merge runs
+of adjacent linear maps (``Linear o Linear``, ``Conv o Conv``, grouped and depthwise convs, 1x1 convs
+into neighbours) where exact and better under the objective (a small dynamic program over each run),
+and split ``Linear|Conv1x1 -> unit -> Linear|Conv1x1`` FFNs (:func:`.ffn.split_ffn`)."""
+
+from __future__ import annotations
+
+import math
+from typing import Iterator
+
+from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
+
+from ..unit import LinearizableActivation
+from .conv import _border_flops, _ConvDesc, chain_plan, merge_convs, needs_border_correction
+from .ffn import is_transparent, split_in_chain
+from .layers import bn_foldable, dense_shape, dense_wb, fold_bn, is_dense, is_plain_conv, make_linear
+from .rules import Cost, FoldContext
+
+Item = tuple[str, nn.Module]
+
+
+def is_plain_sequential(m: nn.Module) -> bool:
+    """An ``nn.Sequential`` (or subclass) that keeps ``nn.Sequential``'s forward."""
+    return isinstance(m, nn.Sequential) and type(m).forward is nn.Sequential.forward
+
+
+def flatten_sequential(seq: nn.Sequential, prefix: str) -> Iterator[Item]:
+    """``(qualified name, module)`` of ``seq``'s layers, nested plain Sequentials flattened."""
+    for child_name, m in seq.named_children():
+        full = f"{prefix}.{child_name}" if prefix else child_name
+        if is_plain_sequential(m):
+            yield from flatten_sequential(m, full)
+        else:
+            yield full, m
+
+
+def fold_sequential(seq: nn.Sequential, ctx: FoldContext) -> nn.Module:
+    """The folded chain (a new ``nn.Sequential``), or ``seq`` itself when nothing changed."""
+    items = list(flatten_sequential(seq, ctx.name))
+    if not items:
+        return seq
+    changed = False
+    kept: list[Item] = []
+    for n, m in items:
+        if ctx.is_linear(m) and ctx.once(m) or type(m) is nn.Identity:
+            if isinstance(m, LinearizableActivation):
+                ctx.merged("fully linear unit removed (identity)", n)
+            changed = True
+            continue
+        if isinstance(m, _BatchNorm) and kept:
+            prev_name, prev = kept[-1]
+            reason = bn_foldable(prev, m)
+            if reason is None and not (ctx.once(prev) and ctx.once(m)):
+                reason = "layer called more than once"
+            if reason is None and type(prev) is nn.Linear and len(ctx.probe.out_shape[id(prev)]) != 2:
+                reason = "BatchNorm1d over a sequence normalizes a different dim than Linear"
+            if reason is None:
+                fold_bn(prev, m)
+                ctx.merged(f"BatchNorm folded into {prev_name}", n)
+                changed = True
+                continue
+            ctx.skipped(f"BatchNorm kept ({reason})", n)
+        kept.append((n, m))
+    kept, merged_any = _merge_runs(kept, ctx)
+    split_any = split_in_chain(kept, ctx)
+    if not (changed or merged_any or split_any):
+        return seq
+    return nn.Sequential(*(m for _, m in kept))
+
+
+def _is_map(m: nn.Module, ctx: FoldContext) -> bool:
+    return (is_plain_conv(m) or is_dense(m)) and ctx.once(m)
+
+
+def _same_family(a: nn.Module, b: nn.Module) -> bool:
+    if is_dense(a) and is_dense(b):
+        return True
+    return is_plain_conv(a) and is_plain_conv(b) and type(a) is type(b)
+
+
+def _merge_runs(items: list[Item], ctx: FoldContext) -> tuple[list[Item], bool]:
+    """Merge runs of adjacent linear maps (eval Dropout between them is transparent)."""
+    out: list[Item] = []
+    changed = False
+    i = 0
+    while i < len(items):
+        if not _is_map(items[i][1], ctx):
+            out.append(items[i])
+            i += 1
+            continue
+        run = [i]
+        j = i + 1
+        while j < len(items):
+            if is_transparent(items[j][1]):
+                j += 1
+                continue
+            if _is_map(items[j][1], ctx) and _same_family(items[run[-1]][1], items[j][1]):
+                run.append(j)
+                j += 1
+                continue
+            break
+        for seg in _plan_run([items[k] for k in run], ctx):
+            if len(seg) == 1:
+                out.append(items[run[seg[0]]])
+            else:
+                out.append(_merge_segment([items[run[k]] for k in seg], ctx))
+                changed = True
+            # dropouts inside a merged segment go; those between segments stay
+            nxt = run[seg[-1] + 1] if seg[-1] + 1 < len(run) else j
+            out.extend(items[run[seg[-1]] + 1:nxt])
+        i = j
+    return out, changed
+
+
+def segment_cost(maps: list[nn.Module], ctx: FoldContext) -> tuple[Cost | None, str]:
+    """The cost of ``maps`` merged into one layer, or ``None`` and why they cannot merge."""
+    last = maps[-1]
+    out = ctx.probe.out_shape.get(id(last))
+    if out is None:
+        return None, "no shape recorded"
+    has_bias = any(m.bias is not None for m in maps)
+    if is_dense(maps[0]):
+        first_in, last_out = dense_shape(maps[0])[1], dense_shape(last)[0]
+        rows = math.prod(out) // last_out
+        return Cost(2.0 * first_in * last_out * rows, 1, first_in * last_out + has_bias * last_out), ""
+    descs = [_ConvDesc.of(m) for m in maps]
+    plan, reason = chain_plan(descs, border_exact=ctx.objective.border_exact)
+    if plan is None:
+        return None, reason
+    cost = Cost(2.0 * math.prod(out) * plan.weight.shape[1] * math.prod(plan.kernel), 1,
+                plan.weight.numel() + has_bias * plan.out_channels)
+    if needs_border_correction(descs):
+        inp = ctx.probe.in_shape.get(id(maps[0]))
+        if inp is None:
+            return None, "no shape recorded"
+        border = _border_flops(tuple(inp[2:]), inp[0], *descs)
+        two = sum(ctx.flops(m) for m in maps)
+        if border >= two:  # the strips' first -> second path would be the whole pair again
+            return None, (
+                f"the {'x'.join(map(str, inp[2:]))} map is nearly all border: the border correction "
+                f"({border:,} FLOPs) would cost at least as much as the two convs ({two:,})"
+            )
+        copies = sum(p.numel() for m in maps for p in m.parameters()) - (maps[1].bias.numel() if has_bias and
+                                                                         maps[1].bias is not None else 0)
+        cost = Cost(cost.flops + border, 1, cost.params + copies)
+    return cost, ""
+
+
+def _plan_run(run: list[Item], ctx: FoldContext) -> list[list[int]]:
+    """Best split of a run of maps into merged segments (dynamic program over segments)."""
+    maps = [m for _, m in run]
+    r = len(maps)
+    best: list[tuple[Cost, list[list[int]]]] = [(Cost(), [])]
+    reasons: dict[tuple[int, int], str] = {}
+    for j in range(1, r + 1):
+        cand = None
+        for i in range(j):
+            if j - i == 1:
+                cost = ctx.cost(maps[i])
+            else:
+                cost, why = segment_cost(maps[i:j], ctx)
+                if why:
+                    reasons[(i, j)] = why
+                if cost is None:
+                    continue
+            prev_cost, prev_plan = best[i]
+            total = prev_cost + cost
+            if cand is None or ctx.better(total, cand[0]):
+                cand = (total, prev_plan + [list(range(i, j))])
+        best.append(cand)
+    plan = best[r][1]
+    names = [n for n, _ in run]
+    for seg_a, seg_b in zip(plan, plan[1:]):
+        i, j = seg_a[-1], seg_b[0]
+        merged = segment_cost(maps[i:j + 1], ctx)[0]
+        why = reasons.get((i, j + 1)) or (
+            f"merging would not lower the {ctx.objective} "
+            f"(FLOPs {ctx.flops(maps[i]) + ctx.flops(maps[j]):,.0f} -> {merged.flops if merged else math.inf:,.0f})"
+        )
+        ctx.skipped(f"not merged ({why})", f"{names[i]} + {names[j]}")
+    return plan
+
+
+def _merge_segment(seg: list[Item], ctx: FoldContext) -> Item:
+    names = [n for n, _ in seg]
+    maps = [m for _, m in seg]
+    before = sum(ctx.flops(m) for m in maps)
+    after = segment_cost(maps, ctx)[0].flops
+    if is_dense(maps[0]):
+        w, b = dense_wb(maps[0])
+        for m in maps[1:]:
+            w2, b2 = dense_wb(m)
+            b = (w2 @ b if b is not None else None)
+            b = b2 if b is None else (b if b2 is None else b + b2)
+            w = w2 @ w
+        new = make_linear(w, b, maps[-1])
+        kind = f"Linear({w.shape[1]}, {w.shape[0]})"
+    else:
+        new, kind = merge_convs(maps, ctx.probe.in_shape.get(id(maps[0])))
+    ctx.merged(f"merged into one {kind} (FLOPs {before:,.0f} -> {after:,.0f})", " o ".join(reversed(names)))
+    ctx.probe.register(new, like=maps[-1], first=maps[0])
+    return names[0], new
+

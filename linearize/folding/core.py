@@ -1,0 +1,227 @@
+"""The fold driver: copy the model, run the probe forward, walk the copy bottom-up asking the fold
+rules (:mod:`.rules`) at every module, make the remaining units plain, and verify (:mod:`.verify`)."""
+
+from __future__ import annotations
+
+import copy
+import functools
+import statistics
+import time
+import warnings
+from typing import Any, Iterable
+
+import torch
+from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
+
+from ..checks import check_positive, check_tol
+from ..conversion import CallSites, _reset_call_sites
+from ..inputs import call_model, eval_mode
+from ..unit import LinearizableActivation, check_finite_slopes, units
+from .layers import set_path
+from .modules import plain_unit
+from .probe import Probe, run_counting
+from .rules import FoldContext, FoldRuleLike, Objective, check_rules, fold_rules, is_builtin
+from .summary import FoldSummary
+from .verify import _check_reference, _describe_inputs, _flatten_outputs, _is_empty_batch, _untouched_layers, _verify
+
+__all__ = ["fold"]
+
+
+def _visit(module: nn.Module, ctx: FoldContext, rules: list[FoldRuleLike]) -> nn.Module:
+    """Fold ``module``'s children, then ask ``rules`` in order for ``module`` itself (see :mod:`.rules`)."""
+    for child_name, child in list(module.named_children()):
+        new = _visit(child, ctx.at(ctx.site(child_name)), rules)
+        if new is not child:
+            setattr(module, child_name, new)
+    for rule in rules:
+        if not rule.matches(module, ctx):
+            continue
+        reported, merged = len(ctx.summary.skipped), len(ctx.summary.merged)
+        new = rule.apply(module, ctx)
+        if new is None:
+            if len(ctx.summary.skipped) == reported and not is_builtin(rule):  # built-ins say why themselves
+                ctx.skipped(f"fold rule {rule.name!r} matched {type(module).__name__} but declined; left as is")
+            continue
+        if not isinstance(new, nn.Module):
+            raise TypeError(
+                f"fold rule {rule.name!r} returned {type(new).__name__} for {ctx.name or 'the model'}: "
+                "apply must return an nn.Module (the replacement) or None (decline)"
+            )
+        if new is not module and len(ctx.summary.merged) == merged and not is_builtin(rule):
+            ctx.merged(f"fold rule {rule.name!r} replaced {type(module).__name__} by {type(new).__name__}")
+        if new is not module and id(new) not in ctx.probe.calls:
+            ctx.probe.register(new, like=module)  # later rules see it as the layer it replaced
+        return new
+    return module
+
+
+def _replace_units(model: nn.Module, tol: float, summary: FoldSummary) -> nn.Module:
+    """Swap every remaining unit for its plain module; collapse per-call dispatchers.
+
+    A ``CallSites`` dispatcher (one unit per call of a reused activation) whose calls all
+    became the same stateless module (e.g. all ``nn.ReLU``) is replaced by that module, and its
+    owner's reset hook is removed; otherwise it stays, holding plain modules only.
+    """
+    for name, unit in [(n, m) for n, m in model.named_modules() if isinstance(m, LinearizableActivation)]:
+        plain = plain_unit(unit, tol)
+        if name == "":
+            return plain
+        set_path(model, name, plain)
+        what = "identity (fully linear)" if isinstance(plain, nn.Identity) else type(plain).__name__
+        summary.merged.append(f"{name}: unit replaced by {what}")
+    for name, m in list(model.named_modules()):
+        if name and isinstance(m, CallSites):
+            first = m.calls[0]
+            stateless = all(
+                type(c) is type(first) and repr(c) == repr(first) and not list(c.parameters()) and not list(c.buffers())
+                for c in m.calls
+            )
+            if stateless:
+                set_path(model, name, first)
+    for m in model.modules():
+        if any(isinstance(c, CallSites) for c in m.children()):
+            continue
+        for key, hook in list(m._forward_pre_hooks.items()):
+            if hook is _reset_call_sites:
+                del m._forward_pre_hooks[key]
+        m.__dict__.pop("_linearize_reset_hook", None)
+    return model
+
+
+
+@torch.no_grad()
+def _latency(models: list[nn.Module], inputs: Any, budget_s: float = 2.0) -> list[float]:
+    """Median wall time (ms) of each model, repetitions interleaved (a, b, a, b, ...)."""
+    for m in models:  # warm-up
+        call_model(m, inputs)
+    t0 = time.perf_counter()
+    call_model(models[0], inputs)
+    one = max(time.perf_counter() - t0, 1e-6)
+    reps = int(min(max(budget_s / (len(models) * one), 5), 200))
+    times: list[list[float]] = [[] for _ in models]
+    for _ in range(reps):
+        for i, m in enumerate(models):
+            t = time.perf_counter()
+            call_model(m, inputs)
+            times[i].append(time.perf_counter() - t)
+    return [1e3 * statistics.median(t) for t in times]
+
+
+def fold(
+    model: nn.Module,
+    example_inputs: Any,
+    objective: str | Objective = "flops",
+    tol: float = 0.0,
+    atol: float | None = None,
+    rtol: float = 1e-4,
+    dtype: torch.dtype | None = None,
+    latency: bool = True,
+    rules: Iterable[FoldRuleLike] | None = None,
+) -> nn.Module:
+    """Return a new plain PyTorch model computing ``model``'s function with linear parts folded.
+
+    Args:
+        model: a (linearized) model in eval mode; never modified.
+        example_inputs: a tensor, a tuple of positional inputs or a dict of keyword inputs, as
+            the model's forward takes them (a small real batch); used to record shapes, count
+            FLOPs, time both models and verify the result.
+        objective: an :class:`~linearize.folding.rules.Objective` or its name: ``"flops"`` merges
+            only where FLOPs drop; ``"depth"`` minimizes the number of sequential layers (FLOPs
+            break ties), and also merges two zero-padded convs (e.g. a BasicBlock body) into a
+            :class:`BorderExactConv`, unless the map is so small that its border correction would
+            cost as much as the two convs; ``"params"`` minimizes parameters (FLOPs break ties).
+        tol: in ``[0, 1)``: channels with slope ``a >= 1 - tol`` count as linear, the others with
+            ``a <= tol`` as the plain activation (0 keeps the function exact; larger values
+            approximate, and the verification tells by how much).
+        atol: absolute tolerance of the verification (finite, > 0); default ``rtol * max|reference output|``.
+        rtol: relative tolerance (finite, > 0; to the output scale) used when ``atol`` is ``None``.
+        dtype: verify in this dtype instead (e.g. ``torch.float64``: copies of both models
+            and the inputs are cast, so activation rounding does not blur the comparison; the
+            folded weights keep the rounding of the model's own dtype); ``None`` verifies in the
+            model's dtype.
+        latency: measure CPU latency before and after (median of interleaved repetitions).
+        rules: the fold rules for this call, in order (``None``: the registered ones,
+            :func:`~linearize.folding.rules.fold_rules`; see :func:`linearize.register_fold_rule`).
+
+    Returns:
+        The folded model (eval mode) with ``folded.linearize_fold_summary`` (:class:`FoldSummary`).
+
+    Example:
+        >>> net = linearize.convert(nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)))
+        >>> small = linearize.fold(net.eval(), torch.randn(16, 4), latency=False)
+        >>> small.linearize_fold_summary.flops_after <= small.linearize_fold_summary.flops_before
+        True
+
+    Raises:
+        TypeError: ``model`` is not an ``nn.Module``, or a rule in ``rules`` lacks ``name`` /
+            ``matches`` / ``apply`` (or its ``apply`` returned something that is not a module).
+        ValueError: bad ``objective`` / ``tol`` / ``rtol`` / ``atol``, BatchNorm in training mode,
+            ``example_inputs`` that the model cannot run, an empty batch, or NaN/inf outputs of
+            the model itself (:class:`~linearize.unit.NonFiniteSlopeError` for NaN/inf slopes).
+        FoldVerificationError: the folded model differs by more than the tolerance (at the output,
+            or at the verified inner signal when the output is zero or the same for every sample;
+            see ``FoldSummary.verified_on``), or no signal that varies can be verified.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"fold expects an nn.Module, got {type(model).__name__}")
+    objective = Objective.of(objective)
+    rules = fold_rules() if rules is None else check_rules(rules)
+    tol = check_tol(tol)
+    rtol = check_positive(rtol, "rtol")
+    atol = None if atol is None else check_positive(atol, "atol")
+    training_bn = [n for n, m in model.named_modules() if isinstance(m, _BatchNorm) and m.training]
+    if training_bn:
+        raise ValueError(
+            f"fold needs BatchNorm eval statistics, but {training_bn[0]!r} (and {len(training_bn) - 1} "
+            "more) is in training mode: call model.eval() before linearize.fold"
+        )
+    if example_inputs is None:
+        raise ValueError("fold needs example_inputs (a batch shaped like the model's real inputs)")
+    if _is_empty_batch(example_inputs):
+        raise ValueError(
+            f"example_inputs {_describe_inputs(example_inputs)} is an empty batch: fold verifies the "
+            "folded model on it, so pass at least one sample"
+        )
+    check_finite_slopes(units(model), "fold")
+
+    summary = FoldSummary(objective=objective.name, tol=tol)
+    folded = copy.deepcopy(model).eval()
+    probe = Probe(keep=list(folded.modules()))
+    before_fold = dict(folded.named_modules())  # path -> layer, to find the layers fold left alone
+    try:  # the untouched eval copy gives the reference output, shapes and FLOPs in one forward
+        summary.flops_before, reference = run_counting(folded, example_inputs, probe)
+    except Exception as exc:  # the model's own error, re-raised with what to do
+        raise ValueError(
+            f"example_inputs {_describe_inputs(example_inputs)} do not fit the model "
+            f"({type(exc).__name__}: {exc}); pass a batch shaped like its real inputs"
+        ) from exc
+    ref_out = _flatten_outputs(reference)
+    if not ref_out:
+        raise ValueError("the model returned no floating-point tensor to verify against")
+    _check_reference(ref_out, example_inputs)
+    summary.units_before = sum(isinstance(m, LinearizableActivation) for m in folded.modules())
+    summary.params_before = sum(p.numel() for p in model.parameters())
+    if summary.units_before == 0:
+        msg = "the model has no linearize units (never converted): folded BatchNorm only"
+        summary.skipped.append(msg)
+        warnings.warn(msg + "; call linearize.convert(model) and train it to fold more", stacklevel=2)
+
+    folded = _visit(folded, FoldContext(objective, tol, probe, summary), rules)
+    folded = _replace_units(folded, tol, summary)
+    summary.skipped = list(dict.fromkeys(summary.skipped))
+    folded.eval()
+    for attr in ("linearize_config", "linearize_report"):  # the result has no units
+        folded.__dict__.pop(attr, None)
+    summary.units_left = sum(isinstance(m, LinearizableActivation) for m in folded.modules())
+    summary.params_after = sum(p.numel() for p in folded.parameters())
+    summary.flops_after, output = run_counting(folded, example_inputs)
+
+    untouched = functools.partial(_untouched_layers, model, folded, before_fold, probe)
+    _verify(model, folded, example_inputs, ref_out, _flatten_outputs(output), summary, atol, rtol, dtype, untouched)
+    if latency:
+        with eval_mode(model):
+            summary.latency_ms_before, summary.latency_ms_after = _latency([model, folded], example_inputs)
+    folded.linearize_fold_summary = summary
+    return folded
+

@@ -1,0 +1,216 @@
+"""fold's self-check: the folded model must reproduce the model's outputs on ``example_inputs``
+within ``rtol * max|output|`` (or ``atol``). When that check is vacuous (the output is zero, or the same
+for every sample although the samples differ: a zero-initialised head), the input of the last layer
+that fold left untouched and that does vary (the features before the head) is verified too."""
+
+from __future__ import annotations
+
+import copy
+import math
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from ..checks import FoldVerificationError
+from ..conversion import call_model
+from .probe import Probe
+from .summary import FoldSummary
+
+def _flatten_outputs(out: Any) -> list[torch.Tensor]:
+    if isinstance(out, torch.Tensor):
+        return [out] if out.is_floating_point() else []
+    if isinstance(out, dict):
+        return [t for v in out.values() for t in _flatten_outputs(v)]
+    if isinstance(out, (list, tuple)):
+        return [t for v in out for t in _flatten_outputs(v)]
+    return []
+
+
+def _cast_inputs(inputs: Any, dtype: torch.dtype) -> Any:
+    if isinstance(inputs, torch.Tensor):
+        return inputs.to(dtype) if inputs.is_floating_point() else inputs
+    if isinstance(inputs, dict):
+        return {k: _cast_inputs(v, dtype) for k, v in inputs.items()}
+    if isinstance(inputs, (tuple, list)):
+        return type(inputs)(_cast_inputs(v, dtype) for v in inputs)
+    return inputs
+
+
+def _is_empty_batch(inputs: Any) -> bool:
+    """Whether a tensor of ``inputs`` has no rows (batch dim 0)."""
+    if isinstance(inputs, torch.Tensor):
+        return inputs.ndim > 0 and inputs.shape[0] == 0
+    if isinstance(inputs, dict):
+        return any(_is_empty_batch(v) for v in inputs.values())
+    if isinstance(inputs, (tuple, list)):
+        return any(_is_empty_batch(v) for v in inputs)
+    return False
+
+
+def _check_reference(ref_out: list[torch.Tensor], inputs: Any) -> None:
+    """The model's own outputs must be non-empty and finite, or no tolerance can verify a fold."""
+    if any(t.numel() == 0 for t in ref_out):
+        raise ValueError(
+            f"the model's output on example_inputs {_describe_inputs(inputs)} is empty: pass at least one sample"
+        )
+    if not all(bool(torch.isfinite(t).all()) for t in ref_out):
+        raise ValueError(
+            f"the model's own output on example_inputs {_describe_inputs(inputs)} has NaN/inf values: fold "
+            "cannot verify against it (no tolerance helps); check the model's weights and the inputs"
+        )
+
+
+def _describe_inputs(inputs: Any) -> str:
+    if isinstance(inputs, torch.Tensor):
+        return f"Tensor{tuple(inputs.shape)}"
+    if isinstance(inputs, dict):
+        return "{" + ", ".join(f"{k}: {_describe_inputs(v)}" for k, v in inputs.items()) + "}"
+    if isinstance(inputs, (tuple, list)):
+        return "(" + ", ".join(_describe_inputs(v) for v in inputs) + ")"
+    return type(inputs).__name__
+
+
+
+@torch.no_grad()
+def _verify(
+    model: nn.Module,
+    folded: nn.Module,
+    inputs: Any,
+    ref_out: list[torch.Tensor],
+    new_out: list[torch.Tensor],
+    summary: FoldSummary,
+    atol: float | None,
+    rtol: float,
+    dtype: torch.dtype | None,
+    untouched: Callable[[], list[str]] = list,
+) -> None:
+    """Compare the outputs (raise :class:`FoldVerificationError` beyond the tolerance); when they
+    cannot tell a wrong fold from a right one, compare an inner signal too (:func:`_verify_signal`)."""
+    model_v, folded_v = model, folded
+    if dtype is not None:
+        model_v, folded_v = copy.deepcopy(model).to(dtype).eval(), copy.deepcopy(folded).to(dtype).eval()
+        inputs = _cast_inputs(inputs, dtype)
+        ref_out = _flatten_outputs(call_model(model_v, inputs))
+        new_out = _flatten_outputs(call_model(folded_v, inputs))
+    summary.verify_dtype = str(dtype or ref_out[0].dtype)
+    _check_reference(ref_out, inputs)
+    if len(new_out) != len(ref_out) or any(a.shape != b.shape for a, b in zip(ref_out, new_out)):
+        raise FoldVerificationError(
+            f"folded model returns shapes {[tuple(t.shape) for t in new_out]}, expected "
+            f"{[tuple(t.shape) for t in ref_out]}"
+        )
+    if not all(bool(torch.isfinite(t).all()) for t in new_out):
+        raise FoldVerificationError(
+            f"the folded model outputs NaN/inf where the model's outputs are finite (verified in "
+            f"{summary.verify_dtype}): not a tolerance problem but an overflow of merged weights in this "
+            "dtype (try dtype=torch.float64) or a wrong fold rule (please report this model). "
+            "Decisions:\n" + "\n".join(summary.merged)
+        )
+    err = max(float((a.double() - b.double()).abs().max()) for a, b in zip(ref_out, new_out))
+    scale = max(float(a.double().abs().max()) for a in ref_out)
+    summary.max_abs_error, summary.output_scale = err, scale
+    summary.tolerance = atol if atol is not None else rtol * max(scale, _ZERO)
+    if not err <= summary.tolerance:
+        raise FoldVerificationError(
+            f"folded model differs by {err:.3g} (output scale {scale:.3g}, tolerance "
+            f"{summary.tolerance:.3g}); with tol={summary.tol} near-linear channels were snapped, "
+            "lower tol or raise rtol/atol. Decisions:\n" + "\n".join(summary.merged)
+        )
+    why = _vacuous(ref_out, rtol, inputs)
+    if why:
+        _verify_signal(model_v, folded_v, inputs, untouched(), summary, rtol, why)
+
+
+_ZERO = 1e-12  # an output scale at or below this is zero: it verifies nothing (the tolerance floor)
+
+
+def _row_spread(t: torch.Tensor) -> float:
+    """Largest difference between a sample (row) of ``t`` and the first one (0 for one row)."""
+    if t.ndim == 0 or t.shape[0] < 2:
+        return 0.0
+    return float((t.double() - t[:1].double()).abs().max())
+
+
+def _samples_differ(inputs: Any) -> bool:
+    """Whether some input tensor has two different samples (rows)."""
+    tensors = inputs.values() if isinstance(inputs, dict) else inputs if isinstance(inputs, (tuple, list)) else [inputs]
+    return any(isinstance(t, torch.Tensor) and _row_spread(t) > 0 for t in tensors)
+
+
+def _vacuous(signal: list[torch.Tensor], rtol: float, inputs: Any) -> str:
+    """Why ``signal`` cannot tell a wrong fold from a right one ("" if it can): it is zero (below
+    ``_ZERO``), or every sample gives the same values (within ``rtol`` times the scale) although the
+    samples of ``inputs`` differ: the model ignores its input there (a zero-weight head)."""
+    scale = max(float(t.double().abs().max()) for t in signal)
+    if scale <= _ZERO:
+        return "zero"
+    if _samples_differ(inputs) and max(_row_spread(t) for t in signal) <= rtol * scale:
+        return "the same for every sample of example_inputs"
+    return ""
+
+
+def _untouched_layers(model: nn.Module, folded: nn.Module, before: dict[str, nn.Module], probe: Probe) -> list[str]:
+    """Paths of the leaf layers that fold left alone: the same layer object at the same path, called
+    once, with the same parameters and buffers as in ``model`` (their input is the same signal)."""
+    original = dict(model.named_modules())
+    paths = []
+    for path, m in folded.named_modules():
+        if next(m.children(), None) is not None or before.get(path) is not m or not probe.once(m):
+            continue
+        mine, theirs = m.state_dict(), original[path].state_dict() if path in original else None
+        if theirs is not None and mine.keys() == theirs.keys() and all(
+            mine[k].shape == theirs[k].shape and torch.equal(mine[k], theirs[k].to(mine[k].device)) for k in mine
+        ):
+            paths.append(path)
+    return paths
+
+
+def _layer_inputs(model: nn.Module, paths: list[str], inputs: Any) -> dict[str, torch.Tensor]:
+    """The first floating-point input of each layer at ``paths`` in one forward, in call order; a
+    layer fed one of ``inputs`` itself is left out (that signal verifies nothing)."""
+    seen: dict[str, torch.Tensor] = {}
+    given = {id(t) for t in _flatten_outputs(inputs)}
+
+    def hook_for(path: str):
+        def hook(m: nn.Module, args: tuple) -> None:
+            x = args[0] if args else None
+            if path not in seen and isinstance(x, torch.Tensor) and x.is_floating_point() and id(x) not in given:
+                seen[path] = x.detach().clone()
+        return hook
+
+    handles = [model.get_submodule(p).register_forward_pre_hook(hook_for(p)) for p in paths]
+    try:
+        call_model(model, inputs)
+    finally:
+        for h in handles:
+            h.remove()
+    return seen
+
+
+def _verify_signal(
+    model: nn.Module, folded: nn.Module, inputs: Any, paths: list[str], summary: FoldSummary, rtol: float, why: str
+) -> None:
+    """Verify the input of the last untouched layer (``paths``) whose input is not vacuous either
+    (:func:`_vacuous` with ``rtol`` times its scale); raise :class:`FoldVerificationError` if none is."""
+    ref, new = _layer_inputs(model, paths, inputs), _layer_inputs(folded, paths, inputs)
+    for path in reversed(list(ref)):
+        a, b = ref[path], new.get(path)
+        scale = float(a.double().abs().max())
+        if b is None or b.shape != a.shape or _vacuous([a], rtol, inputs):
+            continue
+        err = float((a.double() - b.double()).abs().max()) if bool(torch.isfinite(b).all()) else math.inf
+        summary.verified_on, summary.verified_why = f"input of {path!r}", f"the output is {why}"
+        summary.signal_error, summary.signal_scale, summary.signal_tolerance = err, scale, rtol * scale
+        if not err <= rtol * scale:
+            raise FoldVerificationError(
+                f"folded model differs by {err:.3g} at the input of {path!r} (scale {scale:.3g}, tolerance "
+                f"{rtol * scale:.3g}), verified there because the output is {why} and cannot show it. "
+                "Decisions:\n" + "\n".join(summary.merged)
+            )
+        return
+    raise FoldVerificationError(
+        f"fold cannot verify the folded model: its output on example_inputs {_describe_inputs(inputs)} is {why}, "
+        "and no layer input that fold left untouched varies either. Pass example_inputs with at least 2 "
+        "different samples, or give the model a head that is not zero (e.g. a random one) to verify the fold"
+    )
