@@ -41,6 +41,7 @@ from torch.overrides import TorchFunctionMode
 
 from .checks import as_patterns, check_channel_dim
 from .config import GATE_KINDS, LinearizeConfig
+from .example_inputs import guess_example_inputs as default_example_inputs
 from .unit import LinearizableActivation, install_optimizer_hooks
 
 __all__ = [
@@ -257,46 +258,6 @@ def call_model(model: nn.Module, inputs: Any) -> Any:
     if isinstance(inputs, (tuple, list)):
         return model(*inputs)
     return model(inputs)
-
-
-def default_example_inputs(model: nn.Module) -> Any:
-    """A small input batch for the probe forward, when the user gives none.
-
-    Hugging Face models: from ``main_input_name`` (token ids, with ``decoder_input_ids`` for
-    encoder-decoders; or ``pixel_values`` of ``config.image_size``). Other models: from the first
-    layer with parameters (Conv2d: ``[2, C_in, S, S]`` with ``S = model.image_size`` or 224;
-    Linear: ``[2, in_features]``; Embedding: token ids ``[2, 8]``).
-    """
-    gen = torch.Generator().manual_seed(0)
-    config = getattr(model, "config", None)
-    main = getattr(model, "main_input_name", None)
-    if config is not None and main == "input_ids":
-        vocab = int(getattr(config, "vocab_size", 100) or 100)
-        ids = torch.randint(3, max(4, min(vocab, 100)), (2, 8), generator=gen)
-        inputs = {"input_ids": ids}
-        if getattr(config, "is_encoder_decoder", False):
-            inputs["decoder_input_ids"] = ids.clone()
-        return inputs
-    if config is not None and main == "pixel_values":
-        size = getattr(config, "image_size", 224)
-        size = size if isinstance(size, int) else size[0]
-        return {"pixel_values": torch.randn(2, getattr(config, "num_channels", 3), size, size, generator=gen)}
-    first = next((m for m in model.modules() if next(m.parameters(recurse=False), None) is not None), None)
-    param = next(first.parameters()) if first is not None else None
-    kw = {"generator": gen, "dtype": param.dtype if param is not None and param.is_floating_point() else None}
-    if isinstance(first, nn.Conv2d):
-        size = getattr(model, "image_size", 224)
-        return torch.randn(2, first.in_channels, size, size, **kw)
-    if isinstance(first, nn.Conv1d):
-        return torch.randn(2, first.in_channels, 64, **kw)
-    if isinstance(first, nn.Linear):
-        return torch.randn(2, first.in_features, **kw)
-    if isinstance(first, nn.Embedding):
-        return torch.randint(0, first.num_embeddings, (2, 8), generator=gen)
-    raise ValueError(
-        f"cannot guess an input for {type(model).__name__}: pass example_inputs= (a tensor, a tuple "
-        "of positional arguments or a dict of keyword arguments) to convert"
-    )
 
 
 # ----------------------------------------------------------------------------- probe
@@ -580,7 +541,7 @@ def convert(
             (``convert(model, exclude_modules=["pooler.activation"])``).
         example_inputs: the probe input: a tensor, a tuple of positional arguments or a dict of
             keyword arguments. ``None`` builds one for torchvision and HF models
-            (:func:`default_example_inputs`).
+            (:func:`linearize.example_inputs.guess_example_inputs`).
 
     Returns:
         ``model`` itself (modified in place), with ``model.linearize_config`` and
