@@ -110,7 +110,7 @@ def test_a_model_without_an_input_layer_is_refused_with_the_fix():
 def activation_calls(model, inputs) -> int:
     """Calls of transformers/torch activation modules in one forward (hooks): the sites to expect."""
     calls = []
-    acts = [m for m in model.modules() if type(m).__module__ == "transformers.activations" or isinstance(m, (nn.GELU, nn.ReLU))]
+    acts = [m for m in model.modules() if type(m).__module__ == "transformers.activations" or isinstance(m, (nn.GELU, nn.ReLU, nn.Tanh))]
     hooks = [m.register_forward_hook(lambda *_: calls.append(1)) for m in acts]
     with torch.no_grad():
         model(**inputs)
@@ -129,13 +129,13 @@ def tiny_hf(kind: str):
         return hf.WhisperModel(hf.WhisperConfig(
             vocab_size=60, num_mel_bins=8, d_model=16, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
             decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32, max_source_positions=6,
-            max_target_positions=8))
+            max_target_positions=8, pad_token_id=0, bos_token_id=1, eos_token_id=2, decoder_start_token_id=1))
     if kind == "wav2vec2":
         return hf.Wav2Vec2Model(hf.Wav2Vec2Config(
             conv_dim=(8, 8), conv_kernel=(10, 3), conv_stride=(5, 2), num_conv_pos_embeddings=4,
             num_conv_pos_embedding_groups=2, **small))
     if kind == "convnext":
-        return hf.ConvNextModel(hf.ConvNextConfig(num_channels=1, hidden_sizes=[8, 16], depths=[1, 1], image_size=32))
+        return hf.ConvNextModel(hf.ConvNextConfig(num_channels=1, num_stages=2, hidden_sizes=[8, 16], depths=[1, 1], image_size=32))
     if kind == "vit":
         return hf.ViTModel(hf.ViTConfig(image_size=(24, 16), patch_size=8, **small))
     if kind == "clip":
@@ -205,4 +205,4 @@ def test_inspect_example_inputs_as_keywords(tmp_path, capsys):
     ids = torch.randint(3, 50, (1, 5))
     save_file({"input_ids": ids, "attention_mask": torch.ones_like(ids)}, tmp_path / "inputs.safetensors")
     assert main(["inspect", str(tmp_path / "bert"), "--example-inputs", str(tmp_path / "inputs.safetensors")]) == 0
-    assert capsys.readouterr().out.startswith("1 sites, 32 channels converted")
+    assert capsys.readouterr().out.startswith("2 sites, 48 channels converted")  # FFN 32, pooler 16
