@@ -134,6 +134,9 @@ def tiny_hf(kind: str):
         return hf.Wav2Vec2Model(hf.Wav2Vec2Config(
             conv_dim=(8, 8), conv_kernel=(10, 3), conv_stride=(5, 2), num_conv_pos_embeddings=4,
             num_conv_pos_embedding_groups=2, **small))
+    if kind == "ast":
+        return hf.ASTModel(hf.ASTConfig(num_mel_bins=16, max_length=24, patch_size=8, frequency_stride=8,
+                                        time_stride=8, **small))
     if kind == "convnext":
         return hf.ConvNextModel(hf.ConvNextConfig(num_channels=1, num_stages=2, hidden_sizes=[8, 16], depths=[1, 1], image_size=32))
     if kind == "vit":
@@ -150,6 +153,7 @@ def tiny_hf(kind: str):
     ("t5", {"input_ids": (2, 8), "decoder_input_ids": (2, 8)}),
     ("whisper", {"input_features": (2, 8, 12), "decoder_input_ids": (2, 8)}),  # 12 = 2 * max_source_positions
     ("wav2vec2", {"input_values": (2, 90)}),  # 8 frames <- (8 - 1) * 2 + 3 = 17 <- (17 - 1) * 5 + 10 = 90 samples
+    ("ast", {"input_values": (2, 24, 16)}),  # max_length frames of num_mel_bins
     ("convnext", {"pixel_values": (2, 1, 32, 32)}),
     ("vit", {"pixel_values": (2, 3, 24, 16)}),
     ("clip", {"input_ids": (2, 8), "pixel_values": (2, 3, 16, 16)}),
@@ -166,6 +170,16 @@ def test_hugging_face_inputs_from_the_config(kind, expected):
         warnings.simplefilter("ignore")
         linearize.convert(model)
     assert len(linearize.units(model)) == n_calls > 0
+
+
+def test_an_unknown_hugging_face_input_is_refused_with_the_fix():
+    class SpeechLike(nn.Module):
+        main_input_name = "input_features"
+        config = hf.PretrainedConfig()  # no num_mel_bins: not Whisper-like
+
+    with pytest.raises(ValueError, match=r"cannot guess an input for SpeechLike: its main input 'input_features'.*"
+                       r"example_inputs="):
+        guess_example_inputs(SpeechLike())
 
 
 # ----------------------------------------------------------------------------- files and the command line
@@ -206,3 +220,10 @@ def test_inspect_example_inputs_as_keywords(tmp_path, capsys):
     save_file({"input_ids": ids, "attention_mask": torch.ones_like(ids)}, tmp_path / "inputs.safetensors")
     assert main(["inspect", str(tmp_path / "bert"), "--example-inputs", str(tmp_path / "inputs.safetensors")]) == 0
     assert capsys.readouterr().out.startswith("2 sites, 48 channels converted")  # FFN 32, pooler 16
+
+
+def test_inspect_a_timm_model_by_name(capsys):
+    """Not a torchvision builder: built by timm (random init), probed at its pretrained_cfg input size."""
+    assert main(["inspect", "resnet10t"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("11 sites") and "conv1.5" in out  # deep stem: conv1.2, conv1.5, act1; 4 BasicBlocks x 2
