@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import Any
 
 
 def _inspect(args: argparse.Namespace) -> int:
@@ -11,8 +12,43 @@ def _inspect(args: argparse.Namespace) -> int:
     from .models import load_model
 
     model = load_model(args.model, trust_pickle=args.trust_pickle)
-    print(dry_run(model))
+    print(dry_run(model, example_inputs=example_inputs_from_args(args)))
     return 0
+
+
+def input_shape(text: str) -> tuple[int, ...]:
+    """An ``argparse`` ``type=`` for ``--input-shape``: ``"1,3,224,224"`` as a tuple of positive ints."""
+    try:
+        shape = tuple(int(s) for s in text.replace("x", ",").split(","))
+    except ValueError:
+        shape = ()
+    if not shape or min(shape) < 1:
+        raise argparse.ArgumentTypeError(f"--input-shape {text!r}: expected positive sizes separated by commas, "
+                                         "e.g. 1,3,224,224")
+    return shape
+
+
+def add_input_options(parser: argparse.ArgumentParser) -> None:
+    """``--input-shape`` / ``--example-inputs``: the probe input of models whose input convert cannot guess."""
+    group = parser.add_mutually_exclusive_group()
+    group.add_argument("--input-shape", type=input_shape, metavar="N,C,H,W",
+                       help="probe the model with a float tensor of this shape (random normal), e.g. 1,3,224,224")
+    group.add_argument("--example-inputs", metavar="FILE",
+                       help="probe the model with the tensors of a .safetensors file: one tensor is the positional "
+                       "input, several are keyword inputs by name (default: guessed from the model)")
+
+
+def example_inputs_from_args(args: argparse.Namespace) -> Any:
+    """The probe input that ``--input-shape`` / ``--example-inputs`` ask for, or ``None`` (convert guesses one)."""
+    if args.input_shape is not None:
+        import torch
+
+        return torch.randn(args.input_shape, generator=torch.Generator().manual_seed(0))
+    if args.example_inputs is not None:
+        from .example_inputs import load_example_inputs
+
+        return load_example_inputs(args.example_inputs)
+    return None
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -46,9 +82,11 @@ def build_parser() -> argparse.ArgumentParser:
     demo.set_defaults(func=_demo)
 
     inspect = sub.add_parser("inspect", help="list the activation call sites convert would swap (dry run)")
-    inspect.add_argument("model", help="a torchvision builder name (resnet18), a Hugging Face model directory, "
-                         "or a .pt file holding a whole pickled nn.Module (needs --trust-pickle)")
+    inspect.add_argument("model", help="a torchvision builder name (resnet18, vit_b_16), a timm model name "
+                         "(timm installed), a Hugging Face model directory, or a .pt file holding a whole pickled "
+                         "nn.Module (needs --trust-pickle); builders make randomly initialized models")
     add_trust_pickle(inspect)
+    add_input_options(inspect)
     inspect.set_defaults(func=_inspect)
 
     from . import reporting

@@ -41,13 +41,14 @@ from torch.overrides import TorchFunctionMode
 
 from .checks import as_patterns, check_channel_dim
 from .config import GATE_KINDS, LinearizeConfig
-from .inputs import call_model, eval_mode  # call_model: re-exported (folding, users)
+from .example_inputs import guess_example_inputs
+from .inputs import call_model, eval_mode
 from .unit import LinearizableActivation, install_optimizer_hooks
 
 __all__ = [
-    "convert", "dry_run", "ConversionReport", "CallSites", "FunctionalActivation", "call_model",
+    "convert", "dry_run", "ConversionReport", "CallSites", "FunctionalActivation",
     "activation_kind", "activation_registrations", "install_call_sites", "plan_conversion",
-    "wrap_function_attributes", "default_example_inputs",
+    "wrap_function_attributes",
 ]
 
 _MODULE_KINDS: list[tuple[type, str]] = [
@@ -246,49 +247,6 @@ class ConversionReport:
             rows.append(f"{len(self.gates)} multiplicative gate(s) left as they are (gates='exclude'):")
             rows += [f"  {n}: {why}" for n, why in self.gates.items()]
         return "\n".join(rows)
-
-
-# ----------------------------------------------------------------------------- inputs
-
-
-def default_example_inputs(model: nn.Module) -> Any:
-    """A small input batch for the probe forward, when the user gives none.
-
-    Hugging Face models: from ``main_input_name`` (token ids, with ``decoder_input_ids`` for
-    encoder-decoders; or ``pixel_values`` of ``config.image_size``). Other models: from the first
-    layer with parameters (Conv2d: ``[2, C_in, S, S]`` with ``S = model.image_size`` or 224;
-    Linear: ``[2, in_features]``; Embedding: token ids ``[2, 8]``).
-    """
-    gen = torch.Generator().manual_seed(0)
-    config = getattr(model, "config", None)
-    main = getattr(model, "main_input_name", None)
-    if config is not None and main == "input_ids":
-        vocab = int(getattr(config, "vocab_size", 100) or 100)
-        ids = torch.randint(3, max(4, min(vocab, 100)), (2, 8), generator=gen)
-        inputs = {"input_ids": ids}
-        if getattr(config, "is_encoder_decoder", False):
-            inputs["decoder_input_ids"] = ids.clone()
-        return inputs
-    if config is not None and main == "pixel_values":
-        size = getattr(config, "image_size", 224)
-        size = size if isinstance(size, int) else size[0]
-        return {"pixel_values": torch.randn(2, getattr(config, "num_channels", 3), size, size, generator=gen)}
-    first = next((m for m in model.modules() if next(m.parameters(recurse=False), None) is not None), None)
-    param = next(first.parameters()) if first is not None else None
-    kw = {"generator": gen, "dtype": param.dtype if param is not None and param.is_floating_point() else None}
-    if isinstance(first, nn.Conv2d):
-        size = getattr(model, "image_size", 224)
-        return torch.randn(2, first.in_channels, size, size, **kw)
-    if isinstance(first, nn.Conv1d):
-        return torch.randn(2, first.in_channels, 64, **kw)
-    if isinstance(first, nn.Linear):
-        return torch.randn(2, first.in_features, **kw)
-    if isinstance(first, nn.Embedding):
-        return torch.randint(0, first.num_embeddings, (2, 8), generator=gen)
-    raise ValueError(
-        f"cannot guess an input for {type(model).__name__}: pass example_inputs= (a tensor, a tuple "
-        "of positional arguments or a dict of keyword arguments) to convert"
-    )
 
 
 # ----------------------------------------------------------------------------- probe
@@ -491,7 +449,7 @@ def plan_conversion(
         else:
             chosen.append((name, owner, attr, act))
     probe = _Probe(model, {id(act) for *_, act in chosen}, {id(act) for *_, act in regs}, config.channel_dim)
-    probe.run(model, example_inputs if example_inputs is not None else default_example_inputs(model))
+    probe.run(model, example_inputs if example_inputs is not None else guess_example_inputs(model))
     exclude_gates = config.gates == "exclude"
     functional: Counter[str] = Counter()
     for where, call in probe.functional:
@@ -569,7 +527,7 @@ def convert(
             (``convert(model, exclude_modules=["pooler.activation"])``).
         example_inputs: the probe input: a tensor, a tuple of positional arguments or a dict of
             keyword arguments. ``None`` builds one for torchvision and HF models
-            (:func:`default_example_inputs`).
+            (:func:`linearize.example_inputs.guess_example_inputs`).
 
     Returns:
         ``model`` itself (modified in place), with ``model.linearize_config`` and
@@ -609,8 +567,9 @@ def convert(
             )
             for call in calls
         ]
-        if param is not None:
-            made = [u.to(param.device) for u in made]
+        if param is not None:  # float64 models get float64 slopes; low precision ones keep float32 slopes
+            dtype = param.dtype if param.dtype == torch.float64 else None
+            made = [u.to(param.device, dtype) for u in made]
         install_call_sites(owner, attr, made)
         getattr(owner, attr).train(act.training)  # new units (and dispatcher) take the replaced flag
     model.linearize_config = config

@@ -70,8 +70,8 @@ from .conversion import (
     install_call_sites,
     wrap_function_attributes,
     activation_kind,
-    default_example_inputs,
 )
+from .example_inputs import guess_example_inputs
 from .inputs import Batches, as_call, call_model, eval_mode, model_device
 
 __all__ = ["GATED_KINDS", "GaLU", "FeatureTap", "GatedNetwork", "convert_gated", "gate_statistics"]
@@ -385,7 +385,7 @@ def convert_gated(model: nn.Module, config: LinearizeConfig, example_inputs: Any
             ``value_input``, ``init``, ``hard_gates``, ``freeze_feature``, ``activations``,
             ``target_modules``, ``exclude_modules`` and ``channel_dim`` (see the module docstring).
         example_inputs: the probe input (a tensor, a tuple of positional arguments or a dict of
-            keyword arguments); ``None`` builds one (``linearize.conversion.default_example_inputs``).
+            keyword arguments); ``None`` builds one (``linearize.example_inputs.guess_example_inputs``).
             The structure (sites, channels) only depends on the model, not on these values, so
             ``convert_gated(fresh_model, config)`` rebuilds a network that loads a saved state dict.
 
@@ -402,7 +402,7 @@ def convert_gated(model: nn.Module, config: LinearizeConfig, example_inputs: Any
     gated_kinds = tuple(k for k in config.activations if k in GATED_KINDS)
     probe_config = dataclasses.replace(  # ReLU-family sites only: all are gated, none is a product gate
         config, mode="prelu", activations=gated_kinds or ("relu",), gates="include")
-    inputs = example_inputs if example_inputs is not None else default_example_inputs(model)
+    inputs = example_inputs if example_inputs is not None else guess_example_inputs(model)
     if config.value_input == "ones":  # fail now, not at the first training step
         _constant_inputs(*as_call(inputs))
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 
 from torch import nn
@@ -20,7 +21,8 @@ def load_model(spec: str | Path, num_classes: int | None = None, *, trust_pickle
       (``--trust-pickle``), since unpickling a module runs code from the file; without it the file
       is read with ``torch.load(weights_only=True)`` and refused with a
       :class:`~linearize._files.LoadError` that names the file and the flag;
-    - a torchvision builder name (``"resnet18"``), randomly initialized, with ``num_classes`` outputs.
+    - a torchvision builder name (``"resnet18"``), else a timm model name when timm is installed
+      (``"convnext_atto"``), randomly initialized, with ``num_classes`` outputs.
     """
     path = Path(spec)
     if path.is_dir():
@@ -44,10 +46,15 @@ def load_model(spec: str | Path, num_classes: int | None = None, *, trust_pickle
         return model
     import torchvision
 
-    if str(spec) not in torchvision.models.list_models():
-        raise ValueError(
-            f"{str(spec)!r} is neither a Hugging Face model directory, a .pt file nor a torchvision builder "
-            "(e.g. resnet18, mobilenet_v2, vgg11_bn)"
-        )
     kwargs = {"num_classes": num_classes} if num_classes else {}
-    return torchvision.models.get_model(str(spec), weights=None, **kwargs)
+    if str(spec) in torchvision.models.list_models():
+        return torchvision.models.get_model(str(spec), weights=None, **kwargs)
+    if importlib.util.find_spec("timm") is not None:
+        import timm
+
+        if timm.is_model(str(spec)):
+            return timm.create_model(str(spec), pretrained=False, **kwargs)
+    raise ValueError(
+        f"{str(spec)!r} is neither a Hugging Face model directory, a .pt file, a torchvision builder "
+        "(e.g. resnet18, mobilenet_v2, vgg11_bn) nor a timm model name (with timm installed)"
+    )

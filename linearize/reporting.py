@@ -829,8 +829,9 @@ def _load_data(args: argparse.Namespace, model: nn.Module, hf_dir: Path | None) 
         load_digits = require("sklearn.datasets", what="--data digits").load_digits
 
         x = torch.tensor(load_digits().data[:n], dtype=torch.float32) / 16.0
-        first = next((m for m in model.modules() if next(m.parameters(recurse=False), None) is not None), None)
-        return x.view(-1, 1, 8, 8) if isinstance(first, nn.Conv2d) else x
+        from .example_inputs import input_layer
+
+        return x.view(-1, 1, 8, 8) if isinstance(input_layer(model), nn.Conv2d) else x
     path = Path(src)
     if not path.exists():
         raise FileNotFoundError(f"--data {src}: no such file or directory (or use 'digits')")

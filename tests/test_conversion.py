@@ -10,7 +10,9 @@ import transformers as hf
 from torch import nn
 
 import linearize
-from linearize.conversion import CallSites, call_model, default_example_inputs
+from linearize.conversion import CallSites
+from linearize.example_inputs import guess_example_inputs
+from linearize.inputs import call_model
 
 # independent list of the activation module types the zoo uses, to count calls with hooks
 ACT_TYPES = (nn.ReLU, nn.ReLU6, nn.GELU, nn.SiLU, nn.Hardswish, nn.Hardsigmoid, nn.Sigmoid, nn.Tanh)
@@ -172,7 +174,7 @@ def test_huggingface_zoo(name):
     torch.manual_seed(0)
     model = build()
     cls = type(model)
-    check_exact_then_linear(model, default_example_inputs(model), sites)
+    check_exact_then_linear(model, guess_example_inputs(model), sites)
     assert type(model) is cls and hasattr(model, "save_pretrained")
 
 
@@ -313,3 +315,21 @@ def test_torch_compile_gives_the_same_outputs_and_gradients():
     model.zero_grad()
     model(x).sum().backward()
     torch.testing.assert_close(model.layer2[1].relu.calls[1].slope.grad, grad)
+
+
+def test_float64_model_gets_float64_slopes_and_folds():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 2)).double()
+    x = torch.randn(64, 4, dtype=torch.float64)
+    ref = model(x).detach()
+    linearize.convert(model)
+    assert all(u.slope.dtype == torch.float64 for _, u in linearize.units(model))
+    assert torch.equal(model(x).detach(), ref)  # exact at init
+    with torch.no_grad():
+        for _, u in linearize.units(model):
+            u.slope.uniform_(0, 1)
+        hidden = model[0](x)  # the first unit by hand: (1 - a) relu(h) + a h
+        a = linearize.units(model)[0][1].slope
+        torch.testing.assert_close(model[1](hidden), (1 - a) * hidden.clamp_min(0) + a * hidden, rtol=0, atol=1e-15)
+        folded = linearize.fold(model, x)
+        torch.testing.assert_close(folded(x), model(x), rtol=0, atol=1e-12)

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from ..conversion import call_model
+from ..inputs import call_model
 from .layers import CONVS, is_hf_conv1d
 
 __all__ = ["count_flops", "module_flops", "FlopCounter"]

@@ -15,7 +15,7 @@ from torch import nn
 from torch.nn.modules.dropout import _DropoutNd
 from torch.utils._pytree import tree_flatten
 
-from ..conversion import call_model
+from ..inputs import call_model
 from .flops import FlopCounter
 
 # ops that return their input unchanged when ``training`` is off (eval dropout)

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from ..checks import FoldVerificationError
-from ..conversion import call_model
+from ..inputs import call_model
 from .probe import Probe
 from .summary import FoldSummary
 
