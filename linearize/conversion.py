@@ -545,8 +545,11 @@ def convert(
     config = _resolve_config(config, overrides)
     if config.mode != "prelu":
         from .gated import convert_gated
+        from .hf import mark
 
-        return convert_gated(model, config, example_inputs)
+        gated = convert_gated(model, config, example_inputs)
+        mark(gated)  # its HF networks saved alone would load as another function: guard them
+        return gated
 
     wrap_function_attributes(model)
     report, plan = plan_conversion(model, config, example_inputs)

@@ -37,6 +37,7 @@ from torch import nn
 
 from ._files import LoadError, atomic_write
 from ._optional import require
+from .hf import mark_folded
 
 __all__ = ["save_folded", "load_folded", "FOLDED_CONFIG", "FOLDED_WEIGHTS"]
 
@@ -387,4 +388,5 @@ def load_folded(directory: str | os.PathLike, base: nn.Module | None = None) -> 
     except RuntimeError as err:
         raise LoadError(f"{weights}: does not fit the rebuilt model ({err}); the base model differs from the "
                         "one folded") from None
+    mark_folded(model)  # its own save_pretrained would reload as the original layers: guarded
     return model.eval()

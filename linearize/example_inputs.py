@@ -180,7 +180,8 @@ def _from_hf_config(model: nn.Module, config: Any, gen: torch.Generator, float_k
     if main == "input_ids" and text_config is not None and vision_config is not None and _forward_accepts(model, "pixel_values"):
         return {"input_ids": _token_ids(text_config, gen), "pixel_values": _pixels(vision_config, float_kw)}
     if main == "input_ids":
-        inputs = {"input_ids": _token_ids(config, gen)}
+        encoder = getattr(config, "encoder", None)  # EncoderDecoderModel: the encoder's own vocabulary
+        inputs = {"input_ids": _token_ids(encoder if callable(getattr(encoder, "to_dict", None)) else config, gen)}
         types = getattr(config, "type_vocab_size", None)
         if isinstance(types, int) and types > 1 and _forward_accepts(model, "token_type_ids"):
             inputs["token_type_ids"] = torch.randint(0, types, inputs["input_ids"].shape, generator=gen)

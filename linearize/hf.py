@@ -24,9 +24,11 @@ stripped reload of it, or of a save made before the guard existed, is still refu
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import re
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +44,11 @@ CONFIG_KEY = "linearize"
 GUARD_KEY = "quantization_config"  # transformers refuses to load a config whose entry has no quant_method
 GUARD = {CONFIG_KEY: "saved after linearize.convert: transformers alone would drop its linearizable units and "
                      "load another function. Load it with linearize.from_pretrained(<ModelClass>, <this folder>)."}
+FOLDED_MESSAGE = ("a model folded by linearize.fold: transformers alone would rebuild the original layers, another "
+                  "function. Save it with linearize.save_folded(model, dir), load it with linearize.load_folded(dir).")
+GATED_MESSAGE = ("part of a gated (dgn/dlgn) split made by linearize.convert: transformers alone would load another "
+                 "function. Save the split with linearize.save_pretrained(gated, dir) and load it with "
+                 "linearize.from_pretrained(fresh_model, dir).")
 HF_CONFIG = "config.json"
 _SAFE = "model.safetensors"
 _SAFE_INDEX = "model.safetensors.index.json"
@@ -55,39 +62,77 @@ def is_hf_model(model: object) -> bool:
             and callable(getattr(getattr(model, "config", None), "to_dict", None)))
 
 
-def mark(model: nn.Module) -> None:
-    """Record the linearize manifest of a converted HF ``model`` in ``model.config.linearize``, and
-    the load guard that makes a plain ``from_pretrained`` of its saves fail (see the module docstring).
+def hf_models(model: nn.Module) -> list[nn.Module]:
+    """``model`` and every Hugging Face model inside it (the encoder and decoder of an
+    ``EncoderDecoderModel``, the value network of a gated split), outermost first."""
+    return [m for m in model.modules() if is_hf_model(m)]
 
-    Called by :func:`linearize.convert`; a no-op for other models.
+
+def _guard(config: Any, message: str) -> None:
+    if getattr(config, GUARD_KEY, None) is None or is_guard(getattr(config, GUARD_KEY)):  # a quantized model keeps its own
+        setattr(config, GUARD_KEY, {CONFIG_KEY: message})
+
+
+def mark(model: nn.Module) -> None:
+    """Record the linearize manifest of a converted HF model in ``config.linearize`` and the load
+    guard that makes a plain ``from_pretrained`` of its saves fail (see the module docstring), on
+    ``model`` and on every HF model inside it that holds units (each saves on its own).
+
+    Called by :func:`linearize.convert` (gated modes: the guard only, their saves go through
+    :func:`linearize.save_pretrained`); a no-op for other models.
     """
     from .serialization import FORMAT_VERSION, _sites
+    from .unit import units
 
     config = getattr(model, "linearize_config", None)
-    if is_hf_model(model) and config is not None and config.mode == "prelu":
-        setattr(model.config, CONFIG_KEY, {"format": FORMAT_VERSION, "config": config.to_dict(),
-                                           "sites": _sites(model)})
-        if getattr(model.config, GUARD_KEY, None) is None:  # a really quantized model keeps its own
-            setattr(model.config, GUARD_KEY, dict(GUARD))
+    if config is None:
+        return
+    done: set[int] = set()
+    for m in hf_models(model):  # outermost first; a head model shares its config with its base model
+        if id(m.config) in done:
+            continue
+        done.add(id(m.config))
+        if config.mode != "prelu":
+            _guard(m.config, GATED_MESSAGE)
+        elif units(m):
+            setattr(m.config, CONFIG_KEY, {"format": FORMAT_VERSION, "config": config.to_dict(), "sites": _sites(m)})
+            _guard(m.config, GUARD[CONFIG_KEY])
+
+
+def mark_folded(model: nn.Module) -> None:
+    """On a model returned by :func:`linearize.fold`: drop the manifest (it has no units) and guard
+    its HF models with the fold message (a plain reload would rebuild the original layers, not the
+    folded ones; :func:`linearize.save_folded` / :func:`linearize.load_folded` keep them)."""
+    for m in hf_models(model):
+        if hasattr(m.config, CONFIG_KEY):
+            delattr(m.config, CONFIG_KEY)
+        _guard(m.config, FOLDED_MESSAGE)
 
 
 def is_guard(value: object) -> bool:
-    """True for the load guard that :func:`mark` puts in ``config.quantization_config``."""
+    """True for a load guard of :func:`mark` or :func:`mark_folded` (a ``quantization_config`` value)."""
     return isinstance(value, dict) and set(value) == {CONFIG_KEY}
 
 
+def _configs(config: Any) -> list[Any]:
+    """``config`` and the model configs nested in it (``encoder``, ``decoder``, ``text_config`` ...)."""
+    nested = [v for v in vars(config).values() if callable(getattr(v, "to_dict", None)) and hasattr(v, "model_type")]
+    return [config] + [c for v in nested for c in _configs(v)]
+
+
 def lift_guard(config: Any) -> None:
-    """Remove the load guard that :func:`mark` put in ``config`` (a transformers config), if any."""
-    if is_guard(getattr(config, GUARD_KEY, None)):
-        delattr(config, GUARD_KEY)
+    """Remove the load guards of ``config`` (a transformers config) and of the configs nested in it."""
+    for c in _configs(config) if config is not None else []:
+        if is_guard(getattr(c, GUARD_KEY, None)):
+            delattr(c, GUARD_KEY)
 
 
 def unmark(model: nn.Module) -> None:
-    """Remove ``config.linearize`` and the load guard (before a restore re-converts the model)."""
-    cfg = getattr(model, "config", None)
-    if cfg is not None and hasattr(cfg, CONFIG_KEY):
-        delattr(cfg, CONFIG_KEY)
-    lift_guard(cfg)
+    """Remove ``config.linearize`` and the load guards (before a restore re-converts the model)."""
+    for m in hf_models(model):
+        if hasattr(m.config, CONFIG_KEY):
+            delattr(m.config, CONFIG_KEY)
+        lift_guard(m.config)
 
 
 def refuse_stripped(model: nn.Module) -> None:
@@ -101,9 +146,9 @@ def refuse_stripped(model: nn.Module) -> None:
     if getattr(getattr(model, "config", None), CONFIG_KEY, None) is not None and not units(model):
         where = getattr(model.config, "_name_or_path", "") or "DIR"
         raise LoadError(
-            f"{type(model).__name__} loaded from {where!r} was saved after linearize.convert, but it was "
-            "loaded with a plain from_pretrained, which dropped its linearizable units (its activations are "
-            "the original ones, so it computes another function). Load it with "
+            f"{type(model).__name__} (config from {where!r}) was saved after linearize.convert, but it was "
+            "built from that config or loaded by a plain from_pretrained, without its linearizable units (its "
+            "activations are the original ones: another function, or fresh units). Load it with "
             f"linearize.from_pretrained({type(model).__name__}, {where!r}) instead."
         )
 
@@ -178,32 +223,58 @@ def read_unit_tensors(directory: Path, keys: list[str]) -> tuple[dict[str, torch
     return out, path
 
 
+def _drop_guards(config: dict) -> dict:
+    """A ``config.json`` dict without load guards (nested model configs included)."""
+    out = {k: (_drop_guards(v) if isinstance(v, dict) else v) for k, v in config.items()}
+    if is_guard(out.get(GUARD_KEY)):
+        del out[GUARD_KEY]
+    return out
+
+
+def _unguarded_view(directory: Path, into: Path) -> Path:
+    """``into``: links to every file of ``directory`` but ``config.json``, which is written there
+    without load guards, so that transformers loads it the usual way (all its keyword arguments)."""
+    for f in directory.iterdir():
+        if f.name != HF_CONFIG:
+            (into / f.name).symlink_to(f.resolve(), target_is_directory=f.is_dir())
+    config = json.loads((directory / HF_CONFIG).read_text(encoding="utf-8"))
+    (into / HF_CONFIG).write_text(json.dumps(_drop_guards(config)), encoding="utf-8")
+    return into
+
+
 def load_plain(cls: type, directory: Path, keys: list[str], kwargs: dict[str, Any]) -> nn.Module:
     """``cls.from_pretrained(directory, **kwargs)`` with the unit tensors ``keys`` expected.
 
     The model is built with its original activations (the units are restored afterwards); the unit
     keys are declared in ``_keys_to_ignore_on_load_unexpected`` of a throw-away subclass, so
     transformers reports only real problems (no UNEXPECTED table for the units). ``Auto*`` classes
-    are resolved from the saved config first.
+    are resolved from the saved config first. transformers reads the folder through a view without
+    the load guard (links to the weights); a ``config=`` object is copied before its guard is lifted.
     """
     if not callable(getattr(cls, "from_pretrained", None)):
         raise TypeError(f"linearize.from_pretrained got the class {cls.__name__}, which has no from_pretrained")
-    if hasattr(cls, "_model_mapping"):  # an Auto class
-        from transformers import AutoConfig
-        from transformers.models.auto.auto_factory import _get_model_class
+    if kwargs.get("config") is not None and not isinstance(kwargs["config"], (str, os.PathLike)):
+        config = copy.deepcopy(kwargs["config"])  # the caller's object keeps its guard
+        lift_guard(config)
+        kwargs = {**kwargs, "config": config}
+    with tempfile.TemporaryDirectory(prefix="linearize-load-") as tmp:
+        view = _unguarded_view(directory, Path(tmp))
+        if hasattr(cls, "_model_mapping"):  # an Auto class
+            from transformers import AutoConfig
+            from transformers.models.auto.auto_factory import _get_model_class
 
-        config = kwargs.get("config") or AutoConfig.from_pretrained(str(directory))
-        cls = _get_model_class(config, cls._model_mapping)
-    else:
-        config = kwargs.get("config") or cls.config_class.from_pretrained(str(directory))
-    lift_guard(config)  # this load restores the units
-    kwargs = {**kwargs, "config": config}
-    pattern = r"(^|\.)(" + "|".join(re.escape(k) for k in keys) + r")$"
-    ignore = set(cls._keys_to_ignore_on_load_unexpected or []) | {pattern}
-    sub = type(cls.__name__, (cls,), {"_keys_to_ignore_on_load_unexpected": ignore, "__module__": cls.__module__,
-                                      "__qualname__": cls.__qualname__})
-    model = sub.from_pretrained(str(directory), **kwargs)
+            config = kwargs.get("config")
+            if config is None or isinstance(config, (str, os.PathLike)):
+                config = AutoConfig.from_pretrained(str(config or view))
+            cls = _get_model_class(config, cls._model_mapping)
+        pattern = r"(^|\.)(" + "|".join(re.escape(k) for k in keys) + r")$"
+        ignore = set(cls._keys_to_ignore_on_load_unexpected or []) | {pattern}
+        sub = type(cls.__name__, (cls,), {"_keys_to_ignore_on_load_unexpected": ignore,
+                                          "__module__": cls.__module__, "__qualname__": cls.__qualname__})
+        model = sub.from_pretrained(str(view), **kwargs)
     model.__class__ = cls
+    for m in hf_models(model):
+        m.config._name_or_path = str(directory)
     own = getattr(model, "_keys_to_ignore_on_load_unexpected", None)
     if isinstance(own, set):
         own.discard(pattern)

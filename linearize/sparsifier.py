@@ -40,9 +40,15 @@ alike, the choice is arbitrary, and the channels left nonlinear end at ``1 - rel
 linear. ``select="saliency"`` (a target schedule only) measures instead what each channel costs:
 the running mean of its squared loss gradient ``E[(dL/da_c)^2]`` (the diagonal Fisher of the
 slope, a second-order estimate of the loss increase of moving it; decay ``0.9`` per step,
-optimizer-independent), and glides the *cheapest* channels to 1; there is no uniform push, so
-the channels kept nonlinear keep their slopes (the loss alone moves them). Gradients are read at
-each :meth:`Sparsifier.step` (call it before ``zero_grad``; :meth:`attach` does).
+optimizer-independent), divided by the channel's ``weights`` (cost per unit of saving), and glides
+the *cheapest* channels to 1; there is no uniform push (``rate``, ``lam`` and ``mode="loss"`` do
+not apply), so the channels kept nonlinear keep their slopes (the loss alone moves them). A
+channel already selected counts at half its cost (hysteresis: the choice does not flicker with
+gradient noise), the selection is fixed once the target is reached, and a channel whose slope has
+never had a gradient (frozen, unused, ``requires_grad=False``) is never chosen before one that has.
+Gradients are read at each :meth:`Sparsifier.step` (after ``optimizer.step()``, before
+``zero_grad()``; :meth:`attach` does); a step with NaN/inf gradients (a step a loss scaler skipped)
+is not counted, and a warning says when the ramp runs without any slope gradient.
 
 A :func:`~linearize.schedules.target` schedule adds a **gentle budget projection** (see
 :meth:`Sparsifier.max_step`): the channels the cubic path wants linear ``G`` steps ahead are
@@ -86,6 +92,7 @@ __all__ = ["Sparsifier", "param_groups", "flops_weights"]
 MODES = ("proximal", "loss")
 SELECT = ("slope", "saliency")
 SALIENCY_DECAY = 0.9  # running mean of the squared slope gradients, per step
+SALIENCY_HYSTERESIS = 0.5  # a selected channel's cost counts this much in the ranking
 # torch optimizer -> weakref to the Sparsifier attached to it (one per optimizer: two would apply the pressure twice)
 _ATTACHED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
@@ -163,6 +170,10 @@ class Sparsifier:
         if select == "saliency" and not isinstance(schedule, _schedules.Target):
             raise ValueError("select='saliency' picks the channels of a target schedule: pass "
                              "schedule=linearize.schedules.target(...), or select='slope'")
+        if select == "saliency" and (rate is not None or lam is not None or mode != "proximal"
+                                     or getattr(schedule, "lam", None) is not None):
+            raise ValueError("select='saliency' applies no uniform push, so rate=, lam= (or a schedule with "
+                             "its own lam) and mode='loss' do not apply: drop them, or use select='slope'")
         if isinstance(total_steps, bool) or not isinstance(total_steps, int) or total_steps < 1:
             raise ValueError(f"total_steps must be a positive int, got {total_steps!r}")
         _schedules._check_lam(lam)
@@ -207,6 +218,9 @@ class Sparsifier:
         self.select = select
         # float64 [C]: running mean of squared slope gradients (select="saliency")
         self._saliency = torch.zeros(sum(u.num_channels for _, u in self._units), dtype=torch.float64)
+        self._seen = torch.zeros(self._saliency.numel(), dtype=torch.bool)  # channels with a gradient seen
+        self._said: set[str] = set()
+        self._had_grad = False  # any slope gradient tensor at a step() so far
         self._lr_peak: list[float | None] = [None] * len(self._units)  # largest slope LR seen, per unit
         self.history: list[dict] = []
         self._hook = None
@@ -370,6 +384,10 @@ class Sparsifier:
             start = _schedules.resolve_step(self.schedule.start, self.total_steps)
             if self.initial_fraction is None and self.step_count >= start:
                 self.initial_fraction = self._fraction("Sparsifier target start")
+            if self.initial_fraction is not None and self.select == "saliency" and not self._had_grad:
+                self._warn_once("select='saliency' has seen no slope gradient since the start of the run: call "
+                                "sparsifier.step() after optimizer.step() and before zero_grad() (attach(optimizer) "
+                                "does), with the slopes trainable; until then channels are chosen by slope")
             if self.initial_fraction is not None:
                 wanted = self.schedule.wanted(self.step_count, self.total_steps, self.initial_fraction)
                 ahead = self.schedule.wanted(self.step_count + self.glide_steps(), self.total_steps,
@@ -381,18 +399,37 @@ class Sparsifier:
         self._versions = self._slope_versions()
 
     def _observe(self) -> None:
-        """Fold this step's slope gradients into the running saliency (units without a gradient
-        this step, e.g. unused, keep theirs)."""
+        """Fold this step's slope gradients into the running saliency. Units without a gradient
+        this step (unused, frozen) keep theirs; a step with a NaN/inf gradient anywhere (one a loss
+        scaler skipped), or with all gradients exactly 0 (zeroed already), is left out."""
+        grads = [u.slope.grad for _, u in self._units]
+        self._had_grad |= any(g is not None for g in grads)
+        if any(g is not None and not torch.isfinite(g).all() for g in grads):
+            return
+        if all(g is None or not g.any() for g in grads):  # zeroed already, or a loss at its minimum: no news
+            return
         offset = 0
-        for name, unit in self._units:
-            n, grad = unit.num_channels, unit.slope.grad
+        for (_, unit), grad in zip(self._units, grads):
+            n = unit.num_channels
             if grad is not None:
-                if not torch.isfinite(grad).all():
-                    raise ValueError(f"Sparsifier.step (step {self.step_count}): the slope gradient of unit "
-                                     f"{name!r} is NaN or inf (the loss diverged); lower the learning rate")
                 part = self._saliency[offset : offset + n]
                 part.mul_(SALIENCY_DECAY).add_(grad.detach().double().cpu().square(), alpha=1 - SALIENCY_DECAY)
+                self._seen[offset : offset + n] = True
             offset += n
+
+    def _warn_once(self, message: str) -> None:
+        if message not in self._said:
+            self._said.add(message)
+            warnings.warn(message, UserWarning, stacklevel=3)
+
+    def _cost(self, selected: torch.Tensor) -> torch.Tensor:
+        """Ranking cost per channel (``select="saliency"``): saliency per unit of weight, halved for
+        the selected, ``inf`` for a channel never seen with a gradient."""
+        weights = torch.cat([torch.full((u.num_channels,), float(w), dtype=torch.float64)
+                             for (_, u), w in zip(self._units, self._weights)])
+        cost = torch.where(weights > 0, self._saliency / weights, torch.tensor(math.inf, dtype=torch.float64))
+        cost = torch.where(selected.cpu(), cost * SALIENCY_HYSTERESIS, cost)
+        return torch.where(self._seen, cost, torch.tensor(math.inf, dtype=torch.float64))
 
     def saliency(self) -> dict[str, torch.Tensor]:
         """Per unit, the running mean of each channel's squared slope gradient (``select="saliency"``)."""
@@ -439,8 +476,14 @@ class Sparsifier:
         # rank free channels (stable sorts, the last key first): "slope": selected first (hysteresis),
         # then "linear now", then by slope; "saliency": linear now first, then the cheapest, then by slope
         ranked = torch.nonzero(free).squeeze(1)
-        keys = (linear, slopes, selected) if self.select == "slope" else (
-            slopes, -self._saliency.to(slopes.device), linear)
+        if self.select == "slope":
+            keys = (linear, slopes, selected)
+        else:
+            end = _schedules.resolve_step(self.schedule.end, self.total_steps)
+            if self._selected is not None and self.step_count >= end:  # reached: hold the selection
+                keys = (slopes, selected)
+            else:
+                keys = (slopes, -self._cost(selected).to(slopes.device))
         for key in keys:
             ranked = ranked[torch.sort(key[ranked].double(), descending=True, stable=True).indices]
         chosen, beyond = ranked[:k_free], ranked[k_free:]
@@ -539,13 +582,25 @@ class Sparsifier:
             "history": list(self.history),
             "select": self.select,
             "saliency": self._saliency.tolist() if self.select == "saliency" else None,
+            "seen": torch.nonzero(self._seen).squeeze(1).tolist() if self.select == "saliency" else None,
         }
 
     def load_state_dict(self, state: Mapping) -> None:
-        """Restore :meth:`state_dict` (slopes themselves live in the model's state dict)."""
+        """Restore :meth:`state_dict` (slopes themselves live in the model's state dict). Everything
+        is checked before anything changes."""
         channels = sum(u.num_channels for _, u in self._units)
         if state["channels"] != channels:
             raise ValueError(f"state is for {state['channels']} channels, this model has {channels}")
+        if state.get("select", "slope") != self.select:
+            raise ValueError(f"state was saved with select={state.get('select', 'slope')!r}, this Sparsifier "
+                             f"has select={self.select!r}: build it with the same select to resume")
+        saliency, seen = self._saliency, self._seen
+        if state.get("saliency") is not None:
+            saliency = torch.tensor(state["saliency"], dtype=torch.float64)
+            if saliency.shape != self._saliency.shape or not torch.isfinite(saliency).all() or (saliency < 0).any():
+                raise ValueError(f"state's saliency must be {channels} finite values >= 0")
+            seen = torch.zeros(channels, dtype=torch.bool)
+            seen[torch.tensor(state.get("seen") or [], dtype=torch.long)] = True
         self.step_count = int(state["step_count"])
         self.initial_fraction = state["initial_fraction"]
         self._selected = None
@@ -558,14 +613,7 @@ class Sparsifier:
         peaks = state.get("lr_peak")
         self._lr_peak = list(peaks) if peaks is not None else [None] * len(self._units)
         self.history = list(state["history"])
-        if state.get("select", "slope") != self.select:
-            raise ValueError(f"state was saved with select={state.get('select', 'slope')!r}, this Sparsifier "
-                             f"has select={self.select!r}: build it with the same select to resume")
-        if state.get("saliency") is not None:
-            saliency = torch.tensor(state["saliency"], dtype=torch.float64)
-            if saliency.shape != self._saliency.shape or not torch.isfinite(saliency).all() or (saliency < 0).any():
-                raise ValueError(f"state's saliency must be {channels} finite values >= 0")
-            self._saliency = saliency
+        self._saliency, self._seen = saliency, seen
         self._versions = [-1] * len(self._units)  # the model was loaded: do not warn on the next step
 
 

@@ -182,3 +182,50 @@ def test_command_line_loader_restores_a_converted_save(tmp_path):
     model.save_pretrained(tmp_path)
     loaded = load_model(tmp_path)  # what `linearize report DIR` and `linearize inspect DIR` load
     assert linearize.units(loaded) and torch.equal(_out(loaded, X), _out(model, X))
+
+
+def _plain_load_fails(cls, directory) -> None:
+    with pytest.raises(ValueError, match="quant_method"):
+        cls.from_pretrained(directory)
+
+
+def test_sub_models_of_a_composite_model_are_guarded(tmp_path):
+    enc = hf.BertConfig(vocab_size=60, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                        intermediate_size=32, max_position_embeddings=32)
+    dec = hf.BertConfig(**{**enc.to_dict(), "is_decoder": True, "add_cross_attention": True})
+    model = hf.EncoderDecoderModel(hf.EncoderDecoderConfig.from_encoder_decoder_configs(enc, dec))
+    _trained(model)
+    model.encoder.save_pretrained(tmp_path)  # the encoder alone, as people do
+    _plain_load_fails(hf.BertModel, tmp_path)
+    loaded = linearize.from_pretrained(hf.BertModel, tmp_path)
+    assert torch.equal(_out(loaded, X), _out(model.encoder, X))
+
+
+def test_load_keeps_the_callers_config_and_passes_config_kwargs(tmp_path):
+    model = _trained(_bert())
+    model.save_pretrained(tmp_path)
+    linearize.from_pretrained(hf.BertModel, tmp_path, config=model.config)
+    assert "linearize.from_pretrained" in str(model.config.quantization_config)  # not lifted from the caller's
+    out = linearize.from_pretrained(hf.BertModel, tmp_path, output_hidden_states=True)(input_ids=X)
+    assert len(out.hidden_states) == 3  # a config keyword reached the config, as in transformers
+    assert torch.equal(out.last_hidden_state, _out(model, X))
+
+
+def test_folded_and_gated_models_are_guarded(tmp_path):
+    model = _trained(_bert())
+    folded = linearize.fold(model, {"input_ids": X})
+    assert not hasattr(folded.config, "linearize")  # no units left: no manifest
+    folded.save_pretrained(tmp_path / "folded")
+    _plain_load_fails(hf.BertModel, tmp_path / "folded")
+    assert "load_folded" in json.dumps(json.loads((tmp_path / "folded" / "config.json").read_text()))
+    linearize.save_folded(folded, tmp_path / "deploy")
+    again = linearize.load_folded(tmp_path / "deploy")
+    assert torch.equal(_out(again, X), _out(folded, X))
+    again.save_pretrained(tmp_path / "again")
+    _plain_load_fails(hf.BertModel, tmp_path / "again")
+    relu = hf.BertModel(hf.BertConfig(vocab_size=60, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                                      intermediate_size=32, max_position_embeddings=32, hidden_act="relu"))
+    gated = linearize.convert(relu, mode="dgn", exclude_modules=["pooler.activation"])
+    for name in ("feature", "value"):
+        getattr(gated, name).save_pretrained(tmp_path / name)
+        _plain_load_fails(hf.BertModel, tmp_path / name)

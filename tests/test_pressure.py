@@ -218,13 +218,64 @@ def test_select_is_checked():
         linearize.Sparsifier(model, S.target(0.5), total_steps=10, select="random")
     with pytest.raises(ValueError, match="target schedule"):
         linearize.Sparsifier(model, S.late(start=0.5), total_steps=10, select="saliency")
+    for bad in ({"rate": 0.1}, {"lam": 1e-3}, {"mode": "loss"}):  # no uniform push to configure
+        with pytest.raises(ValueError, match="no uniform push"):
+            linearize.Sparsifier(model, S.target(0.5), total_steps=10, select="saliency", **bad)
     sp = linearize.Sparsifier(model, S.target(0.5), total_steps=10, select="saliency")
     state = sp.state_dict()
+    other = linearize.Sparsifier(model, S.target(0.5), total_steps=10)
+    other.step_count = 3
     with pytest.raises(ValueError, match="select"):
-        linearize.Sparsifier(model, S.target(0.5), total_steps=10).load_state_dict(state)
+        other.load_state_dict({**state, "step_count": 7})
+    assert other.step_count == 3  # refused before anything changed
     state["saliency"][0] = float("nan")
     with pytest.raises(ValueError, match="finite"):
         sp.load_state_dict(state)
+
+
+def _two_units(trainable_second: bool = True):
+    torch.manual_seed(0)
+    model = linearize.convert(nn.Sequential(nn.Linear(4, 8), nn.GELU(), nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 2)))
+    (_, first), (_, second) = linearize.units(model)
+    second.slope.requires_grad_(trainable_second)
+    return model, first, second
+
+
+def test_saliency_skips_a_step_with_nonfinite_gradients_and_never_picks_the_unmeasured():
+    model, first, second = _two_units(trainable_second=False)
+    opt = torch.optim.SGD([first.slope], lr=1e-3)
+    sp = linearize.Sparsifier(model, S.target(0.5, start=0, end=20), total_steps=30, select="saliency").attach(opt)
+    x = torch.randn(32, 4)
+    for step in range(30):
+        opt.zero_grad()
+        model(x).square().mean().backward()
+        if step == 5:  # what a loss scaler's overflow step leaves: inf gradients, the update skipped
+            before = sp.saliency()["1"].clone()
+            first.slope.grad[0] = float("inf")
+            sp.step()  # no error (the optimizer did not step: it is not counted)
+            assert torch.equal(sp.saliency()["1"], before)
+            continue
+        opt.step()
+    # the second unit never had a gradient: its cost is unknown, so the measured unit goes first
+    assert torch.equal(first.slope.detach(), torch.ones(8)) and (second.slope == 0).all()
+
+
+def test_saliency_warns_without_gradients_and_holds_the_selection_after_the_target():
+    model, first, second = _two_units()
+    opt = torch.optim.Adam([first.slope, second.slope], lr=1e-2)
+    sp = linearize.Sparsifier(model, S.target(0.5, start=0, end=20), total_steps=60, select="saliency")
+    x = torch.randn(32, 4)
+    with pytest.warns(UserWarning, match="no slope gradient"):
+        sp.step()  # before any backward
+    linear = []
+    for step in range(59):
+        opt.zero_grad()
+        (model(x) - 1).square().mean().backward()
+        opt.step()
+        sp.step()
+        if step >= 20:
+            linear.append(torch.cat([u.slope.detach() == 1 for _, u in linearize.units(model)]))
+    assert all(torch.equal(m, linear[0]) for m in linear) and int(linear[0].sum()) == 8  # held exactly
 
 
 def test_distill_loss_values():

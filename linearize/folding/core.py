@@ -16,6 +16,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from ..checks import check_positive, check_tol
 from ..conversion import CallSites, _reset_call_sites
+from ..hf import mark_folded
 from ..inputs import call_model, eval_mode
 from ..unit import LinearizableActivation, check_finite_slopes, units
 from .layers import set_path
@@ -213,6 +214,7 @@ def fold(
     folded.eval()
     for attr in ("linearize_config", "linearize_report"):  # the result has no units
         folded.__dict__.pop(attr, None)
+    mark_folded(folded)  # no manifest (no units); a plain reload of its HF saves fails with the fix
     summary.units_left = sum(isinstance(m, LinearizableActivation) for m in folded.modules())
     summary.params_after = sum(p.numel() for p in folded.parameters())
     summary.flops_after, output = run_counting(folded, example_inputs)
