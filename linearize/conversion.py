@@ -41,6 +41,7 @@ from torch.overrides import TorchFunctionMode
 
 from .checks import as_patterns, check_channel_dim
 from .config import GATE_KINDS, LinearizeConfig
+from .functional_sites import ATTR, FUNCTIONAL_SPECS, FunctionalSites, activation_module, install_functional_sites
 from .unit import LinearizableActivation, install_optimizer_hooks
 
 __all__ = [
@@ -92,7 +93,7 @@ _FUNCTIONAL_CALLS: set[Callable] = set(_FUNCTION_KINDS) | {
     F.relu_, torch.relu_, torch.Tensor.relu, torch.Tensor.relu_, torch.Tensor.tanh,
     torch.Tensor.sigmoid, torch.sigmoid_, torch.tanh_, F.elu_, F.leaky_relu_,
     torch.Tensor.sigmoid_, torch.Tensor.tanh_,  # timm's Sigmoid(inplace=True): x.sigmoid_()
-}
+} | set(FUNCTIONAL_SPECS)
 # products that make an activation's output a multiplicative gate: op -> positions of the factors
 _PRODUCTS: dict[Callable, tuple[int, int]] = {
     torch.mul: (0, 1), torch.Tensor.mul: (0, 1), torch.Tensor.mul_: (0, 1), torch.Tensor.__mul__: (0, 1),
@@ -311,6 +312,12 @@ class _Call:
     channel_dim: int
     kind: str = ""
     gate: str | None = None
+    # functional calls: "owner: fn", and for those a unit can take (FUNCTIONAL_SPECS) the module
+    # whose own forward made the call, which invocation of it, and the activation module to blend
+    where: str = ""
+    owner: nn.Module | None = None
+    invocation: int = 0
+    act: nn.Module | None = None
 
 
 class _FunctionalRecorder(TorchFunctionMode):
@@ -324,7 +331,7 @@ class _FunctionalRecorder(TorchFunctionMode):
         out = func(*args, **(kwargs or {}))
         if not self.probe.inside_activation():
             if func in _FUNCTIONAL_CALLS:
-                self.probe.record_functional(func, out)
+                self.probe.record_functional(func, args, kwargs or {}, out)
             elif func in _SAME_VALUES and args:
                 self.probe.follow(args[0], out)
             elif func in _PRODUCTS:
@@ -353,12 +360,18 @@ class _Probe:
     def inside_activation(self) -> bool:
         return any(id(m) in self.activations for m in self.stack)
 
-    def record_functional(self, func: Callable, out: Any) -> None:
+    def record_functional(self, func: Callable, args: tuple, kwargs: dict, out: Any) -> None:
         owner = next((m for m in reversed(self.stack) if id(m) in self.names), None)
         where = self.names.get(id(owner), "") if owner is not None else ""
         name = getattr(func, "__name__", str(func))
-        call = _Call(None, tuple(getattr(out, "shape", ())), -1, _FUNCTION_KINDS.get(func, name.rstrip("_")))
-        self.functional.append((f"{where or type(owner).__name__}: {name}", call))
+        where = f"{where or type(owner).__name__}: {name}"
+        kind = FUNCTIONAL_SPECS[func][0] if func in FUNCTIONAL_SPECS else _FUNCTION_KINDS.get(func, name.rstrip("_"))
+        call = _Call(None, tuple(getattr(out, "shape", ())), -1, kind, where=where)
+        if func in FUNCTIONAL_SPECS and owner is not None and isinstance(out, torch.Tensor) and out.ndim:
+            call.channel_dim = self._channel_dim(f"functional call {where} (input shape {tuple(out.shape)})", out)
+            call.owner, call.invocation = owner, self.invocations[id(owner)]
+            call.act = activation_module(func, args, kwargs)
+        self.functional.append((where, call))
         self._tag(out, call)
 
     def _tag(self, out: Any, call: _Call) -> None:
@@ -398,7 +411,8 @@ class _Probe:
             x = args[0] if args else None
             if isinstance(x, torch.Tensor):
                 caller = self.stack[-1] if self.stack else None
-                call = _Call(caller, tuple(x.shape), self._channel_dim(module, x), activation_kind(module) or "")
+                where = f"activation {self.names.get(id(module), type(module).__name__)!r} (input shape {tuple(x.shape)})"
+                call = _Call(caller, tuple(x.shape), self._channel_dim(where, x), activation_kind(module) or "")
                 self.calls[id(module)].append(call)
                 self.pending[id(module)] = call
         self.invocations[id(module)] += 1
@@ -413,9 +427,9 @@ class _Probe:
         if id(module) not in self.candidates and next(module.children(), None) is None:
             self.last_leaf = module
 
-    def _channel_dim(self, module: nn.Module, x: torch.Tensor) -> int:
+    def _channel_dim(self, where: str, x: torch.Tensor) -> int:
+        """The channel dim of an activation call on ``x`` (``where`` names the call in errors)."""
         if self.channel_dim is not None:  # forced by the config: it must fit this call's input
-            where = f"activation {self.names.get(id(module), type(module).__name__)!r} (input shape {tuple(x.shape)})"
             check_channel_dim(self.channel_dim, x.ndim, where)
             return self.channel_dim
         if x.ndim <= 2:
@@ -484,10 +498,74 @@ def activation_registrations(model: nn.Module) -> list[tuple[str, nn.Module, str
     return found
 
 
+@dataclass
+class _OwnerPlan:
+    """The functional activation calls of one owner's forward and the units some of them get."""
+
+    owner: nn.Module
+    name: str
+    calls: list[_Call]
+    units: dict[int, SiteInfo]  # call position -> the unit it gets
+
+
 def plan_conversion(
     model: nn.Module, config: LinearizeConfig, example_inputs: Any
 ) -> tuple[ConversionReport, list[tuple[nn.Module, str, nn.Module, list[_Call]]]]:
-    """Probe ``model`` and decide the replacement of every activation registration."""
+    """Probe ``model`` and decide the replacement of every activation registration (modules only:
+    functional calls are listed in ``report.functional_calls``)."""
+    report, plan, _ = _plan(model, config, example_inputs, functional=False)
+    return report, plan
+
+
+def _plan_functional(
+    model: nn.Module, calls: list[_Call], config: LinearizeConfig, report: ConversionReport,
+    invocations: Counter[int], targets: list[str] | None, excludes: list[str] | None,
+) -> tuple[list[_OwnerPlan], list[_Call]]:
+    """Units for the functional activation calls each owner's own forward makes, by call order.
+
+    An owner whose invocations in the probe made different calls (kinds, widths, count) keeps
+    them unconverted: returned as the second list, to be reported.
+    """
+    names = {id(m): n for n, m in model.named_modules()}
+    by_owner: dict[int, list[_Call]] = defaultdict(list)
+    for call in calls:
+        by_owner[id(call.owner)].append(call)
+    plans, left = [], []
+    for owner_calls in by_owner.values():
+        owner = owner_calls[0].owner
+        per_call: dict[int, list[_Call]] = defaultdict(list)
+        for call in owner_calls:
+            per_call[call.invocation].append(call)
+        runs = list(per_call.values())
+        signature = [[(c.kind, c.channel_dim, c.shape[c.channel_dim]) for c in run] for run in runs]
+        if (any(s != signature[0] for s in signature) or len(runs) != invocations[id(owner)]
+                or isinstance(owner, (nn.Sequential, nn.ModuleList, nn.ModuleDict)) or id(owner) not in names):
+            left += owner_calls  # control flow (or a container that iterates its children): not by order
+            continue
+        owner_name = names[id(owner)]
+        plan = _OwnerPlan(owner, owner_name, runs[0], {})
+        for k, call in enumerate(runs[0]):
+            name = f"{owner_name}.{ATTR}.{call.kind}_{k}" if owner_name else f"{ATTR}.{call.kind}_{k}"
+            gate = next((c.gate for run in runs if (c := run[k]).gate is not None), None)
+            if call.kind not in config.activations or (
+                targets is not None and not (_matches(name, targets) or _matches(owner_name, targets))
+            ) or _matches(name, excludes) or _matches(owner_name, excludes):
+                report.excluded.append(name)
+            elif gate is not None and config.gates == "exclude":
+                report.gates[name] = f"{gate}; functional call"
+            else:
+                site = SiteInfo(name, call.kind, call.shape[call.channel_dim], call.channel_dim, list(call.shape))
+                report.sites.append(site)
+                plan.units[k] = site
+        if plan.units:
+            plans.append(plan)
+    return plans, left
+
+
+def _plan(
+    model: nn.Module, config: LinearizeConfig, example_inputs: Any, functional: bool
+) -> tuple[ConversionReport, list[tuple[nn.Module, str, nn.Module, list[_Call]]], list[_OwnerPlan]]:
+    """:func:`plan_conversion`, and with ``functional`` the units of functional calls per owner."""
     regs = activation_registrations(model)
     report = ConversionReport()
     chosen = []
@@ -504,13 +582,18 @@ def plan_conversion(
     probe = _Probe(model, {id(act) for *_, act in chosen}, {id(act) for *_, act in regs}, config.channel_dim)
     probe.run(model, example_inputs if example_inputs is not None else default_example_inputs(model))
     exclude_gates = config.gates == "exclude"
-    functional: Counter[str] = Counter()
+    owned = [call for _, call in probe.functional if functional and call.owner is not None]
+    owner_plans, left = _plan_functional(model, owned, config, report, probe.invocations, targets, excludes)
+    left_ids = {id(c) for c in left}
+    skipped: Counter[str] = Counter()
     for where, call in probe.functional:
+        if functional and call.owner is not None and id(call) not in left_ids:
+            continue  # planned above
         if exclude_gates and call.gate is not None:
             report.gates.setdefault(where, f"{call.gate}; functional call")
         else:
-            functional[where] += 1
-    report.functional_calls = dict(functional)
+            skipped[where] += 1
+    report.functional_calls = dict(skipped)
 
     plan = []
     owned_calls: Counter[int] = Counter()
@@ -538,7 +621,7 @@ def plan_conversion(
     for name, owner, attr, act in chosen:
         if probe.calls[id(act)] and owned_calls[id(act)] < len(probe.calls[id(act)]):
             report.unreachable.append(name)
-    return report, plan
+    return report, plan, owner_plans
 
 
 def _resolve_config(config: LinearizeConfig | dict | None, overrides: dict) -> LinearizeConfig:
@@ -555,7 +638,7 @@ def _check_model(model: object) -> None:
     if not isinstance(model, nn.Module):
         raise TypeError(f"linearize.convert expects a torch.nn.Module, got {type(model).__name__}")
     if hasattr(model, "linearize_config") or any(
-        isinstance(m, (LinearizableActivation, CallSites)) for m in model.modules()
+        isinstance(m, (LinearizableActivation, CallSites, FunctionalSites)) for m in model.modules()
     ):
         raise ValueError(
             "this model is already converted (it has linearize units); convert the original model, "
@@ -602,10 +685,10 @@ def convert(
         return convert_gated(model, config, example_inputs)
 
     wrap_function_attributes(model)
-    report, plan = plan_conversion(model, config, example_inputs)
+    report, plan, owner_plans = _plan(model, config, example_inputs, functional=True)
     if not report.sites:
         raise ValueError(
-            f"{type(model).__name__} has no convertible activation module (kinds {list(config.activations)})."
+            f"{type(model).__name__} has no convertible activation (kinds {list(config.activations)})."
             + (f" Functional calls seen: {', '.join(report.functional_calls)}" if report.functional_calls else "")
         )
     param = next(model.parameters(), None)
@@ -623,6 +706,16 @@ def convert(
         if param is not None:
             made = [u.to(param.device) for u in made]
         install_call_sites(owner, attr, made)
+    for p in owner_plans:
+        made = {
+            k: LinearizableActivation(p.calls[k].act, num_channels=site.num_channels, channel_dim=site.channel_dim,
+                                      kind=site.kind, init_slope=config.init_slope)
+            for k, site in p.units.items()
+        }
+        if param is not None:
+            made = {k: u.to(param.device) for k, u in made.items()}
+        channels = [(c.channel_dim, c.shape[c.channel_dim]) for c in p.calls]
+        install_functional_sites(p.owner, FunctionalSites(p.name, [c.kind for c in p.calls], channels, made))
     model.linearize_config = config
     model.linearize_report = report
     from .hf import mark
@@ -647,5 +740,5 @@ def dry_run(
     config = _resolve_config(config, overrides)
     probe_model = copy.deepcopy(model)
     wrap_function_attributes(probe_model)
-    return plan_conversion(probe_model, config, example_inputs)[0]
+    return _plan(probe_model, config, example_inputs, functional=True)[0]
 
