@@ -111,7 +111,6 @@ class FunctionalSites(nn.Module):
         self.position = 0
         self.seen: list[str] = []  # kinds of this forward's calls, kept only after a mismatch
         self.mismatch = False
-        self.mode = _SiteMode(self)
 
     def extra_repr(self) -> str:
         return f"owner={self.owner_name or '<root>'!r}, calls={len(self.kinds)}"
@@ -180,10 +179,14 @@ def _saved() -> list:
     return saved
 
 
+def _top_mode() -> Any:
+    n = torch._C._len_torch_function_stack()
+    return torch._C._get_function_stack_at(n - 1) if n else None
+
+
 def _suspend(module: nn.Module) -> None:
     """Take a site mode off the top of the torch-function stack for the duration of ``module``'s call."""
-    top = torch._C._get_function_stack_at(torch._C._len_torch_function_stack() - 1) \
-        if torch._C._len_torch_function_stack() else None
+    top = _top_mode()
     if isinstance(top, _SiteMode):
         torch._C._pop_torch_function_stack()
     else:
@@ -224,7 +227,7 @@ def _owner_pre(owner: nn.Module, args: Any) -> None:
                                   register.register_module_forward_hook(_module_post, always_call=True)]
         _ACTIVE[0] += 1
     sites.begin()
-    torch._C._push_on_torch_function_stack(sites.mode)
+    torch._C._push_on_torch_function_stack(_SiteMode(sites))  # a new one per call: nothing to copy or replicate
 
 
 @torch.compiler.disable
@@ -232,8 +235,8 @@ def _owner_post(owner: nn.Module, args: Any, output: Any) -> None:
     sites = owner._modules.get(ATTR)
     if not isinstance(sites, FunctionalSites):
         return
-    n = torch._C._len_torch_function_stack()
-    if n and torch._C._get_function_stack_at(n - 1) is sites.mode:
+    top = _top_mode()
+    if isinstance(top, _SiteMode) and top.sites is sites:
         torch._C._pop_torch_function_stack()
     with _LOCK:
         _ACTIVE[0] -= 1

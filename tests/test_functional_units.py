@@ -211,8 +211,11 @@ def test_deepcopy_is_independent():
         _set_slopes(twin, 1.0)
         assert torch.equal(model(x), before)
         assert not torch.equal(twin(x), before)
-    sites = twin.block.linearize_functional
-    assert isinstance(sites, FunctionalSites) and sites.mode.sites is sites
+    assert isinstance(twin.block.linearize_functional, FunctionalSites)
+    twin.block.linearize_functional.relu_0.slope.grad = None
+    twin(x).sum().backward()  # the copy's forward reaches the copy's units
+    assert twin.block.linearize_functional.relu_0.slope.grad is not None
+    assert model.block.linearize_functional.relu_0.slope.grad is None
 
 
 def test_freeze_and_fold_replace_functional_units():
