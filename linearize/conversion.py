@@ -9,8 +9,8 @@ How it works (like PEFT's injection, but per *call*, not per module):
    records, with global module hooks, every call of every activation module: which module's
    ``forward`` made the call, the input shape and the last leaf layer that ran before it (to infer
    the channel dimension). A ``TorchFunctionMode`` records functional activation calls made
-   inside ``forward`` code (``F.relu`` in torchvision DenseNet, ``torch.tanh`` ...): those cannot
-   be swapped and are listed in the report, with a warning. The same forward follows every
+   inside ``forward`` code (``F.relu`` in torchvision DenseNet, ``x.relu_()``, ``torch.tanh`` ...),
+   with the module whose own forward made them. The same forward follows every
    activation output (through views and reshapes) into products: a call whose output
    multiplies another tensor as a gate (squeeze-excitation ``x * sigmoid(s)``, see
    ``LinearizeConfig.gates``) is left as it is by default and listed in ``report.gates``.
@@ -18,6 +18,11 @@ How it works (like PEFT's injection, but per *call*, not per module):
    :class:`~linearize.unit.LinearizableActivation` when ``owner`` calls it once per forward, or by
    a :class:`CallSites` dispatcher holding one unit per call when it is reused (torchvision
    ``BasicBlock.relu`` is called twice, ``Bottleneck.relu`` three times, on different widths).
+4. Functional calls of the ReLU family, GELU, SiLU, Hardswish and Mish (``FUNCTIONAL_SPECS``) get
+   one unit per call of their owner's forward, held by a
+   :class:`~linearize.functional_sites.FunctionalSites` child of the owner and dispatched by call
+   order (see that module). Other functional calls (``torch.tanh`` ...) are listed in the report,
+   with a warning.
 
 The model keeps its class, methods and the parameter names of untouched layers; nothing is
 traced into a ``GraphModule``. Right after conversion it computes exactly the same function:
@@ -367,10 +372,11 @@ class _Probe:
         where = f"{where or type(owner).__name__}: {name}"
         kind = FUNCTIONAL_SPECS[func][0] if func in FUNCTIONAL_SPECS else _FUNCTION_KINDS.get(func, name.rstrip("_"))
         call = _Call(None, tuple(getattr(out, "shape", ())), -1, kind, where=where)
-        if func in FUNCTIONAL_SPECS and owner is not None and isinstance(out, torch.Tensor) and out.ndim:
-            call.channel_dim = self._channel_dim(f"functional call {where} (input shape {tuple(out.shape)})", out)
-            call.owner, call.invocation = owner, self.invocations[id(owner)]
-            call.act = activation_module(func, args, kwargs)
+        if func in FUNCTIONAL_SPECS and owner is not None and isinstance(out, torch.Tensor):
+            call.owner, call.invocation = owner, self.invocations[id(owner)]  # a call the owner's mode will see
+            if out.ndim:  # a scalar has no channels: that call runs as it is
+                call.channel_dim = self._channel_dim(f"functional call {where} (input shape {tuple(out.shape)})", out)
+                call.act = activation_module(func, args, kwargs)
         self.functional.append((where, call))
         self._tag(out, call)
 
@@ -524,7 +530,8 @@ def _plan_functional(
     """Units for the functional activation calls each owner's own forward makes, by call order.
 
     An owner whose invocations in the probe made different calls (kinds, widths, count) keeps
-    them unconverted: returned as the second list, to be reported.
+    them unconverted: returned as the second list, to be reported, with calls on scalars (which
+    keep their slot in the call order but run as they are).
     """
     names = {id(m): n for n, m in model.named_modules()}
     by_owner: dict[int, list[_Call]] = defaultdict(list)
@@ -537,7 +544,7 @@ def _plan_functional(
         for call in owner_calls:
             per_call[call.invocation].append(call)
         runs = list(per_call.values())
-        signature = [[(c.kind, c.channel_dim, c.shape[c.channel_dim]) for c in run] for run in runs]
+        signature = [[(c.kind, _channels(c)) for c in run] for run in runs]
         if (any(s != signature[0] for s in signature) or len(runs) != invocations[id(owner)]
                 or isinstance(owner, (nn.Sequential, nn.ModuleList, nn.ModuleDict)) or id(owner) not in names):
             left += owner_calls  # control flow (or a container that iterates its children): not by order
@@ -547,7 +554,9 @@ def _plan_functional(
         for k, call in enumerate(runs[0]):
             name = f"{owner_name}.{ATTR}.{call.kind}_{k}" if owner_name else f"{ATTR}.{call.kind}_{k}"
             gate = next((c.gate for run in runs if (c := run[k]).gate is not None), None)
-            if call.kind not in config.activations or (
+            if call.act is None:
+                left.append(call)
+            elif call.kind not in config.activations or (
                 targets is not None and not (_matches(name, targets) or _matches(owner_name, targets))
             ) or _matches(name, excludes) or _matches(owner_name, excludes):
                 report.excluded.append(name)
@@ -560,6 +569,11 @@ def _plan_functional(
         if plan.units:
             plans.append(plan)
     return plans, left
+
+
+def _channels(call: _Call) -> tuple[int, int] | None:
+    """``(channel_dim, width)`` of a functional call's input; None for a scalar."""
+    return (call.channel_dim, call.shape[call.channel_dim]) if call.shape else None
 
 
 def _plan(
@@ -714,8 +728,8 @@ def convert(
         }
         if param is not None:
             made = {k: u.to(param.device) for k, u in made.items()}
-        channels = [(c.channel_dim, c.shape[c.channel_dim]) for c in p.calls]
-        install_functional_sites(p.owner, FunctionalSites(p.name, [c.kind for c in p.calls], channels, made))
+        sites = FunctionalSites(p.name, [c.kind for c in p.calls], [_channels(c) for c in p.calls], made)
+        install_functional_sites(p.owner, sites)
     model.linearize_config = config
     model.linearize_report = report
     from .hf import mark

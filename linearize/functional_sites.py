@@ -90,7 +90,7 @@ class FunctionalSites(nn.Module):
     Args:
         owner_name: the owner's qualified name (for errors).
         kinds: the kind of every intercepted call of one owner forward, in order.
-        channels: ``(channel_dim, width)`` of every call's input as the probe saw it.
+        channels: ``(channel_dim, width)`` of every call's input as the probe saw it (None: a scalar).
         modules: ``{position: unit}`` for the converted calls; the others (gates, calls excluded
             by the config) run their original function.
 
@@ -99,7 +99,7 @@ class FunctionalSites(nn.Module):
     ``x.relu_()``) writes the unit's output into its input and returns it.
     """
 
-    def __init__(self, owner_name: str, kinds: list[str], channels: list[tuple[int, int]],
+    def __init__(self, owner_name: str, kinds: list[str], channels: list[tuple[int, int] | None],
                  modules: dict[int, nn.Module]) -> None:
         super().__init__()
         self.owner_name = owner_name
@@ -119,6 +119,7 @@ class FunctionalSites(nn.Module):
         """Start an owner forward: the next call is call 0."""
         self.position, self.mismatch, self.seen = 0, False, []
 
+    @torch.compiler.disable  # eager under torch.compile: the call counter is state, not a graph input
     def call(self, func: Callable, args: tuple, kwargs: dict) -> Any:
         """Run the owner's next functional activation call through its unit."""
         k = self.position
@@ -146,6 +147,8 @@ class FunctionalSites(nn.Module):
             return False
         if not isinstance(x, torch.Tensor):  # a tracer's proxy: nothing to check
             return True
+        if self.channels[k] is None:
+            return x.ndim == 0
         dim, width = self.channels[k]
         return -x.ndim <= dim < x.ndim and x.shape[dim] == width
 

@@ -372,3 +372,26 @@ def test_torch_compile_gives_the_same_output():
         compiled = torch.compile(model, backend="eager")  # dynamo (graph capture) only: fast
         assert torch.allclose(compiled(x), ref, rtol=0, atol=1e-6)
         assert torch.allclose(compiled(x), ref, rtol=0, atol=1e-6)
+
+
+def test_a_call_on_a_scalar_keeps_its_place_in_the_order_and_runs_as_it_is():
+    class Scaled(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+            self.gain = nn.Parameter(torch.tensor(-0.5))
+
+        def forward(self, x):
+            g = torch.relu(self.gain)  # call 0: a scalar, no channels
+            return F.relu(self.lin(x)) + g  # call 1: a unit
+
+    model = Scaled()
+    x = torch.randn(3, 4)
+    ref = model(x)
+    with pytest.warns(UserWarning, match="Scaled: relu"):
+        linearize.convert(model, example_inputs=x)
+    assert [n for n, _ in linearize.units(model)] == ["linearize_functional.relu_1"]
+    assert torch.equal(model(x), ref)
+    _set_slopes(model, 1.0)
+    with torch.no_grad():
+        assert torch.equal(model(x), model.lin(x))  # relu(-0.5) = 0 still: the scalar call is not a unit
