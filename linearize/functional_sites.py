@@ -138,9 +138,10 @@ class FunctionalSites(nn.Module):
         unit = self._modules[slot]
         if not _in_place(func, args, kwargs):
             return unit(x)
-        # in place: the unit's backward needs its input as it was, so it gets a copy when grads flow
-        y = unit(x.clone() if torch.is_grad_enabled() and x.requires_grad else x)
-        return x.copy_(y)
+        # in place: the unit's backward needs its input as it was (for x's or the slopes' gradient),
+        # so it gets a copy when gradients flow
+        grads = torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in unit.parameters()))
+        return x.copy_(unit(x.clone() if grads else x))
 
     def _expected(self, k: int, kind: str, x: Any) -> bool:
         if k >= len(self.kinds) or self.kinds[k] != kind:

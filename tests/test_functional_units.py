@@ -377,6 +377,26 @@ def test_torch_compile_gives_the_same_outputs_and_gradients():
     torch.testing.assert_close(unit.slope.grad, grad)
 
 
+def test_in_place_call_on_a_tensor_without_grad_still_trains_its_slopes():
+    class Stem(nn.Module):
+        def forward(self, x):
+            h = x * 2  # no parameter before the unit: h does not require grad
+            F.relu_(h)  # result unused: h itself holds it
+            return h
+
+    model = Stem()
+    x = torch.randn(2, 4, 3, 3)
+    _convert(model, x)
+    unit = model.linearize_functional.relu_0
+    with torch.no_grad():
+        unit.slope.fill_(0.25)
+    out = model(x)
+    assert torch.equal(out, torch.where(x > 0, 2 * x, 0.5 * x))
+    out.sum().backward()
+    # d/da of (1 - a) relu(h) + a h = min(h, 0), summed over all but the channel dim
+    assert torch.allclose(unit.slope.grad, (2 * x).clamp(max=0).sum((0, 2, 3)))
+
+
 def test_a_call_on_a_scalar_keeps_its_place_in_the_order_and_runs_as_it_is():
     class Scaled(nn.Module):
         def __init__(self):
