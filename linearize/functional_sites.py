@@ -24,6 +24,7 @@ owner's forward hook detects it and raises :class:`FunctionalSiteError` naming t
 
 from __future__ import annotations
 
+import sys
 import threading
 from typing import Any, Callable
 
@@ -158,12 +159,13 @@ class FunctionalSites(nn.Module):
         if self.mismatch or self.position != len(self.kinds):
             seen = self.seen if self.mismatch else self.kinds[: self.position]
             name = self.owner_name or "<root>"
+            pattern = self.owner_name or f"{ATTR}.*"  # the root's units (exclude_modules cannot be empty)
             raise FunctionalSiteError(
                 f"linearize: module {name!r} made {len(seen)} functional activation call(s) in this forward "
                 f"({', '.join(seen) or 'none'}), the probe forward of linearize.convert made {len(self.kinds)} "
                 f"({', '.join(self.kinds)}){' (a kind or an input width differs)' if self.mismatch else ''}. "
                 "Its calls are matched to their units by order, which fails when the calls depend on the input "
-                f"(control flow). Fix: convert with exclude_modules=[{self.owner_name!r}] to keep its functional "
+                f"(control flow). Fix: convert with exclude_modules=[{pattern!r}] to keep its functional "
                 "calls as they are, or pass example_inputs= that take this path."
             )
 
@@ -236,6 +238,7 @@ def _owner_pre(owner: nn.Module, args: Any) -> None:
 
 @torch.compiler.disable
 def _owner_post(owner: nn.Module, args: Any, output: Any) -> None:
+    """Pop the owner's mode; check its calls unless its forward raised (then that error propagates)."""
     sites = owner._modules.get(ATTR)
     if not isinstance(sites, FunctionalSites):
         return
@@ -249,7 +252,8 @@ def _owner_post(owner: nn.Module, args: Any, output: Any) -> None:
                 handle.remove()
             _GLOBAL_HANDLES.clear()
     _resume(owner)
-    sites.end()
+    if output is not None or sys.exc_info()[1] is None:  # always_call hooks run in forward's except clause
+        sites.end()
 
 
 def install_functional_sites(owner: nn.Module, sites: FunctionalSites) -> None:

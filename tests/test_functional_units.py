@@ -269,11 +269,19 @@ def test_control_flow_is_refused_with_the_module_the_counts_and_the_fix():
         model(neg)
     model(pos)  # the probe's path still runs
 
-    kept = nn.Sequential(nn.Linear(4, 4), Branchy())
-    ref = kept(neg)
-    with pytest.raises(ValueError, match="no convertible activation"):
-        linearize.convert(kept, example_inputs=pos, exclude_modules=["1"])
-    assert torch.equal(kept(neg), ref)  # refused: untouched
+    root = Branchy()
+    _convert(root, pos)
+    with pytest.raises(FunctionalSiteError, match=r"module '<root>'.*exclude_modules=\['linearize_functional\.\*'\]"):
+        root(neg)
+    with pytest.raises(ValueError, match="no convertible activation"):  # the suggested pattern excludes them
+        linearize.convert(Branchy(), example_inputs=pos, exclude_modules=["linearize_functional.*"])
+    kept = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), Branchy())
+    with torch.no_grad():
+        ref = kept(neg)
+    _convert(kept, pos, exclude_modules=["2"])  # the fix: Branchy's calls stay as they are
+    assert [n for n, _ in linearize.units(kept)] == ["1"]
+    with torch.no_grad():
+        assert torch.equal(kept(neg), ref)
 
 
 def test_config_patterns_and_gates_apply_to_functional_calls():
@@ -418,3 +426,51 @@ def test_a_call_on_a_scalar_keeps_its_place_in_the_order_and_runs_as_it_is():
     _set_slopes(model, 1.0)
     with torch.no_grad():
         assert torch.equal(model(x), model.lin(x))  # relu(-0.5) = 0 still: the scalar call is not a unit
+
+
+class Mixed(nn.Module):
+    """Functional calls around a ReLU module child: the child's own F.relu is not the owner's."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 6), nn.Linear(6, 6)
+        self.act = nn.ReLU()
+
+    def forward(self, x):
+        h = F.relu(self.a(x))
+        h = self.act(self.b(h))
+        return F.gelu(h - 0.1)
+
+
+def test_module_children_calls_are_not_the_owners_also_after_fold_or_exclusion():
+    torch.manual_seed(0)
+    x = torch.randn(8, 4)
+    model = _convert(Mixed().eval(), x)
+    assert [n for n, _ in linearize.units(model)] == ["act", "linearize_functional.relu_0",
+                                                      "linearize_functional.gelu_1"]
+    _set_slopes(model)
+    with torch.no_grad():
+        model.act.slope.zero_()  # fold makes it a plain nn.ReLU, whose forward calls F.relu
+        ref = model(x)
+    folded = linearize.fold(model, x, latency=False)
+    assert type(folded.act) is nn.ReLU
+    with torch.no_grad():
+        assert torch.allclose(folded(x), ref, rtol=0, atol=1e-6)
+
+    kept = _convert(Mixed().eval(), x, exclude_modules=["act"])
+    assert type(kept.act) is nn.ReLU and len(linearize.units(kept)) == 2
+    with torch.no_grad():
+        kept(x)  # no call-count error: the excluded module's F.relu is its own
+
+
+def test_an_error_inside_an_owner_leaves_no_mode_behind():
+    model = CifarNet().eval()
+    x = torch.randn(2, 3, 16, 16)
+    _convert(model, x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the conv's error alone: no silenced call-count error
+        with pytest.raises(RuntimeError, match="channels"):
+            model(torch.randn(2, 5, 16, 16))  # the stem conv refuses 5 channels, inside the root owner
+    assert torch._C._len_torch_function_stack() == 0
+    with torch.no_grad():
+        assert torch.equal(model(x), copy.deepcopy(model)(x))
