@@ -9,8 +9,8 @@ How it works (like PEFT's injection, but per *call*, not per module):
    records, with global module hooks, every call of every activation module: which module's
    ``forward`` made the call, the input shape and the last leaf layer that ran before it (to infer
    the channel dimension). A ``TorchFunctionMode`` records functional activation calls made
-   inside ``forward`` code (``F.relu`` in torchvision DenseNet, ``torch.tanh`` ...): those cannot
-   be swapped and are listed in the report, with a warning. The same forward follows every
+   inside ``forward`` code (``F.relu`` in torchvision DenseNet, ``x.relu_()``, ``torch.tanh`` ...),
+   with the module whose own forward made them. The same forward follows every
    activation output (through views and reshapes) into products: a call whose output
    multiplies another tensor as a gate (squeeze-excitation ``x * sigmoid(s)``, see
    ``LinearizeConfig.gates``) is left as it is by default and listed in ``report.gates``.
@@ -18,6 +18,10 @@ How it works (like PEFT's injection, but per *call*, not per module):
    :class:`~linearize.unit.LinearizableActivation` when ``owner`` calls it once per forward, or by
    a :class:`CallSites` dispatcher holding one unit per call when it is reused (torchvision
    ``BasicBlock.relu`` is called twice, ``Bottleneck.relu`` three times, on different widths).
+4. Functional activation calls (``F.relu``, ``x.relu_()``, ``F.gelu``, ``torch.sigmoid``, ``torch.tanh``
+   ...: ``FUNCTIONAL_SPECS``) get one unit per call of their owner's forward, held by a
+   :class:`~linearize.functional_sites.FunctionalSites` child of the owner and dispatched by call
+   order (see that module); gates among them stay as they are, like gate modules.
 
 The model keeps its class, methods and the parameter names of untouched layers; nothing is
 traced into a ``GraphModule``. Right after conversion it computes exactly the same function:
@@ -42,6 +46,7 @@ from torch.overrides import TorchFunctionMode
 from .checks import as_patterns, check_channel_dim
 from .config import GATE_KINDS, LinearizeConfig
 from .example_inputs import guess_example_inputs
+from .functional_sites import ATTR, FUNCTIONAL_SPECS, FunctionalSites, activation_module, install_functional_sites
 from .inputs import call_model, eval_mode
 from .unit import LinearizableActivation, install_optimizer_hooks
 
@@ -82,18 +87,11 @@ _HF_KINDS = {
     "MishActivation": "mish",
     "ReLUSquaredActivation": "relu2",
 }
-_FUNCTION_KINDS: dict[Callable, str] = {
-    F.relu: "relu", torch.relu: "relu", F.relu6: "relu6", F.leaky_relu: "leaky_relu",
-    F.gelu: "gelu", F.silu: "silu", F.hardswish: "hardswish", F.mish: "mish", F.elu: "elu",
-    F.celu: "celu", F.selu: "selu", F.softplus: "softplus", torch.tanh: "tanh", F.tanh: "tanh",
-    torch.sigmoid: "sigmoid", F.sigmoid: "sigmoid", F.hardsigmoid: "hardsigmoid",
-    F.hardtanh: "hardtanh",
-}
-# what a TorchFunctionMode sees of functional activation calls made inside forward code
-_FUNCTIONAL_CALLS: set[Callable] = set(_FUNCTION_KINDS) | {
-    F.relu_, torch.relu_, torch.Tensor.relu, torch.Tensor.relu_, torch.Tensor.tanh,
-    torch.Tensor.sigmoid, torch.sigmoid_, torch.tanh_, F.elu_, F.leaky_relu_,
-    torch.Tensor.sigmoid_, torch.Tensor.tanh_,  # timm's Sigmoid(inplace=True): x.sigmoid_()
+# timm's own activation modules (timm.layers.activations[_me]) by name: they call F.gelu etc. inside
+_TIMM_KINDS = {
+    "GELU": "gelu", "GELUTanh": "gelu", "QuickGELU": "quick_gelu", "Sigmoid": "sigmoid", "Tanh": "tanh",
+    "Swish": "silu", "SwishMe": "silu", "Mish": "mish", "MishMe": "mish", "HardSigmoid": "hardsigmoid",
+    "HardSigmoidMe": "hardsigmoid", "HardSwish": "hardswish", "HardSwishMe": "hardswish",
 }
 # products that make an activation's output a multiplicative gate: op -> positions of the factors
 _PRODUCTS: dict[Callable, tuple[int, int]] = {
@@ -125,11 +123,14 @@ def activation_kind(obj: object) -> str | None:
                 return kind
         if type(obj).__module__.startswith("transformers"):
             return _HF_KINDS.get(type(obj).__name__)
+        if type(obj).__module__.startswith("timm.layers.activations"):
+            return _TIMM_KINDS.get(type(obj).__name__)
         return None
     try:
-        return _FUNCTION_KINDS.get(obj)  # type: ignore[arg-type]
+        spec = FUNCTIONAL_SPECS.get(obj)  # type: ignore[arg-type]
     except TypeError:  # unhashable
         return None
+    return spec[0] if spec is not None else None
 
 
 class FunctionalActivation(nn.Module):
@@ -261,6 +262,12 @@ class _Call:
     channel_dim: int
     kind: str = ""
     gate: str | None = None
+    # functional calls: "owner: fn", and for those a unit can take (FUNCTIONAL_SPECS) the module
+    # whose own forward made the call, which invocation of it, and the activation module to blend
+    where: str = ""
+    owner: nn.Module | None = None
+    invocation: int = 0
+    act: nn.Module | None = None
 
 
 class _FunctionalRecorder(TorchFunctionMode):
@@ -273,8 +280,8 @@ class _FunctionalRecorder(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         if not self.probe.inside_activation():
-            if func in _FUNCTIONAL_CALLS:
-                self.probe.record_functional(func, out)
+            if func in FUNCTIONAL_SPECS:
+                self.probe.record_functional(func, args, kwargs or {}, out)
             elif func in _SAME_VALUES and args:
                 self.probe.follow(args[0], out)
             elif func in _PRODUCTS:
@@ -303,12 +310,19 @@ class _Probe:
     def inside_activation(self) -> bool:
         return any(id(m) in self.activations for m in self.stack)
 
-    def record_functional(self, func: Callable, out: Any) -> None:
+    def record_functional(self, func: Callable, args: tuple, kwargs: dict, out: Any) -> None:
         owner = next((m for m in reversed(self.stack) if id(m) in self.names), None)
         where = self.names.get(id(owner), "") if owner is not None else ""
         name = getattr(func, "__name__", str(func))
-        call = _Call(None, tuple(getattr(out, "shape", ())), -1, _FUNCTION_KINDS.get(func, name.rstrip("_")))
-        self.functional.append((f"{where or type(owner).__name__}: {name}", call))
+        where = f"{where or type(owner).__name__}: {name}"
+        kind = FUNCTIONAL_SPECS[func][0]
+        call = _Call(None, tuple(getattr(out, "shape", ())), -1, kind, where=where)
+        if func in FUNCTIONAL_SPECS and owner is not None and isinstance(out, torch.Tensor):
+            call.owner, call.invocation = owner, self.invocations[id(owner)]  # a call the owner's mode will see
+            if out.ndim:  # a scalar has no channels: that call runs as it is
+                call.channel_dim = self._channel_dim(f"functional call {where} (input shape {tuple(out.shape)})", out)
+                call.act = activation_module(func, args, kwargs)
+        self.functional.append((where, call))
         self._tag(out, call)
 
     def _tag(self, out: Any, call: _Call) -> None:
@@ -348,7 +362,8 @@ class _Probe:
             x = args[0] if args else None
             if isinstance(x, torch.Tensor):
                 caller = self.stack[-1] if self.stack else None
-                call = _Call(caller, tuple(x.shape), self._channel_dim(module, x), activation_kind(module) or "")
+                where = f"activation {self.names.get(id(module), type(module).__name__)!r} (input shape {tuple(x.shape)})"
+                call = _Call(caller, tuple(x.shape), self._channel_dim(where, x), activation_kind(module) or "")
                 self.calls[id(module)].append(call)
                 self.pending[id(module)] = call
         self.invocations[id(module)] += 1
@@ -363,9 +378,9 @@ class _Probe:
         if id(module) not in self.candidates and next(module.children(), None) is None:
             self.last_leaf = module
 
-    def _channel_dim(self, module: nn.Module, x: torch.Tensor) -> int:
+    def _channel_dim(self, where: str, x: torch.Tensor) -> int:
+        """The channel dim of an activation call on ``x`` (``where`` names the call in errors)."""
         if self.channel_dim is not None:  # forced by the config: it must fit this call's input
-            where = f"activation {self.names.get(id(module), type(module).__name__)!r} (input shape {tuple(x.shape)})"
             check_channel_dim(self.channel_dim, x.ndim, where)
             return self.channel_dim
         if x.ndim <= 2:
@@ -431,10 +446,82 @@ def activation_registrations(model: nn.Module) -> list[tuple[str, nn.Module, str
     return found
 
 
+@dataclass
+class _OwnerPlan:
+    """The functional activation calls of one owner's forward and the units some of them get."""
+
+    owner: nn.Module
+    name: str
+    calls: list[_Call]
+    units: dict[int, SiteInfo]  # call position -> the unit it gets
+
+
 def plan_conversion(
     model: nn.Module, config: LinearizeConfig, example_inputs: Any
 ) -> tuple[ConversionReport, list[tuple[nn.Module, str, nn.Module, list[_Call]]]]:
-    """Probe ``model`` and decide the replacement of every activation registration."""
+    """Probe ``model`` and decide the replacement of every activation registration (modules only:
+    functional calls are listed in ``report.functional_calls``)."""
+    report, plan, _ = _plan(model, config, example_inputs, functional=False)
+    return report, plan
+
+
+def _plan_functional(
+    model: nn.Module, calls: list[_Call], config: LinearizeConfig, report: ConversionReport,
+    invocations: Counter[int], targets: list[str] | None, excludes: list[str] | None,
+) -> tuple[list[_OwnerPlan], list[_Call]]:
+    """Units for the functional activation calls each owner's own forward makes, by call order.
+
+    An owner whose invocations in the probe made different calls (kinds, widths, count) keeps
+    them unconverted: returned as the second list, to be reported, with calls on scalars (which
+    keep their slot in the call order but run as they are).
+    """
+    names = {id(m): n for n, m in model.named_modules()}
+    by_owner: dict[int, list[_Call]] = defaultdict(list)
+    for call in calls:
+        by_owner[id(call.owner)].append(call)
+    plans, left = [], []
+    for owner_calls in by_owner.values():
+        owner = owner_calls[0].owner
+        per_call: dict[int, list[_Call]] = defaultdict(list)
+        for call in owner_calls:
+            per_call[call.invocation].append(call)
+        runs = list(per_call.values())
+        signature = [[(c.kind, _channels(c)) for c in run] for run in runs]
+        if (any(s != signature[0] for s in signature) or len(runs) != invocations[id(owner)]
+                or isinstance(owner, (nn.Sequential, nn.ModuleList, nn.ModuleDict)) or id(owner) not in names):
+            left += owner_calls  # control flow (or a container that iterates its children): not by order
+            continue
+        owner_name = names[id(owner)]
+        plan = _OwnerPlan(owner, owner_name, runs[0], {})
+        for k, call in enumerate(runs[0]):
+            name = f"{owner_name}.{ATTR}.{call.kind}_{k}" if owner_name else f"{ATTR}.{call.kind}_{k}"
+            gate = next((c.gate for run in runs if (c := run[k]).gate is not None), None)
+            if call.act is None:
+                left.append(call)
+            elif call.kind not in config.activations or (
+                targets is not None and not (_matches(name, targets) or _matches(owner_name, targets))
+            ) or _matches(name, excludes) or _matches(owner_name, excludes):
+                report.excluded.append(name)
+            elif gate is not None and config.gates == "exclude":
+                report.gates[name] = f"{gate}; functional call"
+            else:
+                site = SiteInfo(name, call.kind, call.shape[call.channel_dim], call.channel_dim, list(call.shape))
+                report.sites.append(site)
+                plan.units[k] = site
+        if plan.units:
+            plans.append(plan)
+    return plans, left
+
+
+def _channels(call: _Call) -> tuple[int, int] | None:
+    """``(channel_dim, width)`` of a functional call's input; None for a scalar."""
+    return (call.channel_dim, call.shape[call.channel_dim]) if call.shape else None
+
+
+def _plan(
+    model: nn.Module, config: LinearizeConfig, example_inputs: Any, functional: bool
+) -> tuple[ConversionReport, list[tuple[nn.Module, str, nn.Module, list[_Call]]], list[_OwnerPlan]]:
+    """:func:`plan_conversion`, and with ``functional`` the units of functional calls per owner."""
     regs = activation_registrations(model)
     report = ConversionReport()
     chosen = []
@@ -451,13 +538,18 @@ def plan_conversion(
     probe = _Probe(model, {id(act) for *_, act in chosen}, {id(act) for *_, act in regs}, config.channel_dim)
     probe.run(model, example_inputs if example_inputs is not None else guess_example_inputs(model))
     exclude_gates = config.gates == "exclude"
-    functional: Counter[str] = Counter()
+    owned = [call for _, call in probe.functional if functional and call.owner is not None]
+    owner_plans, left = _plan_functional(model, owned, config, report, probe.invocations, targets, excludes)
+    left_ids = {id(c) for c in left}
+    skipped: Counter[str] = Counter()
     for where, call in probe.functional:
+        if functional and call.owner is not None and id(call) not in left_ids:
+            continue  # planned above
         if exclude_gates and call.gate is not None:
             report.gates.setdefault(where, f"{call.gate}; functional call")
         else:
-            functional[where] += 1
-    report.functional_calls = dict(functional)
+            skipped[where] += 1
+    report.functional_calls = dict(skipped)
 
     plan = []
     owned_calls: Counter[int] = Counter()
@@ -485,7 +577,7 @@ def plan_conversion(
     for name, owner, attr, act in chosen:
         if probe.calls[id(act)] and owned_calls[id(act)] < len(probe.calls[id(act)]):
             report.unreachable.append(name)
-    return report, plan
+    return report, plan, owner_plans
 
 
 def _resolve_config(config: LinearizeConfig | dict | None, overrides: dict) -> LinearizeConfig:
@@ -502,7 +594,7 @@ def _check_model(model: object) -> None:
     if not isinstance(model, nn.Module):
         raise TypeError(f"linearize.convert expects a torch.nn.Module, got {type(model).__name__}")
     if hasattr(model, "linearize_config") or any(
-        isinstance(m, (LinearizableActivation, CallSites)) for m in model.modules()
+        isinstance(m, (LinearizableActivation, CallSites, FunctionalSites)) for m in model.modules()
     ):
         raise ValueError(
             "this model is already converted (it has linearize units); convert the original model, "
@@ -552,13 +644,15 @@ def convert(
         return gated
 
     wrap_function_attributes(model)
-    report, plan = plan_conversion(model, config, example_inputs)
+    report, plan, owner_plans = _plan(model, config, example_inputs, functional=True)
     if not report.sites:
         raise ValueError(
-            f"{type(model).__name__} has no convertible activation module (kinds {list(config.activations)})."
+            f"{type(model).__name__} has no convertible activation (kinds {list(config.activations)})."
             + (f" Functional calls seen: {', '.join(report.functional_calls)}" if report.functional_calls else "")
         )
     param = next(model.parameters(), None)
+    # new units go to the model's device; float64 models get float64 slopes, low precision ones float32
+    dtype = param.dtype if param is not None and param.dtype == torch.float64 else None
     for owner, attr, act, calls in plan:
         made = [
             act if call.gate is not None else LinearizableActivation(  # an excluded gate call keeps act
@@ -570,11 +664,20 @@ def convert(
             )
             for call in calls
         ]
-        if param is not None:  # float64 models get float64 slopes; low precision ones keep float32 slopes
-            dtype = param.dtype if param.dtype == torch.float64 else None
+        if param is not None:
             made = [u.to(param.device, dtype) for u in made]
         install_call_sites(owner, attr, made)
         getattr(owner, attr).train(act.training)  # new units (and dispatcher) take the replaced flag
+    for p in owner_plans:
+        made = {
+            k: LinearizableActivation(p.calls[k].act, num_channels=site.num_channels, channel_dim=site.channel_dim,
+                                      kind=site.kind, init_slope=config.init_slope)
+            for k, site in p.units.items()
+        }
+        if param is not None:
+            made = {k: u.to(param.device, dtype) for k, u in made.items()}
+        sites = FunctionalSites(p.name, [c.kind for c in p.calls], [_channels(c) for c in p.calls], made)
+        install_functional_sites(p.owner, sites)
     model.linearize_config = config
     model.linearize_report = report
     from .hf import mark
@@ -599,5 +702,5 @@ def dry_run(
     config = _resolve_config(config, overrides)
     probe_model = copy.deepcopy(model)
     wrap_function_attributes(probe_model)
-    return plan_conversion(probe_model, config, example_inputs)[0]
+    return _plan(probe_model, config, example_inputs, functional=True)[0]
 

@@ -81,14 +81,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "push: for Adam fine-tuning) or slope (pushed highest first)")
     p.add_argument("--kind", choices=KINDS, default="hidden", help="what the student matches")
     p.add_argument("--steps", type=int, default=1000, help="optimizer steps")
-    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--max-length", type=int, default=64)
-    p.add_argument("--lr", type=float, default=1e-4, help="AdamW peak learning rate (linear decay)")
+    p.add_argument("--lr", type=float, default=5e-4, help="AdamW peak learning rate (linear decay)")
     p.add_argument("--warmup", type=float, default=0.05, help="LR warm-up, fraction of --steps")
-    p.add_argument("--weight-decay", type=float, default=0.01)
+    p.add_argument("--weight-decay", type=float, default=0.0,
+                   help="AdamW weight decay (default 0: decay pulls the student away from the teacher)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output-dir", required=True)
-    p.add_argument("--save-model", action="store_true", help="also save the student (linearize.save_pretrained)")
+    p.add_argument("--save-model", action="store_true",
+                   help="also save the student to OUTPUT_DIR/model (weights, units, tokenizer; load it with "
+                        "linearize.from_pretrained(AutoModel, dir))")
     p.add_argument("--log-every", type=int, default=50)
     args = p.parse_args(argv)
     if not 0.0 < args.target <= 1.0:
@@ -216,8 +219,9 @@ def main(argv: list[str] | None = None) -> dict:
     out = Path(args.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "metrics.json").write_text(json.dumps(metrics, indent=2))
-    if args.save_model:
-        linearize.save_pretrained(student, out / "model")
+    if args.save_model:  # the HF save carries the fine-tuned weights and the units (config.linearize)
+        student.save_pretrained(out / "model")
+        tokenizer.save_pretrained(out / "model")
     accelerator.print(json.dumps({k: v for k, v in metrics.items() if k not in ("log", "args")}, indent=1))
     return metrics
 

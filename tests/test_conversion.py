@@ -122,18 +122,26 @@ def test_reused_relu_gets_one_unit_per_call_with_its_own_width():
         assert torch.equal(model(x), model(x))
 
 
-def test_densenet_functional_relu_is_reported_with_a_warning():
-    model = torchvision.models.densenet121(weights=None)
-    with pytest.warns(UserWarning, match="functional call DenseNet: relu"):
-        linearize.convert(model, example_inputs=torch.randn(1, 3, 64, 64))
-    assert model.linearize_report.functional_calls == {"DenseNet: relu": 1}
-    assert len(linearize.units(model)) == 120
+def test_densenet_functional_relu_becomes_a_unit_too():
+    model = torchvision.models.densenet121(weights=None).eval()
+    x = torch.randn(1, 3, 64, 64)
+    with torch.no_grad():
+        before = model(x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing left unconverted: no warning
+        linearize.convert(model, example_inputs=x)
+    assert not model.linearize_report.functional_calls
+    names = [n for n, _ in linearize.units(model)]
+    assert len(names) == 121 and names[-1] == "linearize_functional.relu_0"  # F.relu in DenseNet.forward
+    with torch.no_grad():
+        assert torch.equal(model(x), before)
 
 
-def test_googlenet_with_only_functional_relus_raises():
+def test_googlenet_with_only_functional_relus_converts():
     model = torchvision.models.googlenet(weights=None, aux_logits=False, init_weights=False)
-    with pytest.raises(ValueError, match="no convertible activation.*relu"):
-        linearize.convert(model, example_inputs=torch.randn(1, 3, 64, 64))
+    linearize.convert(model, example_inputs=torch.randn(1, 3, 64, 64))
+    assert len(linearize.units(model)) == 57  # one F.relu per BasicConv2d
+    assert all(".linearize_functional.relu_0" in n for n, _ in linearize.units(model))
 
 
 def small_hf_models():

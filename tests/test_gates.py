@@ -23,17 +23,15 @@ GATE_TYPES = (nn.Sigmoid, nn.Hardsigmoid)
 def se_gates(model: nn.Module) -> set[str]:
     """The gate activation of every squeeze-excitation module (torchvision and timm), by name.
 
-    A gate that is a torch activation module is a convertible call site (its name); timm's own
-    ``Sigmoid`` module calls ``x.sigmoid()`` inside its forward: that is a functional call of
-    ``<name>: sigmoid``.
+    A gate is an activation module (torch's, or timm's own ``Sigmoid`` / ``HardSigmoid``): a call
+    site named like the module.
     """
     found = set()
     for name, m in model.named_modules():
         if isinstance(m, torchvision.ops.SqueezeExcitation):
             found.add(f"{name}.scale_activation")
         elif type(m).__name__ in ("SqueezeExcite", "SEModule", "EffectiveSEModule"):
-            gate = m.gate
-            found.add(f"{name}.gate" if type(gate) in GATE_TYPES else f"{name}.gate: sigmoid")
+            found.add(f"{name}.gate")
     return found
 
 
@@ -147,7 +145,7 @@ def test_gate_rule_case_by_case():
         warnings.simplefilter("error")
         linearize.convert(model, example_inputs=x)
     report = model.linearize_report
-    assert set(report.gates) == {"se_gate", "relu_gate", "swish_sig", "shared.calls.0", "Probe: sigmoid"}
+    assert set(report.gates) == {"se_gate", "relu_gate", "swish_sig", "shared.calls.0", "linearize_functional.sigmoid_0"}
     assert not report.functional_calls
     assert [n for n, _ in linearize.units(model)] == ["plain_sig", "scaled_sig", "glu_act", "shared.calls.1"]
     assert isinstance(model.shared, CallSites) and model.shared.calls[0] is not model.shared.calls[1]
@@ -156,11 +154,10 @@ def test_gate_rule_case_by_case():
         assert torch.equal(model(x), before)
         assert torch.equal(model(x), before)  # the dispatcher resets per forward
 
-    with pytest.warns(UserWarning, match="functional call Probe: sigmoid"):  # as before the option
-        included = linearize.convert(Probe().eval(), example_inputs=x, gates="include")
+    included = linearize.convert(Probe().eval(), example_inputs=x, gates="include")
     units = [n for n, _ in linearize.units(included)]
     assert units == ["se_gate", "relu_gate", "swish_sig", "plain_sig", "scaled_sig", "glu_act",
-                     "shared.calls.0", "shared.calls.1"]
+                     "shared.calls.0", "shared.calls.1", "linearize_functional.sigmoid_0"]
 
 
 def test_gates_option_is_validated_and_round_trips():
@@ -178,6 +175,6 @@ def test_report_lists_the_excluded_gates():
     linearize.convert(model, example_inputs=x)
     skip = [m for m in MEASURES if m != "units"]
     rep = linearize.report(model, x, skip=skip, progress=False)
-    assert set(rep.excluded) == {"se_gate", "relu_gate", "swish_sig", "shared.calls.0", "Probe: sigmoid"}
+    assert set(rep.excluded) == {"se_gate", "relu_gate", "swish_sig", "shared.calls.0", "linearize_functional.sigmoid_0"}
     assert rep.units["total"] == sum(u.num_channels for _, u in linearize.units(model))
     assert "swish_sig" in rep.to_html({}) and "Not converted on purpose" in rep.to_html({})

@@ -3,9 +3,8 @@ with NO example inputs, then checked against independent truths (recipes/zoo_tab
 equal to a deep copy of the original at init, equal to the original with its activations replaced by
 the identity at slope 1, bit-exact save/load into a fresh copy, fold within its tolerance).
 
-``test_no_skipped_calls`` asserts that the conversion report lists no skipped activation call; the
-models whose forward still calls activations as functions are strict xfails there (issue 18 item 1
-is making them convertible; strict, so each mark must go when that lands).
+``test_no_skipped_calls`` asserts that the conversion report lists no skipped activation call
+(functional ``F.relu`` / ``F.gelu`` / ``torch.sigmoid`` calls are units too).
 """
 
 from __future__ import annotations
@@ -21,13 +20,7 @@ from zoo_table import FOLD_TOL, INIT_TOL, LEFT_OUT, LINEAR_TOL, MODELS, TIMM, TV
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-FUNCTIONAL = "functional calls: issue 18 item 1 branch"
-# no activation module at all (GoogLeNet/Inception: F.relu in BasicConv2d; timm's GELU module calls
-# F.gelu): convert refuses them today
-REFUSED = {"googlenet", "inception_v3", "timm.convnext_atto"}
-# forward calls that convert skips today: the above, DenseNet's F.relu after the last norm
-SKIPPED_CALLS = {**{n: FUNCTIONAL for n in (*REFUSED, "densenet121", "densenet161")},
-                 "swin_v2_t": "functional torch.sigmoid of the attention's position bias (not in item 1's list)"}
+SKIPPED_CALLS: dict[str, str] = {}
 
 ROWS: dict[str, dict] = {}
 
@@ -37,7 +30,7 @@ def params(marked: dict[str, str]) -> list:
             for n in MODELS]
 
 
-@pytest.mark.parametrize("model_id", params({n: FUNCTIONAL for n in REFUSED}))
+@pytest.mark.parametrize("model_id", params({}))
 def test_convert_exact_linear_save_fold(model_id, tmp_path):
     row = ROWS[model_id] = check(model_id, str(tmp_path), {})
     assert row["sites"] > 0

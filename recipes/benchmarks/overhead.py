@@ -21,7 +21,17 @@ their PyTorch-ops path instead. The script prints which one ran.
 ``--profile`` adds a ``torch.profiler`` table: the ops whose self time per step differs most between
 the two models.
 
+``--functional`` also times a ResNet-18 whose ReLUs are functional calls (``F.relu`` in each block's
+``forward``, as CIFAR ResNet code writes them; same weights), original and converted, in the same
+interleaved loop: its ratio against the module path's shows what dispatching functional calls to their
+units costs (:mod:`linearize.functional_sites`).
+
+``--clock cpu`` times each step by the CPU time of this process (``time.process_time``) instead of wall
+time: on a shared, busy machine other processes' load then stretches neither model's steps (use it with
+``--threads 1``).
+
     python recipes/benchmarks/overhead.py [--reps 30] [--threads 2] [--malloc glibc|tcmalloc|jemalloc] [--profile]
+                                          [--functional] [--clock wall|cpu]
 
 Targets (issue 2): time ratio <= 1.05, memory ratio <= 1.10.
 """
@@ -83,6 +93,34 @@ def heap_in_use() -> int:
     """Bytes the C heap has handed out right now (small blocks plus mmapped large ones)."""
     info = _libc.mallinfo2()
     return info.uordblks + info.hblkhd
+
+
+class FunctionalBasicBlock(torchvision.models.resnet.BasicBlock):
+    """torchvision's BasicBlock with functional ReLUs (no ``relu`` module)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        identity = x if self.downsample is None else self.downsample(x)
+        out = F.relu(self.bn1(self.conv1(x)))
+        out = self.bn2(self.conv2(out))
+        return F.relu(out + identity)
+
+
+class FunctionalResNet(torchvision.models.ResNet):
+    """torchvision's ResNet with a functional stem ReLU."""
+
+    def _forward_impl(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.maxpool(F.relu(self.bn1(self.conv1(x))))
+        x = self.layer4(self.layer3(self.layer2(self.layer1(x))))
+        return self.fc(torch.flatten(self.avgpool(x), 1))
+
+
+def functional_resnet18(original: torch.nn.Module) -> torch.nn.Module:
+    """A ResNet-18 with ``original``'s weights whose 17 ReLU calls are all ``F.relu`` calls."""
+    model = FunctionalResNet(FunctionalBasicBlock, [2, 2, 2, 2], num_classes=original.fc.out_features)
+    for m in model.modules():
+        m.__dict__["_modules"].pop("relu", None)
+    model.load_state_dict(original.state_dict())
+    return model
 
 
 def make_step(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor):
@@ -152,6 +190,10 @@ def main() -> None:
     parser.add_argument("--malloc", choices=["glibc", *ALLOCATORS], default="glibc",
                         help="C allocator for the run (tcmalloc/jemalloc are preloaded; memory is measured with glibc only)")
     parser.add_argument("--profile", action="store_true", help="also print the ops whose time differs most")
+    parser.add_argument("--clock", choices=["wall", "cpu"], default="wall",
+                        help="time steps by wall time or by this process's CPU time (for a busy machine)")
+    parser.add_argument("--functional", action="store_true",
+                        help="also time a ResNet-18 with functional F.relu calls, original and converted")
     args = parser.parse_args()
     use_allocator(args.malloc)
     torch.set_num_threads(args.threads)
@@ -159,36 +201,46 @@ def main() -> None:
     original = torchvision.models.resnet18(weights=None, num_classes=10)
     converted = linearize.convert(copy.deepcopy(original), example_inputs=torch.randn(1, 3, 32, 32))
     x, y = torch.randn(64, 3, 32, 32), torch.randint(0, 10, (64,))
-    made = {"original": make_step(original, x, y), "converted": make_step(converted, x, y)}
+    models = {"original": original, "converted": converted}
+    if args.functional:
+        functional = functional_resnet18(original)
+        models["functional original"] = functional
+        models["functional converted"] = linearize.convert(copy.deepcopy(functional),
+                                                           example_inputs=torch.randn(1, 3, 32, 32))
+    made = {name: make_step(model, x, y) for name, model in models.items()}
     steps = {name: step for name, (step, _) in made.items()}
     for step in steps.values():  # warm-up: allocator, optimizer state
         step(), step()
     times: dict[str, list[float]] = {k: [] for k in steps}
     faults = dict.fromkeys(steps, 0)
+    clock = time.perf_counter if args.clock == "wall" else time.process_time
     for _ in tqdm(range(args.reps), desc="interleaved steps"):
         for name, step in steps.items():
-            f0, t0 = minor_faults(), time.perf_counter()
+            f0, t0 = minor_faults(), clock()
             step()
-            times[name].append(time.perf_counter() - t0)
+            times[name].append(clock() - t0)
             faults[name] += minor_faults() - f0
     med = {k: statistics.median(v) for k, v in times.items()}
     print(f"ResNet-18, 32x32, batch 64, CPU, {torch.get_num_threads()} threads, {args.reps} interleaved reps, "
-          f"{args.malloc} malloc")
+          f"{args.malloc} malloc, {args.clock} clock")
     print("  units run on " + ("the compiled CPU kernel" if kernels.cpu_prelu() else
                                f"PyTorch ops (the compiled kernel is off: {kernels.ENV_SWITCH}=0 or its build failed)"))
     for name in steps:
-        print(f"  {name:<10} step {med[name] * 1e3:8.1f} ms   {faults[name] / args.reps:8.0f} minor page faults per step")
+        print(f"  {name:<21} step {med[name] * 1e3:8.1f} ms   {faults[name] / args.reps:8.0f} minor page faults per step")
     print(f"time ratio converted/original:        {med['converted'] / med['original']:.3f}  (target <= 1.05)")
+    if args.functional:
+        ratio = med["functional converted"] / med["functional original"]
+        print(f"functional F.relu ResNet-18 ratio:    {ratio:.3f}  (target: within 0.02 of the module path's "
+              f"{med['converted'] / med['original']:.3f}; difference {ratio - med['converted'] / med['original']:+.3f})")
     if args.profile:
         profile_diff(steps)
     if args.malloc != "glibc":
         return
     growth = {name: statistics.median(peak_step_memory(step) for _ in range(3)) for name, step in steps.items()}
-    models = {"original": original, "converted": converted}
     peak = {name: growth[name] + static_bytes(models[name], made[name][1]) for name in made}
     mib = 2**20
     for name in steps:
-        print(f"  {name:<10} peak memory {peak[name] / mib:7.1f} MiB (of which step growth {growth[name] / mib:6.1f} MiB)")
+        print(f"  {name:<21} peak memory {peak[name] / mib:7.1f} MiB (of which step growth {growth[name] / mib:6.1f} MiB)")
     print(f"peak memory ratio converted/original: {peak['converted'] / peak['original']:.3f}  (target <= 1.10)")
     print(f"step growth ratio converted/original: {growth['converted'] / growth['original']:.3f}  "
           "(activations + gradients only: a PReLU keeps its input for the slope gradient, an in-place ReLU does not)")

@@ -1,0 +1,476 @@
+"""Functional activation calls inside ``forward`` (``F.relu``, ``x.relu_()``, ``F.gelu`` ...) become units."""
+
+import copy
+import socket
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+import torchvision
+from torch import nn
+
+import linearize
+from linearize.functional_sites import FunctionalSiteError, FunctionalSites
+
+W = 6  # width of every layer of AllCalls
+
+
+def _calls():
+    """(name, function of x) for every listed functional form, in place ones included."""
+    return [
+        ("F.relu", lambda x: F.relu(x)),
+        ("torch.relu", lambda x: torch.relu(x)),
+        ("Tensor.relu", lambda x: x.relu()),
+        ("F.relu6", lambda x: F.relu6(x)),
+        ("F.leaky_relu", lambda x: F.leaky_relu(x, 0.2)),
+        ("F.gelu", lambda x: F.gelu(x)),
+        ("F.gelu tanh", lambda x: F.gelu(x, approximate="tanh")),
+        ("F.silu", lambda x: F.silu(x)),
+        ("F.hardswish", lambda x: F.hardswish(x)),
+        ("F.mish", lambda x: F.mish(x)),
+        ("F.relu inplace", lambda x: F.relu(x, inplace=True)),
+        ("Tensor.relu_", lambda x: x.relu_()),
+        ("torch.relu_ (result unused)", lambda x: (torch.relu_(x), x)[1]),
+        ("F.leaky_relu_", lambda x: F.leaky_relu_(x, 0.1)),
+        ("F.silu inplace", lambda x: F.silu(x, inplace=True)),
+    ]
+
+
+class AllCalls(nn.Module):
+    """A chain of Linear layers with one functional call of each form after each layer."""
+
+    def __init__(self):
+        super().__init__()
+        self.lins = nn.ModuleList(nn.Linear(W, W) for _ in _calls())
+        self.fns = [fn for _, fn in _calls()]
+
+    def forward(self, x):
+        for lin, fn in zip(self.lins, self.fns):
+            x = fn(lin(x))
+        return x
+
+    def linear(self, x):
+        """The network with every activation replaced by the identity, by hand."""
+        for lin in self.lins:
+            x = x @ lin.weight.T + lin.bias
+        return x
+
+
+class CifarBlock(nn.Module):
+    """The CIFAR ResNet BasicBlock most training code uses: functional ReLUs."""
+
+    def __init__(self, cin=4, cout=8, stride=2):
+        super().__init__()
+        self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(cout)
+        self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(cout)
+        self.shortcut = nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
+
+    def forward(self, x):
+        out = F.relu(self.bn1(self.conv1(x)))
+        out = self.bn2(self.conv2(out))
+        return F.relu(out + self.shortcut(x))
+
+
+class CifarNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1, bias=False)
+        self.bn = nn.BatchNorm2d(4)
+        self.block = CifarBlock()
+        self.fc = nn.Linear(8, 10)
+
+    def forward(self, x):
+        out = F.relu(self.bn(self.conv(x)))
+        out = self.block(out)
+        return self.fc(F.adaptive_avg_pool2d(out, 1).flatten(1))
+
+
+def _randomize_bn(model):
+    for m in model.modules():
+        if isinstance(m, nn.BatchNorm2d):
+            m.running_mean.uniform_(-0.5, 0.5)
+            m.running_var.uniform_(0.5, 2.0)
+            m.weight.data.uniform_(0.5, 1.5)
+            m.bias.data.uniform_(-0.5, 0.5)
+
+
+def _convert(model, x, **kw):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "cannot be swapped" warning: every call converts
+        return linearize.convert(model, example_inputs=x, **kw)
+
+
+def _set_slopes(model, value=None, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for _, u in linearize.units(model):
+            u.slope.copy_(torch.rand(u.num_channels, generator=gen) if value is None else torch.full_like(u.slope, value))
+
+
+def test_every_form_gets_its_own_unit_exact_at_init_and_linear_at_slope_one():
+    torch.manual_seed(0)
+    model = AllCalls().double()
+    x = torch.randn(5, W, dtype=torch.float64, requires_grad=True)
+    ref = model(x)
+    ref_grads = torch.autograd.grad(ref.square().sum(), [x, *model.parameters()])
+    _convert(model, x.detach())
+    names = [n for n, _ in linearize.units(model)]
+    kinds = ["relu"] * 3 + ["relu6", "leaky_relu", "gelu", "gelu", "silu", "hardswish", "mish"] + ["relu"] * 3 + [
+        "leaky_relu", "silu"]
+    assert names == [f"linearize_functional.{k}_{i}" for i, k in enumerate(kinds)]
+    assert not model.linearize_report.functional_calls
+    assert linearize.count_units(model)["total"] == W * len(kinds)
+    out = model(x)
+    assert torch.equal(out, ref)  # bit for bit, float64
+    grads = torch.autograd.grad(out.square().sum(), [x, *[p for n, p in model.named_parameters() if "slope" not in n]])
+    for g, r in zip(grads, ref_grads):
+        assert torch.equal(g, r)  # in-place forms keep the input the unit's backward needs
+
+    _set_slopes(model, 1.0)
+    with torch.no_grad():
+        assert torch.allclose(model(x), model.linear(x), rtol=0, atol=1e-12)
+
+
+def test_each_unit_keeps_its_own_slopes_and_the_probe_widths():
+    model = CifarNet().eval()
+    _randomize_bn(model)
+    x = torch.randn(2, 3, 16, 16)
+    _convert(model, x)
+    found = dict(linearize.units(model))
+    assert sorted(found) == ["block.linearize_functional.relu_0", "block.linearize_functional.relu_1",
+                             "linearize_functional.relu_0"]
+    assert [found[n].num_channels for n in sorted(found)] == [8, 8, 4]
+    assert all(u.channel_dim == 1 for u in found.values())
+    assert len({id(u.slope) for u in found.values()}) == 3
+    keys = [k for k in model.state_dict() if "linearize_functional" in k]
+    assert keys == ["block.linearize_functional.relu_0.slope", "block.linearize_functional.relu_0.frozen",
+                    "block.linearize_functional.relu_1.slope", "block.linearize_functional.relu_1.frozen",
+                    "linearize_functional.relu_0.slope", "linearize_functional.relu_0.frozen"]  # module order
+
+
+def test_cifar_block_exact_at_init_and_linear_at_slope_one():
+    torch.manual_seed(0)
+    block = CifarBlock().double().eval()
+    _randomize_bn(block)
+    x = torch.randn(2, 4, 8, 8, dtype=torch.float64)
+    with torch.no_grad():
+        ref = block(x)
+        _convert(block, x)
+        assert torch.equal(block(x), ref)
+        _set_slopes(block, 1.0)
+        by_hand = block.bn2(block.conv2(block.bn1(block.conv1(x)))) + block.shortcut(x)
+        assert torch.allclose(block(x), by_hand, rtol=0, atol=1e-12)
+
+
+def test_googlenet_converts_every_functional_relu_exactly():
+    torch.manual_seed(0)
+    model = torchvision.models.googlenet(weights=None, aux_logits=False, init_weights=True, num_classes=10)
+    model = model.double().eval()
+    x = torch.randn(1, 3, 64, 64, dtype=torch.float64)
+    calls = sum(type(m).__name__ == "BasicConv2d" for m in model.modules())  # one F.relu each
+    with torch.no_grad():
+        ref = model(x)
+        _convert(model, x)
+        assert torch.equal(model(x), ref)
+    assert len(linearize.units(model)) == calls == 57
+    assert not model.linearize_report.problems()
+
+
+def test_save_load_round_trip_in_a_fresh_model(tmp_path):
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 16, 16)
+    model = CifarNet().eval()
+    _randomize_bn(model)
+    fresh = copy.deepcopy(model)
+    _convert(model, x)
+    _set_slopes(model)
+    unit = dict(linearize.units(model))["block.linearize_functional.relu_1"]
+    unit.freeze_(torch.arange(8) < 3, 1.0)
+    linearize.save_pretrained(model, tmp_path)
+    loaded = linearize.from_pretrained(fresh, tmp_path, example_inputs=x)
+    assert loaded.state_dict().keys() == model.state_dict().keys()
+    for (n, a), (m, b) in zip(linearize.units(model), linearize.units(loaded)):
+        assert n == m and torch.equal(a.slope, b.slope) and torch.equal(a.frozen.isnan(), b.frozen.isnan())
+    with torch.no_grad():
+        assert torch.equal(loaded(x), model(x))
+
+
+def test_deepcopy_is_independent():
+    model = CifarNet().eval()
+    x = torch.randn(2, 3, 16, 16)
+    _convert(model, x)
+    _set_slopes(model)
+    twin = copy.deepcopy(model)
+    with torch.no_grad():
+        assert torch.equal(twin(x), model(x))
+        before = model(x)
+        _set_slopes(twin, 1.0)
+        assert torch.equal(model(x), before)
+        assert not torch.equal(twin(x), before)
+    assert isinstance(twin.block.linearize_functional, FunctionalSites)
+    twin.block.linearize_functional.relu_0.slope.grad = None
+    twin(x).sum().backward()  # the copy's forward reaches the copy's units
+    assert twin.block.linearize_functional.relu_0.slope.grad is not None
+    assert model.block.linearize_functional.relu_0.slope.grad is None
+
+
+def test_freeze_and_fold_replace_functional_units():
+    torch.manual_seed(0)
+    model = CifarNet().eval()
+    _randomize_bn(model)
+    x = torch.randn(4, 3, 16, 16)
+    _convert(model, x)
+    _set_slopes(model)
+    with torch.no_grad():  # some channels near 1, some near 0, one unit fully linear
+        for name, u in linearize.units(model):
+            u.slope[::3] = 0.9995
+            u.slope[1::3] = 0.0
+            if name == "linearize_functional.relu_0":
+                u.slope.fill_(1.0)
+    summary = linearize.freeze(model, tol=1e-3)
+    assert summary is not None
+    with torch.no_grad():
+        ref = model(x)
+    folded = linearize.fold(model, x, latency=False)
+    assert not linearize.units(folded)
+    with torch.no_grad():
+        assert (folded(x) - ref).abs().max() <= 1e-5
+    replaced = folded.linearize_functional.relu_0
+    assert isinstance(replaced, nn.Identity)
+
+
+class Branchy(nn.Module):
+    """One extra ReLU call when the input's mean is positive: the call count depends on the input."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = F.relu(self.lin(x))
+        if x.mean() > 0:
+            h = F.relu(h - 0.5)
+        return h
+
+
+def test_control_flow_is_refused_with_the_module_the_counts_and_the_fix():
+    model = nn.Sequential(nn.Linear(4, 4), Branchy())
+    pos, neg = torch.ones(2, 4), -torch.ones(2, 4)
+    with torch.no_grad():
+        model[0].weight.copy_(torch.eye(4))
+        model[0].bias.zero_()
+    _convert(model, pos)
+    assert len(linearize.units(model)) == 2
+    with pytest.raises(FunctionalSiteError, match=r"module '1' made 1 functional activation call\(s\).* made 2 "
+                                                  r"\(relu, relu\).*exclude_modules=\['1'\].*example_inputs"):
+        model(neg)
+    model(pos)  # the probe's path still runs
+
+    root = Branchy()
+    _convert(root, pos)
+    with pytest.raises(FunctionalSiteError, match=r"module '<root>'.*exclude_modules=\['linearize_functional\.\*'\]"):
+        root(neg)
+    with pytest.raises(ValueError, match="no convertible activation"):  # the suggested pattern excludes them
+        linearize.convert(Branchy(), example_inputs=pos, exclude_modules=["linearize_functional.*"])
+    kept = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), Branchy())
+    with torch.no_grad():
+        ref = kept(neg)
+    _convert(kept, pos, exclude_modules=["2"])  # the fix: Branchy's calls stay as they are
+    assert [n for n, _ in linearize.units(kept)] == ["1"]
+    with torch.no_grad():
+        assert torch.equal(kept(neg), ref)
+
+
+def test_config_patterns_and_gates_apply_to_functional_calls():
+    x = torch.randn(2, 3, 16, 16)
+    model = _convert(CifarNet().eval(), x, exclude_modules=["block"])
+    assert [n for n, _ in linearize.units(model)] == ["linearize_functional.relu_0"]
+    assert model.linearize_report.excluded == ["block.linearize_functional.relu_0", "block.linearize_functional.relu_1"]
+    model = _convert(CifarNet().eval(), x, exclude_modules=["relu_1"])
+    assert len(linearize.units(model)) == 2 and "block.linearize_functional.relu_1" in model.linearize_report.excluded
+    with torch.no_grad():
+        ref = CifarNet().eval()
+        ref.load_state_dict({k: v for k, v in model.state_dict().items() if "linearize" not in k})
+        assert torch.equal(model(x), ref(x))
+
+    class Gate(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = nn.Conv2d(3, 4, 1)
+
+        def forward(self, x):
+            h = self.conv(x)
+            return F.relu(h) * F.relu(h.mean((2, 3), keepdim=True))  # second call: a broadcast gate
+
+    model = _convert(Gate(), x)
+    assert [n for n, _ in linearize.units(model)] == ["linearize_functional.relu_0"]
+    assert list(model.linearize_report.gates) == ["linearize_functional.relu_1"]
+    model = _convert(Gate(), x, gates="include")
+    assert len(linearize.units(model)) == 2
+
+
+def test_measures_see_functional_units():
+    class Chain(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b, self.c = nn.Linear(4, 8), nn.Linear(8, 8), nn.Linear(8, 2)
+
+        def forward(self, x):
+            return self.c(F.relu(self.b(F.relu(self.a(x)))))
+
+    model = Chain()
+    x = torch.randn(16, 4)
+    _convert(model, x)
+    # a chain of L unit layers: sum over layers of (nonlinear channels / width)
+    assert linearize.measures.average_path_length(model, x) == pytest.approx(2.0)
+    with torch.no_grad():
+        dict(linearize.units(model))["linearize_functional.relu_1"].slope[:2] = 1.0
+    assert linearize.measures.average_path_length(model, x) == pytest.approx(1.75)
+    sites = [s for s, _ in linearize.measures.affinity_signature(model, x)]
+    assert sites == ["linearize_functional.relu_0", "linearize_functional.relu_1"]
+
+
+def test_autocast_matches_the_original():
+    torch.manual_seed(0)
+    model = CifarNet().eval()
+    x = torch.randn(2, 3, 16, 16)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        ref = model(x)
+    _convert(model, x)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        assert torch.equal(model(x), ref)
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_ddp_registers_and_trains_the_functional_slopes():
+    dist = torch.distributed
+    if not dist.is_available():
+        pytest.skip("torch.distributed is not available")
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+    try:
+        x = torch.randn(2, 3, 16, 16)
+        model = _convert(CifarNet(), x)
+        ddp = nn.parallel.DistributedDataParallel(model)
+        slopes = {n for n, _ in ddp.named_parameters() if n.endswith(".slope")}
+        assert slopes == {f"module.{n}.slope" for n, _ in linearize.units(model)}
+        ddp(x).square().sum().backward()
+        assert all(u.slope.grad is not None and u.slope.grad.abs().sum() > 0 for _, u in linearize.units(model))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_torch_compile_gives_the_same_outputs_and_gradients():
+    pytest.importorskip("torch._dynamo", reason="torch.compile is not available")
+    torch._dynamo.reset()
+    model = CifarNet().eval()
+    x = torch.randn(2, 3, 16, 16)
+    _convert(model, x)
+    _set_slopes(model)
+    compiled = torch.compile(model, backend="aot_eager")  # no C++ codegen: fast
+    for _ in range(2):
+        torch.testing.assert_close(compiled(x), model(x))
+    compiled(x).sum().backward()
+    unit = model.block.linearize_functional.relu_1
+    grad = unit.slope.grad.clone()
+    model.zero_grad()
+    model(x).sum().backward()
+    torch.testing.assert_close(unit.slope.grad, grad)
+
+
+def test_in_place_call_on_a_tensor_without_grad_still_trains_its_slopes():
+    class Stem(nn.Module):
+        def forward(self, x):
+            h = x * 2  # no parameter before the unit: h does not require grad
+            F.relu_(h)  # result unused: h itself holds it
+            return h
+
+    model = Stem()
+    x = torch.randn(2, 4, 3, 3)
+    _convert(model, x)
+    unit = model.linearize_functional.relu_0
+    with torch.no_grad():
+        unit.slope.fill_(0.25)
+    out = model(x)
+    assert torch.equal(out, torch.where(x > 0, 2 * x, 0.5 * x))
+    out.sum().backward()
+    # d/da of (1 - a) relu(h) + a h = min(h, 0), summed over all but the channel dim
+    assert torch.allclose(unit.slope.grad, (2 * x).clamp(max=0).sum((0, 2, 3)))
+
+
+def test_a_call_on_a_scalar_keeps_its_place_in_the_order_and_runs_as_it_is():
+    class Scaled(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+            self.gain = nn.Parameter(torch.tensor(-0.5))
+
+        def forward(self, x):
+            g = torch.relu(self.gain)  # call 0: a scalar, no channels
+            return F.relu(self.lin(x)) + g  # call 1: a unit
+
+    model = Scaled()
+    x = torch.randn(3, 4)
+    ref = model(x)
+    with pytest.warns(UserWarning, match="Scaled: relu"):
+        linearize.convert(model, example_inputs=x)
+    assert [n for n, _ in linearize.units(model)] == ["linearize_functional.relu_1"]
+    assert torch.equal(model(x), ref)
+    _set_slopes(model, 1.0)
+    with torch.no_grad():
+        assert torch.equal(model(x), model.lin(x))  # relu(-0.5) = 0 still: the scalar call is not a unit
+
+
+class Mixed(nn.Module):
+    """Functional calls around a ReLU module child: the child's own F.relu is not the owner's."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 6), nn.Linear(6, 6)
+        self.act = nn.ReLU()
+
+    def forward(self, x):
+        h = F.relu(self.a(x))
+        h = self.act(self.b(h))
+        return F.gelu(h - 0.1)
+
+
+def test_module_children_calls_are_not_the_owners_also_after_fold_or_exclusion():
+    torch.manual_seed(0)
+    x = torch.randn(8, 4)
+    model = _convert(Mixed().eval(), x)
+    assert [n for n, _ in linearize.units(model)] == ["act", "linearize_functional.relu_0",
+                                                      "linearize_functional.gelu_1"]
+    _set_slopes(model)
+    with torch.no_grad():
+        model.act.slope.zero_()  # fold makes it a plain nn.ReLU, whose forward calls F.relu
+        ref = model(x)
+    folded = linearize.fold(model, x, latency=False)
+    assert type(folded.act) is nn.ReLU
+    with torch.no_grad():
+        assert torch.allclose(folded(x), ref, rtol=0, atol=1e-6)
+
+    kept = _convert(Mixed().eval(), x, exclude_modules=["act"])
+    assert type(kept.act) is nn.ReLU and len(linearize.units(kept)) == 2
+    with torch.no_grad():
+        kept(x)  # no call-count error: the excluded module's F.relu is its own
+
+
+def test_an_error_inside_an_owner_leaves_no_mode_behind():
+    model = CifarNet().eval()
+    x = torch.randn(2, 3, 16, 16)
+    _convert(model, x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the conv's error alone: no silenced call-count error
+        with pytest.raises(RuntimeError, match="channels"):
+            model(torch.randn(2, 5, 16, 16))  # the stem conv refuses 5 channels, inside the root owner
+    assert torch._C._len_torch_function_stack() == 0
+    with torch.no_grad():
+        assert torch.equal(model(x), copy.deepcopy(model)(x))
