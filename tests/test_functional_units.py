@@ -474,3 +474,54 @@ def test_an_error_inside_an_owner_leaves_no_mode_behind():
     assert torch._C._len_torch_function_stack() == 0
     with torch.no_grad():
         assert torch.equal(model(x), copy.deepcopy(model)(x))
+
+
+@pytest.fixture(scope="module")
+def real_cifar(tmp_path_factory) -> tuple[torch.Tensor, torch.Tensor]:
+    """64 real CIFAR-10 training images (normalized, 32 px) and labels; skip without the data."""
+    import os
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    data = Path(os.environ.get("LINEARIZE_CIFAR10", root.parent / "shared" / "data" / "cifar10-jpeg.tar.gz"))
+    if not data.exists():
+        pytest.skip(f"real CIFAR-10 images not found at {data} (set LINEARIZE_CIFAR10)")
+    sys.path.insert(0, str(root / "recipes"))
+    import cifar
+
+    split = cifar.load_split(data, "cifar10", "train", 64, 32, tmp_path_factory.mktemp("cifar"), show=False)
+    x = split["x"].float() / 255
+    return (x - x.mean((0, 2, 3), keepdim=True)) / x.std((0, 2, 3), keepdim=True), split["y"]
+
+
+@pytest.mark.parametrize("build", [
+    lambda: CifarNet(),
+    lambda: torchvision.models.googlenet(weights=None, aux_logits=False, init_weights=True, num_classes=10),
+], ids=["functional-cifar-resnet", "googlenet"])
+def test_functional_models_train_to_a_target_on_real_cifar_and_fold_exactly(build, real_cifar):
+    """Issue 18: models whose activations are all functional train under the Sparsifier to a 10%
+    target on real images, reach it exactly, and fold to the same function."""
+    x, y = real_cifar
+    torch.manual_seed(0)
+    model = _convert(build(), x[:2])
+    steps = 8
+    opt = torch.optim.SGD(linearize.param_groups(model, weight_decay=0.0), lr=0.02, momentum=0.9)
+    sp = linearize.Sparsifier(model, linearize.schedules.target(0.1, start=0, end=0.75), total_steps=steps)
+    sp.attach(opt)
+    model.train()
+    for step in range(steps):
+        i = torch.arange(step * 16, step * 16 + 16) % len(x)
+        loss = F.cross_entropy(model(x[i]), y[i])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    channels = sum(u.num_channels for _, u in linearize.units(model))
+    assert linearize.nonlinear_fraction(model) == round(0.1 * channels) / channels
+    assert torch.isfinite(loss)
+    model.eval()
+    linearize.freeze(model, tol=0.0)
+    folded = linearize.fold(model, x[:16])
+    with torch.no_grad():
+        ref, out = model(x[:32]), folded(x[:32])
+    assert (out - ref).abs().max() <= 1e-4 * ref.abs().max()
