@@ -58,13 +58,6 @@ def _demo(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_trust_pickle(parser: argparse.ArgumentParser) -> None:
-    """The ``--trust-pickle`` option: without it, ``.pt`` files are read with ``torch.load(weights_only=True)``."""
-    parser.add_argument("--trust-pickle", action="store_true",
-                        help="fully unpickle .pt files (needed for a pickled nn.Module). Unpickling runs code "
-                        "from the file: only for files from a source you trust")
-
-
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser with every subcommand."""
     parser = argparse.ArgumentParser(
@@ -85,6 +78,8 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.add_argument("model", help="a torchvision builder name (resnet18, vit_b_16), a timm model name "
                          "(timm installed), a Hugging Face model directory, or a .pt file holding a whole pickled "
                          "nn.Module (needs --trust-pickle); builders make randomly initialized models")
+    from .models import add_trust_pickle
+
     add_trust_pickle(inspect)
     add_input_options(inspect)
     inspect.set_defaults(func=_inspect)

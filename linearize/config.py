@@ -6,16 +6,12 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
+from .activations import DEFAULT_ACTIVATIONS
 from .checks import as_patterns, check_channel_dim
 
 MODES = ("prelu", "dgn", "dlgn")
-DEFAULT_ACTIVATIONS = (
-    "relu", "relu6", "leaky_relu", "gelu", "silu", "hardswish", "mish", "elu", "celu", "selu",
-    "softplus", "tanh", "sigmoid", "hardsigmoid", "hardtanh", "quick_gelu", "relu2",
-)
 DEFAULT_BETA = {"dgn": 4.0, "dlgn": 10.0}
 GATES = ("exclude", "include")
-GATE_KINDS = ("sigmoid", "hardsigmoid")  # squashing into [0, 1]: their role is to scale another tensor
 
 
 @dataclass

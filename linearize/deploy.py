@@ -60,16 +60,20 @@ def _nn_classes() -> dict[str, type]:
 
 
 def _fold_classes() -> dict[str, type]:
-    from .conversion import CallSites, FunctionalActivation
+    from .activations import FunctionalActivation
     from .folding import conv, modules
+    from .injection import CallSites
 
     classes = [modules.ChannelPReLU, modules.ChannelBlend, modules.LinearWithPassthrough, modules.ConvWithPassthrough,
                modules._Residual, conv.BorderBiasConv, conv.BorderExactConv]
     found = {f"{c.__module__}.{c.__qualname__}": c for c in classes}
     # files written before fold became a package name the classes linearize.folding.<name>
     found.update({f"linearize.folding.{c.__qualname__}": c for c in classes})
+    found["linearize.activations.FunctionalActivation"] = FunctionalActivation
+    found["linearize.injection.CallSites"] = CallSites  # one plain module per call of a reused site
+    # files written before the injection core moved out of conversion.py
     found["linearize.conversion.FunctionalActivation"] = FunctionalActivation
-    found["linearize.conversion.CallSites"] = CallSites  # one plain module per call of a reused site
+    found["linearize.conversion.CallSites"] = CallSites
     return found
 
 
@@ -149,7 +153,7 @@ def _generic_args(module: nn.Module) -> dict[str, Any]:
 
 def _spec(module: nn.Module) -> dict[str, Any]:
     """``{"args": ...}`` for a module of the allow-list (raises ValueError for an unrecordable one)."""
-    from .conversion import FunctionalActivation
+    from .activations import FunctionalActivation
     from .folding import conv, modules
 
     if isinstance(module, FunctionalActivation):
@@ -175,7 +179,7 @@ def _spec(module: nn.Module) -> dict[str, Any]:
 
 def _build(cls: type, args: dict[str, Any]) -> nn.Module:
     """A module of the allow-listed ``cls`` from its recorded ``args`` (weights are loaded later)."""
-    from .conversion import FunctionalActivation
+    from .activations import FunctionalActivation
     from .folding import conv, modules
 
     if cls is FunctionalActivation:
@@ -342,7 +346,7 @@ def _rebuild(meta: dict[str, Any], base: nn.Module | None, path: Path) -> nn.Mod
             parent, _, attr = name.rpartition(".")
             built[parent].add_module(attr, module)
         built[name] = module
-    from .conversion import CallSites, _reset_call_sites
+    from .injection import CallSites, _reset_call_sites
 
     for name, module in built.items():
         owner = built.get(name.rpartition(".")[0])

@@ -29,63 +29,22 @@ import threading
 from typing import Any, Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["FunctionalSites", "FunctionalSiteError", "FUNCTIONAL_SPECS", "ATTR", "activation_module",
-           "install_functional_sites"]
+from .activations import FUNCTIONAL_SPECS, INPLACE_ARG, _arg
+
+__all__ = ["FunctionalSites", "FunctionalSiteError", "ATTR", "install_functional_sites"]
 
 ATTR = "linearize_functional"  # the owner's child that holds its functional units
-
-# intercepted function -> (kind, always in place)
-FUNCTIONAL_SPECS: dict[Callable, tuple[str, bool]] = {
-    F.relu: ("relu", False), torch.relu: ("relu", False), torch.Tensor.relu: ("relu", False),
-    torch.relu_: ("relu", True), torch.Tensor.relu_: ("relu", True),  # F.relu_ is torch.relu_
-    F.relu6: ("relu6", False),
-    F.leaky_relu: ("leaky_relu", False), F.leaky_relu_: ("leaky_relu", True),
-    F.gelu: ("gelu", False), F.silu: ("silu", False), F.hardswish: ("hardswish", False), F.mish: ("mish", False),
-    F.elu: ("elu", False), F.elu_: ("elu", True), F.celu: ("celu", False), F.selu: ("selu", False),
-    F.softplus: ("softplus", False), F.hardtanh: ("hardtanh", False), F.hardtanh_: ("hardtanh", True),
-    F.hardsigmoid: ("hardsigmoid", False),
-    torch.tanh: ("tanh", False), F.tanh: ("tanh", False), torch.Tensor.tanh: ("tanh", False),
-    torch.tanh_: ("tanh", True), torch.Tensor.tanh_: ("tanh", True),
-    torch.sigmoid: ("sigmoid", False), F.sigmoid: ("sigmoid", False), torch.Tensor.sigmoid: ("sigmoid", False),
-    torch.sigmoid_: ("sigmoid", True), torch.Tensor.sigmoid_: ("sigmoid", True),
-}
-# position of the ``inplace`` argument of a kind's functional form (absent: none)
-_INPLACE_ARG = {"relu": 1, "relu6": 1, "leaky_relu": 2, "elu": 2, "celu": 2, "selu": 1, "hardtanh": 3,
-                "hardsigmoid": 1, "hardswish": 1, "silu": 1, "mish": 1}
-
 
 class FunctionalSiteError(RuntimeError):
     """An owner's functional activation calls differ from those the probe forward saw."""
 
 
-def _arg(args: tuple, kwargs: dict, index: int, name: str, default: Any) -> Any:
-    return kwargs.get(name, args[index] if len(args) > index else default)
-
-
-def activation_module(func: Callable, args: tuple, kwargs: dict) -> nn.Module:
-    """The activation module computing the functional call ``func(*args, **kwargs)`` (never in place)."""
-    kind = FUNCTIONAL_SPECS[func][0]
-    if kind == "leaky_relu":
-        return nn.LeakyReLU(float(_arg(args, kwargs, 1, "negative_slope", 0.01)))
-    if kind == "gelu":
-        return nn.GELU(approximate=str(_arg(args, kwargs, 1, "approximate", "none")))
-    if kind in ("elu", "celu"):
-        return (nn.ELU if kind == "elu" else nn.CELU)(float(_arg(args, kwargs, 1, "alpha", 1.0)))
-    if kind == "softplus":
-        return nn.Softplus(float(_arg(args, kwargs, 1, "beta", 1.0)), float(_arg(args, kwargs, 2, "threshold", 20.0)))
-    if kind == "hardtanh":
-        return nn.Hardtanh(float(_arg(args, kwargs, 1, "min_val", -1.0)), float(_arg(args, kwargs, 2, "max_val", 1.0)))
-    return {"relu": nn.ReLU, "relu6": nn.ReLU6, "silu": nn.SiLU, "hardswish": nn.Hardswish, "mish": nn.Mish,
-            "selu": nn.SELU, "hardsigmoid": nn.Hardsigmoid, "tanh": nn.Tanh, "sigmoid": nn.Sigmoid}[kind]()
-
-
 def _in_place(func: Callable, args: tuple, kwargs: dict) -> bool:
     kind, always = FUNCTIONAL_SPECS[func]
-    return always or (kind in _INPLACE_ARG and bool(_arg(args, kwargs, _INPLACE_ARG[kind], "inplace", False)))
+    return always or (kind in INPLACE_ARG and bool(_arg(args, kwargs, INPLACE_ARG[kind], "inplace", False)))
 
 
 class _SiteMode(TorchFunctionMode):

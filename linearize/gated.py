@@ -39,7 +39,7 @@ are in both networks, and a model with no ReLU-family activation at all raises.
 
 Every activation *call* gets its own gate: a module called several times per forward of its owner
 (torchvision ``BasicBlock.relu`` twice, ``Bottleneck.relu`` three times, the last one after the
-residual add) becomes a :class:`~linearize.conversion.CallSites` dispatcher in both networks, and
+residual add) becomes a :class:`~linearize.injection.CallSites` dispatcher in both networks, and
 the ``k``-th call of the value network is gated by the ``k``-th call of the feature network
 (sites are named like ``layer1.0.relu.calls.1``, as units of :func:`linearize.convert`).
 
@@ -63,15 +63,10 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from tqdm.auto import tqdm
 
+from .activations import activation_kind
 from .config import LinearizeConfig
-from .conversion import (
-    plan_conversion,
-    activation_registrations,
-    install_call_sites,
-    wrap_function_attributes,
-    activation_kind,
-)
 from .example_inputs import guess_example_inputs
+from .injection import activation_registrations, install_call_sites, plan_conversion, wrap_function_attributes
 from .inputs import Batches, as_call, call_model, eval_mode, model_device
 
 __all__ = ["GATED_KINDS", "GaLU", "FeatureTap", "GatedNetwork", "convert_gated", "gate_statistics"]
@@ -187,7 +182,7 @@ class GatedNetwork(nn.Module):
     the value network's output (whatever the original model returned: a tensor, an HF output...).
 
     Attributes: ``feature``, ``value`` (the two networks), ``linearize_config``,
-    ``linearize_report`` (the :class:`~linearize.conversion.ConversionReport` of the gated sites).
+    ``linearize_report`` (the :class:`~linearize.injection.ConversionReport` of the gated sites).
     """
 
     def __init__(self, feature: nn.Module, value: nn.Module, config: LinearizeConfig, store: _GateStore) -> None:

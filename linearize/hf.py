@@ -38,7 +38,7 @@ from torch import nn
 from ._files import LoadError, safe_torch_load
 
 __all__ = ["CONFIG_KEY", "GUARD_KEY", "is_guard", "lift_guard", "is_hf_model", "mark", "unmark", "refuse_stripped", "has_manifest",
-           "read_manifest", "read_unit_tensors", "load_plain"]
+           "read_unit_tensors", "load_plain"]
 
 CONFIG_KEY = "linearize"
 GUARD_KEY = "quantization_config"  # transformers refuses to load a config whose entry has no quant_method
@@ -81,7 +81,7 @@ def mark(model: nn.Module) -> None:
     Called by :func:`linearize.convert` (gated modes: the guard only, their saves go through
     :func:`linearize.save_pretrained`); a no-op for other models.
     """
-    from .serialization import FORMAT_VERSION, _sites
+    from .manifest import FORMAT_VERSION, site_records
     from .unit import units
 
     config = getattr(model, "linearize_config", None)
@@ -95,7 +95,7 @@ def mark(model: nn.Module) -> None:
         if config.mode != "prelu":
             _guard(m.config, GATED_MESSAGE)
         elif units(m):
-            setattr(m.config, CONFIG_KEY, {"format": FORMAT_VERSION, "config": config.to_dict(), "sites": _sites(m)})
+            setattr(m.config, CONFIG_KEY, {"format": FORMAT_VERSION, "config": config.to_dict(), "sites": site_records(m)})
             _guard(m.config, GUARD[CONFIG_KEY])
 
 
@@ -162,15 +162,6 @@ def has_manifest(directory: str | os.PathLike) -> bool:
         return CONFIG_KEY in json.loads(path.read_text(encoding="utf-8"))
     except (ValueError, TypeError):
         return False
-
-
-def read_manifest(directory: Path) -> dict[str, Any]:
-    """The checked linearize manifest of ``directory/config.json`` (see ``serialization._parse_manifest``)."""
-    from .serialization import _parse_manifest
-
-    path = directory / HF_CONFIG
-    block = json.loads(path.read_text(encoding="utf-8")).get(CONFIG_KEY)
-    return _parse_manifest(json.dumps(block).encode(), path, weights=False)
 
 
 def _weight_files(directory: Path) -> dict[str, Path]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import argparse
 from pathlib import Path
 
 from torch import nn
@@ -58,3 +59,10 @@ def load_model(spec: str | Path, num_classes: int | None = None, *, trust_pickle
         f"{str(spec)!r} is neither a Hugging Face model directory, a .pt file, a torchvision builder "
         "(e.g. resnet18, mobilenet_v2, vgg11_bn) nor a timm model name (with timm installed)"
     )
+
+
+def add_trust_pickle(parser: argparse.ArgumentParser) -> None:
+    """The ``--trust-pickle`` option: without it, ``.pt`` files are read with ``torch.load(weights_only=True)``."""
+    parser.add_argument("--trust-pickle", action="store_true",
+                        help="fully unpickle .pt files (needed for a pickled nn.Module). Unpickling runs code "
+                        "from the file: only for files from a source you trust")

@@ -746,7 +746,7 @@ def register_cli(subparsers: argparse._SubParsersAction) -> argparse.ArgumentPar
     p.add_argument("--skip", nargs="+", default=[], choices=MEASURES, metavar="MEASURE",
                    help=f"measures not to run, of: {', '.join(MEASURES)}")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
-    from .cli import add_trust_pickle
+    from .models import add_trust_pickle
 
     add_trust_pickle(p)
     p.set_defaults(func=run_cli)

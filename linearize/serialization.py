@@ -43,17 +43,16 @@ from torch import nn
 
 from ._files import LoadError, atomic_write
 from .config import LinearizeConfig
+from .manifest import FORMAT_VERSION, clean_name as _clean, site_records as _sites
 from .unit import units
 
 __all__ = ["save_pretrained", "from_pretrained", "load_unit_tensors", "unwrap_model", "LoadError"]
 
 CONFIG_NAME = "linearize_config.json"
 LEGACY_WEIGHTS_NAME = "linearize_units.safetensors"  # format 1: a fixed name, no checksum
-FORMAT_VERSION = 2
 _WEIGHTS_RE = re.compile(r"linearize_units-([0-9a-f]{16})\.safetensors")
 _SITE_KEYS = {"name", "kind", "num_channels", "channel_dim"}
 _READ_TRIES = 3  # manifest re-reads when a concurrent save swaps the pair under a reader
-_WRAPPER_PREFIXES = ("_orig_mod.", "module.")
 _SAVE_AGAIN = "Save the model again with linearize.save_pretrained(model, directory)."
 
 
@@ -71,19 +70,6 @@ def unwrap_model(model: nn.Module) -> nn.Module:
             model = model.module
         else:
             return model
-
-
-def _clean(name: str) -> str:
-    for prefix in _WRAPPER_PREFIXES:
-        name = name.replace(prefix, "")
-    return name
-
-
-def _sites(model: nn.Module) -> list[dict]:
-    return [
-        {"name": _clean(n), "kind": u.kind, "num_channels": u.num_channels, "channel_dim": u.channel_dim}
-        for n, u in units(model)
-    ]
 
 
 def _tensors(model: nn.Module, gated: bool) -> dict[str, torch.Tensor]:
@@ -262,6 +248,15 @@ def _parse_manifest(raw: bytes, path: Path, weights: bool = True) -> dict[str, A
     return {"format": fmt, "config": config, "sites": sites, "weights": w}
 
 
+def _read_hf_manifest(directory: Path) -> dict[str, Any]:
+    """The checked linearize manifest in ``directory/config.json`` (an HF save of a converted model)."""
+    from .hf import CONFIG_KEY, HF_CONFIG
+
+    path = directory / HF_CONFIG
+    block = json.loads(path.read_text(encoding="utf-8")).get(CONFIG_KEY)
+    return _parse_manifest(json.dumps(block).encode(), path, weights=False)
+
+
 def _valid_site(site: Any) -> bool:
     return (isinstance(site, dict) and set(site) == _SITE_KEYS and isinstance(site["name"], str)
             and isinstance(site["kind"], str) and type(site["num_channels"]) is int and site["num_channels"] >= 1
@@ -386,7 +381,7 @@ def _load_hf_checked(directory: Path) -> tuple[dict[str, Any], dict[str, torch.T
     ``save_pretrained`` (manifest in ``config.json``, units in its weights), checked as a sidecar is."""
     from . import hf
 
-    meta = hf.read_manifest(directory)
+    meta = _read_hf_manifest(directory)
     if meta["config"].mode != "prelu":
         raise LoadError(f"{directory / hf.HF_CONFIG}: gated mode {meta['config'].mode!r} is saved with "
                         "linearize.save_pretrained(model, directory) only")

@@ -10,7 +10,7 @@ import transformers as hf
 from torch import nn
 
 import linearize
-from linearize.conversion import CallSites
+from linearize.injection import CallSites
 from linearize.example_inputs import guess_example_inputs
 from linearize.inputs import call_model
 

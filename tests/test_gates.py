@@ -14,7 +14,7 @@ import torchvision
 from torch import nn
 
 import linearize
-from linearize.conversion import CallSites
+from linearize.injection import CallSites
 from linearize.reporting import MEASURES
 
 GATE_TYPES = (nn.Sigmoid, nn.Hardsigmoid)

@@ -15,7 +15,7 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from ..checks import check_positive, check_tol
-from ..conversion import CallSites, _reset_call_sites
+from ..injection import CallSites, _reset_call_sites
 from ..hf import mark_folded
 from ..inputs import call_model, eval_mode
 from ..unit import LinearizableActivation, check_finite_slopes, units

@@ -11,7 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..conversion import CallSites, FunctionalActivation
+from ..activations import FunctionalActivation
+from ..injection import CallSites
 from ..unit import LinearizableActivation
 
 __all__ = ["ChannelPReLU", "ChannelBlend", "LinearWithPassthrough", "ConvWithPassthrough", "plain_unit"]

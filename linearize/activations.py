@@ -1,0 +1,147 @@
+"""The one activation table: which modules and functions are activations, of which kind.
+
+Every module that needs to recognise an activation reads it here: :func:`linearize.convert` (module
+and functional call sites, :mod:`~linearize.functional_sites`), the gated split, fold and the
+reports. A *kind* is a short name (``"relu"``, ``"gelu"`` ...); :data:`DEFAULT_ACTIVATIONS` lists those
+``convert`` swaps by default, :data:`GATE_KINDS` those that usually gate another tensor.
+
+- :data:`MODULE_KINDS`: torch modules (exact type); :data:`HF_KINDS` / :data:`TIMM_KINDS`: the
+  activation classes of transformers and timm, by class name (neither is imported here);
+- :data:`FUNCTIONAL_SPECS`: functions and tensor methods (in-place forms included), with
+  :func:`activation_module` building the module a functional call computes;
+- :class:`FunctionalActivation`: a module wrapping an activation function held as an attribute.
+
+Example:
+    >>> activation_kind(nn.GELU()), activation_kind(F.relu), activation_kind(nn.Linear(2, 2))
+    ('gelu', 'relu', None)
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["DEFAULT_ACTIVATIONS", "GATE_KINDS", "MODULE_KINDS", "HF_KINDS", "TIMM_KINDS", "FUNCTIONAL_SPECS",
+           "INPLACE_ARG", "activation_kind", "activation_module", "FunctionalActivation"]
+
+DEFAULT_ACTIVATIONS = (
+    "relu", "relu6", "leaky_relu", "gelu", "silu", "hardswish", "mish", "elu", "celu", "selu",
+    "softplus", "tanh", "sigmoid", "hardsigmoid", "hardtanh", "quick_gelu", "relu2",
+)
+GATE_KINDS = ("sigmoid", "hardsigmoid")  # squashing into [0, 1]: their role is to scale another tensor
+
+MODULE_KINDS: list[tuple[type, str]] = [
+    (nn.ReLU6, "relu6"),  # before Hardtanh, its base class
+    (nn.ReLU, "relu"),
+    (nn.LeakyReLU, "leaky_relu"),
+    (nn.GELU, "gelu"),
+    (nn.SiLU, "silu"),
+    (nn.Hardswish, "hardswish"),
+    (nn.Mish, "mish"),
+    (nn.ELU, "elu"),
+    (nn.CELU, "celu"),
+    (nn.SELU, "selu"),
+    (nn.Softplus, "softplus"),
+    (nn.Tanh, "tanh"),
+    (nn.Sigmoid, "sigmoid"),
+    (nn.Hardsigmoid, "hardsigmoid"),
+    (nn.Hardtanh, "hardtanh"),
+]
+# transformers.activations classes by name (no import of transformers needed)
+HF_KINDS = {
+    "GELUActivation": "gelu",
+    "NewGELUActivation": "gelu",
+    "FastGELUActivation": "gelu",
+    "GELUTanh": "gelu",
+    "PytorchGELUTanh": "gelu",
+    "AccurateGELUActivation": "gelu",
+    "ClippedGELUActivation": "gelu",
+    "QuickGELUActivation": "quick_gelu",
+    "SiLUActivation": "silu",
+    "MishActivation": "mish",
+    "ReLUSquaredActivation": "relu2",
+}
+# timm's own activation modules (timm.layers.activations[_me]) by name: they call F.gelu etc. inside
+TIMM_KINDS = {
+    "GELU": "gelu", "GELUTanh": "gelu", "QuickGELU": "quick_gelu", "Sigmoid": "sigmoid", "Tanh": "tanh",
+    "Swish": "silu", "SwishMe": "silu", "Mish": "mish", "MishMe": "mish", "HardSigmoid": "hardsigmoid",
+    "HardSigmoidMe": "hardsigmoid", "HardSwish": "hardswish", "HardSwishMe": "hardswish",
+}
+
+# intercepted function -> (kind, always in place)
+FUNCTIONAL_SPECS: dict[Callable, tuple[str, bool]] = {
+    F.relu: ("relu", False), torch.relu: ("relu", False), torch.Tensor.relu: ("relu", False),
+    torch.relu_: ("relu", True), torch.Tensor.relu_: ("relu", True),  # F.relu_ is torch.relu_
+    F.relu6: ("relu6", False),
+    F.leaky_relu: ("leaky_relu", False), F.leaky_relu_: ("leaky_relu", True),
+    F.gelu: ("gelu", False), F.silu: ("silu", False), F.hardswish: ("hardswish", False), F.mish: ("mish", False),
+    F.elu: ("elu", False), F.elu_: ("elu", True), F.celu: ("celu", False), F.selu: ("selu", False),
+    F.softplus: ("softplus", False), F.hardtanh: ("hardtanh", False), F.hardtanh_: ("hardtanh", True),
+    F.hardsigmoid: ("hardsigmoid", False),
+    torch.tanh: ("tanh", False), F.tanh: ("tanh", False), torch.Tensor.tanh: ("tanh", False),
+    torch.tanh_: ("tanh", True), torch.Tensor.tanh_: ("tanh", True),
+    torch.sigmoid: ("sigmoid", False), F.sigmoid: ("sigmoid", False), torch.Tensor.sigmoid: ("sigmoid", False),
+    torch.sigmoid_: ("sigmoid", True), torch.Tensor.sigmoid_: ("sigmoid", True),
+}
+# position of the ``inplace`` argument of a kind's functional form (absent: none)
+INPLACE_ARG = {"relu": 1, "relu6": 1, "leaky_relu": 2, "elu": 2, "celu": 2, "selu": 1, "hardtanh": 3,
+                "hardsigmoid": 1, "hardswish": 1, "silu": 1, "mish": 1}
+
+
+def _arg(args: tuple, kwargs: dict, index: int, name: str, default: Any) -> Any:
+    return kwargs.get(name, args[index] if len(args) > index else default)
+
+
+def activation_module(func: Callable, args: tuple, kwargs: dict) -> nn.Module:
+    """The activation module computing the functional call ``func(*args, **kwargs)`` (never in place)."""
+    kind = FUNCTIONAL_SPECS[func][0]
+    if kind == "leaky_relu":
+        return nn.LeakyReLU(float(_arg(args, kwargs, 1, "negative_slope", 0.01)))
+    if kind == "gelu":
+        return nn.GELU(approximate=str(_arg(args, kwargs, 1, "approximate", "none")))
+    if kind in ("elu", "celu"):
+        return (nn.ELU if kind == "elu" else nn.CELU)(float(_arg(args, kwargs, 1, "alpha", 1.0)))
+    if kind == "softplus":
+        return nn.Softplus(float(_arg(args, kwargs, 1, "beta", 1.0)), float(_arg(args, kwargs, 2, "threshold", 20.0)))
+    if kind == "hardtanh":
+        return nn.Hardtanh(float(_arg(args, kwargs, 1, "min_val", -1.0)), float(_arg(args, kwargs, 2, "max_val", 1.0)))
+    return {"relu": nn.ReLU, "relu6": nn.ReLU6, "silu": nn.SiLU, "hardswish": nn.Hardswish, "mish": nn.Mish,
+            "selu": nn.SELU, "hardsigmoid": nn.Hardsigmoid, "tanh": nn.Tanh, "sigmoid": nn.Sigmoid}[kind]()
+
+
+class FunctionalActivation(nn.Module):
+    """Module wrapper of an activation function held as a plain attribute (``self.act = F.gelu``)."""
+
+    def __init__(self, fn: Callable[[torch.Tensor], torch.Tensor], kind: str) -> None:
+        super().__init__()
+        self.fn = fn
+        self.kind = kind
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fn(x)
+
+    def extra_repr(self) -> str:
+        return getattr(self.fn, "__name__", repr(self.fn))
+
+
+def activation_kind(obj: object) -> str | None:
+    """The kind name of an activation module or function, or ``None`` if it is not one."""
+    if isinstance(obj, nn.Module):
+        if isinstance(obj, FunctionalActivation):
+            return obj.kind
+        for cls, kind in MODULE_KINDS:
+            if type(obj) is cls:
+                return kind
+        if type(obj).__module__.startswith("transformers"):
+            return HF_KINDS.get(type(obj).__name__)
+        if type(obj).__module__.startswith("timm.layers.activations"):
+            return TIMM_KINDS.get(type(obj).__name__)
+        return None
+    try:
+        spec = FUNCTIONAL_SPECS.get(obj)  # type: ignore[arg-type]
+    except TypeError:  # unhashable
+        return None
+    return spec[0] if spec is not None else None

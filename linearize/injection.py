@@ -1,0 +1,482 @@
+"""The injection core: probe a model's activation calls, plan the units, install them.
+
+Used by :func:`linearize.convert` (blend units, :mod:`~linearize.conversion`) and by the gated
+split (:mod:`~linearize.gated`), so neither imports the other. One probe forward on example inputs
+(eval mode, no grad; every module's flag restored) records, with global module hooks, every call
+of every activation module (caller, input shape, the last leaf layer before it: the channel
+dimension), and with a ``TorchFunctionMode`` the functional activation calls made inside
+``forward`` code and the products that make an activation's output a gate. :func:`plan_conversion`
+turns that into one replacement per registration ``owner.attr`` (a unit, or a :class:`CallSites`
+dispatcher for a module called several times per owner forward) and one unit per functional call
+of an owner (:mod:`~linearize.functional_sites`).
+"""
+
+from __future__ import annotations
+
+import re
+import weakref
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+from .activations import FUNCTIONAL_SPECS, GATE_KINDS, FunctionalActivation, activation_kind, activation_module
+from .checks import as_patterns, check_channel_dim
+from .config import LinearizeConfig
+from .example_inputs import guess_example_inputs
+from .functional_sites import ATTR
+from .inputs import call_model, eval_mode
+from .unit import LinearizableActivation
+
+__all__ = ["CallSites", "install_call_sites", "SiteInfo", "ConversionReport", "plan_conversion",
+           "activation_registrations", "wrap_function_attributes"]
+
+# products that make an activation's output a multiplicative gate: op -> positions of the factors
+_PRODUCTS: dict[Callable, tuple[int, int]] = {
+    torch.mul: (0, 1), torch.Tensor.mul: (0, 1), torch.Tensor.mul_: (0, 1), torch.Tensor.__mul__: (0, 1),
+    torch.Tensor.__rmul__: (0, 1), torch.Tensor.__imul__: (0, 1), torch.addcmul: (1, 2),
+    torch.Tensor.addcmul: (1, 2), torch.Tensor.addcmul_: (1, 2),
+}
+# ops whose output is the same values as their first argument (a gate is often reshaped first)
+_SAME_VALUES: set[Callable] = {
+    torch.Tensor.view, torch.Tensor.view_as, torch.Tensor.reshape, torch.reshape, torch.Tensor.expand,
+    torch.Tensor.expand_as, torch.Tensor.flatten, torch.flatten, torch.Tensor.unsqueeze, torch.unsqueeze,
+    torch.Tensor.squeeze, torch.squeeze, torch.Tensor.permute, torch.permute, torch.Tensor.transpose,
+    torch.transpose, torch.Tensor.contiguous, torch.Tensor.to, torch.Tensor.type_as, torch.Tensor.clone,
+    torch.clone, torch.Tensor.__getitem__, torch.Tensor.float, torch.Tensor.half, torch.Tensor.bfloat16,
+    F.dropout,
+}
+_CHANNEL_FIRST = (nn.modules.conv._ConvNd, nn.modules.batchnorm._NormBase, nn.GroupNorm)
+
+
+class CallSites(nn.Module):
+    """One unit per call of a reused activation module.
+
+    The ``k``-th call of this module within one forward of its owner runs ``calls[k]``; a
+    forward pre-hook on the owner resets the counter, so every owner forward (also under
+    gradient checkpointing re-runs) dispatches the same way.
+    """
+
+    def __init__(self, calls: list[LinearizableActivation]) -> None:
+        super().__init__()
+        self.calls = nn.ModuleList(calls)
+        self.position = 0
+
+    def reset(self) -> None:
+        """Start a new owner forward: the next call is call 0."""
+        self.position = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        unit = self.calls[self.position % len(self.calls)]
+        self.position += 1
+        return unit(x)
+
+    def extra_repr(self) -> str:
+        return f"calls={len(self.calls)}"
+
+
+def _reset_call_sites(owner: nn.Module, args: Any) -> None:
+    for child in owner.children():
+        if isinstance(child, CallSites):
+            child.reset()
+
+
+def install_call_sites(owner: nn.Module, attr: str, modules: list[nn.Module]) -> None:
+    """Put one module per call at ``owner.attr``: the module itself, or a :class:`CallSites`
+    dispatcher (reset by a forward pre-hook on ``owner``) when the site is called several times."""
+    if len(modules) == 1:
+        setattr(owner, attr, modules[0])
+        return
+    setattr(owner, attr, CallSites(modules))
+    if not getattr(owner, "_linearize_reset_hook", False):
+        owner.register_forward_pre_hook(_reset_call_sites)
+        owner._linearize_reset_hook = True
+
+
+@dataclass
+class SiteInfo:
+    """One converted call site: unit name, activation kind, channels and the probe input shape."""
+
+    name: str
+    kind: str
+    num_channels: int
+    channel_dim: int
+    input_shape: list[int]
+
+
+@dataclass
+class ConversionReport:
+    """What ``convert`` found: converted sites and everything it could not or did not convert."""
+
+    sites: list[SiteInfo] = field(default_factory=list)
+    functional_calls: dict[str, int] = field(default_factory=dict)  # "owner: fn" -> calls
+    uncalled: list[str] = field(default_factory=list)
+    unreachable: list[str] = field(default_factory=list)
+    excluded: list[str] = field(default_factory=list)
+    # multiplicative gates left unconverted (LinearizeConfig.gates="exclude"): site -> why it is a gate
+    # (a functional gate call is named "owner: fn", like functional_calls)
+    gates: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def num_channels(self) -> int:
+        """Total number of converted channels over all sites."""
+        return sum(s.num_channels for s in self.sites)
+
+    def excluded_sites(self) -> dict[str, str]:
+        """Every activation left unconverted on purpose: ``{site: reason}`` (config filters, gates)."""
+        return {**{n: "excluded by the config" for n in self.excluded}, **self.gates}
+
+    def problems(self) -> list[str]:
+        """Human-readable lines for everything left unconverted that was not excluded on purpose."""
+        lines = [
+            f"functional call {where} ({n} call(s) per forward) cannot be swapped"
+            for where, n in self.functional_calls.items()
+        ]
+        lines += [f"{n}: never called during the probe forward" for n in self.uncalled]
+        lines += [f"{n}: called by a module that does not own it" for n in self.unreachable]
+        return lines
+
+    def __str__(self) -> str:
+        rows = [f"{len(self.sites)} sites, {self.num_channels} channels converted"]
+        rows += [f"  {s.name:<60} {s.kind:<12} C={s.num_channels:<6} dim={s.channel_dim}" for s in self.sites]
+        problems = self.problems()
+        if problems:
+            rows.append(f"{len(problems)} activation(s) NOT converted:")
+            rows += [f"  {p}" for p in problems]
+        if self.excluded:
+            rows.append(f"excluded by the config: {', '.join(self.excluded)}")
+        if self.gates:
+            rows.append(f"{len(self.gates)} multiplicative gate(s) left as they are (gates='exclude'):")
+            rows += [f"  {n}: {why}" for n, why in self.gates.items()]
+        return "\n".join(rows)
+
+
+# ----------------------------------------------------------------------------- probe
+
+
+@dataclass
+class _Call:
+    """One activation call of the probe forward; ``gate`` says why its output is a multiplicative gate."""
+
+    caller: nn.Module | None
+    shape: tuple[int, ...]
+    channel_dim: int
+    kind: str = ""
+    gate: str | None = None
+    # functional calls: "owner: fn", and for those a unit can take (FUNCTIONAL_SPECS) the module
+    # whose own forward made the call, which invocation of it, and the activation module to blend
+    where: str = ""
+    owner: nn.Module | None = None
+    invocation: int = 0
+    act: nn.Module | None = None
+
+
+class _FunctionalRecorder(TorchFunctionMode):
+    """Records functional activation calls made outside activation modules."""
+
+    def __init__(self, probe: "_Probe") -> None:
+        super().__init__()
+        self.probe = probe
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if not self.probe.inside_activation():
+            if func in FUNCTIONAL_SPECS:
+                self.probe.record_functional(func, args, kwargs or {}, out)
+            elif func in _SAME_VALUES and args:
+                self.probe.follow(args[0], out)
+            elif func in _PRODUCTS:
+                self.probe.record_product(func, args, out)
+        return out
+
+
+class _Probe:
+    """One hooked forward: activation calls, their callers, and module invocation counts."""
+
+    def __init__(
+        self, model: nn.Module, candidates: set[int], activations: set[int], channel_dim: int | None
+    ) -> None:
+        self.names = {id(m): n for n, m in model.named_modules(remove_duplicate=False)}
+        self.candidates = candidates
+        self.activations = activations  # candidates and excluded ones: their internals are not "functional"
+        self.channel_dim = channel_dim
+        self.stack: list[nn.Module] = []
+        self.invocations: Counter[int] = Counter()
+        self.calls: dict[int, list[_Call]] = defaultdict(list)
+        self.functional: list[tuple[str, _Call]] = []  # ("owner: fn", call) per functional activation call
+        self.outputs: dict[int, tuple[weakref.ref, _Call]] = {}  # activation outputs (and their views)
+        self.pending: dict[int, _Call] = {}  # candidate module id -> its call now running
+        self.last_leaf: nn.Module | None = None
+
+    def inside_activation(self) -> bool:
+        return any(id(m) in self.activations for m in self.stack)
+
+    def record_functional(self, func: Callable, args: tuple, kwargs: dict, out: Any) -> None:
+        owner = next((m for m in reversed(self.stack) if id(m) in self.names), None)
+        where = self.names.get(id(owner), "") if owner is not None else ""
+        name = getattr(func, "__name__", str(func))
+        where = f"{where or type(owner).__name__}: {name}"
+        kind = FUNCTIONAL_SPECS[func][0]
+        call = _Call(None, tuple(getattr(out, "shape", ())), -1, kind, where=where)
+        if func in FUNCTIONAL_SPECS and owner is not None and isinstance(out, torch.Tensor):
+            call.owner, call.invocation = owner, self.invocations[id(owner)]  # a call the owner's mode will see
+            if out.ndim:  # a scalar has no channels: that call runs as it is
+                call.channel_dim = self._channel_dim(f"functional call {where} (input shape {tuple(out.shape)})", out)
+                call.act = activation_module(func, args, kwargs)
+        self.functional.append((where, call))
+        self._tag(out, call)
+
+    def _tag(self, out: Any, call: _Call) -> None:
+        if isinstance(out, torch.Tensor):
+            self.outputs[id(out)] = (weakref.ref(out), call)
+
+    def _source(self, x: Any) -> _Call | None:
+        """The activation call whose output ``x`` is (or is a view of), if any."""
+        entry = self.outputs.get(id(x)) if isinstance(x, torch.Tensor) else None
+        return entry[1] if entry is not None and entry[0]() is x else None
+
+    def follow(self, x: Any, out: Any) -> None:
+        """``out`` holds the values of ``x`` (a view, reshape, cast): it inherits ``x``'s source."""
+        call = self._source(x)
+        if call is not None and out is not x:
+            self._tag(out, call)
+
+    def record_product(self, func: Callable, args: tuple, out: Any) -> None:
+        """Mark the activation calls whose outputs are factors of this product as gates (see
+        ``LinearizeConfig.gates``): a sigmoid-like kind scaling a tensor, or any kind broadcast."""
+        i, j = _PRODUCTS[func]
+        if len(args) <= j or not isinstance(out, torch.Tensor):
+            return
+        for mine, other in ((args[i], args[j]), (args[j], args[i])):
+            call = self._source(mine)
+            if call is None or call.gate is not None or not isinstance(other, torch.Tensor):
+                continue
+            if isinstance(other, nn.Parameter) or other.numel() <= 1:  # a constant scale keeps it linear
+                continue
+            if mine.numel() < out.numel():
+                call.gate = f"{call.kind} output {list(mine.shape)} scales a {list(other.shape)} tensor (broadcast gate)"
+            elif call.kind in GATE_KINDS:
+                call.gate = f"{call.kind} output multiplies a {list(other.shape)} tensor (gate)"
+
+    def pre_hook(self, module: nn.Module, args: tuple) -> None:
+        if id(module) in self.candidates:
+            x = args[0] if args else None
+            if isinstance(x, torch.Tensor):
+                caller = self.stack[-1] if self.stack else None
+                where = f"activation {self.names.get(id(module), type(module).__name__)!r} (input shape {tuple(x.shape)})"
+                call = _Call(caller, tuple(x.shape), self._channel_dim(where, x), activation_kind(module) or "")
+                self.calls[id(module)].append(call)
+                self.pending[id(module)] = call
+        self.invocations[id(module)] += 1
+        self.stack.append(module)
+
+    def hook(self, module: nn.Module, args: tuple, output: Any) -> None:
+        if self.stack and self.stack[-1] is module:
+            self.stack.pop()
+        call = self.pending.pop(id(module), None)
+        if call is not None:
+            self._tag(output, call)
+        if id(module) not in self.candidates and next(module.children(), None) is None:
+            self.last_leaf = module
+
+    def _channel_dim(self, where: str, x: torch.Tensor) -> int:
+        """The channel dim of an activation call on ``x`` (``where`` names the call in errors)."""
+        if self.channel_dim is not None:  # forced by the config: it must fit this call's input
+            check_channel_dim(self.channel_dim, x.ndim, where)
+            return self.channel_dim
+        if x.ndim <= 2:
+            return -1
+        if isinstance(self.last_leaf, _CHANNEL_FIRST):
+            return 1
+        if isinstance(self.last_leaf, (nn.Linear, nn.LayerNorm, nn.Embedding)) or (
+            type(self.last_leaf).__name__ == "Conv1D"  # HF GPT-2 style linear layer
+        ):
+            return -1
+        return 1 if x.ndim >= 4 else -1
+
+    def run(self, model: nn.Module, inputs: Any) -> None:
+        pre = torch.nn.modules.module.register_module_forward_pre_hook(self.pre_hook)
+        post = torch.nn.modules.module.register_module_forward_hook(self.hook)
+        try:
+            with eval_mode(model), torch.no_grad(), _FunctionalRecorder(self):
+                call_model(model, inputs)
+        finally:
+            pre.remove()
+            post.remove()
+
+
+def _matches(name: str, patterns: list[str] | None) -> bool:
+    return any(
+        name == p or name.endswith("." + p) or re.fullmatch(p, name) is not None for p in patterns or []
+    )
+
+
+def _outside_activations(model: nn.Module, prefix: str = ""):
+    """``(name, module)`` of every module not nested inside an activation module, shared ones once
+    per path; an activation's own internals (HF ``GELUActivation.act``) are never candidates."""
+    yield prefix, model
+    for attr, child in model.named_children():
+        if activation_kind(child) is None:
+            yield from _outside_activations(child, f"{prefix}.{attr}" if prefix else attr)
+
+
+def wrap_function_attributes(model: nn.Module) -> None:
+    """Turn activation functions held as plain attributes into FunctionalActivation modules."""
+    for _, module in list(_outside_activations(model)):
+        for attr, value in list(vars(module).items()):
+            if attr.startswith("_") or isinstance(value, nn.Module):
+                continue
+            kind = activation_kind(value)
+            if kind is not None:
+                delattr(module, attr)
+                setattr(module, attr, FunctionalActivation(value, kind))
+
+
+def activation_registrations(model: nn.Module) -> list[tuple[str, nn.Module, str, nn.Module]]:
+    """Every ``(qualified_name, owner, attribute, activation)``, shared modules once per owner."""
+    found = []
+    seen: set[tuple[int, str]] = set()
+    for owner_name, owner in _outside_activations(model):
+        for attr, child in owner.named_children():
+            if activation_kind(child) is not None and (id(owner), attr) not in seen:
+                seen.add((id(owner), attr))
+                found.append((f"{owner_name}.{attr}" if owner_name else attr, owner, attr, child))
+    return found
+
+
+@dataclass
+class _OwnerPlan:
+    """The functional activation calls of one owner's forward and the units some of them get."""
+
+    owner: nn.Module
+    name: str
+    calls: list[_Call]
+    units: dict[int, SiteInfo]  # call position -> the unit it gets
+
+
+def plan_conversion(
+    model: nn.Module, config: LinearizeConfig, example_inputs: Any
+) -> tuple[ConversionReport, list[tuple[nn.Module, str, nn.Module, list[_Call]]]]:
+    """Probe ``model`` and decide the replacement of every activation registration (modules only:
+    functional calls are listed in ``report.functional_calls``)."""
+    report, plan, _ = _plan(model, config, example_inputs, functional=False)
+    return report, plan
+
+
+def _plan_functional(
+    model: nn.Module, calls: list[_Call], config: LinearizeConfig, report: ConversionReport,
+    invocations: Counter[int], targets: list[str] | None, excludes: list[str] | None,
+) -> tuple[list[_OwnerPlan], list[_Call]]:
+    """Units for the functional activation calls each owner's own forward makes, by call order.
+
+    An owner whose invocations in the probe made different calls (kinds, widths, count) keeps
+    them unconverted: returned as the second list, to be reported, with calls on scalars (which
+    keep their slot in the call order but run as they are).
+    """
+    names = {id(m): n for n, m in model.named_modules()}
+    by_owner: dict[int, list[_Call]] = defaultdict(list)
+    for call in calls:
+        by_owner[id(call.owner)].append(call)
+    plans, left = [], []
+    for owner_calls in by_owner.values():
+        owner = owner_calls[0].owner
+        per_call: dict[int, list[_Call]] = defaultdict(list)
+        for call in owner_calls:
+            per_call[call.invocation].append(call)
+        runs = list(per_call.values())
+        signature = [[(c.kind, _channels(c)) for c in run] for run in runs]
+        if (any(s != signature[0] for s in signature) or len(runs) != invocations[id(owner)]
+                or isinstance(owner, (nn.Sequential, nn.ModuleList, nn.ModuleDict)) or id(owner) not in names):
+            left += owner_calls  # control flow (or a container that iterates its children): not by order
+            continue
+        owner_name = names[id(owner)]
+        plan = _OwnerPlan(owner, owner_name, runs[0], {})
+        for k, call in enumerate(runs[0]):
+            name = f"{owner_name}.{ATTR}.{call.kind}_{k}" if owner_name else f"{ATTR}.{call.kind}_{k}"
+            gate = next((c.gate for run in runs if (c := run[k]).gate is not None), None)
+            if call.act is None:
+                left.append(call)
+            elif call.kind not in config.activations or (
+                targets is not None and not (_matches(name, targets) or _matches(owner_name, targets))
+            ) or _matches(name, excludes) or _matches(owner_name, excludes):
+                report.excluded.append(name)
+            elif gate is not None and config.gates == "exclude":
+                report.gates[name] = f"{gate}; functional call"
+            else:
+                site = SiteInfo(name, call.kind, call.shape[call.channel_dim], call.channel_dim, list(call.shape))
+                report.sites.append(site)
+                plan.units[k] = site
+        if plan.units:
+            plans.append(plan)
+    return plans, left
+
+
+def _channels(call: _Call) -> tuple[int, int] | None:
+    """``(channel_dim, width)`` of a functional call's input; None for a scalar."""
+    return (call.channel_dim, call.shape[call.channel_dim]) if call.shape else None
+
+
+def _plan(
+    model: nn.Module, config: LinearizeConfig, example_inputs: Any, functional: bool
+) -> tuple[ConversionReport, list[tuple[nn.Module, str, nn.Module, list[_Call]]], list[_OwnerPlan]]:
+    """:func:`plan_conversion`, and with ``functional`` the units of functional calls per owner."""
+    regs = activation_registrations(model)
+    report = ConversionReport()
+    chosen = []
+    # validated again: a config's fields may have been set after it was built
+    targets = as_patterns(config.target_modules, "target_modules")
+    excludes = as_patterns(config.exclude_modules, "exclude_modules")
+    for name, owner, attr, act in regs:
+        if activation_kind(act) not in config.activations or (
+            targets is not None and not _matches(name, targets)
+        ) or _matches(name, excludes):
+            report.excluded.append(name)
+        else:
+            chosen.append((name, owner, attr, act))
+    probe = _Probe(model, {id(act) for *_, act in chosen}, {id(act) for *_, act in regs}, config.channel_dim)
+    probe.run(model, example_inputs if example_inputs is not None else guess_example_inputs(model))
+    exclude_gates = config.gates == "exclude"
+    owned = [call for _, call in probe.functional if functional and call.owner is not None]
+    owner_plans, left = _plan_functional(model, owned, config, report, probe.invocations, targets, excludes)
+    left_ids = {id(c) for c in left}
+    skipped: Counter[str] = Counter()
+    for where, call in probe.functional:
+        if functional and call.owner is not None and id(call) not in left_ids:
+            continue  # planned above
+        if exclude_gates and call.gate is not None:
+            report.gates.setdefault(where, f"{call.gate}; functional call")
+        else:
+            skipped[where] += 1
+    report.functional_calls = dict(skipped)
+
+    plan = []
+    owned_calls: Counter[int] = Counter()
+    for name, owner, attr, act in chosen:
+        calls = [c for c in probe.calls[id(act)] if c.caller is owner]
+        owned_calls[id(act)] += len(calls)
+        if not calls:
+            if not probe.calls[id(act)]:
+                report.uncalled.append(name)
+            continue
+        per_forward = len(calls) // max(1, probe.invocations[id(owner)])
+        calls = calls[: max(1, per_forward)]
+        for k, call in enumerate(calls):
+            unit_name = name if len(calls) == 1 else f"{name}.calls.{k}"
+            if call.gate is not None and exclude_gates:
+                report.gates[unit_name] = call.gate
+                continue
+            call.gate = None  # converted: convert() builds a unit for every call without a gate
+            report.sites.append(
+                SiteInfo(unit_name, activation_kind(act) or "", call.shape[call.channel_dim],
+                         call.channel_dim, list(call.shape))
+            )
+        if any(call.gate is None for call in calls):
+            plan.append((owner, attr, act, calls))
+    for name, owner, attr, act in chosen:
+        if probe.calls[id(act)] and owned_calls[id(act)] < len(probe.calls[id(act)]):
+            report.unreachable.append(name)
+    return report, plan, owner_plans
