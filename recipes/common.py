@@ -96,6 +96,9 @@ def add_linearize_args(parser: argparse.ArgumentParser, default_mode: str = "pre
                    help="fraction of training by which the target is reached")
     g.add_argument("--rate", type=float, default=None,
                    help="pressure in slope units per step at the peak LR (default: 1 / ramp steps)")
+    g.add_argument("--select", choices=("slope", "saliency"), default="slope",
+                   help="which channels the target makes linear: slope (pushed highest first; SGD) or saliency "
+                        "(cheapest by the running squared slope gradient, no uniform push; Adam, see the README)")
     g.add_argument("--lam", type=float, default=default_lam,
                    help="legacy pressure instead of --rate: each step moves the slopes by lr * lam")
     g.add_argument("--tol", type=float, default=1e-3, help="a channel is linear when its slope >= 1 - tol")
@@ -220,7 +223,8 @@ def make_sparsifier(model: nn.Module, args: argparse.Namespace, total_steps: int
     if isinstance(optimizer, AcceleratedOptimizer):  # hook the torch optimizer inside the wrapper
         optimizer = optimizer.optimizer
     return linearize.Sparsifier(model, schedule=schedule, total_steps=total_steps, lam=args.lam,
-                               rate=getattr(args, "rate", None)).attach(optimizer)
+                               rate=getattr(args, "rate", None),
+                               select=getattr(args, "select", "slope")).attach(optimizer)
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
