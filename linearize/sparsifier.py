@@ -85,12 +85,14 @@ from .checks import check_positive, check_positive_int
 from .folding.flops import module_flops
 from .folding.layers import CONVS, is_hf_conv1d
 from .inputs import call_model
-from .unit import check_finite_slopes, count_channels, linear_masks, project_slopes, require_units, units
+from .unit import (LinearizableActivation, check_finite_slopes, count_channels, linear_masks, project_slopes,
+                   require_units, units)
 
 __all__ = ["Sparsifier", "param_groups", "flops_weights"]
 
 MODES = ("proximal", "loss")
 SELECT = ("slope", "saliency")
+GRANULARITY = ("channel", "site")
 SALIENCY_DECAY = 0.9  # running mean of the squared slope gradients, per step
 SALIENCY_HYSTERESIS = 0.5  # a selected channel's cost counts this much in the ranking
 # torch optimizer -> weakref to the Sparsifier attached to it (one per optimizer: two would apply the pressure twice)
@@ -137,6 +139,11 @@ class Sparsifier:
         log_every: record the per-site fractions every this many steps (default: about 500
             records per run).
         example_inputs: inputs for ``weights="flops"``.
+        granularity: ``"channel"`` (each channel on its own) or ``"site"``: the push is a group
+            proximal step per unit (group lasso: the channels of a call site move together and
+            become exactly linear together), and a target makes whole sites linear (the cheapest
+            first; it reaches its fraction to within one site). Whole linear sites are what fold
+            can remove from convolutional networks.
         select: how a target schedule picks the channels it makes linear: ``"slope"`` (pushed
             highest first) or ``"saliency"`` (lowest running mean of the squared loss gradient
             of the slope first, no uniform push; for fine-tuning under Adam, see the module docs).
@@ -163,8 +170,11 @@ class Sparsifier:
         rate: float | None = None,
         glide: float | None = None,
         select: str = "slope",
+        granularity: str = "channel",
     ) -> None:
         self._units = require_units(model, "there is nothing to sparsify")
+        if granularity not in GRANULARITY:
+            raise ValueError(f"granularity must be one of {GRANULARITY}, got {granularity!r}")
         if select not in SELECT:
             raise ValueError(f"select must be one of {SELECT}, got {select!r}")
         if select == "saliency" and not isinstance(schedule, _schedules.Target):
@@ -216,6 +226,7 @@ class Sparsifier:
         self.initial_fraction: float | None = None  # measured at a target schedule's start
         self._selected: torch.Tensor | None = None  # bool [C], channels the target glides to 1
         self.select = select
+        self.granularity = granularity
         # float64 [C]: running mean of squared slope gradients (select="saliency")
         self._saliency = torch.zeros(sum(u.num_channels for _, u in self._units), dtype=torch.float64)
         self._seen = torch.zeros(self._saliency.numel(), dtype=torch.bool)  # channels with a gradient seen
@@ -449,14 +460,27 @@ class Sparsifier:
                         f"no learning rate for the slopes of {name!r}: attach(optimizer) with the slopes "
                         "in it, pass optimizer=..., or pass lr=... to the Sparsifier (legacy lam only)"
                     )
-                unit.slope.add_(lr * lam_t * w)
+                self._push(unit, lr * lam_t * w)
                 continue
             scale = 1.0
             if lr is not None and lr > 0:  # follow the LR schedule's shape, not its scale
                 peak = self._lr_peak[i] = max(lr, self._lr_peak[i] or 0.0)
                 scale = lr / peak
-            unit.slope.add_(lam_t * scale * w)
+            self._push(unit, lam_t * scale * w)
         self._project()
+
+    def _push(self, unit: LinearizableActivation, step: float) -> None:
+        """Move ``unit``'s slopes towards 1 by ``step`` slope units: every channel alone, or with
+        ``granularity="site"`` the group proximal step of ``||1 - a||_2`` scaled by ``sqrt(C)`` (a
+        site whose channels sit at the same slope moves by ``step``; it reaches 1 all at once)."""
+        if self.granularity == "channel":
+            unit.slope.add_(step)
+            return
+        free = torch.isnan(unit.frozen).to(unit.slope.device)
+        gap = (1.0 - unit.slope.detach().double()) * free
+        norm = float(gap.norm())
+        shrink = max(0.0, 1.0 - step * math.sqrt(int(free.sum())) / norm) if norm > 0 else 0.0
+        unit.slope.copy_(torch.where(free, 1.0 - gap * shrink, unit.slope.double()).to(unit.slope.dtype))
 
     def _project_budget(self, wanted: float, before: torch.Tensor) -> None:
         """Glide the selected channels to 1 so that ``round(wanted * C)`` stay nonlinear (module docs).
@@ -486,12 +510,14 @@ class Sparsifier:
                 keys = (slopes, -self._cost(selected).to(slopes.device))
         for key in keys:
             ranked = ranked[torch.sort(key[ranked].double(), descending=True, stable=True).indices]
+        if self.granularity == "site":
+            ranked, k_free = self._by_site(ranked, k_free)
         chosen, beyond = ranked[:k_free], ranked[k_free:]
         delta = self.max_step
         new = torch.minimum(slopes, before + delta)  # the proximal step's share of the cap
         new[chosen] = torch.clamp(before[chosen] + delta, max=1.0)  # exactly 1 once within delta of 1
         end = _schedules.resolve_step(self.schedule.end, self.total_steps)
-        if self.step_count >= end - 1:  # the path is at the target: a channel the loss pulled down: a channel the loss pulled down harder than the glide
+        if self.step_count >= end - 1:  # the path is at the target: a chosen channel the loss pulled down
             new[chosen] = 1.0  # harder than the glide arrives now (held exactly)
         new[beyond] = torch.minimum(new[beyond], torch.tensor(1.0 - self.release))
         offset = 0
@@ -503,9 +529,27 @@ class Sparsifier:
         self._selected = torch.zeros(total, dtype=torch.bool)
         self._selected[chosen.cpu()] = True
 
+    def _by_site(self, ranked: torch.Tensor, k_free: int) -> tuple[torch.Tensor, int]:
+        """Reorder the ranked free channels site by site (a site's place: the mean rank of its free
+        channels) and round ``k_free`` up to whole sites."""
+        site = torch.cat([torch.full((u.num_channels,), i) for i, (_, u) in enumerate(self._units)])
+        site = site.to(ranked.device)[ranked]
+        position = torch.arange(len(ranked), dtype=torch.float64, device=ranked.device)
+        count = torch.bincount(site, minlength=len(self._units)).double()
+        score = torch.bincount(site, weights=position, minlength=len(self._units)) / count.clamp_min(1)
+        order = [i for i in torch.argsort(score, stable=True).tolist() if count[i] > 0]
+        groups = [ranked[site == i] for i in order]
+        n = 0
+        for group in groups:
+            if n >= k_free:
+                break
+            n += len(group)
+        return (torch.cat(groups) if groups else ranked), n
+
     # ------------------------------------------------------------------ penalty and measures
     def penalty(self) -> torch.Tensor:
-        """Differentiable ``lam_t * sum_c w_c * (1 - a_c)`` over free channels (scalar tensor).
+        """Differentiable ``lam_t * sum_c w_c * (1 - a_c)`` over free channels (scalar tensor); with
+        ``granularity="site"`` the group lasso ``lam_t * sum_sites w * sqrt(C) * ||1 - a||_2``.
 
         For ``mode="loss"``: add it to the loss before ``backward()``. See the module docs for
         how it differs from the proximal step.
@@ -514,7 +558,11 @@ class Sparsifier:
         terms = []
         for (_, unit), w in zip(self._units, self._weights):
             free = torch.isnan(unit.frozen)
-            terms.append(w * ((1.0 - unit.slope) * free).sum())
+            gap = (1.0 - unit.slope) * free
+            if self.granularity == "site":  # group lasso: sqrt(C) * ||1 - a||_2
+                terms.append(w * math.sqrt(int(free.sum())) * gap.norm())
+            else:
+                terms.append(w * gap.sum())
         return lam_t * torch.stack(terms).sum()
 
     def _linear_masks(self, where: str = "Sparsifier target projection") -> list[torch.Tensor]:
@@ -581,6 +629,7 @@ class Sparsifier:
             "lr_peak": list(self._lr_peak),
             "history": list(self.history),
             "select": self.select,
+            "granularity": self.granularity,
             "saliency": self._saliency.tolist() if self.select == "saliency" else None,
             "seen": torch.nonzero(self._seen).squeeze(1).tolist() if self.select == "saliency" else None,
         }
@@ -591,6 +640,9 @@ class Sparsifier:
         channels = sum(u.num_channels for _, u in self._units)
         if state["channels"] != channels:
             raise ValueError(f"state is for {state['channels']} channels, this model has {channels}")
+        if state.get("granularity", "channel") != self.granularity:
+            raise ValueError(f"state was saved with granularity={state.get('granularity', 'channel')!r}, this "
+                             f"Sparsifier has granularity={self.granularity!r}: build it with the same one to resume")
         if state.get("select", "slope") != self.select:
             raise ValueError(f"state was saved with select={state.get('select', 'slope')!r}, this Sparsifier "
                              f"has select={self.select!r}: build it with the same select to resume")

@@ -99,6 +99,9 @@ def add_linearize_args(parser: argparse.ArgumentParser, default_mode: str = "pre
     g.add_argument("--select", choices=("slope", "saliency"), default="slope",
                    help="which channels the target makes linear: slope (pushed highest first; SGD) or saliency "
                         "(cheapest by the running squared slope gradient, no uniform push; Adam, see the README)")
+    g.add_argument("--granularity", choices=("channel", "site"), default="channel",
+                   help="channel: each channel on its own; site: the channels of a call site move and become "
+                        "linear together (group lasso), the target makes whole sites linear")
     g.add_argument("--lam", type=float, default=default_lam,
                    help="legacy pressure instead of --rate: each step moves the slopes by lr * lam")
     g.add_argument("--tol", type=float, default=1e-3, help="a channel is linear when its slope >= 1 - tol")
@@ -224,7 +227,8 @@ def make_sparsifier(model: nn.Module, args: argparse.Namespace, total_steps: int
         optimizer = optimizer.optimizer
     return linearize.Sparsifier(model, schedule=schedule, total_steps=total_steps, lam=args.lam,
                                rate=getattr(args, "rate", None),
-                               select=getattr(args, "select", "slope")).attach(optimizer)
+                               select=getattr(args, "select", "slope"),
+                               granularity=getattr(args, "granularity", "channel")).attach(optimizer)
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
