@@ -9,6 +9,7 @@ import warnings
 import pytest
 import timm
 import torch
+import torch.nn.functional as F
 import torchvision
 import transformers as hf
 from safetensors.torch import save_file
@@ -108,11 +109,30 @@ def test_a_model_without_an_input_layer_is_refused_with_the_fix():
 
 
 def activation_calls(model, inputs) -> int:
-    """Calls of transformers/torch activation modules in one forward (hooks): the sites to expect."""
-    calls = []
+    """Activation calls in one forward, the sites to expect: calls of transformers/torch activation
+    modules (hooks), and activation functions called outside them (``F.gelu`` on Whisper's convs)."""
+    from torch.overrides import TorchFunctionMode
+
+    functions = {F.relu, torch.relu, F.gelu, F.silu, torch.tanh, torch.sigmoid, torch.Tensor.relu,
+                 torch.Tensor.tanh, torch.Tensor.sigmoid}
+    calls, depth = [], [0]
     acts = [m for m in model.modules() if type(m).__module__ == "transformers.activations" or isinstance(m, (nn.GELU, nn.ReLU, nn.Tanh))]
-    hooks = [m.register_forward_hook(lambda *_: calls.append(1)) for m in acts]
-    with torch.no_grad():
+
+    def enter(*_):
+        depth[0] += 1
+        calls.append(1)
+
+    def leave(*_):
+        depth[0] -= 1
+
+    class Functional(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            if func in functions and depth[0] == 0:
+                calls.append(1)
+            return func(*args, **(kwargs or {}))
+
+    hooks = [h for m in acts for h in (m.register_forward_pre_hook(enter), m.register_forward_hook(leave))]
+    with torch.no_grad(), Functional():
         model(**inputs)
     for h in hooks:
         h.remove()
