@@ -120,7 +120,7 @@ def load_model(directory: str | Path) -> nn.Module:
     from safetensors.torch import load_file
 
     directory = Path(directory)
-    meta = json.loads((directory / "recipe.json").read_text())
+    meta = common.read_recipe_json(directory)
     weights = directory / "model.safetensors"
     for name, rec in (meta.get("files") or {}).items():  # recorded since saves became atomic
         f = directory / name
@@ -139,11 +139,11 @@ def trained_weights(directory: str | Path, arch: str, classes: list[str]) -> dic
     """The state dict of an unlinearized model saved by this recipe, checked against ``arch`` and the
     class list (its names where ``recipe.json`` records them, else their number)."""
     num_classes = len(classes)
-    meta_path = Path(directory) / "recipe.json"
-    if not meta_path.is_file():
-        raise FileNotFoundError(f"--init-from {directory}: no recipe.json; give the OUTPUT_DIR/model folder of a "
-                                "finished run of this recipe")
-    meta = json.loads(meta_path.read_text())
+    try:
+        meta = common.read_recipe_json(directory)
+    except FileNotFoundError as e:
+        raise FileNotFoundError(f"--init-from {directory}: {e}; give the OUTPUT_DIR/model folder of a finished "
+                                "run of this recipe") from None
     if meta["linearize"] != "none":
         raise ValueError(f"--init-from {directory} holds a --linearize {meta['linearize']} model; start from an "
                          "unlinearized (--linearize none) run")

@@ -823,16 +823,51 @@ def load_checkpoint(run: Run, ckpt: Checkpoint) -> None:
 # ----------------------------------------------------------------------------- final model folder
 
 
+def read_recipe_json(directory: str | Path) -> dict:
+    """``directory/recipe.json`` of a model saved by a recipe (``OUTPUT_DIR/model``), after putting back
+    a folder an interrupted save left aside (:func:`restore_aside`); a clear error when there is none."""
+    directory = Path(directory)
+    restore_aside(directory)
+    path = directory / "recipe.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"no recipe.json in {directory}: not a model folder written by a recipe "
+                                "(OUTPUT_DIR/model, with recipe.json and model.safetensors)")
+    try:
+        meta = json.loads(path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path} is not valid JSON ({e}); the save is damaged: train again or restore it") from e
+    if not isinstance(meta, dict):
+        raise ValueError(f"{path} holds {type(meta).__name__}, not a JSON object; the save is damaged")
+    return meta
+
+
+def restore_aside(directory: str | Path) -> Path | None:
+    """Put back the folder that :func:`replaced_dir` had renamed aside when it was killed between its
+    two renames (``directory`` missing, ``.tmp-<name>-old-<pid>`` present: the newest such copy).
+    Returns the folder restored, or ``None`` when there was nothing to do."""
+    directory = Path(directory)
+    if directory.exists() or directory.is_symlink():
+        return None
+    aside = sorted(directory.parent.glob(f"{TMP_PREFIX}{directory.name}-old-*"), key=lambda p: p.stat().st_mtime)
+    if not aside:
+        return None
+    aside[-1].rename(directory)
+    fsync_path(directory.parent)
+    return directory
+
+
 @contextlib.contextmanager
 def replaced_dir(directory: str | Path):
     """Write a folder as a whole: yields a fresh temp sibling to fill; on success it replaces
     ``directory`` (old folder renamed aside, new one renamed into place, old one deleted), on any
     failure it is deleted and ``directory`` is left as it was. Readers see the old folder or the
-    complete new one (or, killed between the two renames, none: never a mix of the two)."""
+    complete new one (or, killed between the two renames, none until the next write, which puts the
+    old one back first: never a mix of the two, never a lost folder)."""
     directory = Path(directory)
     if directory.is_symlink() and directory.is_dir():  # a link to the real folder: replace that one
         directory = directory.resolve()
     directory.parent.mkdir(parents=True, exist_ok=True)
+    restore_aside(directory)
     for leftover in directory.parent.glob(f"{TMP_PREFIX}{directory.name}-*"):  # of interrupted saves
         shutil.rmtree(leftover, ignore_errors=True)
     stage = directory.with_name(f"{TMP_PREFIX}{directory.name}-{os.getpid()}")

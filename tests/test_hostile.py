@@ -496,3 +496,58 @@ def test_final_save_through_a_symlink_and_onto_a_file(tmp_path):
     with pytest.raises(OSError):
         wmt14.save_final(_Writes("model.safetensors", "w"), _Writes("tokenizer.json", "t"), blocker, args)
     assert blocker.read_text() == "not a folder" and [p.name for p in blocker.parent.iterdir()] == ["model"]
+
+
+# ----------------------------------------------------------------------------- whole-folder saves
+
+
+def test_replaced_dir_killed_between_the_renames_loses_nothing(tmp_path):
+    """A final-model save (recipes' replaced_dir) SIGKILLed after the old folder was renamed aside and
+    before the new one was renamed into place: the next load or save must find the old folder (the
+    truth: its file as first written), never delete it as a leftover."""
+    import subprocess
+    import textwrap
+
+    target = tmp_path / "model"
+    with common.replaced_dir(target) as stage:
+        (stage / "recipe.json").write_text('{"v": 1}')
+    script = textwrap.dedent(f"""
+        import os, signal, sys
+        from pathlib import Path
+        sys.path.insert(0, {str(REPO / "recipes")!r})
+        import common
+        real = Path.rename
+        def rename(self, dest):
+            if "-old-" not in self.name and self.name.startswith(common.TMP_PREFIX):
+                os.kill(os.getpid(), signal.SIGKILL)  # between the two renames
+            return real(self, dest)
+        Path.rename = rename
+        with common.replaced_dir({str(target)!r}) as stage:
+            (stage / "recipe.json").write_text('{{"v": 2}}')
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == -9, proc.stderr
+    assert not target.exists() and list(tmp_path.glob(f"{common.TMP_PREFIX}model-old-*"))
+    assert common.read_recipe_json(target) == {"v": 1}  # a load puts it back
+    assert not list(tmp_path.glob(f"{common.TMP_PREFIX}model-old-*"))
+    # a save after a kill (nothing loaded in between) keeps the old folder until the new one is complete
+    target.rename(tmp_path / f"{common.TMP_PREFIX}model-old-4242")
+    with pytest.raises(RuntimeError):
+        with common.replaced_dir(target):
+            raise RuntimeError("failed while writing the new one")
+    assert json.loads((target / "recipe.json").read_text()) == {"v": 1}
+    with common.replaced_dir(target) as stage:
+        (stage / "recipe.json").write_text('{"v": 3}')
+    assert json.loads((target / "recipe.json").read_text()) == {"v": 3}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]
+
+
+def test_read_recipe_json_names_the_folder(tmp_path):
+    with pytest.raises(FileNotFoundError, match=f"no recipe.json in {tmp_path}"):
+        common.read_recipe_json(tmp_path)
+    (tmp_path / "recipe.json").write_text("[1, 2]")
+    with pytest.raises(ValueError, match="not a JSON object"):
+        common.read_recipe_json(tmp_path)
+    (tmp_path / "recipe.json").write_bytes(b"\xff{")
+    with pytest.raises(ValueError, match="not valid JSON"):
+        common.read_recipe_json(tmp_path)
