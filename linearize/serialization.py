@@ -34,6 +34,7 @@ import hashlib
 import json
 import os
 import re
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -451,7 +452,10 @@ def from_pretrained(model: nn.Module | type, directory: str | os.PathLike, examp
     hf.unmark(model)
     model = convert(model, config, example_inputs=example_inputs)
     found = _sites(model)
+    saved_name = {s["name"]: s["name"] for s in found}
     if found != meta["sites"]:
+        saved_name = _base_model_names(model, found, meta["sites"], config.mode)
+    if saved_name is None:
         saved = {s["name"]: s for s in meta["sites"]}
         diff = [s["name"] for s in found if saved.get(s["name"]) != s] + sorted(
             set(saved) - {s["name"] for s in found}
@@ -466,6 +470,41 @@ def from_pretrained(model: nn.Module | type, directory: str | os.PathLike, examp
         return model
     with torch.no_grad():
         for name, unit in units(model):
-            unit.slope.copy_(tensors[f"{_clean(name)}.slope"])
-            unit.frozen.copy_(tensors[f"{_clean(name)}.frozen"])
+            key = saved_name.get(_clean(name))
+            if key is not None:
+                unit.slope.copy_(tensors[f"{key}.slope"])
+                unit.frozen.copy_(tensors[f"{key}.frozen"])
     return model
+
+
+def _base_model_names(model: nn.Module, found: list[dict], saved: list[dict], mode: str) -> dict[str, str] | None:
+    """``{model site: saved site}`` when the save and the model differ by a Hugging Face
+    ``base_model_prefix``, as ``transformers`` loads across head and base classes: units of a head model
+    (``transformer.h.0.mlp.act``) into its base model (``h.0.mlp.act``), or the reverse. Every model site
+    under the base must match a saved one exactly; a head's own sites keep their initial slopes (the
+    original function) and saved sites the model lacks (a pooler, another head) are ignored, both with a
+    warning, as ``transformers`` initialises a new head. ``None`` when they differ otherwise (prelu only)."""
+    prefix = getattr(model, "base_model_prefix", "") or ""
+    if mode != "prelu" or not prefix:
+        return None
+    lead = prefix + "."
+    saved_by_name = {s["name"]: s for s in saved}
+    is_head = any(s["name"].startswith(lead) for s in found)
+    names, fresh = {}, []
+    for site in found:
+        if is_head and not site["name"].startswith(lead):
+            fresh.append(site["name"])
+            continue
+        key = site["name"][len(lead):] if is_head else lead + site["name"]
+        if saved_by_name.get(key) != dict(site, name=key):
+            return None
+        names[site["name"]] = key
+    if not names:
+        return None
+    ignored = sorted(set(saved_by_name) - set(names.values()))
+    if fresh or ignored:
+        warnings.warn(f"loading the units of a {'base' if is_head else 'head'} model into {type(model).__name__}: "
+                      f"{len(fresh)} unit(s) of the model are not in the save and keep their initial slopes (the "
+                      f"original function) {fresh[:5]}; {len(ignored)} saved unit(s) are not in the model and are "
+                      f"ignored {ignored[:5]}", stacklevel=3)
+    return names

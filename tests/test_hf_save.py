@@ -76,6 +76,30 @@ def test_plain_from_pretrained_fails_instead_of_loading_another_function(tmp_pat
     assert torch.equal(_out(linearize.from_pretrained(getattr(hf, classes[0]), tmp_path), X), _out(model, X))
 
 
+def test_head_and_base_classes_load_each_others_units(tmp_path):
+    """As transformers loads a head checkpoint into its base class and the reverse: the truth is the
+    saved model's own base output (a head save into GPT2Model, then that base save into GPT2LMHeadModel),
+    and BertForMaskedLM's head activation, absent from a BertModel save, keeps the original function."""
+    head = _trained(_gpt2())
+    with torch.no_grad():
+        ref = head.transformer(input_ids=X).last_hidden_state
+    head.save_pretrained(tmp_path / "head")
+    base = linearize.from_pretrained(hf.GPT2Model, tmp_path / "head")
+    assert torch.equal(_out(base, X), ref)
+    base.save_pretrained(tmp_path / "base")
+    again = linearize.from_pretrained(hf.GPT2LMHeadModel, tmp_path / "base")
+    with torch.no_grad():
+        assert torch.equal(again.transformer(input_ids=X).last_hidden_state, ref)
+    bert = _trained(_bert())
+    bert.save_pretrained(tmp_path / "bert")
+    with pytest.warns(UserWarning, match=r"1 unit\(s\) of the model .*cls\.predictions.*1 saved unit\(s\).*pooler"):
+        mlm = linearize.from_pretrained(hf.BertForMaskedLM, tmp_path / "bert")
+    with torch.no_grad():
+        assert torch.equal(mlm.bert(input_ids=X).last_hidden_state, _out(bert, X))
+    head_unit = dict(linearize.units(mlm))["cls.predictions.transform.transform_act_fn"]
+    assert torch.equal(head_unit.slope, torch.zeros_like(head_unit.slope))  # the original GELU
+
+
 def test_plain_reload_of_an_unguarded_save_is_refused_with_the_fix(tmp_path):
     _trained(_bert()).save_pretrained(tmp_path)
     config = json.loads((tmp_path / "config.json").read_text())
