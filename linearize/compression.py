@@ -322,6 +322,15 @@ def compress(
     (:class:`CompressionReport`; conv sites count channels, MLP sites neurons). Raises
     :class:`~linearize.folding.FoldVerificationError` (a ``RuntimeError``, as :func:`linearize.fold`)
     if verification finds a difference, ``ValueError`` when nothing could be verified.
+
+    Example:
+        >>> net = nn.Sequential(nn.Linear(1, 2), nn.ReLU(), nn.Linear(2, 1)).eval()
+        >>> _ = net[0].weight.data.fill_(1.0), net[0].bias.data.copy_(torch.tensor([2.0, -2.0]))
+        >>> small = compress(net, (torch.tensor([-1.0]), torch.tensor([1.0])))  # on [-1, 1]: one ReLU on, one off
+        >>> small, small.compression_report.units_after
+        (Sequential(
+          (0): Linear(in_features=1, out_features=1, bias=True)
+        ), 0)
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"expected an nn.Module, got {type(model).__name__}")

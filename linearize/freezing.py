@@ -106,6 +106,13 @@ def freeze(
 
     Raises: ``ValueError`` for ``tol`` outside ``[0, 0.5)``, :class:`~linearize.unit.NonFiniteSlopeError`
     (naming the units) when a slope is NaN or inf: nothing is frozen then.
+
+    Example:
+        >>> model = linearize.convert(nn.Sequential(nn.Linear(2, 3), nn.ReLU()), example_inputs=torch.randn(1, 2))
+        >>> _ = model[1].slope.data.copy_(torch.tensor([1 - 1e-4, 0.5, 0.0]))
+        >>> summary = linearize.freeze(model, tol=1e-3)  # a >= 1 - tol: exactly 1, frozen
+        >>> model[1].slope.tolist(), model[1].frozen.tolist()  # NaN: free
+        ([1.0, 0.5, 0.0], [1.0, nan, nan])
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"expected an nn.Module, got {type(model).__name__}")

@@ -134,6 +134,17 @@ def save_pretrained(model: nn.Module, directory: str | os.PathLike) -> Path:
 
     Raises ``ValueError`` for a model that was never converted, or whose units hold a state that
     would not load back (a slope outside ``[0, 1]`` or not finite, a frozen channel off its value).
+
+    Example:
+        >>> import tempfile
+        >>> model, fresh = nn.Sequential(nn.Linear(4, 8), nn.ReLU()), nn.Sequential(nn.Linear(4, 8), nn.ReLU())
+        >>> _ = fresh.load_state_dict(model.state_dict())  # the base weights: your own checkpoint
+        >>> _ = linearize.convert(model, example_inputs=torch.randn(1, 4))[1].slope.data.fill_(0.5)
+        >>> with tempfile.TemporaryDirectory() as directory:
+        ...     _ = linearize.save_pretrained(model, directory)
+        ...     loaded = linearize.from_pretrained(fresh, directory, example_inputs=torch.randn(1, 4))
+        >>> x = torch.randn(3, 4); torch.equal(loaded(x), model(x)) and loaded is fresh
+        True
     """
     model = unwrap_model(model)
     config = getattr(model, "linearize_config", None)

@@ -152,6 +152,16 @@ class Sparsifier:
 
         sp = Sparsifier(model, schedules.target(0.25, start=0.1, end=0.8), total_steps=2000)
         sp.attach(torch.optim.AdamW(param_groups(model), lr=2e-5))   # rate = 1/1400 per step
+
+    Example:
+        >>> model = linearize.convert(nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1)))
+        >>> opt = torch.optim.SGD(linearize.param_groups(model), lr=0.01)
+        >>> sp = linearize.Sparsifier(model, linearize.schedules.target(0.25, start=0.0, end=1.0), total_steps=20)
+        >>> _ = sp.attach(opt)
+        >>> for _ in range(20):
+        ...     opt.zero_grad(); model(torch.randn(16, 4)).square().mean().backward(); opt.step()
+        >>> linearize.nonlinear_fraction(model)  # 6 of the 8 channels exactly linear
+        0.25
     """
 
     def __init__(

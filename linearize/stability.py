@@ -477,6 +477,13 @@ def stable_units(
 
     Returns: a :class:`StabilityResult` (``.sites[name].active/.inactive/.lower/.upper``,
     ``.counts``, ``.output_lower/.output_upper`` for boxes).
+
+    Example:
+        >>> net = nn.Sequential(nn.Linear(1, 2), nn.ReLU(), nn.Linear(2, 1)).eval()
+        >>> _ = net[0].weight.data.fill_(1.0), net[0].bias.data.copy_(torch.tensor([2.0, -2.0]))
+        >>> site = stable_units(net, (torch.tensor([-1.0]), torch.tensor([1.0]))).sites["1"]
+        >>> site.active.tolist(), site.inactive.tolist()  # on [-1, 1]: x + 2 > 0 and x - 2 < 0
+        ([True, False], [False, True])
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"expected an nn.Module, got {type(model).__name__}")

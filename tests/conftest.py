@@ -2,8 +2,31 @@
 
 from __future__ import annotations
 
+import random
+
+import numpy as np
 import pytest
 import torch
+
+THREADS = min(2, torch.get_num_threads())  # the suite's results must not depend on the machine's core count
+
+
+@pytest.fixture(scope="session", autouse=True)
+def fixed_threads():
+    """At most two intra-op threads for the whole session (modules may ask for one, below)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(THREADS)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(autouse=True)
+def seeded():
+    """Every test starts from the same random state (torch, random, numpy), whatever ran before it, so
+    tests pass alone and in any order; tests that need other draws seed their own generators."""
+    torch.manual_seed(0)
+    random.seed(0)
+    np.random.seed(0)
 
 
 @pytest.fixture(scope="module")

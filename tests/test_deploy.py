@@ -11,6 +11,7 @@ from torch import nn
 
 import linearize
 from linearize import LoadError
+from zoo import tiny_bert
 
 
 def _half_linear(model: nn.Module, x) -> nn.Module:
@@ -24,11 +25,9 @@ def _half_linear(model: nn.Module, x) -> nn.Module:
 
 
 def _bert():
-    hf = pytest.importorskip("transformers")
-    cfg = hf.BertConfig(vocab_size=60, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
-                        intermediate_size=32, max_position_embeddings=32)
+    pytest.importorskip("transformers")
     x = {"input_ids": torch.randint(0, 60, (2, 9), generator=torch.Generator().manual_seed(1))}
-    return _half_linear(hf.BertModel(cfg), x), x
+    return _half_linear(tiny_bert(), x), x
 
 
 class Net(nn.Module):

@@ -19,19 +19,7 @@ from linearize.folding import (
     count_flops,
 )
 from linearize.unit import LinearizableActivation as LA
-
-
-def _randomize_bn(model: nn.Module) -> nn.Module:
-    """Non-trivial eval statistics so a wrong BN fold cannot pass."""
-    g = torch.Generator().manual_seed(1)
-    for m in model.modules():
-        if isinstance(m, nn.modules.batchnorm._BatchNorm):
-            n = m.num_features
-            m.running_mean.copy_(torch.randn(n, generator=g) * 0.2)
-            m.running_var.copy_(torch.rand(n, generator=g) + 0.5)
-            m.weight.data.copy_(torch.rand(n, generator=g) + 0.5)
-            m.bias.data.copy_(torch.randn(n, generator=g) * 0.2)
-    return model
+from zoo import randomize_batchnorm
 
 
 def _set_linear(model: nn.Module, fraction: float, rest: float = 0.3, seed: int = 0) -> None:
@@ -73,7 +61,7 @@ def _no_units(model: nn.Module) -> None:
 def test_linear_linear_merge_and_bn_fold_match_hand_algebra():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(5, 7), nn.BatchNorm1d(7), LA("relu", 7, -1), nn.Linear(7, 3))
-    _randomize_bn(model).eval()
+    randomize_batchnorm(model).eval()
     with torch.no_grad():
         model[2].slope.fill_(1.0)
     x = torch.randn(16, 5)
@@ -251,7 +239,7 @@ def test_depthwise_pointwise_chain_merges_to_cheaper_dense_conv():
     # 1x1 expand (4->16), depthwise 3x3, 1x1 project (16->4): 9*4*4 per pixel beats 64+144+64
     model = nn.Sequential(nn.Conv2d(4, 16, 1), nn.BatchNorm2d(16), unit, nn.Conv2d(16, 16, 3, padding=1, groups=16),
                           nn.BatchNorm2d(16), nn.Conv2d(16, 4, 1), nn.BatchNorm2d(4))
-    _randomize_bn(model).eval()
+    randomize_batchnorm(model).eval()
     x = torch.randn(2, 4, 10, 10)
     folded = linearize.fold(model, x, latency=False)
     assert len(folded) == 1 and isinstance(folded[0], BorderBiasConv)
@@ -269,7 +257,7 @@ def test_torchvision_bottleneck_and_basicblock_with_convert():
     down = nn.Sequential(nn.Conv2d(8, 16, 1, stride=2, bias=False), nn.BatchNorm2d(16))
     for block, expect_merge in [(Bottleneck(16, 4), True), (Bottleneck(8, 4, stride=2, downsample=down), True),
                                 (BasicBlock(8, 8), False)]:  # BasicBlock: objective="depth" in test_fold_border.py
-        block = _randomize_bn(block).eval().double()
+        block = randomize_batchnorm(block).eval().double()
         x = torch.randn(2, block.conv1.in_channels, 9, 9, dtype=torch.float64)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -289,7 +277,7 @@ def test_mobilenet_v2_inverted_residuals_fold_with_skip():
     from torchvision.models.mobilenetv2 import InvertedResidual
 
     torch.manual_seed(0)
-    model = _randomize_bn(mobilenet_v2(width_mult=0.25, num_classes=10)).eval()
+    model = randomize_batchnorm(mobilenet_v2(width_mult=0.25, num_classes=10)).eval()
     x = torch.randn(1, 3, 32, 32)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -307,7 +295,7 @@ def test_mobilenet_v2_inverted_residuals_fold_with_skip():
 def test_resnet18_half_linear_with_convert_is_exact():
     from torchvision.models import resnet18
 
-    model = _randomize_bn(resnet18(num_classes=10)).eval()
+    model = randomize_batchnorm(resnet18(num_classes=10)).eval()
     x = torch.randn(1, 3, 16, 16)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -420,7 +408,7 @@ def test_latency_is_measured_and_summary_prints():
 
 
 def test_never_converted_model_folds_bn_and_says_so():
-    model = _randomize_bn(nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU())).eval()
+    model = randomize_batchnorm(nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU())).eval()
     x = torch.randn(1, 3, 6, 6)
     with pytest.warns(UserWarning, match="never converted"):
         folded = linearize.fold(model, x, latency=False)

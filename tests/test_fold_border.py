@@ -16,7 +16,7 @@ from torch import nn
 import linearize
 from linearize.folding import BorderExactConv, FoldVerificationError, count_flops
 from linearize.folding.conv import _border_flops, _ConvDesc
-from test_fold import _randomize_bn  # tests/ is on sys.path under pytest
+from zoo import randomize_batchnorm  # tests/ is on sys.path under pytest
 
 CONV = {1: nn.Conv1d, 2: nn.Conv2d, 3: nn.Conv3d}
 
@@ -196,7 +196,7 @@ def test_basic_block_becomes_one_border_exact_conv_with_the_skip_in_its_centre_t
     torch.manual_seed(0)
     down = nn.Sequential(nn.Conv2d(8, 16, 1, stride=2, bias=False), nn.BatchNorm2d(16)) if downsample else None
     block = BasicBlock(8, 16 if downsample else 8, stride=2 if downsample else 1, downsample=down)
-    block = _randomize_bn(block).eval().double()
+    block = randomize_batchnorm(block).eval().double()
     x = torch.randn(3, 8, 8, 7, dtype=torch.float64)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -222,7 +222,7 @@ def test_resnet18_depth_objective_cuts_sequential_convs_exactly():
     from torchvision.models import resnet18
 
     torch.manual_seed(0)
-    model = _randomize_bn(resnet18(weights=None, num_classes=10)).eval().double()
+    model = randomize_batchnorm(resnet18(weights=None, num_classes=10)).eval().double()
     x = torch.randn(3, 3, 64, 64, dtype=torch.float64)  # stage maps 16, 8, 4, 2
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

@@ -12,6 +12,7 @@ from torch import nn
 
 import linearize
 from linearize.functional_sites import FunctionalSiteError, FunctionalSites
+from zoo import randomize_batchnorm
 
 W = 6  # width of every layer of AllCalls
 
@@ -88,15 +89,6 @@ class CifarNet(nn.Module):
         return self.fc(F.adaptive_avg_pool2d(out, 1).flatten(1))
 
 
-def _randomize_bn(model):
-    for m in model.modules():
-        if isinstance(m, nn.BatchNorm2d):
-            m.running_mean.uniform_(-0.5, 0.5)
-            m.running_var.uniform_(0.5, 2.0)
-            m.weight.data.uniform_(0.5, 1.5)
-            m.bias.data.uniform_(-0.5, 0.5)
-
-
 def _convert(model, x, **kw):
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no "cannot be swapped" warning: every call converts
@@ -136,7 +128,7 @@ def test_every_form_gets_its_own_unit_exact_at_init_and_linear_at_slope_one():
 
 def test_each_unit_keeps_its_own_slopes_and_the_probe_widths():
     model = CifarNet().eval()
-    _randomize_bn(model)
+    randomize_batchnorm(model)
     x = torch.randn(2, 3, 16, 16)
     _convert(model, x)
     found = dict(linearize.units(model))
@@ -154,7 +146,7 @@ def test_each_unit_keeps_its_own_slopes_and_the_probe_widths():
 def test_cifar_block_exact_at_init_and_linear_at_slope_one():
     torch.manual_seed(0)
     block = CifarBlock().double().eval()
-    _randomize_bn(block)
+    randomize_batchnorm(block)
     x = torch.randn(2, 4, 8, 8, dtype=torch.float64)
     with torch.no_grad():
         ref = block(x)
@@ -183,7 +175,7 @@ def test_save_load_round_trip_in_a_fresh_model(tmp_path):
     torch.manual_seed(0)
     x = torch.randn(2, 3, 16, 16)
     model = CifarNet().eval()
-    _randomize_bn(model)
+    randomize_batchnorm(model)
     fresh = copy.deepcopy(model)
     _convert(model, x)
     _set_slopes(model)
@@ -220,7 +212,7 @@ def test_deepcopy_is_independent():
 def test_freeze_and_fold_replace_functional_units():
     torch.manual_seed(0)
     model = CifarNet().eval()
-    _randomize_bn(model)
+    randomize_batchnorm(model)
     x = torch.randn(4, 3, 16, 16)
     _convert(model, x)
     _set_slopes(model)

@@ -14,19 +14,10 @@ import torch
 
 import linearize
 from linearize import LoadError
+from zoo import tiny_bert, tiny_gpt2
 
 hf = pytest.importorskip("transformers")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "recipes"))
-
-
-def _bert() -> torch.nn.Module:
-    cfg = hf.BertConfig(vocab_size=60, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
-                        intermediate_size=32, max_position_embeddings=32)
-    return hf.BertModel(cfg)
-
-
-def _gpt2() -> torch.nn.Module:
-    return hf.GPT2LMHeadModel(hf.GPT2Config(vocab_size=60, n_embd=16, n_layer=2, n_head=2, n_positions=32))
 
 
 def _trained(model: torch.nn.Module) -> torch.nn.Module:
@@ -49,7 +40,7 @@ def _out(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
 X = torch.randint(0, 60, (2, 9), generator=torch.Generator().manual_seed(1))
 
 
-@pytest.mark.parametrize("build,auto", [(_bert, "AutoModel"), (_gpt2, "AutoModelForCausalLM")])
+@pytest.mark.parametrize("build,auto", [(tiny_bert, "AutoModel"), (tiny_gpt2, "AutoModelForCausalLM")])
 def test_save_pretrained_reloads_identically(tmp_path, capfd, build, auto):
     model = _trained(build())
     ref = _out(model, X)
@@ -62,8 +53,8 @@ def test_save_pretrained_reloads_identically(tmp_path, capfd, build, auto):
     assert "UNEXPECTED" not in "".join(capfd.readouterr())  # a correct load prints no warning table
 
 
-@pytest.mark.parametrize("build,classes", [(_bert, ("AutoModel", "BertModel", "BertForMaskedLM")),
-                                           (_gpt2, ("AutoModelForCausalLM", "GPT2LMHeadModel", "GPT2Model"))])
+@pytest.mark.parametrize("build,classes", [(tiny_bert, ("AutoModel", "BertModel", "BertForMaskedLM")),
+                                           (tiny_gpt2, ("AutoModelForCausalLM", "GPT2LMHeadModel", "GPT2Model"))])
 def test_plain_from_pretrained_fails_instead_of_loading_another_function(tmp_path, build, classes):
     model = _trained(build())
     model.save_pretrained(tmp_path)
@@ -101,7 +92,7 @@ def test_head_and_base_classes_load_each_others_units(tmp_path):
 
 
 def test_plain_reload_of_an_unguarded_save_is_refused_with_the_fix(tmp_path):
-    _trained(_bert()).save_pretrained(tmp_path)
+    _trained(tiny_bert()).save_pretrained(tmp_path)
     config = json.loads((tmp_path / "config.json").read_text())
     del config["quantization_config"]  # a save made before the load guard existed
     (tmp_path / "config.json").write_text(json.dumps(config))
@@ -111,14 +102,14 @@ def test_plain_reload_of_an_unguarded_save_is_refused_with_the_fix(tmp_path):
 
 
 def test_really_quantized_config_is_kept(tmp_path):
-    model = _bert()
+    model = tiny_bert()
     model.config.quantization_config = {"quant_method": "bitsandbytes", "load_in_8bit": True}
     _trained(model)
     assert model.config.quantization_config == {"quant_method": "bitsandbytes", "load_in_8bit": True}
 
 
 def test_stale_sidecar_is_refused(tmp_path):
-    model = _trained(_bert())
+    model = _trained(tiny_bert())
     linearize.save_pretrained(model, tmp_path)
     with torch.no_grad():
         linearize.units(model)[0][1].slope.mul_(0.5)
@@ -128,7 +119,7 @@ def test_stale_sidecar_is_refused(tmp_path):
 
 
 def test_damaged_units_in_hf_weights_are_refused(tmp_path):
-    model = _trained(_bert())
+    model = _trained(tiny_bert())
     model.save_pretrained(tmp_path)
     path = tmp_path / "model.safetensors"
     state = safetensors.torch.load_file(path)
@@ -202,7 +193,7 @@ def test_wmt14_load_model_returns_the_model(tmp_path, capfd):
 def test_command_line_loader_restores_a_converted_save(tmp_path):
     from linearize.models import load_model
 
-    model = _trained(_bert())
+    model = _trained(tiny_bert())
     model.save_pretrained(tmp_path)
     loaded = load_model(tmp_path)  # what `linearize report DIR` and `linearize inspect DIR` load
     assert linearize.units(loaded) and torch.equal(_out(loaded, X), _out(model, X))
@@ -226,7 +217,7 @@ def test_sub_models_of_a_composite_model_are_guarded(tmp_path):
 
 
 def test_load_keeps_the_callers_config_and_passes_config_kwargs(tmp_path):
-    model = _trained(_bert())
+    model = _trained(tiny_bert())
     model.save_pretrained(tmp_path)
     linearize.from_pretrained(hf.BertModel, tmp_path, config=model.config)
     assert "linearize.from_pretrained" in str(model.config.quantization_config)  # not lifted from the caller's
@@ -236,7 +227,7 @@ def test_load_keeps_the_callers_config_and_passes_config_kwargs(tmp_path):
 
 
 def test_folded_and_gated_models_are_guarded(tmp_path):
-    model = _trained(_bert())
+    model = _trained(tiny_bert())
     folded = linearize.fold(model, {"input_ids": X})
     assert not hasattr(folded.config, "linearize")  # no units left: no manifest
     folded.save_pretrained(tmp_path / "folded")

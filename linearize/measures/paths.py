@@ -335,6 +335,14 @@ def average_path_length(
 
     Returns:
         The APL in units (0 when every unit is linear), or a :class:`PathLengthResult`.
+
+    Example:
+        >>> mlp = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+        >>> model = linearize.convert(mlp, example_inputs=torch.randn(2, 4))
+        >>> before = average_path_length(model, torch.randn(2, 4))  # every path meets 2 nonlinear units
+        >>> _ = model[1].slope.data.fill_(1.0)  # the first site becomes linear
+        >>> before, average_path_length(model, torch.randn(2, 4))
+        (2.0, 1.0)
     """
     if method not in ("auto", "fx", "record"):
         raise ValueError(f"method must be 'auto', 'fx' or 'record', got {method!r}")
