@@ -71,7 +71,7 @@ def test_head_and_base_classes_load_each_others_units(tmp_path):
     """As transformers loads a head checkpoint into its base class and the reverse: the truth is the
     saved model's own base output (a head save into GPT2Model, then that base save into GPT2LMHeadModel),
     and BertForMaskedLM's head activation, absent from a BertModel save, keeps the original function."""
-    head = _trained(_gpt2())
+    head = _trained(tiny_gpt2())
     with torch.no_grad():
         ref = head.transformer(input_ids=X).last_hidden_state
     head.save_pretrained(tmp_path / "head")
@@ -81,7 +81,7 @@ def test_head_and_base_classes_load_each_others_units(tmp_path):
     again = linearize.from_pretrained(hf.GPT2LMHeadModel, tmp_path / "base")
     with torch.no_grad():
         assert torch.equal(again.transformer(input_ids=X).last_hidden_state, ref)
-    bert = _trained(_bert())
+    bert = _trained(tiny_bert())
     bert.save_pretrained(tmp_path / "bert")
     with pytest.warns(UserWarning, match=r"1 unit\(s\) of the model .*cls\.predictions.*1 saved unit\(s\).*pooler"):
         mlm = linearize.from_pretrained(hf.BertForMaskedLM, tmp_path / "bert")
