@@ -135,12 +135,7 @@ def _flags(model: nn.Module) -> dict[str, bool]:
     return {n: m.training for n, m in model.named_modules()}
 
 
-APL_GPT2 = ("average_path_length cannot follow GPT-2's input: its provenance tags only floating-point "
-            "results, and GPT-2 reshapes the integer input_ids (input_ids.view) before the embedding")
-
-
-@pytest.mark.parametrize("mode, name", [p if p.id != "prelu-gpt2" else pytest.param(
-    *p.values, id=p.id, marks=pytest.mark.xfail(strict=True, raises=ValueError, reason=APL_GPT2)) for p in _matrix()])
+@pytest.mark.parametrize("mode, name", _matrix())
 def test_training_flags_are_kept(mode, name):
     """A model in train mode with one module (a BatchNorm where there is one) in eval mode keeps every
     flag through convert, average_path_length and report."""

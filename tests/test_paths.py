@@ -231,3 +231,30 @@ def test_errors() -> None:
         average_path_length(SkipAround(), "x")
     with pytest.raises(KeyError, match="sources"):
         average_path_length(SkipAround(), {"x": torch.randn(2, 4)}, sources=["y"])
+
+
+def test_gpt2_reshaped_token_ids_start_paths() -> None:
+    """GPT-2 reshapes its integer input_ids (``view``) before the embedding: the path still starts at
+    them. Truth by hand: every block is h + attn(h) (no unit: a merge of two equal branches) then
+    h + mlp(h) (one unit of width W), so normalized APL = layers / 2 and unnormalized
+    layers * W / (W + 1), as for BERT; a mask computed from the ids (``ne``) starts no path."""
+    transformers = pytest.importorskip("transformers")
+    layers, width = 2, 64
+    model = transformers.GPT2Model(transformers.GPT2Config(vocab_size=50, n_embd=16, n_layer=layers, n_head=2,
+                                                           n_positions=32)).eval()
+    linearize.convert(model)
+    res = average_path_length(model, {"input_ids": torch.randint(0, 50, (2, 8))}, detailed=True)
+    assert res.method == "record" and res.merges == 2 * layers
+    assert res.normalized == pytest.approx(layers / 2)
+    assert res.unnormalized == pytest.approx(layers * width / (width + 1))
+
+    class MaskOnly(nn.Module):  # the ids only shape a mask: no path from the input reaches the output
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb, self.act = nn.Embedding(50, 4), linearize.LinearizableActivation("relu", 4, -1)
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            return self.act(self.emb.weight.sum(0) * ids.ne(0).unsqueeze(-1).float())
+
+    with pytest.raises(ValueError, match="derives from the source"):
+        average_path_length(MaskOnly(), torch.randint(1, 50, (2, 3)), method="record")

@@ -24,7 +24,8 @@ How the graph is obtained (``method``):
 * ``"fx"``: ``torch.fx`` symbolic tracing with every unit as a leaf (torchvision CNNs, plain
   ``nn.Module`` code). Needs no forward pass.
 * ``"record"``: one real forward pass on ``example_inputs`` under a ``TorchFunctionMode`` that
-  tags every floating-point tensor with the graph node it derives from (tensor provenance),
+  tags every floating-point tensor (and integer tensors only moved by layout ops: token ids
+  reshaped before an embedding) with the graph node it derives from (tensor provenance),
   plus forward hooks that turn each unit call into a unit node. Works for models that do not
   trace (Hugging Face Transformers with data-dependent control flow).
 * ``"auto"`` (default): ``"fx"`` when tracing succeeds and reaches every unit, else ``"record"``.
@@ -148,6 +149,14 @@ _VALUE_FREE = {
     torch.Tensor.new_empty, torch.Tensor.new_full, torch.Tensor.new_tensor,
 }
 
+# ops that move values without computing new ones: their integer results (token ids reshaped before an
+# embedding, as GPT-2 does) keep the input's node; other integer results (masks, argmax) are constants
+_LAYOUT_OPS = {
+    "view", "view_as", "reshape", "reshape_as", "flatten", "unflatten", "unsqueeze", "squeeze", "permute",
+    "transpose", "t", "contiguous", "clone", "detach", "expand", "expand_as", "repeat", "narrow", "select",
+    "__getitem__", "to", "cat", "stack", "split", "chunk", "unbind",
+}
+
 
 # ----------------------------------------------------------------------------- inputs and outputs
 
@@ -212,8 +221,9 @@ class _ProvenanceMode(TorchFunctionMode):
             node = self.graph.combine(parents, func in _ADD_TARGETS)
             if func is torch.Tensor.__setitem__:  # x[i] = y writes into x and returns None
                 out = args[0]
+            layout = getattr(func, "__name__", "") in _LAYOUT_OPS
             for t in tree_leaves(out):
-                if isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex()):
+                if isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex() or layout):
                     self.tags[t] = node
         return out
 
