@@ -274,6 +274,7 @@ def report(
             except SkipMeasure as err:
                 reason = str(err)
         if reason is not None:
+            rep[step] = None  # a key in report.json for every measure, like the built-in fields
             rep.skipped[step] = reason
     return rep
 
