@@ -122,8 +122,8 @@ class Report:
         images = self.plots() if images is None else images
         parts = [f"<h1>linearize report: {html.escape(self.model)}</h1>",
                  f"<p>{self.num_samples} samples; a channel is linear when its slope a &ge; 1 &minus; {self.tol:g}.</p>"]
-        unregistered = {name: Measure(compute=_not_registered) for name in self.custom if name not in MEASURES}
-        for name, measure in {**MEASURES, **unregistered}.items():
+        for name in [*MEASURES, *(n for n in self.custom if n not in MEASURES)]:
+            measure = MEASURES.get(name, _UNREGISTERED)
             if name in self.skipped:
                 if not measure.skipped_section:
                     continue
@@ -161,8 +161,8 @@ def _empty(value: Any) -> bool:
     return isinstance(value, (list, tuple, dict)) and not value
 
 
-def _not_registered(ctx: MeasureContext) -> None:
-    raise SkipMeasure("not registered")
+# how the page shows the value of a measure unregistered since the report was made: as JSON
+_UNREGISTERED = Measure(compute=lambda ctx: None)
 
 
 def report(

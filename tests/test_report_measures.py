@@ -63,6 +63,9 @@ def test_a_registered_measure_is_in_the_json_the_html_and_its_plot(registry, tmp
     page = written["report.html"].read_text()
     assert "<h2>Mean output</h2>" in page and '&quot;samples&quot;: 20' in page and 'title="mean_output.png"' in page
     assert page.index("<h2>Nonlinear units</h2>") < page.index("<h2>Mean output</h2>")  # registry order
+    registry.pop("mean_output")  # unregistered later: the report's page still shows its value, as JSON
+    assert "<h2>mean_output</h2>\n<pre>{" in rep.to_html({})
+    registry["mean_output"] = Measure(mean_output, title="Mean output")
     # a report without it (skipped on request) names it as skipped, in the JSON and the page
     rep = linearize.report(model, x, skip=FAST + ["mean_output"], progress=False)
     assert rep["mean_output"] is None and rep.skipped["mean_output"] == "skipped on request"
