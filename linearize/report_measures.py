@@ -55,8 +55,8 @@ PLOTS = {
     "regions": "regions_ecdf.png",
     "gates": "gate_statistics.png",
 }
-# names a measure cannot take: the report's other fields, its files and its first step
-RESERVED = ("finite", "model", "num_samples", "tol", "excluded", "skipped", "custom", "report")
+# names a measure cannot take: the report's other fields and its first step (the NaN/inf check)
+RESERVED = ("finite", "model", "num_samples", "tol", "excluded", "skipped", "custom")
 
 
 class SkipMeasure(Exception):

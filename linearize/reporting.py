@@ -93,6 +93,7 @@ class Report:
         return self.custom.get(name)
 
     def __setitem__(self, name: str, value: Any) -> None:
+        """Set the value of measure ``name`` (a field when built in, else in ``custom``)."""
         if name in _FIELDS:
             setattr(self, name, value)
         else:
@@ -181,7 +182,7 @@ def report(
     max_regions: int | None = REGIONS_MAX_REGIONS,
     regions_seconds: float | None = REGIONS_SECONDS,
 ) -> Report:
-    """Measure where the nonlinearity of ``model`` sits, on ``data``.
+    """Measure where the nonlinearity of ``model`` sits, on ``data``: every measure of ``MEASURES``, in order.
 
     Args:
         model: a model converted by :func:`linearize.convert` (or a gated network from
@@ -201,8 +202,9 @@ def report(
         batch_size: forward batch size (at least 1).
         sources: inputs that start paths for the average path length (see
             :func:`~linearize.measures.average_path_length`).
-        skip: measures not to run, from ``MEASURES`` (``"affinity"`` costs the most: an exact
-            assignment of up to ``max_samples`` points per site).
+        skip: measures not to run, names of ``MEASURES`` (the built-in ones and those added with
+            :func:`register_measure`; ``"affinity"`` costs the most: an exact assignment of up to
+            ``max_samples`` points per site).
         progress: tqdm progress bars.
         max_regions, regions_seconds: budget of the linear regions: at most ``max_regions`` per
             segment, and ``regions_seconds`` of wall-clock time for all segments (``None``: no

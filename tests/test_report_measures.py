@@ -3,6 +3,7 @@ report.json, report.html, its plot file and the command line; names are checked.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -13,7 +14,7 @@ import linearize
 from linearize import reporting
 import linearize.cli
 from linearize.cli import build_parser
-from linearize.report_measures import Measure, SkipMeasure
+from linearize.report_measures import RESERVED, Measure, SkipMeasure
 
 PNG = b"\x89PNG\r\n\x1a\nnot-really-an-image"
 BUILT_IN = ["units", "path_length", "affinity", "regions", "history", "gates"]
@@ -41,6 +42,8 @@ def _model() -> nn.Module:
 def test_built_in_measures_keep_their_names_and_order():
     assert list(reporting.MEASURES) == BUILT_IN
     assert linearize.register_measure is reporting.register_measure
+    fields = {f.name for f in dataclasses.fields(reporting.Report)}
+    assert set(RESERVED) == fields - set(BUILT_IN) | {"finite"}  # every other field of the report is refused
 
 
 def test_a_registered_measure_is_in_the_json_the_html_and_its_plot(registry, tmp_path):
