@@ -45,6 +45,7 @@ _EXPORTS = {
     "compress": "compression",
     # report
     "report": "reporting",
+    "register_measure": "reporting",
     "compare": "comparison",
 }
 _SUBMODULES = {"schedules", "integrations", "measures", "gated"}

@@ -13,14 +13,14 @@ with a ``metrics.json``. Read from it, never by unpickling:
   safetensors, read with :func:`linearize.serialization.load_unit_tensors`): per-site nonlinear
   fractions from the slopes (a channel is linear when ``a >= 1 - tol``, ``tol`` from the run's args).
 
-The page is self-contained (plots as PNG data URIs), with the helpers of :mod:`linearize.reporting`.
+The page is self-contained (plots as PNG data URIs), with the helpers of :mod:`linearize.plots` and
+:mod:`linearize.html_pages`.
 ``linearize report --compare RUN_A RUN_B ... --out compare.html`` on the command line.
 """
 
 from __future__ import annotations
 
 import argparse
-import base64
 import html
 import json
 import math
@@ -29,7 +29,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from . import reporting as R
+from .html_pages import img, page, table
+from .plots import figure, png, site_axis
 
 __all__ = ["RunSummary", "compare", "load_run", "main"]
 
@@ -148,11 +149,6 @@ def _cell(v: Any) -> Any:
     return v
 
 
-def _uri_img(png: bytes, alt: str) -> str:
-    data = base64.b64encode(png).decode("ascii")
-    return f'<img src="data:image/png;base64,{data}" alt="{html.escape(alt)}">'
-
-
 def _site_order(runs: Sequence[RunSummary], attr: str) -> list[str]:
     """Sites in forward order: the first run's order, then sites only later runs have."""
     order: list[str] = []
@@ -165,36 +161,36 @@ def _site_order(runs: Sequence[RunSummary], attr: str) -> list[str]:
 
 def _plot_sites(runs: Sequence[RunSummary], sites: list[str]) -> bytes:
     """Grouped bars: per-site nonlinear fraction, one colour per run."""
-    fig = R._figure(max(7.0, 0.25 * len(sites) * max(1, len(runs)) ** 0.5 + 3), 4.5)
+    fig = figure(max(7.0, 0.25 * len(sites) * max(1, len(runs)) ** 0.5 + 3), 4.5)
     ax = fig.add_subplot()
     width = 0.8 / len(runs)
     for i, run in enumerate(runs):
         xs = [k + (i - (len(runs) - 1) / 2) * width for k in range(len(sites))]
         ax.bar(xs, [run.sites.get(s, float("nan")) for s in sites], width, label=run.name)
-    R._site_axis(ax, sites)
+    site_axis(ax, sites)
     ax.set_ylim(0, 1.05)
     ax.set_ylabel("nonlinear fraction of channels")
     ax.set_title("Nonlinear units per site")
     ax.legend(fontsize=8)
-    return R._png(fig)
+    return png(fig)
 
 
 def _plot_affinity(runs: Sequence[RunSummary], sites: list[str]) -> bytes:
     """Affinity signatures along depth, one line per run."""
-    fig = R._figure(max(7.0, 0.3 * len(sites) + 2), 4.5)
+    fig = figure(max(7.0, 0.3 * len(sites) + 2), 4.5)
     ax = fig.add_subplot()
     low = 1.0
     for run in runs:
         score = dict((s, v) for s, v in run.affinity)
         ax.plot(range(len(sites)), [score.get(s, float("nan")) for s in sites], marker="o", label=run.name)
         low = min([low, *score.values()])
-    R._site_axis(ax, sites)
+    site_axis(ax, sites)
     ax.set_ylim(min(0.5, low - 0.05), 1.02)
     ax.set_ylabel("affinity score (1 = affine)")
     ax.set_title("Non-linearity signature along depth")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    return R._png(fig)
+    return png(fig)
 
 
 def _html(runs: Sequence[RunSummary]) -> str:
@@ -204,36 +200,34 @@ def _html(runs: Sequence[RunSummary]) -> str:
     parts = [f"<h1>linearize: {len(runs)} runs compared</h1>",
              "<p>" + "; ".join(f"<b>{html.escape(r.name)}</b>: {html.escape(str(r.path))}" for r in runs) + "</p>",
              "<h2>Accuracy, nonlinearity and cost (metrics.json)</h2>",
-             R._table(["run"] + [label for label, _ in cols], [[n] + [vals[i] for _, vals in cols]
+             table(["run"] + [label for label, _ in cols], [[n] + [vals[i] for _, vals in cols]
                                                                 for i, n in enumerate(names)])]
     with_sites = [r for r in runs if r.sites]
     parts.append("<h2>Nonlinear units per site</h2>")
     if with_sites:
         sites = _site_order(with_sites, "sites")
-        parts.append(_uri_img(_plot_sites(with_sites, sites), "nonlinear fraction per site"))
+        parts.append(img(_plot_sites(with_sites, sites), "nonlinear fraction per site"))
         parts.append("<p>From " + "; ".join(f"{html.escape(r.name)}: {html.escape(r.sites_from)}"
                                             for r in with_sites) + ".</p>")
-        parts.append(R._table(["site"] + [r.name for r in with_sites],
+        parts.append(table(["site"] + [r.name for r in with_sites],
                               [[s] + [_cell(r.sites.get(s)) for r in with_sites] for s in sites]))
     parts += _skips(runs, "units")
     with_aff = [r for r in runs if r.affinity]
     parts.append("<h2>Non-linearity signature (affinity score)</h2>")
     if with_aff:
         sites = _site_order(with_aff, "affinity")
-        parts.append(_uri_img(_plot_affinity(with_aff, sites), "affinity signatures"))
+        parts.append(img(_plot_affinity(with_aff, sites), "affinity signatures"))
         scores = [dict((s, v) for s, v in r.affinity) for r in with_aff]
-        parts.append(R._table(["site"] + [r.name for r in with_aff],
+        parts.append(table(["site"] + [r.name for r in with_aff],
                               [[s] + [_cell(sc.get(s)) for sc in scores] for s in sites]))
     parts += _skips(runs, "affinity")
     with_apl = [r for r in runs if r.path_length]
     if with_apl:
         parts.append("<h2>Average path length (report.json)</h2>")
-        parts.append(R._table(["run", "normalized APL", "unnormalized APL", "log10 paths"],
+        parts.append(table(["run", "normalized APL", "unnormalized APL", "log10 paths"],
                               [[r.name, r.path_length.get("normalized"), r.path_length.get("unnormalized"),
                                 r.path_length.get("log10_paths")] for r in with_apl]))
-    return (f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>linearize: '
-            f"{html.escape(', '.join(names))}</title><style>{R._CSS}</style></head>\n<body>\n"
-            + "\n".join(parts) + f"\n<script>{R._SCRIPT}</script>\n</body></html>\n")
+    return page(f"linearize: {', '.join(names)}", parts)
 
 
 def _skips(runs: Sequence[RunSummary], what: str) -> list[str]:

@@ -66,7 +66,7 @@ def _run_hidden(hidden: set[str], code: str) -> subprocess.CompletedProcess:
 @pytest.mark.parametrize("hidden, code, package, extra", [
     ({"transformers"}, "import linearize.integrations", "transformers", "hf"),
     ({"scipy"}, "import linearize; linearize.measures.affinity_score", "scipy", "report"),
-    ({"matplotlib"}, "from linearize import reporting; reporting._figure(2)", "matplotlib", "report"),
+    ({"matplotlib"}, "from linearize import plots; plots.figure(2)", "matplotlib", "report"),
 ])
 def test_a_missing_extra_names_the_package_and_the_install_command(hidden, code, package, extra):
     proc = _run_hidden(hidden, code)

@@ -1,4 +1,8 @@
-"""``linearize`` command line: ``linearize demo``, ``linearize inspect``, ``linearize report``."""
+"""``linearize`` command line: ``linearize demo``, ``linearize inspect``, ``linearize report``.
+
+The ``report`` subcommand's options and run are :func:`linearize.reporting.register_cli` (public there);
+the files it reads (image folders and archives, JSONL text, checkpoints) are :mod:`linearize.cli.readers`.
+"""
 
 from __future__ import annotations
 
@@ -8,8 +12,8 @@ from typing import Any
 
 
 def _inspect(args: argparse.Namespace) -> int:
-    from .conversion import dry_run
-    from .models import load_model
+    from ..conversion import dry_run
+    from ..models import load_model
 
     model = load_model(args.model, trust_pickle=args.trust_pickle)
     print(dry_run(model, example_inputs=example_inputs_from_args(args)))
@@ -45,14 +49,14 @@ def example_inputs_from_args(args: argparse.Namespace) -> Any:
 
         return torch.randn(args.input_shape, generator=torch.Generator().manual_seed(0))
     if args.example_inputs is not None:
-        from .example_inputs import load_example_inputs
+        from ..example_inputs import load_example_inputs
 
         return load_example_inputs(args.example_inputs)
     return None
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from .demo import run_demo
+    from ..demo import run_demo
 
     run_demo(epochs=args.epochs, target=args.target, seed=args.seed)
     return 0
@@ -78,26 +82,26 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.add_argument("model", help="a torchvision builder name (resnet18, vit_b_16), a timm model name "
                          "(timm installed), a Hugging Face model directory, or a .pt file holding a whole pickled "
                          "nn.Module (needs --trust-pickle); builders make randomly initialized models")
-    from .models import add_trust_pickle
+    from ..models import add_trust_pickle
 
     add_trust_pickle(inspect)
     add_input_options(inspect)
     inspect.set_defaults(func=_inspect)
 
-    from . import reporting
+    from ..reporting import register_cli
 
-    reporting.register_cli(sub)
+    register_cli(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``linearize`` console script."""
-    from ._optional import MissingExtra
+    from .._optional import MissingExtra
 
     argv = sys.argv[1:] if argv is None else list(argv)
     try:
         if argv[:1] == ["report"] and any(a == "--compare" or a.startswith("--compare=") for a in argv):
-            from .comparison import main as compare_main  # `linearize report --compare RUN_A RUN_B ...`
+            from ..comparison import main as compare_main  # `linearize report --compare RUN_A RUN_B ...`
 
             return compare_main(argv[1:])
         args = build_parser().parse_args(argv)
@@ -105,7 +109,3 @@ def main(argv: list[str] | None = None) -> int:
     except MissingExtra as err:  # an optional package this command needs: say which extra, no traceback
         print(err, file=sys.stderr)
         return 2
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,0 +1,173 @@
+"""The files ``linearize report`` reads: a model (with its checkpoint or sidecar) and data.
+
+Data: ``digits`` (scikit-learn), an image folder, a tar archive of images (the CIFAR-10 JPEG
+``.tar.gz``; its ``test/`` split when there is one), or a JSONL(.gz) text file tokenized with a Hugging
+Face model's tokenizer. Images are picked with seed 0, decoded to RGB and normalized.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import io
+import json
+from pathlib import Path
+from typing import Any, Mapping
+
+import numpy as np
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from .._optional import require
+from ..inputs import Batches
+from ..unit import units
+
+__all__ = ["load_model_and_data", "load_data"]
+
+_IMAGE_EXT = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp")
+_NORMS = {
+    "cifar10": ((0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)),
+    "imagenet": ((0.485, 0.456, 0.406), (0.229, 0.224, 0.225)),
+}
+
+
+def load_model_and_data(args: argparse.Namespace) -> tuple[nn.Module, Any]:
+    """The model and data of ``linearize report``'s arguments; a model without units is converted (slopes 0)."""
+    import linearize
+
+    from .._files import LoadError, safe_torch_load
+    from ..models import load_model
+
+    spec = Path(args.model)
+    hf_dir = spec.is_dir()
+    trust = args.trust_pickle
+    model = load_model(spec, args.num_classes, trust_pickle=trust)
+    data = load_data(args, model, spec if hf_dir else None)
+    example = Batches.of(data).limit(samples=2).concat()
+    if hf_dir and (spec / "linearize_config.json").is_file():
+        model = linearize.from_pretrained(model, spec, example_inputs=example)
+    elif args.units:
+        model = linearize.from_pretrained(model, args.units, example_inputs=example)
+    state = safe_torch_load(args.checkpoint, trust_pickle=trust, what="--checkpoint") if args.checkpoint else None
+    if state is not None and not isinstance(state, Mapping):
+        raise LoadError(f"--checkpoint {args.checkpoint} holds a {type(state).__name__}, not a state_dict; "
+                        "a whole pickled model goes in MODEL (with --trust-pickle)")
+    converted = bool(units(model)) or getattr(model, "linearize_config", None) is not None
+    if not converted and state is not None and any(k.endswith(".slope") for k in state):
+        model, converted = linearize.convert(model, example_inputs=example), True
+    if state is not None:
+        model.load_state_dict(state)
+        from ..serialization import _unit_problem
+
+        for name, unit in units(model):  # the checks of linearize.from_pretrained, on the loaded slopes
+            problem = _unit_problem(unit.slope, unit.frozen, unit.num_channels)
+            if problem:
+                raise LoadError(f"--checkpoint {args.checkpoint}: unit {name!r}: {problem}; refusing to report "
+                                "on it (slopes must be finite in [0, 1], frozen channels at their value)")
+    if not converted:
+        print(f"{type(model).__name__} has no linearizable units: converting it (every channel nonlinear)")
+        model = linearize.convert(model, example_inputs=example)
+    return model.eval(), data
+
+
+def load_data(args: argparse.Namespace, model: nn.Module, hf_dir: Path | None) -> Any:
+    """``--data``: digits, images (a folder or a tar archive) or JSONL text (``hf_dir``: the model's tokenizer)."""
+    src, n = args.data, args.num_samples
+    if src == "digits":
+        load_digits = require("sklearn.datasets", what="--data digits").load_digits
+
+        x = torch.tensor(load_digits().data[:n], dtype=torch.float32) / 16.0
+        from ..example_inputs import input_layer
+
+        return x.view(-1, 1, 8, 8) if isinstance(input_layer(model), nn.Conv2d) else x
+    path = Path(src)
+    if not path.exists():
+        raise FileNotFoundError(f"--data {src}: no such file or directory (or use 'digits')")
+    name = path.name.lower()
+    if name.endswith((".jsonl", ".jsonl.gz")):
+        if hf_dir is None:
+            raise ValueError("JSONL text data needs a Hugging Face model directory (for its tokenizer)")
+        return _load_text(path, n, args.text_field, Path(args.tokenizer) if args.tokenizer else hf_dir,
+                          args.max_length, model)
+    norm = args.normalize if args.normalize != "auto" else ("cifar10" if name.endswith((".tar.gz", ".tgz")) else "imagenet")
+    if name.endswith((".tar.gz", ".tgz", ".tar")):
+        images = _tar_images(path, n)
+    elif path.is_dir():
+        files = sorted(p for p in path.rglob("*") if p.suffix.lower() in _IMAGE_EXT)
+        if not files:
+            raise ValueError(f"no images ({', '.join(_IMAGE_EXT)}) under {path}")
+        pick = np.random.default_rng(0).permutation(len(files))[:n]
+        images = [files[i].read_bytes() for i in sorted(pick)]
+    else:
+        raise ValueError(f"--data {src}: expected 'digits', an image folder, a .tar.gz of images or a .jsonl file")
+    return _decode(images, args.image_size, norm)
+
+
+def _tar_images(path: Path, n: int) -> list[bytes]:
+    import tarfile
+
+    with tarfile.open(path) as tar:
+        members = [m for m in tar.getmembers() if m.isfile() and m.name.lower().endswith(_IMAGE_EXT)]
+        if not members:
+            raise ValueError(f"{path} holds no images")
+        test = [m for m in members if "/test/" in f"/{m.name}"]
+        members = test or members  # the held-out split when there is one
+        pick = np.random.default_rng(0).permutation(len(members))[:n]
+        return [tar.extractfile(members[i]).read() for i in sorted(pick)]
+
+
+def _decode(images: list[bytes], size: int | None, norm: str) -> torch.Tensor:
+    from PIL import Image
+
+    out = []
+    for raw in tqdm(images, desc="images", leave=False):
+        img = Image.open(io.BytesIO(raw)).convert("RGB")
+        if size:
+            img = img.resize((size, size), Image.BILINEAR)
+        out.append(torch.from_numpy(np.asarray(img, dtype=np.float32) / 255.0).permute(2, 0, 1))
+    if len({tuple(t.shape) for t in out}) > 1:
+        raise ValueError("images have different sizes: pass --image-size")
+    x = torch.stack(out)
+    if norm != "none":
+        mean, std = (torch.tensor(v).view(1, 3, 1, 1) for v in _NORMS[norm])
+        x = (x - mean) / std
+    return x
+
+
+def _load_text(path: Path, n: int, text_field: str | None, tokenizer_dir: Path, max_length: int, model: nn.Module) -> dict:
+    transformers = require("transformers", what="a text model's report")
+
+    opener = gzip.open if path.name.lower().endswith(".gz") else open
+    texts = []
+    with opener(path, "rt", encoding="utf-8") as f:
+        for line in f:
+            if line.strip():
+                texts.append(_text_of(json.loads(line), text_field))
+                if len(texts) >= n:
+                    break
+    try:
+        tok = transformers.AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)
+    except (OSError, ValueError) as err:
+        raise ValueError(f"no tokenizer found in {tokenizer_dir}: pass --tokenizer DIR") from err
+    batch = dict(tok(texts, padding="max_length", truncation=True, max_length=max_length, return_tensors="pt"))
+    if getattr(getattr(model, "config", None), "is_encoder_decoder", False):
+        batch["decoder_input_ids"] = batch["input_ids"].clone()
+    return batch
+
+
+def _text_of(record: dict, text_field: str | None) -> str:
+    if text_field is None:
+        for key in ("text", "sentence"):
+            if key in record:
+                return record[key]
+        if "translation" in record:
+            tr = record["translation"]
+            return tr.get("en", next(iter(tr.values())))
+        raise KeyError(f"no text field in JSONL record with keys {list(record)}: pass --text-field")
+    value: Any = record
+    for key in text_field.split("."):
+        if not isinstance(value, dict) or key not in value:
+            raise KeyError(f"JSONL record has no field {text_field!r} (keys {list(record)})")
+        value = value[key]
+    return str(value)
