@@ -358,7 +358,7 @@ def test_report_checkpoint_with_invalid_unit_state_is_refused(tmp_path, bad):
     """``linearize report MODEL --checkpoint FILE`` loads a state_dict a user passes: slopes outside
     [0, 1] (counted as linear: a >= 1 - tol) or a broken frozen buffer must be refused like
     linearize.from_pretrained refuses them, not reported on."""
-    from linearize import reporting
+    from linearize.cli import report as cli_report
 
     model = torch.nn.Sequential(torch.nn.Linear(64, 20), torch.nn.ReLU(), torch.nn.Linear(20, 10))
     torch.save(model, tmp_path / "mlp.pt")
@@ -376,7 +376,7 @@ def test_report_checkpoint_with_invalid_unit_state_is_refused(tmp_path, bad):
         state[frozen][3], state[slope][3] = 1.0, 0.2
     torch.save(state, tmp_path / "ckpt.pt")
     parser = argparse.ArgumentParser(prog="linearize")
-    reporting.register_cli(parser.add_subparsers(dest="command", required=True))
+    cli_report.register_cli(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(["report", str(tmp_path / "mlp.pt"), "--trust-pickle", "--checkpoint",
                               str(tmp_path / "ckpt.pt"), "--data", "digits", "--num-samples", "16", "--segments",
                               "0", "--output-dir", str(tmp_path / "out"), "--no-progress"])

@@ -16,6 +16,7 @@ from torch import nn
 
 import linearize
 from linearize import reporting
+from linearize.cli import report as cli_report
 from linearize.folding import FoldVerificationError
 from linearize.measures import average_path_length
 from linearize.unit import LinearizableActivation
@@ -147,7 +148,7 @@ def test_tol_outside_its_range_is_refused(call, tol):
 
 def _report_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="linearize")
-    reporting.register_cli(parser.add_subparsers())
+    cli_report.register_cli(parser.add_subparsers())
     return parser
 
 

@@ -15,6 +15,7 @@ from torch import nn
 
 import linearize
 from linearize import reporting
+from linearize.cli import report as cli_report
 from linearize.measures import average_path_length
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -243,7 +244,7 @@ def test_gated_model_reports_gate_statistics() -> None:
 
 def _cli(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="linearize")
-    reporting.register_cli(parser.add_subparsers(dest="command", required=True))
+    cli_report.register_cli(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(argv)
     return args.func(args)
 

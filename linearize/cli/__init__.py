@@ -1,6 +1,6 @@
 """``linearize`` command line: ``linearize demo``, ``linearize inspect``, ``linearize report``.
 
-The ``report`` subcommand's options and run are :func:`linearize.reporting.register_cli` (public there);
+The ``report`` subcommand's options and run are in :mod:`linearize.cli.report`;
 the files it reads (image folders and archives, JSONL text, checkpoints) are :mod:`linearize.cli.readers`.
 """
 
@@ -88,7 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_input_options(inspect)
     inspect.set_defaults(func=_inspect)
 
-    from ..reporting import register_cli
+    from .report import register_cli
 
     register_cli(sub)
     return parser
