@@ -110,6 +110,12 @@ class LinearizeConfig:
         _check_options(cls, kwargs)
         return object.__new__(cls)
 
+    def __setstate__(self, state: dict) -> None:  # unpickling, deepcopy
+        if "extra" in state:  # a pickle of the single config that came before: its mode's config
+            fixed = LinearizeConfig.from_dict(state)
+            self.__class__, state = type(fixed), vars(fixed)
+        self.__dict__.update(state)
+
     def __post_init__(self) -> None:
         if self.mode not in self.modes:
             if self.mode in MODES:

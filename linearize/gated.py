@@ -63,7 +63,7 @@ from torch.overrides import TorchFunctionMode
 from tqdm.auto import tqdm
 
 from .activations import activation_kind
-from .config import BlendConfig, GatedConfig
+from .config import BlendConfig, GatedConfig, LinearizeConfig
 from .example_inputs import guess_example_inputs
 from .injection import activation_registrations, install_call_sites, plan_conversion, wrap_function_attributes
 from .inputs import Batches, as_call, call_model, eval_mode, model_device
@@ -241,9 +241,11 @@ def _ones(x: Any, what: str) -> torch.Tensor:
 def _check(model: object, config: GatedConfig) -> None:
     if not isinstance(model, nn.Module):
         raise TypeError(f"convert_gated expects a torch.nn.Module, got {type(model).__name__}")
+    if isinstance(config, LinearizeConfig) and not isinstance(config, GatedConfig):
+        raise ValueError(f"convert_gated needs mode 'dgn' or 'dlgn' (a GatedConfig), got {type(config).__name__} "
+                         f"of mode {config.mode!r}")
     if not isinstance(config, GatedConfig):
-        raise TypeError(f"config must be a GatedConfig (LinearizeConfig(mode='dgn' or 'dlgn')), got "
-                        f"{type(config).__name__}{f' of mode {config.mode!r}' if hasattr(config, 'mode') else ''}")
+        raise TypeError(f"config must be a GatedConfig (LinearizeConfig(mode='dgn' or 'dlgn')), got {type(config).__name__}")
     if config.beta is None or not math.isfinite(config.beta) or config.beta <= 0:
         raise ValueError(f"beta (gate sharpness of sigmoid(beta * q)) must be a finite number > 0, got {config.beta}")
     if isinstance(model, GatedNetwork):

@@ -457,7 +457,8 @@ def stable_units(
     time_limit: float | None = 10.0,
     progress: bool = False,
 ) -> StabilityResult:
-    """Find the stably active and stably inactive units of ``model`` over ``domain``.
+    """Find the stably active and stably inactive units of ``model`` over ``domain`` (``model`` is not
+    modified; :func:`linearize.compress` builds the smaller model, :func:`linearize.freeze` freezes in place).
 
     Args:
         model: a feedforward ``nn.Sequential`` ReLU/PReLU network (see the module docstring) in

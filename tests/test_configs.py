@@ -2,8 +2,10 @@
 LinearizeConfig(mode=...) shortcut; JSON round trips (old single-config dicts included), clear errors
 for another method's options, and the config's type choosing what convert does."""
 
+import copy
 import dataclasses
 import json
+import pickle
 
 import pytest
 import torch
@@ -73,6 +75,17 @@ def test_old_single_config_dicts_load(mode, expected):
         assert LinearizeConfig.from_dict(d) == expected
 
 
+def test_a_pickle_of_the_old_config_loads_as_its_mode_config():
+    obj = BlendConfig()
+    obj.__dict__ = old_dict(mode="dlgn", beta=2.0, value_input="ones")  # the old class's state: every field
+    raw = pickle.dumps(obj, protocol=2)  # the class by name (GLOBAL): rename it to the old class
+    assert raw.count(b"\nBlendConfig\n") == 1
+    loaded = pickle.loads(raw.replace(b"\nBlendConfig\n", b"\nLinearizeConfig\n"))
+    assert type(loaded) is GatedConfig and loaded == GatedConfig(mode="dlgn", activations=("relu", "gelu"), beta=2.0,
+                                                                value_input="ones")
+    assert pickle.loads(pickle.dumps(loaded)) == loaded and copy.deepcopy(loaded) == loaded
+
+
 def test_a_sidecar_saved_with_the_old_config_dict_loads(tmp_path):
     model = linearize.convert(mlp(), example_inputs=X)
     with torch.no_grad():
@@ -136,7 +149,7 @@ def test_the_config_type_selects_the_method_and_says_whether_the_model_is_new():
 
     converted = linearize.convert(model, BlendConfig(init_slope=0.5), example_inputs=X)
     assert converted is model and type(model.linearize_config) is BlendConfig  # in place
-    assert [float(u.slope[0]) for _, u in linearize.units(model)] == [0.5, 0.5]
+    assert [float(u.slope[0].detach()) for _, u in linearize.units(model)] == [0.5, 0.5]
 
     # a GatedConfig with a mode override to "prelu" keeps the site selection and drops the gated options
     other = linearize.convert(mlp(), GatedConfig(exclude_modules=["3"], beta=2.0), example_inputs=X, mode="prelu")
