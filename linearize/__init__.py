@@ -20,6 +20,8 @@ _EXPORTS = {
     "linear_masks": "unit",
     "NonFiniteSlopeError": "checks",
     "LinearizeConfig": "config",
+    "BlendConfig": "config",
+    "GatedConfig": "config",
     "convert": "conversion",
     "dry_run": "conversion",
     "ConversionReport": "conversion",

@@ -8,7 +8,9 @@ reports. A *kind* is a short name (``"relu"``, ``"gelu"`` ...); :data:`DEFAULT_A
 - :data:`MODULE_KINDS`: torch modules (exact type); :data:`HF_KINDS` / :data:`TIMM_KINDS`: the
   activation classes of transformers and timm, by class name (neither is imported here);
 - :data:`FUNCTIONAL_SPECS`: functions and tensor methods (in-place forms included), with
-  :func:`activation_module` building the module a functional call computes;
+  :func:`activation_module` building the module a functional call computes, and
+  :data:`FUNCTIONS_BY_NAME` naming its out-of-place functions (for folded saves);
+- :data:`OTHER_ELEMENTWISE`: elementwise activation modules ``convert`` does not swap (PReLU, Softsign...);
 - :class:`FunctionalActivation`: a module wrapping an activation function held as an attribute.
 
 Example:
@@ -25,7 +27,8 @@ import torch.nn.functional as F
 from torch import nn
 
 __all__ = ["DEFAULT_ACTIVATIONS", "GATE_KINDS", "MODULE_KINDS", "HF_KINDS", "TIMM_KINDS", "FUNCTIONAL_SPECS",
-           "INPLACE_ARG", "activation_kind", "activation_module", "FunctionalActivation"]
+           "FUNCTIONS_BY_NAME", "OTHER_ELEMENTWISE", "INPLACE_ARG", "activation_kind", "activation_module",
+           "FunctionalActivation"]
 
 DEFAULT_ACTIVATIONS = (
     "relu", "relu6", "leaky_relu", "gelu", "silu", "hardswish", "mish", "elu", "celu", "selu",
@@ -86,6 +89,27 @@ FUNCTIONAL_SPECS: dict[Callable, tuple[str, bool]] = {
     torch.sigmoid: ("sigmoid", False), F.sigmoid: ("sigmoid", False), torch.Tensor.sigmoid: ("sigmoid", False),
     torch.sigmoid_: ("sigmoid", True), torch.Tensor.sigmoid_: ("sigmoid", True),
 }
+
+
+def _qualified_name(func: Callable) -> str | None:
+    """``torch.nn.functional.<name>`` or ``torch.<name>`` for a function of those namespaces, else None."""
+    name = getattr(func, "__name__", "")
+    for prefix, namespace in (("torch.nn.functional", F), ("torch", torch)):
+        if getattr(namespace, name, None) is func:
+            return f"{prefix}.{name}"
+    return None
+
+
+# the out-of-place activation functions of FUNCTIONAL_SPECS (no tensor methods) by qualified name, as
+# folded saves record the function a FunctionalActivation holds ("torch.nn.functional.gelu", "torch.tanh")
+FUNCTIONS_BY_NAME: dict[str, Callable] = {
+    name: func for func, (_, inplace) in FUNCTIONAL_SPECS.items()
+    if not inplace and (name := _qualified_name(func)) is not None
+}
+# elementwise activation modules that are not MODULE_KINDS (convert leaves them alone; measures read them)
+OTHER_ELEMENTWISE: tuple[type[nn.Module], ...] = (
+    nn.PReLU, nn.RReLU, nn.Softsign, nn.Tanhshrink, nn.LogSigmoid, nn.Threshold, nn.Softshrink, nn.Hardshrink,
+)
 # position of the ``inplace`` argument of a kind's functional form (absent: none)
 INPLACE_ARG = {"relu": 1, "relu6": 1, "leaky_relu": 2, "elu": 2, "celu": 2, "selu": 1, "hardtanh": 3,
                 "hardsigmoid": 1, "hardswish": 1, "silu": 1, "mish": 1}

@@ -32,18 +32,20 @@ from __future__ import annotations
 
 import copy
 import warnings
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
 
 from .activations import FunctionalActivation, activation_kind
-from .config import LinearizeConfig
+from .config import BlendConfig, GatedConfig, LinearizeConfig
 from .functional_sites import FunctionalSites, install_functional_sites
-from .injection import CallSites, ConversionReport, _channels, _plan, install_call_sites, wrap_function_attributes
+from .injection import (CallSites, ConversionReport, call_channels, install_call_sites, plan_conversion,
+                        wrap_function_attributes)
 from .unit import LinearizableActivation, install_optimizer_hooks
 
 __all__ = ["convert", "dry_run"]
+
 
 def _resolve_config(config: LinearizeConfig | dict | None, overrides: dict) -> LinearizeConfig:
     if config is None:
@@ -52,7 +54,7 @@ def _resolve_config(config: LinearizeConfig | dict | None, overrides: dict) -> L
         return LinearizeConfig.from_dict({**config, **overrides})
     if not isinstance(config, LinearizeConfig):
         raise TypeError(f"config must be a LinearizeConfig, a dict or None, got {type(config).__name__}")
-    return LinearizeConfig.from_dict({**config.to_dict(), **overrides}) if overrides else config
+    return config.replace(**overrides) if overrides else config
 
 
 def _check_model(model: object) -> None:
@@ -70,54 +72,10 @@ def _check_model(model: object) -> None:
     refuse_stripped(model)  # saved converted, loaded plain: its units were dropped
 
 
-def convert(
-    model: nn.Module,
-    config: LinearizeConfig | dict | None = None,
-    example_inputs: Any = None,
-    **overrides: Any,
-) -> nn.Module:
-    """Swap every activation call site of ``model`` for a linearizable unit, in place.
-
-    Args:
-        model: any ``nn.Module`` (torchvision, Hugging Face, your own).
-        config: a :class:`LinearizeConfig` (or its dict); ``overrides`` set single fields
-            (``convert(model, exclude_modules=["pooler.activation"])``).
-        example_inputs: the probe input: a tensor, a tuple of positional arguments or a dict of
-            keyword arguments. ``None`` builds one for torchvision and HF models
-            (:func:`linearize.example_inputs.guess_example_inputs`).
-
-    Returns:
-        ``model`` itself (modified in place), with ``model.linearize_config`` and
-        ``model.linearize_report`` (a :class:`ConversionReport`) set. In ``"dgn"``/``"dlgn"``
-        mode a new gated module is returned instead (see :mod:`linearize.gated`).
-
-    Raises:
-        TypeError: ``model`` is not an ``nn.Module``. ValueError: already converted, or no
-        convertible activation found (the message lists functional calls it saw).
-
-    Warns when some activations cannot be converted (functional calls inside ``forward``,
-    modules never called during the probe); they are listed in ``model.linearize_report``.
-
-    Example:
-        >>> net = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
-        >>> x = torch.randn(3, 4)
-        >>> ref = net(x)
-        >>> model = linearize.convert(net, example_inputs=x)  # in place: model is net
-        >>> [name for name, _ in linearize.units(model)], torch.equal(model(x), ref)  # exact at init
-        (['1'], True)
-    """
-    _check_model(model)
-    config = _resolve_config(config, overrides)
-    if config.mode != "prelu":
-        from .gated import convert_gated
-        from .hf import mark
-
-        gated = convert_gated(model, config, example_inputs)
-        mark(gated)  # its HF networks saved alone would load as another function: guard them
-        return gated
-
+def _convert_blend(model: nn.Module, config: BlendConfig, example_inputs: Any) -> nn.Module:
+    """Blend units in place of every selected activation call site of ``model`` (in place)."""
     wrap_function_attributes(model)
-    report, plan, owner_plans = _plan(model, config, example_inputs, functional=True)
+    report, plan, owner_plans = plan_conversion(model, config, example_inputs, functional=True)
     if not report.sites:
         raise ValueError(
             f"{type(model).__name__} has no convertible activation (kinds {list(config.activations)})."
@@ -149,31 +107,103 @@ def convert(
         }
         if param is not None:
             made = {k: u.to(param.device, dtype) for k, u in made.items()}
-        sites = FunctionalSites(p.name, [c.kind for c in p.calls], [_channels(c) for c in p.calls], made)
+        sites = FunctionalSites(p.name, [c.kind for c in p.calls], [call_channels(c) for c in p.calls], made)
         install_functional_sites(p.owner, sites)
     model.linearize_config = config
     model.linearize_report = report
-    from .hf import mark
-
-    mark(model)  # config.json of model.save_pretrained / Trainer checkpoints carries the manifest
     install_optimizer_hooks()
     problems = report.problems()
     if problems:
         warnings.warn(
             f"linearize.convert left {len(problems)} activation(s) unconverted (see model.linearize_report):\n  "
             + "\n  ".join(problems),
-            stacklevel=2,
+            stacklevel=3,
         )
     return model
+
+
+def _convert_gated(model: nn.Module, config: GatedConfig, example_inputs: Any) -> nn.Module:
+    """The DGN / DLGN split of ``model`` as a new module (``model`` is left untouched)."""
+    from .gated import convert_gated  # imported on use: it loads tqdm
+
+    return convert_gated(model, config, example_inputs)
+
+
+# config type -> the method that converts with it (looked up along the config's class hierarchy)
+_METHODS: dict[type[LinearizeConfig], Callable[[nn.Module, Any, Any], nn.Module]] = {
+    BlendConfig: _convert_blend,
+    GatedConfig: _convert_gated,
+}
+
+
+def _method(config: LinearizeConfig) -> Callable[[nn.Module, Any, Any], nn.Module]:
+    for cls in type(config).__mro__:
+        if cls in _METHODS:
+            return _METHODS[cls]
+    raise TypeError(f"no conversion method for {type(config).__name__}; use a BlendConfig or a GatedConfig")
+
+
+def convert(
+    model: nn.Module,
+    config: LinearizeConfig | dict | None = None,
+    example_inputs: Any = None,
+    **overrides: Any,
+) -> nn.Module:
+    """Swap every activation call site of ``model`` for a linearizable unit (``"prelu"``: in place)
+    or build its gated split (``"dgn"``/``"dlgn"``: a new model, ``model`` untouched).
+
+    The config's type picks the method: a :class:`~linearize.config.BlendConfig` (``mode="prelu"``,
+    the default) or a :class:`~linearize.config.GatedConfig` (``mode="dgn"`` / ``"dlgn"``).
+
+    Args:
+        model: any ``nn.Module`` (torchvision, Hugging Face, your own).
+        config: a config (or its dict, with ``mode``); ``overrides`` set single fields
+            (``convert(model, exclude_modules=["pooler.activation"])``, ``convert(model, mode="dgn", beta=2.0)``).
+            An option of another method (``init_slope`` with ``mode="dgn"``, ``beta`` with
+            ``"prelu"``) raises ``TypeError`` naming it and the mode.
+        example_inputs: the probe input: a tensor, a tuple of positional arguments or a dict of
+            keyword arguments. ``None`` builds one for torchvision and HF models
+            (:func:`linearize.example_inputs.guess_example_inputs`).
+
+    Returns:
+        ``"prelu"``: ``model`` itself, modified in place, with ``model.linearize_config`` and
+        ``model.linearize_report`` (a :class:`ConversionReport`) set. ``"dgn"``/``"dlgn"``: a new
+        :class:`~linearize.gated.GatedNetwork` (built from deep copies; ``model`` is not modified).
+
+    Raises:
+        TypeError: ``model`` is not an ``nn.Module``, or an option of another method. ValueError:
+        already converted, or no convertible activation found (the message lists functional calls it saw).
+
+    Warns when some activations cannot be converted (functional calls inside ``forward``,
+    modules never called during the probe); they are listed in ``model.linearize_report``.
+
+    Example:
+        >>> net = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+        >>> x = torch.randn(3, 4)
+        >>> ref = net(x)
+        >>> model = linearize.convert(net, example_inputs=x)  # in place: model is net
+        >>> [name for name, _ in linearize.units(model)], torch.equal(model(x), ref)  # exact at init
+        (['1'], True)
+    """
+    _check_model(model)
+    config = _resolve_config(config, overrides)
+    converted = _method(config)(model, config, example_inputs)
+    from .hf import mark
+
+    # config.json of model.save_pretrained / Trainer checkpoints carries the manifest; a gated split's
+    # HF networks saved alone would load as another function: guard them
+    mark(converted)
+    return converted
 
 
 def dry_run(
     model: nn.Module, config: LinearizeConfig | dict | None = None, example_inputs: Any = None, **overrides: Any
 ) -> ConversionReport:
-    """What :func:`convert` would do, without touching ``model`` (runs on a deep copy)."""
+    """What :func:`convert` would do (the sites a ``"prelu"`` conversion would swap), as a report;
+    ``model`` is not modified (the probe runs on a deep copy)."""
     _check_model(model)
     config = _resolve_config(config, overrides)
     probe_model = copy.deepcopy(model)
     wrap_function_attributes(probe_model)
-    return _plan(probe_model, config, example_inputs, functional=True)[0]
+    return plan_conversion(probe_model, config, example_inputs, functional=True)[0]
 

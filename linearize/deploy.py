@@ -37,6 +37,7 @@ from torch import nn
 
 from ._files import LoadError, atomic_write
 from ._optional import require
+from .activations import FUNCTIONS_BY_NAME
 from .hf import mark_folded
 
 __all__ = ["save_folded", "load_folded", "FOLDED_CONFIG", "FOLDED_WEIGHTS"]
@@ -69,6 +70,8 @@ def _fold_classes() -> dict[str, type]:
     found = {f"{c.__module__}.{c.__qualname__}": c for c in classes}
     # files written before fold became a package name the classes linearize.folding.<name>
     found.update({f"linearize.folding.{c.__qualname__}": c for c in classes})
+    # files written before the plain forms of units moved into linearize.unit
+    found.update({f"linearize.folding.modules.{c.__qualname__}": c for c in (modules.ChannelPReLU, modules.ChannelBlend)})
     found["linearize.activations.FunctionalActivation"] = FunctionalActivation
     found["linearize.injection.CallSites"] = CallSites  # one plain module per call of a reused site
     # files written before the injection core moved out of conversion.py
@@ -101,10 +104,7 @@ def _class_name(module: nn.Module) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
 
 
-_FUNCTIONS = {f"torch.nn.functional.{n}": getattr(torch.nn.functional, n)
-              for n in ("relu", "relu6", "leaky_relu", "gelu", "silu", "hardswish", "mish", "elu", "celu", "selu",
-                        "softplus", "tanh", "sigmoid", "hardsigmoid", "hardtanh")}
-_FUNCTIONS.update({"torch.tanh": torch.tanh, "torch.sigmoid": torch.sigmoid, "torch.relu": torch.relu})
+_FUNCTIONS = FUNCTIONS_BY_NAME  # the activation functions a FunctionalActivation may hold, by saved name
 
 
 # ----------------------------------------------------------------------------- module specs

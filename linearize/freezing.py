@@ -102,7 +102,8 @@ def freeze(
         snap_zero: also snap ``a <= tol`` to 0.
         progress: tqdm bar over the data.
 
-    Returns: a :class:`FreezeSummary` with per-site counts before and after.
+    Returns: a :class:`FreezeSummary` with per-site counts before and after; ``model`` itself is
+    modified in place (snapped slopes, ``frozen`` buffers), no copy is made.
 
     Raises: ``ValueError`` for ``tol`` outside ``[0, 0.5)``, :class:`~linearize.unit.NonFiniteSlopeError`
     (naming the units) when a slope is NaN or inf: nothing is frozen then.

@@ -10,7 +10,7 @@ The gated split puts the two factors in two networks of the same architecture:
   replaced by a *GaLU*: its own pre-activation ``z_s`` times the gate, ``z_s * G_s``.
   ``forward(x)`` returns the value network's output.
 
-Modes (``LinearizeConfig.mode``):
+Modes (``GatedConfig.mode``, options in :class:`~linearize.config.GatedConfig`):
 
 ``"dgn"``
     Deep gated network. The feature network keeps its ReLUs. With ``init="copy"``, hard gates
@@ -52,7 +52,6 @@ the input with itself) and LayerNorm (division by the standard deviation) remain
 from __future__ import annotations
 
 import copy
-import dataclasses
 import math
 import warnings
 from typing import Any
@@ -64,7 +63,7 @@ from torch.overrides import TorchFunctionMode
 from tqdm.auto import tqdm
 
 from .activations import activation_kind
-from .config import LinearizeConfig
+from .config import BlendConfig, GatedConfig, LinearizeConfig
 from .example_inputs import guess_example_inputs
 from .injection import activation_registrations, install_call_sites, plan_conversion, wrap_function_attributes
 from .inputs import Batches, as_call, call_model, eval_mode, model_device
@@ -185,7 +184,7 @@ class GatedNetwork(nn.Module):
     ``linearize_report`` (the :class:`~linearize.injection.ConversionReport` of the gated sites).
     """
 
-    def __init__(self, feature: nn.Module, value: nn.Module, config: LinearizeConfig, store: _GateStore) -> None:
+    def __init__(self, feature: nn.Module, value: nn.Module, config: GatedConfig, store: _GateStore) -> None:
         super().__init__()
         self.feature = feature
         self.value = value
@@ -239,13 +238,14 @@ def _ones(x: Any, what: str) -> torch.Tensor:
 # ----------------------------------------------------------------------------- conversion
 
 
-def _check(model: object, config: LinearizeConfig) -> None:
+def _check(model: object, config: GatedConfig) -> None:
     if not isinstance(model, nn.Module):
         raise TypeError(f"convert_gated expects a torch.nn.Module, got {type(model).__name__}")
-    if not isinstance(config, LinearizeConfig):
-        raise TypeError(f"config must be a LinearizeConfig, got {type(config).__name__}")
-    if config.mode not in ("dgn", "dlgn"):
-        raise ValueError(f"convert_gated needs mode 'dgn' or 'dlgn', got {config.mode!r}")
+    if isinstance(config, LinearizeConfig) and not isinstance(config, GatedConfig):
+        raise ValueError(f"convert_gated needs mode 'dgn' or 'dlgn' (a GatedConfig), got {type(config).__name__} "
+                         f"of mode {config.mode!r}")
+    if not isinstance(config, GatedConfig):
+        raise TypeError(f"config must be a GatedConfig (LinearizeConfig(mode='dgn' or 'dlgn')), got {type(config).__name__}")
     if config.beta is None or not math.isfinite(config.beta) or config.beta <= 0:
         raise ValueError(f"beta (gate sharpness of sigmoid(beta * q)) must be a finite number > 0, got {config.beta}")
     if isinstance(model, GatedNetwork):
@@ -258,7 +258,7 @@ def _leak(act: nn.Module) -> float:
     return 0.01 if activation_kind(act) == "leaky_relu" else 0.0  # F.leaky_relu's default
 
 
-def _no_gatable_error(model: nn.Module, config: LinearizeConfig, functional: dict[str, int]) -> ValueError:
+def _no_gatable_error(model: nn.Module, config: GatedConfig, functional: dict[str, int]) -> ValueError:
     smooth = [(name, activation_kind(act)) for name, _, _, act in activation_registrations(model)]
     smooth = [(n, k) for n, k in smooth if k not in GATED_KINDS]
     text = f"{config.mode.upper()} gates ReLU-family activations ({', '.join(GATED_KINDS)}), and " \
@@ -370,13 +370,14 @@ def _reset_parameters(net: nn.Module) -> None:
             reset()
 
 
-def convert_gated(model: nn.Module, config: LinearizeConfig, example_inputs: Any = None) -> GatedNetwork:
-    """Build the DGN / DLGN split of ``model`` (which is left untouched) as a new module.
+def convert_gated(model: nn.Module, config: GatedConfig, example_inputs: Any = None) -> GatedNetwork:
+    """Build the DGN / DLGN split of ``model`` as a new module; ``model`` is not modified (both networks
+    are deep copies).
 
     Args:
         model: a network with ReLU-family activation modules (torchvision ResNet / VGG /
             MobileNet-V2, Hugging Face models with ``hidden_act="relu"``, your own).
-        config: a :class:`LinearizeConfig` with ``mode`` ``"dgn"`` or ``"dlgn"``; uses ``beta``,
+        config: a :class:`~linearize.config.GatedConfig` (``mode`` ``"dgn"`` or ``"dlgn"``); uses ``beta``,
             ``value_input``, ``init``, ``hard_gates``, ``freeze_feature``, ``activations``,
             ``target_modules``, ``exclude_modules`` and ``channel_dim`` (see the module docstring).
         example_inputs: the probe input (a tensor, a tuple of positional arguments or a dict of
@@ -392,11 +393,18 @@ def convert_gated(model: nn.Module, config: LinearizeConfig, example_inputs: Any
         ValueError: ``beta <= 0``; no ReLU-family activation (smooth ones are named); a ReLU called
         functionally inside ``forward`` (it cannot be gated); max pooling left in a DLGN feature
         network.
+
+    Example:
+        >>> net = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+        >>> gated = convert_gated(net, GatedConfig(mode="dlgn"), torch.randn(2, 4))
+        >>> [site for site, _ in gated.gates()], gated.feature is not net
+        (['1'], True)
     """
     _check(model, config)
     gated_kinds = tuple(k for k in config.activations if k in GATED_KINDS)
-    probe_config = dataclasses.replace(  # ReLU-family sites only: all are gated, none is a product gate
-        config, mode="prelu", activations=gated_kinds or ("relu",), gates="include")
+    probe_config = BlendConfig(  # the same selection, ReLU-family sites only: all are gated, none is a product gate
+        target_modules=config.target_modules, exclude_modules=config.exclude_modules, channel_dim=config.channel_dim,
+        activations=gated_kinds or ("relu",), gates="include")
     inputs = example_inputs if example_inputs is not None else guess_example_inputs(model)
     if config.value_input == "ones":  # fail now, not at the first training step
         _constant_inputs(*as_call(inputs))
@@ -405,7 +413,7 @@ def convert_gated(model: nn.Module, config: LinearizeConfig, example_inputs: Any
     for net in (value, feature):
         wrap_function_attributes(net)
     names = {id(m): n for n, m in value.named_modules(remove_duplicate=False)}
-    report, plan = plan_conversion(value, probe_config, inputs)
+    report, plan, _ = plan_conversion(value, probe_config, inputs)
     functional = {w: n for w, n in report.functional_calls.items() if w.rsplit(": ", 1)[-1].rstrip("_") in
                   ("relu", "relu6", "leaky_relu")}
     if not gated_kinds or not report.sites:

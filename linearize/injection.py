@@ -32,7 +32,8 @@ from .functional_sites import ATTR
 from .inputs import call_model, eval_mode
 from .unit import LinearizableActivation
 
-__all__ = ["CallSites", "install_call_sites", "SiteInfo", "ConversionReport", "plan_conversion",
+__all__ = ["CallSites", "install_call_sites", "SiteInfo", "ConversionReport", "ActivationCall", "OwnerPlan",
+           "plan_conversion", "call_channels",
            "activation_registrations", "wrap_function_attributes"]
 
 # products that make an activation's output a multiplicative gate: op -> positions of the factors
@@ -159,8 +160,9 @@ class ConversionReport:
 
 
 @dataclass
-class _Call:
-    """One activation call of the probe forward; ``gate`` says why its output is a multiplicative gate."""
+class ActivationCall:
+    """One activation call of the probe forward (an entry of :func:`plan_conversion`'s plan); ``gate`` says
+    why its output is a multiplicative gate."""
 
     caller: nn.Module | None
     shape: tuple[int, ...]
@@ -206,10 +208,10 @@ class _Probe:
         self.channel_dim = channel_dim
         self.stack: list[nn.Module] = []
         self.invocations: Counter[int] = Counter()
-        self.calls: dict[int, list[_Call]] = defaultdict(list)
-        self.functional: list[tuple[str, _Call]] = []  # ("owner: fn", call) per functional activation call
-        self.outputs: dict[int, tuple[weakref.ref, _Call]] = {}  # activation outputs (and their views)
-        self.pending: dict[int, _Call] = {}  # candidate module id -> its call now running
+        self.calls: dict[int, list[ActivationCall]] = defaultdict(list)
+        self.functional: list[tuple[str, ActivationCall]] = []  # ("owner: fn", call) per functional activation call
+        self.outputs: dict[int, tuple[weakref.ref, ActivationCall]] = {}  # activation outputs (and their views)
+        self.pending: dict[int, ActivationCall] = {}  # candidate module id -> its call now running
         self.last_leaf: nn.Module | None = None
 
     def inside_activation(self) -> bool:
@@ -221,7 +223,7 @@ class _Probe:
         name = getattr(func, "__name__", str(func))
         where = f"{where or type(owner).__name__}: {name}"
         kind = FUNCTIONAL_SPECS[func][0]
-        call = _Call(None, tuple(getattr(out, "shape", ())), -1, kind, where=where)
+        call = ActivationCall(None, tuple(getattr(out, "shape", ())), -1, kind, where=where)
         if func in FUNCTIONAL_SPECS and owner is not None and isinstance(out, torch.Tensor):
             call.owner, call.invocation = owner, self.invocations[id(owner)]  # a call the owner's mode will see
             if out.ndim:  # a scalar has no channels: that call runs as it is
@@ -230,11 +232,11 @@ class _Probe:
         self.functional.append((where, call))
         self._tag(out, call)
 
-    def _tag(self, out: Any, call: _Call) -> None:
+    def _tag(self, out: Any, call: ActivationCall) -> None:
         if isinstance(out, torch.Tensor):
             self.outputs[id(out)] = (weakref.ref(out), call)
 
-    def _source(self, x: Any) -> _Call | None:
+    def _source(self, x: Any) -> ActivationCall | None:
         """The activation call whose output ``x`` is (or is a view of), if any."""
         entry = self.outputs.get(id(x)) if isinstance(x, torch.Tensor) else None
         return entry[1] if entry is not None and entry[0]() is x else None
@@ -268,7 +270,7 @@ class _Probe:
             if isinstance(x, torch.Tensor):
                 caller = self.stack[-1] if self.stack else None
                 where = f"activation {self.names.get(id(module), type(module).__name__)!r} (input shape {tuple(x.shape)})"
-                call = _Call(caller, tuple(x.shape), self._channel_dim(where, x), activation_kind(module) or "")
+                call = ActivationCall(caller, tuple(x.shape), self._channel_dim(where, x), activation_kind(module) or "")
                 self.calls[id(module)].append(call)
                 self.pending[id(module)] = call
         self.invocations[id(module)] += 1
@@ -349,28 +351,19 @@ def activation_registrations(model: nn.Module) -> list[tuple[str, nn.Module, str
 
 
 @dataclass
-class _OwnerPlan:
+class OwnerPlan:
     """The functional activation calls of one owner's forward and the units some of them get."""
 
     owner: nn.Module
     name: str
-    calls: list[_Call]
+    calls: list[ActivationCall]
     units: dict[int, SiteInfo]  # call position -> the unit it gets
 
 
-def plan_conversion(
-    model: nn.Module, config: LinearizeConfig, example_inputs: Any
-) -> tuple[ConversionReport, list[tuple[nn.Module, str, nn.Module, list[_Call]]]]:
-    """Probe ``model`` and decide the replacement of every activation registration (modules only:
-    functional calls are listed in ``report.functional_calls``)."""
-    report, plan, _ = _plan(model, config, example_inputs, functional=False)
-    return report, plan
-
-
 def _plan_functional(
-    model: nn.Module, calls: list[_Call], config: LinearizeConfig, report: ConversionReport,
+    model: nn.Module, calls: list[ActivationCall], config: LinearizeConfig, report: ConversionReport,
     invocations: Counter[int], targets: list[str] | None, excludes: list[str] | None,
-) -> tuple[list[_OwnerPlan], list[_Call]]:
+) -> tuple[list[OwnerPlan], list[ActivationCall]]:
     """Units for the functional activation calls each owner's own forward makes, by call order.
 
     An owner whose invocations in the probe made different calls (kinds, widths, count) keeps
@@ -378,23 +371,23 @@ def _plan_functional(
     keep their slot in the call order but run as they are).
     """
     names = {id(m): n for n, m in model.named_modules()}
-    by_owner: dict[int, list[_Call]] = defaultdict(list)
+    by_owner: dict[int, list[ActivationCall]] = defaultdict(list)
     for call in calls:
         by_owner[id(call.owner)].append(call)
     plans, left = [], []
     for owner_calls in by_owner.values():
         owner = owner_calls[0].owner
-        per_call: dict[int, list[_Call]] = defaultdict(list)
+        per_call: dict[int, list[ActivationCall]] = defaultdict(list)
         for call in owner_calls:
             per_call[call.invocation].append(call)
         runs = list(per_call.values())
-        signature = [[(c.kind, _channels(c)) for c in run] for run in runs]
+        signature = [[(c.kind, call_channels(c)) for c in run] for run in runs]
         if (any(s != signature[0] for s in signature) or len(runs) != invocations[id(owner)]
                 or isinstance(owner, (nn.Sequential, nn.ModuleList, nn.ModuleDict)) or id(owner) not in names):
             left += owner_calls  # control flow (or a container that iterates its children): not by order
             continue
         owner_name = names[id(owner)]
-        plan = _OwnerPlan(owner, owner_name, runs[0], {})
+        plan = OwnerPlan(owner, owner_name, runs[0], {})
         for k, call in enumerate(runs[0]):
             name = f"{owner_name}.{ATTR}.{call.kind}_{k}" if owner_name else f"{ATTR}.{call.kind}_{k}"
             gate = next((c.gate for run in runs if (c := run[k]).gate is not None), None)
@@ -415,15 +408,20 @@ def _plan_functional(
     return plans, left
 
 
-def _channels(call: _Call) -> tuple[int, int] | None:
+def call_channels(call: ActivationCall) -> tuple[int, int] | None:
     """``(channel_dim, width)`` of a functional call's input; None for a scalar."""
     return (call.channel_dim, call.shape[call.channel_dim]) if call.shape else None
 
 
-def _plan(
-    model: nn.Module, config: LinearizeConfig, example_inputs: Any, functional: bool
-) -> tuple[ConversionReport, list[tuple[nn.Module, str, nn.Module, list[_Call]]], list[_OwnerPlan]]:
-    """:func:`plan_conversion`, and with ``functional`` the units of functional calls per owner."""
+def plan_conversion(
+    model: nn.Module, config: LinearizeConfig, example_inputs: Any, functional: bool = False
+) -> tuple[ConversionReport, list[tuple[nn.Module, str, nn.Module, list[ActivationCall]]], list[OwnerPlan]]:
+    """Probe ``model`` and decide the replacement of every selected activation: ``(report, plan,
+    owner_plans)``. ``plan`` holds one ``(owner, attr, activation, calls)`` per registration to
+    replace (one call per unit); with ``functional`` the functional calls each owner's forward makes
+    get units too (``owner_plans``), else they are only listed in ``report.functional_calls``
+    (and ``owner_plans`` is empty). ``model`` is not modified (one probe forward in eval mode).
+    """
     regs = activation_registrations(model)
     report = ConversionReport()
     chosen = []

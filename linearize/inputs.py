@@ -41,7 +41,7 @@ import torch
 from torch import nn
 
 __all__ = [
-    "Batches", "call_model", "as_call", "eval_mode", "hooks", "model_device", "to_device",
+    "Batches", "call_model", "as_call", "eval_mode", "hooks", "model_device", "map_tensors", "to_device",
     "record_preactivations",
 ]
 
@@ -80,17 +80,28 @@ def model_device(model: nn.Module) -> torch.device | None:
     return next((t.device for t in (*model.parameters(), *model.buffers())), None)
 
 
+def map_tensors(obj: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
+    """``obj`` with ``fn`` applied to every tensor in it, through mappings (rebuilt as dicts), tuples,
+    lists and named tuples (rebuilt with their own type); anything else is kept as it is.
+
+    Example:
+        >>> map_tensors({"x": torch.ones(2), "n": 3}, lambda t: t * 2)
+        {'x': tensor([2., 2.]), 'n': 3}
+    """
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if isinstance(obj, Mapping):
+        return {k: map_tensors(v, fn) for k, v in obj.items()}
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # a named tuple takes its fields as arguments
+        return type(obj)(*(map_tensors(v, fn) for v in obj))
+    if isinstance(obj, (tuple, list)):
+        return type(obj)(map_tensors(v, fn) for v in obj)
+    return obj
+
+
 def to_device(inputs: Any, device: torch.device | None) -> Any:
-    """``inputs`` with every tensor (in tuples, lists and mappings too) moved to ``device``."""
-    if device is None:
-        return inputs
-    if isinstance(inputs, torch.Tensor):
-        return inputs.to(device)
-    if isinstance(inputs, Mapping):
-        return {k: to_device(v, device) for k, v in inputs.items()}
-    if isinstance(inputs, (tuple, list)):
-        return type(inputs)(to_device(v, device) for v in inputs)
-    return inputs
+    """``inputs`` with every tensor (in tuples, lists and mappings too) moved to ``device`` (:func:`map_tensors`)."""
+    return inputs if device is None else map_tensors(inputs, lambda t: t.to(device))
 
 
 # ----------------------------------------------------------------------------- data

@@ -104,8 +104,7 @@ def _negative_slopes(module: nn.Module, name: str) -> torch.Tensor:
                 "(use method='data' for other activations)"
             )
         check_finite_slopes([(name, module)], "stable_units")
-        a = module.slope.detach().double().cpu()
-        w = module.leak + a * (1.0 - module.leak)
+        w = module.prelu_weight(module.slope.detach().double().cpu())
     elif isinstance(module, nn.ReLU):
         w = torch.zeros(1, dtype=torch.float64)
     elif isinstance(module, nn.LeakyReLU):
@@ -458,7 +457,8 @@ def stable_units(
     time_limit: float | None = 10.0,
     progress: bool = False,
 ) -> StabilityResult:
-    """Find the stably active and stably inactive units of ``model`` over ``domain``.
+    """Find the stably active and stably inactive units of ``model`` over ``domain`` (``model`` is not
+    modified; :func:`linearize.compress` builds the smaller model, :func:`linearize.freeze` freezes in place).
 
     Args:
         model: a feedforward ``nn.Sequential`` ReLU/PReLU network (see the module docstring) in

@@ -18,8 +18,8 @@ momentum or weight decay cannot move them.
 
 from __future__ import annotations
 
+import copy
 import functools
-
 import math
 import weakref
 from typing import Callable, Iterable
@@ -32,11 +32,14 @@ from torch.overrides import handle_torch_function, has_torch_function_variadic
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 from torch.utils.weak import WeakIdKeyDictionary
 
+from .activations import FunctionalActivation
 from .checks import NonFiniteSlopeError, check_channel_dim, check_tol
 from .kernels import cpu_prelu
 
 __all__ = [
     "LinearizableActivation",
+    "ChannelPReLU",
+    "ChannelBlend",
     "units",
     "count_units",
     "nonlinear_fraction",
@@ -156,6 +159,53 @@ def _channels(v: torch.Tensor, ndim: int) -> torch.Tensor:
     return v.view([1, -1] + [1] * (ndim - 2)) if ndim > 1 else v
 
 
+class ChannelPReLU(nn.PReLU):
+    """``nn.PReLU`` whose channels sit at ``channel_dim`` (``nn.PReLU`` assumes dim 1).
+
+    ``weight`` ``[C]`` is the slope for negative inputs. Input ``[..., C, ...]`` with ``C`` at
+    ``channel_dim``; output has the same shape. A ReLU-family unit's plain form
+    (:meth:`LinearizableActivation.plain_activation`).
+    """
+
+    def __init__(self, weight: torch.Tensor, channel_dim: int = 1) -> None:
+        super().__init__(num_parameters=weight.numel(), device=weight.device, dtype=weight.dtype)
+        with torch.no_grad():
+            self.weight.copy_(weight.reshape(-1))
+        self.channel_dim = channel_dim
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dim = self.channel_dim % x.ndim
+        if dim == 1:
+            return F.prelu(x, self.weight)
+        if dim == x.ndim - 1:
+            return F.prelu(x.reshape(-1, self.num_parameters), self.weight).reshape(x.shape)
+        return F.prelu(x.movedim(dim, 1), self.weight).movedim(1, dim)
+
+    def extra_repr(self) -> str:
+        return f"num_parameters={self.num_parameters}, channel_dim={self.channel_dim}"
+
+
+class ChannelBlend(nn.Module):
+    """Fixed per-channel blend ``(1 - a) * act(x) + a * x`` (a frozen smooth unit's plain form).
+
+    ``slope`` ``[C]`` (a buffer) broadcast along ``channel_dim``.
+    """
+
+    def __init__(self, act: nn.Module, slope: torch.Tensor, channel_dim: int = 1) -> None:
+        super().__init__()
+        self.act = act
+        self.channel_dim = channel_dim
+        self.register_buffer("slope", slope.detach().clone().reshape(-1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = [1] * x.ndim
+        shape[self.channel_dim] = self.slope.numel()
+        return torch.lerp(self.act(x), x, self.slope.to(x.dtype).view(shape))
+
+    def extra_repr(self) -> str:
+        return f"channels={self.slope.numel()}, channel_dim={self.channel_dim}"
+
+
 class LinearizableActivation(nn.Module):
     """Per-channel blend of an activation with the identity.
 
@@ -225,13 +275,67 @@ class LinearizableActivation(nn.Module):
             return F.leaky_relu(x, self.leak) if self.leak else F.relu(x)
         return self.act(x) if "act" in self._modules else self.act_fn(x)
 
+    def prelu_weight(self, slope: torch.Tensor | None = None) -> torch.Tensor:
+        """The negative-side slope ``w = a + (1 - a) * leak`` (``a`` for a ReLU unit) of the PReLU this
+        ReLU / LeakyReLU unit computes, ``[C]``: ``unit(x) == F.prelu(x, w)`` with channels at dim 1.
+
+        Args:
+            slope: slopes ``a`` to use instead of the unit's own (any shape, dtype and device; the
+                unit's ``slope``, with its autograd graph, by default).
+
+        Raises ``TypeError`` for a smooth unit (``is_prelu`` is False): it is no PReLU.
+
+        Example:
+            >>> LinearizableActivation(nn.LeakyReLU(0.1), 2).prelu_weight(torch.tensor([0.0, 0.5]))
+            tensor([0.1000, 0.5500])
+        """
+        if self.leak is None:
+            raise TypeError(f"a {self.kind} unit is a blend, not a PReLU: prelu_weight needs a relu or "
+                            "leaky_relu unit (check unit.is_prelu)")
+        a = self.slope if slope is None else slope
+        return a if self.leak == 0 else a + (1 - a) * self.leak
+
+    def plain_activation(self, slope: torch.Tensor | None = None) -> nn.Module:
+        """A new plain module computing this unit at its slopes (or at ``slope``), holding its own copy of them.
+
+        ``nn.Identity`` when every slope is 1; the original activation when every slope is 0
+        (``nn.ReLU`` / ``nn.LeakyReLU`` for ReLU-family units, else a copy of ``act``, or a
+        :class:`~linearize.activations.FunctionalActivation` of ``act_fn``); otherwise a
+        :class:`ChannelPReLU` of :meth:`prelu_weight` (ReLU family) or a :class:`ChannelBlend`,
+        with channels at ``channel_dim``. The unit is not modified.
+
+        Args:
+            slope: ``[C']`` slopes to use instead of the unit's own (fold passes snapped slopes, or
+                more channels for a widened layer); the unit's current slopes by default.
+
+        Example:
+            >>> unit = LinearizableActivation(nn.ReLU(), 3)
+            >>> unit.plain_activation(), unit.plain_activation(torch.ones(3))
+            (ReLU(), Identity())
+        """
+        a = (self.slope if slope is None else slope).detach()
+        if bool((a >= 1).all()):
+            return nn.Identity()
+        if bool((a <= 0).all()):
+            return self._plain_act()
+        if self.is_prelu:
+            return ChannelPReLU(self.prelu_weight(a).to(self.slope.dtype), self.channel_dim)
+        return ChannelBlend(self._plain_act(), a.to(self.slope.dtype), self.channel_dim)
+
+    def _plain_act(self) -> nn.Module:
+        if self.leak is not None:
+            return nn.LeakyReLU(self.leak) if self.leak else nn.ReLU()
+        if "act" in self._modules:
+            return copy.deepcopy(self.act)
+        return FunctionalActivation(self.act_fn, self.kind)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dim = self._check(x)
         a = self.slope  # one module attribute lookup: the forward runs at every call site, every step
         if a.dtype != x.dtype:
             a = a.to(x.dtype)
         if self.leak is not None:
-            w = a if self.leak == 0 else a + (1 - a) * self.leak
+            w = self.prelu_weight(a)
             if dim == 1 or x.ndim == 2:
                 return _prelu(x, w)
             if dim == x.ndim - 1:
@@ -307,8 +411,6 @@ class LinearizableActivation(nn.Module):
 
 def _without_inplace(act: nn.Module) -> nn.Module:
     if getattr(act, "inplace", False):
-        import copy
-
         act = copy.copy(act)
         act.inplace = False
     return act

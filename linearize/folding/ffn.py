@@ -20,7 +20,7 @@ from torch.nn.modules.dropout import _DropoutNd
 
 from ..unit import LinearizableActivation
 from .layers import dense_wb, get_path, is_dense, is_pointwise_conv, make_linear, set_path
-from .modules import ConvWithPassthrough, LinearWithPassthrough, plain_from_slopes, snapped_slopes, units_of
+from .modules import ConvWithPassthrough, LinearWithPassthrough, snapped_slopes, units_of
 from .rules import Cost, FoldContext, FoldRule
 
 # Feed-forward modules whose layers sit in different submodules (not direct children of one
@@ -100,7 +100,7 @@ def split_ffn(
     keep = ~lin
     new_first = make_linear(w1[keep], b1[keep], first, cls=first_cls)
     new_second = make_linear(torch.cat([w2[:, keep], w_lin], 1), b_lin, second, cls=second_cls)
-    new_unit = plain_from_slopes(unit, torch.cat([a[keep], a.new_ones(d)]))  # identity on the d
+    new_unit = unit.plain_activation(torch.cat([a[keep], a.new_ones(d)]))  # identity on the d
     new_unit.channel_dim = -1 if family == "dense" else 1  # ChannelPReLU / ChannelBlend
     ctx.merged(
         f"{k}/{m} linear channels folded into a parallel {kind}; FFN narrowed to {n} channels "

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from ..checks import FoldVerificationError
-from ..inputs import call_model
+from ..inputs import call_model, map_tensors
 from .probe import Probe
 from .summary import FoldSummary
 
@@ -25,16 +25,6 @@ def _flatten_outputs(out: Any) -> list[torch.Tensor]:
     if isinstance(out, (list, tuple)):
         return [t for v in out for t in _flatten_outputs(v)]
     return []
-
-
-def _cast_inputs(inputs: Any, dtype: torch.dtype) -> Any:
-    if isinstance(inputs, torch.Tensor):
-        return inputs.to(dtype) if inputs.is_floating_point() else inputs
-    if isinstance(inputs, dict):
-        return {k: _cast_inputs(v, dtype) for k, v in inputs.items()}
-    if isinstance(inputs, (tuple, list)):
-        return type(inputs)(_cast_inputs(v, dtype) for v in inputs)
-    return inputs
 
 
 def _is_empty_batch(inputs: Any) -> bool:
@@ -90,7 +80,7 @@ def _verify(
     model_v, folded_v = model, folded
     if dtype is not None:
         model_v, folded_v = copy.deepcopy(model).to(dtype).eval(), copy.deepcopy(folded).to(dtype).eval()
-        inputs = _cast_inputs(inputs, dtype)
+        inputs = map_tensors(inputs, lambda t: t.to(dtype) if t.is_floating_point() else t)
         ref_out = _flatten_outputs(call_model(model_v, inputs))
         new_out = _flatten_outputs(call_model(folded_v, inputs))
     summary.verify_dtype = str(dtype or ref_out[0].dtype)

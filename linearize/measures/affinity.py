@@ -66,6 +66,7 @@ from threadpoolctl import threadpool_limits
 from torch import nn
 from tqdm.auto import tqdm
 
+from ..activations import MODULE_KINDS, OTHER_ELEMENTWISE
 from ..inputs import Batches, call_model, eval_mode, model_device
 from ..unit import LinearizableActivation
 
@@ -75,12 +76,7 @@ SHRINKAGE = (None, "ledoit-wolf")
 
 # Elementwise activation modules measured on models that were not converted (and on activations
 # a converted model left alone). Softmax / GLU are not elementwise maps and are left out.
-STANDARD_ACTIVATIONS: tuple[type[nn.Module], ...] = (
-    nn.ReLU, nn.ReLU6, nn.LeakyReLU, nn.PReLU, nn.RReLU, nn.ELU, nn.CELU, nn.SELU, nn.GELU,
-    nn.SiLU, nn.Mish, nn.Sigmoid, nn.Tanh, nn.Hardtanh, nn.Hardswish, nn.Hardsigmoid,
-    nn.Softplus, nn.Softsign, nn.Tanhshrink, nn.LogSigmoid, nn.Threshold, nn.Softshrink,
-    nn.Hardshrink,
-)
+STANDARD_ACTIVATIONS: tuple[type[nn.Module], ...] = tuple(cls for cls, _ in MODULE_KINDS) + OTHER_ELEMENTWISE
 
 
 # --------------------------------------------------------------------------------------------
