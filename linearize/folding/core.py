@@ -16,7 +16,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from ..checks import check_positive, check_tol
 from ..injection import CallSites, _reset_call_sites
 from ..hf import mark_folded
-from ..inputs import call_model, eval_mode
+from ..inputs import eval_mode
 from ..unit import LinearizableActivation, check_finite_slopes, units
 from .layers import set_path
 from .modules import plain_unit
