@@ -22,10 +22,15 @@ from .modules import _Residual, units_of
 from .rules import FoldContext, FoldRule
 
 
+def imported(module: str, *names: str) -> tuple[type, ...]:
+    """Classes ``names`` of the module ``module`` if it is imported (and has them), else ``()``."""
+    mod = sys.modules.get(module)
+    return tuple(c for c in (getattr(mod, n, None) for n in names) if c is not None) if mod is not None else ()
+
+
 def _torchvision(module: str, *names: str) -> tuple[type, ...]:
     """torchvision classes ``names`` of ``torchvision.models.<module>`` if it is imported, else ``()``."""
-    mod = sys.modules.get(f"torchvision.models.{module}")
-    return tuple(getattr(mod, n) for n in names) if mod is not None else ()
+    return imported(f"torchvision.models.{module}", *names)
 
 
 def fold_bn_attr(module: nn.Module, ctx: FoldContext, conv_attr: str, bn_attr: str) -> None:

@@ -13,13 +13,12 @@ Classes are looked up only if their module is already imported (fold never impor
 
 from __future__ import annotations
 
-import sys
 from collections import OrderedDict
 
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from .blocks import fold_skip
+from .blocks import fold_skip, imported
 from .chains import fold_sequential
 from .conv import BorderBiasConv, BorderExactConv
 from .layers import CONVS
@@ -33,13 +32,10 @@ TIMM = (("timm.models._efficientnet_blocks", "InvertedResidual",
         ("timm.models._efficientnet_blocks", "DepthwiseSeparableConv", ("conv_dw", "bn1", "aa", "se", "conv_pw", "bn2")))
 
 
-def _block_kind(m: nn.Module, table: tuple) -> tuple | None:
-    """The entry of ``table`` whose class (if its module is imported) ``m`` is an instance of."""
-    for module, cls, layout in table:
-        found = getattr(sys.modules.get(module), cls, None)
-        if found is not None and isinstance(m, found):
-            return module, cls, layout
-    return None
+def _layout(m: nn.Module, table: tuple) -> str | tuple[str, ...] | None:
+    """The layout (body attribute, or layer attributes in call order) of the ``table`` entry whose
+    class (if its module is imported) ``m`` is an instance of."""
+    return next((layout for module, cls, layout in table if isinstance(m, imported(module, cls))), None)
 
 
 def _one_conv(body: nn.Module) -> nn.Module | None:
@@ -51,7 +47,7 @@ def _one_conv(body: nn.Module) -> nn.Module | None:
 def fold_torchvision_inverted_residual(block: nn.Module, ctx: FoldContext) -> nn.Module:
     """MobileNet-V2 / V3 block whose body merged into one conv (``sequential`` rule): ``x + conv(x)``
     -> one conv (the skip in its centre tap); other blocks stay."""
-    conv = _one_conv(getattr(block, _block_kind(block, TORCHVISION)[2]))
+    conv = _one_conv(getattr(block, _layout(block, TORCHVISION)))
     if conv is None:
         return block
     if getattr(block, "use_res_connect", False):
@@ -78,7 +74,7 @@ def fold_timm_block(block: nn.Module, ctx: FoldContext) -> nn.Module | None:
         ctx.skipped("space-to-depth stem of the block not folded; left as is")
         return None
     items: list[tuple[str, nn.Module]] = []
-    for attr in _block_kind(block, TIMM)[2]:
+    for attr in _layout(block, TIMM):
         m = getattr(block, attr)
         if type(m).__name__ == "BatchNormAct2d" and m.running_mean is not None:  # BatchNorm, drop, act
             plain = _plain_bn(m)
@@ -98,12 +94,8 @@ def fold_timm_block(block: nn.Module, ctx: FoldContext) -> nn.Module | None:
     return _Residual(body, None)
 
 
-def _is_timm_block(m: nn.Module, ctx: FoldContext) -> bool:
-    return _block_kind(m, TIMM) is not None
-
-
 TORCHVISION_INVERTED_RESIDUAL = FoldRule(
-    "torchvision-inverted-residual", lambda m, ctx: _block_kind(m, TORCHVISION) is not None,
+    "torchvision-inverted-residual", lambda m, ctx: _layout(m, TORCHVISION) is not None,
     fold_torchvision_inverted_residual,
 )
-TIMM_INVERTED_RESIDUAL = FoldRule("timm-inverted-residual", _is_timm_block, fold_timm_block)
+TIMM_INVERTED_RESIDUAL = FoldRule("timm-inverted-residual", lambda m, ctx: _layout(m, TIMM) is not None, fold_timm_block)
