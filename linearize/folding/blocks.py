@@ -1,31 +1,36 @@
 """Rules for torchvision's residual blocks: BatchNorm folded into the convs of ``BasicBlock`` /
-``Bottleneck`` (and the ``ResNet`` stem), a body whose inner sites are all linear merged into one conv,
-and the skip (identity, or a 1x1 downsample conv with the merged stride) folded into the centre tap
-of that conv; MobileNet-V2 inverted residuals whose body became one conv (DepthShrinker-style).
+``Bottleneck`` (and the ``ResNet`` stem); convs joined by linear sites merged where the objective
+improves (pieces of the body in place, e.g. a Bottleneck's 1x1 -> 3x3 stride 2); a whole body merged
+into one conv with the skip (identity, or a 1x1 downsample conv with the merged stride) folded into
+its centre tap. :func:`fold_skip` is shared with the inverted residuals (:mod:`.inverted`).
 
 The classes are looked up only if torchvision's module is already imported: a model that holds
 them has imported it, and fold never imports torchvision itself."""
 
 from __future__ import annotations
 
-import copy
 import sys
 
 import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from .chains import segment_cost
+from .chains import is_map, merge_segment, plan_run, segment_cost
 from .conv import BorderBiasConv, BorderExactConv, merge_convs
 from .layers import CONVS, bn_foldable, fold_bn, is_plain_conv
 from .modules import _Residual, units_of
-from .rules import Cost, FoldContext, FoldRule
+from .rules import FoldContext, FoldRule
+
+
+def imported(module: str, *names: str) -> tuple[type, ...]:
+    """Classes ``names`` of the module ``module`` if it is imported (and has them), else ``()``."""
+    mod = sys.modules.get(module)
+    return tuple(c for c in (getattr(mod, n, None) for n in names) if c is not None) if mod is not None else ()
 
 
 def _torchvision(module: str, *names: str) -> tuple[type, ...]:
     """torchvision classes ``names`` of ``torchvision.models.<module>`` if it is imported, else ``()``."""
-    mod = sys.modules.get(f"torchvision.models.{module}")
-    return tuple(getattr(mod, n) for n in names) if mod is not None else ()
+    return imported(f"torchvision.models.{module}", *names)
 
 
 def fold_bn_attr(module: nn.Module, ctx: FoldContext, conv_attr: str, bn_attr: str) -> None:
@@ -90,53 +95,61 @@ def fold_skip(conv: nn.Module, shortcut: nn.Module | None, ctx: FoldContext, wha
     return conv
 
 
-def fold_inverted_residual(block: nn.Module, ctx: FoldContext) -> nn.Module:
-    """MobileNet-V2 block whose body merged into one conv: ``x + conv(x)`` -> one conv."""
-    body = block.conv
-    mods = list(body) if isinstance(body, nn.Sequential) else [body]
-    if len(mods) != 1 or not isinstance(mods[0], (*CONVS, BorderBiasConv, BorderExactConv)):
-        return block
-    if getattr(block, "use_res_connect", False):
-        return fold_skip(mods[0], None, ctx, "inverted residual")
-    ctx.merged("inverted residual became one conv (DepthShrinker)")
-    return mods[0]
+def _downsample_conv(block: nn.Module) -> tuple[nn.Module | None, str]:
+    """The block's projection shortcut as one conv (``None`` for the identity), or why it is not one."""
+    if block.downsample is None:
+        return None, ""
+    mods = list(block.downsample) if isinstance(block.downsample, nn.Sequential) else [block.downsample]
+    if len(mods) != 1 or not is_plain_conv(mods[0]):
+        return None, "downsample is not one conv"
+    return mods[0], ""
 
 
 def fold_resnet_block(block: nn.Module, ctx: FoldContext) -> nn.Module:
-    """torchvision BasicBlock / Bottleneck: fold BNs; merge the body if its sites are linear."""
+    """torchvision BasicBlock / Bottleneck: fold BNs; merge the convs between linear sites where the
+    objective improves (pieces of the body in place; a whole body with its skip in the centre tap)."""
     n_convs = 3 if hasattr(block, "conv3") else 2
     for i in range(1, n_convs + 1):
         fold_bn_attr(block, ctx, f"conv{i}", f"bn{i}")
     if any(isinstance(getattr(block, f"bn{i}"), _BatchNorm) for i in range(1, n_convs + 1)):
         return block  # a BatchNorm that could not fold sits in the body (reason reported)
     calls = units_of(block.relu)
+    if not calls:
+        return block
+    names = [f"conv{i}" for i in range(1, n_convs + 1)]
+    convs = [getattr(block, n) for n in names]
     # a unit reused for every call (built by hand) shares its slopes between all sites
-    inner = calls if len(calls) == 1 else calls[: n_convs - 1]
-    if not inner or not all(ctx.is_linear(u) for u in inner):
-        return block
-    shortcut = None
-    if block.downsample is not None:
-        mods = list(block.downsample) if isinstance(block.downsample, nn.Sequential) else [block.downsample]
-        if len(mods) != 1 or not is_plain_conv(mods[0]):
-            ctx.skipped("linear body not merged (downsample is not one conv)")
-            return block
-        shortcut = mods[0]
-    convs = [getattr(block, f"conv{i}") for i in range(1, n_convs + 1)]
-    before = ctx.cost(*convs)
-    after, reason = segment_cost(convs, ctx)
-    if after is None:
-        ctx.skipped(f"linear body not merged ({reason})")
-        return block
-    if not ctx.better(Cost(after.flops, 1, after.params), before):
-        ctx.skipped(
-            f"linear body not merged (FLOPs {before.flops:,.0f} -> {after.flops:,.0f} would not lower the "
-            f"{ctx.objective})"
-        )
-        return block
+    joined = [ctx.is_linear(calls[0] if len(calls) == 1 else calls[i]) and is_map(convs[i], ctx)
+              and is_map(convs[i + 1], ctx) for i in range(n_convs - 1)]
+    runs = [[0]]
+    for i, join in enumerate(joined):
+        runs[-1].append(i + 1) if join else runs.append([i + 1])
+    segments = [[run[k] for k in seg] for run in runs if len(run) > 1
+                for seg in plan_run([(ctx.site(names[i]), convs[i]) for i in run], ctx) if len(seg) > 1]
+    shortcut, why = _downsample_conv(block)
+    if segments == [list(range(n_convs))] and not why:
+        return _merge_body(block, convs, shortcut, calls, ctx)
+    if segments == [list(range(n_convs))]:
+        ctx.skipped(f"skip of the {type(block).__name__} not folded ({why})")
+    for seg in segments:  # in place: the linear units between them become identities
+        item = merge_segment([(ctx.site(names[i]), convs[i]) for i in seg], ctx)
+        if item is not None:
+            setattr(block, names[seg[0]], item[1])
+            for i in seg[1:]:
+                setattr(block, names[i], nn.Identity())
+    return block
+
+
+def _merge_body(
+    block: nn.Module, convs: list[nn.Module], shortcut: nn.Module | None, calls: list[nn.Module], ctx: FoldContext
+) -> nn.Module:
+    """The whole body as one conv with the skip folded in, then the block's last activation."""
     conv, kind = merge_convs(convs, ctx.probe.in_shape.get(id(convs[0])))
-    ctx.merged(f"linear body conv1..conv{n_convs} merged into one {kind} (FLOPs {before.flops:,.0f} -> {after.flops:,.0f})")
-    last_call = calls[-1] if calls else block.relu
-    act = ctx.plain(last_call) if calls else copy.deepcopy(last_call)
+    flops = (sum(ctx.flops(c) for c in convs), segment_cost(convs, ctx)[0].flops)
+    n = len(convs)
+    if not ctx.keep_merge(f"linear body conv1..conv{n} merged into one {kind}", convs, conv, flops):
+        return block
+    act = ctx.plain(calls[-1])
     body = fold_skip(conv, shortcut, ctx, type(block).__name__)
     return nn.Sequential(body, act) if not isinstance(act, nn.Identity) else body
 
@@ -146,11 +159,6 @@ def _fold_stem(model: nn.Module, ctx: FoldContext) -> nn.Module:
     return model
 
 
-INVERTED_RESIDUAL = FoldRule(
-    "torchvision-inverted-residual",
-    lambda m, ctx: isinstance(m, _torchvision("mobilenetv2", "InvertedResidual")),
-    fold_inverted_residual,
-)
 RESNET_BLOCK = FoldRule(
     "torchvision-resnet-block",
     lambda m, ctx: isinstance(m, _torchvision("resnet", "BasicBlock", "Bottleneck")),

@@ -70,7 +70,8 @@ def fold_sequential(seq: nn.Sequential, ctx: FoldContext) -> nn.Module:
     return nn.Sequential(*(m for _, m in kept))
 
 
-def _is_map(m: nn.Module, ctx: FoldContext) -> bool:
+def is_map(m: nn.Module, ctx: FoldContext) -> bool:
+    """A plain conv or dense layer that ran once: one fold may merge with its neighbours."""
     return (is_plain_conv(m) or is_dense(m)) and ctx.once(m)
 
 
@@ -86,7 +87,7 @@ def _merge_runs(items: list[Item], ctx: FoldContext) -> tuple[list[Item], bool]:
     changed = False
     i = 0
     while i < len(items):
-        if not _is_map(items[i][1], ctx):
+        if not is_map(items[i][1], ctx):
             out.append(items[i])
             i += 1
             continue
@@ -96,16 +97,17 @@ def _merge_runs(items: list[Item], ctx: FoldContext) -> tuple[list[Item], bool]:
             if is_transparent(items[j][1]):
                 j += 1
                 continue
-            if _is_map(items[j][1], ctx) and _same_family(items[run[-1]][1], items[j][1]):
+            if is_map(items[j][1], ctx) and _same_family(items[run[-1]][1], items[j][1]):
                 run.append(j)
                 j += 1
                 continue
             break
-        for seg in _plan_run([items[k] for k in run], ctx):
-            if len(seg) == 1:
-                out.append(items[run[seg[0]]])
+        for seg in plan_run([items[k] for k in run], ctx):
+            merged = merge_segment([items[run[k]] for k in seg], ctx) if len(seg) > 1 else None
+            if merged is None:  # one map, or a merge the latency probe refused: the pieces stay
+                out.extend(items[run[seg[0]]:run[seg[-1]] + 1])
             else:
-                out.append(_merge_segment([items[run[k]] for k in seg], ctx))
+                out.append(merged)
                 changed = True
             # dropouts inside a merged segment go; those between segments stay
             nxt = run[seg[-1] + 1] if seg[-1] + 1 < len(run) else j
@@ -148,8 +150,9 @@ def segment_cost(maps: list[nn.Module], ctx: FoldContext) -> tuple[Cost | None, 
     return cost, ""
 
 
-def _plan_run(run: list[Item], ctx: FoldContext) -> list[list[int]]:
-    """Best split of a run of maps into merged segments (dynamic program over segments)."""
+def plan_run(run: list[Item], ctx: FoldContext) -> list[list[int]]:
+    """Best split of a run of adjacent maps into merged segments (dynamic program over segments);
+    reports why neighbouring segments were not merged."""
     maps = [m for _, m in run]
     r = len(maps)
     best: list[tuple[Cost, list[list[int]]]] = [(Cost(), [])]
@@ -183,7 +186,9 @@ def _plan_run(run: list[Item], ctx: FoldContext) -> list[list[int]]:
     return plan
 
 
-def _merge_segment(seg: list[Item], ctx: FoldContext) -> Item:
+def merge_segment(seg: list[Item], ctx: FoldContext) -> Item | None:
+    """``seg``'s maps merged into one layer (named as the first), or ``None`` where
+    :meth:`FoldContext.keep_merge` refuses it (slower when timed)."""
     names = [n for n, _ in seg]
     maps = [m for _, m in seg]
     before = sum(ctx.flops(m) for m in maps)
@@ -199,7 +204,8 @@ def _merge_segment(seg: list[Item], ctx: FoldContext) -> Item:
         kind = f"Linear({w.shape[1]}, {w.shape[0]})"
     else:
         new, kind = merge_convs(maps, ctx.probe.in_shape.get(id(maps[0])))
-    ctx.merged(f"merged into one {kind} (FLOPs {before:,.0f} -> {after:,.0f})", " o ".join(reversed(names)))
+    if not ctx.keep_merge(f"merged into one {kind}", maps, new, (before, after), " o ".join(reversed(names))):
+        return None
     ctx.probe.register(new, like=maps[-1], first=maps[0])
     return names[0], new
 

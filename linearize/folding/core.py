@@ -5,9 +5,8 @@ from __future__ import annotations
 
 import copy
 import functools
-import statistics
-import time
 import warnings
+from dataclasses import replace
 from typing import Any, Iterable
 
 import torch
@@ -17,13 +16,14 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from ..checks import check_positive, check_tol
 from ..injection import CallSites, _reset_call_sites
 from ..hf import mark_folded
-from ..inputs import call_model, eval_mode
+from ..inputs import eval_mode
 from ..unit import LinearizableActivation, check_finite_slopes, units
 from .layers import set_path
 from .modules import plain_unit
 from .probe import Probe, run_counting
 from .rules import FoldContext, FoldRuleLike, Objective, check_rules, fold_rules, is_builtin
 from .summary import FoldSummary
+from .timing import median_latency_ms
 from .verify import _check_reference, _describe_inputs, _flatten_outputs, _is_empty_batch, _untouched_layers, _verify
 
 __all__ = ["fold"]
@@ -39,7 +39,7 @@ def _visit(module: nn.Module, ctx: FoldContext, rules: list[FoldRuleLike]) -> nn
         if not rule.matches(module, ctx):
             continue
         reported, merged = len(ctx.summary.skipped), len(ctx.summary.merged)
-        new = rule.apply(module, ctx)
+        new = rule.apply(module, replace(ctx, rule=rule.name))
         if new is None:
             if len(ctx.summary.skipped) == reported and not is_builtin(rule):  # built-ins say why themselves
                 ctx.skipped(f"fold rule {rule.name!r} matched {type(module).__name__} but declined; left as is")
@@ -91,24 +91,6 @@ def _replace_units(model: nn.Module, tol: float, summary: FoldSummary) -> nn.Mod
 
 
 
-@torch.no_grad()
-def _latency(models: list[nn.Module], inputs: Any, budget_s: float = 2.0) -> list[float]:
-    """Median wall time (ms) of each model, repetitions interleaved (a, b, a, b, ...)."""
-    for m in models:  # warm-up
-        call_model(m, inputs)
-    t0 = time.perf_counter()
-    call_model(models[0], inputs)
-    one = max(time.perf_counter() - t0, 1e-6)
-    reps = int(min(max(budget_s / (len(models) * one), 5), 200))
-    times: list[list[float]] = [[] for _ in models]
-    for _ in range(reps):
-        for i, m in enumerate(models):
-            t = time.perf_counter()
-            call_model(m, inputs)
-            times[i].append(time.perf_counter() - t)
-    return [1e3 * statistics.median(t) for t in times]
-
-
 def fold(
     model: nn.Module,
     example_inputs: Any,
@@ -119,6 +101,7 @@ def fold(
     dtype: torch.dtype | None = None,
     latency: bool = True,
     rules: Iterable[FoldRuleLike] | None = None,
+    merge_latency: bool = False,
 ) -> nn.Module:
     """Return a new plain PyTorch model computing ``model``'s function with linear parts folded.
 
@@ -144,6 +127,9 @@ def fold(
         latency: measure CPU latency before and after (median of interleaved repetitions).
         rules: the fold rules for this call, in order (``None``: the registered ones,
             :func:`~linearize.folding.rules.fold_rules`; see :func:`linearize.register_fold_rule`).
+        merge_latency: also time every merge the objective chose (its pieces against the merged
+            layer, batch 1, one thread, about 0.2 s each) and keep it only where the merged layer is
+            faster; ``summary.merges`` lists every merge with its rule, FLOPs and latency before / after.
 
     Returns:
         The folded model (eval mode) with ``folded.linearize_fold_summary`` (:class:`FoldSummary`).
@@ -208,7 +194,7 @@ def fold(
         summary.skipped.append(msg)
         warnings.warn(msg + "; call linearize.convert(model) and train it to fold more", stacklevel=2)
 
-    folded = _visit(folded, FoldContext(objective, tol, probe, summary), rules)
+    folded = _visit(folded, FoldContext(objective, tol, probe, summary, time_merges=merge_latency), rules)
     folded = _replace_units(folded, tol, summary)
     summary.skipped = list(dict.fromkeys(summary.skipped))
     folded.eval()
@@ -223,7 +209,7 @@ def fold(
     _verify(model, folded, example_inputs, ref_out, _flatten_outputs(output), summary, atol, rtol, dtype, untouched)
     if latency:
         with eval_mode(model):
-            summary.latency_ms_before, summary.latency_ms_after = _latency([model, folded], example_inputs)
+            summary.latency_ms_before, summary.latency_ms_after = median_latency_ms([model, folded], example_inputs)
     folded.linearize_fold_summary = summary
     return folded
 

@@ -23,7 +23,8 @@ from ..unit import LinearizableActivation
 from .flops import module_flops
 from .modules import linear_unit, plain_unit
 from .probe import Probe
-from .summary import FoldSummary
+from .summary import FoldSummary, MergeRecord
+from .timing import median_latency_ms
 
 __all__ = ["Cost", "Objective", "FoldContext", "FoldRule", "register_fold_rule", "unregister_fold_rule", "fold_rules"]
 
@@ -96,13 +97,16 @@ class Objective:
 @dataclass
 class FoldContext:
     """What a rule sees: the objective, ``tol``, the probe forward's record, the summary to report
-    to, and ``name``, the qualified name of the module being visited (``""`` for the root)."""
+    to, ``name``, the qualified name of the module being visited (``""`` for the root), ``rule``, the
+    name of the rule being applied, and ``time_merges``: whether :meth:`keep_merge` times merges."""
 
     objective: Objective
     tol: float
     probe: Probe
     summary: FoldSummary
     name: str = ""
+    rule: str = ""
+    time_merges: bool = False
 
     def at(self, name: str) -> "FoldContext":
         """This context for the module at ``name``."""
@@ -149,6 +153,35 @@ class FoldContext:
     def skipped(self, why: str, site: str | None = None) -> None:
         """Report something left as is and why."""
         self.summary.skipped.append(f"{self.name if site is None else site}: {why}")
+
+    def keep_merge(
+        self, what: str, pieces: list[nn.Module], merged: nn.Module, flops: tuple[float, float], site: str | None = None
+    ) -> bool:
+        """Whether to keep a merge that the objective chose (``pieces``, applied in order, as the one
+        layer ``merged``; ``flops``: before and after), recorded in ``summary.merges`` and reported.
+
+        With ``time_merges`` both are timed on a batch-1 input of the recorded shape on one thread
+        (:func:`~.timing.median_latency_ms`): a merged layer that is not faster is refused.
+        """
+        site = self.name if site is None else site
+        record = MergeRecord(site, self.rule, what, float(flops[0]), float(flops[1]))
+        shape = self.probe.in_shape.get(id(pieces[0]))
+        if self.time_merges and shape is not None:
+            p = next(pieces[0].parameters())
+            x = torch.randn(1, *shape[1:], dtype=p.dtype, device=p.device)
+            record.latency_ms_before, record.latency_ms_after = median_latency_ms(
+                [nn.Sequential(*pieces), merged], x, budget_s=0.2, threads=1
+            )
+            record.kept = record.latency_ms_after < record.latency_ms_before
+        self.summary.merges.append(record)
+        timed = "" if record.latency_ms_before is None else (
+            f", batch-1 latency {record.latency_ms_before:.4f} -> {record.latency_ms_after:.4f} ms"
+        )
+        if record.kept:
+            self.merged(f"{what} (FLOPs {flops[0]:,.0f} -> {flops[1]:,.0f}{timed})", site)
+        else:
+            self.skipped(f"not merged into {what}: FLOPs {flops[0]:,.0f} -> {flops[1]:,.0f} but slower{timed}", site)
+        return record.kept
 
 
 class FoldRuleLike(Protocol):

@@ -6,10 +6,38 @@ from dataclasses import dataclass, field
 
 
 @dataclass
+class MergeRecord:
+    """One merge of several layers into one that the cost model chose (``FoldSummary.merges``).
+
+    ``site``: the merged layers (``"b o a"``) or block; ``rule``: the fold rule that made it;
+    ``result``: what they became; FLOPs over the whole ``example_inputs`` batch, before (the pieces,
+    BatchNorm already folded) and after. With ``fold(..., merge_latency=True)`` the pieces and the
+    merged layer were also timed at batch 1 on one thread (median ms; else ``None``), and ``kept`` is
+    ``False`` where the merged layer was not faster, so fold left the pieces.
+    """
+
+    site: str
+    rule: str
+    result: str
+    flops_before: float
+    flops_after: float
+    latency_ms_before: float | None = None
+    latency_ms_after: float | None = None
+    kept: bool = True
+
+    def __str__(self) -> str:
+        text = f"{self.site} [{self.rule}] -> {self.result}: FLOPs {self.flops_before:,.0f} -> {self.flops_after:,.0f}"
+        if self.latency_ms_before is not None and self.latency_ms_after is not None:
+            text += f", batch-1 latency {self.latency_ms_before:.4f} -> {self.latency_ms_after:.4f} ms"
+        return text + ("" if self.kept else " (slower: not merged)")
+
+
+@dataclass
 class FoldSummary:
     """What :func:`fold` did, attached to the result as ``folded.linearize_fold_summary``.
 
-    ``merged`` and ``skipped`` hold one line per decision (``"site: what (why)"``). FLOPs count
+    ``merged`` and ``skipped`` hold one line per decision (``"site: what (why)"``); ``merges`` one
+    :class:`MergeRecord` per merge of layers (rule, FLOPs and latency before / after). FLOPs count
     2 per multiply-add of every linear, conv, matmul and attention op plus 2 per BatchNorm
     element, over the whole ``example_inputs`` batch (other element-wise ops not counted).
     Latencies are medians in milliseconds of interleaved repetitions on ``example_inputs``
@@ -26,6 +54,7 @@ class FoldSummary:
     tol: float
     merged: list[str] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)
+    merges: list[MergeRecord] = field(default_factory=list)
     units_before: int = 0
     units_left: int = 0
     params_before: int = 0
@@ -81,5 +110,6 @@ class FoldSummary:
                 f"verified on the {self.verified_on} ({self.verified_why}): max abs error "
                 f"{self.signal_error:.3g} (scale {self.signal_scale:.3g}, tolerance {self.signal_tolerance:.3g})"
             )
+        lines += [f"merge: {m}" for m in self.merges]
         lines += [f"merged: {m}" for m in self.merged] + [f"skipped: {s}" for s in self.skipped]
         return "\n".join(lines)

@@ -1,0 +1,104 @@
+"""Benchmark the folds that pay (issue 20): CPU latency of a MobileNet-V2 with about half its blocks
+linear, before and after ``linearize.fold``, at batch 1 and batch 64 on one thread.
+
+The model is torchvision's ``mobilenet_v2`` with the CIFAR stem (stem conv and the first stride-2
+block at stride 1: 32x32 inputs end at 4x4), random weights and BatchNorm statistics from random
+inputs (no training: latency does not depend on the weights). Every other expanding block (blocks
+2, 4, ..., 16) gets all its units' channels linear (slope 1), the others the plain ReLU6 (slope 0).
+Three models are timed in one run, repetitions interleaved (median ms):
+
+* ``original``: the plain torchvision model (ReLU6, BatchNorm not folded), what a user starts from;
+* ``bn-folded``: the same model folded with no linear site (BatchNorm folding only), the fair baseline;
+* ``merged``: the half-linear model folded with ``merge_latency=True``: each linear block's
+  expand 1x1 -> depthwise 3x3 -> project 1x1 becomes one 3x3 conv (skip in its centre tap) where
+  FLOPs drop and the batch-1 probe measures it faster.
+
+    python recipes/benchmarks/fold_merges.py                 # width 0.5, about a minute on one core
+    python recipes/benchmarks/fold_merges.py --width 1.0 --budget 20
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import warnings
+
+import torch
+from torch import nn
+
+import linearize
+from linearize.folding import count_flops
+from linearize.folding.timing import median_latency_ms
+
+
+def cifar_mobilenet_v2(width: float, num_classes: int = 10) -> nn.Module:
+    """torchvision MobileNet-V2 with the CIFAR stem: stem conv and block 2 at stride 1."""
+    from torchvision.models import mobilenet_v2
+
+    model = mobilenet_v2(width_mult=width, num_classes=num_classes)
+    model.features[0][0].stride = (1, 1)
+    model.features[2].conv[1][0].stride = (1, 1)
+    return model
+
+
+def calibrate(model: nn.Module, size: int = 32) -> nn.Module:
+    """BatchNorm running statistics from two random batches (cumulative average), then eval mode."""
+    for m in model.modules():
+        if isinstance(m, nn.modules.batchnorm._BatchNorm):
+            m.momentum = None
+    model.train()
+    with torch.no_grad():
+        for _ in range(2):
+            model(torch.randn(32, 3, size, size))
+    return model.eval()
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--width", type=float, default=0.5, help="MobileNet-V2 width multiplier")
+    parser.add_argument("--budget", type=float, default=6.0, help="seconds of timing per batch size")
+    args = parser.parse_args(argv)
+    torch.manual_seed(0)
+    torch.set_num_threads(1)
+
+    original = calibrate(cifar_mobilenet_v2(args.width))
+    x = torch.randn(8, 3, 32, 32)
+    model = copy.deepcopy(original)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        linearize.convert(model, example_inputs=x)
+    linear_blocks = [f"features.{i}" for i in range(2, 18, 2)]
+    with torch.no_grad():
+        for name, unit in linearize.units(model):
+            unit.slope.fill_(1.0 if any(name.startswith(b + ".") for b in linear_blocks) else 0.0)
+    plain = copy.deepcopy(model)
+    with torch.no_grad():
+        for _, unit in linearize.units(plain):
+            unit.slope.fill_(0.0)
+    bn_folded = linearize.fold(plain, x, latency=False)
+    merged = linearize.fold(model, x, latency=False, merge_latency=True)
+    summary = merged.linearize_fold_summary
+
+    print(f"MobileNet-V2 width {args.width}, CIFAR stem, 32x32 input, blocks {', '.join(b[9:] for b in linear_blocks)} "
+          f"linear ({sum(r.kept for r in summary.merges)} of {len(summary.merges)} block merges kept)")
+    print(f"max abs error of the fold {summary.max_abs_error:.2g} (output scale {summary.output_scale:.3g})")
+    for r in summary.merges:
+        print(f"  {r}")
+    models = {"original": original, "bn-folded": bn_folded, "merged": merged}
+    result: dict = {"flops": {k: count_flops(m, x[:1]) for k, m in models.items()}}
+    f = result["flops"]
+    print(f"\nFLOPs per image: original {f['original']:,}, bn-folded {f['bn-folded']:,}, merged {f['merged']:,} "
+          f"(merged / bn-folded {f['merged'] / f['bn-folded']:.3f})")
+    print(f"\n{'batch':>5} | {'original ms':>11} | {'bn-folded ms':>12} | {'merged ms':>9} | "
+          f"{'merged / original':>17} | {'merged / bn-folded':>18}")
+    for batch in (1, 64):
+        inputs = torch.randn(batch, 3, 32, 32)
+        t = dict(zip(models, median_latency_ms(list(models.values()), inputs, budget_s=args.budget, threads=1)))
+        result[batch] = t
+        print(f"{batch:>5} | {t['original']:>11.3f} | {t['bn-folded']:>12.3f} | {t['merged']:>9.3f} | "
+              f"{t['merged'] / t['original']:>17.3f} | {t['merged'] / t['bn-folded']:>18.3f}")
+    return result
+
+
+if __name__ == "__main__":
+    main()
