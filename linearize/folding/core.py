@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import copy
 import functools
-import statistics
-import time
 import warnings
 from typing import Any, Iterable
 
@@ -18,6 +16,7 @@ from ..checks import check_positive, check_tol
 from ..injection import CallSites, _reset_call_sites
 from ..hf import mark_folded
 from ..inputs import call_model, eval_mode
+from ..timing import median_ms
 from ..unit import LinearizableActivation, check_finite_slopes, units
 from .layers import set_path
 from .modules import plain_unit
@@ -91,22 +90,9 @@ def _replace_units(model: nn.Module, tol: float, summary: FoldSummary) -> nn.Mod
 
 
 
-@torch.no_grad()
 def _latency(models: list[nn.Module], inputs: Any, budget_s: float = 2.0) -> list[float]:
-    """Median wall time (ms) of each model, repetitions interleaved (a, b, a, b, ...)."""
-    for m in models:  # warm-up
-        call_model(m, inputs)
-    t0 = time.perf_counter()
-    call_model(models[0], inputs)
-    one = max(time.perf_counter() - t0, 1e-6)
-    reps = int(min(max(budget_s / (len(models) * one), 5), 200))
-    times: list[list[float]] = [[] for _ in models]
-    for _ in range(reps):
-        for i, m in enumerate(models):
-            t = time.perf_counter()
-            call_model(m, inputs)
-            times[i].append(time.perf_counter() - t)
-    return [1e3 * statistics.median(t) for t in times]
+    """Median wall time (ms) of each model on ``inputs``, repetitions interleaved (a, b, a, b, ...)."""
+    return median_ms([functools.partial(call_model, m, inputs) for m in models], budget_s)
 
 
 def fold(
