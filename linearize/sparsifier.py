@@ -62,6 +62,28 @@ no channel is snapped from far away, and the exactly-linear count reaches the ta
 (``mode="loss"``): its gradient ``-lam_t * w`` goes through the optimizer, so with Adam it is
 rescaled per parameter and momentum carries it past 1; the proximal step is optimizer-agnostic.
 
+**Cost targets** (``target(flops=0.6)`` or ``target(latency=0.7)``, with ``granularity="site"`` or
+``"block"`` and ``example_inputs``) steer the *folded* model's cost instead of the nonlinear
+fraction: the cost of a set of linear groups (sites, or blocks) is measured by folding a copy of the
+model with exactly those groups linear (:func:`linearize.fold`; FLOPs by fold's own counter, or the
+median CPU latency of the folded model), as a fraction of the same model folded with no group
+linear. At the target's start a plan is made once: a modified greedy for the covering knapsack
+"lose the least importance with cost <= budget" adds groups by importance per unit of *marginal*
+saving (each from a real fold, so interactions between sites count), records every group that
+alone would complete the budget as a candidate instead of adding it, keeps the least important
+candidate, then drops every group it can do without. Importance is the slope gap ``sum (1 - a)``
+of a group's free channels (``select="slope"``) or the sum of their saliencies
+(``select="saliency"``, once every group has had a gradient: start the target after some steps).
+For additive savings this greedy loses at most twice the optimal importance (the bound of the
+modified greedy for min-knapsack); fold's savings interact (merging two layers needs both sites
+linear), where no bound holds, but the budget is always met: the plan's last set is folded and
+counted. The path then descends from the cost at ``start`` to the budget along the cubic path, each
+step making linear the shortest prefix of the plan whose folded cost is within the path's value
+(groups glide to 1 as with a fraction target; all others stay below ``1 - release``), and holds it
+from ``end`` on. Planning folds the model ``O(groups^2)`` times (once); a budget below the cost with
+every group linear, a cost target with ``granularity="channel"`` or without ``example_inputs`` are
+refused with the fix.
+
 Three added lines in a plain loop::
 
     sparsifier = linearize.Sparsifier(model, linearize.schedules.target(0.10, end=0.8), total_steps)

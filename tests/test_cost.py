@@ -88,6 +88,7 @@ def test_block_target_makes_whole_blocks_linear():
     x, y = torch.randn(16, 3, 8, 8), torch.randint(0, 3, (16,))
     opt = torch.optim.SGD(linearize.param_groups(model, weight_decay=0.0), lr=0.05)
     sp = linearize.Sparsifier(model, S.target(0.5, end=20), total_steps=25, granularity="block").attach(opt)
+    assert sp.state_dict()["groups"] == 3 and sp.cost_plan is None  # a fraction target makes no plan
     for _ in range(25):
         opt.zero_grad()
         nn.functional.cross_entropy(model(x), y).backward()
@@ -137,12 +138,15 @@ def _mlp() -> nn.Module:
 
 
 def _true_flops(model: nn.Module, linear_sites: set[str], x: torch.Tensor) -> int:
-    """The truth: the sites ``linear_sites`` at slope 1, frozen, folded, and the folded model counted."""
-    model = copy.deepcopy(model)
+    """The truth: the sites ``linear_sites`` at slope 1 (the others at most 0.5), frozen, folded, and the
+    folded model counted."""
+    model = copy.deepcopy(model).eval()
     with torch.no_grad():
         for name, u in linearize.units(model):
             if name in linear_sites:
                 u.slope.fill_(1.0)
+            else:
+                u.slope.clamp_(max=0.5)
     linearize.freeze(model, tol=0.0)
     return count_flops(linearize.fold(model, x, latency=False), x)
 
@@ -186,6 +190,24 @@ def test_cost_target_path_descends_to_the_budget_and_holds():
         costs.append(next(p["cost"] for p in sp.cost_plan if set(p["sites"]) == linear))
     assert costs[0] == 1.0 and all(a >= b for a, b in zip(costs, costs[1:]))
     assert all(c == costs[-1] <= 0.35 for c in costs[11:])  # reached by the end and held
+
+
+def test_saliency_cost_target_plans_from_the_gradients_and_meets_the_budget():
+    model, x = _mlp().train(), torch.randn(32, 16)
+    y = torch.randint(0, 4, (32,), generator=torch.Generator().manual_seed(0))
+    opt = torch.optim.SGD(linearize.param_groups(model, weight_decay=0.0), lr=0.05)
+    sp = linearize.Sparsifier(model, S.target(flops=0.4, start=4, end=10), total_steps=14, granularity="site",
+                              select="saliency", example_inputs=x[:2]).attach(opt)
+    for step in range(14):
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        if step == 3:  # the plan is made at the next step, from the saliencies seen so far
+            saliency = {n: float(v.sum()) for n, v in sp.saliency().items()}
+    linear = {n for n, u in linearize.units(model) if bool((u.slope == 1).all())}
+    assert linear == set(sp.cost_plan[-1]["sites"]) and sp.cost_plan[-1]["cost"] <= 0.4
+    assert _true_flops(model, linear, x[:2]) <= 0.4 * _true_flops(model, set(), x[:2])
+    assert all(v > 0 for v in saliency.values())
 
 
 def test_cost_target_errors_name_the_fix():
