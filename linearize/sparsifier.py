@@ -269,7 +269,7 @@ class Sparsifier:
         self.optimizer = _torch_optimizer(optimizer) if optimizer is not None else None
         self._weights = self._build_weights(model, weights, example_inputs)
         self.step_count = 0
-        self.initial_fraction: float | None = None  # measured at a target schedule's start
+        self.initial_fraction: float | None = None  # measured at a target's start (a cost target: the cost ratio)
         self._selected: torch.Tensor | None = None  # bool [C], channels the target glides to 1
         self.select = select
         self.granularity = granularity
@@ -561,9 +561,10 @@ class Sparsifier:
             unit.slope.copy_(torch.where(free, 1.0 - gap * shrink, unit.slope.double()).to(unit.slope.dtype))
 
     def _project_budget(self, wanted: float, before: torch.Tensor) -> None:
-        """Glide the selected channels to 1 so that ``round(wanted * C)`` stay nonlinear (module docs).
+        """Glide the selected channels to 1 so that ``round(wanted * C)`` stay nonlinear, or for a cost
+        target the groups of the shortest plan prefix whose folded cost is within ``wanted`` (module docs).
 
-        ``wanted``: the path's fraction ``G`` steps ahead; ``before``: the slopes before the
+        ``wanted``: the path's value ``G`` steps ahead; ``before``: the slopes before the
         proximal step (a slope rises by at most :attr:`max_step` from there).
         """
         slopes = torch.cat([u.slope.detach().float() for _, u in self._units])
@@ -670,8 +671,8 @@ class Sparsifier:
         cost, goal = self.schedule.cost, self.schedule.goal
         if goal < floor:
             raise ValueError(
-                f"target({cost}={goal}) is below the cost of this model folded with every site linear that can be "
-                f"({floor:.4f} of the model folded with none linear): pass {cost}= of at least {floor:.4f}"
+                f"target({cost}={goal}) is below the cost of this model folded with every site linear ({floor:.4f} "
+                f"of it folded with none linear; sites frozen nonlinear stay so): pass {cost}= of at least {floor:.4f}"
             )
 
     def _importance(self, before: torch.Tensor) -> list[float]:
