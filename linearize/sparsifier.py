@@ -897,7 +897,8 @@ def site_groups(model: nn.Module, blocks: Sequence[str] | None = None) -> dict[s
             model has no block of a known class (pass ``blocks=[...]``).
 
     Example:
-        >>> site_groups(resnet20, blocks=["layer1.0", "layer1.1"])["layer1.0"]
+        >>> net = linearize.convert(torchvision.models.resnet18(), example_inputs=torch.randn(1, 3, 32, 32))
+        >>> site_groups(net)["layer1.0"]
         ['layer1.0.relu.calls.0', 'layer1.0.relu.calls.1']
     """
     modules = dict(model.named_modules())
@@ -982,7 +983,9 @@ def flops_weights(model: nn.Module, example_inputs) -> dict[str, float]:
     ``nn.Linear``, HF ``Conv1D``, convs); units without a neighbouring layer get the mean weight.
 
     Example:
-        >>> flops_weights(net, torch.randn(8, 4))   # {'1': 24.0, '3': 12.0}
+        >>> net = linearize.convert(nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)))
+        >>> flops_weights(net, torch.randn(3, 4))   # (4 * 8 + 8 * 2) / 8
+        {'1': 6.0}
     """
     around, calls = _neighbour_layers(model, example_inputs)
     cost = {j: module_flops(m, args, out) / 2 / max(out.shape[0], 1) for j, (m, args, out) in enumerate(calls)}
@@ -1000,7 +1003,10 @@ def latency_weights(model: nn.Module, example_inputs, budget_s: float = 1.0) -> 
     size does not.
 
     Example:
-        >>> latency_weights(net, torch.randn(8, 4), budget_s=0.2)   # {'1': 0.004, '3': 0.002}
+        >>> net = linearize.convert(nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)))
+        >>> w = latency_weights(net, torch.randn(3, 4), budget_s=0.05)   # ms per channel
+        >>> list(w), w["1"] > 0
+        (['1'], True)
     """
     budget_s = check_positive(budget_s, "budget_s")
     around, calls = _neighbour_layers(model, example_inputs)
