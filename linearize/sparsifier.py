@@ -694,9 +694,9 @@ class Sparsifier:
         adding it; keep the least important candidate, then drop every group it can do without.
         """
         always, never = self._group_frozen()
-        linear_now = torch.cat(self._linear_masks()).cpu()
+        linear_before = before.cpu() == 1  # linear before this step's push: kept
         start = {g for g in range(len(self._groups))
-                 if always[g] or bool(linear_now[self._channel_group == g].all())}
+                 if always[g] or bool(linear_before[self._channel_group == g].all())}
         self._plan_start = start
         importance = self._importance(before)
         budget = self.schedule.goal * self._reference
