@@ -6,7 +6,8 @@ A schedule is a small object (or any plain function) evaluated at ``(step, total
 - :func:`early` pressure from step 0, optionally ramped up over ``ramp`` steps;
 - :func:`late` no pressure until ``start``, then on (optionally ramped);
 - :func:`linear` / :func:`cosine` warm-up ramps of ``lam``;
-- :func:`target` steer the *nonlinear fraction* to a requested value by ``end`` and hold it.
+- :func:`target` steer the *nonlinear fraction* (or the folded model's FLOPs or latency) to a
+  requested value by ``end`` and hold it.
 
 Step arguments (``start``, ``end``, ``ramp``) are either a **float in [0, 1]**, a fraction of
 ``total_steps``, or an **int**, an absolute optimizer step (so ``1.0`` is the end of training,
@@ -155,33 +156,49 @@ class Ramp(Schedule):
 
 @dataclass
 class Target(Schedule):
-    """Steer the nonlinear fraction to ``fraction`` by ``end``, then hold it (see module docs).
+    """Steer the nonlinear fraction, or the folded model's cost, to a goal by ``end``, then hold it
+    (see module docs).
 
     Attributes:
         fraction: wanted nonlinear fraction in ``(0, 1]``.
-        start, end: the path runs from ``start`` (fraction measured there) to ``end``.
+        start, end: the path runs from ``start`` (value measured there) to ``end``.
         lam: L1 proximal pressure during ``[start, end]`` (``None``: the Sparsifier's ``lam``);
             after ``end`` only the projection acts unless ``hold`` is set.
-        power: exponent of the path ``f(p) = target + (f0 - target) * (1 - p) ** power``.
+        power: exponent of the path ``f(p) = goal + (f0 - goal) * (1 - p) ** power``.
         hold: pressure after ``end`` as a fraction of ``lam`` (default 0: the projection alone
             holds the target).
+        flops: instead of ``fraction``: the folded model's FLOPs (``linearize.fold`` then
+            ``count_flops``) as a fraction in ``(0, 1]`` of the same model folded with no site
+            linear (a cost target: see :class:`~linearize.Sparsifier`).
+        latency: instead of ``fraction``: the folded model's measured CPU latency, likewise.
+
+    Exactly one of ``fraction``, ``flops`` and ``latency`` is given.
     """
 
-    fraction: float = 0.1
+    fraction: float | None = None
     start: StepSpec = 0
     end: StepSpec = 0.8
     lam: float | None = None
     power: float = 3.0
     hold: float = 0.0
+    flops: float | None = None
+    latency: float | None = None
 
     def __post_init__(self) -> None:
-        if isinstance(self.fraction, bool) or not isinstance(self.fraction, (int, float)):
-            raise TypeError(f"target fraction must be a number in (0, 1], got {self.fraction!r}")
-        if not 0.0 < self.fraction <= 1.0:
+        given = [k for k in ("fraction", "flops", "latency") if getattr(self, k) is not None]
+        if len(given) != 1:
             raise ValueError(
-                f"target fraction must lie in (0, 1] (the share of channels kept nonlinear), "
-                f"got {self.fraction}"
+                "a target needs exactly one goal: fraction= (nonlinear channels), flops= or latency= (the "
+                f"folded model's cost), got {given or 'none'}; e.g. target(0.1) or target(flops=0.6)"
             )
+        name = given[0]
+        value = getattr(self, name)
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise TypeError(f"target {name} must be a number in (0, 1], got {value!r}")
+        if not 0.0 < value <= 1.0:
+            what = ("the share of channels kept nonlinear" if name == "fraction" else
+                    f"the folded model's {name} over the model's folded with no site linear")
+            raise ValueError(f"target {name} must lie in (0, 1] ({what}), got {value}")
         _check_lam(self.lam)
         if not 0.0 <= self.hold <= 1.0:
             raise ValueError(f"hold must lie in [0, 1] (a fraction of lam), got {self.hold}")
@@ -191,6 +208,16 @@ class Target(Schedule):
             raise ValueError(f"power must be > 0, got {self.power}")
         if type(self.start) is type(self.end) and self.start > self.end:
             raise ValueError(f"start ({self.start}) is after end ({self.end})")
+
+    @property
+    def cost(self) -> str | None:
+        """``"flops"`` or ``"latency"`` for a cost target, ``None`` for a fraction target."""
+        return "flops" if self.flops is not None else "latency" if self.latency is not None else None
+
+    @property
+    def goal(self) -> float:
+        """The value the path reaches at ``end``: the fraction, or the cost ratio."""
+        return next(v for v in (self.fraction, self.flops, self.latency) if v is not None)
 
     def validate(self, total_steps: int) -> None:
         start, end = resolve_step(self.start, total_steps), resolve_step(self.end, total_steps)
@@ -204,7 +231,7 @@ class Target(Schedule):
         return 1.0 if step <= end else self.hold
 
     def wanted(self, step: int, total_steps: int, initial: float) -> float | None:
-        """Wanted nonlinear fraction at ``step`` given the fraction ``initial`` at ``start``.
+        """Wanted value at ``step`` (nonlinear fraction, or cost ratio) given ``initial`` at ``start``.
 
         ``None`` before ``start`` (no projection yet).
         """
@@ -212,7 +239,7 @@ class Target(Schedule):
         if step < start:
             return None
         p = 1.0 if end <= start else min(1.0, (step - start + 1) / (end - start))
-        return self.fraction + (initial - self.fraction) * (1.0 - p) ** self.power
+        return self.goal + (initial - self.goal) * (1.0 - p) ** self.power
 
 
 def constant(lam: float | None = None) -> Ramp:
@@ -244,15 +271,26 @@ def cosine(lam: float | None = None, warmup: StepSpec = 0.1, start: StepSpec = 0
 
 
 def target(
-    fraction: float,
+    fraction: float | None = None,
     start: StepSpec = 0,
     end: StepSpec = 0.8,
     lam: float | None = None,
     power: float = 3.0,
     hold: float = 0.0,
+    *,
+    flops: float | None = None,
+    latency: float | None = None,
 ) -> Target:
-    """Reach the nonlinear ``fraction`` (in (0, 1]) by ``end`` along a cubic path, then hold it."""
-    return Target(fraction=fraction, start=start, end=end, lam=lam, power=power, hold=hold)
+    """Reach the nonlinear ``fraction`` (in (0, 1]) by ``end`` along a cubic path, then hold it; or,
+    with ``flops=`` / ``latency=`` instead, the folded model's cost as a fraction of the model's
+    folded with no site linear (needs ``Sparsifier(granularity="site" | "block", example_inputs=...)``).
+
+    Example:
+        >>> target(0.1).goal, target(flops=0.6, end=0.9).cost
+        (0.1, 'flops')
+    """
+    return Target(fraction=fraction, start=start, end=end, lam=lam, power=power, hold=hold, flops=flops,
+                  latency=latency)
 
 
 def from_dict(d: dict) -> Schedule:

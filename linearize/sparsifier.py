@@ -62,6 +62,28 @@ no channel is snapped from far away, and the exactly-linear count reaches the ta
 (``mode="loss"``): its gradient ``-lam_t * w`` goes through the optimizer, so with Adam it is
 rescaled per parameter and momentum carries it past 1; the proximal step is optimizer-agnostic.
 
+**Cost targets** (``target(flops=0.6)`` or ``target(latency=0.7)``, with ``granularity="site"`` or
+``"block"`` and ``example_inputs``) steer the *folded* model's cost instead of the nonlinear
+fraction: the cost of a set of linear groups (sites, or blocks) is measured by folding a copy of the
+model with exactly those groups linear (:func:`linearize.fold`; FLOPs by fold's own counter, or the
+median CPU latency of the folded model), as a fraction of the same model folded with no group
+linear. At the target's start a plan is made once: a modified greedy for the covering knapsack
+"lose the least importance with cost <= budget" adds groups by importance per unit of *marginal*
+saving (each from a real fold, so interactions between sites count), records every group that
+alone would complete the budget as a candidate instead of adding it, keeps the least important
+candidate, then drops every group it can do without. Importance is the slope gap ``sum (1 - a)``
+of a group's free channels (``select="slope"``) or the sum of their saliencies
+(``select="saliency"``, once every group has had a gradient: start the target after some steps).
+For additive savings this greedy loses at most twice the optimal importance (the bound of the
+modified greedy for min-knapsack); fold's savings interact (merging two layers needs both sites
+linear), where no bound holds, but the budget is always met: the plan's last set is folded and
+counted. The path then descends from the cost at ``start`` to the budget along the cubic path, each
+step making linear the shortest prefix of the plan whose folded cost is within the path's value
+(groups glide to 1 as with a fraction target; all others stay below ``1 - release``), and holds it
+from ``end`` on. Planning folds the model ``O(groups^2)`` times (once); a budget below the cost with
+every group linear, a cost target with ``granularity="channel"`` or without ``example_inputs`` are
+refused with the fix.
+
 Three added lines in a plain loop::
 
     sparsifier = linearize.Sparsifier(model, linearize.schedules.target(0.10, end=0.8), total_steps)
@@ -70,31 +92,37 @@ Three added lines in a plain loop::
 
 from __future__ import annotations
 
+import copy
+import functools
 import json
 import math
 import warnings
 import weakref
 from pathlib import Path
-from typing import Mapping
+from typing import Mapping, Sequence
 
 import torch
 from torch import nn
 
 from . import schedules as _schedules
 from .checks import check_positive, check_positive_int
+from .folding.blocks import residual_block_types
+from .folding.core import fold
 from .folding.flops import module_flops
 from .folding.layers import CONVS, is_hf_conv1d
 from .inputs import call_model
+from .timing import median_latency_ms, median_ms
 from .unit import (LinearizableActivation, check_finite_slopes, count_channels, linear_masks, project_slopes,
                    require_units, units)
 
-__all__ = ["Sparsifier", "param_groups", "flops_weights"]
+__all__ = ["Sparsifier", "param_groups", "flops_weights", "latency_weights", "site_groups"]
 
 MODES = ("proximal", "loss")
 SELECT = ("slope", "saliency")
-GRANULARITY = ("channel", "site")
+GRANULARITY = ("channel", "site", "block")
 SALIENCY_DECAY = 0.9  # running mean of the squared slope gradients, per step
 SALIENCY_HYSTERESIS = 0.5  # a selected channel's cost counts this much in the ranking
+LATENCY_BUDGET_S = 0.3  # seconds of repetitions per folded model a latency target times
 # torch optimizer -> weakref to the Sparsifier attached to it (one per optimizer: two would apply the pressure twice)
 _ATTACHED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
@@ -127,7 +155,8 @@ class Sparsifier:
             ``rate``, 0 with a legacy ``lam`` (which then reproduces earlier results exactly).
         weights: per-unit cost weighting: ``None`` (all 1), ``"flops"`` (multiply-adds of the
             layers next to the unit, per channel; needs ``example_inputs``, see
-            :func:`flops_weights`) or a dict ``{unit_name: weight}`` (missing names weigh 1).
+            :func:`flops_weights`), ``"latency"`` (measured CPU time of those layers, per channel,
+            see :func:`latency_weights`) or a dict ``{unit_name: weight}`` (missing names weigh 1).
             Weights are normalized to mean 1 over channels, so ``rate`` keeps its meaning.
         mode: ``"proximal"`` (default: the step applies the pressure) or ``"loss"`` (add
             :meth:`penalty` to the loss yourself; the step then only projects and logs).
@@ -138,12 +167,19 @@ class Sparsifier:
             linear channels; channels at 1 beyond it are set back to ``1 - release``.
         log_every: record the per-site fractions every this many steps (default: about 500
             records per run).
-        example_inputs: inputs for ``weights="flops"``.
+        example_inputs: inputs for ``weights="flops"`` / ``"latency"`` and for a cost target (one
+            small batch shaped like the real inputs).
         granularity: ``"channel"`` (each channel on its own) or ``"site"``: the push is a group
             proximal step per unit (group lasso: the channels of a call site move together and
             become exactly linear together), and a target makes whole sites linear (the cheapest
             first; it reaches its fraction to within one site). Whole linear sites are what fold
-            can remove from convolutional networks.
+            can remove from convolutional networks. ``"block"``: the same with all sites of one
+            residual block as one group (see :func:`site_groups`; fold merges a block's body only
+            when all its inner sites are linear).
+        blocks: with ``granularity="block"``: the module names of the blocks (a site belongs to the
+            innermost one containing it); ``None``: every residual block of a known class
+            (:func:`~linearize.folding.blocks.residual_block_types`). Sites outside any block are
+            groups of their own.
         select: how a target schedule picks the channels it makes linear: ``"slope"`` (pushed
             highest first) or ``"saliency"`` (lowest running mean of the squared loss gradient
             of the slope first, no uniform push; for fine-tuning under Adam, see the module docs).
@@ -181,10 +217,20 @@ class Sparsifier:
         glide: float | None = None,
         select: str = "slope",
         granularity: str = "channel",
+        blocks: Sequence[str] | None = None,
     ) -> None:
         self._units = require_units(model, "there is nothing to sparsify")
         if granularity not in GRANULARITY:
             raise ValueError(f"granularity must be one of {GRANULARITY}, got {granularity!r}")
+        if blocks is not None and granularity != "block":
+            raise ValueError(f"blocks= names the groups of granularity='block', got granularity={granularity!r}")
+        cost = getattr(schedule, "cost", None) if isinstance(schedule, _schedules.Target) else None
+        if cost is not None and granularity == "channel":
+            raise ValueError(f"a cost target (target({cost}=...)) makes whole sites linear, the only linearity "
+                             "fold removes: pass granularity='site' or granularity='block'")
+        if cost is not None and example_inputs is None:
+            raise ValueError(f"a cost target (target({cost}=...)) folds the model to measure its cost: pass "
+                             "example_inputs= (one small batch shaped like the real inputs)")
         if select not in SELECT:
             raise ValueError(f"select must be one of {SELECT}, got {select!r}")
         if select == "saliency" and not isinstance(schedule, _schedules.Target):
@@ -233,10 +279,27 @@ class Sparsifier:
         self.optimizer = _torch_optimizer(optimizer) if optimizer is not None else None
         self._weights = self._build_weights(model, weights, example_inputs)
         self.step_count = 0
-        self.initial_fraction: float | None = None  # measured at a target schedule's start
+        self.initial_fraction: float | None = None  # measured at a target's start (a cost target: the cost ratio)
         self._selected: torch.Tensor | None = None  # bool [C], channels the target glides to 1
         self.select = select
         self.granularity = granularity
+        names = [n for n, _ in self._units]
+        self._groups: list[list[int]] = (  # unit indices of each group (a site, or a block's sites)
+            [[i] for i in range(len(names))] if granularity != "block" else
+            [[names.index(n) for n in g] for g in site_groups(model, blocks).values()])
+        unit_group = {i: g for g, group in enumerate(self._groups) for i in group}
+        self._channel_group = torch.cat([torch.full((u.num_channels,), unit_group[i])  # group of each channel
+                                         for i, (_, u) in enumerate(self._units)])
+        # a cost target: the model to fold, its reference cost, the plan (groups in the order they go linear)
+        self._model = model if cost is not None else None
+        self._example_inputs = example_inputs
+        self._costs: dict[frozenset, float] = {}  # cache: set of linear groups -> folded cost
+        self._plan: list[int] | None = None
+        self._plan_start: set[int] = set()  # groups linear (or frozen linear) when the plan was made
+        self._plan_costs: list[float] | None = None  # cost ratio of each plan prefix (len(plan) + 1)
+        self._reference: float | None = None
+        if cost is not None:
+            self._check_budget()
         # float64 [C]: running mean of squared slope gradients (select="saliency")
         self._saliency = torch.zeros(sum(u.num_channels for _, u in self._units), dtype=torch.float64)
         self._seen = torch.zeros(self._saliency.numel(), dtype=torch.bool)  # channels with a gradient seen
@@ -254,11 +317,11 @@ class Sparsifier:
         if weights is None:
             raw = {n: 1.0 for n in names}
         elif isinstance(weights, str):
-            if weights != "flops":
-                raise ValueError(f"weights must be None, 'flops' or a dict name -> weight, got {weights!r}")
+            if weights not in ("flops", "latency"):
+                raise ValueError(f"weights must be None, 'flops', 'latency' or a dict name -> weight, got {weights!r}")
             if example_inputs is None:
-                raise ValueError("weights='flops' needs example_inputs (one batch) to measure layer sizes")
-            raw = flops_weights(model, example_inputs)
+                raise ValueError(f"weights={weights!r} needs example_inputs (one batch) to measure the layers")
+            raw = (flops_weights if weights == "flops" else latency_weights)(model, example_inputs)
         elif isinstance(weights, Mapping):
             unknown = set(weights) - set(names)
             if unknown:
@@ -267,7 +330,7 @@ class Sparsifier:
                 )
             raw = {n: float(weights.get(n, 1.0)) for n in names}
         else:
-            raise TypeError(f"weights must be None, 'flops' or a dict, got {type(weights).__name__}")
+            raise TypeError(f"weights must be None, 'flops', 'latency' or a dict, got {type(weights).__name__}")
         if any(not math.isfinite(w) or w < 0 for w in raw.values()):
             raise ValueError("unit weights must be finite and >= 0")
         channels = sum(u.num_channels for _, u in self._units)
@@ -404,7 +467,11 @@ class Sparsifier:
         if target:
             start = _schedules.resolve_step(self.schedule.start, self.total_steps)
             if self.initial_fraction is None and self.step_count >= start:
-                self.initial_fraction = self._fraction("Sparsifier target start")
+                if self._model is not None:  # a cost target: plan which groups go linear, from the cost now
+                    self._make_plan(before)
+                    self.initial_fraction = self._plan_costs[0]
+                else:
+                    self.initial_fraction = self._fraction("Sparsifier target start")
             if self.initial_fraction is not None and self.select == "saliency" and not self._had_grad:
                 self._warn_once("select='saliency' has seen no slope gradient since the start of the run: call "
                                 "sparsifier.step() after optimizer.step() and before zero_grad() (attach(optimizer) "
@@ -462,6 +529,7 @@ class Sparsifier:
 
     def _proximal(self, lam_t: float) -> None:
         lrs = self._lr_by_slope()
+        steps = []
         for i, ((name, unit), w) in enumerate(zip(self._units, self._weights)):
             lr = lrs.get(id(unit.slope), self.lr)
             if self.legacy:
@@ -470,32 +538,43 @@ class Sparsifier:
                         f"no learning rate for the slopes of {name!r}: attach(optimizer) with the slopes "
                         "in it, pass optimizer=..., or pass lr=... to the Sparsifier (legacy lam only)"
                     )
-                self._push(unit, lr * lam_t * w)
+                steps.append(lr * lam_t * w)
                 continue
             scale = 1.0
             if lr is not None and lr > 0:  # follow the LR schedule's shape, not its scale
                 peak = self._lr_peak[i] = max(lr, self._lr_peak[i] or 0.0)
                 scale = lr / peak
-            self._push(unit, lam_t * scale * w)
+            steps.append(lam_t * scale * w)
+        if self.granularity == "channel":
+            for (_, unit), step in zip(self._units, steps):
+                unit.slope.add_(step)
+        else:
+            for group in self._groups:
+                self._push_group([self._units[i][1] for i in group], [steps[i] for i in group])
         self._project()
 
-    def _push(self, unit: LinearizableActivation, step: float) -> None:
-        """Move ``unit``'s slopes towards 1 by ``step`` slope units: every channel alone, or with
-        ``granularity="site"`` the group proximal step of ``||1 - a||_2`` scaled by ``sqrt(C)`` (a
-        site whose channels sit at the same slope moves by ``step``; it reaches 1 all at once)."""
-        if self.granularity == "channel":
-            unit.slope.add_(step)
+    @staticmethod
+    def _push_group(members: list[LinearizableActivation], steps: list[float]) -> None:
+        """The group proximal step of ``||1 - a||_2`` over the free channels of ``members`` (one site,
+        or a block's sites), scaled by ``sqrt(C)``: a group whose channels sit at the same slope moves
+        by the channel-weighted mean of ``steps`` and reaches 1 all at once."""
+        frees = [torch.isnan(u.frozen).to(u.slope.device) for u in members]
+        gaps = [(1.0 - u.slope.detach().double()) * free for u, free in zip(members, frees)]
+        counts = [int(free.sum()) for free in frees]
+        n = sum(counts)
+        norm = math.sqrt(sum(float(gap.square().sum()) for gap in gaps))
+        if n == 0 or norm == 0:
             return
-        free = torch.isnan(unit.frozen).to(unit.slope.device)
-        gap = (1.0 - unit.slope.detach().double()) * free
-        norm = float(gap.norm())
-        shrink = max(0.0, 1.0 - step * math.sqrt(int(free.sum())) / norm) if norm > 0 else 0.0
-        unit.slope.copy_(torch.where(free, 1.0 - gap * shrink, unit.slope.double()).to(unit.slope.dtype))
+        step = sum(s * c for s, c in zip(steps, counts)) / n
+        shrink = max(0.0, 1.0 - step * math.sqrt(n) / norm)
+        for unit, free, gap in zip(members, frees, gaps):
+            unit.slope.copy_(torch.where(free, 1.0 - gap * shrink, unit.slope.double()).to(unit.slope.dtype))
 
     def _project_budget(self, wanted: float, before: torch.Tensor) -> None:
-        """Glide the selected channels to 1 so that ``round(wanted * C)`` stay nonlinear (module docs).
+        """Glide the selected channels to 1 so that ``round(wanted * C)`` stay nonlinear, or for a cost
+        target the groups of the shortest plan prefix whose folded cost is within ``wanted`` (module docs).
 
-        ``wanted``: the path's fraction ``G`` steps ahead; ``before``: the slopes before the
+        ``wanted``: the path's value ``G`` steps ahead; ``before``: the slopes before the
         proximal step (a slope rises by at most :attr:`max_step` from there).
         """
         slopes = torch.cat([u.slope.detach().float() for _, u in self._units])
@@ -510,7 +589,13 @@ class Sparsifier:
         # rank free channels (stable sorts, the last key first): "slope": selected first (hysteresis),
         # then "linear now", then by slope; "saliency": linear now first, then the cheapest, then by slope
         ranked = torch.nonzero(free).squeeze(1)
-        if self.select == "slope":
+        if self._plan is not None:  # a cost target: the shortest plan prefix within the wanted cost
+            k = next(k for k, c in enumerate(self._plan_costs) if c <= wanted or k == len(self._plan))
+            groups = torch.tensor(self._start_groups() + self._plan[:k], dtype=torch.long)
+            mine = torch.isin(self._channel_group.to(slopes.device), groups.to(slopes.device))[ranked]
+            ranked = torch.cat([ranked[mine], ranked[~mine]])
+            k_free, keys = int(mine.sum()), ()
+        elif self.select == "slope":
             keys = (linear, slopes, selected)
         else:
             end = _schedules.resolve_step(self.schedule.end, self.total_steps)
@@ -520,8 +605,8 @@ class Sparsifier:
                 keys = (slopes, -self._cost(selected).to(slopes.device))
         for key in keys:
             ranked = ranked[torch.sort(key[ranked].double(), descending=True, stable=True).indices]
-        if self.granularity == "site":
-            ranked, k_free = self._by_site(ranked, k_free)
+        if self.granularity != "channel" and self._plan is None:
+            ranked, k_free = self._by_group(ranked, k_free)
         chosen, beyond = ranked[:k_free], ranked[k_free:]
         delta = self.max_step
         new = torch.minimum(slopes, before + delta)  # the proximal step's share of the cap
@@ -539,14 +624,13 @@ class Sparsifier:
         self._selected = torch.zeros(total, dtype=torch.bool)
         self._selected[chosen.cpu()] = True
 
-    def _by_site(self, ranked: torch.Tensor, k_free: int) -> tuple[torch.Tensor, int]:
-        """Reorder the ranked free channels site by site (a site's place: the mean rank of its free
-        channels) and round ``k_free`` up to whole sites."""
-        site = torch.cat([torch.full((u.num_channels,), i) for i, (_, u) in enumerate(self._units)])
-        site = site.to(ranked.device)[ranked]
+    def _by_group(self, ranked: torch.Tensor, k_free: int) -> tuple[torch.Tensor, int]:
+        """Reorder the ranked free channels group by group (a site, or a block's sites; a group's
+        place: the mean rank of its free channels) and round ``k_free`` up to whole groups."""
+        site = self._channel_group.to(ranked.device)[ranked]
         position = torch.arange(len(ranked), dtype=torch.float64, device=ranked.device)
-        count = torch.bincount(site, minlength=len(self._units)).double()
-        score = torch.bincount(site, weights=position, minlength=len(self._units)) / count.clamp_min(1)
+        count = torch.bincount(site, minlength=len(self._groups)).double()
+        score = torch.bincount(site, weights=position, minlength=len(self._groups)) / count.clamp_min(1)
         order = [i for i in torch.argsort(score, stable=True).tolist() if count[i] > 0]
         groups = [ranked[site == i] for i in order]
         n = 0
@@ -556,23 +640,133 @@ class Sparsifier:
             n += len(group)
         return (torch.cat(groups) if groups else ranked), n
 
+    # ------------------------------------------------------------------ cost target
+    def _group_frozen(self) -> tuple[list[bool], list[bool]]:
+        """Per group: all its channels frozen linear; any channel frozen nonlinear (never linear)."""
+        frozen = torch.cat([u.frozen.cpu() for _, u in self._units])
+        always = [bool((frozen[self._channel_group == g] == 1).all()) for g in range(len(self._groups))]
+        never = [bool((frozen[self._channel_group == g] == 0).any()) for g in range(len(self._groups))]
+        return always, never
+
+    def _start_groups(self) -> list[int]:
+        """Groups linear when the plan was made (kept linear), and those frozen linear."""
+        return sorted(self._plan_start)
+
+    def _folded_cost(self, linear: frozenset) -> float:
+        """Cost of the model folded (:func:`linearize.fold`) with the groups ``linear`` exactly linear and
+        every other channel nonlinear (slope 0.5; frozen channels keep their value): FLOPs counted by
+        fold's counter, or the median CPU latency (ms) of the folded model. Cached per set."""
+        if linear not in self._costs:
+            probe = copy.deepcopy(self._model).eval()
+            units_ = require_units(probe)
+            on = {i for g in linear for i in self._groups[g]}
+            with torch.no_grad():
+                for i, (_, unit) in enumerate(units_):
+                    unit.slope.fill_(1.0 if i in on else 0.5)
+            project_slopes(u for _, u in units_)
+            folded = fold(probe, self._example_inputs, latency=False)
+            if self.schedule.cost == "flops":
+                self._costs[linear] = float(folded.linearize_fold_summary.flops_after)
+            else:
+                self._costs[linear] = median_latency_ms([folded], self._example_inputs, LATENCY_BUDGET_S)[0]
+        return self._costs[linear]
+
+    def _check_budget(self) -> None:
+        """Measure the reference cost (no group linear) and refuse a goal below the fully linear cost."""
+        _, never = self._group_frozen()
+        self._reference = self._folded_cost(frozenset())
+        every = frozenset(g for g in range(len(self._groups)) if not never[g])
+        floor = self._folded_cost(every) / self._reference
+        cost, goal = self.schedule.cost, self.schedule.goal
+        if goal < floor:
+            raise ValueError(
+                f"target({cost}={goal}) is below the cost of this model folded with every site linear ({floor:.4f} "
+                f"of it folded with none linear; sites frozen nonlinear stay so): pass {cost}= of at least {floor:.4f}"
+            )
+
+    def _importance(self, before: torch.Tensor) -> list[float]:
+        """What making each group linear costs the model: ``select="slope"``: the slope gap
+        ``sum (1 - a)`` of its free channels (the loss held them down); ``select="saliency"``: the sum of
+        their running squared slope gradients, when every group has had a gradient (else the slope gap)."""
+        free = torch.cat([torch.isnan(u.frozen).cpu() for _, u in self._units])
+        value = (1.0 - before.double().cpu()) * free
+        if self.select == "saliency" and bool(self._seen[free].all()):
+            value = self._saliency * free
+        return torch.zeros(len(self._groups), dtype=torch.float64).index_add_(0, self._channel_group, value).tolist()
+
+    def _make_plan(self, before: torch.Tensor) -> None:
+        """Choose the groups a cost target makes linear and the order they go (see the module docs).
+
+        Modified greedy for the covering knapsack "least importance lost with cost <= budget": add
+        groups by importance per unit of *marginal* saving (each saving from a real fold); whenever
+        one group alone would reach the budget, record that completion as a candidate instead of
+        adding it; keep the least important candidate, then drop every group it can do without.
+        """
+        always, never = self._group_frozen()
+        linear_before = before.cpu() == 1  # linear before this step's push: kept
+        start = {g for g in range(len(self._groups))
+                 if always[g] or bool(linear_before[self._channel_group == g].all())}
+        self._plan_start = start
+        importance = self._importance(before)
+        budget = self.schedule.goal * self._reference
+        cost = lambda groups: self._folded_cost(frozenset(groups))  # noqa: E731
+        taken: list[int] = []
+        rest = [g for g in range(len(self._groups)) if g not in start and not never[g]]
+        best: tuple[float, list[int]] | None = (0.0, []) if cost(start) <= budget else None
+        while best is None or best[1]:  # (while the best plan needs a group at all)
+            now = cost(start | set(taken))
+            after = {g: cost(start | set(taken) | {g}) for g in rest}
+            lost = sum(importance[g] for g in taken)
+            for g in rest:
+                if after[g] <= budget and (best is None or lost + importance[g] < best[0]):
+                    best = (lost + importance[g], taken + [g])
+            grow = [g for g in rest if after[g] > budget and after[g] < now]
+            if not grow:
+                break
+            g = min(grow, key=lambda g: (importance[g] / (now - after[g]), g))
+            taken.append(g)
+            rest.remove(g)
+        plan = best[1] if best is not None else taken + rest  # rest: every group (>= the floor, checked)
+        for g in sorted(plan, key=lambda g: -importance[g]):  # drop what the budget does not need
+            if cost(start | set(plan) - {g}) <= budget:
+                plan.remove(g)
+        self._plan = plan
+        self._plan_costs = [cost(start | set(plan[:k])) / self._reference for k in range(len(plan) + 1)]
+
+    @property
+    def cost_plan(self) -> list[dict] | None:
+        """A cost target's plan (``None`` before its start): for each prefix, the groups linear (their
+        site names) and the folded cost as a fraction of the model folded with none linear.
+
+        Example: ``sp.cost_plan[-1]["cost"] <= 0.6`` for ``target(flops=0.6)``.
+        """
+        if self._plan is None:
+            return None
+        names = [n for n, _ in self._units]
+        sites = lambda groups: [names[i] for g in groups for i in self._groups[g]]  # noqa: E731
+        return [{"sites": sites(self._start_groups() + self._plan[:k]), "cost": c}
+                for k, c in enumerate(self._plan_costs)]
+
     # ------------------------------------------------------------------ penalty and measures
     def penalty(self) -> torch.Tensor:
         """Differentiable ``lam_t * sum_c w_c * (1 - a_c)`` over free channels (scalar tensor); with
-        ``granularity="site"`` the group lasso ``lam_t * sum_sites w * sqrt(C) * ||1 - a||_2``.
+        ``granularity="site"`` / ``"block"`` the group lasso ``lam_t * sum_groups w * sqrt(C) * ||1 - a||_2``
+        (``w``: the channel-weighted mean weight of the group's sites).
 
         For ``mode="loss"``: add it to the loss before ``backward()``. See the module docs for
         how it differs from the proximal step.
         """
         lam_t = self.lam_at()
+        gaps = [(1.0 - unit.slope) * torch.isnan(unit.frozen) for _, unit in self._units]
+        if self.granularity == "channel":
+            return lam_t * torch.stack([w * gap.sum() for gap, w in zip(gaps, self._weights)]).sum()
         terms = []
-        for (_, unit), w in zip(self._units, self._weights):
-            free = torch.isnan(unit.frozen)
-            gap = (1.0 - unit.slope) * free
-            if self.granularity == "site":  # group lasso: sqrt(C) * ||1 - a||_2
-                terms.append(w * math.sqrt(int(free.sum())) * gap.norm())
-            else:
-                terms.append(w * gap.sum())
+        for group in self._groups:  # group lasso: w * sqrt(C) * ||1 - a||_2, w the channel-weighted mean
+            counts = [int(torch.isnan(self._units[i][1].frozen).sum()) for i in group]
+            n = max(sum(counts), 1)
+            w = sum(self._weights[i] * c for i, c in zip(group, counts)) / n
+            norm = torch.stack([gaps[i].square().sum() for i in group]).sum().sqrt()
+            terms.append(w * math.sqrt(sum(counts)) * norm)
         return lam_t * torch.stack(terms).sum()
 
     def _linear_masks(self, where: str = "Sparsifier target projection") -> list[torch.Tensor]:
@@ -642,6 +836,12 @@ class Sparsifier:
             "granularity": self.granularity,
             "saliency": self._saliency.tolist() if self.select == "saliency" else None,
             "seen": torch.nonzero(self._seen).squeeze(1).tolist() if self.select == "saliency" else None,
+            "groups": len(self._groups),
+            "cost": self.schedule.cost if self._model is not None else None,
+            "cost_reference": self._reference,
+            "plan": self._plan,
+            "plan_start": sorted(self._plan_start),
+            "plan_costs": self._plan_costs,
         }
 
     def load_state_dict(self, state: Mapping) -> None:
@@ -656,6 +856,13 @@ class Sparsifier:
         if state.get("select", "slope") != self.select:
             raise ValueError(f"state was saved with select={state.get('select', 'slope')!r}, this Sparsifier "
                              f"has select={self.select!r}: build it with the same select to resume")
+        if state.get("groups", len(self._groups)) != len(self._groups):
+            raise ValueError(f"state has {state['groups']} groups of sites, this Sparsifier has {len(self._groups)}: "
+                             "build it with the same granularity and blocks to resume")
+        cost = self.schedule.cost if self._model is not None else None
+        if state.get("cost") != cost:
+            raise ValueError(f"state was saved with a cost target of {state.get('cost')!r}, this Sparsifier has "
+                             f"{cost!r} (target(flops=/latency=)): build it with the same schedule to resume")
         saliency, seen = self._saliency, self._seen
         if state.get("saliency") is not None:
             saliency = torch.tensor(state["saliency"], dtype=torch.float64)
@@ -676,25 +883,70 @@ class Sparsifier:
         self._lr_peak = list(peaks) if peaks is not None else [None] * len(self._units)
         self.history = list(state["history"])
         self._saliency, self._seen = saliency, seen
+        if state.get("cost_reference") is not None:  # measured before: latency would differ on a new measure
+            self._reference = float(state["cost_reference"])
+        self._plan = None if state.get("plan") is None else [int(g) for g in state["plan"]]
+        self._plan_start = {int(g) for g in state.get("plan_start") or []}
+        self._plan_costs = None if state.get("plan_costs") is None else [float(c) for c in state["plan_costs"]]
         self._versions = [-1] * len(self._units)  # the model was loaded: do not warn on the next step
 
 
-def flops_weights(model: nn.Module, example_inputs) -> dict[str, float]:
-    """Per-unit cost: multiply-adds of the linear layer call just before and just after it, per channel.
+def site_groups(model: nn.Module, blocks: Sequence[str] | None = None) -> dict[str, list[str]]:
+    """The sites (unit names) of each residual block: ``{block_name: [unit names]}``, in unit order.
 
-    Runs one forward pass on ``example_inputs`` (a tensor, a tuple of positional inputs or a
-    dict of keyword inputs) and orders layer and unit calls by execution. A channel made linear
-    lets these two layers fold, so its weight is ``(macs(prev) + macs(next)) / C`` per sample, the
-    layers' multiply-adds counted as fold counts them (:func:`~linearize.folding.flops.module_flops`:
-    ``nn.Linear``, HF ``Conv1D``, convs); units without a neighbouring layer get the mean weight.
+    A site belongs to its innermost ancestor module that is a block: one named in ``blocks``, or
+    with ``blocks=None`` an instance of a residual block class fold knows
+    (:func:`~linearize.folding.blocks.residual_block_types`: torchvision ``BasicBlock``,
+    ``Bottleneck``, ``InvertedResidual``, timm's). A site outside every block is a group of its own,
+    keyed by its own name. Fold merges a block's body only when all its inner sites are linear, so
+    ``Sparsifier(granularity="block")`` makes them linear together.
+
+    Raises:
+        ValueError: ``blocks`` names a module the model does not have, or ``blocks=None`` and the
+            model has no block of a known class (pass ``blocks=[...]``).
+
+    Example:
+        >>> net = linearize.convert(torchvision.models.resnet18(), example_inputs=torch.randn(1, 3, 32, 32))
+        >>> site_groups(net)["layer1.0"]
+        ['layer1.0.relu.calls.0', 'layer1.0.relu.calls.1']
     """
+    modules = dict(model.named_modules())
+    if blocks is not None:
+        blocks = list(blocks)
+        unknown = [b for b in blocks if b not in modules]
+        if unknown:
+            raise ValueError(f"blocks names modules the model does not have: {unknown[:5]}; pass module names "
+                             f"from model.named_modules(), e.g. {[n for n in modules if n][:3]}")
+    kinds = residual_block_types()
+
+    def is_block(name: str) -> bool:
+        return name in blocks if blocks is not None else bool(kinds) and isinstance(modules[name], kinds)
+
+    groups: dict[str, list[str]] = {}
+    found = False
+    for name, _ in require_units(model):
+        parts = name.split(".")
+        owner = next((p for p in (".".join(parts[:i]) for i in range(len(parts) - 1, -1, -1)) if is_block(p)), None)
+        found |= owner is not None
+        groups.setdefault(name if owner is None else owner, []).append(name)
+    if not found:
+        raise ValueError("granularity='block' found no residual block around any site (known classes: torchvision "
+                         "and timm BasicBlock, Bottleneck, InvertedResidual, ...): pass blocks=[module names]")
+    return groups
+
+
+def _neighbour_layers(model: nn.Module, example_inputs) -> tuple[dict[str, tuple], list[tuple]]:
+    """For each unit, the indices of the linear layer calls just before and just after its first
+    call (``None`` where there is none), and the layer calls ``(module, args, out)`` in execution order."""
     events: list[tuple[str, object]] = []
+    calls: list[tuple] = []
     hooks = []
     names = {id(u): n for n, u in require_units(model)}
 
     def layer_hook(module, args, out):
-        if isinstance(out, torch.Tensor):  # multiply-adds per sample
-            events.append(("layer", module_flops(module, args, out) / 2 / max(out.shape[0], 1)))
+        if isinstance(out, torch.Tensor):
+            events.append(("layer", len(calls)))
+            calls.append((module, args, out))
 
     def unit_hook(module, args, out):
         events.append(("unit", names[id(module)]))
@@ -710,17 +962,66 @@ def flops_weights(model: nn.Module, example_inputs) -> dict[str, float]:
     finally:
         for h in hooks:
             h.remove()
-    sizes = {n: u.num_channels for n, u in require_units(model)}
-    cost: dict[str, float] = {}
+    around: dict[str, tuple] = {}
     for i, (kind, value) in enumerate(events):
-        if kind != "unit" or value in cost:
-            continue
-        before = next((v for k, v in reversed(events[:i]) if k == "layer"), 0)
-        after = next((v for k, v in events[i + 1 :] if k == "layer"), 0)
-        cost[value] = (before + after) / sizes[value]
-    known = [c for c in cost.values() if c > 0]
+        if kind == "unit" and value not in around:
+            before = next((v for k, v in reversed(events[:i]) if k == "layer"), None)
+            after = next((v for k, v in events[i + 1 :] if k == "layer"), None)
+            around[value] = (before, after)
+    return around, calls
+
+
+def _per_channel(model: nn.Module, around: dict[str, tuple], cost: dict[int, float]) -> dict[str, float]:
+    """``(cost(prev) + cost(next)) / C`` per unit; units without a neighbouring layer get the mean."""
+    out: dict[str, float] = {}
+    for name, unit in require_units(model):
+        layers = [j for j in around.get(name, ()) if j is not None]
+        out[name] = sum(cost[j] for j in layers) / unit.num_channels
+    known = [c for c in out.values() if c > 0]
     fill = sum(known) / len(known) if known else 1.0
-    return {n: cost.get(n) or fill for n in sizes}
+    return {n: c or fill for n, c in out.items()}
+
+
+def flops_weights(model: nn.Module, example_inputs) -> dict[str, float]:
+    """Per-unit cost: multiply-adds of the linear layer call just before and just after it, per channel.
+
+    Runs one forward pass on ``example_inputs`` (a tensor, a tuple of positional inputs or a
+    dict of keyword inputs) and orders layer and unit calls by execution. A channel made linear
+    lets these two layers fold, so its weight is ``(macs(prev) + macs(next)) / C`` per sample, the
+    layers' multiply-adds counted as fold counts them (:func:`~linearize.folding.flops.module_flops`:
+    ``nn.Linear``, HF ``Conv1D``, convs); units without a neighbouring layer get the mean weight.
+
+    Example:
+        >>> net = linearize.convert(nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)))
+        >>> flops_weights(net, torch.randn(3, 4))   # (4 * 8 + 8 * 2) / 8
+        {'1': 6.0}
+    """
+    around, calls = _neighbour_layers(model, example_inputs)
+    cost = {j: module_flops(m, args, out) / 2 / max(out.shape[0], 1) for j, (m, args, out) in enumerate(calls)}
+    return _per_channel(model, around, cost)
+
+
+def latency_weights(model: nn.Module, example_inputs, budget_s: float = 1.0) -> dict[str, float]:
+    """Per-unit cost: measured CPU time (ms) of the layer calls just before and just after it, per channel.
+
+    The same layers as :func:`flops_weights` (the ones a linear site lets fold), each timed alone on
+    the inputs it received in one forward pass on ``example_inputs``: the median of interleaved
+    repetitions that fit ``budget_s`` seconds in all (:func:`linearize.timing.median_ms`). The
+    weight is ``(ms(prev) + ms(next)) / C``; units without a neighbouring layer get the mean.
+    Timings vary from run to run by a few percent; their order between layers of clearly different
+    size does not.
+
+    Example:
+        >>> net = linearize.convert(nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)))
+        >>> w = latency_weights(net, torch.randn(3, 4), budget_s=0.05)   # ms per channel
+        >>> list(w), w["1"] > 0
+        (['1'], True)
+    """
+    budget_s = check_positive(budget_s, "budget_s")
+    around, calls = _neighbour_layers(model, example_inputs)
+    needed = sorted({j for pair in around.values() for j in pair if j is not None})
+    ms = median_ms([functools.partial(calls[j][0], *calls[j][1]) for j in needed], budget_s)
+    return _per_channel(model, around, dict(zip(needed, ms)))
 
 
 def param_groups(

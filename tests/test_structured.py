@@ -83,7 +83,7 @@ def test_site_penalty_is_the_group_lasso():
 def test_granularity_is_checked_and_must_match_on_resume():
     model = _mlp()
     with pytest.raises(ValueError, match="granularity must be one of"):
-        linearize.Sparsifier(model, S.target(0.5), total_steps=10, granularity="block")
+        linearize.Sparsifier(model, S.target(0.5), total_steps=10, granularity="layer")
     state = linearize.Sparsifier(model, S.target(0.5), total_steps=10, granularity="site").state_dict()
     with pytest.raises(ValueError, match="granularity"):
         linearize.Sparsifier(model, S.target(0.5), total_steps=10).load_state_dict(state)

@@ -33,6 +33,22 @@ def _torchvision(module: str, *names: str) -> tuple[type, ...]:
     return imported(f"torchvision.models.{module}", *names)
 
 
+def residual_block_types() -> tuple[type, ...]:
+    """The residual block classes of the libraries already imported: torchvision ``BasicBlock``,
+    ``Bottleneck``, ``InvertedResidual`` (the blocks the fold rules merge) and timm's ``BasicBlock``,
+    ``Bottleneck``, ``InvertedResidual``, ``DepthwiseSeparableConv``, ``EdgeResidual``.
+
+    Example:
+        >>> import torchvision
+        >>> torchvision.models.resnet.BasicBlock in residual_block_types()
+        True
+    """
+    timm = [sys.modules.get(m) for m in ("timm.models.resnet", "timm.models._efficientnet_blocks")]
+    timm_names = ("BasicBlock", "Bottleneck", "InvertedResidual", "DepthwiseSeparableConv", "EdgeResidual")
+    return (*_torchvision("resnet", "BasicBlock", "Bottleneck"), *_torchvision("mobilenetv2", "InvertedResidual"),
+            *(getattr(m, n) for m in timm if m is not None for n in timm_names if hasattr(m, n)))
+
+
 def fold_bn_attr(module: nn.Module, ctx: FoldContext, conv_attr: str, bn_attr: str) -> None:
     """Fold ``module.<bn_attr>`` into ``module.<conv_attr>`` (replaced by ``nn.Identity``)."""
     conv, bn = getattr(module, conv_attr), getattr(module, bn_attr)

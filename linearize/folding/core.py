@@ -23,7 +23,7 @@ from .modules import plain_unit
 from .probe import Probe, run_counting
 from .rules import FoldContext, FoldRuleLike, Objective, check_rules, fold_rules, is_builtin
 from .summary import FoldSummary
-from .timing import median_latency_ms
+from ..timing import median_latency_ms
 from .verify import _check_reference, _describe_inputs, _flatten_outputs, _is_empty_batch, _untouched_layers, _verify
 
 __all__ = ["fold"]

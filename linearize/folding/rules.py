@@ -24,7 +24,7 @@ from .flops import module_flops
 from .modules import linear_unit, plain_unit
 from .probe import Probe
 from .summary import FoldSummary, MergeRecord
-from .timing import median_latency_ms
+from ..timing import median_latency_ms
 
 __all__ = ["Cost", "Objective", "FoldContext", "FoldRule", "register_fold_rule", "unregister_fold_rule", "fold_rules"]
 
@@ -161,7 +161,7 @@ class FoldContext:
         layer ``merged``; ``flops``: before and after), recorded in ``summary.merges`` and reported.
 
         With ``time_merges`` both are timed on a batch-1 input of the recorded shape on one thread
-        (:func:`~.timing.median_latency_ms`): a merged layer that is not faster is refused.
+        (:func:`~linearize.timing.median_latency_ms`): a merged layer that is not faster is refused.
         """
         site = self.name if site is None else site
         record = MergeRecord(site, self.rule, what, float(flops[0]), float(flops[1]))

@@ -28,7 +28,7 @@ from torch import nn
 
 import linearize
 from linearize.folding import count_flops
-from linearize.folding.timing import median_latency_ms
+from linearize.timing import median_latency_ms
 
 
 def cifar_mobilenet_v2(width: float, num_classes: int = 10) -> nn.Module:

@@ -1,0 +1,63 @@
+"""Wall-clock timing: medians of interleaved repetitions, shared by fold (its latency report and
+per-merge probe) and the sparsifier (latency weights and targets)."""
+
+from __future__ import annotations
+
+import functools
+import statistics
+import time
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import nn
+
+from .inputs import call_model
+
+__all__ = ["median_ms", "median_latency_ms"]
+
+
+@torch.no_grad()
+def median_ms(calls: Sequence[Callable[[], Any]], budget_s: float = 2.0, max_reps: int = 200,
+              threads: int | None = None) -> list[float]:
+    """Median wall time (ms) of each call, repetitions interleaved (a, b, a, b, ...) after one warm-up.
+
+    The number of repetitions fits ``budget_s`` seconds in all (at least 5, at most ``max_reps``);
+    ``threads`` sets torch's intra-op threads while timing (``None``: leave them as they are).
+
+    Example:
+        >>> a, b = median_ms([lambda: torch.ones(10).sum(), lambda: torch.ones(10_000).sum()], budget_s=0.1)
+        >>> a > 0 and b > 0
+        True
+    """
+    if not calls:
+        return []
+    before = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        t0 = time.perf_counter()
+        for call in calls:  # warm-up, and the cost of one round
+            call()
+        one = max(time.perf_counter() - t0, 1e-6)
+        reps = int(min(max(budget_s / one, 5), max_reps))
+        times: list[list[float]] = [[] for _ in calls]
+        for _ in range(reps):
+            for i, call in enumerate(calls):
+                t = time.perf_counter()
+                call()
+                times[i].append(time.perf_counter() - t)
+    finally:
+        torch.set_num_threads(before)
+    return [1e3 * statistics.median(t) for t in times]
+
+
+def median_latency_ms(models: Sequence[nn.Module], inputs: Any, budget_s: float = 2.0,
+                      threads: int | None = None) -> list[float]:
+    """:func:`median_ms` of each model called on ``inputs`` (:func:`linearize.inputs.call_model`).
+
+    Example:
+        >>> a, b = median_latency_ms([nn.Linear(8, 8), nn.Identity()], torch.randn(1, 8), budget_s=0.01)
+        >>> a > 0 and b > 0
+        True
+    """
+    return median_ms([functools.partial(call_model, m, inputs) for m in models], budget_s, threads=threads)

@@ -1,0 +1,307 @@
+"""Block pressure, latency weights and cost targets (issue 20, items 1 and 2). Truths: the model's
+block layout, the closed form of the group proximal step, layer sizes, and a brute force over every
+set of linear sites, each folded (``freeze`` + ``fold``) and counted (``count_flops``)."""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import json
+import math
+import warnings
+
+import pytest
+import torch
+from torch import nn
+from torchvision.models.resnet import BasicBlock
+
+import linearize
+from linearize import schedules as S
+from linearize.folding import count_flops
+from linearize.sparsifier import flops_weights, latency_weights, site_groups
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _resnet() -> nn.Module:
+    """stem conv, ReLU, two BasicBlocks (two sites each), pool, fc: 5 sites, 3 groups."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Sequential(BasicBlock(8, 8), BasicBlock(8, 8)),
+                          nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 3))
+    return linearize.convert(model.eval(), example_inputs=torch.randn(1, 3, 8, 8))
+
+
+def _quiet_steps(sp, n: int) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # no optimizer here: the slopes only move by the pressure
+        for _ in range(n):
+            sp.step()
+
+
+def test_site_groups_follow_the_residual_blocks_or_the_given_names():
+    model = _resnet()
+    assert site_groups(model) == {
+        "1": ["1"],
+        "2.0": ["2.0.relu.calls.0", "2.0.relu.calls.1"],
+        "2.1": ["2.1.relu.calls.0", "2.1.relu.calls.1"],
+    }
+    assert site_groups(model, blocks=["2"]) == {
+        "1": ["1"], "2": ["2.0.relu.calls.0", "2.0.relu.calls.1", "2.1.relu.calls.0", "2.1.relu.calls.1"]}
+    with pytest.raises(ValueError, match="does not have"):
+        site_groups(model, blocks=["2.7"])
+    mlp = linearize.convert(nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)))
+    with pytest.raises(ValueError, match="no residual block"):
+        linearize.Sparsifier(mlp, S.target(0.5), total_steps=10, granularity="block")
+    with pytest.raises(ValueError, match="blocks= names the groups"):
+        linearize.Sparsifier(model, S.target(0.5), total_steps=10, granularity="site", blocks=["2"])
+
+
+def test_block_push_is_one_group_proximal_step_over_all_its_sites():
+    model = _resnet()
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for _, u in linearize.units(model):
+            u.slope.copy_(torch.rand(u.num_channels, generator=gen) * 0.9)
+    units = dict(linearize.units(model))
+    groups = [["1"], ["2.0.relu.calls.0", "2.0.relu.calls.1"], ["2.1.relu.calls.0", "2.1.relu.calls.1"]]
+    start = [torch.cat([1 - units[n].slope.detach().double() for n in g]) for g in groups]
+    rate = 0.05
+    sp = linearize.Sparsifier(model, S.constant(), total_steps=100, rate=rate, granularity="block")
+    for step in range(1, 40):
+        _quiet_steps(sp, 1)
+        for g, gap0 in zip(groups, start):
+            norm = max(0.0, gap0.norm().item() - step * rate * math.sqrt(gap0.numel()))  # closed form
+            gap = torch.cat([1 - units[n].slope.detach().double() for n in g])
+            torch.testing.assert_close(gap, gap0 * (norm / gap0.norm().item()), atol=1e-6, rtol=0)
+            linear = gap == 0
+            assert bool(linear.all()) or not bool(linear.any())  # a block's channels all at once
+
+
+def test_block_target_makes_whole_blocks_linear():
+    model = _resnet().train()
+    x, y = torch.randn(16, 3, 8, 8), torch.randint(0, 3, (16,))
+    opt = torch.optim.SGD(linearize.param_groups(model, weight_decay=0.0), lr=0.05)
+    sp = linearize.Sparsifier(model, S.target(0.5, end=20), total_steps=25, granularity="block").attach(opt)
+    assert sp.state_dict()["groups"] == 3 and sp.cost_plan is None  # a fraction target makes no plan
+    for _ in range(25):
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+    units = dict(linearize.units(model))
+    linear = {n: bool((u.slope == 1).all()) for n, u in units.items()}
+    for block in ("2.0", "2.1"):  # both sites of a block linear, or neither
+        assert linear[f"{block}.relu.calls.0"] == linear[f"{block}.relu.calls.1"]
+    assert all(linear[n] or not bool((u.slope == 1).any()) for n, u in units.items())
+    assert 0.5 - 32 / 40 < linearize.nonlinear_fraction(model) <= 0.5  # to within one block (32 of 40 channels)
+
+
+def _convnet() -> nn.Module:
+    """Site "1" sits before a big conv (8 -> 128, 3x3), site "7" between two tiny 1x1 convs (8 -> 8)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(8, 8, 1), nn.ReLU(), nn.Conv2d(8, 128, 3, padding=1), nn.ReLU(),
+                          nn.Conv2d(128, 8, 1), nn.ReLU(), nn.Conv2d(8, 8, 1), nn.ReLU(), nn.Conv2d(8, 8, 1))
+    return linearize.convert(model)
+
+
+def test_latency_weights_are_positive_and_follow_the_layer_cost():
+    model, x = _convnet(), torch.randn(2, 8, 32, 32)
+    w = latency_weights(model, x, budget_s=0.5)
+    flops = flops_weights(model, x)
+    assert set(w) == set(flops) == {"1", "3", "5", "7"} and all(v > 0 for v in w.values())
+    # multiply-adds per pixel of the layers around each site, per channel: "1" (64 + 9,216) / 8,
+    # "5" (1,024 + 64) / 8, "7" (64 + 64) / 8: measured times keep that order (less spread: call overhead)
+    assert w["1"] > w["5"] > w["7"] and w["1"] > 3 * w["7"]
+    assert flops["1"] > flops["5"] > flops["7"]
+    sp = linearize.Sparsifier(model, S.constant(), total_steps=10, weights="latency", example_inputs=x)
+    channels = {n: u.num_channels for n, u in linearize.units(model)}
+    mean = sum(sp.weights[n] * channels[n] for n in channels) / sum(channels.values())
+    assert mean == pytest.approx(1.0) and sp.weights["1"] > sp.weights["7"]
+    with pytest.raises(ValueError, match="needs example_inputs"):
+        linearize.Sparsifier(model, S.constant(), total_steps=10, weights="latency")
+
+
+def _mlp() -> nn.Module:
+    """Four sites between linears of different widths: folding a linear site merges its two neighbours
+    when that lowers FLOPs, so the savings of the sites interact."""
+    torch.manual_seed(0)
+    widths = [16, 64, 8, 64, 64, 4]
+    layers = []
+    for i in range(len(widths) - 1):
+        layers += [nn.Linear(widths[i], widths[i + 1]), nn.ReLU()]
+    return linearize.convert(nn.Sequential(*layers[:-1]).eval())
+
+
+def _true_flops(model: nn.Module, linear_sites: set[str], x: torch.Tensor) -> int:
+    """The truth: the sites ``linear_sites`` at slope 1 (the others at most 0.5), frozen, folded, and the
+    folded model counted."""
+    model = copy.deepcopy(model).eval()
+    with torch.no_grad():
+        for name, u in linearize.units(model):
+            if name in linear_sites:
+                u.slope.fill_(1.0)
+            else:
+                u.slope.clamp_(max=0.5)
+    linearize.freeze(model, tol=0.0)
+    return count_flops(linearize.fold(model, x, latency=False), x)
+
+
+@pytest.mark.parametrize("budget", [0.9, 0.6, 0.35])
+def test_flops_target_meets_the_budget_like_the_brute_force(budget):
+    model, x = _mlp(), torch.randn(4, 16)
+    gen = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for _, u in linearize.units(model):
+            u.slope.copy_(torch.rand(u.num_channels, generator=gen) * 0.8)
+    importance = {n: float((1 - u.slope.detach().double()).sum()) for n, u in linearize.units(model)}
+    names = list(importance)
+    truth = {frozenset(c): _true_flops(model, set(c), x) for k in range(len(names) + 1)
+             for c in itertools.combinations(names, k)}
+    full = truth[frozenset()]
+    feasible = [c for c, f in truth.items() if f <= budget * full]
+    best = min(sum(importance[n] for n in c) for c in feasible)
+
+    sp = linearize.Sparsifier(model, S.target(flops=budget, end=10), total_steps=15, granularity="site",
+                              example_inputs=x)
+    _quiet_steps(sp, 15)
+    chosen = frozenset(n for n, u in linearize.units(model) if bool((u.slope == 1).all()))
+    assert truth[chosen] <= budget * full  # the real folded FLOPs meet the budget
+    assert sp.cost_plan[-1]["cost"] == truth[chosen] / full  # and are what the Sparsifier counted
+    assert set(sp.cost_plan[-1]["sites"]) == chosen
+    lost = sum(importance[n] for n in chosen)
+    assert lost <= 2 * best + 1e-9  # the documented bound of the modified greedy
+    assert lost == pytest.approx(best)  # and here the optimum
+    assert all(not bool((u.slope == 1).any()) for n, u in linearize.units(model) if n not in chosen)
+
+
+def test_plan_is_within_twice_the_optimum_for_additive_savings(monkeypatch):
+    """The documented bound of the modified greedy, on random knapsacks with additive savings (the
+    folded cost replaced by a table) against a brute force over every set of sites."""
+    n = 6
+    model = linearize.convert(nn.Sequential(*[m for _ in range(n) for m in (nn.Linear(4, 4), nn.ReLU())]))
+    worst = 0.0
+    for trial in range(60):
+        gen = torch.Generator().manual_seed(trial)
+        kind = torch.randint(0, 3, (n,), generator=gen)  # small, large or whole savings
+        save = torch.where(kind == 0, torch.rand(n, generator=gen) * 0.05, torch.rand(n, generator=gen))
+        save = torch.where(kind == 2, torch.ones(n), save).tolist()
+        total = sum(save) + 1.0
+        budget = 1.0 - torch.rand(1, generator=gen).item() * sum(save) / total
+        monkeypatch.setattr(linearize.Sparsifier, "_folded_cost",
+                            lambda self, linear: total - sum(save[g] for g in linear))
+        with torch.no_grad():
+            for _, u in linearize.units(model):  # importance = the slope gap, 0.04 .. 4 per site
+                u.slope.fill_(1 - (0.01 + torch.rand(1, generator=gen).item() * 0.99) / 4 * (1 + 3 * (trial % 2)))
+        importance = [float((1 - u.slope.detach().double()).sum()) for _, u in linearize.units(model)]
+        sp = linearize.Sparsifier(model, S.target(flops=budget, end=2), total_steps=3, granularity="site",
+                                  example_inputs=torch.randn(1, 4))
+        _quiet_steps(sp, 1)
+        chosen = sp._start_groups() + sp._plan
+        assert total - sum(save[g] for g in chosen) <= budget * total + 1e-9
+        best = min(sum(importance[g] for g in c) for k in range(n + 1) for c in itertools.combinations(range(n), k)
+                   if total - sum(save[g] for g in c) <= budget * total)
+        worst = max(worst, sum(importance[g] for g in chosen) / best)
+    assert 1.0 <= worst <= 2.0
+
+
+def test_cost_target_path_descends_to_the_budget_and_holds():
+    model, x = _mlp(), torch.randn(4, 16)
+    sp = linearize.Sparsifier(model, S.target(flops=0.35, end=12), total_steps=30, granularity="site",
+                              example_inputs=x)
+    costs = []
+    for _ in range(30):
+        _quiet_steps(sp, 1)
+        linear = {n for n, u in linearize.units(model) if bool((u.slope == 1).all())}
+        costs.append(next(p["cost"] for p in sp.cost_plan if set(p["sites"]) == linear))
+    assert costs[0] == 1.0 and all(a >= b for a, b in zip(costs, costs[1:]))
+    assert all(c == costs[-1] <= 0.35 for c in costs[11:])  # reached by the end and held
+
+
+def test_saliency_cost_target_plans_from_the_gradients_and_meets_the_budget():
+    model, x = _mlp().train(), torch.randn(32, 16)
+    y = torch.randint(0, 4, (32,), generator=torch.Generator().manual_seed(0))
+    opt = torch.optim.SGD(linearize.param_groups(model, weight_decay=0.0), lr=0.05)
+    sp = linearize.Sparsifier(model, S.target(flops=0.4, start=4, end=10), total_steps=14, granularity="site",
+                              select="saliency", example_inputs=x[:2]).attach(opt)
+    for step in range(14):
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        if step == 3:  # the plan is made at the next step, from the saliencies seen so far
+            saliency = {n: float(v.sum()) for n, v in sp.saliency().items()}
+    linear = {n for n, u in linearize.units(model) if bool((u.slope == 1).all())}
+    assert linear == set(sp.cost_plan[-1]["sites"]) and sp.cost_plan[-1]["cost"] <= 0.4
+    assert _true_flops(model, linear, x[:2]) <= 0.4 * _true_flops(model, set(), x[:2])
+    assert all(v > 0 for v in saliency.values())
+
+
+def test_cost_target_errors_name_the_fix():
+    model, x = _mlp(), torch.randn(4, 16)
+    with pytest.raises(ValueError, match=r"must lie in \(0, 1\]"):
+        S.target(flops=1.5)
+    with pytest.raises(ValueError, match="exactly one goal"):
+        S.target(0.3, flops=0.5)
+    with pytest.raises(ValueError, match="granularity='site'"):
+        linearize.Sparsifier(model, S.target(flops=0.5), total_steps=10, example_inputs=x)
+    with pytest.raises(ValueError, match="example_inputs"):
+        linearize.Sparsifier(model, S.target(flops=0.5), total_steps=10, granularity="site")
+    floor = _true_flops(model, {n for n, _ in linearize.units(model)}, x) / _true_flops(model, set(), x)
+    with pytest.raises(ValueError, match=f"at least {floor:.4f}"):
+        linearize.Sparsifier(model, S.target(flops=floor * 0.9), total_steps=10, granularity="site",
+                             example_inputs=x)
+    t = S.target(flops=0.6, start=0.2)
+    assert S.from_dict(json.loads(json.dumps(t.to_dict()))) == t and t.cost == "flops" and t.goal == 0.6
+
+
+def test_latency_target_plans_within_its_own_measure(monkeypatch):
+    monkeypatch.setattr("linearize.sparsifier.LATENCY_BUDGET_S", 0.01)
+    model, x = _mlp(), torch.randn(64, 16)
+    sp = linearize.Sparsifier(model, S.target(latency=0.95, end=5), total_steps=8, granularity="site",
+                              example_inputs=x)
+    _quiet_steps(sp, 8)
+    plan = sp.cost_plan
+    assert plan[0]["cost"] == 1.0 and plan[-1]["cost"] <= 0.95 and len(plan[-1]["sites"]) >= 1
+    linear = {n for n, u in linearize.units(model) if bool((u.slope == 1).all())}
+    assert linear == set(plan[-1]["sites"])
+
+
+@pytest.mark.parametrize("kind", ["block", "flops"])
+def test_resume_is_bit_exact(kind):
+    def build():
+        if kind == "block":
+            model, x = _resnet().train(), torch.randn(8, 3, 8, 8)
+            y = torch.randint(0, 3, (8,), generator=torch.Generator().manual_seed(3))
+            sched, extra = S.target(0.5, end=10), {"granularity": "block"}
+        else:
+            model, x = _mlp().train(), torch.randn(8, 16, generator=torch.Generator().manual_seed(3))
+            y = torch.randint(0, 4, (8,), generator=torch.Generator().manual_seed(3))
+            sched, extra = S.target(flops=0.5, end=10), {"granularity": "site", "example_inputs": x}
+        opt = torch.optim.SGD(linearize.param_groups(model, weight_decay=0.0), lr=0.1)
+        return model, x, y, opt, linearize.Sparsifier(model, sched, total_steps=14, **extra).attach(opt)
+
+    def train(model, x, y, opt, steps):
+        for _ in range(steps):
+            opt.zero_grad()
+            nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+
+    model, x, y, opt, sp = build()
+    train(model, x, y, opt, 6)
+    saved_model, saved_state = copy.deepcopy(model.state_dict()), json.loads(json.dumps(sp.state_dict()))
+    train(model, x, y, opt, 8)
+    model2, _, _, opt2, sp2 = build()
+    model2.load_state_dict(saved_model)
+    sp2.load_state_dict(saved_state)
+    train(model2, x, y, opt2, 8)
+    for (_, u), (_, u2) in zip(linearize.units(model), linearize.units(model2)):
+        assert torch.equal(u.slope, u2.slope)
+    assert sp.state_dict() == sp2.state_dict()
+    other = linearize.Sparsifier(_mlp(), S.target(0.5), total_steps=14, granularity="site")
+    if kind == "flops":
+        with pytest.raises(ValueError, match="cost target"):
+            other.load_state_dict(saved_state)
