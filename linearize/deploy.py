@@ -37,7 +37,8 @@ from torch import nn
 
 from ._files import LoadError, atomic_write
 from ._optional import require
-from .activations import FUNCTIONS_BY_NAME
+from .activations import FUNCTIONAL_SPECS, FUNCTIONS_BY_NAME
+from .functional_sites import ATTR as FUNCTIONAL_ATTR, FunctionalSites, install_functional_sites
 from .hf import mark_folded
 
 __all__ = ["save_folded", "load_folded", "FOLDED_CONFIG", "FOLDED_WEIGHTS"]
@@ -74,6 +75,7 @@ def _fold_classes() -> dict[str, type]:
     found.update({f"linearize.folding.modules.{c.__qualname__}": c for c in (modules.ChannelPReLU, modules.ChannelBlend)})
     found["linearize.activations.FunctionalActivation"] = FunctionalActivation
     found["linearize.injection.CallSites"] = CallSites  # one plain module per call of a reused site
+    found["linearize.functional_sites.FunctionalSites"] = FunctionalSites  # F.relu(...) calls in a forward
     # files written before the injection core moved out of conversion.py
     found["linearize.conversion.FunctionalActivation"] = FunctionalActivation
     found["linearize.conversion.CallSites"] = CallSites
@@ -104,6 +106,7 @@ def _class_name(module: nn.Module) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
 
 
+_FUNCTIONAL_KINDS = {kind for kind, _ in FUNCTIONAL_SPECS.values()}
 _FUNCTIONS = FUNCTIONS_BY_NAME  # the activation functions a FunctionalActivation may hold, by saved name
 
 
@@ -174,7 +177,26 @@ def _spec(module: nn.Module) -> dict[str, Any]:
                 "second_geometry": _jsonable(module.second_geometry), "geometry": _jsonable(module.geometry)}
     if type(module).__name__ in ("_Residual", "CallSites"):
         return {}
+    if isinstance(module, FunctionalSites):
+        return {"owner_name": module.owner_name, "kinds": list(module.kinds), "slots": list(module.slots),
+                "channels": [None if c is None else list(c) for c in module.channels]}
     return _generic_args(module)
+
+
+def _functional_sites(args: dict[str, Any]) -> FunctionalSites:
+    """A :class:`FunctionalSites` from its record: call kinds, input channels and the slot of every call
+    (its modules, the plain forms fold left, are the entry's children and are built next)."""
+    kinds, slots, channels = args["kinds"], args["slots"], args["channels"]
+    if not (isinstance(kinds, list) and isinstance(slots, list) and isinstance(channels, list)
+            and len(kinds) == len(slots) == len(channels) and all(k in _FUNCTIONAL_KINDS for k in kinds)):
+        raise ValueError("kinds, slots and channels must be lists of one length, kinds among the activation kinds")
+    for i, (kind, slot) in enumerate(zip(kinds, slots)):
+        if slot not in (None, f"{kind}_{i}"):
+            raise ValueError(f"slot {i} is {slot!r}, not {kind}_{i} or null")
+    chans = [None if c is None else (int(c[0]), int(c[1])) for c in channels]
+    sites = FunctionalSites(str(args["owner_name"]), kinds, chans, {})
+    sites.slots = list(slots)
+    return sites
 
 
 def _build(cls: type, args: dict[str, Any]) -> nn.Module:
@@ -209,6 +231,8 @@ def _build(cls: type, args: dict[str, Any]) -> nn.Module:
         return cls(nn.Identity(), None)
     if cls.__name__ == "CallSites":
         return cls([])
+    if cls is FunctionalSites:
+        return _functional_sites(args)
     return cls(**{k: _tupled(v) for k, v in args.items()})
 
 
@@ -353,6 +377,10 @@ def _rebuild(meta: dict[str, Any], base: nn.Module | None, path: Path) -> nn.Mod
         if isinstance(module, CallSites) and not getattr(owner, "_linearize_reset_hook", False):
             owner.register_forward_pre_hook(_reset_call_sites)  # resets the call counter, as convert does
             owner._linearize_reset_hook = True
+        if isinstance(module, FunctionalSites):
+            if name.rpartition(".")[2] != FUNCTIONAL_ATTR:
+                raise LoadError(f"{path}: functional sites at {name!r}, not at <owner>.{FUNCTIONAL_ATTR}")
+            install_functional_sites(owner, module)  # the owner's calls go to the plain modules again
     return built[""]
 
 

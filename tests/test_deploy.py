@@ -120,3 +120,51 @@ def test_folded_models_export(tmp_path):
     session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
     (got,) = session.run(None, {"input_ids": ids.numpy()})
     torch.testing.assert_close(torch.from_numpy(got), ref, rtol=0, atol=1e-4)
+
+
+def _folded_functional(tmp_path):
+    from zoo import FunctionalNet
+
+    torch.manual_seed(0)
+    model = FunctionalNet().eval()
+    x = torch.randn(4, 3, 8, 8)
+    linearize.convert(model, example_inputs=x)
+    with torch.no_grad():
+        for _, unit in linearize.units(model):
+            unit.slope.copy_((torch.arange(unit.num_channels) % 2).float())  # half the channels linear
+    linearize.freeze(model)
+    folded = linearize.fold(model, x)
+    linearize.save_folded(folded, tmp_path)
+    return model, x
+
+
+def test_folded_functional_sites_round_trip(tmp_path):
+    """``F.relu``/``F.gelu`` calls in a forward (functional sites) save and load: the truth is the
+    converted model itself on fresh inputs (another batch size, other values)."""
+    from zoo import FunctionalNet
+
+    model, _ = _folded_functional(tmp_path)
+    loaded = linearize.load_folded(tmp_path, base=FunctionalNet())
+    x = torch.randn(7, 3, 8, 8) * 3
+    with torch.no_grad():
+        ref, out = model(x), loaded(x)
+    assert (out - ref).abs().max() <= 1e-5 * ref.abs().max()
+    assert not linearize.units(loaded)
+    assert torch.equal(loaded(x), out)  # a second call dispatches the same way
+
+
+@pytest.mark.parametrize("edit, match", [
+    (lambda e: e["args"].update(slots=["relu_0"]), "one length"),
+    (lambda e: e["args"].update(kinds=["os.system"] * len(e["args"]["kinds"])), "activation kinds"),
+    (lambda e: e["args"]["slots"].__setitem__(0, "fc1"), "slot 0"),
+])
+def test_crafted_functional_sites_are_refused(tmp_path, edit, match):
+    from zoo import FunctionalNet
+
+    _folded_functional(tmp_path)
+    meta = json.loads((tmp_path / "folded.json").read_text())
+    entry = next(e for e in meta["modules"] if e["class"].endswith("FunctionalSites"))
+    edit(entry)
+    (tmp_path / "folded.json").write_text(json.dumps(meta))
+    with pytest.raises(LoadError, match=match):
+        linearize.load_folded(tmp_path, base=FunctionalNet())
