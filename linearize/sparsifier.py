@@ -376,6 +376,19 @@ class Sparsifier:
         _ATTACHED[inner] = weakref.ref(self)
         return self
 
+    def __getstate__(self) -> dict:
+        # a hook handle belongs to one optimizer object: a copy (deepcopy, pickle) re-attaches to its
+        # own copy of the optimizer instead of holding a handle that drives nothing
+        state = dict(self.__dict__, _hook=None)
+        state["_attached"] = self._hook is not None
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        attached = state.pop("_attached", False)
+        self.__dict__.update(state)
+        if attached and self.optimizer is not None:
+            self.attach(self.optimizer)
+
     def detach(self) -> None:
         """Remove the hook installed by :meth:`attach`."""
         if self._hook is not None:

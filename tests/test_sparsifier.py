@@ -323,3 +323,27 @@ def test_budget_projection_keeps_exactly_the_budget_and_prefers_linear_channels(
     sp.step()
     assert unit.slope.tolist() == pytest.approx([0.9, 1, 0.99, 0.5, 0.99, 0, 0, 0, 0, 1])
     assert sp.nonlinear_fraction() == 0.8
+
+
+def test_deepcopy_of_an_attached_sparsifier_drives_its_own_copy():
+    """A deep copy (model, optimizer and sparsifier together) is attached to its own optimizer: a
+    step of the copy's optimizer moves the copy's slopes only, a step of the original's the original's
+    only (truth: the slopes before and after, compared tensor by tensor)."""
+    import copy
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    linearize.convert(model, example_inputs=torch.randn(2, 4))
+    opt = torch.optim.SGD(linearize.param_groups(model), lr=0.1)
+    sp = linearize.Sparsifier(model, schedule=linearize.schedules.constant(1.0), total_steps=10).attach(opt)
+    copy_model, copy_opt, copied = copy.deepcopy((model, opt, sp))
+    slope, copy_slope = linearize.units(model)[0][1].slope, linearize.units(copy_model)[0][1].slope
+    assert copied.optimizer is copy_opt and copy_slope is not slope
+    before, copy_before = slope.clone(), copy_slope.clone()
+    copy_model(torch.randn(3, 4)).sum().backward()
+    copied.optimizer.step()
+    assert copied.step_count == 1 and sp.step_count == 0
+    assert torch.equal(slope, before) and not torch.equal(copy_slope, copy_before)
+    model(torch.randn(3, 4)).sum().backward()
+    opt.step()
+    assert sp.step_count == 1 and copied.step_count == 1 and not torch.equal(slope, before)
