@@ -114,3 +114,33 @@ def test_gated_bool_options_refuse_strings():
     truthy string, which turns hard gates *on*. Observed: accepted, ``cfg.hard_gates == "false"``."""
     with pytest.raises((TypeError, ValueError), match="hard_gates"):
         linearize.LinearizeConfig.from_dict({"mode": "dgn", "hard_gates": "false"})
+
+
+@pytest.mark.xfail(strict=True, reason="weights='latency' are re-measured on resume; state_dict does not carry them")
+def test_resume_with_latency_weights_is_exact():
+    """Truth (Sparsifier resume contract): a Sparsifier rebuilt the same way and given ``state_dict()``
+    continues exactly as the uninterrupted one. With ``weights="latency"`` the per-unit weights are
+    timings measured in ``__init__`` and not saved, so the rebuilt Sparsifier pushes each site by a
+    different (noisy) amount: the slopes after one more step differ."""
+    import copy
+    import warnings
+
+    torch.manual_seed(0)
+    x = torch.randn(4, 16)
+    model = linearize.convert(nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 8), nn.ReLU(),
+                                            nn.Linear(8, 64), nn.ReLU(), nn.Linear(64, 2)), example_inputs=x)
+
+    def build(m):
+        return linearize.Sparsifier(m, S.constant(), total_steps=10, weights="latency", example_inputs=x)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # no optimizer: the slopes move by the pressure alone
+        sp = build(model)
+        sp.step()
+        model2 = copy.deepcopy(model)
+        sp2 = build(model2)
+        sp2.load_state_dict(sp.state_dict())
+        sp.step()
+        sp2.step()
+    for (_, a), (_, b) in zip(linearize.units(model), linearize.units(model2)):
+        assert torch.equal(a.slope, b.slope)
