@@ -187,3 +187,33 @@ def test_fold_of_a_timm_condconv_block_equals_its_source():
     with torch.no_grad():
         ref = model(x)
         assert (folded(x) - ref).abs().max() <= 1e-4 * ref.abs().max()
+
+
+@pytest.mark.xfail(strict=True, reason="load_state_dict does not check a cost target's plan / plan_costs")
+def test_load_state_dict_checks_the_cost_plan():
+    """Truth (load_state_dict docs: "Everything is checked before anything changes"): a state whose cost
+    plan names a group this Sparsifier does not have (``plan: [7]`` with 2 sites), or whose
+    ``plan_costs`` do not match the plan, must be refused with a ValueError at load. Observed: accepted;
+    the next ``step()`` raises a bare ``IndexError: list index out of range`` (or ``StopIteration``
+    for a short ``plan_costs``)."""
+    import json
+    import warnings
+
+    torch.manual_seed(0)
+    x = torch.randn(4, 16)
+
+    def build():
+        model = linearize.convert(nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(),
+                                                nn.Linear(32, 4)), example_inputs=x)
+        return linearize.Sparsifier(model, S.target(flops=0.6, end=4), total_steps=8, granularity="site",
+                                    example_inputs=x)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        sp = build()
+        sp.step()
+        state = json.loads(json.dumps(sp.state_dict()))
+        assert state["plan"] is not None  # the plan was made at the target's start
+        for bad in ({"plan": [7], "plan_costs": [1.0, 0.5]}, {"plan": [0], "plan_costs": [1.0]}):
+            with pytest.raises(ValueError):
+                build().load_state_dict({**state, **bad})
