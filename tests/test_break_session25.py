@@ -217,3 +217,21 @@ def test_load_state_dict_checks_the_cost_plan():
         for bad in ({"plan": [7], "plan_costs": [1.0, 0.5]}, {"plan": [0], "plan_costs": [1.0]}):
             with pytest.raises(ValueError):
                 build().load_state_dict({**state, **bad})
+
+
+@pytest.mark.xfail(strict=True, reason="register_measure accepts a Measure whose compute / plot is not callable")
+def test_register_measure_refuses_non_callable_parts():
+    """Truth (register_measure docs): a measure is a ``compute(ctx)`` function, its ``plot`` a function
+    ``plot(value) -> bytes``; a function given bare is checked (``TypeError``), so a ``Measure`` whose
+    ``compute`` is ``5`` or whose ``plot`` is a string must be refused too. Observed: both registered;
+    the report fails later, after the measures before it ran, with "'int' object is not callable"."""
+    from linearize.report_measures import MEASURES, Measure, register_measure
+
+    try:
+        with pytest.raises(TypeError):
+            register_measure("break25_compute", Measure(compute=5))
+        with pytest.raises(TypeError):
+            register_measure("break25_plot", lambda ctx: 1.0, plot="fraction.png")
+    finally:
+        MEASURES.pop("break25_compute", None)
+        MEASURES.pop("break25_plot", None)
