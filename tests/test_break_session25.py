@@ -24,8 +24,10 @@ import common  # noqa: E402
 def test_group_penalty_gradient_is_finite_at_a_linear_site():
     """Truth: ``||1 - a||_2`` has a subgradient of 0 where the gap is 0 (torch.linalg.norm backward gives
     0 there, as the penalty's earlier ``gap.norm()`` did). With ``granularity="site"`` and
-    ``mode="loss"``, a site whose slopes all reached 1 must not give NaN slope gradients (an optimizer
-    step would turn its slopes NaN)."""
+    ``mode="loss"``, a site whose slopes all reached 1 must not give NaN slope gradients. Observed: all
+    NaN; in the documented loop (``target(0.5, end=10)``, ``mode="loss"``, ``granularity="site"``, SGD,
+    loss + penalty) the first site the projection snaps to 1 turns NaN and step 1 raises
+    ``NonFiniteSlopeError: ... Training diverged``."""
     torch.manual_seed(0)
     model = linearize.convert(nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 1)))
     sp = linearize.Sparsifier(model, S.constant(0.1), total_steps=10, mode="loss", granularity="site")
