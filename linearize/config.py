@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -149,7 +150,11 @@ class LinearizeConfig:
         which never had an effect, are dropped.
         """
         d = dict(d)
-        target = config_class(d.get("mode", "prelu")) if cls is LinearizeConfig else cls
+        mode = d.get("mode", "prelu")
+        target = config_class(mode) if cls is LinearizeConfig else cls
+        if cls is not LinearizeConfig and mode not in cls.modes:
+            raise ValueError(f"the dict is of mode {mode!r}, not one of {cls.__name__}'s {cls.modes}; read it with "
+                             f"LinearizeConfig.from_dict(d), which picks the mode's config")
         if "extra" in d:  # written before one config per method
             d.pop("extra")
             legacy = _fields(BlendConfig) | _fields(GatedConfig)
@@ -167,7 +172,14 @@ class LinearizeConfig:
         target = type(self) if mode in self.modes else config_class(mode)
         kept = self.to_dict() if target is type(self) else {
             k: v for k, v in self.to_dict().items() if k in _fields(LinearizeConfig)}
+        if mode != self.mode and "beta" not in changes and kept.get("beta") == DEFAULT_BETA.get(self.mode):
+            kept["beta"] = None  # the old mode's default, not a choice: the new mode's default applies
         return target(**{**kept, **changes})
+
+
+def _is_real(value: Any) -> bool:
+    """A real number (int, float, numpy scalar), not a bool or a string."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
 @dataclass
@@ -188,8 +200,8 @@ class BlendConfig(LinearizeConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if not 0.0 <= self.init_slope <= 1.0:
-            raise ValueError(f"init_slope must lie in [0, 1], got {self.init_slope}")
+        if not _is_real(self.init_slope) or not 0.0 <= self.init_slope <= 1.0:
+            raise ValueError(f"init_slope must be a number in [0, 1], got {self.init_slope!r}")
 
 
 @dataclass
@@ -222,8 +234,11 @@ class GatedConfig(LinearizeConfig):
         super().__post_init__()
         if self.beta is None:
             self.beta = DEFAULT_BETA[self.mode]
-        if not (math.isfinite(self.beta) and self.beta > 0):
-            raise ValueError(f"beta must be a finite number > 0, got {self.beta}")
+        if not (_is_real(self.beta) and math.isfinite(self.beta) and self.beta > 0):
+            raise ValueError(f"beta must be a finite number > 0, got {self.beta!r}")
+        for name in ("hard_gates", "freeze_feature"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.value_input not in ("x", "ones"):
             raise ValueError(f"value_input must be 'x' or 'ones', got {self.value_input!r}")
         if self.init not in ("independent", "copy"):

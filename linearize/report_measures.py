@@ -26,6 +26,7 @@ import keyword
 import warnings
 from dataclasses import dataclass, field
 from functools import cached_property
+from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
@@ -178,8 +179,17 @@ def register_measure(name: str, measure: Measure | Callable[[MeasureContext], An
     else:
         raise TypeError(f"measure {name!r} must be a Measure or a function compute(ctx), "
                         f"got {type(measure).__name__}")
+    for part in ("compute", "plot", "section", "summary"):
+        fn = getattr(measure, part)
+        if not callable(fn) and not (fn is None and part != "compute"):
+            raise TypeError(f"measure {name!r}: {part} must be a function{'' if part == 'compute' else ' or None'}, "
+                            f"got {type(fn).__name__}")
     if measure.plot is not None and measure.plot_file is None:
         measure = dataclasses.replace(measure, plot_file=f"{name}.png")
+    f = measure.plot_file
+    if f is not None and (not isinstance(f, str) or f in ("", ".", "..") or Path(f).name != f or "\\" in f):
+        raise ValueError(f"measure {name!r}: plot_file must be a plain file name (written into the report "
+                         f"folder), got {f!r}")
     files = {m.plot_file: n for n, m in MEASURES.items() if m.plot_file is not None and n != name}
     if measure.plot_file in files or measure.plot_file in ("report.json", "report.html"):
         raise ValueError(f"measure {name!r}: plot file {measure.plot_file!r} is already written by "

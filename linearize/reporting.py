@@ -283,10 +283,11 @@ def report(
 def _checked(name: str, value: Any) -> Any:
     """``value`` if it can go into ``report.json``; a clear error naming the measure otherwise."""
     try:
-        json.dumps(value)
+        json.dumps(value, allow_nan=False)  # as report.json is written
     except (TypeError, ValueError) as err:
-        raise TypeError(f"measure {name!r} returned a value report.json cannot hold ({err}): return numbers, "
-                        "strings, lists and dicts (tensor.tolist(), float(x)) or None") from None
+        raise TypeError(f"measure {name!r} returned a value report.json cannot hold ({err}): return numbers "
+                        "(finite: NaN and inf are not JSON), strings, lists and dicts (tensor.tolist(), "
+                        "float(x)) or None") from None
     return value
 
 

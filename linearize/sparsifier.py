@@ -778,7 +778,8 @@ class Sparsifier:
             counts = [int(torch.isnan(self._units[i][1].frozen).sum()) for i in group]
             n = max(sum(counts), 1)
             w = sum(self._weights[i] * c for i, c in zip(group, counts)) / n
-            norm = torch.stack([gaps[i].square().sum() for i in group]).sum().sqrt()
+            # vector_norm's gradient at 0 is 0 (a linear or frozen group), sqrt(sum of squares)'s is NaN
+            norm = torch.linalg.vector_norm(torch.cat([gaps[i].reshape(-1) for i in group]))
             terms.append(w * math.sqrt(sum(counts)) * norm)
         return lam_t * torch.stack(terms).sum()
 
@@ -855,6 +856,7 @@ class Sparsifier:
             "plan": self._plan,
             "plan_start": sorted(self._plan_start),
             "plan_costs": self._plan_costs,
+            "weights": list(self._weights),  # measured ones (weights="latency") would differ on a new measure
         }
 
     def load_state_dict(self, state: Mapping) -> None:
@@ -876,6 +878,11 @@ class Sparsifier:
         if state.get("cost") != cost:
             raise ValueError(f"state was saved with a cost target of {state.get('cost')!r}, this Sparsifier has "
                              f"{cost!r} (target(flops=/latency=)): build it with the same schedule to resume")
+        weights = state.get("weights")
+        if weights is not None and (not isinstance(weights, list) or len(weights) != len(self._units) or not all(
+                isinstance(w, (int, float)) and not isinstance(w, bool) and math.isfinite(w) and w >= 0 for w in weights)):
+            raise ValueError(f"state's weights must be {len(self._units)} finite numbers >= 0, one per unit")
+        self._check_plan(state)
         saliency, seen = self._saliency, self._seen
         if state.get("saliency") is not None:
             saliency = torch.tensor(state["saliency"], dtype=torch.float64)
@@ -901,7 +908,30 @@ class Sparsifier:
         self._plan = None if state.get("plan") is None else [int(g) for g in state["plan"]]
         self._plan_start = {int(g) for g in state.get("plan_start") or []}
         self._plan_costs = None if state.get("plan_costs") is None else [float(c) for c in state["plan_costs"]]
+        if weights is not None:
+            self._weights = [float(w) for w in weights]
         self._versions = [-1] * len(self._units)  # the model was loaded: do not warn on the next step
+
+    def _check_plan(self, state: Mapping) -> None:
+        """A cost target's plan in ``state``: distinct groups of this Sparsifier, one cost per plan prefix."""
+        groups = range(len(self._groups))
+
+        def group_ids(key: str) -> list:
+            ids = state.get(key) or []
+            if not isinstance(ids, list) or not all(isinstance(g, int) and not isinstance(g, bool) and g in groups
+                                                    for g in ids) or len(set(ids)) != len(ids):
+                raise ValueError(f"state's {key} must list distinct group indices in [0, {len(self._groups)})")
+            return ids
+
+        plan, _ = group_ids("plan"), group_ids("plan_start")
+        costs = state.get("plan_costs")
+        if state.get("plan") is None:
+            if costs is not None:
+                raise ValueError("state has plan_costs but no plan")
+            return
+        if not isinstance(costs, list) or len(costs) != len(plan) + 1 or not all(
+                isinstance(c, (int, float)) and not isinstance(c, bool) and math.isfinite(c) and c >= 0 for c in costs):
+            raise ValueError(f"state's plan_costs must be {len(plan) + 1} finite costs >= 0 (one per prefix of the plan)")
 
 
 def site_groups(model: nn.Module, blocks: Sequence[str] | None = None) -> dict[str, list[str]]:

@@ -21,6 +21,7 @@ import contextlib
 import hashlib
 import json
 import os
+import re
 import platform
 import shutil
 import sys
@@ -841,6 +842,15 @@ def read_recipe_json(directory: str | Path) -> dict:
     return meta
 
 
+def _temp_siblings(directory: Path, old: bool | None) -> list[Path]:
+    """The temp folders :func:`replaced_dir` makes for ``directory``: ``.tmp-<name>-<pid>`` (stages) and
+    ``.tmp-<name>-old-<pid>`` (old folders set aside); ``old`` picks one kind (None: both). Exact names
+    only: ``.tmp-model-best-old-7`` belongs to ``model-best``, never to ``model``."""
+    kind = {True: "old-", False: "", None: "(?:old-)?"}[old]
+    pattern = re.compile(rf"{re.escape(TMP_PREFIX + directory.name)}-{kind}\d+")
+    return [p for p in directory.parent.glob(f"{TMP_PREFIX}{directory.name}-*") if pattern.fullmatch(p.name)]
+
+
 def restore_aside(directory: str | Path) -> Path | None:
     """Put back the folder that :func:`replaced_dir` had renamed aside when it was killed between its
     two renames (``directory`` missing, ``.tmp-<name>-old-<pid>`` present: the newest such copy).
@@ -848,7 +858,7 @@ def restore_aside(directory: str | Path) -> Path | None:
     directory = Path(directory)
     if directory.exists() or directory.is_symlink():
         return None
-    aside = sorted(directory.parent.glob(f"{TMP_PREFIX}{directory.name}-old-*"), key=lambda p: p.stat().st_mtime)
+    aside = sorted(_temp_siblings(directory, old=True), key=lambda p: p.stat().st_mtime)
     if not aside:
         return None
     aside[-1].rename(directory)
@@ -868,7 +878,7 @@ def replaced_dir(directory: str | Path):
         directory = directory.resolve()
     directory.parent.mkdir(parents=True, exist_ok=True)
     restore_aside(directory)
-    for leftover in directory.parent.glob(f"{TMP_PREFIX}{directory.name}-*"):  # of interrupted saves
+    for leftover in _temp_siblings(directory, old=None):  # of interrupted saves
         shutil.rmtree(leftover, ignore_errors=True)
     stage = directory.with_name(f"{TMP_PREFIX}{directory.name}-{os.getpid()}")
     stage.mkdir()

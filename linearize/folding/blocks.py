@@ -28,6 +28,13 @@ def imported(module: str, *names: str) -> tuple[type, ...]:
     return tuple(c for c in (getattr(mod, n, None) for n in names) if c is not None) if mod is not None else ()
 
 
+def is_block(m: nn.Module, classes: tuple[type, ...]) -> bool:
+    """``m`` is one of ``classes`` and runs that class's own ``forward``: a subclass that overrides it
+    (timm's ``CondConvResidual`` of ``InvertedResidual``, a user's ``ResNet`` with another forward)
+    computes something the class's fold rule does not know, so it does not match."""
+    return any(isinstance(m, c) and type(m).forward is c.forward for c in classes)
+
+
 def _torchvision(module: str, *names: str) -> tuple[type, ...]:
     """torchvision classes ``names`` of ``torchvision.models.<module>`` if it is imported, else ``()``."""
     return imported(f"torchvision.models.{module}", *names)
@@ -177,7 +184,7 @@ def _fold_stem(model: nn.Module, ctx: FoldContext) -> nn.Module:
 
 RESNET_BLOCK = FoldRule(
     "torchvision-resnet-block",
-    lambda m, ctx: isinstance(m, _torchvision("resnet", "BasicBlock", "Bottleneck")),
+    lambda m, ctx: is_block(m, _torchvision("resnet", "BasicBlock", "Bottleneck")),
     fold_resnet_block,
 )
-RESNET_STEM = FoldRule("torchvision-resnet-stem", lambda m, ctx: isinstance(m, _torchvision("resnet", "ResNet")), _fold_stem)
+RESNET_STEM = FoldRule("torchvision-resnet-stem", lambda m, ctx: is_block(m, _torchvision("resnet", "ResNet")), _fold_stem)

@@ -18,7 +18,7 @@ from collections import OrderedDict
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from .blocks import fold_skip, imported
+from .blocks import fold_skip, imported, is_block
 from .chains import fold_sequential
 from .conv import BorderBiasConv, BorderExactConv
 from .layers import CONVS
@@ -34,8 +34,8 @@ TIMM = (("timm.models._efficientnet_blocks", "InvertedResidual",
 
 def _layout(m: nn.Module, table: tuple) -> str | tuple[str, ...] | None:
     """The layout (body attribute, or layer attributes in call order) of the ``table`` entry whose
-    class (if its module is imported) ``m`` is an instance of."""
-    return next((layout for module, cls, layout in table if isinstance(m, imported(module, cls))), None)
+    class (if its module is imported) ``m`` is, running that class's forward (:func:`is_block`)."""
+    return next((layout for module, cls, layout in table if is_block(m, imported(module, cls))), None)
 
 
 def _one_conv(body: nn.Module) -> nn.Module | None:

@@ -1,6 +1,6 @@
-"""Hostile review (session 25) of the one-config-per-method split, block / cost sparsity, the measure
-registry and the recipes' restore of a save killed between its renames. Each test states its truth;
-each is a confirmed defect, marked ``xfail(strict=True)`` until the library is fixed."""
+"""Hostile cases of the one-config-per-method split, block / cost sparsity, the measure registry, the
+timm fold rules and the recipes' restore of a save killed between its renames: each was a defect a
+"break it" review found (now fixed); each test states its truth."""
 
 from __future__ import annotations
 
@@ -20,7 +20,6 @@ sys.path.insert(0, str(REPO / "recipes"))
 import common  # noqa: E402
 
 
-@pytest.mark.xfail(strict=True, reason="group-lasso penalty uses sqrt(sum of squares): NaN gradient at a linear group")
 def test_group_penalty_gradient_is_finite_at_a_linear_site():
     """Truth: ``||1 - a||_2`` has a subgradient of 0 where the gap is 0 (torch.linalg.norm backward gives
     0 there, as the penalty's earlier ``gap.norm()`` did). With ``granularity="site"`` and
@@ -39,7 +38,6 @@ def test_group_penalty_gradient_is_finite_at_a_linear_site():
     assert torch.isfinite(first.slope.grad).all()  # observed: all NaN
 
 
-@pytest.mark.xfail(strict=True, reason="replace(mode=) keeps the old mode's default beta")
 def test_replace_mode_takes_the_new_modes_default_beta():
     """Truth (GatedConfig docs): ``beta=None`` takes the mode's default, 4 for DGN and 10 for DLGN; a
     config built as DGN with no beta given, switched to DLGN with ``replace``, must equal
@@ -49,7 +47,6 @@ def test_replace_mode_takes_the_new_modes_default_beta():
     assert switched.beta == linearize.LinearizeConfig(mode="dlgn").beta == 10.0
 
 
-@pytest.mark.xfail(strict=True, reason="replaced_dir deletes another folder's aside copy as a leftover")
 def test_save_of_one_folder_keeps_the_aside_copy_of_a_sibling(tmp_path):
     """Truth (replaced_dir docs: "never a lost folder"): a save of ``model`` killed between its renames
     leaves ``.tmp-model-best-old-<pid>`` for the sibling ``model-best``; writing the *other* folder
@@ -63,7 +60,6 @@ def test_save_of_one_folder_keeps_the_aside_copy_of_a_sibling(tmp_path):
     assert common.read_recipe_json(tmp_path / "model-best") == {"v": 1}
 
 
-@pytest.mark.xfail(strict=True, reason="restore_aside matches the aside copy of another folder")
 def test_restore_aside_never_restores_another_folders_copy(tmp_path):
     """Truth: ``restore_aside(dir)`` puts back ``dir``'s own aside copy (``.tmp-<dir>-old-<pid>``) only.
     With ``model`` missing and only ``.tmp-model-old-old-7`` present (the aside copy of the sibling
@@ -75,7 +71,6 @@ def test_restore_aside_never_restores_another_folders_copy(tmp_path):
     assert other.exists()
 
 
-@pytest.mark.xfail(strict=True, reason="register_measure accepts a plot_file outside the report folder")
 def test_register_measure_refuses_a_plot_file_outside_the_report_folder(tmp_path):
     """Truth: ``Report.save(out_dir)`` writes every plot into ``out_dir``; a measure's ``plot_file`` is
     "a file name" (register_measure docs), so ``"../escape.png"`` or an absolute path must be refused
@@ -84,13 +79,12 @@ def test_register_measure_refuses_a_plot_file_outside_the_report_folder(tmp_path
 
     try:
         with pytest.raises(ValueError):
-            register_measure("break25_escape", lambda ctx: 1.0, plot=lambda v: b"png",
+            register_measure("hostile_escape", lambda ctx: 1.0, plot=lambda v: b"png",
                              plot_file=str(tmp_path / ".." / "escape.png"))
     finally:
-        MEASURES.pop("break25_escape", None)
+        MEASURES.pop("hostile_escape", None)
 
 
-@pytest.mark.xfail(strict=True, reason="BlendConfig.from_dict of a gated dict raises a self-contradicting error")
 def test_subclass_from_dict_of_another_modes_dict_names_the_right_fix():
     """Truth: ``from_dict`` reads ``d["mode"]``; ``BlendConfig.from_dict`` of a DGN dict must either
     return that mode's config or say the dict is of mode 'dgn' and point at ``LinearizeConfig.from_dict``.
@@ -109,7 +103,6 @@ def test_subclass_from_dict_of_another_modes_dict_names_the_right_fix():
         assert cfg == GatedConfig(mode="dgn")
 
 
-@pytest.mark.xfail(strict=True, reason="GatedConfig accepts non-bool hard_gates / freeze_feature")
 def test_gated_bool_options_refuse_strings():
     """Truth: ``hard_gates`` and ``freeze_feature`` are booleans. A hand-edited or crafted config dict with
     ``"hard_gates": "false"`` must be refused (TypeError/ValueError naming the option), not read as the
@@ -118,7 +111,6 @@ def test_gated_bool_options_refuse_strings():
         linearize.LinearizeConfig.from_dict({"mode": "dgn", "hard_gates": "false"})
 
 
-@pytest.mark.xfail(strict=True, reason="weights='latency' are re-measured on resume; state_dict does not carry them")
 def test_resume_with_latency_weights_is_exact():
     """Truth (Sparsifier resume contract): a Sparsifier rebuilt the same way and given ``state_dict()``
     continues exactly as the uninterrupted one. With ``weights="latency"`` the per-unit weights are
@@ -148,7 +140,6 @@ def test_resume_with_latency_weights_is_exact():
         assert torch.equal(a.slope, b.slope)
 
 
-@pytest.mark.xfail(strict=True, reason="a measure's NaN passes report()'s JSON check, then Report.to_json/save fail")
 def test_report_refuses_a_non_finite_measure_value_by_name():
     """Truth: ``report()`` checks every measure value against what ``report.json`` can hold (``_checked``)
     and names the measure otherwise; ``report.json`` is written with ``allow_nan=False``. A measure
@@ -157,22 +148,21 @@ def test_report_refuses_a_non_finite_measure_value_by_name():
     ``to_json()`` / ``save()`` then raise a bare "Out of range float values" naming nothing."""
     from linearize.report_measures import MEASURES, register_measure
 
-    register_measure("break25_nan", lambda ctx: {"score": float("nan")})
+    register_measure("hostile_nan", lambda ctx: {"score": float("nan")})
     try:
         model = linearize.convert(nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)),
                                   example_inputs=torch.randn(2, 4))
-        skip = [k for k in MEASURES if k not in ("break25_nan", "units")]
+        skip = [k for k in MEASURES if k not in ("hostile_nan", "units")]
         try:
             rep = linearize.report(model, torch.randn(8, 4), skip=skip, progress=False)
         except (TypeError, ValueError) as err:
-            assert "break25_nan" in str(err)
+            assert "hostile_nan" in str(err)
         else:
             rep.to_json()
     finally:
-        MEASURES.pop("break25_nan", None)
+        MEASURES.pop("hostile_nan", None)
 
 
-@pytest.mark.xfail(strict=True, reason="timm rule lays out CondConvResidual (an InvertedResidual subclass) as a chain")
 def test_fold_of_a_timm_condconv_block_equals_its_source():
     """Truth: fold returns a model computing the source's function (or leaves a block it cannot fold as
     it is). timm's ``CondConvResidual`` subclasses ``InvertedResidual`` but its forward computes
@@ -191,7 +181,6 @@ def test_fold_of_a_timm_condconv_block_equals_its_source():
         assert (folded(x) - ref).abs().max() <= 1e-4 * ref.abs().max()
 
 
-@pytest.mark.xfail(strict=True, reason="load_state_dict does not check a cost target's plan / plan_costs")
 def test_load_state_dict_checks_the_cost_plan():
     """Truth (load_state_dict docs: "Everything is checked before anything changes"): a state whose cost
     plan names a group this Sparsifier does not have (``plan: [7]`` with 2 sites), or whose
@@ -221,7 +210,6 @@ def test_load_state_dict_checks_the_cost_plan():
                 build().load_state_dict({**state, **bad})
 
 
-@pytest.mark.xfail(strict=True, reason="register_measure accepts a Measure whose compute / plot is not callable")
 def test_register_measure_refuses_non_callable_parts():
     """Truth (register_measure docs): a measure is a ``compute(ctx)`` function, its ``plot`` a function
     ``plot(value) -> bytes``; a function given bare is checked (``TypeError``), so a ``Measure`` whose
@@ -231,9 +219,9 @@ def test_register_measure_refuses_non_callable_parts():
 
     try:
         with pytest.raises(TypeError):
-            register_measure("break25_compute", Measure(compute=5))
+            register_measure("hostile_compute", Measure(compute=5))
         with pytest.raises(TypeError):
-            register_measure("break25_plot", lambda ctx: 1.0, plot="fraction.png")
+            register_measure("hostile_plot", lambda ctx: 1.0, plot="fraction.png")
     finally:
-        MEASURES.pop("break25_compute", None)
-        MEASURES.pop("break25_plot", None)
+        MEASURES.pop("hostile_compute", None)
+        MEASURES.pop("hostile_plot", None)
