@@ -529,7 +529,8 @@ def main(argv: list[str] | None = None) -> dict:
     sparsifier = common.make_sparsifier(model, args, total_steps, optimizer)
     model, optimizer, train_loader, test_loader = accelerator.prepare(model, optimizer, train_loader, test_loader)
     mean, std = mean.to(accelerator.device), std.to(accelerator.device)
-    run = common.Run(accelerator, args, model, optimizer, scheduler, sparsifier, out_dir, fingerprint, RECIPE)
+    run = common.Run(accelerator, args, model, optimizer, scheduler, sparsifier, out_dir, fingerprint, RECIPE,
+                     started=start_time)
     step, last_step = common.start(run, total_steps)
     accelerator.print(f"{args.arch} on {args.dataset}: {len(train['y'])} train / {len(test['y'])} test images, "
                       f"{steps_per_epoch} steps/epoch, {total_steps} steps, {n_proc} process(es)")
@@ -557,11 +558,11 @@ def main(argv: list[str] | None = None) -> dict:
             if apl is not None:
                 metrics["average_path_length"] = apl
         save_final(raw, out_dir / "model", args, classes, mean, std)
-        common.write_metrics(out_dir, metrics, args, start_time, n_proc, str(accelerator.device))
+        common.write_metrics(out_dir, metrics, args, start_time, n_proc, str(accelerator.device), run.earlier_s)
         if args.fold or args.report:
             data = (normalize(test["x"][:128].to(accelerator.device), mean, std), test["y"][:128])
             metrics.update(common.fold_and_report(raw, args, probe, data, out_dir, history))
-            common.write_metrics(out_dir, metrics, args, start_time, n_proc, str(accelerator.device))
+            common.write_metrics(out_dir, metrics, args, start_time, n_proc, str(accelerator.device), run.earlier_s)
         accelerator.print(json.dumps({k: v for k, v in metrics.items() if not isinstance(v, dict)}))
     if args.with_tracking:
         accelerator.end_training()

@@ -20,6 +20,7 @@ import argparse
 import contextlib
 import hashlib
 import json
+import math
 import os
 import re
 import platform
@@ -28,7 +29,7 @@ import sys
 import time
 import warnings
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import chain
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
@@ -339,6 +340,13 @@ class Run:
     fingerprint: str
     recipe: str
     total_steps: int | None = None  # the run's length (set by :func:`start`); must match on resume
+    started: float = field(default_factory=time.time)  # when this process began the run
+    earlier_s: float = 0.0  # wall time of the earlier processes up to the checkpoint resumed from
+
+    def elapsed_s(self) -> float:
+        """Wall time of the run so far: earlier processes up to the checkpoint it resumed from (time
+        after their last checkpoint, redone here, is not counted twice) plus this process's."""
+        return self.earlier_s + time.time() - self.started
 
 
 def run_length(args: argparse.Namespace, steps_per_epoch: int) -> int:
@@ -513,6 +521,7 @@ class Checkpoint:
     sparsifier: dict | None
     scaler: dict | None
     total_steps: int | None = None  # the run length it was written by (None: before it was recorded)
+    elapsed_s: float = 0.0  # wall time of the run up to this checkpoint (0: before it was recorded)
 
 
 def model_fingerprint(model: nn.Module) -> str:
@@ -569,7 +578,8 @@ def save_checkpoint(run: Run, step: int) -> Path:
                                  f"{path}. {NONFINITE_ADVICE}")
     if acc.is_main_process:
         state = {"format": CHECKPOINT_FORMAT, "step": step, "recipe": run.recipe, "fingerprint": run.fingerprint,
-                 "total_steps": run.total_steps, "scheduler": run.scheduler.state_dict(),
+                 "total_steps": run.total_steps, "elapsed_s": round(run.elapsed_s(), 3),
+                 "scheduler": run.scheduler.state_dict(),
                  "sparsifier": None if run.sparsifier is None else run.sparsifier.state_dict(),
                  "scaler": None if acc.scaler is None else acc.scaler.state_dict()}
         tmp = path.parent / f"{TMP_PREFIX}{path.name}-{os.getpid()}"
@@ -694,7 +704,7 @@ def read_checkpoint(path: str | Path) -> Checkpoint:
                           _load(path / MODEL_FILE, "model weights", _safetensors_load),
                           _load(path / OPTIMIZER_FILE, "optimizer state", _torch_load),
                           state["scheduler"], state.get("sparsifier"), state.get("scaler"),
-                          total_steps=state.get("total_steps"))
+                          total_steps=state.get("total_steps"), elapsed_s=float(state.get("elapsed_s", 0.0)))
     bad = first_nonfinite(chain(ckpt.model.items(), _optimizer_tensors(ckpt.optimizer)))
     if bad is not None:
         raise CheckpointError(path, f"{bad} holds inf or NaN")
@@ -732,6 +742,9 @@ def _state_problem(state: Any, path: Path) -> str | None:
     for key in ("sparsifier", "scaler"):
         if state.get(key) is not None and not isinstance(state[key], dict):
             return f"{key!r} is neither null nor a JSON object"
+    elapsed = state.get("elapsed_s", 0.0)
+    if type(elapsed) not in (int, float) or not math.isfinite(elapsed) or elapsed < 0:
+        return f"elapsed_s {elapsed!r} is not a finite number of seconds >= 0"
     return None
 
 
@@ -819,6 +832,7 @@ def load_checkpoint(run: Run, ckpt: Checkpoint) -> None:
         run.sparsifier.load_state_dict(ckpt.sparsifier)
     if run.accelerator.scaler is not None and ckpt.scaler:
         run.accelerator.scaler.load_state_dict(ckpt.scaler)
+    run.earlier_s = ckpt.elapsed_s
 
 
 # ----------------------------------------------------------------------------- final model folder
@@ -933,11 +947,17 @@ def command_line(num_processes: int) -> str:
 
 
 def write_metrics(output_dir: str | Path, metrics: dict, args: argparse.Namespace, start_time: float,
-                  num_processes: int, device: str) -> Path:
-    """Write ``metrics.json``: metrics, wall time, command, arguments, versions."""
+                  num_processes: int, device: str, earlier_s: float = 0.0) -> Path:
+    """Write ``metrics.json``: metrics, wall time, command, arguments, versions.
+
+    ``wall_time_s`` is the whole run's: ``earlier_s`` (the processes before a resume, up to the
+    checkpoint resumed from: :attr:`Run.earlier_s`) plus this process's since ``start_time``
+    (``wall_time_this_process_s``)."""
+    this = time.time() - start_time
     payload = {
         **metrics,
-        "wall_time_s": round(time.time() - start_time, 2),
+        "wall_time_s": round(earlier_s + this, 2),
+        "wall_time_this_process_s": round(this, 2),
         "num_processes": num_processes,
         "device": device,
         "command": command_line(num_processes),

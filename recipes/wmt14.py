@@ -374,7 +374,8 @@ def main(argv: list[str] | None = None) -> dict:
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer.optimizer, lambda s: min((s + 1) / warmup, math.sqrt(warmup / (s + 1))))
     sparsifier = common.make_sparsifier(accelerator.unwrap_model(model), args, total_steps, optimizer)
-    run = common.Run(accelerator, args, model, optimizer, scheduler, sparsifier, out_dir, fingerprint, RECIPE)
+    run = common.Run(accelerator, args, model, optimizer, scheduler, sparsifier, out_dir, fingerprint, RECIPE,
+                     started=start_time)
     step, last_step = common.start(run, total_steps)
     accelerator.print(f"{args.model_size} Transformer, {args.source_lang}->{args.target_lang}: {len(train)} pairs, "
                       f"vocab {len(tokenizer)}, {steps_per_epoch} steps/epoch, {total_steps} steps, "
@@ -406,12 +407,12 @@ def main(argv: list[str] | None = None) -> dict:
         accelerator.print(f"sacreBLEU {metrics['bleu']}  ({metrics['bleu_signature']})")
         (out_dir / f"{eval_split}_hypotheses.txt").write_text("\n".join(hyps) + "\n")
         save_final(raw, tokenizer, out_dir / "model", args)
-        common.write_metrics(out_dir, metrics, args, start_time, accelerator.num_processes, str(accelerator.device))
+        common.write_metrics(out_dir, metrics, args, start_time, accelerator.num_processes, str(accelerator.device), run.earlier_s)
         if args.fold or args.report:
             probe = {k: v.to(accelerator.device) for k, v in collate(evaluated[:16]).items() if k != "labels"}
             metrics.update(common.fold_and_report(raw, args, probe, probe, out_dir, history,
                                                   fold_counts={"ffn_macs_per_token": ffn_macs_per_token}))
-            common.write_metrics(out_dir, metrics, args, start_time, accelerator.num_processes, str(accelerator.device))
+            common.write_metrics(out_dir, metrics, args, start_time, accelerator.num_processes, str(accelerator.device), run.earlier_s)
         accelerator.print(json.dumps({k: v for k, v in metrics.items() if not isinstance(v, dict)}))
     if args.with_tracking:
         accelerator.end_training()

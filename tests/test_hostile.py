@@ -101,6 +101,8 @@ TAMPER = {
     "step a float": lambda s: {**s, "step": 2.5},
     "step a bool": lambda s: {**s, "step": True},
     "step not the folder's": lambda s: {**s, "step": 7},
+    "elapsed_s negative": lambda s: {**s, "elapsed_s": -1.0},
+    "elapsed_s a string": lambda s: {**s, "elapsed_s": "10"},
 }
 
 
@@ -551,3 +553,26 @@ def test_read_recipe_json_names_the_folder(tmp_path):
     (tmp_path / "recipe.json").write_bytes(b"\xff{")
     with pytest.raises(ValueError, match="not valid JSON"):
         common.read_recipe_json(tmp_path)
+
+
+def test_wall_time_adds_up_over_resumes(tmp_path):
+    """metrics.json's wall_time_s is the run's, not the last process's: a run resumed from a checkpoint
+    written 100 s into it reports 100 s plus its own time (truth: the clock offsets set here); a damaged
+    elapsed_s is refused by the checkpoint check itself (no digest in the state)."""
+    import time
+
+    run = tiny_run(tmp_path, keep=2)
+    run.started = time.time() - 100.0  # this process has run for 100 s
+    path = common.save_checkpoint(run, 1)
+    resumed = tiny_run(tmp_path, keep=2)
+    common.load_checkpoint(resumed, common.read_checkpoint(path))
+    assert 100.0 <= resumed.earlier_s < 110.0
+    start = time.time() - 5.0  # the resumed process ran 5 s
+    out = common.write_metrics(tmp_path, {}, argparse.Namespace(), start, 1, "cpu", resumed.earlier_s)
+    metrics = json.loads(out.read_text())
+    assert 105.0 <= metrics["wall_time_s"] < 120.0 and 5.0 <= metrics["wall_time_this_process_s"] < 15.0
+    state = json.loads((path / common.STATE_FILE).read_text())
+    state.pop("state_sha256")
+    for bad in (-1.0, "10", float("nan")):
+        assert "elapsed_s" in common._state_problem({**state, "elapsed_s": bad}, path)
+    assert common._state_problem(state, path) is None
