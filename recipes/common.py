@@ -79,11 +79,14 @@ def add_run_args(parser: argparse.ArgumentParser) -> None:
 
 
 def add_linearize_args(parser: argparse.ArgumentParser, default_mode: str = "prelu",
-                       default_lam: float | None = None) -> None:
-    """``--linearize --schedule --target --late-start --ramp-end --rate --lam --tol --freeze --fold --report``.
+                       default_lam: float | None = None, default_select: str = "slope") -> None:
+    """``--linearize --schedule --target --late-start --ramp-end --rate --select --granularity --lam --tol
+    --freeze --fold --report``.
 
     By default the pressure is scale-free (``--rate``, slope units per step, auto ``1 / ramp``: the same
-    under SGD and AdamW); ``--lam`` (``default_lam``) is the legacy ``lr * lam`` step.
+    under SGD and AdamW); ``--lam`` (``default_lam``) is the legacy ``lr * lam`` step. ``default_select``:
+    ``"slope"`` for SGD recipes, ``"saliency"`` for Adam ones (under Adam every slope drifts alike, so the
+    slope order no longer says which channels matter).
     """
     g = parser.add_argument_group("linearization")
     g.add_argument("--linearize", choices=LINEARIZE_MODES, default=default_mode,
@@ -98,12 +101,13 @@ def add_linearize_args(parser: argparse.ArgumentParser, default_mode: str = "pre
                    help="fraction of training by which the target is reached")
     g.add_argument("--rate", type=float, default=None,
                    help="pressure in slope units per step at the peak LR (default: 1 / ramp steps)")
-    g.add_argument("--select", choices=("slope", "saliency"), default="slope",
+    g.add_argument("--select", choices=("slope", "saliency"), default=default_select,
                    help="which channels the target makes linear: slope (pushed highest first; SGD) or saliency "
                         "(cheapest by the running squared slope gradient, no uniform push; Adam, see the README)")
-    g.add_argument("--granularity", choices=("channel", "site"), default="channel",
+    g.add_argument("--granularity", choices=("channel", "site", "block"), default="channel",
                    help="channel: each channel on its own; site: the channels of a call site move and become "
-                        "linear together (group lasso), the target makes whole sites linear")
+                        "linear together (group lasso), the target makes whole sites linear; block: all sites of "
+                        "a residual block together")
     g.add_argument("--lam", type=float, default=default_lam,
                    help="legacy pressure instead of --rate: each step moves the slopes by lr * lam")
     g.add_argument("--tol", type=float, default=1e-3, help="a channel is linear when its slope >= 1 - tol")

@@ -324,7 +324,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     m.add_argument("--clip-grad", "--clip_grad", dest="clip_grad", type=float, default=1.0)
     m.add_argument("--num-beams", "--num_beams", dest="num_beams", type=int, default=4)
     m.add_argument("--length-penalty", "--length_penalty", dest="length_penalty", type=float, default=0.6)
-    common.add_linearize_args(p)  # scale-free --rate by default (formerly --lam 1 under AdamW)
+    common.add_linearize_args(p, default_select="saliency")  # AdamW: channels chosen by saliency
     common.add_run_args(p)
     args = p.parse_args(argv)
     common.check_linearize_args(args)
