@@ -63,6 +63,23 @@ def test_apl_mask_from_ids_to_bool_is_a_constant():
     assert average_path_length(model, ids, method="record") == 1.0
 
 
+def _shift_right(ids: torch.Tensor) -> torch.Tensor:
+    """BART's ``shift_tokens_right``: the ids moved one place into a fresh buffer (decoder inputs)."""
+    shifted = ids.new_zeros(ids.shape)
+    shifted[:, 1:] = ids[:, :-1].clone()
+    return shifted
+
+
+@pytest.mark.xfail(strict=True, reason="record APL: ids written into a buffer (x[i] = ids) lose their source")
+def test_apl_record_follows_ids_shifted_right():
+    """Truth: the shifted ids feed the only path, through one all-nonlinear unit: APL 1.0. ``__setitem__``
+    only moves the ids (BART/T5 build decoder inputs this way). Observed: the integer result of
+    ``__setitem__`` is not tagged: ValueError 'no output tensor of the model derives from the source'."""
+    ids = torch.randint(0, 10, (2, 5))
+    model = linearize.convert(_Ids(_shift_right), example_inputs=ids)
+    assert average_path_length(model, ids, method="record") == 1.0
+
+
 def _bert_config():
     hf = pytest.importorskip("transformers")
     return hf.BertConfig(vocab_size=60, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
