@@ -206,3 +206,17 @@ def test_read_recipe_json_through_a_symlink_after_a_kill(tmp_path):
     (link / "recipe.json").write_text('{"old": 1}')
     real.rename(tmp_path / f"{common.TMP_PREFIX}real-old-7")  # the state a SIGKILL between the renames leaves
     assert common.read_recipe_json(link) == {"old": 1}
+
+
+@pytest.mark.xfail(strict=True, reason="a wall clock stepped back makes elapsed_s < 0: the checkpoint is refused")
+def test_checkpoint_written_after_a_clock_step_back_is_readable(tmp_path):
+    """Truth: save_checkpoint writes an intact checkpoint that read_checkpoint accepts, whatever the wall
+    clock did (time.time() steps back under NTP; here by 30 s after the process began, before its first
+    checkpoint). Observed: elapsed_s = earlier_s + time.time() - started is -30 s, written as is, and the
+    reader refuses it as 'damaged or was edited': no intact checkpoint to resume from."""
+    from test_hostile import tiny_run
+
+    run = tiny_run(tmp_path, keep=2)
+    run.started += 30  # the same as time.time() now reading 30 s less than when the process began
+    path = common.save_checkpoint(run, 10)
+    assert common.read_checkpoint(path).elapsed_s >= 0
