@@ -63,6 +63,17 @@ def test_apl_mask_from_ids_to_bool_is_a_constant():
     assert average_path_length(model, ids, method="record") == 1.0
 
 
+@pytest.mark.xfail(strict=True, reason="record APL: the shape donor of expand_as/view_as/to(t) tags a mask")
+def test_apl_mask_shaped_like_the_ids_is_a_constant():
+    """Truth: ``(ids != 0)`` is a constant mask (APL 1.0, as without the shape call); ``expand_as(ids)``,
+    ``view_as(ids)``, ``to(ids)`` take only the shape/dtype of ``ids``, not its values. Observed: the
+    layout op tags the mask with the ids' node, ``h * mask`` merges with a 0-unit path: 0.5."""
+    ids = torch.randint(0, 10, (2, 5))
+    for shaped in (lambda i: (i != 0).expand_as(i), lambda i: (i != 0).view_as(i), lambda i: (i != 0).to(i)):
+        model = linearize.convert(_Ids(lambda i: i, shaped), example_inputs=ids)
+        assert average_path_length(model, ids, method="record") == 1.0
+
+
 def _shift_right(ids: torch.Tensor) -> torch.Tensor:
     """BART's ``shift_tokens_right``: the ids moved one place into a fresh buffer (decoder inputs)."""
     shifted = ids.new_zeros(ids.shape)
