@@ -231,3 +231,26 @@ def test_checkpoint_written_after_a_clock_step_back_is_readable(tmp_path):
     run.started += 30  # the same as time.time() now reading 30 s less than when the process began
     path = common.save_checkpoint(run, 10)
     assert common.read_checkpoint(path).elapsed_s >= 0
+
+
+@pytest.mark.xfail(strict=True, reason="a reader's restore_aside takes a live writer's old folder back")
+def test_reader_between_the_renames_of_a_live_save(tmp_path, monkeypatch):
+    """Truth: a reader (read_recipe_json, e.g. an evaluation process) that looks while a save is between its
+    two renames does not break that save: the new folder lands. ``.tmp-model-old-<pid>`` of a *running*
+    process is not a leftover. Observed: the reader renames it back to ``model``, the writer's second
+    rename fails, its fallback rename of the (gone) old folder raises, and the new model is deleted."""
+    directory = tmp_path / "model"
+    directory.mkdir()
+    (directory / "recipe.json").write_text('{"v": "old"}')
+    rename = Path.rename
+
+    def rename_then_read(self, target):
+        out = rename(self, target)
+        if Path(target).name.startswith(f"{common.TMP_PREFIX}model-old-"):  # between the two renames
+            common.read_recipe_json(directory)
+        return out
+
+    monkeypatch.setattr(Path, "rename", rename_then_read)
+    with common.replaced_dir(directory) as stage:
+        (stage / "recipe.json").write_text('{"v": "new"}')
+    assert json.loads((directory / "recipe.json").read_text()) == {"v": "new"}
