@@ -193,7 +193,9 @@ def _functional_sites(args: dict[str, Any]) -> FunctionalSites:
     for i, (kind, slot) in enumerate(zip(kinds, slots)):
         if slot not in (None, f"{kind}_{i}"):
             raise ValueError(f"slot {i} is {slot!r}, not {kind}_{i} or null")
-    chans = [None if c is None else (int(c[0]), int(c[1])) for c in channels]
+    if not all(c is None or (isinstance(c, list) and len(c) == 2 and all(type(v) is int for v in c)) for c in channels):
+        raise ValueError("each channels entry must be null or [channel_dim, width] (two integers)")
+    chans = [None if c is None else (c[0], c[1]) for c in channels]
     sites = FunctionalSites(str(args["owner_name"]), kinds, chans, {})
     sites.slots = list(slots)
     return sites
@@ -380,6 +382,9 @@ def _rebuild(meta: dict[str, Any], base: nn.Module | None, path: Path) -> nn.Mod
         if isinstance(module, FunctionalSites):
             if name.rpartition(".")[2] != FUNCTIONAL_ATTR:
                 raise LoadError(f"{path}: functional sites at {name!r}, not at <owner>.{FUNCTIONAL_ATTR}")
+            if set(module._modules) != {slot for slot in module.slots if slot is not None}:
+                raise LoadError(f"{path}: functional sites {name!r}: slots {module.slots} do not name its modules "
+                                f"{sorted(module._modules)}; save the model again with linearize.save_folded")
             install_functional_sites(owner, module)  # the owner's calls go to the plain modules again
     return built[""]
 

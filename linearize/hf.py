@@ -28,6 +28,7 @@ import copy
 import json
 import os
 import re
+import weakref
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -73,6 +74,24 @@ def _guard(config: Any, message: str) -> None:
         setattr(config, GUARD_KEY, {CONFIG_KEY: message})
 
 
+# configs marked by convert in this process ({id: weakref}): a model built from one of them is a fresh
+# model, not a stripped load (a save, read back by a plain from_pretrained, is a new config object)
+_MARKED_HERE: dict[int, weakref.ref] = {}
+
+
+def _marked_here(config: Any) -> bool:
+    ref = _MARKED_HERE.get(id(config))
+    return ref is not None and ref() is config
+
+
+def _remember(config: Any) -> None:
+    key = id(config)
+    try:
+        _MARKED_HERE[key] = weakref.ref(config, lambda _, key=key: _MARKED_HERE.pop(key, None))
+    except TypeError:  # a config type without weak references: nothing remembered, the guard stays strict
+        pass
+
+
 def mark(model: nn.Module) -> None:
     """Record the linearize manifest of a converted HF model in ``config.linearize`` and the load
     guard that makes a plain ``from_pretrained`` of its saves fail (see the module docstring), on
@@ -97,6 +116,7 @@ def mark(model: nn.Module) -> None:
         elif units(m):
             setattr(m.config, CONFIG_KEY, {"format": FORMAT_VERSION, "config": config.to_dict(), "sites": site_records(m)})
             _guard(m.config, GUARD[CONFIG_KEY])
+            _remember(m.config)
 
 
 def mark_folded(model: nn.Module) -> None:
@@ -139,11 +159,14 @@ def refuse_stripped(model: nn.Module) -> None:
     """Raise :class:`LoadError` when ``model`` was saved converted but loaded without its units.
 
     A model whose ``config`` carries a linearize manifest but that holds no units was loaded by a
-    plain ``from_pretrained``: it computes another function than the one saved.
+    plain ``from_pretrained``: it computes another function than the one saved. A config that
+    ``convert`` marked in this process is not one read from a save: a second model built from that
+    same config object is a fresh model and converts.
     """
     from .unit import units
 
-    if getattr(getattr(model, "config", None), CONFIG_KEY, None) is not None and not units(model):
+    config = getattr(model, "config", None)
+    if getattr(config, CONFIG_KEY, None) is not None and not _marked_here(config) and not units(model):
         where = getattr(model.config, "_name_or_path", "") or "DIR"
         raise LoadError(
             f"{type(model).__name__} (config from {where!r}) was saved after linearize.convert, but it was "

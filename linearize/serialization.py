@@ -491,7 +491,8 @@ def from_pretrained(model: nn.Module | type, directory: str | os.PathLike, examp
 def _base_model_names(model: nn.Module, found: list[dict], saved: list[dict], mode: str) -> dict[str, str] | None:
     """``{model site: saved site}`` when the save and the model differ by a Hugging Face
     ``base_model_prefix``, as ``transformers`` loads across head and base classes: units of a head model
-    (``transformer.h.0.mlp.act``) into its base model (``h.0.mlp.act``), or the reverse. Every model site
+    (``transformer.h.0.mlp.act``) into its base model (``h.0.mlp.act``), the reverse, or one head into
+    another (a masked-LM save into a token classifier: the ``bert.*`` sites match). Every model site
     under the base must match a saved one exactly; a head's own sites keep their initial slopes (the
     original function) and saved sites the model lacks (a pooler, another head) are ignored, both with a
     warning, as ``transformers`` initialises a new head. ``None`` when they differ otherwise (prelu only)."""
@@ -501,12 +502,14 @@ def _base_model_names(model: nn.Module, found: list[dict], saved: list[dict], mo
     lead = prefix + "."
     saved_by_name = {s["name"]: s for s in saved}
     is_head = any(s["name"].startswith(lead) for s in found)
+    saved_head = any(s["name"].startswith(lead) for s in saved)
     names, fresh = {}, []
     for site in found:
         if is_head and not site["name"].startswith(lead):
             fresh.append(site["name"])
             continue
-        key = site["name"][len(lead):] if is_head else lead + site["name"]
+        base_name = site["name"][len(lead):] if is_head else site["name"]
+        key = lead + base_name if saved_head else base_name
         if saved_by_name.get(key) != dict(site, name=key):
             return None
         names[site["name"]] = key
@@ -514,7 +517,8 @@ def _base_model_names(model: nn.Module, found: list[dict], saved: list[dict], mo
         return None
     ignored = sorted(set(saved_by_name) - set(names.values()))
     if fresh or ignored:
-        warnings.warn(f"loading the units of a {'base' if is_head else 'head'} model into {type(model).__name__}: "
+        saved_kind = "head" if saved_head else "base"
+        warnings.warn(f"loading the units of a {saved_kind} model into {type(model).__name__}: "
                       f"{len(fresh)} unit(s) of the model are not in the save and keep their initial slopes (the "
                       f"original function) {fresh[:5]}; {len(ignored)} saved unit(s) are not in the model and are "
                       f"ignored {ignored[:5]}", stacklevel=3)

@@ -386,7 +386,10 @@ class Sparsifier:
     def __setstate__(self, state: dict) -> None:
         attached = state.pop("_attached", False)
         self.__dict__.update(state)
-        if attached and self.optimizer is not None:
+        other = _ATTACHED.get(self.optimizer) if self.optimizer is not None else None
+        other = other() if other is not None else None
+        # a shallow copy shares the optimizer, which its original still drives: the copy stays detached
+        if attached and self.optimizer is not None and (other is None or other._hook is None):
             self.attach(self.optimizer)
 
     def detach(self) -> None:

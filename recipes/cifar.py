@@ -113,6 +113,9 @@ def build_model(arch: str, num_classes: int) -> nn.Module:
     raise ValueError(f"unknown --arch {arch!r}; choose from {ARCHS}")
 
 
+CIFAR_RECIPE_KEYS = ("arch", "num_classes", "linearize", "image_size")  # what load_model reads
+
+
 def load_model(directory: str | Path) -> nn.Module:
     """Rebuild a model saved by this recipe (``OUTPUT_DIR/model``): the architecture from
     ``recipe.json``, the units with ``linearize.from_pretrained``, then all weights. ``recipe.json``
@@ -120,7 +123,7 @@ def load_model(directory: str | Path) -> nn.Module:
     from safetensors.torch import load_file
 
     directory = Path(directory)
-    meta = common.read_recipe_json(directory)
+    meta = common.read_recipe_json(directory, CIFAR_RECIPE_KEYS)
     weights = directory / "model.safetensors"
     for name, rec in (meta.get("files") or {}).items():  # recorded since saves became atomic
         f = directory / name
@@ -140,7 +143,7 @@ def trained_weights(directory: str | Path, arch: str, classes: list[str]) -> dic
     class list (its names where ``recipe.json`` records them, else their number)."""
     num_classes = len(classes)
     try:
-        meta = common.read_recipe_json(directory)
+        meta = common.read_recipe_json(directory, CIFAR_RECIPE_KEYS)
     except FileNotFoundError as e:
         raise FileNotFoundError(f"--init-from {directory}: {e}; give the OUTPUT_DIR/model folder of a finished "
                                 "run of this recipe") from None

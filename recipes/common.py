@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import glob
 import hashlib
 import json
 import math
@@ -350,7 +351,7 @@ class Run:
     def elapsed_s(self) -> float:
         """Wall time of the run so far: earlier processes up to the checkpoint it resumed from (time
         after their last checkpoint, redone here, is not counted twice) plus this process's."""
-        return self.earlier_s + time.time() - self.started
+        return self.earlier_s + max(0.0, time.time() - self.started)  # a wall clock stepped back counts 0
 
 
 def run_length(args: argparse.Namespace, steps_per_epoch: int) -> int:
@@ -842,9 +843,10 @@ def load_checkpoint(run: Run, ckpt: Checkpoint) -> None:
 # ----------------------------------------------------------------------------- final model folder
 
 
-def read_recipe_json(directory: str | Path) -> dict:
+def read_recipe_json(directory: str | Path, required: Iterable[str] = ()) -> dict:
     """``directory/recipe.json`` of a model saved by a recipe (``OUTPUT_DIR/model``), after putting back
-    a folder an interrupted save left aside (:func:`restore_aside`); a clear error when there is none."""
+    a folder an interrupted save left aside (:func:`restore_aside`); a clear error when there is none,
+    or when it lacks one of the ``required`` keys."""
     directory = Path(directory)
     restore_aside(directory)
     path = directory / "recipe.json"
@@ -857,23 +859,49 @@ def read_recipe_json(directory: str | Path) -> dict:
         raise ValueError(f"{path} is not valid JSON ({e}); the save is damaged: train again or restore it") from e
     if not isinstance(meta, dict):
         raise ValueError(f"{path} holds {type(meta).__name__}, not a JSON object; the save is damaged")
+    missing = [k for k in required if k not in meta]
+    if missing:
+        raise ValueError(f"{path} lacks {missing}: the save is damaged or not of this recipe; train again or restore it")
     return meta
 
 
+def _pid_alive(pid: int) -> bool:
+    """Whether a process ``pid`` runs on this machine (signal 0 probes without sending anything)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError):
+        return pid > 0
+    return True
+
+
 def _temp_siblings(directory: Path, old: bool | None) -> list[Path]:
-    """The temp folders :func:`replaced_dir` makes for ``directory``: ``.tmp-<name>-<pid>`` (stages) and
-    ``.tmp-<name>-old-<pid>`` (old folders set aside); ``old`` picks one kind (None: both). Exact names
-    only: ``.tmp-model-best-old-7`` belongs to ``model-best``, never to ``model``."""
+    """The temp folders that killed runs of :func:`replaced_dir` left for ``directory``:
+    ``.tmp-<name>-<pid>`` (stages) and ``.tmp-<name>-old-<pid>`` (old folders set aside); ``old`` picks
+    one kind (None: both). Exact names only (``.tmp-model-best-old-7`` belongs to ``model-best``, never to
+    ``model``), and only of processes that no longer run: a live writer's folders are its own."""
     kind = {True: "old-", False: "", None: "(?:old-)?"}[old]
-    pattern = re.compile(rf"{re.escape(TMP_PREFIX + directory.name)}-{kind}\d+")
-    return [p for p in directory.parent.glob(f"{TMP_PREFIX}{directory.name}-*") if pattern.fullmatch(p.name)]
+    pattern = re.compile(rf"{re.escape(TMP_PREFIX + directory.name)}-{kind}(\d+)")
+    found = []
+    for p in directory.parent.glob(glob.escape(f"{TMP_PREFIX}{directory.name}-") + "*"):
+        match = pattern.fullmatch(p.name)
+        if match and not _pid_alive(int(match.group(1))):
+            found.append(p)
+    return found
+
+
+def _link_target(directory: Path) -> Path:
+    """The folder a save of ``directory`` writes: the target of a symlink (dangling or not), else itself."""
+    return directory.resolve() if directory.is_symlink() else directory
 
 
 def restore_aside(directory: str | Path) -> Path | None:
     """Put back the folder that :func:`replaced_dir` had renamed aside when it was killed between its
-    two renames (``directory`` missing, ``.tmp-<name>-old-<pid>`` present: the newest such copy).
+    two renames (``directory``, or the target of the symlink ``directory``, missing;
+    ``.tmp-<name>-old-<pid>`` of a process that no longer runs present: the newest such copy).
     Returns the folder restored, or ``None`` when there was nothing to do."""
-    directory = Path(directory)
+    directory = _link_target(Path(directory))
     if directory.exists() or directory.is_symlink():
         return None
     aside = sorted(_temp_siblings(directory, old=True), key=lambda p: p.stat().st_mtime)
@@ -891,9 +919,7 @@ def replaced_dir(directory: str | Path):
     failure it is deleted and ``directory`` is left as it was. Readers see the old folder or the
     complete new one (or, killed between the two renames, none until the next write, which puts the
     old one back first: never a mix of the two, never a lost folder)."""
-    directory = Path(directory)
-    if directory.is_symlink() and directory.is_dir():  # a link to the real folder: replace that one
-        directory = directory.resolve()
+    directory = _link_target(Path(directory))  # a link to the real folder: replace that one
     directory.parent.mkdir(parents=True, exist_ok=True)
     restore_aside(directory)
     for leftover in _temp_siblings(directory, old=None):  # of interrupted saves
@@ -957,7 +983,7 @@ def write_metrics(output_dir: str | Path, metrics: dict, args: argparse.Namespac
     ``wall_time_s`` is the whole run's: ``earlier_s`` (the processes before a resume, up to the
     checkpoint resumed from: :attr:`Run.earlier_s`) plus this process's since ``start_time``
     (``wall_time_this_process_s``)."""
-    this = time.time() - start_time
+    this = max(0.0, time.time() - start_time)  # a wall clock stepped back (NTP) counts 0, never negative
     payload = {
         **metrics,
         "wall_time_s": round(earlier_s + this, 2),

@@ -241,7 +241,7 @@ def load_model(directory: str | Path) -> nn.Module:
     from transformers import MarianMTModel
 
     directory = Path(directory)
-    meta = common.read_recipe_json(directory)
+    meta = common.read_recipe_json(directory, ("linearize",))
     if meta["linearize"] == "none":
         return MarianMTModel.from_pretrained(str(directory))
     # loads the weights with the unit tensors expected (no UNEXPECTED-keys table), then the units

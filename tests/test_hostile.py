@@ -503,7 +503,7 @@ def test_final_save_through_a_symlink_and_onto_a_file(tmp_path):
 # ----------------------------------------------------------------------------- whole-folder saves
 
 
-def test_replaced_dir_killed_between_the_renames_loses_nothing(tmp_path):
+def test_replaced_dir_killed_between_the_renames_loses_nothing(tmp_path, dead_pid):
     """A final-model save (recipes' replaced_dir) SIGKILLed after the old folder was renamed aside and
     before the new one was renamed into place: the next load or save must find the old folder (the
     truth: its file as first written), never delete it as a leftover."""
@@ -533,7 +533,7 @@ def test_replaced_dir_killed_between_the_renames_loses_nothing(tmp_path):
     assert common.read_recipe_json(target) == {"v": 1}  # a load puts it back
     assert not list(tmp_path.glob(f"{common.TMP_PREFIX}model-old-*"))
     # a save after a kill (nothing loaded in between) keeps the old folder until the new one is complete
-    target.rename(tmp_path / f"{common.TMP_PREFIX}model-old-4242")
+    target.rename(tmp_path / f"{common.TMP_PREFIX}model-old-{dead_pid}")
     with pytest.raises(RuntimeError):
         with common.replaced_dir(target):
             raise RuntimeError("failed while writing the new one")

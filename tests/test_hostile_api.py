@@ -47,12 +47,12 @@ def test_replace_mode_takes_the_new_modes_default_beta():
     assert switched.beta == linearize.LinearizeConfig(mode="dlgn").beta == 10.0
 
 
-def test_save_of_one_folder_keeps_the_aside_copy_of_a_sibling(tmp_path):
+def test_save_of_one_folder_keeps_the_aside_copy_of_a_sibling(tmp_path, dead_pid):
     """Truth (replaced_dir docs: "never a lost folder"): a save of ``model`` killed between its renames
     leaves ``.tmp-model-best-old-<pid>`` for the sibling ``model-best``; writing the *other* folder
     ``model`` must not delete it, and ``restore_aside(model-best)`` must bring it back. Observed: the
     leftover glob ``.tmp-model-*`` of ``model`` matches and removes it, so ``model-best`` is lost."""
-    aside = tmp_path / f"{common.TMP_PREFIX}model-best-old-4242"
+    aside = tmp_path / f"{common.TMP_PREFIX}model-best-old-{dead_pid}"
     aside.mkdir()
     (aside / "recipe.json").write_text('{"v": 1}')
     with common.replaced_dir(tmp_path / "model") as stage:
@@ -60,12 +60,12 @@ def test_save_of_one_folder_keeps_the_aside_copy_of_a_sibling(tmp_path):
     assert common.read_recipe_json(tmp_path / "model-best") == {"v": 1}
 
 
-def test_restore_aside_never_restores_another_folders_copy(tmp_path):
+def test_restore_aside_never_restores_another_folders_copy(tmp_path, dead_pid):
     """Truth: ``restore_aside(dir)`` puts back ``dir``'s own aside copy (``.tmp-<dir>-old-<pid>``) only.
     With ``model`` missing and only ``.tmp-model-old-old-7`` present (the aside copy of the sibling
     folder ``model-old``), nothing must be restored into ``model``. Observed: the glob
     ``.tmp-model-old-*`` matches it, and ``model-old``'s content becomes ``model``."""
-    other = tmp_path / f"{common.TMP_PREFIX}model-old-old-7"
+    other = tmp_path / f"{common.TMP_PREFIX}model-old-old-{dead_pid}"
     other.mkdir()
     assert common.restore_aside(tmp_path / "model") is None
     assert other.exists()

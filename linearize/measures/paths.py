@@ -149,13 +149,20 @@ _VALUE_FREE = {
     torch.Tensor.new_empty, torch.Tensor.new_full, torch.Tensor.new_tensor,
 }
 
-# ops that move values without computing new ones: their integer results (token ids reshaped before an
-# embedding, as GPT-2 does) keep the input's node; other integer results (masks, argmax) are constants
+# ops that move or re-type values without computing new ones: their integer results (token ids reshaped,
+# cast or shifted before an embedding, as GPT-2 and BART do) keep the input's node; other integer results
+# (argmax, counts) and every bool result (masks, even ids.to(torch.bool)) are constants
 _LAYOUT_OPS = {
     "view", "view_as", "reshape", "reshape_as", "flatten", "unflatten", "unsqueeze", "squeeze", "permute",
-    "transpose", "t", "contiguous", "clone", "detach", "expand", "expand_as", "repeat", "narrow", "select",
-    "__getitem__", "to", "cat", "stack", "split", "chunk", "unbind",
+    "transpose", "swapaxes", "movedim", "t", "contiguous", "clone", "detach", "expand", "expand_as", "repeat",
+    "repeat_interleave", "tile", "narrow", "select", "flip", "roll", "index_select", "gather", "take",
+    "__getitem__", "__setitem__", "to", "type", "type_as", "long", "int", "short", "pad", "cat", "concat",
+    "concatenate", "stack", "split", "chunk", "unbind",
 }
+# ops whose other tensor operands give only a shape, dtype or device (x.to(y), x.expand_as(y)): their
+# result derives from the first operand alone
+_TEMPLATE_OPS = {"to", "type_as", "view_as", "expand_as", "reshape_as", "new_zeros", "new_ones", "new_empty",
+                 "new_full", "new_tensor"}
 
 
 # ----------------------------------------------------------------------------- inputs and outputs
@@ -216,14 +223,17 @@ class _ProvenanceMode(TorchFunctionMode):
         out = func(*args, **kwargs)
         if self.inside_unit or func in _VALUE_FREE:
             return out
-        parents = [self.tags[t] for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and t in self.tags]
+        name = getattr(func, "__name__", "")
+        operands = (args[:1], {}) if name in _TEMPLATE_OPS else (args, kwargs)  # x.to(y): y gives only a dtype
+        parents = [self.tags[t] for t in tree_leaves(operands) if isinstance(t, torch.Tensor) and t in self.tags]
         if parents:
             node = self.graph.combine(parents, func in _ADD_TARGETS)
             if func is torch.Tensor.__setitem__:  # x[i] = y writes into x and returns None
                 out = args[0]
-            layout = getattr(func, "__name__", "") in _LAYOUT_OPS
+            layout = name in _LAYOUT_OPS
             for t in tree_leaves(out):
-                if isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex() or layout):
+                if isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex()
+                                                    or (layout and t.dtype != torch.bool)):
                     self.tags[t] = node
         return out
 
