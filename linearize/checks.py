@@ -37,8 +37,19 @@ class FoldVerificationError(RuntimeError):
 TOL_MEANING = "a channel counts as linear when its slope a >= 1 - tol"
 
 
+def is_real(value: object) -> bool:
+    """A real number (int, float, numpy scalar), not a bool or a string."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def finite_nonnegative(values: object, length: int) -> bool:
+    """``values`` is a list of ``length`` finite real numbers ``>= 0`` (as read back from JSON state)."""
+    return (isinstance(values, list) and len(values) == length
+            and all(is_real(v) and math.isfinite(v) and v >= 0 for v in values))
+
+
 def _real(value: object, name: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+    if not is_real(value):
         raise TypeError(f"{name} must be a number, got {value!r}")
     value = float(value)
     if not math.isfinite(value):

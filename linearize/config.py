@@ -23,12 +23,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import numbers
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from .activations import DEFAULT_ACTIVATIONS
-from .checks import as_patterns, check_channel_dim
+from .checks import as_patterns, check_channel_dim, is_real
 
 __all__ = ["LinearizeConfig", "BlendConfig", "GatedConfig", "MODES", "config_class"]
 
@@ -177,11 +176,6 @@ class LinearizeConfig:
         return target(**{**kept, **changes})
 
 
-def _is_real(value: Any) -> bool:
-    """A real number (int, float, numpy scalar), not a bool or a string."""
-    return isinstance(value, numbers.Real) and not isinstance(value, bool)
-
-
 @dataclass
 class BlendConfig(LinearizeConfig):
     """Blend units (``mode="prelu"``): every call site becomes ``(1 - a) * act(x) + a * x``.
@@ -200,7 +194,7 @@ class BlendConfig(LinearizeConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if not _is_real(self.init_slope) or not 0.0 <= self.init_slope <= 1.0:
+        if not is_real(self.init_slope) or not 0.0 <= self.init_slope <= 1.0:
             raise ValueError(f"init_slope must be a number in [0, 1], got {self.init_slope!r}")
 
 
@@ -234,7 +228,7 @@ class GatedConfig(LinearizeConfig):
         super().__post_init__()
         if self.beta is None:
             self.beta = DEFAULT_BETA[self.mode]
-        if not (_is_real(self.beta) and math.isfinite(self.beta) and self.beta > 0):
+        if not (is_real(self.beta) and math.isfinite(self.beta) and self.beta > 0):
             raise ValueError(f"beta must be a finite number > 0, got {self.beta!r}")
         for name in ("hard_gates", "freeze_feature"):
             if not isinstance(getattr(self, name), bool):

@@ -105,7 +105,7 @@ import torch
 from torch import nn
 
 from . import schedules as _schedules
-from .checks import check_positive, check_positive_int
+from .checks import check_positive, check_positive_int, finite_nonnegative
 from .folding.blocks import residual_block_types
 from .folding.core import fold
 from .folding.flops import module_flops
@@ -882,8 +882,7 @@ class Sparsifier:
             raise ValueError(f"state was saved with a cost target of {state.get('cost')!r}, this Sparsifier has "
                              f"{cost!r} (target(flops=/latency=)): build it with the same schedule to resume")
         weights = state.get("weights")
-        if weights is not None and (not isinstance(weights, list) or len(weights) != len(self._units) or not all(
-                isinstance(w, (int, float)) and not isinstance(w, bool) and math.isfinite(w) and w >= 0 for w in weights)):
+        if weights is not None and not finite_nonnegative(weights, len(self._units)):
             raise ValueError(f"state's weights must be {len(self._units)} finite numbers >= 0, one per unit")
         self._check_plan(state)
         saliency, seen = self._saliency, self._seen
@@ -932,8 +931,7 @@ class Sparsifier:
             if costs is not None:
                 raise ValueError("state has plan_costs but no plan")
             return
-        if not isinstance(costs, list) or len(costs) != len(plan) + 1 or not all(
-                isinstance(c, (int, float)) and not isinstance(c, bool) and math.isfinite(c) and c >= 0 for c in costs):
+        if not finite_nonnegative(costs, len(plan) + 1):
             raise ValueError(f"state's plan_costs must be {len(plan) + 1} finite costs >= 0 (one per prefix of the plan)")
 
 
