@@ -11,7 +11,7 @@ from torch import nn
 
 import linearize
 from linearize import LoadError
-from zoo import tiny_bert
+from zoo import save_folded_functional, tiny_bert
 
 
 def _half_linear(model: nn.Module, x) -> nn.Module:
@@ -122,28 +122,12 @@ def test_folded_models_export(tmp_path):
     torch.testing.assert_close(torch.from_numpy(got), ref, rtol=0, atol=1e-4)
 
 
-def _folded_functional(tmp_path):
-    from zoo import FunctionalNet
-
-    torch.manual_seed(0)
-    model = FunctionalNet().eval()
-    x = torch.randn(4, 3, 8, 8)
-    linearize.convert(model, example_inputs=x)
-    with torch.no_grad():
-        for _, unit in linearize.units(model):
-            unit.slope.copy_((torch.arange(unit.num_channels) % 2).float())  # half the channels linear
-    linearize.freeze(model)
-    folded = linearize.fold(model, x)
-    linearize.save_folded(folded, tmp_path)
-    return model, x
-
-
 def test_folded_functional_sites_round_trip(tmp_path):
     """``F.relu``/``F.gelu`` calls in a forward (functional sites) save and load: the truth is the
     converted model itself on fresh inputs (another batch size, other values)."""
     from zoo import FunctionalNet
 
-    model, _ = _folded_functional(tmp_path)
+    model, _ = save_folded_functional(tmp_path)
     loaded = linearize.load_folded(tmp_path, base=FunctionalNet())
     x = torch.randn(7, 3, 8, 8) * 3
     with torch.no_grad():
@@ -161,7 +145,7 @@ def test_folded_functional_sites_round_trip(tmp_path):
 def test_crafted_functional_sites_are_refused(tmp_path, edit, match):
     from zoo import FunctionalNet
 
-    _folded_functional(tmp_path)
+    save_folded_functional(tmp_path)
     meta = json.loads((tmp_path / "folded.json").read_text())
     entry = next(e for e in meta["modules"] if e["class"].endswith("FunctionalSites"))
     edit(entry)

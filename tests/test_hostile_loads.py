@@ -16,6 +16,7 @@ from torch import nn
 import linearize
 from linearize import LoadError
 from linearize.measures import average_path_length
+from zoo import save_folded_functional
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "recipes"))
@@ -123,21 +124,6 @@ def test_second_model_from_the_same_config_object_converts():
     assert len(linearize.units(second)) == 1
 
 
-def _folded_functional(tmp_path: Path) -> tuple[nn.Module, torch.Tensor]:
-    from zoo import FunctionalNet
-
-    torch.manual_seed(0)
-    model = FunctionalNet().eval()
-    x = torch.randn(4, 3, 8, 8)
-    linearize.convert(model, example_inputs=x)
-    with torch.no_grad():
-        for _, unit in linearize.units(model):
-            unit.slope.copy_((torch.arange(unit.num_channels) % 2).float())
-    linearize.freeze(model)
-    linearize.save_folded(linearize.fold(model, x), tmp_path)
-    return model, x
-
-
 def _edit_sites(tmp_path: Path, **args) -> None:
     meta = json.loads((tmp_path / "folded.json").read_text())
     entry = next(e for e in meta["modules"] if e["class"].endswith("FunctionalSites"))
@@ -150,7 +136,7 @@ def test_crafted_functional_channels_raise_load_error(tmp_path):
     ``channels: [[1], ...]`` is refused with LoadError. Observed: IndexError 'list index out of range'."""
     from zoo import FunctionalNet
 
-    _folded_functional(tmp_path)
+    save_folded_functional(tmp_path)
     _edit_sites(tmp_path, channels=[[1]] * 3)
     with pytest.raises(LoadError):
         linearize.load_folded(tmp_path, base=FunctionalNet())
@@ -162,7 +148,7 @@ def test_functional_slots_must_name_their_children(tmp_path):
     Observed: it loads, the children are never called, the output differs by ~0.14 from the model."""
     from zoo import FunctionalNet
 
-    model, x = _folded_functional(tmp_path)
+    model, x = save_folded_functional(tmp_path)
     _edit_sites(tmp_path, slots=[None, None, None])
     try:
         loaded = linearize.load_folded(tmp_path, base=FunctionalNet())

@@ -146,3 +146,21 @@ def to_double(inputs: Any) -> Any:
     if isinstance(inputs, dict):
         return {k: to_double(v) for k, v in inputs.items()}
     return inputs.double() if inputs.is_floating_point() else inputs
+
+
+def save_folded_functional(directory) -> tuple[nn.Module, torch.Tensor]:
+    """``FunctionalNet`` converted, half of every unit's channels linear (odd ones), frozen, folded and
+    written with ``linearize.save_folded`` into ``directory``; returns the converted model (the truth a
+    load is compared with) and its probe input."""
+    import linearize
+
+    torch.manual_seed(0)
+    model = FunctionalNet().eval()
+    x = torch.randn(4, 3, 8, 8)
+    linearize.convert(model, example_inputs=x)
+    with torch.no_grad():
+        for _, unit in linearize.units(model):
+            unit.slope.copy_((torch.arange(unit.num_channels) % 2).float())
+    linearize.freeze(model)
+    linearize.save_folded(linearize.fold(model, x), directory)
+    return model, x
