@@ -452,6 +452,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     t.add_argument("--warmup-epochs", "--warmup_epochs", dest="warmup_epochs", type=float, default=0.0)
     t.add_argument("--weight-decay", "--weight_decay", dest="weight_decay", type=float, default=5e-4)
     t.add_argument("--label-smoothing", "--label_smoothing", dest="label_smoothing", type=float, default=0.0)
+    t.add_argument("--distill", type=float, default=0.0, metavar="ALPHA",
+                   help="with --init-from: learn from the --init-from model too (knowledge distillation from the "
+                        "unlinearized network): loss = (1 - ALPHA) * cross-entropy + ALPHA * T^2 * "
+                        "KL(teacher || student) at temperature T; 0 (default): labels only")
+    t.add_argument("--distill-temperature", "--distill_temperature", dest="distill_temperature", type=float,
+                   default=4.0, metavar="T", help="softmax temperature of --distill (default 4)")
     common.add_linearize_args(p)
     common.add_run_args(p)
     args = p.parse_args(argv)
@@ -463,7 +469,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.classes = [c.strip() for c in args.classes.split(",")]
         if not all(args.classes) or len(set(args.classes)) != len(args.classes):
             p.error(f"--classes takes distinct comma-separated class names, got {','.join(args.classes)!r}")
+    if not 0.0 <= args.distill <= 1.0:  # also refuses NaN
+        p.error(f"--distill is a weight in [0, 1], got {args.distill}")
+    if args.distill > 0 and args.init_from is None:
+        p.error("--distill needs a teacher: give the trained network with --init-from")
+    if not 0.0 < args.distill_temperature < math.inf:
+        p.error(f"--distill-temperature must be a positive finite number, got {args.distill_temperature}")
     return args
+
+
+def distill_loss(student: torch.Tensor, teacher: torch.Tensor, temperature: float) -> torch.Tensor:
+    """Hinton et al.'s distillation term ``T^2 * KL(softmax(teacher / T) || softmax(student / T))``,
+    averaged over the batch (the ``T^2`` keeps its gradient on the scale of the cross-entropy's).
+
+    Example:
+        >>> distill_loss(torch.tensor([[1.0, 2.0]]), torch.tensor([[1.0, 2.0]]), 4.0).item()
+        0.0
+    """
+    log_s = F.log_softmax(student.float() / temperature, dim=-1)
+    log_t = F.log_softmax(teacher.float() / temperature, dim=-1)
+    return F.kl_div(log_s, log_t, log_target=True, reduction="batchmean") * temperature**2
 
 
 def evaluate(model, loader, accelerator, mean, std) -> dict:
@@ -504,8 +529,14 @@ def main(argv: list[str] | None = None) -> dict:
 
     torch.manual_seed(args.seed)
     model = build_model(args.arch, num_classes)
+    teacher = None
     if args.init_from:
-        model.load_state_dict(trained_weights(args.init_from, args.arch, classes))
+        weights = trained_weights(args.init_from, args.arch, classes)
+        model.load_state_dict(weights)
+        if args.distill > 0:  # the unlinearized network, fixed, in eval mode (its BN statistics)
+            teacher = build_model(args.arch, num_classes)
+            teacher.load_state_dict(weights)
+            teacher.eval().requires_grad_(False)
     example = torch.zeros(2, 3, args.image_size, args.image_size)
     model = common.convert_model(model, args, example_inputs=example)
     fingerprint = common.model_fingerprint(model)
@@ -532,6 +563,8 @@ def main(argv: list[str] | None = None) -> dict:
     sparsifier = common.make_sparsifier(model, args, total_steps, optimizer)
     model, optimizer, train_loader, test_loader = accelerator.prepare(model, optimizer, train_loader, test_loader)
     mean, std = mean.to(accelerator.device), std.to(accelerator.device)
+    if teacher is not None:
+        teacher.to(accelerator.device)
     run = common.Run(accelerator, args, model, optimizer, scheduler, sparsifier, out_dir, fingerprint, RECIPE,
                      started=start_time)
     step, last_step = common.start(run, total_steps)
@@ -540,7 +573,14 @@ def main(argv: list[str] | None = None) -> dict:
 
     def loss_fn(batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         x, y = batch
-        return F.cross_entropy(model(normalize(augment(x), mean, std)), y, label_smoothing=args.label_smoothing)
+        x = normalize(augment(x), mean, std)
+        logits = model(x)
+        loss = F.cross_entropy(logits, y, label_smoothing=args.label_smoothing)
+        if teacher is None:
+            return loss
+        with torch.no_grad():
+            target = teacher(x)
+        return (1 - args.distill) * loss + args.distill * distill_loss(logits, target, args.distill_temperature)
 
     step = common.train(run, train_loader, sampler, loss_fn, step, last_step, steps_per_epoch)
 

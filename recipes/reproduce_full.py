@@ -34,13 +34,17 @@ LATE_TARGETS = (0.25, 0.10, 0.05, 0.02)
 EARLY_TARGETS = (0.10, 0.02)
 SEEDS = (0, 1)
 DIFFICULTY_TARGET = 0.05
+# other ways to reach the late 10% goal, from the same baselines and with the same schedule (name suffix:
+# extra arguments, label): the saliency selection, and distillation from the unlinearized baseline
+VARIANTS = {"sal": (["--select", "saliency"], "--select saliency"),
+            "kd": (["--distill", "0.9", "--distill-temperature", "4"], "distilled from the baseline")}
 FOLD_IMAGES = 64
 
 
-def run_name(task: str, schedule: str, target: float | None, seed: int) -> str:
-    """``r20[_c2|_c5]_{base|late_T|early_T}_sS`` with T the target in percent."""
+def run_name(task: str, schedule: str, target: float | None, seed: int, variant: str | None = None) -> str:
+    """``r20[_c2|_c5]_{base|late_T|early_T}[_V]_sS`` with T the target in percent, V a :data:`VARIANTS` key."""
     kind = "base" if schedule == "none" else f"{schedule}_{round(100 * target)}"
-    return "r20_" + ("" if task == "c10" else task + "_") + f"{kind}_s{seed}"
+    return "r20_" + ("" if task == "c10" else task + "_") + kind + (f"_{variant}" if variant else "") + f"_s{seed}"
 
 
 def plan(scale: str, data: str | None, runs: Path) -> list[sweep.Job]:
@@ -48,8 +52,8 @@ def plan(scale: str, data: str | None, runs: Path) -> list[sweep.Job]:
     s = SCALES[scale]
     base_ep, late_ep = s["base_epochs"], s["late_epochs"]
 
-    def job(task: str, schedule: str, target: float | None, seed: int) -> sweep.Job:
-        name = run_name(task, schedule, target, seed)
+    def job(task: str, schedule: str, target: float | None, seed: int, variant: str | None = None) -> sweep.Job:
+        name = run_name(task, schedule, target, seed, variant)
         argv = [str(R.HERE / "cifar.py")] + (["--data-dir", data] if data else []) + FLAGS + s["extra"]
         argv += ["--classes", TASKS[task]] if TASKS[task] else []
         deps: tuple[str, ...] = ()
@@ -63,7 +67,8 @@ def plan(scale: str, data: str | None, runs: Path) -> list[sweep.Job]:
                          "--ramp-end", "0.67", "--epochs", str(late_ep), "--lr", "0.02"]
             else:  # from scratch, the same total number of epochs as baseline + late
                 argv += ["--schedule", "early", "--ramp-end", "0.8", "--epochs", str(base_ep + late_ep)]
-        meta = {"task": task, "schedule": schedule, "target": target, "seed": seed,
+        argv += VARIANTS[variant][0] if variant else []
+        meta = {"task": task, "schedule": schedule, "target": target, "seed": seed, "variant": variant,
                 "config": name[4:].rsplit("_s", 1)[0]}
         return sweep.Job(name, argv + ["--output_dir", str(runs / name)], deps, meta)
 
@@ -74,6 +79,7 @@ def plan(scale: str, data: str | None, runs: Path) -> list[sweep.Job]:
     jobs += [job(task, "none", None, 0) for task in ("c2", "c5")]
     jobs += [job(task, "late", DIFFICULTY_TARGET, 0) for task in ("c2", "c5")]
     jobs += [job("c10", "early", t, 1) for t in EARLY_TARGETS]
+    jobs += [job("c10", "late", 0.10, s, v) for v in VARIANTS for s in SEEDS]
     return jobs
 
 
@@ -221,7 +227,8 @@ def _configs(jobs: list[sweep.Job], runs: dict, latency: dict) -> dict:
     order = {"c10": 0, "c5": 1, "c2": 2}
     groups: dict[str, list[sweep.Job]] = {}
     for j in sorted(jobs, key=lambda j: (order[j.meta["task"]], ["none", "late", "early"].index(j.meta["schedule"]),
-                                         -(j.meta["target"] or 1), j.meta["seed"])):
+                                         -(j.meta["target"] or 1), [None, *VARIANTS].index(j.meta.get("variant")),
+                                         j.meta["seed"])):
         groups.setdefault(j.meta["config"], []).append(j)
     ms = latency.get("ms", {})
     out: dict = {}
@@ -229,7 +236,7 @@ def _configs(jobs: list[sweep.Job], runs: dict, latency: dict) -> dict:
         done = [j.name for j in group if j.name in runs]
         r = [runs[n] for n in done]
         folds = [x["fold"] for x in r if x.get("fold")]
-        c = {**{k: group[0].meta[k] for k in ("task", "schedule", "target")}, "runs": done,
+        c = {**{k: group[0].meta.get(k) for k in ("task", "schedule", "target", "variant")}, "runs": done,
              "missing": [j.name for j in group if j.name not in runs],
              "accuracy": _stats([x["test_accuracy"] for x in r]),
              "nonlinear_fraction": _mean([x["nonlinear_fraction"] for x in r]),
@@ -271,19 +278,21 @@ def _claims(cfg: dict, runs: dict) -> list[str]:
         a, planned = acc(key), len(cfg[key]["runs"]) + len(cfg[key]["missing"])
         return f"{a['n'] if a else 0} of {planned} seed(s)"
 
-    base, late = acc("base"), acc("late_10")
-    if base and late:
-        d = 100 * (late["mean"] - base["mean"])
-        pairs = [f"seed {s}: {100 * (runs[n]['test_accuracy'] - runs[b]['test_accuracy']):+.2f}"
-                 for n in cfg["late_10"]["runs"] if (b := run_name("c10", "none", None, s := runs[n]["seed"])) in runs]
-        out.append(f"**Late linearization to 10% nonlinear channels** (goal: within 1.0 point of the baseline seed "
-                   f"mean): {100 * late['mean']:.2f}% ({seeds('late_10')}) vs {100 * base['mean']:.2f}% "
-                   f"({seeds('base')}), {d:+.2f} points ({'; '.join(pairs)} against its own baseline): "
-                   + ("**reproduces**" if d >= -1.0 else "**does not reproduce**")
-                   + ("" if min(late["n"], base["n"]) >= 2 else " (fewer than the 2 seeds asked)") + ".")
-    else:
-        out.append("**Late linearization to 10%**: not measured yet (missing: "
-                   f"{', '.join(cfg['base']['missing'] + cfg['late_10']['missing'])}).")
+    base = acc("base")
+    for key in ["late_10"] + [f"late_10_{v}" for v in VARIANTS]:
+        late, how = acc(key), "" if key == "late_10" else f" ({VARIANTS[key.rsplit('_', 1)[1]][1]})"
+        if base and late:
+            d = 100 * (late["mean"] - base["mean"])
+            pairs = [f"seed {s}: {100 * (runs[n]['test_accuracy'] - runs[b]['test_accuracy']):+.2f}" for n in
+                     cfg[key]["runs"] if (b := run_name("c10", "none", None, s := runs[n]["seed"])) in runs]
+            out.append(f"**Late linearization to 10% nonlinear channels{how}** (goal: within 1.0 point of the "
+                       f"baseline seed mean): {100 * late['mean']:.2f}% ({seeds(key)}) vs {100 * base['mean']:.2f}% "
+                       f"({seeds('base')}), {d:+.2f} points ({'; '.join(pairs)} against its own baseline): "
+                       + ("**reproduces**" if d >= -1.0 else f"**does not reproduce** (missed by {-1.0 - d:.2f})")
+                       + ("" if min(late["n"], base["n"]) >= 2 else " (fewer than the 2 seeds asked)") + ".")
+        elif key == "late_10":
+            out.append("**Late linearization to 10%**: not measured yet (missing: "
+                       f"{', '.join(cfg['base']['missing'] + cfg[key]['missing'])}).")
     for t in (10, 2):
         la, ea = acc(f"late_{t}"), acc(f"early_{t}")
         if not (la and ea):
@@ -334,7 +343,8 @@ def _acc_cell(a: dict | None) -> str:
 
 def _label(c: dict) -> str:
     task = {"c10": "", "c5": "5-class ", "c2": "2-class "}[c["task"]]
-    return task + ("baseline" if c["schedule"] == "none" else f"{c['schedule']} {100 * c['target']:g}%")
+    how = f" ({VARIANTS[c['variant']][1]})" if c.get("variant") else ""
+    return task + ("baseline" if c["schedule"] == "none" else f"{c['schedule']} {100 * c['target']:g}%") + how
 
 
 def analyze(results: Path, scale: str, jobs: list[sweep.Job], data: str | None, reps: int = 15,
@@ -474,11 +484,15 @@ def _plots(out: Path, cfg: dict, runs: dict) -> None:
             ax.axhline(b["mean"], color="k", lw=1, label="baseline mean")
         for sched, mk in (("late", "o-"), ("early", "s--")):
             pts = sorted((c["nonlinear_fraction"], c["accuracy"]) for c in cfg.values()
-                         if c["task"] == "c10" and c["schedule"] == sched and c["accuracy"])
+                         if c["task"] == "c10" and c["schedule"] == sched and not c.get("variant") and c["accuracy"])
             if pts:
                 a = [p[1] for p in pts]
                 ax.errorbar([p[0] for p in pts], [x["mean"] for x in a], capsize=4, fmt=mk, label=f"{sched} (mean, "
                             "min-max over seeds)", yerr=[[x["mean"] - x["min"] for x in a], [x["max"] - x["mean"] for x in a]])
+        for i, c in enumerate(c for c in cfg.values() if c.get("variant") and c["accuracy"]):
+            a = c["accuracy"]
+            ax.errorbar([c["nonlinear_fraction"]], [a["mean"]], yerr=[[a["mean"] - a["min"]], [a["max"] - a["mean"]]],
+                        fmt="Dv^"[i % 3], color=f"C{i + 2}", capsize=4, label=_label(c))
         ticks = sorted({*LATE_TARGETS, *EARLY_TARGETS})
         ax.set_xscale("log")
         ax.set_xticks(ticks, [f"{t:g}" for t in ticks])

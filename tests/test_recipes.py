@@ -273,7 +273,40 @@ def test_init_from_a_trained_baseline(cifar_args, cifar_full, tmp_path):
     trained, started = cifar.load_model(base / "model"), cifar.load_model(late / "model")
     for name, weight in trained.named_parameters():
         torch.testing.assert_close(dict(started.named_parameters())[name], weight, rtol=0, atol=0)
+    kd = tmp_path / "kd"  # distillation from the --init-from network: runs, and is recorded
+    run_recipe("cifar.py", cifar_args + ["--init-from", str(base / "model"), "--distill", "0.5", "--max-steps", "2",
+                                         "--output_dir", str(kd)])
+    assert metrics(kd)["args"]["distill"] == 0.5 and metrics(kd)["args"]["distill_temperature"] == 4.0
     with pytest.raises(ValueError, match="holds a --linearize prelu model"):
         cifar.main(cifar_args + ["--init-from", str(cifar_full / "model"), "--output_dir", str(tmp_path / "x")])
     with pytest.raises(FileNotFoundError, match="no recipe.json"):
         cifar.main(cifar_args + ["--init-from", str(tmp_path), "--output_dir", str(tmp_path / "y")])
+
+
+def test_distill_loss_matches_the_definition():
+    """T^2 KL(p_t || p_s) at temperature T, and its gradient T (p_s - p_t) / batch, in float64."""
+    import cifar
+
+    g = torch.Generator().manual_seed(0)
+    s, t, temp = 3 * torch.randn(5, 7, generator=g), 3 * torch.randn(5, 7, generator=g), 2.5
+    ps, pt = torch.softmax(s.double() / temp, -1), torch.softmax(t.double() / temp, -1)
+    want = temp**2 * (pt * (pt.log() - ps.log())).sum(-1).mean()
+    s.requires_grad_(True)
+    got = cifar.distill_loss(s, t, temp)
+    got.backward()
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(s.grad.double(), temp * (ps - pt) / len(s), rtol=1e-4, atol=1e-7)
+    assert cifar.distill_loss(t, t, temp).item() == pytest.approx(0.0, abs=1e-6)
+
+
+@pytest.mark.parametrize("bad, match", [(["--distill", "0.5"], "needs a teacher"),
+                                        (["--distill", "1.5", "--init-from", "x"], "weight in"),
+                                        (["--distill", "nan", "--init-from", "x"], "weight in"),
+                                        (["--distill-temperature", "0"], "positive finite"),
+                                        (["--distill-temperature", "inf"], "positive finite")])
+def test_distill_arguments_refused(bad, match, capsys, tmp_path):
+    import cifar
+
+    with pytest.raises(SystemExit):
+        cifar.parse_args(["--output_dir", str(tmp_path)] + bad)
+    assert match in capsys.readouterr().err

@@ -330,3 +330,20 @@ def test_class_subset_runs(tree, swept):
         {k: v["nonlinear"] for k, v in sites.items()}
     md = (tree["results"] / "tiny" / "results.md").read_text()
     assert "| 2 classes |" in md and (tree["results"] / "tiny" / "nonlinear_sites.png").exists()
+
+
+def test_late_10_variants_start_from_the_same_baselines_with_their_own_arguments(tmp_path):
+    import cifar
+    import reproduce_full as F
+
+    jobs = {j.name: j for j in F.plan("full", "data.tar.gz", tmp_path)}
+    plain = vars(cifar.parse_args(jobs["r20_late_10_s1"].argv[1:]))
+    for name, (extra, want) in {"r20_late_10_sal_s1": ({"select": "saliency"}, "--select saliency"),
+                                "r20_late_10_kd_s1": ({"distill": 0.9},
+                                                      "distilled from the baseline")}.items():
+        job = jobs[name]
+        args = vars(cifar.parse_args(job.argv[1:]))
+        assert job.deps == ("r20_base_s1",) and args["init_from"] == str(tmp_path / "r20_base_s1" / "model")
+        assert {k: v for k, v in args.items() if plain[k] != v} == {**extra, "output_dir": str(tmp_path / name)}
+        assert job.meta["config"] == name[4:-3] and F._label({**job.meta}) == f"late 10% ({want})"
+    assert F.run_name("c10", "late", 0.1, 0, "kd") == "r20_late_10_kd_s0"
