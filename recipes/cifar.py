@@ -36,7 +36,9 @@ import common  # noqa: E402
 import linearize  # noqa: E402
 
 RECIPE = "cifar"
-ARCHS = ("resnet18", "resnet34", "resnet50", "resnet20", "resnet56", "vgg11_bn", "vgg16_bn")
+MOBILENET_WIDTHS = {"mobilenet_v2": 1.0, "mobilenet_v2_x0_75": 0.75, "mobilenet_v2_x0_5": 0.5,
+                    "mobilenet_v2_x0_35": 0.35}
+ARCHS = ("resnet18", "resnet34", "resnet50", "resnet20", "resnet56", "vgg11_bn", "vgg16_bn", *MOBILENET_WIDTHS)
 VGG_CFG = {
     "vgg11_bn": [64, "M", 128, "M", 256, 256, "M", 512, 512, "M", 512, 512, "M"],
     "vgg16_bn": [64, 64, "M", 128, 128, "M", 256, 256, 256, "M", 512, 512, 512, "M", 512, 512, 512, "M"],
@@ -96,9 +98,26 @@ def _vgg(cfg: list, num_classes: int) -> nn.Sequential:
     return nn.Sequential(*layers)
 
 
+def cifar_mobilenet_v2(width: float, num_classes: int = 10) -> nn.Module:
+    """torchvision's MobileNet-V2 (``width_mult=width``) with the CIFAR stem: the stem conv and the
+    first stride-2 block at stride 1, so 32x32 inputs end at 4x4 (as the CIFAR ResNets' 8x8 / 4x4)."""
+    from torchvision.models import mobilenet_v2
+
+    model = mobilenet_v2(width_mult=width, num_classes=num_classes)
+    model.features[0][0].stride = (1, 1)
+    model.features[2].conv[1][0].stride = (1, 1)
+    return model
+
+
 def build_model(arch: str, num_classes: int) -> nn.Module:
     """A CIFAR model: torchvision ResNet-18/34/50 with the CIFAR stem (3x3 conv, stride 1, no
-    max-pool), ResNet-20/56 (He et al., width 16) or VGG-11/16 with batch norm (one linear head)."""
+    max-pool), ResNet-20/56 (He et al., width 16), VGG-11/16 with batch norm (one linear head), or
+    MobileNet-V2 at width 1, 0.75, 0.5 or 0.35 with the CIFAR stem (:func:`cifar_mobilenet_v2`).
+
+    Example:
+        >>> build_model("mobilenet_v2_x0_5", 10)(torch.zeros(1, 3, 32, 32)).shape
+        torch.Size([1, 10])
+    """
     if arch in ("resnet18", "resnet34", "resnet50"):
         import torchvision
 
@@ -110,6 +129,8 @@ def build_model(arch: str, num_classes: int) -> nn.Module:
         return CifarResNet(int(arch[6:]), num_classes)
     if arch in VGG_CFG:
         return _vgg(VGG_CFG[arch], num_classes)
+    if arch in MOBILENET_WIDTHS:
+        return cifar_mobilenet_v2(MOBILENET_WIDTHS[arch], num_classes)
     raise ValueError(f"unknown --arch {arch!r}; choose from {ARCHS}")
 
 
@@ -478,18 +499,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def distill_loss(student: torch.Tensor, teacher: torch.Tensor, temperature: float) -> torch.Tensor:
-    """Hinton et al.'s distillation term ``T^2 * KL(softmax(teacher / T) || softmax(student / T))``,
-    averaged over the batch (the ``T^2`` keeps its gradient on the scale of the cross-entropy's).
-
-    Example:
-        >>> distill_loss(torch.tensor([[1.0, 2.0]]), torch.tensor([[1.0, 2.0]]), 4.0).item()
-        0.0
-    """
-    log_s = F.log_softmax(student.float() / temperature, dim=-1)
-    log_t = F.log_softmax(teacher.float() / temperature, dim=-1)
-    return F.kl_div(log_s, log_t, log_target=True, reduction="batchmean") * temperature**2
-
 
 def evaluate(model, loader, accelerator, mean, std) -> dict:
     """Top-1 accuracy and mean loss over the (gathered, de-duplicated) test set; leaves ``model`` in eval mode."""
@@ -560,7 +569,9 @@ def main(argv: list[str] | None = None) -> dict:
         return 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, total_steps - warmup)))
 
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
-    sparsifier = common.make_sparsifier(model, args, total_steps, optimizer)
+    # a cost target folds copies of the model to price its sites: on one test image, the batch-1 latency
+    sparsifier = common.make_sparsifier(model, args, total_steps, optimizer,
+                                        example_inputs=normalize(test["x"][:1], mean, std))
     model, optimizer, train_loader, test_loader = accelerator.prepare(model, optimizer, train_loader, test_loader)
     mean, std = mean.to(accelerator.device), std.to(accelerator.device)
     if teacher is not None:
@@ -580,7 +591,8 @@ def main(argv: list[str] | None = None) -> dict:
             return loss
         with torch.no_grad():
             target = teacher(x)
-        return (1 - args.distill) * loss + args.distill * distill_loss(logits, target, args.distill_temperature)
+        return (1 - args.distill) * loss + args.distill * linearize.distill_loss(
+            logits, target, "logits", temperature=args.distill_temperature)
 
     step = common.train(run, train_loader, sampler, loss_fn, step, last_step, steps_per_epoch)
 

@@ -96,6 +96,12 @@ def add_linearize_args(parser: argparse.ArgumentParser, default_mode: str = "pre
                    help="when the sparsity pressure starts: step 0 (early), --late-start (late), never (none)")
     g.add_argument("--target", type=float, default=0.10,
                    help="fraction of channels left nonlinear at the end, in (0, 1]")
+    g.add_argument("--target-flops", "--target_flops", dest="target_flops", type=float, default=None,
+                   help="instead of --target: the folded model's FLOPs as a fraction of the model folded with no "
+                        "site linear, in (0, 1] (whole sites go linear: needs --granularity site or block)")
+    g.add_argument("--target-latency", "--target_latency", dest="target_latency", type=float, default=None,
+                   help="instead of --target: the folded model's measured CPU latency at batch 1, as a fraction "
+                        "(needs --granularity site or block)")
     g.add_argument("--late-start", "--late_start", dest="late_start", type=float, default=0.5,
                    help="start of the late schedule: a fraction of training (< 1) or a step (>= 1)")
     g.add_argument("--ramp-end", "--ramp_end", dest="ramp_end", type=float, default=0.8,
@@ -127,6 +133,16 @@ def check_linearize_args(args: argparse.Namespace) -> None:
     if not 0.0 < args.target <= 1.0:
         raise ValueError(f"--target is the fraction of channels kept nonlinear and must lie in (0, 1], "
                          f"got {args.target}")
+    costs = [k for k in ("flops", "latency") if getattr(args, f"target_{k}", None) is not None]
+    if len(costs) > 1:
+        raise ValueError("give one of --target-flops and --target-latency, not both")
+    for k in costs:
+        if not 0.0 < getattr(args, f"target_{k}") <= 1.0:
+            raise ValueError(f"--target-{k} is a fraction of the folded model's {k} and must lie in (0, 1], "
+                             f"got {getattr(args, f'target_{k}')}")
+        if args.granularity == "channel":
+            raise ValueError(f"--target-{k} makes whole sites linear (the only linearity fold removes): add "
+                             "--granularity site or --granularity block")
     if args.late_start < 0:
         raise ValueError(f"--late-start must be >= 0 (a fraction of training or a step), got {args.late_start}")
     if not 0.0 < args.ramp_end <= 1.0:
@@ -219,15 +235,17 @@ def schedule_start(args: argparse.Namespace, total_steps: int) -> int | float:
 
 
 def make_sparsifier(model: nn.Module, args: argparse.Namespace, total_steps: int,
-                    optimizer: torch.optim.Optimizer):
-    """A ``linearize.Sparsifier`` steering the nonlinear fraction to ``--target``, attached to
-    ``optimizer`` (it steps after every optimizer step), or ``None`` without pressure."""
+                    optimizer: torch.optim.Optimizer, example_inputs: Any = None):
+    """A ``linearize.Sparsifier`` steering the nonlinear fraction to ``--target`` (or the folded
+    model's cost to ``--target-flops`` / ``--target-latency``, measured on ``example_inputs``),
+    attached to ``optimizer`` (it steps after every optimizer step), or ``None`` without pressure."""
     if args.linearize == "none" or args.schedule == "none":
         return None
     if not has_units(model):
         raise ValueError(f"--linearize {args.linearize} produced no slope units to sparsify; use --schedule none")
-    schedule = linearize.schedules.target(args.target, start=schedule_start(args, total_steps),
-                                          end=float(args.ramp_end))
+    cost = {k: v for k in ("flops", "latency") if (v := getattr(args, f"target_{k}", None)) is not None}
+    schedule = linearize.schedules.target(None if cost else args.target, start=schedule_start(args, total_steps),
+                                          end=float(args.ramp_end), **cost)
     from accelerate.optimizer import AcceleratedOptimizer
 
     if isinstance(optimizer, AcceleratedOptimizer):  # hook the torch optimizer inside the wrapper
@@ -235,7 +253,8 @@ def make_sparsifier(model: nn.Module, args: argparse.Namespace, total_steps: int
     return linearize.Sparsifier(model, schedule=schedule, total_steps=total_steps, lam=args.lam,
                                rate=getattr(args, "rate", None),
                                select=getattr(args, "select", "slope"),
-                               granularity=getattr(args, "granularity", "channel")).attach(optimizer)
+                               granularity=getattr(args, "granularity", "channel"),
+                               example_inputs=example_inputs if cost else None).attach(optimizer)
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:

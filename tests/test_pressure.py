@@ -355,3 +355,16 @@ def test_distill_recipe_saves_a_student_that_linearize_reloads(tmp_path):
     teacher = transformers.AutoModel.from_pretrained(model_dir)
     with torch.no_grad():
         assert not torch.equal(student(**batch).last_hidden_state, teacher(**batch).last_hidden_state)
+
+
+def test_distill_logits_at_a_temperature_match_the_definition():
+    """T^2 KL(p_t || p_s) at temperature T, batch mean, and its gradient T (p_s - p_t) / batch, in float64."""
+    g = torch.Generator().manual_seed(0)
+    s, t, temp = 3 * torch.randn(5, 7, generator=g), 3 * torch.randn(5, 7, generator=g), 2.5
+    ps, pt = torch.softmax(s.double() / temp, -1), torch.softmax(t.double() / temp, -1)
+    want = temp**2 * (pt * (pt.log() - ps.log())).sum(-1).mean()
+    s.requires_grad_(True)
+    got = linearize.distill_loss(s, t, "logits", temperature=temp)
+    got.backward()
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(s.grad.double(), temp * (ps - pt) / len(s), rtol=1e-4, atol=1e-7)

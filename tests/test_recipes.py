@@ -283,22 +283,6 @@ def test_init_from_a_trained_baseline(cifar_args, cifar_full, tmp_path):
         cifar.main(cifar_args + ["--init-from", str(tmp_path), "--output_dir", str(tmp_path / "y")])
 
 
-def test_distill_loss_matches_the_definition():
-    """T^2 KL(p_t || p_s) at temperature T, and its gradient T (p_s - p_t) / batch, in float64."""
-    import cifar
-
-    g = torch.Generator().manual_seed(0)
-    s, t, temp = 3 * torch.randn(5, 7, generator=g), 3 * torch.randn(5, 7, generator=g), 2.5
-    ps, pt = torch.softmax(s.double() / temp, -1), torch.softmax(t.double() / temp, -1)
-    want = temp**2 * (pt * (pt.log() - ps.log())).sum(-1).mean()
-    s.requires_grad_(True)
-    got = cifar.distill_loss(s, t, temp)
-    got.backward()
-    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-7)
-    torch.testing.assert_close(s.grad.double(), temp * (ps - pt) / len(s), rtol=1e-4, atol=1e-7)
-    assert cifar.distill_loss(t, t, temp).item() == pytest.approx(0.0, abs=1e-6)
-
-
 @pytest.mark.parametrize("bad, match", [(["--distill", "0.5"], "needs a teacher"),
                                         (["--distill", "1.5", "--init-from", "x"], "weight in"),
                                         (["--distill", "nan", "--init-from", "x"], "weight in"),
@@ -310,3 +294,36 @@ def test_distill_arguments_refused(bad, match, capsys, tmp_path):
     with pytest.raises(SystemExit):
         cifar.parse_args(["--output_dir", str(tmp_path)] + bad)
     assert match in capsys.readouterr().err
+
+
+@needs_cifar
+def test_cifar_mobilenet_cost_target(cifar_args, tmp_path):
+    """--target-flops on MobileNet-V2 (whole blocks linear): the folded model's FLOPs, counted here by
+    folding the saved model and the same model with every slope at 0, meet the budget."""
+    import cifar
+    from linearize.folding import count_flops
+
+    args = [a if a != "resnet20" else "mobilenet_v2_x0_35" for a in cifar_args]
+    args = [a if a != "0.25" else "1.0" for a in args]  # --target: ignored beside a cost target
+    run_recipe("cifar.py", args + ["--granularity", "block", "--target-flops", "0.7", "--freeze", "--fold",
+                                   "--output_dir", str(tmp_path)])
+    model = cifar.load_model(tmp_path / "model").eval()
+    x = torch.randn(1, 3, 16, 16, generator=torch.Generator().manual_seed(0))
+    nonlinear = cifar.load_model(tmp_path / "model").eval()
+    with torch.no_grad():
+        for _, u in linearize.units(nonlinear):
+            u.slope.zero_()
+    flops = [count_flops(linearize.fold(m, x, latency=False), x) for m in (model, nonlinear)]
+    assert flops[0] <= 0.7 * flops[1] and metrics(tmp_path)["nonlinear_fraction"] < 1.0
+    assert metrics(tmp_path)["args"]["target_flops"] == 0.7
+
+
+@pytest.mark.parametrize("bad, match", [(["--target-flops", "0.5"], "granularity site"),
+                                        (["--target-flops", "0.5", "--target-latency", "0.5",
+                                          "--granularity", "block"], "not both"),
+                                        (["--target-latency", "1.5", "--granularity", "site"], r"\(0, 1\]")])
+def test_cost_target_arguments_refused(bad, match, tmp_path):
+    import cifar
+
+    with pytest.raises(ValueError, match=match):
+        cifar.parse_args(["--output_dir", str(tmp_path)] + bad)

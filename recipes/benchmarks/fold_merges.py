@@ -21,7 +21,9 @@ from __future__ import annotations
 
 import argparse
 import copy
+import sys
 import warnings
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -30,15 +32,8 @@ import linearize
 from linearize.folding import count_flops
 from linearize.timing import median_latency_ms
 
-
-def cifar_mobilenet_v2(width: float, num_classes: int = 10) -> nn.Module:
-    """torchvision MobileNet-V2 with the CIFAR stem: stem conv and block 2 at stride 1."""
-    from torchvision.models import mobilenet_v2
-
-    model = mobilenet_v2(width_mult=width, num_classes=num_classes)
-    model.features[0][0].stride = (1, 1)
-    model.features[2].conv[1][0].stride = (1, 1)
-    return model
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from cifar import cifar_mobilenet_v2  # noqa: E402  (the recipe's model: what recipes/cifar.py trains)
 
 
 def calibrate(model: nn.Module, size: int = 32) -> nn.Module:
