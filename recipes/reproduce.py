@@ -178,28 +178,19 @@ def _fold_summary(run: Path, x, latency: bool = True) -> dict:
 def interleaved_latency(models: dict[str, Any], inputs: dict[str, Any], reps: int = 15) -> dict[str, dict]:
     """CPU latency in ms, ``{model: {input: median}}``: every model on every input, ``reps``
     repetitions interleaved over all of them in this process, one torch thread (so that drifts of
-    a shared machine hit every model alike). An input of batch 1 is timed over 10 calls per repetition."""
-    import torch
+    a shared machine hit every model alike; :func:`linearize.timing.median_ms`). An input of batch 1
+    is timed over 10 calls per repetition."""
+    from linearize.timing import median_ms
 
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    times: dict = {m: {i: [] for i in inputs} for m in models}
-    try:
-        with torch.inference_mode():
-            for m in models.values():
-                for x in inputs.values():
-                    m(x)  # warm-up
-            for _ in range(reps):
-                for k, m in models.items():
-                    for i, x in inputs.items():
-                        calls = 10 if len(x) == 1 else 1
-                        t0 = time.perf_counter()
-                        for _ in range(calls):
-                            m(x)
-                        times[k][i].append(1e3 * (time.perf_counter() - t0) / calls)
-    finally:
-        torch.set_num_threads(threads)
-    return {k: {i: sorted(v)[len(v) // 2] for i, v in d.items()} for k, d in times.items()}
+    def repeat(m: Any, x: Any, calls: int) -> None:
+        for _ in range(calls):
+            m(x)
+
+    pairs = [(k, i) for k in models for i in inputs]
+    calls = [lambda m=models[k], x=inputs[i]: repeat(m, x, 10 if len(x) == 1 else 1) for k, i in pairs]
+    ms = median_ms(calls, budget_s=float("inf"), max_reps=reps, threads=1)
+    per_call = {(k, i): t / (10 if len(inputs[i]) == 1 else 1) for (k, i), t in zip(pairs, ms)}
+    return {k: {i: per_call[k, i] for i in inputs} for k in models}
 
 
 def _latencies(runs: Path, names: list[str], x, reps: int = 15) -> dict:
