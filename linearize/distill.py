@@ -72,8 +72,9 @@ def distill_loss(
     """
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
-    if not temperature > 0:
-        raise ValueError(f"temperature must be > 0, got {temperature}")
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not 0 < temperature < 1e4:
+        raise ValueError(f"temperature must be a number in (0, 1e4) (the softmax's T; 1 to 20 is usual), "
+                         f"got {temperature!r}")
     s, t = _field(student_out, kind).float(), _field(teacher_out, kind).detach().float()
     if s.shape != t.shape:
         raise ValueError(f"student and teacher outputs differ in shape: {tuple(s.shape)} vs {tuple(t.shape)}")

@@ -182,9 +182,10 @@ def has_manifest(directory: str | os.PathLike) -> bool:
     if not path.is_file():
         return False
     try:
-        return CONFIG_KEY in json.loads(path.read_text(encoding="utf-8"))
+        config = json.loads(path.read_text(encoding="utf-8"))
     except (ValueError, TypeError):
         return False
+    return isinstance(config, dict) and CONFIG_KEY in config  # a JSON string or list is no HF config
 
 
 def _weight_files(directory: Path) -> dict[str, Path]:

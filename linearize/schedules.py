@@ -138,10 +138,15 @@ class Ramp(Schedule):
             raise ValueError(f"start ({self.start}) is after end ({self.end})")
 
     def validate(self, total_steps: int) -> None:
-        if self.end is not None and resolve_step(self.start, total_steps) > resolve_step(self.end, total_steps):
+        start = resolve_step(self.start, total_steps)
+        if self.end is not None and start > resolve_step(self.end, total_steps):
             raise ValueError(
                 f"start ({self.start}) is after end ({self.end}) for total_steps={total_steps}"
             )
+        if start > total_steps:  # no pressure would ever apply
+            raise ValueError(f"the pressure starts at step {start} (start={self.start}), after the last of "
+                             f"total_steps={total_steps}: give start as a fraction of training, e.g. 0.5, or a "
+                             "step <= total_steps, or pass the run's real total_steps")
 
     def shape(self, step: int, total_steps: int) -> float:
         start = resolve_step(self.start, total_steps)
@@ -204,8 +209,8 @@ class Target(Schedule):
             raise ValueError(f"hold must lie in [0, 1] (a fraction of lam), got {self.hold}")
         _check_step("start", self.start)
         _check_step("end", self.end)
-        if self.power <= 0:
-            raise ValueError(f"power must be > 0, got {self.power}")
+        if isinstance(self.power, bool) or not isinstance(self.power, (int, float)) or not 0 < self.power < math.inf:
+            raise ValueError(f"power must be a finite number > 0, got {self.power!r}")
         if type(self.start) is type(self.end) and self.start > self.end:
             raise ValueError(f"start ({self.start}) is after end ({self.end})")
 
@@ -223,6 +228,10 @@ class Target(Schedule):
         start, end = resolve_step(self.start, total_steps), resolve_step(self.end, total_steps)
         if start > end:
             raise ValueError(f"start ({self.start}) is after end ({self.end}) for total_steps={total_steps}")
+        if end > total_steps:  # the target would never be reached (or, past start, never pressed at all)
+            raise ValueError(f"the target is reached at step {end} (end={self.end}), after the last of "
+                             f"total_steps={total_steps}: give end (and start) as fractions of training, e.g. "
+                             "end=0.8, or steps <= total_steps, or pass the run's real total_steps")
 
     def shape(self, step: int, total_steps: int) -> float:
         start, end = resolve_step(self.start, total_steps), resolve_step(self.end, total_steps)

@@ -110,7 +110,7 @@ from .folding.blocks import residual_block_types
 from .folding.core import fold
 from .folding.flops import module_flops
 from .folding.layers import CONVS, is_hf_conv1d
-from .inputs import call_model
+from .inputs import call_model, map_tensors
 from .timing import median_latency_ms, median_ms
 from .unit import (LinearizableActivation, check_finite_slopes, count_channels, linear_masks, project_slopes,
                    require_units, units)
@@ -671,20 +671,24 @@ class Sparsifier:
     def _folded_cost(self, linear: frozenset) -> float:
         """Cost of the model folded (:func:`linearize.fold`) with the groups ``linear`` exactly linear and
         every other channel nonlinear (slope 0.5; frozen channels keep their value): FLOPs counted by
-        fold's counter, or the median CPU latency (ms) of the folded model. Cached per set."""
+        fold's counter, or the median CPU latency (ms) of the folded model. Cached per set. Always on a
+        float32 CPU copy: the model may have moved since (``accelerator.prepare``, ``.to("cuda")``,
+        ``.half()``), and every cost of the plan must be measured alike."""
         if linear not in self._costs:
-            probe = copy.deepcopy(self._model).eval()
+            probe = copy.deepcopy(self._model).eval().cpu().float()
             units_ = require_units(probe)
             on = {i for g in linear for i in self._groups[g]}
             with torch.no_grad():
                 for i, (_, unit) in enumerate(units_):
                     unit.slope.fill_(1.0 if i in on else 0.5)
             project_slopes(u for _, u in units_)
-            folded = fold(probe, self._example_inputs, latency=False)
+            inputs = map_tensors(self._example_inputs,
+                                 lambda t: t.detach().cpu().float() if t.is_floating_point() else t.detach().cpu())
+            folded = fold(probe, inputs, latency=False)
             if self.schedule.cost == "flops":
                 self._costs[linear] = float(folded.linearize_fold_summary.flops_after)
             else:
-                self._costs[linear] = median_latency_ms([folded], self._example_inputs, LATENCY_BUDGET_S)[0]
+                self._costs[linear] = median_latency_ms([folded], inputs, LATENCY_BUDGET_S)[0]
         return self._costs[linear]
 
     def _check_budget(self) -> None:

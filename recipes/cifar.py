@@ -478,7 +478,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "unlinearized network): loss = (1 - ALPHA) * cross-entropy + ALPHA * T^2 * "
                         "KL(teacher || student) at temperature T; 0 (default): labels only")
     t.add_argument("--distill-temperature", "--distill_temperature", dest="distill_temperature", type=float,
-                   default=4.0, metavar="T", help="softmax temperature of --distill (default 4)")
+                   default=None, metavar="T", help="softmax temperature of --distill, in (0, 1e4) (default 4)")
     common.add_linearize_args(p)
     common.add_run_args(p)
     args = p.parse_args(argv)
@@ -494,8 +494,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--distill is a weight in [0, 1], got {args.distill}")
     if args.distill > 0 and args.init_from is None:
         p.error("--distill needs a teacher: give the trained network with --init-from")
-    if not 0.0 < args.distill_temperature < math.inf:
-        p.error(f"--distill-temperature must be a positive finite number, got {args.distill_temperature}")
+    if args.distill_temperature is not None and not args.distill > 0:
+        p.error("--distill-temperature is the temperature of --distill: add --distill ALPHA (e.g. 0.9)")
+    args.distill_temperature = 4.0 if args.distill_temperature is None else args.distill_temperature
+    if not 0.0 < args.distill_temperature < 1e4:
+        p.error(f"--distill-temperature must lie in (0, 1e4), got {args.distill_temperature}")
     return args
 
 
@@ -524,6 +527,10 @@ def main(argv: list[str] | None = None) -> dict:
     if args.batch_size % n_proc or args.eval_batch_size % n_proc:
         raise ValueError(f"--batch-size {args.batch_size} and --eval-batch-size {args.eval_batch_size} are global "
                          f"batch sizes and must be multiples of the number of processes ({n_proc})")
+    if args.target_latency is not None and n_proc > 1:  # each process would time and plan on its own
+        raise ValueError(f"--target-latency times the model on each of the {n_proc} processes, whose plans "
+                         "could then differ and their copies of the model drift apart: use --target-flops "
+                         "(the same plan everywhere), or one process")
     show = accelerator.is_local_main_process
     out_dir = Path(args.output_dir)
 

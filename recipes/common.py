@@ -94,8 +94,8 @@ def add_linearize_args(parser: argparse.ArgumentParser, default_mode: str = "pre
                    help="none: the plain model; prelu: blend units; dgn / dlgn: gated splits")
     g.add_argument("--schedule", choices=SCHEDULES, default="late",
                    help="when the sparsity pressure starts: step 0 (early), --late-start (late), never (none)")
-    g.add_argument("--target", type=float, default=0.10,
-                   help="fraction of channels left nonlinear at the end, in (0, 1]")
+    g.add_argument("--target", type=float, default=None,
+                   help="fraction of channels left nonlinear at the end, in (0, 1] (default 0.1)")
     g.add_argument("--target-flops", "--target_flops", dest="target_flops", type=float, default=None,
                    help="instead of --target: the folded model's FLOPs as a fraction of the model folded with no "
                         "site linear, in (0, 1] (whole sites go linear: needs --granularity site or block)")
@@ -130,12 +130,17 @@ def add_linearize_args(parser: argparse.ArgumentParser, default_mode: str = "pre
 
 def check_linearize_args(args: argparse.Namespace) -> None:
     """Raise ``ValueError`` with a hint for inconsistent linearization flags."""
-    if not 0.0 < args.target <= 1.0:
+    costs = [k for k in ("flops", "latency") if getattr(args, f"target_{k}", None) is not None]
+    if len(costs) + (args.target is not None) > 1:
+        raise ValueError("give one target: --target (a nonlinear fraction), --target-flops or --target-latency")
+    if not costs and args.target is None:
+        args.target = 0.10
+    if args.target is not None and not 0.0 < args.target <= 1.0:
         raise ValueError(f"--target is the fraction of channels kept nonlinear and must lie in (0, 1], "
                          f"got {args.target}")
-    costs = [k for k in ("flops", "latency") if getattr(args, f"target_{k}", None) is not None]
-    if len(costs) > 1:
-        raise ValueError("give one of --target-flops and --target-latency, not both")
+    if costs and (args.linearize == "none" or args.schedule == "none"):
+        raise ValueError(f"--target-{costs[0]} steers sparsity pressure, which --linearize none / --schedule none "
+                         "turn off: drop one or the other")
     for k in costs:
         if not 0.0 < getattr(args, f"target_{k}") <= 1.0:
             raise ValueError(f"--target-{k} is a fraction of the folded model's {k} and must lie in (0, 1], "

@@ -507,11 +507,15 @@ def _plots(out: Path, cfg: dict, runs: dict) -> None:
                                   ("c5", "none"): "C3*", ("c5", "late"): "C3^", ("c2", "none"): "C4*",
                                   ("c2", "late"): "C4v"}.items():
             pts = [(r["apl"]["normalized"], r["test_accuracy"]) for r in runs.values()
-                   if (r["task"], r["schedule"]) == (task, sched)]
+                   if (r["task"], r["schedule"]) == (task, sched) and not r.get("variant")]
             if pts:
                 ax.plot(*zip(*pts), mk, ms=9 if "*" in mk else 6,
                         label=f"{ {'c10': '10', 'c5': '5', 'c2': '2'}[task]} classes, "
                               f"{'baseline' if sched == 'none' else sched}")
+        for i, v in enumerate(VARIANTS):  # each variant its own series
+            pts = [(r["apl"]["normalized"], r["test_accuracy"]) for r in runs.values() if r.get("variant") == v]
+            if pts:
+                ax.plot(*zip(*pts), "Dv^"[i % 3], color=f"C{i + 5}", label=f"10 classes, late ({VARIANTS[v][1]})")
         ax.set_xlabel("average path length (normalized)")
         ax.set_ylabel("test accuracy")
         ax.set_title("one point per run")

@@ -327,10 +327,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     common.add_linearize_args(p, default_select="saliency")  # AdamW: channels chosen by saliency
     common.add_run_args(p)
     args = p.parse_args(argv)
-    common.check_linearize_args(args)
     if args.target_flops is not None or args.target_latency is not None:
         p.error("--target-flops / --target-latency are recipes/cifar.py's (convolutional sites); for the FFN "
                 "channels here, steer the nonlinear fraction with --target")
+    common.check_linearize_args(args)
     preset = PRESETS[args.model_size]
     args.lr = preset["lr"] if args.lr is None else args.lr
     args.warmup_steps = preset["warmup"] if args.warmup_steps is None else args.warmup_steps

@@ -286,8 +286,11 @@ def test_init_from_a_trained_baseline(cifar_args, cifar_full, tmp_path):
 @pytest.mark.parametrize("bad, match", [(["--distill", "0.5"], "needs a teacher"),
                                         (["--distill", "1.5", "--init-from", "x"], "weight in"),
                                         (["--distill", "nan", "--init-from", "x"], "weight in"),
-                                        (["--distill-temperature", "0"], "positive finite"),
-                                        (["--distill-temperature", "inf"], "positive finite")])
+                                        (["--distill-temperature", "2"], "add --distill"),
+                                        (["--distill", "0.5", "--init-from", "x", "--distill-temperature", "0"],
+                                         "(0, 1e4)"),
+                                        (["--distill", "0.5", "--init-from", "x", "--distill-temperature", "inf"],
+                                         "(0, 1e4)")])
 def test_distill_arguments_refused(bad, match, capsys, tmp_path):
     import cifar
 
@@ -304,7 +307,8 @@ def test_cifar_mobilenet_cost_target(cifar_args, tmp_path):
     from linearize.folding import count_flops
 
     args = [a if a != "resnet20" else "mobilenet_v2_x0_35" for a in cifar_args]
-    args = [a if a != "0.25" else "1.0" for a in args]  # --target: ignored beside a cost target
+    i = args.index("--target")
+    args = args[:i] + args[i + 2:]  # a cost target instead of the nonlinear fraction
     run_recipe("cifar.py", args + ["--granularity", "block", "--target-flops", "0.7", "--freeze", "--fold",
                                    "--output_dir", str(tmp_path)])
     model = cifar.load_model(tmp_path / "model").eval()
@@ -320,7 +324,9 @@ def test_cifar_mobilenet_cost_target(cifar_args, tmp_path):
 
 @pytest.mark.parametrize("bad, match", [(["--target-flops", "0.5"], "granularity site"),
                                         (["--target-flops", "0.5", "--target-latency", "0.5",
-                                          "--granularity", "block"], "not both"),
+                                          "--granularity", "block"], "give one target"),
+                                        (["--target-flops", "0.5", "--target", "0.3", "--granularity", "block"],
+                                         "give one target"),
                                         (["--target-latency", "1.5", "--granularity", "site"], r"\(0, 1\]")])
 def test_cost_target_arguments_refused(bad, match, tmp_path):
     import cifar
