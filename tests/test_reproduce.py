@@ -340,7 +340,9 @@ def test_late_10_variants_start_from_the_same_baselines_with_their_own_arguments
     plain = vars(cifar.parse_args(jobs["r20_late_10_s1"].argv[1:]))
     for name, (extra, want) in {"r20_late_10_sal_s1": ({"select": "saliency"}, "--select saliency"),
                                 "r20_late_10_kd_s1": ({"distill": 0.9},
-                                                      "distilled from the baseline")}.items():
+                                                      "distilled from the baseline"),
+                                "r20_late_10_long_s1": ({"epochs": 20, "ramp_end": 0.4},
+                                                        "20 epochs, target at 40%")}.items():
         job = jobs[name]
         args = vars(cifar.parse_args(job.argv[1:]))
         assert job.deps == ("r20_base_s1",) and args["init_from"] == str(tmp_path / "r20_base_s1" / "model")
