@@ -203,7 +203,8 @@ def _latency(results: Path, names: list[str], runs: dict, data: str | None, prev
             built[n + "/as trained"] = model
     ms = R.interleaved_latency(built, {"b1": x[:1], "b64": x}, reps)
     return {"models": models, "reps": reps, "batch": {"b1": 1, "b64": len(x)}, "ms": ms,
-            "measured": time.strftime("%Y-%m-%d %H:%M"), "machine": R.machine_name()}
+            "measured": time.strftime("%Y-%m-%d %H:%M"), "machine": R.machine_name(),
+            "load_average": round(os.getloadavg()[0], 2)}  # other processes on the cores make the ms noisy
 
 
 # ----------------------------------------------------------------------------- aggregation
@@ -411,7 +412,10 @@ def _report(res: dict, jobs: list[sweep.Job]) -> list[str]:
            "FLOPs and latency after `linearize.fold` (BN merged, linear parts folded), relative to the baseline of "
            "the same task folded the same way; latency: medians of " + str(lat.get("reps", "-")) + " interleaved "
            "repetitions of all models in one process, 1 thread" + (f", {lat['measured']} on {lat['machine']}"
-                                                                 if lat.get("measured") else "") + ". Fold error: "
+                                                                 if lat.get("measured") else "")
+           + (f" at a load average of {lat['load_average']:.1f} (other runs shared the cores: the milliseconds and "
+              "their ratios are noisy; equal FLOPs mean equal work)" if lat.get("load_average", 0) > 1.5 else "")
+           + ". Fold error: "
            "largest |folded - model| over the logits of 64 test images, relative to the largest |logit|.", "",
            "| configuration | test accuracy % | vs baseline | nonlinear | APL norm. | APL unnorm. | MFLOPs/image "
            "(vs base) | latency b1 ms (vs base) | latency b64 ms (vs base) | fold error |",
