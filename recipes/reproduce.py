@@ -26,6 +26,9 @@ Two sweeps (``--scale``):
       python recipes/reproduce.py --scale full --stage collect   # copy finished runs to recipes/results/ (train does too)
       python recipes/reproduce.py --scale full --stage analyze   # tables + plots from recipes/results/<run>/ only
       git add recipes/results/r20_* recipes/results/full
+      # before a session ends with runs unfinished: park their newest checkpoints (about 2 MB each) to commit;
+      # on a fresh machine, --stage train puts them back into the empty run folders and resumes from them
+      python recipes/reproduce.py --scale full --stage park && git add recipes/results/inflight
 
 Stage ``train`` runs ``recipes/cifar.py`` (and ``recipes/wmt14.py``) ``--jobs`` at a time, each with
 ``--threads`` torch threads, logs appended to ``RUNS/<run>.log``, launches and exit codes to
@@ -532,8 +535,10 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--scale", choices=[*SCALES, *full.SCALES], default="cpu-small",
                    help="cpu-small, full (issue 19), or tiny (a miniature of full for tests/test_reproduce.py)")
-    p.add_argument("--stage", choices=["all", "train", "collect", "analyze"], default="all",
-                   help="all = train, collect (full), analyze")
+    p.add_argument("--stage", choices=["all", "train", "collect", "analyze", "park"], default="all",
+                   help="all = train, collect (full), analyze; park (full): copy the newest checkpoint of every "
+                        "unfinished run to RESULTS_DIR/inflight/<run>/ to commit, which train resumes from on a "
+                        "machine without the run folders")
     p.add_argument("--parts", default="cifar,mt", help="cpu-small: comma-separated: cifar, mt")
     p.add_argument("--cifar", default=os.environ.get("LINEARIZE_CIFAR10"), help="CIFAR-10 folder or .tar.gz")
     p.add_argument("--multi30k", default=os.environ.get("LINEARIZE_MULTI30K"), help="Multi30k folder")
@@ -593,9 +598,16 @@ def main(argv: list[str] | None = None) -> int:
         if unknown:
             sys.exit(f"--only: unknown runs {unknown}; known: {sorted(by_name)}")
         jobs = [by_name[n] for n in args.only.split(",")]
+    if args.stage == "park" and not is_full:
+        sys.exit("--stage park is for --scale full")
+    if args.stage == "park":
+        for j in jobs:
+            full.park(runs, results, j.name)
     failures = 0
     if args.stage in ("all", "train"):
         runs.mkdir(parents=True, exist_ok=True)
+        for j in jobs if is_full else []:
+            full.unpark(runs, results, j.name)
         on_done = (lambda n: full.collect(runs, results, n)) if is_full else None
         failures = train(jobs, runs, args.jobs, args.threads, args.poll, args.max_hours, on_done)
     if is_full and args.stage in ("all", "collect"):

@@ -120,8 +120,67 @@ def collect(runs: Path, results: Path, name: str) -> bool:
         dst.rename(old)
     tmp.rename(dst)
     shutil.rmtree(old, ignore_errors=True)
+    shutil.rmtree(results / INFLIGHT / name, ignore_errors=True)  # finished: its parked checkpoint is done with
     print(f"collected {name} -> {dst}", flush=True)
     return True
+
+
+# ----------------------------------------------------------------------------- park and unpark
+
+INFLIGHT = "inflight"  # results/inflight/<run>/step_N: the parked checkpoint of an unfinished run
+
+
+def _copy_dir(src: Path, dst: Path) -> None:
+    """Copy the files of ``src`` to the new folder ``dst`` through a temporary sibling renamed into place,
+    so that a killed copy never leaves a partial ``dst``."""
+    tmp = dst.with_name(f".{dst.name}.tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    for f in sorted(src.iterdir()):
+        if f.is_file():
+            shutil.copy2(f, tmp / f.name)
+    tmp.rename(dst)
+
+
+def park(runs: Path, results: Path, name: str) -> Path | None:
+    """Copy the newest intact checkpoint of the unfinished run ``runs/name`` to ``results/inflight/name/``
+    (small enough to commit), replacing an older parked one, so that a later session on a fresh machine
+    resumes the run there (:func:`unpark`) instead of starting it over. ``None`` when the run is done or
+    has no intact checkpoint."""
+    import common
+
+    run = runs / name
+    if sweep.is_done(run) or not sweep._has_checkpoint(run):
+        return None
+    try:
+        ckpt, _ = common.find_checkpoint("latest", run)
+    except (FileNotFoundError, common.CheckpointError):
+        return None
+    home = results / INFLIGHT / name
+    dst = home / ckpt.path.name
+    if not dst.is_dir():
+        _copy_dir(ckpt.path, dst)
+    for old in home.iterdir():  # older steps and temporary folders of killed copies
+        if old != dst:
+            shutil.rmtree(old, ignore_errors=True)
+    print(f"parked {name} at {ckpt.path.name} -> {dst}", flush=True)
+    return dst
+
+
+def unpark(runs: Path, results: Path, name: str) -> Path | None:
+    """Put the parked checkpoint of ``name`` (:func:`park`) into ``runs/name/checkpoints/`` when the run
+    there has neither finished nor a checkpoint of its own: the runner then resumes it (the recipe
+    checks the checkpoint's files, hashes and model as for any resume). Returns the restored folder."""
+    import common
+
+    parked = sorted(p for p in (results / INFLIGHT / name).glob("step_*") if p.is_dir())
+    run = runs / name
+    if not parked or sweep.is_done(run) or sweep._has_checkpoint(run):
+        return None
+    dst = common.checkpoint_dir(run, int(parked[-1].name[5:]))
+    _copy_dir(parked[-1], dst)
+    print(f"unparked {name}: {parked[-1]} -> {dst}", flush=True)
+    return dst
 
 
 # ----------------------------------------------------------------------------- measurements

@@ -349,3 +349,31 @@ def test_late_10_variants_start_from_the_same_baselines_with_their_own_arguments
         assert {k: v for k, v in args.items() if plain[k] != v} == {**extra, "output_dir": str(tmp_path / name)}
         assert job.meta["config"] == name[4:-3] and F._label({**job.meta}) == f"late 10% ({want})"
     assert F.run_name("c10", "late", 0.1, 0, "kd") == "r20_late_10_kd_s0"
+
+
+def test_park_and_unpark_carry_an_unfinished_run_to_a_fresh_machine(tree, tmp_path):
+    import common
+    import reproduce_full as F
+
+    runs, results = tmp_path / "runs", tmp_path / "results"
+    job = {j.name: j for j in F.plan("tiny", str(tree["data"]), runs)}["r20_base_s0"]
+
+    def recipe(*extra: str) -> None:
+        proc = subprocess.run([sys.executable, *job.argv, *extra], env=tree["env"], capture_output=True, text=True,
+                              timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+
+    recipe("--stop-after", "2")  # unfinished, with the checkpoint of step 2
+    src = common.checkpoint_dir(runs / job.name, 2)
+    parked = F.park(runs, results, job.name)
+    assert parked == results / "inflight" / job.name / src.name
+    assert {f.name: f.read_bytes() for f in parked.iterdir()} == {f.name: f.read_bytes() for f in src.iterdir()}
+    assert not [p for p in parked.parent.iterdir() if p != parked]  # no temporary folder left
+    shutil.rmtree(runs)  # a fresh machine: the git-ignored run folders are gone, the committed results are not
+    assert F.unpark(runs, results, job.name) == src
+    assert common.find_checkpoint("latest", runs / job.name)[0].step == 2
+    assert F.unpark(runs, results, job.name) is None  # the run has a checkpoint of its own now
+    recipe("--resume_from_checkpoint", "latest")
+    assert json.loads((runs / job.name / "metrics.json").read_text())["steps"] == 5
+    assert F.park(runs, results, job.name) is None  # finished: nothing to park
+    assert F.collect(runs, results, job.name) and not (results / "inflight" / job.name).exists()
