@@ -189,10 +189,11 @@ def interleaved_latency(models: dict[str, Any], inputs: dict[str, Any], reps: in
         for _ in range(calls):
             m(x)
 
+    n_calls = {i: 10 if len(x) == 1 else 1 for i, x in inputs.items()}
     pairs = [(k, i) for k in models for i in inputs]
-    calls = [lambda m=models[k], x=inputs[i]: repeat(m, x, 10 if len(x) == 1 else 1) for k, i in pairs]
+    calls = [lambda m=models[k], x=inputs[i], n=n_calls[i]: repeat(m, x, n) for k, i in pairs]
     ms = median_ms(calls, budget_s=float("inf"), max_reps=reps, threads=1)
-    per_call = {(k, i): t / (10 if len(inputs[i]) == 1 else 1) for (k, i), t in zip(pairs, ms)}
+    per_call = {(k, i): t / n_calls[i] for (k, i), t in zip(pairs, ms)}
     return {k: {i: per_call[k, i] for i in inputs} for k in models}
 
 

@@ -377,3 +377,19 @@ def test_park_and_unpark_carry_an_unfinished_run_to_a_fresh_machine(tree, tmp_pa
     assert json.loads((runs / job.name / "metrics.json").read_text())["steps"] == 5
     assert F.park(runs, results, job.name) is None  # finished: nothing to park
     assert F.collect(runs, results, job.name) and not (results / "inflight" / job.name).exists()
+
+
+def test_interleaved_latency_reports_per_call_times_against_a_sleeping_model():
+    """A model that sleeps 3 ms per call: the batch-1 input is timed over 10 calls per repetition, yet
+    both inputs report about 3 ms per call (the clock, not the code, is the truth)."""
+    import reproduce
+
+    class Sleeper(torch.nn.Module):
+        def forward(self, x):
+            time.sleep(0.003)
+            return x
+
+    got = reproduce.interleaved_latency({"m": Sleeper()}, {"b1": torch.zeros(1, 2), "b4": torch.zeros(4, 2)}, reps=5)
+    assert set(got) == {"m"} and set(got["m"]) == {"b1", "b4"}
+    for ms in got["m"].values():
+        assert 3.0 <= ms < 6.0, got
