@@ -118,7 +118,8 @@ def _prelu(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``F.prelu(x, weight)``; on the CPU through the compiled kernel of :mod:`linearize.kernels`.
 
     That kernel (autograd in C++, one fused backward pass) takes contiguous non-empty inputs outside
-    ``torch.compile`` and forward-mode AD (it has no ``jvp``); the rest, and every call when it is
+    ``torch.compile`` and forward-mode AD (it has no ``jvp``), and channels_last maps as the
+    ``[N * H * W, C]`` matrix they are in memory (the result stays channels_last); the rest, and every call when it is
     switched off or cannot be built, runs :class:`_PReLU`, which computes the same values. Under a
     torch-function mode or with tensor subclasses the call is dispatched as a plain ``F.prelu``, so
     tools that intercept functions (linear regions, FLOP counting, graph recording) see the same call
@@ -128,6 +129,10 @@ def _prelu(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return handle_torch_function(F.prelu, (x, weight), x, weight)
     if x.device.type != "cpu":  # CUDA's PReLU backward is already one fused kernel
         return F.prelu(x, weight)
+    if x.ndim == 4 and x.numel() and not x.is_contiguous() and x.is_contiguous(memory_format=torch.channels_last):
+        # channels_last: the same memory as a contiguous [N*H*W, C], channels innermost; the result keeps the layout
+        n, c, h, w = x.shape
+        return _prelu(x.permute(0, 2, 3, 1).view(-1, c), weight).view(n, h, w, c).permute(0, 3, 1, 2)
     if (x.ndim >= 2 and x.is_contiguous() and x.numel() and weight.dtype == x.dtype and fwAD._current_level < 0
             and not torch.compiler.is_compiling()):
         kernel = cpu_prelu()

@@ -843,7 +843,7 @@ def load_checkpoint(run: Run, ckpt: Checkpoint) -> None:
         raise ValueError(
             f"checkpoint {ckpt.path} was written by another model ({ckpt.recipe}, fingerprint {ckpt.fingerprint}) "
             f"than this run ({run.recipe}, fingerprint {run.fingerprint}): resume with the same model, dataset "
-            "and --linearize flags, or start a fresh --output_dir")
+            "and --linearize flags (and --channels-last where the recipe has it), or start a fresh --output_dir")
     if ckpt.total_steps is not None and run.total_steps is not None and ckpt.total_steps != run.total_steps:
         raise ValueError(
             f"checkpoint {ckpt.path} belongs to a run of {ckpt.total_steps} optimizer steps, this one has "

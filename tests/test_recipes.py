@@ -333,3 +333,30 @@ def test_cost_target_arguments_refused(bad, match, tmp_path):
 
     with pytest.raises(ValueError, match=match):
         cifar.parse_args(["--output_dir", str(tmp_path)] + bad)
+
+
+@needs_cifar
+def test_channels_last_run_resumes_exactly_and_only_with_its_flag(cifar_args, cifar_full, tmp_path):
+    """--channels-last: an interrupted + resumed run ends where the uninterrupted one does (bit for bit), a
+    resume without the flag is refused, and the saved model is the contiguous recipe model (load_model)
+    computing what the run's own float64 copy in contiguous memory computes."""
+    import cifar
+
+    full, cut = tmp_path / "full", tmp_path / "cut"
+    run_recipe("cifar.py", cifar_args + ["--channels-last", "--output_dir", str(full)])
+    run_recipe("cifar.py", cifar_args + ["--channels-last", "--output_dir", str(cut), "--stop-after", "3"])
+    with pytest.raises(ValueError, match="channels-last"):
+        cifar.main(cifar_args + ["--output_dir", str(cut), "--resume_from_checkpoint", "latest"])
+    run_recipe("cifar.py", cifar_args + ["--channels-last", "--output_dir", str(cut), "--resume_from_checkpoint",
+                                         "latest"])
+    assert_same_tensors(slopes(cut), slopes(full), atol=0)
+    assert_same_tensors(load_file(str(cut / "model" / "model.safetensors")),
+                        load_file(str(full / "model" / "model.safetensors")), atol=0)
+    assert metrics(full)["args"]["channels_last"] is True
+    model = cifar.load_model(full / "model").eval()
+    x = torch.randn(4, 3, 16, 16, generator=torch.Generator().manual_seed(0))
+    fast = model.to(memory_format=torch.channels_last)
+    with torch.no_grad():
+        got = fast(x.contiguous(memory_format=torch.channels_last))
+        want = cifar.load_model(full / "model").double().eval()(x.double())
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)

@@ -346,9 +346,14 @@ def test_late_10_variants_start_from_the_same_baselines_with_their_own_arguments
         job = jobs[name]
         args = vars(cifar.parse_args(job.argv[1:]))
         assert job.deps == ("r20_base_s1",) and args["init_from"] == str(tmp_path / "r20_base_s1" / "model")
-        assert {k: v for k, v in args.items() if plain[k] != v} == {**extra, "output_dir": str(tmp_path / name)}
+        assert {k: v for k, v in args.items() if plain[k] != v and k != "channels_last"} == {
+            **extra, "output_dir": str(tmp_path / name)}
         assert job.meta["config"] == name[4:-3] and F._label({**job.meta}) == f"late 10% ({want})"
     assert F.run_name("c10", "late", 0.1, 0, "kd") == "r20_late_10_kd_s0"
+    # runs started before --channels-last resume without it (their checkpoints' fingerprint); all others use it
+    assert F.STARTED_CONTIGUOUS < set(jobs)
+    for name, job in jobs.items():
+        assert vars(cifar.parse_args(job.argv[1:]))["channels_last"] == (name not in F.STARTED_CONTIGUOUS), name
 
 
 def test_park_and_unpark_carry_an_unfinished_run_to_a_fresh_machine(tree, tmp_path):

@@ -254,8 +254,9 @@ def test_kernel_slope_gradient_does_not_depend_on_the_thread_count(kernel):
 
 
 def test_units_route_to_the_kernel_or_the_pytorch_ops_path_with_equal_results(kernel, monkeypatch):
-    """Contiguous CPU inputs go through the kernel; channels-last inputs, forward AD and a switched-off
-    or failed build take the PyTorch-ops path; both give the same values and gradients."""
+    """Contiguous CPU inputs go through the kernel, channels-last maps too (as the [N*H*W, C] matrix they
+    are in memory, the result channels-last again); forward AD and a switched-off or failed build take the
+    PyTorch-ops path; all give the same values and gradients as F.prelu."""
     unit = LinearizableActivation("relu", 6)
     with torch.no_grad():
         unit.slope.uniform_(0, 1)
@@ -265,8 +266,15 @@ def test_units_route_to_the_kernel_or_the_pytorch_ops_path_with_equal_results(ke
     g = torch.randn(4, 6, 5, 5)
     via_kernel = torch.autograd.grad(unit(x), (x, unit.slope), g)
     assert calls == [x.shape]
-    unit(x.detach().to(memory_format=torch.channels_last))
-    assert len(calls) == 1
+    x_cl = x.detach().to(memory_format=torch.channels_last).requires_grad_()
+    out_cl = unit(x_cl)
+    assert calls == [x.shape, (4 * 5 * 5, 6)] and out_cl.is_contiguous(memory_format=torch.channels_last)
+    via_cl = torch.autograd.grad(out_cl, (x_cl, unit.slope), g)
+    ref = torch.autograd.grad(F.prelu(x, unit.slope), (x, unit.slope), g)
+    torch.testing.assert_close(out_cl, F.prelu(x, unit.slope), rtol=0, atol=0)
+    torch.testing.assert_close(via_cl, ref, rtol=1e-5, atol=1e-5)
+    empty = torch.zeros(0, 6, 5, 5).to(memory_format=torch.channels_last)
+    assert unit(empty).shape == empty.shape
     monkeypatch.setitem(kernels._state, "prelu", None)  # switched off / build failed
     via_ops = torch.autograd.grad(unit(x), (x, unit.slope), g)
     assert torch.equal(via_kernel[0], via_ops[0])
