@@ -561,3 +561,56 @@ def test_eps_zero_terminates_on_kinks_closer_than_float64_resolution():
 def test_bad_budgets(kwargs, match):
     with pytest.raises((TypeError, ValueError), match=match):
         linear_regions(_reference_net(), torch.zeros(1, 1), torch.ones(1, 1), **kwargs)
+
+
+@pytest.mark.parametrize("op", [lambda t: 1 / t, lambda t: t.square(), lambda t: t.clamp_min(3.0), lambda t: 2 ** t,
+                                torch.log1p, torch.floor, lambda t: t * (t > 3.0), lambda t: t.norm(dim=1, keepdim=True),
+                                lambda t: t.prod(1, keepdim=True), lambda t: torch.div(t, 2, rounding_mode="floor"),
+                                lambda t: t // 2, lambda t: torch.special.expit(t), lambda t: t * t.sum().item()],
+                         ids=["rdiv", "square", "clamp_min", "rpow", "log1p", "floor", "mask_by_compare", "norm",
+                              "prod", "div_floor", "floordiv", "expit", "item"])
+def test_ops_not_known_to_be_linear_are_refused(op):
+    """Only listed linear ops pass the tracer: each of these bends or breaks a line through input space
+    (a brute-force sample of f along x0 -> x1 is not affine), so counting 1 region would be wrong."""
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(2, 2)
+
+        def forward(self, x):
+            return op(self.lin(x) + 3.0)
+
+    net = Net().double()
+    x0, x1 = torch.tensor([[0.5, -1.0]], dtype=torch.float64), torch.tensor([[3.0, 2.0]], dtype=torch.float64)
+    ts = torch.linspace(0, 1, 201, dtype=torch.float64)[:, None]
+    with torch.no_grad():
+        f = torch.cat([net(x0 + t * (x1 - x0)) for t in ts]).reshape(len(ts), -1)
+    assert (f - (f[:1] + ts * (f[-1:] - f[:1]))).abs().max() > 1e-6  # the truth: not affine along the segment
+    with pytest.raises(ValueError, match="not known to be linear|input-dependent|rounding_mode"):
+        linear_regions(net, x0, x1)
+
+
+def test_linear_layout_ops_pass_the_tracer():
+    """A network of only listed linear ops and ReLUs: one region per ReLU pattern, the same count as dense sampling."""
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(4, 6), nn.Linear(6, 1)
+
+        def forward(self, x):
+            h = self.a(x).view(-1, 2, 3).transpose(1, 2).flatten(1)
+            h = torch.cat([h[:, :3], -h[:, 3:] / 2.0], 1).relu()
+            return self.b(torch.lerp(h, h.flip(1), 0.25) - h.mean(1, keepdim=True))
+
+    torch.manual_seed(0)
+    net = Net().double()
+    x0, x1 = torch.randn(1, 4, dtype=torch.float64), torch.randn(1, 4, dtype=torch.float64)
+    ts = torch.linspace(0, 1, 200001, dtype=torch.float64)[:, None]
+    with torch.no_grad():
+        pattern = (torch.cat([x0 + t * (x1 - x0) for t in ts[::1]]) @ net.a.weight.T + net.a.bias)  # pre-ReLU
+    h = pattern.view(-1, 2, 3).transpose(1, 2).flatten(1)
+    h = torch.cat([h[:, :3], -h[:, 3:] / 2.0], 1) > 0
+    changes = int((h[1:] != h[:-1]).any(1).sum())
+    assert int(linear_regions(net, x0, x1).count.reshape(-1)[0]) == changes + 1

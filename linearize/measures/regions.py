@@ -81,20 +81,30 @@ __all__ = [
 
 # Functions (by __name__) handled as piecewise-linear units with a kink at 0.
 _UNITS = {"relu", "relu_", "leaky_relu", "leaky_relu_", "prelu"}
-# Nonlinear in any input-dependent argument.
-_REFUSED = {
-    "max_pool1d", "max_pool2d", "max_pool3d", "max_pool1d_with_indices", "max_pool2d_with_indices",
-    "max_pool3d_with_indices", "adaptive_max_pool1d", "adaptive_max_pool2d", "adaptive_max_pool3d",
-    "adaptive_max_pool1d_with_indices", "adaptive_max_pool2d_with_indices",
-    "adaptive_max_pool3d_with_indices", "fractional_max_pool2d", "fractional_max_pool3d",
-    "lp_pool1d", "lp_pool2d", "max_unpool2d",
-    "gelu", "tanh", "tanh_", "sigmoid", "sigmoid_", "silu", "elu", "elu_", "selu", "celu", "mish",
-    "softplus", "softsign", "softmax", "log_softmax", "softmin", "logsigmoid", "hardswish",
-    "hardsigmoid", "hardtanh", "hardtanh_", "relu6", "rrelu", "glu", "tanhshrink", "softshrink",
-    "hardshrink", "threshold", "threshold_", "exp", "log", "sqrt", "rsqrt", "pow", "__pow__",
-    "reciprocal", "erf", "sin", "cos", "abs", "sign", "clamp", "clamp_", "clip", "max", "min",
-    "amax", "amin", "maximum", "minimum", "sort", "topk", "where", "layer_norm", "group_norm",
-    "instance_norm", "rms_norm", "local_response_norm", "normalize", "var", "std",
+# Linear (or affine) in each input-dependent argument, by __name__: layers, pooling by averages, sums,
+# layout, indexing and copies. Any other call on an input-dependent tensor is refused, so that a nonlinear
+# op nobody listed (x.square(), 1 / x, x > 0, x.item()) can never pass as linear.
+_LINEAR = {
+    "linear", "conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d", "conv_transpose3d",
+    "avg_pool1d", "avg_pool2d", "avg_pool3d", "adaptive_avg_pool1d", "adaptive_avg_pool2d", "adaptive_avg_pool3d",
+    "dropout", "dropout1d", "dropout2d", "dropout3d", "alpha_dropout", "feature_alpha_dropout",
+    "pad", "interpolate", "upsample", "upsample_nearest", "upsample_bilinear", "pixel_shuffle", "pixel_unshuffle",
+    "channel_shuffle", "native_channel_shuffle", "fold", "unfold",
+    "add", "add_", "__add__", "__radd__", "__iadd__", "sub", "sub_", "subtract", "__sub__", "__rsub__", "__isub__",
+    "rsub", "neg", "neg_", "negative", "__neg__", "positive", "__pos__", "sum", "nansum", "mean", "cumsum", "trace",
+    "view", "view_as", "reshape", "reshape_as", "flatten", "unflatten", "ravel", "permute", "transpose",
+    "transpose_", "t", "movedim", "moveaxis", "swapaxes", "swapdims", "squeeze", "squeeze_", "unsqueeze",
+    "unsqueeze_", "expand", "expand_as", "broadcast_to", "repeat", "repeat_interleave", "tile", "contiguous",
+    "clone", "detach", "to", "type", "type_as", "float", "double", "cpu", "cat", "concat", "concatenate", "stack",
+    "hstack", "vstack", "dstack", "split", "split_with_sizes", "chunk", "tensor_split", "unbind", "narrow",
+    "select", "index_select", "gather", "take_along_dim", "__getitem__", "__setitem__", "roll", "flip", "fliplr",
+    "flipud", "rot90", "diagonal", "diag", "diag_embed", "tril", "triu", "masked_fill", "masked_fill_", "fill_",
+    "zero_", "copy_", "scatter", "scatter_", "scatter_add", "scatter_add_", "index_add", "index_add_",
+    "index_copy", "index_copy_", "index_put", "index_put_", "as_strided", "requires_grad_", "zeros_like",
+    "ones_like", "empty_like", "full_like", "new_zeros", "new_ones", "new_empty", "new_full", "new_tensor",
+    "__get__", "__len__", "size", "dim", "ndimension", "numel", "nelement", "stride", "storage_offset",
+    "is_contiguous", "is_floating_point", "is_complex", "element_size", "data_ptr", "__iter__", "__format__",
+    "__repr__", "__hash__", "_unpack_dual", "_make_dual",
 }
 # Bilinear: refused when two or more arguments depend on the input.
 _PRODUCTS = {
@@ -103,7 +113,7 @@ _PRODUCTS = {
     "dot", "tensordot", "scaled_dot_product_attention",
 }
 # Refused when the divisor depends on the input.
-_DIVISIONS = {"div", "div_", "true_divide", "__truediv__", "__itruediv__", "floor_divide", "__floordiv__"}
+_DIVISIONS = {"div", "div_", "divide", "true_divide", "__truediv__", "__itruediv__", "__rtruediv__", "__rdiv__"}
 
 
 def _tangent(x: Any) -> torch.Tensor | None:
@@ -165,7 +175,7 @@ class _Tracer(TorchFunctionMode):
         name = getattr(func, "__name__", "")
         if name in _UNITS:
             return self._unit(name, args, kwargs)
-        if name in _REFUSED or name in _PRODUCTS or name in _DIVISIONS or name == "batch_norm":
+        if name not in _LINEAR:
             self._check(name, args, kwargs)
         return func(*args, **kwargs)
 
@@ -175,14 +185,21 @@ class _Tracer(TorchFunctionMode):
                 self._refuse("batch_norm with batch statistics (training mode)")
             return
         dual = [_tangent(a) is not None for a in _flat_args(args, kwargs)]
-        if name in _REFUSED and any(dual):
-            self._refuse(name)
-        if name in _PRODUCTS and sum(dual) >= 2:
-            self._refuse(f"{name} of two input-dependent tensors")
-        if name in _DIVISIONS:
-            divisor = args[0] if name.startswith("__r") else (args[1] if len(args) > 1 else None)
+        if name in _PRODUCTS:
+            if sum(dual) >= 2:
+                self._refuse(f"{name} of two input-dependent tensors")
+        elif name in _DIVISIONS:
+            divisor = args[0] if name.startswith("__r") else (args[1] if len(args) > 1 else kwargs.get("other"))
             if _tangent(divisor) is not None:
                 self._refuse(f"{name} by an input-dependent tensor")
+            if kwargs.get("rounding_mode") is not None and any(dual):
+                self._refuse(f"{name} with rounding_mode={kwargs['rounding_mode']!r} (piecewise constant)")
+        elif name in ("lerp", "lerp_"):  # linear in start and end, a product in the weight
+            weight = args[2] if len(args) > 2 else kwargs.get("weight")
+            if _tangent(weight) is not None and sum(dual) >= 2:
+                self._refuse(f"{name} with an input-dependent weight")
+        elif any(dual):
+            self._refuse(f"{name or repr(func)}, which is not known to be linear,")
 
     def _unit(self, name: str, args: Sequence[Any], kwargs: dict) -> torch.Tensor:
         x = args[0]
