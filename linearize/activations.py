@@ -82,6 +82,7 @@ FUNCTIONAL_SPECS: dict[Callable, tuple[str, bool]] = {
     F.leaky_relu: ("leaky_relu", False), F.leaky_relu_: ("leaky_relu", True),
     F.gelu: ("gelu", False), F.silu: ("silu", False), F.hardswish: ("hardswish", False), F.mish: ("mish", False),
     F.elu: ("elu", False), F.elu_: ("elu", True), F.celu: ("celu", False), F.selu: ("selu", False),
+    torch.celu: ("celu", False), torch.celu_: ("celu", True), torch.selu: ("selu", False), torch.selu_: ("selu", True),
     F.softplus: ("softplus", False), F.hardtanh: ("hardtanh", False), F.hardtanh_: ("hardtanh", True),
     F.hardsigmoid: ("hardsigmoid", False),
     torch.tanh: ("tanh", False), F.tanh: ("tanh", False), torch.Tensor.tanh: ("tanh", False),

@@ -38,6 +38,8 @@ import torch
 from torch import nn
 
 from .activations import FunctionalActivation, activation_kind
+from .example_inputs import guess_example_inputs
+from .inputs import call_model, eval_mode, float_outputs
 from .config import BlendConfig, GatedConfig, LinearizeConfig
 from .functional_sites import FunctionalSites, install_functional_sites
 from .injection import (CallSites, ConversionReport, call_channels, install_call_sites, plan_conversion,
@@ -84,6 +86,13 @@ def _convert_blend(model: nn.Module, config: BlendConfig, example_inputs: Any) -
     param = next(model.parameters(), None)
     # new units go to the model's device; float64 models get float64 slopes, low precision ones float32
     dtype = param.dtype if param is not None and param.dtype == torch.float64 else None
+    # an in-place activation whose input the model reads again after the call (out = act(h) + h): an
+    # out-of-place unit would change the function, so compare with the original before and after
+    inplace_sites = config.init_slope == 0 and any(getattr(act, "inplace", False) for _, _, act, _ in plan)
+    if inplace_sites:
+        inputs = example_inputs if example_inputs is not None else guess_example_inputs(model)
+        reference = _outputs(model, inputs)
+    from_inplace: list[LinearizableActivation] = []
     for owner, attr, act, calls in plan:
         made = [
             act if call.gate is not None else LinearizableActivation(  # an excluded gate call keeps act
@@ -97,6 +106,8 @@ def _convert_blend(model: nn.Module, config: BlendConfig, example_inputs: Any) -
         ]
         if param is not None:
             made = [u.to(param.device, dtype) for u in made]
+        if getattr(act, "inplace", False):
+            from_inplace += [u for u in made if isinstance(u, LinearizableActivation)]
         install_call_sites(owner, attr, made)
         getattr(owner, attr).train(act.training)  # new units (and dispatcher) take the replaced flag
     for p in owner_plans:
@@ -109,6 +120,8 @@ def _convert_blend(model: nn.Module, config: BlendConfig, example_inputs: Any) -
             made = {k: u.to(param.device, dtype) for k, u in made.items()}
         sites = FunctionalSites(p.name, [c.kind for c in p.calls], [call_channels(c) for c in p.calls], made)
         install_functional_sites(p.owner, sites)
+    if inplace_sites:
+        _keep_inplace(model, inputs, reference, from_inplace)
     model.linearize_config = config
     model.linearize_report = report
     install_optimizer_hooks()
@@ -120,6 +133,34 @@ def _convert_blend(model: nn.Module, config: BlendConfig, example_inputs: Any) -
             stacklevel=3,
         )
     return model
+
+
+def _outputs(model: nn.Module, inputs: Any) -> list[torch.Tensor]:
+    with eval_mode(model), torch.no_grad():
+        return [t.clone() for t in float_outputs(call_model(model, inputs))]
+
+
+def _keep_inplace(model: nn.Module, inputs: Any, reference: list[torch.Tensor],
+                  units: list[LinearizableActivation]) -> None:
+    """If the converted ``model`` (slopes 0) differs from its ``reference`` outputs, make the ``units`` of
+    in-place activations write into their input as those did (``unit.inplace``: a copy per call when
+    gradients flow), and warn if that does not restore the original function either."""
+
+    def error() -> float:
+        out = _outputs(model, inputs)
+        scale = max((float(t.abs().max()) for t in reference if t.numel()), default=0.0)
+        err = max((float((a.double() - b.double()).abs().max()) for a, b in zip(reference, out) if a.numel()),
+                  default=0.0)
+        return err if err > 1e-5 * max(scale, 1e-12) or len(out) != len(reference) else 0.0
+
+    if not error():
+        return
+    for unit in units:
+        unit.inplace = True
+    left = error()
+    if left:
+        warnings.warn(f"linearize.convert: the converted {type(model).__name__} differs from the original by "
+                      f"{left:.3g} at slopes 0 on the probe input; please report this model", stacklevel=4)
 
 
 def _convert_gated(model: nn.Module, config: GatedConfig, example_inputs: Any) -> nn.Module:

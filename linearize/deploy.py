@@ -4,7 +4,7 @@
 narrowed plus a ``d x d`` linear path, merged convs, ...), so neither ``model.save_pretrained`` nor a
 state dict alone rebuilds it. A folded save holds:
 
-- ``folded.safetensors``: the whole state dict (loaded strictly);
+- ``folded-<sha256[:16]>.safetensors``: the whole state dict (loaded strictly), named by its checksum;
 - ``folded.json``: how to rebuild the structure: the *base* (a Hugging Face class and its config, a
   torchvision or timm builder and its keyword arguments, or ``"plain"``: the caller passes it), then
   every module in order (qualified name, class, constructor arguments). Modules of an allow-list
@@ -28,6 +28,7 @@ import importlib
 import inspect
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -41,10 +42,12 @@ from .activations import FUNCTIONAL_SPECS, FUNCTIONS_BY_NAME
 from .functional_sites import ATTR as FUNCTIONAL_ATTR, FunctionalSites, install_functional_sites
 from .hf import mark_folded
 
-__all__ = ["save_folded", "load_folded", "FOLDED_CONFIG", "FOLDED_WEIGHTS"]
+__all__ = ["save_folded", "load_folded", "FOLDED_CONFIG", "folded_weights_name"]
 
 FOLDED_CONFIG = "folded.json"
-FOLDED_WEIGHTS = "folded.safetensors"
+# the weights file: named by its checksum, so that a new save never overwrites the file an older
+# folded.json names (folded.safetensors: saves written before that)
+_WEIGHTS_FILE = re.compile(r"folded(-[0-9a-f]{16})?\.safetensors")
 FORMAT_VERSION = 1
 _JSON = (bool, int, float, str, type(None))
 
@@ -165,9 +168,11 @@ def _spec(module: nn.Module) -> dict[str, Any]:
             raise ValueError(f"activation function {module.fn!r} is not one save_folded can record")
         return {"fn": name, "kind": module.kind}
     if isinstance(module, modules.ChannelPReLU):
-        return {"num_parameters": module.num_parameters, "channel_dim": module.channel_dim}
+        return {"num_parameters": module.num_parameters, "channel_dim": module.channel_dim,
+                **({"inplace": True} if module.inplace else {})}
     if isinstance(module, modules.ChannelBlend):
-        return {"channels": module.slope.numel(), "channel_dim": module.channel_dim}
+        return {"channels": module.slope.numel(), "channel_dim": module.channel_dim,
+                **({"inplace": True} if module.inplace else {})}
     if isinstance(module, conv.BorderBiasConv):
         return {"tap_bias": list(module.tap_bias.shape), "inner_stride": _jsonable(module.inner_stride),
                 "stride": _jsonable(module.stride), "padding": _jsonable(module.padding),
@@ -211,9 +216,10 @@ def _build(cls: type, args: dict[str, Any]) -> nn.Module:
             raise ValueError(f"unknown activation function {args.get('fn')!r}")
         return FunctionalActivation(_FUNCTIONS[args["fn"]], str(args.get("kind")))
     if cls is modules.ChannelPReLU:
-        return cls(torch.zeros(int(args["num_parameters"])), int(args["channel_dim"]))
+        return cls(torch.zeros(int(args["num_parameters"])), int(args["channel_dim"]), args.get("inplace") is True)
     if cls is modules.ChannelBlend:
-        return cls(nn.Identity(), torch.zeros(int(args["channels"])), int(args["channel_dim"]))
+        return cls(nn.Identity(), torch.zeros(int(args["channels"])), int(args["channel_dim"]),
+                   args.get("inplace") is True)
     if cls is conv.BorderBiasConv:
         shape = [int(s) for s in args["tap_bias"]]
         return cls(nn.Identity(), torch.zeros([shape[0], *shape[2:]]), *(_tupled(args[k]) for k in
@@ -296,7 +302,10 @@ def _build_base(base: dict[str, Any], given: nn.Module | None, path: Path) -> nn
 
 def save_folded(model: nn.Module, directory: str | os.PathLike, *, builder: str | None = None,
                 builder_kwargs: dict[str, Any] | None = None) -> Path:
-    """Write a folded ``model`` to ``directory`` as ``folded.safetensors`` + ``folded.json`` (no pickle).
+    """Write a folded ``model`` to ``directory`` as ``folded.json`` + its weights (no pickle).
+
+    The weights go to a file named by their checksum (:func:`folded_weights_name`), ``folded.json``
+    last: a save interrupted at any point (an ``OSError``, a kill) leaves the previous save loadable.
 
     ``builder`` (``"torchvision:resnet18"``, ``"timm:resnet18"``) and ``builder_kwargs`` name how to
     build the base of a torchvision model (HF and timm models are recognised by themselves); models
@@ -322,13 +331,28 @@ def save_folded(model: nn.Module, directory: str | os.PathLike, *, builder: str 
         modules.append(entry)
     tensors = _tensors(model, gated=True)
     data = safetensors.torch.save(tensors, {"format": "pt"})
+    digest = hashlib.sha256(data).hexdigest()
+    name = folded_weights_name(digest)
     meta = {"format": FORMAT_VERSION, "base": _base_of(model, builder, builder_kwargs), "modules": modules,
-            "weights": {"file": FOLDED_WEIGHTS, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}}
+            "weights": {"file": name, "bytes": len(data), "sha256": digest}}
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    atomic_write(directory / FOLDED_WEIGHTS, data)
+    atomic_write(directory / name, data)
     atomic_write(directory / FOLDED_CONFIG, json.dumps(meta, indent=1))
+    for old in directory.iterdir():  # weights of earlier saves, now named by nothing
+        if old.name != name and _WEIGHTS_FILE.fullmatch(old.name):
+            old.unlink(missing_ok=True)
     return directory
+
+
+def folded_weights_name(sha256: str) -> str:
+    """File name of the folded weights whose SHA-256 hex digest is ``sha256``.
+
+    Example:
+        >>> folded_weights_name("0123456789abcdef" * 4)
+        'folded-0123456789abcdef.safetensors'
+    """
+    return f"folded-{sha256[:16]}.safetensors"
 
 
 def _rebuild(meta: dict[str, Any], base: nn.Module | None, path: Path) -> nn.Module:
@@ -389,6 +413,37 @@ def _rebuild(meta: dict[str, Any], base: nn.Module | None, path: Path) -> nn.Mod
     return built[""]
 
 
+def _read_folded(directory: Path, tries: int = 3) -> tuple[dict, bytes, Path]:
+    """``folded.json``, checked, and the weights bytes it names (re-read when a concurrent save replaced the pair)."""
+    path = directory / FOLDED_CONFIG
+    if not path.is_file():
+        raise FileNotFoundError(f"{directory} has no {FOLDED_CONFIG}; write one with linearize.save_folded(model, dir)")
+    attempt = 0
+    while True:
+        text = path.read_text(encoding="utf-8")
+        try:
+            meta = json.loads(text)
+            ok = (meta.get("format") == FORMAT_VERSION and isinstance(meta.get("modules"), list) and meta["modules"]
+                  and isinstance(meta["modules"][0], dict) and meta["modules"][0].get("name") == "")
+        except (ValueError, AttributeError):
+            ok = False
+        if not ok:
+            raise LoadError(f"{path}: not a folded-model description of format {FORMAT_VERSION}; save it again with "
+                            "linearize.save_folded(model, dir)")
+        w = meta.get("weights") if isinstance(meta.get("weights"), dict) else {}
+        if not isinstance(w.get("file"), str) or not _WEIGHTS_FILE.fullmatch(w["file"]):
+            raise LoadError(f"{path}: names no weights file of the form folded-<checksum>.safetensors; save the "
+                            "model again with linearize.save_folded(model, dir)")
+        weights = directory / w["file"]
+        data = weights.read_bytes() if weights.is_file() else None
+        if data is not None and len(data) == w.get("bytes") and hashlib.sha256(data).hexdigest() == w.get("sha256"):
+            return meta, data, weights
+        attempt += 1
+        if attempt == tries or path.read_text(encoding="utf-8") == text:  # not a save racing this read
+            raise LoadError(f"{weights}: missing, truncated or modified (size or SHA-256 differ from {FOLDED_CONFIG}); "
+                            "save the model again with linearize.save_folded(model, dir)")
+
+
 def load_folded(directory: str | os.PathLike, base: nn.Module | None = None) -> nn.Module:
     """Rebuild the folded model saved by :func:`save_folded` in ``directory`` and load its weights strictly.
 
@@ -402,22 +457,7 @@ def load_folded(directory: str | os.PathLike, base: nn.Module | None = None) -> 
     """
     directory = Path(directory)
     path = directory / FOLDED_CONFIG
-    if not path.is_file():
-        raise FileNotFoundError(f"{directory} has no {FOLDED_CONFIG}; write one with linearize.save_folded(model, dir)")
-    try:
-        meta = json.loads(path.read_text(encoding="utf-8"))
-        ok = meta.get("format") == FORMAT_VERSION and isinstance(meta.get("modules"), list) and meta["modules"]
-    except (ValueError, AttributeError):
-        ok = False
-    if not ok or meta["modules"][0].get("name") != "":
-        raise LoadError(f"{path}: not a folded-model description of format {FORMAT_VERSION}; save it again with "
-                        "linearize.save_folded(model, dir)")
-    weights = directory / FOLDED_WEIGHTS
-    data = weights.read_bytes() if weights.is_file() else None
-    w = meta.get("weights") or {}
-    if data is None or len(data) != w.get("bytes") or hashlib.sha256(data).hexdigest() != w.get("sha256"):
-        raise LoadError(f"{weights}: missing, truncated or modified (size or SHA-256 differ from {FOLDED_CONFIG}); "
-                        "save the model again with linearize.save_folded(model, dir)")
+    meta, data, weights = _read_folded(directory)
     model = _rebuild(meta, _build_base(meta.get("base") or {}, base, path), path)
     tensors = safetensors.torch.load(data)
     try:

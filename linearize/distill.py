@@ -57,11 +57,13 @@ def distill_loss(
     Args:
         student_out, teacher_out: model outputs (``ModelOutput``/dict) or tensors.
         kind: ``"hidden"``: mean squared error of the last hidden states over the unmasked tokens,
-            divided by the teacher's mean square (relative, so it means the same for any width);
-            ``"logits"``: ``T^2 * KL(softmax(t / T) || softmax(s / T))`` over the last dim, averaged
-            over the unmasked positions; ``"pooled"``: ``1 - cosine`` of the mean-pooled hidden
-            states (sentence embeddings), averaged over the batch.
-        attention_mask: ``[B, T]`` (1 = token); ``None``: every position counts.
+            divided by the teacher's mean square over the same tokens (relative, so it means the same
+            for any width and any padding); ``"logits"``: ``T^2 * KL(softmax(t / T) || softmax(s / T))``
+            over the last dim (classes the teacher gives probability 0 add 0), averaged over the
+            unmasked positions; ``"pooled"``: ``1 - cosine`` of the mean-pooled hidden states
+            (sentence embeddings), averaged over the batch.
+        attention_mask: ``[B, T]`` (1 = token); ``None``, or a mask of another shape than the
+            outputs' positions (outputs with one row per example): every position counts.
         temperature: ``T`` of ``"logits"``.
 
     Example::
@@ -82,12 +84,16 @@ def distill_loss(
         if s.ndim == 3:
             s, t = mean_pool(s, attention_mask), mean_pool(t, attention_mask)
         return (1.0 - F.cosine_similarity(s, t, dim=-1)).mean()
-    if kind == "logits":
-        per = F.kl_div(F.log_softmax(s / temperature, -1), F.log_softmax(t / temperature, -1),
-                       reduction="none", log_target=True).sum(-1) * temperature**2
-    else:
-        per = (s - t).pow(2).mean(-1) / t.pow(2).mean().clamp(min=1e-12)
-    if attention_mask is not None and per.shape == attention_mask.shape:
-        m = attention_mask.to(per.dtype)
+    masked = attention_mask is not None and tuple(attention_mask.shape) == tuple(s.shape[:-1])
+    m = attention_mask.to(s.dtype) if masked else torch.ones(s.shape[:-1], dtype=s.dtype, device=s.device)
+
+    def mean(per: torch.Tensor) -> torch.Tensor:  # over the unmasked positions
         return (per * m).sum() / m.sum().clamp(min=1.0)
-    return per.mean()
+
+    if kind == "logits":
+        log_t, log_s = F.log_softmax(t / temperature, -1), F.log_softmax(s / temperature, -1)
+        p_t = log_t.exp()  # classes the teacher rules out (p = 0, e.g. a -inf logit) add 0, not 0 * (-inf + inf)
+        per = (p_t * torch.where(p_t > 0, log_t - log_s, 0.0)).sum(-1) * temperature**2
+    else:  # relative to the teacher's mean square over the same positions
+        per = (s - t).pow(2).mean(-1) / mean(t.pow(2).mean(-1)).clamp(min=1e-12)
+    return mean(per)

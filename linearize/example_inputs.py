@@ -33,7 +33,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["guess_example_inputs", "input_layer", "load_example_inputs"]
+__all__ = ["guess_example_inputs", "guessed_input_error", "input_layer", "load_example_inputs"]
 
 BATCH = 2
 SEQ_LEN = 8  # tokens of a guessed text input
@@ -80,6 +80,19 @@ def guess_example_inputs(model: nn.Module) -> Any:
     if device is not None and device.type != "cpu":
         inputs = {k: v.to(device) for k, v in inputs.items()} if isinstance(inputs, dict) else inputs.to(device)
     return inputs
+
+
+def guessed_input_error(model: nn.Module, inputs: Any, err: BaseException) -> ValueError:
+    """The error to raise when ``model`` fails on the input :func:`guess_example_inputs` built for it
+    (a first layer that is not the first one called, a model that takes several inputs, ...)."""
+    if isinstance(inputs, dict):
+        shown = "{" + ", ".join(f"{k}: {tuple(v.shape)}" for k, v in inputs.items()) + "}"
+    else:
+        shown = f"a tensor of shape {tuple(inputs.shape)}"
+    first = input_layer(model)
+    source = f" (from its layer {type(first).__name__})" if first is not None else ""
+    return ValueError(f"linearize guessed the input of {type(model).__name__} as {shown}{source}, and the model's "
+                      f"forward failed on it: {type(err).__name__}: {str(err).strip()[:300]}. {_FIX[0].upper()}{_FIX[1:]}")
 
 
 def _unknown(model: nn.Module, why: str) -> ValueError:

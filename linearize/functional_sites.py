@@ -39,7 +39,8 @@ __all__ = ["FunctionalSites", "FunctionalSiteError", "ATTR", "install_functional
 ATTR = "linearize_functional"  # the owner's child that holds its functional units
 
 class FunctionalSiteError(RuntimeError):
-    """An owner's functional activation calls differ from those the probe forward saw."""
+    """An owner's activation calls (functional ones, or those of a reused module) differ from those the
+    probe forward of ``linearize.convert`` saw."""
 
 
 def _in_place(func: Callable, args: tuple, kwargs: dict) -> bool:

@@ -413,7 +413,7 @@ def convert_gated(model: nn.Module, config: GatedConfig, example_inputs: Any = N
     for net in (value, feature):
         wrap_function_attributes(net)
     names = {id(m): n for n, m in value.named_modules(remove_duplicate=False)}
-    report, plan, _ = plan_conversion(value, probe_config, inputs)
+    report, plan, _ = plan_conversion(value, probe_config, example_inputs)  # None: the same guess, errors explained
     functional = {w: n for w, n in report.functional_calls.items() if w.rsplit(": ", 1)[-1].rstrip("_") in
                   ("relu", "relu6", "leaky_relu")}
     if not gated_kinds or not report.sites:

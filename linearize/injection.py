@@ -27,8 +27,8 @@ from torch.overrides import TorchFunctionMode
 from .activations import FUNCTIONAL_SPECS, GATE_KINDS, FunctionalActivation, activation_kind, activation_module
 from .checks import as_patterns, check_channel_dim
 from .config import LinearizeConfig
-from .example_inputs import guess_example_inputs
-from .functional_sites import ATTR
+from .example_inputs import guess_example_inputs, guessed_input_error
+from .functional_sites import ATTR, FunctionalSiteError
 from .inputs import call_model, eval_mode
 from .unit import LinearizableActivation
 
@@ -62,17 +62,25 @@ class CallSites(nn.Module):
     gradient checkpointing re-runs) dispatches the same way.
     """
 
-    def __init__(self, calls: list[LinearizableActivation]) -> None:
+    def __init__(self, calls: list[LinearizableActivation], where: str = "") -> None:
         super().__init__()
         self.calls = nn.ModuleList(calls)
         self.position = 0
+        self.where = where  # "<owner class>.<attribute>", for errors
 
     def reset(self) -> None:
         """Start a new owner forward: the next call is call 0."""
         self.position = 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        unit = self.calls[self.position % len(self.calls)]
+        if self.position >= len(self.calls):
+            raise FunctionalSiteError(
+                f"linearize: the activation module {self.where or 'of this site'} was called more than "
+                f"{len(self.calls)} times in one forward of its owner; the probe forward of linearize.convert "
+                f"saw {len(self.calls)} calls and made one unit per call (matched by order, which fails when the "
+                "number of calls depends on the input). Fix: convert with example_inputs= that take the path "
+                "with the most calls, or exclude_modules= naming this owner to keep its activation as it is.")
+        unit = self.calls[self.position]
         self.position += 1
         return unit(x)
 
@@ -92,7 +100,7 @@ def install_call_sites(owner: nn.Module, attr: str, modules: list[nn.Module]) ->
     if len(modules) == 1:
         setattr(owner, attr, modules[0])
         return
-    setattr(owner, attr, CallSites(modules))
+    setattr(owner, attr, CallSites(modules, f"{type(owner).__name__}.{attr}"))
     if not getattr(owner, "_linearize_reset_hook", False):
         owner.register_forward_pre_hook(_reset_call_sites)
         owner._linearize_reset_hook = True
@@ -436,7 +444,14 @@ def plan_conversion(
         else:
             chosen.append((name, owner, attr, act))
     probe = _Probe(model, {id(act) for *_, act in chosen}, {id(act) for *_, act in regs}, config.channel_dim)
-    probe.run(model, example_inputs if example_inputs is not None else guess_example_inputs(model))
+    guessed = example_inputs is None
+    inputs = guess_example_inputs(model) if guessed else example_inputs
+    try:
+        probe.run(model, inputs)
+    except Exception as err:  # a guessed input the model cannot take: say so, not a deep torch error
+        if not guessed or isinstance(err, FunctionalSiteError):
+            raise
+        raise guessed_input_error(model, inputs, err) from err
     exclude_gates = config.gates == "exclude"
     owned = [call for _, call in probe.functional if functional and call.owner is not None]
     owner_plans, left = _plan_functional(model, owned, config, report, probe.invocations, targets, excludes)

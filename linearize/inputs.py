@@ -41,7 +41,7 @@ import torch
 from torch import nn
 
 __all__ = [
-    "Batches", "call_model", "as_call", "eval_mode", "hooks", "model_device", "map_tensors", "to_device",
+    "Batches", "call_model", "as_call", "eval_mode", "float_outputs", "hooks", "model_device", "map_tensors", "to_device",
     "record_preactivations",
 ]
 
@@ -78,6 +78,23 @@ def call_model(model: nn.Module, example_inputs: Any) -> Any:
 def model_device(model: nn.Module) -> torch.device | None:
     """Device of the model's first parameter (or buffer); ``None`` for a model with neither."""
     return next((t.device for t in (*model.parameters(), *model.buffers())), None)
+
+
+def float_outputs(out: Any) -> list[torch.Tensor]:
+    """The floating-point tensors of a model output (a tensor, or nested in mappings such as
+    ``ModelOutput``, tuples and lists), in order.
+
+    Example:
+        >>> [t.shape for t in float_outputs({"logits": torch.ones(2, 3), "ids": torch.ones(2, dtype=torch.long)})]
+        [torch.Size([2, 3])]
+    """
+    if isinstance(out, torch.Tensor):
+        return [out] if out.is_floating_point() else []
+    if isinstance(out, Mapping):
+        return [t for v in out.values() for t in float_outputs(v)]
+    if isinstance(out, (list, tuple)):
+        return [t for v in out for t in float_outputs(v)]
+    return []
 
 
 def map_tensors(obj: Any, fn: Callable[[torch.Tensor], Any]) -> Any:

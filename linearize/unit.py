@@ -172,22 +172,26 @@ class ChannelPReLU(nn.PReLU):
     (:meth:`LinearizableActivation.plain_activation`).
     """
 
-    def __init__(self, weight: torch.Tensor, channel_dim: int = 1) -> None:
+    def __init__(self, weight: torch.Tensor, channel_dim: int = 1, inplace: bool = False) -> None:
         super().__init__(num_parameters=weight.numel(), device=weight.device, dtype=weight.dtype)
         with torch.no_grad():
             self.weight.copy_(weight.reshape(-1))
         self.channel_dim = channel_dim
+        self.inplace = inplace  # write the result into the input (the plain form of an in-place unit)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dim = self.channel_dim % x.ndim
         if dim == 1:
-            return F.prelu(x, self.weight)
-        if dim == x.ndim - 1:
-            return F.prelu(x.reshape(-1, self.num_parameters), self.weight).reshape(x.shape)
-        return F.prelu(x.movedim(dim, 1), self.weight).movedim(1, dim)
+            out = F.prelu(x, self.weight)
+        elif dim == x.ndim - 1:
+            out = F.prelu(x.reshape(-1, self.num_parameters), self.weight).reshape(x.shape)
+        else:
+            out = F.prelu(x.movedim(dim, 1), self.weight).movedim(1, dim)
+        return x.copy_(out) if self.inplace else out
 
     def extra_repr(self) -> str:
-        return f"num_parameters={self.num_parameters}, channel_dim={self.channel_dim}"
+        return (f"num_parameters={self.num_parameters}, channel_dim={self.channel_dim}"
+                + (", inplace=True" if self.inplace else ""))
 
 
 class ChannelBlend(nn.Module):
@@ -196,19 +200,22 @@ class ChannelBlend(nn.Module):
     ``slope`` ``[C]`` (a buffer) broadcast along ``channel_dim``.
     """
 
-    def __init__(self, act: nn.Module, slope: torch.Tensor, channel_dim: int = 1) -> None:
+    def __init__(self, act: nn.Module, slope: torch.Tensor, channel_dim: int = 1, inplace: bool = False) -> None:
         super().__init__()
         self.act = act
         self.channel_dim = channel_dim
+        self.inplace = inplace  # write the result into the input (the plain form of an in-place unit)
         self.register_buffer("slope", slope.detach().clone().reshape(-1))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = [1] * x.ndim
         shape[self.channel_dim] = self.slope.numel()
-        return torch.lerp(self.act(x), x, self.slope.to(x.dtype).view(shape))
+        out = torch.lerp(self.act(x), x, self.slope.to(x.dtype).view(shape))
+        return x.copy_(out) if self.inplace else out
 
     def extra_repr(self) -> str:
-        return f"channels={self.slope.numel()}, channel_dim={self.channel_dim}"
+        return (f"channels={self.slope.numel()}, channel_dim={self.channel_dim}"
+                + (", inplace=True" if self.inplace else ""))
 
 
 class LinearizableActivation(nn.Module):
@@ -219,7 +226,9 @@ class LinearizableActivation(nn.Module):
     Args:
         act: the activation it replaces: a module (``nn.ReLU()``, an HF ``GELUActivation``...),
             a callable (``F.gelu``) or the name ``"relu"``. In-place modules are copied with
-            ``inplace=False``: the unit never writes into its input.
+            ``inplace=False``: the unit does not write into its input, unless ``unit.inplace`` is set
+            (``linearize.convert`` sets it where the model reads an in-place activation's input
+            after the call, so that the converted model computes what the original did).
         num_channels: ``C``, the size of the input along ``channel_dim``.
         channel_dim: ``1`` for conv feature maps ``[N, C, H, W]``, ``-1`` for ``[B, T, D]`` hidden
             states and ``[N, D]`` features.
@@ -322,23 +331,40 @@ class LinearizableActivation(nn.Module):
         if bool((a >= 1).all()):
             return nn.Identity()
         if bool((a <= 0).all()):
-            return self._plain_act()
+            return self._plain_act(self.inplace)
         if self.is_prelu:
-            return ChannelPReLU(self.prelu_weight(a).to(self.slope.dtype), self.channel_dim)
-        return ChannelBlend(self._plain_act(), a.to(self.slope.dtype), self.channel_dim)
+            return ChannelPReLU(self.prelu_weight(a).to(self.slope.dtype), self.channel_dim, self.inplace)
+        return ChannelBlend(self._plain_act(), a.to(self.slope.dtype), self.channel_dim, self.inplace)
 
-    def _plain_act(self) -> nn.Module:
+    def _plain_act(self, inplace: bool = False) -> nn.Module:
         if self.leak is not None:
-            return nn.LeakyReLU(self.leak) if self.leak else nn.ReLU()
+            return nn.LeakyReLU(self.leak, inplace) if self.leak else nn.ReLU(inplace)
         if "act" in self._modules:
-            return copy.deepcopy(self.act)
-        return FunctionalActivation(self.act_fn, self.kind)
+            act = copy.deepcopy(self.act)
+            if inplace and hasattr(act, "inplace"):
+                act.inplace = True
+                return act
+            return act if not inplace else ChannelBlend(act, torch.zeros(self.num_channels), self.channel_dim, True)
+        act = FunctionalActivation(self.act_fn, self.kind)
+        return act if not inplace else ChannelBlend(act, torch.zeros(self.num_channels), self.channel_dim, True)
+
+    inplace = False  # write the result into the input, as the replaced in-place activation did
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.inplace:
+            return self._blend(x)
+        # the backward needs the input as it was (for x's or the slopes' gradient): a copy when gradients flow
+        grads = torch.is_grad_enabled() and (x.requires_grad or self.slope.requires_grad)
+        return x.copy_(self._blend(x.clone() if grads else x))
+
+    def _blend(self, x: torch.Tensor) -> torch.Tensor:
         dim = self._check(x)
         a = self.slope  # one module attribute lookup: the forward runs at every call site, every step
         if a.dtype != x.dtype:
             a = a.to(x.dtype)
+        if self.leak and x.dtype in (torch.float16, torch.bfloat16):
+            # the PReLU weight a + (1 - a) * leak would round leak to 8 or 11 bits: leaky_relu keeps it exact
+            return torch.lerp(F.leaky_relu(x, self.leak), x, a.view(self.broadcast_shape(x.ndim)))
         if self.leak is not None:
             w = self.prelu_weight(a)
             if dim == 1 or x.ndim == 2:

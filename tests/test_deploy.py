@@ -91,10 +91,11 @@ def test_unknown_classes_and_damage_are_refused(tmp_path):
     with pytest.raises(LoadError, match=r"folded\.json.*os\.system"):
         linearize.load_folded(tmp_path)
     linearize.save_folded(seq, tmp_path)
-    raw = bytearray((tmp_path / "folded.safetensors").read_bytes())
+    weights = tmp_path / json.loads(meta_path.read_text())["weights"]["file"]
+    raw = bytearray(weights.read_bytes())
     raw[-1] ^= 1
-    (tmp_path / "folded.safetensors").write_bytes(bytes(raw))
-    with pytest.raises(LoadError, match=r"folded\.safetensors.*SHA-256"):
+    weights.write_bytes(bytes(raw))
+    with pytest.raises(LoadError, match=r"folded-[0-9a-f]{16}\.safetensors.*SHA-256"):
         linearize.load_folded(tmp_path)
 
 

@@ -281,8 +281,10 @@ def test_saliency_warns_without_gradients_and_holds_the_selection_after_the_targ
 def test_distill_loss_values():
     s, t = torch.tensor([[[1.0, 2.0], [3.0, 4.0]]]), torch.tensor([[[1.0, 0.0], [3.0, 4.0]]])
     mask = torch.tensor([[1, 0]])
-    # hidden: squared error per token / teacher mean square (26 / 4 = 6.5); only token 0 counts
-    assert linearize.distill_loss(s, t, "hidden", mask).item() == pytest.approx((4.0 / 2) / 6.5)
+    # hidden: squared error per token / teacher mean square, both over the unmasked token 0 only
+    # ((0 + 4) / 2 over (1 + 0) / 2); padding of any length or value changes nothing
+    assert linearize.distill_loss(s, t, "hidden", mask).item() == pytest.approx((4.0 / 2) / 0.5)
+    assert linearize.distill_loss(s, t, "hidden").item() == pytest.approx((4.0 / 4) / 6.5)
     assert linearize.distill_loss(t, t, "hidden").item() == 0.0
     # pooled: 1 - cos([1, 2], [1, 0]) over the unmasked token
     assert linearize.distill_loss(s, t, "pooled", mask).item() == pytest.approx(1 - 1 / math.sqrt(5))

@@ -16,7 +16,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from ..checks import check_positive, check_tol
 from ..injection import CallSites, _reset_call_sites
 from ..hf import mark_folded
-from ..inputs import eval_mode
+from ..inputs import eval_mode, float_outputs
 from ..unit import LinearizableActivation, check_finite_slopes, units
 from .layers import set_path
 from .modules import plain_unit
@@ -24,7 +24,7 @@ from .probe import Probe, run_counting
 from .rules import FoldContext, FoldRuleLike, Objective, check_rules, fold_rules, is_builtin
 from .summary import FoldSummary
 from ..timing import median_latency_ms
-from .verify import _check_reference, _describe_inputs, _flatten_outputs, _is_empty_batch, _untouched_layers, _verify
+from .verify import _check_reference, _describe_inputs, _is_empty_batch, _untouched_layers, _verify
 
 __all__ = ["fold"]
 
@@ -183,7 +183,7 @@ def fold(
             f"example_inputs {_describe_inputs(example_inputs)} do not fit the model "
             f"({type(exc).__name__}: {exc}); pass a batch shaped like its real inputs"
         ) from exc
-    ref_out = _flatten_outputs(reference)
+    ref_out = float_outputs(reference)
     if not ref_out:
         raise ValueError("the model returned no floating-point tensor to verify against")
     _check_reference(ref_out, example_inputs)
@@ -206,7 +206,7 @@ def fold(
     summary.flops_after, output = run_counting(folded, example_inputs)
 
     untouched = functools.partial(_untouched_layers, model, folded, before_fold, probe)
-    _verify(model, folded, example_inputs, ref_out, _flatten_outputs(output), summary, atol, rtol, dtype, untouched)
+    _verify(model, folded, example_inputs, ref_out, float_outputs(output), summary, atol, rtol, dtype, untouched)
     if latency:
         with eval_mode(model):
             summary.latency_ms_before, summary.latency_ms_after = median_latency_ms([model, folded], example_inputs)

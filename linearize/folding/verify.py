@@ -13,19 +13,9 @@ import torch
 from torch import nn
 
 from ..checks import FoldVerificationError
-from ..inputs import call_model, map_tensors
+from ..inputs import call_model, float_outputs, map_tensors
 from .probe import Probe
 from .summary import FoldSummary
-
-def _flatten_outputs(out: Any) -> list[torch.Tensor]:
-    if isinstance(out, torch.Tensor):
-        return [out] if out.is_floating_point() else []
-    if isinstance(out, dict):
-        return [t for v in out.values() for t in _flatten_outputs(v)]
-    if isinstance(out, (list, tuple)):
-        return [t for v in out for t in _flatten_outputs(v)]
-    return []
-
 
 def _is_empty_batch(inputs: Any) -> bool:
     """Whether a tensor of ``inputs`` has no rows (batch dim 0)."""
@@ -81,8 +71,8 @@ def _verify(
     if dtype is not None:
         model_v, folded_v = copy.deepcopy(model).to(dtype).eval(), copy.deepcopy(folded).to(dtype).eval()
         inputs = map_tensors(inputs, lambda t: t.to(dtype) if t.is_floating_point() else t)
-        ref_out = _flatten_outputs(call_model(model_v, inputs))
-        new_out = _flatten_outputs(call_model(folded_v, inputs))
+        ref_out = float_outputs(call_model(model_v, inputs))
+        new_out = float_outputs(call_model(folded_v, inputs))
     summary.verify_dtype = str(dtype or ref_out[0].dtype)
     _check_reference(ref_out, inputs)
     if len(new_out) != len(ref_out) or any(a.shape != b.shape for a, b in zip(ref_out, new_out)):
@@ -160,7 +150,7 @@ def _layer_inputs(model: nn.Module, paths: list[str], inputs: Any) -> dict[str, 
     """The first floating-point input of each layer at ``paths`` in one forward, in call order; a
     layer fed one of ``inputs`` itself is left out (that signal verifies nothing)."""
     seen: dict[str, torch.Tensor] = {}
-    given = {id(t) for t in _flatten_outputs(inputs)}
+    given = {id(t) for t in float_outputs(inputs)}
 
     def hook_for(path: str):
         def hook(m: nn.Module, args: tuple) -> None:
