@@ -486,10 +486,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     common.add_linearize_args(p)
     common.add_run_args(p)
     args = p.parse_args(argv)
+    common.check_run_args(args)
     common.check_linearize_args(args)
-    for name in ("subset", "eval_subset"):
+    for name in ("subset", "eval_subset", "batch_size", "eval_batch_size", "image_size"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be >= 1")
+            p.error(f"{common.flag(name)} must be >= 1")
+    for name in ("lr", "warmup_epochs", "weight_decay"):
+        if not (math.isfinite(getattr(args, name)) and getattr(args, name) >= 0):
+            p.error(f"{common.flag(name)} must be a finite number >= 0, got {getattr(args, name)}")
+    if not 0.0 <= args.label_smoothing < 1.0:
+        p.error(f"--label-smoothing must lie in [0, 1), got {args.label_smoothing}")
     if args.classes is not None:
         args.classes = [c.strip() for c in args.classes.split(",")]
         if not all(args.classes) or len(set(args.classes)) != len(args.classes):

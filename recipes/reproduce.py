@@ -109,9 +109,11 @@ def mt_jobs(s: dict, data: str, runs: Path) -> list[Job]:
     if s["mt_eval"]:
         base += ["--max-eval-samples", str(s["mt_eval"])]
     jobs = [("mt_baseline", base + ["--linearize", "none"])]
-    # --lam 0.001: the recorded runs predate wmt14.py's AdamW default of 1.0
+    # --select slope --lam 0.001: the recorded runs (recipes/results/results.md) predate --rate and wmt14.py's
+    # --select saliency default: they pushed the slopes by lr * 0.001, highest slope first
     jobs += [(f"mt_late_{t:g}", base + ["--linearize", "prelu", "--schedule", "late", "--target", f"{t:g}",
-                                        "--lam", "0.001", "--freeze", "--fold"]) for t in MT_TARGETS]
+                                        "--select", "slope", "--lam", "0.001", "--freeze", "--fold"])
+             for t in MT_TARGETS]
     return [Job(n, a + ["--output_dir", str(runs / n)]) for n, a in jobs]
 
 
@@ -572,6 +574,11 @@ def main(argv: list[str] | None = None) -> int:
                    help="runs whose linear regions are counted, cheapest first; NAME:K uses only the first K "
                         "segments of each loop (the unlinearized baseline has far more regions)")
     args = p.parse_args(argv)
+    for name in ("jobs", "threads"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name} must be >= 1, got {getattr(args, name)}")
+    if args.only is not None and not all(args.only.split(",")):
+        p.error(f"--only takes comma-separated run names, got {args.only!r} (leave it out to run every run)")
     runs = Path(args.runs_dir) / args.scale
     results = Path(args.results_dir)
     is_full = args.scale in full.SCALES

@@ -41,6 +41,9 @@ PRESETS = {  # layers, d_model, heads, ffn, peak lr, warm-up steps
 }
 SPECIALS = ("<pad>", "</s>", "<unk>")  # ids 0, 1, 2
 PAD, EOS = 0, 1
+SELECT_DEFAULT = "saliency"  # AdamW: channels chosen by saliency (see common.add_linearize_args)
+VOCAB_SIZE = 8000  # of the joint BPE trained here (without --tokenizer)
+PROVENANCE = "provenance.json"  # beside OUTPUT_DIR/tokenizer: what it was trained on
 
 
 # ----------------------------------------------------------------------------- data
@@ -309,7 +312,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     d.add_argument("--max-length", "--max_length", dest="max_length", type=int, default=128,
                    help="truncate sentences to this many tokens")
     d.add_argument("--tokenizer", default=None, help="a tokenizer folder; default: train a joint BPE")
-    d.add_argument("--vocab-size", "--vocab_size", dest="vocab_size", type=int, default=8000)
+    d.add_argument("--vocab-size", "--vocab_size", dest="vocab_size", type=int, default=None,
+                   help=f"of the joint BPE trained without --tokenizer (default {VOCAB_SIZE})")
     m = p.add_argument_group("model and training")
     m.add_argument("--model-size", "--model_size", dest="model_size", choices=list(PRESETS), default="base")
     m.add_argument("--epochs", type=int, default=10)
@@ -324,13 +328,37 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     m.add_argument("--clip-grad", "--clip_grad", dest="clip_grad", type=float, default=1.0)
     m.add_argument("--num-beams", "--num_beams", dest="num_beams", type=int, default=4)
     m.add_argument("--length-penalty", "--length_penalty", dest="length_penalty", type=float, default=0.6)
-    common.add_linearize_args(p, default_select="saliency")  # AdamW: channels chosen by saliency
+    common.add_linearize_args(p, default_select=SELECT_DEFAULT)
     common.add_run_args(p)
     args = p.parse_args(argv)
     if args.target_flops is not None or args.target_latency is not None:
         p.error("--target-flops / --target-latency are recipes/cifar.py's (convolutional sites); for the FFN "
                 "channels here, steer the nonlinear fraction with --target")
-    common.check_linearize_args(args)
+    common.check_run_args(args)
+    common.check_linearize_args(args, SELECT_DEFAULT)
+    files = [common.flag(f"{k}_file") for k in ("train", "validation", "test") if getattr(args, f"{k}_file")]
+    if args.dataset and files:
+        p.error(f"--dataset {args.dataset} and {', '.join(files)} both name the data: give one or the other")
+    if args.dataset_config and not args.dataset:
+        p.error("--dataset-config is the configuration of a hub --dataset: add --dataset (e.g. wmt14) or drop it")
+    if args.tokenizer and args.vocab_size is not None:
+        p.error("--vocab-size sizes the tokenizer trained here, which --tokenizer replaces: drop one of them")
+    args.vocab_size = VOCAB_SIZE if args.tokenizer is None and args.vocab_size is None else args.vocab_size
+    if args.vocab_size is not None and args.vocab_size <= len(SPECIALS):
+        p.error(f"--vocab-size must exceed the {len(SPECIALS)} special tokens, got {args.vocab_size}")
+    for name in ("max_train_samples", "max_eval_samples", "max_length", "max_tokens", "eval_max_tokens", "num_beams"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            p.error(f"{common.flag(name)} must be >= 1, got {getattr(args, name)}")
+    if args.warmup_steps is not None and args.warmup_steps < 0:
+        p.error(f"--warmup-steps must be >= 0, got {args.warmup_steps}")
+    for name in ("lr", "weight_decay", "clip_grad"):
+        value = getattr(args, name)
+        if value is not None and not (math.isfinite(value) and value >= 0):
+            p.error(f"{common.flag(name)} must be a finite number >= 0, got {value}")
+    if not 0.0 <= args.label_smoothing < 1.0:
+        p.error(f"--label-smoothing must lie in [0, 1), got {args.label_smoothing}")
+    if not math.isfinite(args.length_penalty):
+        p.error(f"--length-penalty must be a finite number, got {args.length_penalty}")
     preset = PRESETS[args.model_size]
     args.lr = preset["lr"] if args.lr is None else args.lr
     args.warmup_steps = preset["warmup"] if args.warmup_steps is None else args.warmup_steps
