@@ -602,12 +602,19 @@ def end_of_step(run: Run, watch: LossWatch, bar, loss: torch.Tensor, step: int, 
 # OUTPUT_DIR/checkpoints/step_XXXXXXXX (the state after XXXXXXXX optimizer steps) holds
 #   model.safetensors  the unwrapped model's state dict (tied tensors once)
 #   optimizer.pt       the optimizer's state dict, read back with torch.load(weights_only=True)
-#   recipe_state.json  written last: format, step, recipe, model fingerprint, the LR scheduler's,
-#                      sparsifier's and grad scaler's state, and size + sha256 of the two files above.
+#   recipe_state.json  written last: format, step, recipe, model fingerprint, the run's arguments
+#                      (recorded_args: a resume with others is refused), the LR scheduler's, sparsifier's
+#                      and grad scaler's state, and size + sha256 of the two files above.
 # Only the main process writes, into .tmp-step_XXXXXXXX-<pid> beside it, renamed into place when
 # complete; every process reads. No file of a checkpoint is unpickled with code execution.
 
 CHECKPOINT_FORMAT = 2
+# Arguments that do not change what a run computes (where it reads and writes, how it checkpoints and logs,
+# when this process stops): a resume (recipe_state.json records the others) and sweep.adopt ignore them.
+NEUTRAL_ARGS = frozenset({
+    "output_dir", "data_dir", "cache_dir", "download", "train_file", "validation_file", "test_file", "cpu",
+    "mixed_precision", "resume_from_checkpoint", "with_tracking", "log_every", "checkpointing_steps",
+    "keep_checkpoints", "stop_after", "init_from"})
 MODEL_FILE = "model.safetensors"
 OPTIMIZER_FILE = "optimizer.pt"
 TMP_PREFIX = ".tmp-"
@@ -638,6 +645,25 @@ class Checkpoint:
     scaler: dict | None
     total_steps: int | None = None  # the run length it was written by (None: before it was recorded)
     elapsed_s: float = 0.0  # wall time of the run up to this checkpoint (0: before it was recorded)
+    args: dict | None = None  # recorded_args of the run that wrote it (None: before they were recorded)
+
+
+def json_value(value: Any) -> Any:
+    """``value`` as it reads back from JSON (tuples become lists, other objects their ``str``)."""
+    return json.loads(json.dumps(value, default=str))
+
+
+def recorded_args(args: argparse.Namespace) -> dict:
+    """The arguments that change what a run computes (all but :data:`NEUTRAL_ARGS`), as JSON values."""
+    return {k: json_value(v) for k, v in sorted(vars(args).items()) if k not in NEUTRAL_ARGS}
+
+
+def args_differences(stored: dict, args: argparse.Namespace) -> list[str]:
+    """``--flag A (now B)`` for every argument of ``stored`` (:func:`recorded_args` of an earlier run) that
+    ``args`` sets otherwise; arguments one side lacks (added or removed by another version) are not compared."""
+    now = recorded_args(args)
+    return [f"{flag(k)} {stored[k]!r} (now {now[k]!r})" for k in sorted(stored.keys() & now.keys())
+            if stored[k] != now[k]]
 
 
 def model_fingerprint(model: nn.Module) -> str:
@@ -695,6 +721,7 @@ def save_checkpoint(run: Run, step: int) -> Path:
     if acc.is_main_process:
         state = {"format": CHECKPOINT_FORMAT, "step": step, "recipe": run.recipe, "fingerprint": run.fingerprint,
                  "total_steps": run.total_steps, "elapsed_s": round(run.elapsed_s(), 3),
+                 "args": recorded_args(run.args),
                  "scheduler": run.scheduler.state_dict(),
                  "sparsifier": None if run.sparsifier is None else run.sparsifier.state_dict(),
                  "scaler": None if acc.scaler is None else acc.scaler.state_dict()}
@@ -820,7 +847,8 @@ def read_checkpoint(path: str | Path) -> Checkpoint:
                           _load(path / MODEL_FILE, "model weights", _safetensors_load),
                           _load(path / OPTIMIZER_FILE, "optimizer state", _torch_load),
                           state["scheduler"], state.get("sparsifier"), state.get("scaler"),
-                          total_steps=state.get("total_steps"), elapsed_s=float(state.get("elapsed_s", 0.0)))
+                          total_steps=state.get("total_steps"), elapsed_s=float(state.get("elapsed_s", 0.0)),
+                          args=state.get("args"))
     bad = first_nonfinite(chain(ckpt.model.items(), _optimizer_tensors(ckpt.optimizer)))
     if bad is not None:
         raise CheckpointError(path, f"{bad} holds inf or NaN")
@@ -855,6 +883,8 @@ def _state_problem(state: Any, path: Path) -> str | None:
             return f"'files' entry of {name} must be {{size, sha256}}"
     if not isinstance(state.get("scheduler"), dict):
         return "no LR scheduler state"
+    if "args" in state and not isinstance(state["args"], dict):
+        return "'args' is not a JSON object"
     for key in ("sparsifier", "scaler"):
         if state.get(key) is not None and not isinstance(state[key], dict):
             return f"{key!r} is neither null nor a JSON object"
@@ -941,6 +971,10 @@ def load_checkpoint(run: Run, ckpt: Checkpoint) -> None:
         raise ValueError(f"checkpoint {ckpt.path} has {has} sparsifier state but this run "
                          f"{'uses' if run.sparsifier is not None else 'has no'} sparsity pressure: resume with the "
                          "same --linearize/--schedule flags")
+    if ckpt.args is not None and (changed := args_differences(ckpt.args, run.args)):
+        raise ValueError(f"checkpoint {ckpt.path} belongs to a run with other settings: {'; '.join(changed)}; "
+                         f"resume with the flags the run was started with ({STATE_FILE} records them), or start "
+                         "a fresh --output_dir")
     _load_model_state(run.accelerator.unwrap_model(run.model), ckpt.model, ckpt.path)
     run.optimizer.load_state_dict(ckpt.optimizer)
     run.scheduler.load_state_dict(ckpt.scheduler)

@@ -596,11 +596,19 @@ def main(argv: list[str] | None = None) -> int:
                 sys.exit("Multi30k not found: pass --multi30k or set LINEARIZE_MULTI30K")
             jobs += mt_jobs(SCALES[args.scale], args.multi30k, runs)
     by_name = {j.name: j for j in jobs}
+    adopted: dict[str, tuple[str, Path]] = {}  # real folder -> (run, spec)
     for spec in args.adopt:
         name, _, directory = spec.partition("=")
         if name not in by_name or not directory:
             sys.exit(f"--adopt {spec}: give NAME=DIR with NAME one of {sorted(by_name)}")
-        adopt(by_name[name], runs, Path(directory))
+        folder = str(Path(directory).resolve())
+        twice = next((f"--adopt {s}" for n, s in adopted.values() if n == name), None) or (
+            f"--adopt {adopted[folder][1]}" if folder in adopted else None)
+        if twice:
+            sys.exit(f"--adopt {spec} and {twice}: one run per folder and one folder per run")
+        adopted[folder] = (name, spec)
+    for name, spec in adopted.values():
+        adopt(by_name[name], runs, Path(spec.partition("=")[2]))
     if args.only:
         unknown = [n for n in args.only.split(",") if n not in by_name]
         if unknown:
