@@ -1010,6 +1010,34 @@ def read_recipe_json(directory: str | Path, required: Iterable[str] = ()) -> dic
     return meta
 
 
+def file_records(directory: Path, exclude: Iterable[str] = ("recipe.json",)) -> dict[str, dict]:
+    """``{name: {"size", "sha256"}}`` of the files directly in ``directory`` (less ``exclude``): the
+    ``files`` field of a saved model's ``recipe.json``, which :func:`check_files` verifies on load."""
+    return {f.name: {"size": f.stat().st_size, "sha256": file_sha256(f)}
+            for f in sorted(Path(directory).iterdir()) if f.is_file() and f.name not in set(exclude)}
+
+
+def check_files(directory: str | Path, meta: dict) -> None:
+    """Verify the files ``recipe.json`` of ``directory`` records (``meta["files"]``: :func:`file_records`)
+    by size and sha256; raise ``linearize.LoadError`` naming the file. Saves from before the field
+    existed have no ``files``: nothing to check."""
+    directory = Path(directory)
+    path = directory / "recipe.json"
+    files = meta.get("files")
+    if files is None:
+        return
+    if not isinstance(files, dict) or not all(
+            Path(n).name == n and isinstance(r, dict) and type(r.get("size")) is int and isinstance(r.get("sha256"), str)
+            for n, r in files.items()):
+        raise linearize.LoadError(f"{path}: field 'files' must map file names of this folder to {{size, sha256}}; "
+                                  "the save is damaged or was edited: train again or restore it")
+    for name, rec in files.items():
+        f = directory / name
+        if not f.is_file() or f.stat().st_size != rec["size"] or file_sha256(f) != rec["sha256"]:
+            raise linearize.LoadError(f"{f}: missing, truncated or modified (its size or sha256 is not the one "
+                                      f"{path} recorded); refusing to load it")
+
+
 def _pid_alive(pid: int) -> bool:
     """Whether a process ``pid`` runs on this machine (signal 0 probes without sending anything)."""
     try:

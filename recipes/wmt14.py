@@ -233,8 +233,9 @@ def example_inputs(batch: int = 2, length: int = 8) -> dict[str, torch.Tensor]:
 
 
 def load_model(directory: str | Path) -> nn.Module:
-    """The ``MarianMTModel`` saved by this recipe (``OUTPUT_DIR/model``), converted and with its units
-    restored bit-identically when it was trained linearized (see :func:`load_tokenizer` for the tokenizer).
+    """The ``MarianMTModel`` saved by this recipe (``OUTPUT_DIR/model``), its files checked against the sizes
+    and sha256 ``recipe.json`` records, converted and with its units restored bit-identically when it was
+    trained linearized (see :func:`load_tokenizer` for the tokenizer).
 
     Example::
 
@@ -245,6 +246,10 @@ def load_model(directory: str | Path) -> nn.Module:
 
     directory = Path(directory)
     meta = common.read_recipe_json(directory, ("linearize",))
+    if meta["linearize"] not in common.LINEARIZE_MODES:
+        raise linearize.LoadError(f"{directory / 'recipe.json'}: linearize {meta['linearize']!r} is not one of "
+                                  f"{common.LINEARIZE_MODES}: the save is damaged or was edited")
+    common.check_files(directory, meta)
     if meta["linearize"] == "none":
         return MarianMTModel.from_pretrained(str(directory))
     # loads the weights with the unit tensors expected (no UNEXPECTED-keys table), then the units
@@ -452,14 +457,15 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 def save_final(model: nn.Module, tokenizer, directory: Path, args: argparse.Namespace) -> None:
-    """HF weights + tokenizer, the linearize sidecar and ``recipe.json`` (see :func:`load_model`)."""
+    """HF weights + tokenizer, the linearize sidecar and ``recipe.json`` (with the size and sha256 of every
+    other file, verified by :func:`load_model`)."""
     with common.replaced_dir(directory) as stage:  # all files replace the old ones together
         model.save_pretrained(str(stage))
         tokenizer.save_pretrained(str(stage))
         if args.linearize != "none":
             linearize.save_pretrained(model, stage)
         meta = {"model_size": args.model_size, "source_lang": args.source_lang, "target_lang": args.target_lang,
-                "linearize": args.linearize}
+                "linearize": args.linearize, "files": common.file_records(stage)}
         (stage / "recipe.json").write_text(json.dumps(meta, indent=2))
 
 
