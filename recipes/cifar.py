@@ -137,25 +137,80 @@ def build_model(arch: str, num_classes: int) -> nn.Module:
 CIFAR_RECIPE_KEYS = ("arch", "num_classes", "linearize", "image_size")  # what load_model reads
 
 
-def load_model(directory: str | Path) -> nn.Module:
-    """Rebuild a model saved by this recipe (``OUTPUT_DIR/model``): the architecture from
-    ``recipe.json``, the units with ``linearize.from_pretrained``, then all weights. ``recipe.json``
-    also lists the class names in label order (``classes``)."""
-    from safetensors.torch import load_file
-
+def read_meta(directory: str | Path) -> dict:
+    """``recipe.json`` of a model saved by this recipe, with the fields :func:`load_model` reads checked
+    (a clear ``linearize.LoadError`` naming the file and the field instead of a failure further on)."""
     directory = Path(directory)
     meta = common.read_recipe_json(directory, CIFAR_RECIPE_KEYS)
-    weights = directory / "model.safetensors"
-    for name, rec in (meta.get("files") or {}).items():  # recorded since saves became atomic
-        f = directory / name
-        if not f.is_file() or f.stat().st_size != rec["size"] or common.file_sha256(f) != rec["sha256"]:
-            raise linearize.LoadError(f"{f}: missing, truncated or modified (its size or sha256 is not the one "
-                                      f"{directory / 'recipe.json'} recorded); refusing to load it")
+    n = meta["num_classes"]
+    problems = [what for bad, what in (
+        (meta["arch"] not in ARCHS, f"arch {meta['arch']!r} is not one of {ARCHS}"),
+        (type(n) is not int or n < 1, f"num_classes {n!r} is not a whole number >= 1"),
+        (meta["linearize"] not in common.LINEARIZE_MODES,
+         f"linearize {meta['linearize']!r} is not one of {common.LINEARIZE_MODES}"),
+        (type(meta["image_size"]) is not int or meta["image_size"] < 1,
+         f"image_size {meta['image_size']!r} is not a whole number >= 1"),
+        ("classes" in meta and not (isinstance(meta["classes"], list) and len(meta["classes"]) == n
+                                    and all(isinstance(c, str) for c in meta["classes"])),
+         f"classes is not a list of num_classes ({n!r}) names")) if bad]
+    if problems:
+        raise linearize.LoadError(f"{directory / 'recipe.json'}: {'; '.join(problems)}: the save is damaged or was "
+                                  "edited; train again or restore it")
+    return meta
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal dtype, shape and bytes (NaN payloads included: unit ``frozen`` buffers hold NaN)."""
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(
+        a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8))
+
+
+def _load_weights(model: nn.Module, path: Path, meta: dict) -> None:
+    """Load ``model.safetensors`` into ``model`` (built from ``recipe.json``, units restored from the
+    sidecar): its tensors must fit the model, be finite, and its unit tensors equal the sidecar's
+    (checked there: slopes in [0, 1], frozen values), which they may not overwrite."""
+    from safetensors.torch import load_file
+
+    try:
+        weights = load_file(str(path))
+    except Exception as e:  # SafetensorError, OSError: a damaged or missing file
+        raise linearize.LoadError(f"{path} cannot be read ({type(e).__name__}: {e}); train again or restore it") from e
+    own = model.state_dict()
+    unit_keys = {f"{n}.{k}" for n, u in linearize.units(model) for k in u.state_dict()}
+    missing = sorted(own.keys() - weights.keys() - unit_keys)
+    unexpected = sorted(weights.keys() - own.keys())
+    shapes = [f"{k} {tuple(weights[k].shape)} (model {tuple(own[k].shape)})" for k in sorted(weights.keys() & own.keys())
+              if weights[k].shape != own[k].shape]
+    if missing or unexpected or shapes:
+        raise linearize.LoadError(
+            f"{path} does not fit the model its recipe.json describes (arch {meta['arch']}, num_classes "
+            f"{meta['num_classes']}, linearize {meta['linearize']}): missing {missing[:5]}, unexpected "
+            f"{unexpected[:5]}, other shapes {shapes[:5]}; recipe.json was edited or belongs to other weights")
+    for k in sorted(unit_keys & weights.keys()):
+        if not _same_bits(weights[k], own[k]):
+            raise linearize.LoadError(f"{path}: unit tensor {k} differs from the linearize sidecar of "
+                                      f"{path.parent} (linearize_config.json, linearize_units-*.safetensors); "
+                                      "one of them was modified: train again or restore the folder")
+    rest = {k: v for k, v in weights.items() if k not in unit_keys}
+    bad = common.first_nonfinite(rest.items())
+    if bad is not None:
+        raise linearize.LoadError(f"{path}: tensor {bad} holds inf or NaN; refusing to load it")
+    model.load_state_dict(rest, strict=False)
+
+
+def load_model(directory: str | Path) -> nn.Module:
+    """Rebuild a model saved by this recipe (``OUTPUT_DIR/model``): the architecture from
+    ``recipe.json`` (:func:`read_meta`), its files checked against their recorded sizes and sha256, the
+    units with ``linearize.from_pretrained``, then the other weights (:func:`_load_weights`).
+    ``recipe.json`` also lists the class names in label order (``classes``)."""
+    directory = Path(directory)
+    meta = read_meta(directory)
+    common.check_files(directory, meta)
     model = build_model(meta["arch"], meta["num_classes"])
     if meta["linearize"] != "none":
         example = torch.zeros(2, 3, meta["image_size"], meta["image_size"])
         model = linearize.from_pretrained(model, directory, example_inputs=example)
-    model.load_state_dict(load_file(str(weights)))
+    _load_weights(model, directory / "model.safetensors", meta)
     return model
 
 
@@ -164,7 +219,7 @@ def trained_weights(directory: str | Path, arch: str, classes: list[str]) -> dic
     class list (its names where ``recipe.json`` records them, else their number)."""
     num_classes = len(classes)
     try:
-        meta = common.read_recipe_json(directory, CIFAR_RECIPE_KEYS)
+        meta = read_meta(directory)
     except FileNotFoundError as e:
         raise FileNotFoundError(f"--init-from {directory}: {e}; give the OUTPUT_DIR/model folder of a finished "
                                 "run of this recipe") from None
@@ -486,10 +541,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     common.add_linearize_args(p)
     common.add_run_args(p)
     args = p.parse_args(argv)
+    common.check_run_args(args)
     common.check_linearize_args(args)
-    for name in ("subset", "eval_subset"):
+    for name in ("subset", "eval_subset", "batch_size", "eval_batch_size", "image_size"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be >= 1")
+            p.error(f"{common.flag(name)} must be >= 1")
+    for name in ("lr", "warmup_epochs", "weight_decay"):
+        if not (math.isfinite(getattr(args, name)) and getattr(args, name) >= 0):
+            p.error(f"{common.flag(name)} must be a finite number >= 0, got {getattr(args, name)}")
+    if not 0.0 <= args.label_smoothing < 1.0:
+        p.error(f"--label-smoothing must lie in [0, 1), got {args.label_smoothing}")
     if args.classes is not None:
         args.classes = [c.strip() for c in args.classes.split(",")]
         if not all(args.classes) or len(set(args.classes)) != len(args.classes):
@@ -651,11 +712,9 @@ def save_final(model: nn.Module, directory: Path, args: argparse.Namespace, clas
             linearize.save_pretrained(model, stage)
         save_file({k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()},
                   str(stage / "model.safetensors"))
-        weights = stage / "model.safetensors"
         meta = {"arch": args.arch, "num_classes": len(classes), "classes": classes, "dataset": args.dataset,
                 "image_size": args.image_size, "linearize": args.linearize, "mean": mean.tolist(),
-                "std": std.tolist(), "files": {"model.safetensors": {"size": weights.stat().st_size,
-                                                                     "sha256": common.file_sha256(weights)}}}
+                "std": std.tolist(), "files": common.file_records(stage)}
         (stage / "recipe.json").write_text(json.dumps(meta, indent=2))
 
 

@@ -79,21 +79,48 @@ def add_run_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--log_every", "--log-every", dest="log_every", type=int, default=50)
 
 
+def flag(dest: str) -> str:
+    """The command-line flag of an argument (``batch_size`` -> ``--batch-size``)."""
+    return "--" + dest.replace("_", "-")
+
+
+def check_run_args(args: argparse.Namespace) -> None:
+    """Raise ``ValueError`` naming the flag for run flags out of range (checked before any data is read):
+    ``--epochs`` and ``--log_every`` >= 1, ``--max-steps`` / ``--stop-after`` >= 1 when given,
+    ``--checkpointing_steps`` / ``--keep_checkpoints`` >= 0."""
+    for name, low in (("epochs", 1), ("log_every", 1), ("max_steps", 1), ("stop_after", 1),
+                      ("checkpointing_steps", 0), ("keep_checkpoints", 0)):
+        value = getattr(args, name, None)
+        if value is not None and value < low:
+            raise ValueError(f"{flag(name)} {value}: give a whole number >= {low}")
+
+
+# What a flag left out means, filled in by check_linearize_args after its checks (the flags default to None
+# so that the checks see which ones were given).
+LINEARIZE_DEFAULTS = {"schedule": "late", "late_start": 0.5, "ramp_end": 0.8, "granularity": "channel", "tol": 1e-3,
+                      "report_skip": "regions", "report_samples": 128}
+# the flags that steer the sparsity pressure: no-ops under --linearize none / dgn / dlgn or --schedule none
+PRESSURE_FLAGS = ("target", "target_flops", "target_latency", "late_start", "ramp_end", "rate", "select",
+                  "granularity", "lam")
+
+
 def add_linearize_args(parser: argparse.ArgumentParser, default_mode: str = "prelu",
-                       default_lam: float | None = None, default_select: str = "slope") -> None:
+                       default_select: str = "slope") -> None:
     """``--linearize --schedule --target --late-start --ramp-end --rate --select --granularity --lam --tol
     --freeze --fold --report``.
 
     By default the pressure is scale-free (``--rate``, slope units per step, auto ``1 / ramp``: the same
-    under SGD and AdamW); ``--lam`` (``default_lam``) is the legacy ``lr * lam`` step. ``default_select``:
-    ``"slope"`` for SGD recipes, ``"saliency"`` for Adam ones (under Adam every slope drifts alike, so the
-    slope order no longer says which channels matter).
+    under SGD and AdamW); ``--lam`` is the legacy ``lr * lam`` step. ``default_select`` (pass the same to
+    :func:`check_linearize_args`): ``"slope"`` for SGD recipes, ``"saliency"`` for Adam ones (under Adam
+    every slope drifts alike, so the slope order no longer says which channels matter). Flags left out
+    are None here and get their defaults (:data:`LINEARIZE_DEFAULTS`) in :func:`check_linearize_args`.
     """
     g = parser.add_argument_group("linearization")
     g.add_argument("--linearize", choices=LINEARIZE_MODES, default=default_mode,
-                   help="none: the plain model; prelu: blend units; dgn / dlgn: gated splits")
-    g.add_argument("--schedule", choices=SCHEDULES, default="late",
-                   help="when the sparsity pressure starts: step 0 (early), --late-start (late), never (none)")
+                   help="none: the plain model; prelu: blend units; dgn / dlgn: gated splits (need --schedule none)")
+    g.add_argument("--schedule", choices=SCHEDULES, default=None,
+                   help="when the sparsity pressure starts: step 0 (early), --late-start (late, the default), "
+                        "never (none)")
     g.add_argument("--target", type=float, default=None,
                    help="fraction of channels left nonlinear at the end, in (0, 1] (default 0.1)")
     g.add_argument("--target-flops", "--target_flops", dest="target_flops", type=float, default=None,
@@ -102,58 +129,121 @@ def add_linearize_args(parser: argparse.ArgumentParser, default_mode: str = "pre
     g.add_argument("--target-latency", "--target_latency", dest="target_latency", type=float, default=None,
                    help="instead of --target: the folded model's measured CPU latency at batch 1, as a fraction "
                         "(needs --granularity site or block)")
-    g.add_argument("--late-start", "--late_start", dest="late_start", type=float, default=0.5,
-                   help="start of the late schedule: a fraction of training (< 1) or a step (>= 1)")
-    g.add_argument("--ramp-end", "--ramp_end", dest="ramp_end", type=float, default=0.8,
-                   help="fraction of training by which the target is reached")
+    g.add_argument("--late-start", "--late_start", dest="late_start", type=float, default=None,
+                   help="start of the late schedule: a fraction of training (< 1) or a step (>= 1) (default 0.5)")
+    g.add_argument("--ramp-end", "--ramp_end", dest="ramp_end", type=float, default=None,
+                   help="fraction of training by which the target is reached (default 0.8)")
     g.add_argument("--rate", type=float, default=None,
                    help="pressure in slope units per step at the peak LR (default: 1 / ramp steps)")
-    g.add_argument("--select", choices=("slope", "saliency"), default=default_select,
+    g.add_argument("--select", choices=("slope", "saliency"), default=None,
                    help="which channels the target makes linear: slope (pushed highest first; SGD) or saliency "
-                        "(cheapest by the running squared slope gradient, no uniform push; Adam, see the README)")
-    g.add_argument("--granularity", choices=("channel", "site", "block"), default="channel",
+                        "(cheapest by the running squared slope gradient, no uniform push, so no --rate or --lam; "
+                        f"Adam, see the README) (default {default_select})")
+    g.add_argument("--granularity", choices=("channel", "site", "block"), default=None,
                    help="channel: each channel on its own; site: the channels of a call site move and become "
                         "linear together (group lasso), the target makes whole sites linear; block: all sites of "
-                        "a residual block together")
-    g.add_argument("--lam", type=float, default=default_lam,
-                   help="legacy pressure instead of --rate: each step moves the slopes by lr * lam")
-    g.add_argument("--tol", type=float, default=1e-3, help="a channel is linear when its slope >= 1 - tol")
+                        "a residual block together (default channel)")
+    g.add_argument("--lam", type=float, default=None,
+                   help="legacy pressure instead of --rate: each step moves the slopes by lr * lam (--select slope)")
+    g.add_argument("--tol", type=float, default=None,
+                   help="a channel is linear when its slope >= 1 - tol, in [0, 1), below 0.5 with --freeze "
+                        "(default 0.001)")
     g.add_argument("--freeze", action="store_true", help="at the end, freeze linear channels at slope 1")
     g.add_argument("--fold", action="store_true", help="at the end, fold linear parts away (folded/)")
     g.add_argument("--report", action="store_true", help="at the end, write a linearize report (report/)")
-    g.add_argument("--report-skip", "--report_skip", dest="report_skip", default="regions",
-                   help="comma-separated report measures to skip (of units, path_length, affinity, regions, "
-                        "history, gates); exact linear regions of a deep net along image segments can take hours")
-    g.add_argument("--report-samples", "--report_samples", dest="report_samples", type=int, default=128,
-                   help="samples the report measures on")
+    g.add_argument("--report-skip", "--report_skip", dest="report_skip", default=None,
+                   help="with --report: comma-separated report measures to skip (of units, path_length, affinity, "
+                        "regions, history, gates); exact linear regions of a deep net along image segments can "
+                        "take hours (default regions)")
+    g.add_argument("--report-samples", "--report_samples", dest="report_samples", type=int, default=None,
+                   help="with --report: samples the report measures on, >= 2 (default 128)")
 
 
-def check_linearize_args(args: argparse.Namespace) -> None:
-    """Raise ``ValueError`` with a hint for inconsistent linearization flags."""
+def _no_pressure(args: argparse.Namespace) -> str | None:
+    """The flag that turns the sparsity pressure off (``--linearize none`` / ``dgn`` / ``dlgn``,
+    ``--schedule none``), or None when there is pressure."""
+    if args.linearize != "prelu":
+        return f"--linearize {args.linearize}"
+    return "--schedule none" if args.schedule == "none" else None
+
+
+def check_linearize_args(args: argparse.Namespace, default_select: str = "slope") -> None:
+    """Raise ``ValueError`` naming the flag for inconsistent, out-of-range or no-op linearization flags,
+    then fill in the defaults of the flags left out (:data:`LINEARIZE_DEFAULTS`, ``--select
+    default_select``, ``--target 0.1`` unless a cost target is given). Runs before any data is read."""
+    given = {k for k in (*PRESSURE_FLAGS, *LINEARIZE_DEFAULTS) if getattr(args, k, None) is not None}
+    if args.linearize in ("dgn", "dlgn") and args.schedule != "none":
+        raise ValueError(f"--linearize {args.linearize} builds a gated network with no slope units for sparsity "
+                         "pressure to act on: add --schedule none")
+    if args.linearize == "none" and args.schedule not in (None, "none"):
+        raise ValueError(f"--schedule {args.schedule} starts sparsity pressure on units, which --linearize none "
+                         "does not have: drop --schedule (or use --linearize prelu)")
+    off = _no_pressure(args)
+    if off is not None and (useless := [k for k in PRESSURE_FLAGS if k in given]):
+        raise ValueError(f"{flag(useless[0])} steers the sparsity pressure, which {off} turns off: drop "
+                         f"{', '.join(flag(k) for k in useless)} (or use --linearize prelu with a schedule)")
+    if args.schedule == "early" and "late_start" in given:
+        raise ValueError("--late-start is the start of --schedule late; --schedule early starts at step 0: "
+                         "drop --late-start or use --schedule late")
     costs = [k for k in ("flops", "latency") if getattr(args, f"target_{k}", None) is not None]
     if len(costs) + (args.target is not None) > 1:
         raise ValueError("give one target: --target (a nonlinear fraction), --target-flops or --target-latency")
-    if not costs and args.target is None:
-        args.target = 0.10
     if args.target is not None and not 0.0 < args.target <= 1.0:
         raise ValueError(f"--target is the fraction of channels kept nonlinear and must lie in (0, 1], "
                          f"got {args.target}")
-    if costs and (args.linearize == "none" or args.schedule == "none"):
-        raise ValueError(f"--target-{costs[0]} steers sparsity pressure, which --linearize none / --schedule none "
-                         "turn off: drop one or the other")
     for k in costs:
         if not 0.0 < getattr(args, f"target_{k}") <= 1.0:
             raise ValueError(f"--target-{k} is a fraction of the folded model's {k} and must lie in (0, 1], "
                              f"got {getattr(args, f'target_{k}')}")
-        if args.granularity == "channel":
+        if args.granularity in (None, "channel"):
             raise ValueError(f"--target-{k} makes whole sites linear (the only linearity fold removes): add "
                              "--granularity site or --granularity block")
-    if args.late_start < 0:
+    if args.late_start is not None and not args.late_start >= 0:
         raise ValueError(f"--late-start must be >= 0 (a fraction of training or a step), got {args.late_start}")
-    if not 0.0 < args.ramp_end <= 1.0:
+    if args.ramp_end is not None and not 0.0 < args.ramp_end <= 1.0:
         raise ValueError(f"--ramp-end must lie in (0, 1], got {args.ramp_end}")
-    if args.linearize == "none" and (args.freeze or args.fold):
-        raise ValueError("--freeze/--fold need linearizable units: use --linearize prelu (or dgn/dlgn)")
+    if args.rate is not None and args.lam is not None:
+        raise ValueError("give one pressure: --rate (slope units per step) or the legacy --lam, not both")
+    if args.rate is not None and not (math.isfinite(args.rate) and args.rate > 0):
+        raise ValueError(f"--rate must be a finite number > 0, got {args.rate}")
+    if args.lam is not None and not (math.isfinite(args.lam) and args.lam >= 0):
+        raise ValueError(f"--lam must be a finite number >= 0, got {args.lam}")
+    select = args.select or default_select
+    if off is None and select == "saliency" and (push := "rate" if args.rate is not None else
+                                                  "lam" if args.lam is not None else None):
+        why = "--select saliency" if args.select else "--select saliency (this recipe's default)"
+        raise ValueError(f"--{push} is a uniform push on every slope, which {why} does not apply (it makes "
+                         f"the cheapest channels linear): add --select slope, or drop --{push}")
+    if args.linearize != "prelu" and (args.freeze or args.fold):
+        raise ValueError(f"--freeze/--fold act on slope units, which --linearize {args.linearize} does not "
+                         "have: use --linearize prelu, or drop them")
+    if args.linearize == "none" and (args.report or "tol" in given):
+        raise ValueError(f"{'--report' if args.report else '--tol'} measures units, which --linearize none does "
+                         "not have: drop it (or use --linearize prelu, dgn or dlgn)")
+    if not args.report and (extra := [k for k in ("report_skip", "report_samples") if k in given]):
+        raise ValueError(f"{flag(extra[0])} sets up --report, which is not given: add --report or drop it")
+    for k, v in LINEARIZE_DEFAULTS.items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
+    args.select = select
+    if not costs and args.target is None:
+        args.target = 0.10
+    from linearize.checks import check_tol
+
+    check_tol(args.tol, 0.5 if args.freeze else 1.0, "--tol" + (" (with --freeze)" if args.freeze else ""))
+    if args.report:
+        _check_report_args(args)
+
+
+def _check_report_args(args: argparse.Namespace) -> None:
+    """``--report-skip`` names only known report measures; ``--report-samples`` >= 2."""
+    from linearize.reporting import MEASURES
+
+    unknown = [m for m in args.report_skip.split(",") if m and m not in MEASURES]
+    if unknown:
+        raise ValueError(f"--report-skip: unknown report measures {unknown}; known: {', '.join(MEASURES)}")
+    if args.report_samples < 2:
+        raise ValueError(f"--report-samples {args.report_samples}: give at least 2 samples")
 
 
 # ----------------------------------------------------------------------------- accelerator
@@ -384,11 +474,8 @@ def run_length(args: argparse.Namespace, steps_per_epoch: int) -> int:
     ``--max-steps`` when given (as Hugging Face's ``max_steps`` and Accelerate's ``--max_train_steps``:
     it overrides ``--epochs``, and the run goes on into further epochs if it needs them), else
     ``--epochs`` full epochs. Example: 8 steps per epoch, ``--epochs 10 --max-steps 20``: 20.
+    (:func:`check_run_args` has checked both flags; the recipes refuse data giving no step per epoch.)
     """
-    if args.max_steps is not None and args.max_steps < 1:
-        raise ValueError(f"--max-steps {args.max_steps}: give a positive number of optimizer steps")
-    if args.stop_after is not None and args.stop_after < 1:
-        raise ValueError(f"--stop-after {args.stop_after}: give a positive number of optimizer steps")
     return args.max_steps if args.max_steps else steps_per_epoch * args.epochs
 
 
@@ -515,12 +602,19 @@ def end_of_step(run: Run, watch: LossWatch, bar, loss: torch.Tensor, step: int, 
 # OUTPUT_DIR/checkpoints/step_XXXXXXXX (the state after XXXXXXXX optimizer steps) holds
 #   model.safetensors  the unwrapped model's state dict (tied tensors once)
 #   optimizer.pt       the optimizer's state dict, read back with torch.load(weights_only=True)
-#   recipe_state.json  written last: format, step, recipe, model fingerprint, the LR scheduler's,
-#                      sparsifier's and grad scaler's state, and size + sha256 of the two files above.
+#   recipe_state.json  written last: format, step, recipe, model fingerprint, the run's arguments
+#                      (recorded_args: a resume with others is refused), the LR scheduler's, sparsifier's
+#                      and grad scaler's state, and size + sha256 of the two files above.
 # Only the main process writes, into .tmp-step_XXXXXXXX-<pid> beside it, renamed into place when
 # complete; every process reads. No file of a checkpoint is unpickled with code execution.
 
 CHECKPOINT_FORMAT = 2
+# Arguments that do not change what a run computes (where it reads and writes, how it checkpoints and logs,
+# when this process stops): a resume (recipe_state.json records the others) and sweep.adopt ignore them.
+NEUTRAL_ARGS = frozenset({
+    "output_dir", "data_dir", "cache_dir", "download", "train_file", "validation_file", "test_file", "cpu",
+    "mixed_precision", "resume_from_checkpoint", "with_tracking", "log_every", "checkpointing_steps",
+    "keep_checkpoints", "stop_after", "init_from"})
 MODEL_FILE = "model.safetensors"
 OPTIMIZER_FILE = "optimizer.pt"
 TMP_PREFIX = ".tmp-"
@@ -551,6 +645,25 @@ class Checkpoint:
     scaler: dict | None
     total_steps: int | None = None  # the run length it was written by (None: before it was recorded)
     elapsed_s: float = 0.0  # wall time of the run up to this checkpoint (0: before it was recorded)
+    args: dict | None = None  # recorded_args of the run that wrote it (None: before they were recorded)
+
+
+def json_value(value: Any) -> Any:
+    """``value`` as it reads back from JSON (tuples become lists, other objects their ``str``)."""
+    return json.loads(json.dumps(value, default=str))
+
+
+def recorded_args(args: argparse.Namespace) -> dict:
+    """The arguments that change what a run computes (all but :data:`NEUTRAL_ARGS`), as JSON values."""
+    return {k: json_value(v) for k, v in sorted(vars(args).items()) if k not in NEUTRAL_ARGS}
+
+
+def args_differences(stored: dict, args: argparse.Namespace) -> list[str]:
+    """``--flag A (now B)`` for every argument of ``stored`` (:func:`recorded_args` of an earlier run) that
+    ``args`` sets otherwise; arguments one side lacks (added or removed by another version) are not compared."""
+    now = recorded_args(args)
+    return [f"{flag(k)} {stored[k]!r} (now {now[k]!r})" for k in sorted(stored.keys() & now.keys())
+            if stored[k] != now[k]]
 
 
 def model_fingerprint(model: nn.Module) -> str:
@@ -608,6 +721,7 @@ def save_checkpoint(run: Run, step: int) -> Path:
     if acc.is_main_process:
         state = {"format": CHECKPOINT_FORMAT, "step": step, "recipe": run.recipe, "fingerprint": run.fingerprint,
                  "total_steps": run.total_steps, "elapsed_s": round(run.elapsed_s(), 3),
+                 "args": recorded_args(run.args),
                  "scheduler": run.scheduler.state_dict(),
                  "sparsifier": None if run.sparsifier is None else run.sparsifier.state_dict(),
                  "scaler": None if acc.scaler is None else acc.scaler.state_dict()}
@@ -733,7 +847,8 @@ def read_checkpoint(path: str | Path) -> Checkpoint:
                           _load(path / MODEL_FILE, "model weights", _safetensors_load),
                           _load(path / OPTIMIZER_FILE, "optimizer state", _torch_load),
                           state["scheduler"], state.get("sparsifier"), state.get("scaler"),
-                          total_steps=state.get("total_steps"), elapsed_s=float(state.get("elapsed_s", 0.0)))
+                          total_steps=state.get("total_steps"), elapsed_s=float(state.get("elapsed_s", 0.0)),
+                          args=state.get("args"))
     bad = first_nonfinite(chain(ckpt.model.items(), _optimizer_tensors(ckpt.optimizer)))
     if bad is not None:
         raise CheckpointError(path, f"{bad} holds inf or NaN")
@@ -768,6 +883,8 @@ def _state_problem(state: Any, path: Path) -> str | None:
             return f"'files' entry of {name} must be {{size, sha256}}"
     if not isinstance(state.get("scheduler"), dict):
         return "no LR scheduler state"
+    if "args" in state and not isinstance(state["args"], dict):
+        return "'args' is not a JSON object"
     for key in ("sparsifier", "scaler"):
         if state.get(key) is not None and not isinstance(state[key], dict):
             return f"{key!r} is neither null nor a JSON object"
@@ -854,6 +971,10 @@ def load_checkpoint(run: Run, ckpt: Checkpoint) -> None:
         raise ValueError(f"checkpoint {ckpt.path} has {has} sparsifier state but this run "
                          f"{'uses' if run.sparsifier is not None else 'has no'} sparsity pressure: resume with the "
                          "same --linearize/--schedule flags")
+    if ckpt.args is not None and (changed := args_differences(ckpt.args, run.args)):
+        raise ValueError(f"checkpoint {ckpt.path} belongs to a run with other settings: {'; '.join(changed)}; "
+                         f"resume with the flags the run was started with ({STATE_FILE} records them), or start "
+                         "a fresh --output_dir")
     _load_model_state(run.accelerator.unwrap_model(run.model), ckpt.model, ckpt.path)
     run.optimizer.load_state_dict(ckpt.optimizer)
     run.scheduler.load_state_dict(ckpt.scheduler)
@@ -887,6 +1008,34 @@ def read_recipe_json(directory: str | Path, required: Iterable[str] = ()) -> dic
     if missing:
         raise ValueError(f"{path} lacks {missing}: the save is damaged or not of this recipe; train again or restore it")
     return meta
+
+
+def file_records(directory: Path, exclude: Iterable[str] = ("recipe.json",)) -> dict[str, dict]:
+    """``{name: {"size", "sha256"}}`` of the files directly in ``directory`` (less ``exclude``): the
+    ``files`` field of a saved model's ``recipe.json``, which :func:`check_files` verifies on load."""
+    return {f.name: {"size": f.stat().st_size, "sha256": file_sha256(f)}
+            for f in sorted(Path(directory).iterdir()) if f.is_file() and f.name not in set(exclude)}
+
+
+def check_files(directory: str | Path, meta: dict) -> None:
+    """Verify the files ``recipe.json`` of ``directory`` records (``meta["files"]``: :func:`file_records`)
+    by size and sha256; raise ``linearize.LoadError`` naming the file. Saves from before the field
+    existed have no ``files``: nothing to check."""
+    directory = Path(directory)
+    path = directory / "recipe.json"
+    files = meta.get("files")
+    if files is None:
+        return
+    if not isinstance(files, dict) or not all(
+            Path(n).name == n and isinstance(r, dict) and type(r.get("size")) is int and isinstance(r.get("sha256"), str)
+            for n, r in files.items()):
+        raise linearize.LoadError(f"{path}: field 'files' must map file names of this folder to {{size, sha256}}; "
+                                  "the save is damaged or was edited: train again or restore it")
+    for name, rec in files.items():
+        f = directory / name
+        if not f.is_file() or f.stat().st_size != rec["size"] or file_sha256(f) != rec["sha256"]:
+            raise linearize.LoadError(f"{f}: missing, truncated or modified (its size or sha256 is not the one "
+                                      f"{path} recorded); refusing to load it")
 
 
 def _pid_alive(pid: int) -> bool:

@@ -27,7 +27,9 @@ Two sweeps (``--scale``):
       python recipes/reproduce.py --scale full --stage analyze   # tables + plots from recipes/results/<run>/ only
       git add recipes/results/r20_* recipes/results/full
       # before a session ends with runs unfinished: park their newest checkpoints (about 2 MB each) to commit;
-      # on a fresh machine, --stage train puts them back into the empty run folders and resumes from them
+      # on a fresh machine, --stage train links the runs collected in recipes/results/<run>/ as done (late
+      # runs start from those baselines), puts parked checkpoints newer than the run folders' back and
+      # resumes from them
       python recipes/reproduce.py --scale full --stage park && git add recipes/results/inflight
 
 Stage ``train`` runs ``recipes/cifar.py`` (and ``recipes/wmt14.py``) ``--jobs`` at a time, each with
@@ -109,9 +111,11 @@ def mt_jobs(s: dict, data: str, runs: Path) -> list[Job]:
     if s["mt_eval"]:
         base += ["--max-eval-samples", str(s["mt_eval"])]
     jobs = [("mt_baseline", base + ["--linearize", "none"])]
-    # --lam 0.001: the recorded runs predate wmt14.py's AdamW default of 1.0
+    # --select slope --lam 0.001: the recorded runs (recipes/results/results.md) predate --rate and wmt14.py's
+    # --select saliency default: they pushed the slopes by lr * 0.001, highest slope first
     jobs += [(f"mt_late_{t:g}", base + ["--linearize", "prelu", "--schedule", "late", "--target", f"{t:g}",
-                                        "--lam", "0.001", "--freeze", "--fold"]) for t in MT_TARGETS]
+                                        "--select", "slope", "--lam", "0.001", "--freeze", "--fold"])
+             for t in MT_TARGETS]
     return [Job(n, a + ["--output_dir", str(runs / n)]) for n, a in jobs]
 
 
@@ -525,6 +529,19 @@ def analyze(runs: Path, out: Path, scale: str, data: str | None, regions_images:
     return res
 
 
+def _each(jobs: list[Job], fn: Callable[[str], Any], what: str) -> int:
+    """``fn(name)`` for every job; an ``OSError`` (a full disk, a checkpoint pruned under the copy) is
+    reported and the next job goes on. Returns the number of jobs that failed."""
+    failed = 0
+    for j in jobs:
+        try:
+            fn(j.name)
+        except OSError as e:
+            print(f"{what} {j.name} FAILED: {type(e).__name__}: {e}", flush=True)
+            failed += 1
+    return failed
+
+
 def machine_name(threads: int | None = None, jobs: int | None = None) -> str:
     s = f"{platform.machine()} CPU, {os.cpu_count()} cores"
     return s + (f", {threads} torch thread(s) per run, {jobs} runs at a time" if threads else "")
@@ -572,6 +589,11 @@ def main(argv: list[str] | None = None) -> int:
                    help="runs whose linear regions are counted, cheapest first; NAME:K uses only the first K "
                         "segments of each loop (the unlinearized baseline has far more regions)")
     args = p.parse_args(argv)
+    for name in ("jobs", "threads"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name} must be >= 1, got {getattr(args, name)}")
+    if args.only is not None and not all(args.only.split(",")):
+        p.error(f"--only takes comma-separated run names, got {args.only!r} (leave it out to run every run)")
     runs = Path(args.runs_dir) / args.scale
     results = Path(args.results_dir)
     is_full = args.scale in full.SCALES
@@ -589,11 +611,19 @@ def main(argv: list[str] | None = None) -> int:
                 sys.exit("Multi30k not found: pass --multi30k or set LINEARIZE_MULTI30K")
             jobs += mt_jobs(SCALES[args.scale], args.multi30k, runs)
     by_name = {j.name: j for j in jobs}
+    adopted: dict[str, tuple[str, Path]] = {}  # real folder -> (run, spec)
     for spec in args.adopt:
         name, _, directory = spec.partition("=")
         if name not in by_name or not directory:
             sys.exit(f"--adopt {spec}: give NAME=DIR with NAME one of {sorted(by_name)}")
-        adopt(by_name[name], runs, Path(directory))
+        folder = str(Path(directory).resolve())
+        twice = next((f"--adopt {s}" for n, s in adopted.values() if n == name), None) or (
+            f"--adopt {adopted[folder][1]}" if folder in adopted else None)
+        if twice:
+            sys.exit(f"--adopt {spec} and {twice}: one run per folder and one folder per run")
+        adopted[folder] = (name, spec)
+    for name, spec in adopted.values():
+        adopt(by_name[name], runs, Path(spec.partition("=")[2]))
     if args.only:
         unknown = [n for n in args.only.split(",") if n not in by_name]
         if unknown:
@@ -601,16 +631,18 @@ def main(argv: list[str] | None = None) -> int:
         jobs = [by_name[n] for n in args.only.split(",")]
     if args.stage == "park" and not is_full:
         sys.exit("--stage park is for --scale full")
-    if args.stage == "park":
-        for j in jobs:
-            full.park(runs, results, j.name)
     failures = 0
+    if args.stage == "park":
+        failures += _each(jobs, lambda n: full.park(runs, results, n), "park")
     if args.stage in ("all", "train"):
         runs.mkdir(parents=True, exist_ok=True)
-        for j in jobs if is_full else []:
-            full.unpark(runs, results, j.name)
+        if is_full:  # on a fresh machine: collected runs count as done, parked ones resume
+            needed = {n for j in jobs for n in (j.name, *j.deps)}
+            failures += _each([j for j in by_name.values() if j.name in needed],
+                              lambda n: full.link_collected(runs, results, n), "link")
+            failures += _each(jobs, lambda n: full.unpark(runs, results, n), "unpark")
         on_done = (lambda n: full.collect(runs, results, n)) if is_full else None
-        failures = train(jobs, runs, args.jobs, args.threads, args.poll, args.max_hours, on_done)
+        failures += train(jobs, runs, args.jobs, args.threads, args.poll, args.max_hours, on_done)
     if is_full and args.stage in ("all", "collect"):
         for j in jobs:
             full.collect(runs, results, j.name)

@@ -137,22 +137,36 @@ INFLIGHT = "inflight"  # results/inflight/<run>/step_N: the parked checkpoint of
 
 
 def _copy_dir(src: Path, dst: Path) -> None:
-    """Copy the files of ``src`` to the new folder ``dst`` through a temporary sibling renamed into place,
-    so that a killed copy never leaves a partial ``dst``."""
-    tmp = dst.with_name(f".{dst.name}.tmp{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    for f in sorted(src.iterdir()):
-        if f.is_file():
-            shutil.copy2(f, tmp / f.name)
-    tmp.rename(dst)
+    """Copy the files of ``src`` to ``dst`` as a whole (``common.replaced_dir``: a temporary sibling renamed
+    into place, deleted on any failure, which leaves an existing ``dst`` as it was)."""
+    import common
+
+    with common.replaced_dir(dst) as stage:
+        for f in sorted(src.iterdir()):
+            if f.is_file():
+                shutil.copy2(f, stage / f.name)
+
+
+def _parked(results: Path, name: str) -> list[Path]:
+    """The parked checkpoints of ``name`` (``results/inflight/name/step_N``), oldest first."""
+    return sorted(p for p in (results / INFLIGHT / name).glob("step_*") if p.is_dir() and p.name[5:].isdigit())
+
+
+def _local_step(run: Path) -> int | None:
+    """The step of the newest intact checkpoint of the run folder ``run`` (None: it has none)."""
+    import common
+
+    try:
+        return common.find_checkpoint("latest", run)[0].step
+    except (FileNotFoundError, common.CheckpointError):
+        return None
 
 
 def park(runs: Path, results: Path, name: str) -> Path | None:
     """Copy the newest intact checkpoint of the unfinished run ``runs/name`` to ``results/inflight/name/``
-    (small enough to commit), replacing an older parked one, so that a later session on a fresh machine
-    resumes the run there (:func:`unpark`) instead of starting it over. ``None`` when the run is done or
-    has no intact checkpoint."""
+    (small enough to commit), replacing older parked ones, so that a later session on a fresh machine
+    resumes the run there (:func:`unpark`) instead of starting it over. ``None`` when the run is done, has
+    no intact checkpoint, or one parked already is newer (parked from another machine: kept)."""
     import common
 
     run = runs / name
@@ -163,6 +177,10 @@ def park(runs: Path, results: Path, name: str) -> Path | None:
     except (FileNotFoundError, common.CheckpointError):
         return None
     home = results / INFLIGHT / name
+    parked = _parked(results, name)
+    if parked and int(parked[-1].name[5:]) > ckpt.step:
+        print(f"not parking {name}: {parked[-1]} is newer than its checkpoint here ({ckpt.path.name})", flush=True)
+        return None
     dst = home / ckpt.path.name
     if not dst.is_dir():
         _copy_dir(ckpt.path, dst)
@@ -174,19 +192,41 @@ def park(runs: Path, results: Path, name: str) -> Path | None:
 
 
 def unpark(runs: Path, results: Path, name: str) -> Path | None:
-    """Put the parked checkpoint of ``name`` (:func:`park`) into ``runs/name/checkpoints/`` when the run
-    there has neither finished nor a checkpoint of its own: the runner then resumes it (the recipe
-    checks the checkpoint's files, hashes and model as for any resume). Returns the restored folder."""
+    """Put the parked checkpoint of ``name`` (:func:`park`) into ``runs/name/checkpoints/`` when it is newer
+    than the newest intact checkpoint there (or there is none) and the run is neither finished there nor
+    collected in ``results/name``: the runner then resumes from it (the recipe checks the checkpoint's
+    files, hashes, model and arguments as for any resume). Returns the restored folder."""
     import common
 
-    parked = sorted(p for p in (results / INFLIGHT / name).glob("step_*") if p.is_dir())
+    parked = _parked(results, name)
     run = runs / name
-    if not parked or sweep.is_done(run) or sweep._has_checkpoint(run):
+    if not parked or sweep.is_done(run):
         return None
-    dst = common.checkpoint_dir(run, int(parked[-1].name[5:]))
+    if sweep.is_done(results / name):
+        print(f"not unparking {name}: it is finished and collected in {results / name} ({parked[-1]} is a stale "
+              "copy)", flush=True)
+        return None
+    step = int(parked[-1].name[5:])
+    local = _local_step(run)
+    if local is not None and local >= step:
+        return None
+    dst = common.checkpoint_dir(run, step)
     _copy_dir(parked[-1], dst)
-    print(f"unparked {name}: {parked[-1]} -> {dst}", flush=True)
+    print(f"unparked {name}: {parked[-1]} -> {dst}" + ("" if local is None else f" (newer than step {local} there)"),
+          flush=True)
     return dst
+
+
+def link_collected(runs: Path, results: Path, name: str) -> bool:
+    """On a machine without the run folder ``runs/name`` of a run finished and collected in ``results/name``
+    (a fresh checkout): link it there (``sweep.link_run``), so that it counts as done, runs that depend on it
+    start from its model (``--init-from runs/name/model``) and it is not trained again. Returns whether it
+    linked."""
+    if (runs / name).exists() or (runs / name).is_symlink() or not sweep.is_done(results / name):
+        return False
+    sweep.link_run(runs, name, results / name)
+    print(f"{name}: finished and collected in {results / name}; linked as {runs / name}", flush=True)
+    return True
 
 
 # ----------------------------------------------------------------------------- measurements

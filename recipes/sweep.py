@@ -117,6 +117,8 @@ def train(jobs: list[Job], runs: Path, n_jobs: int, threads: int, poll_s: float 
     seen_done: set[str] = set()
     announced: set[str] = set()
     deadline = time.time() + 3600 * max_hours
+    conflicts = _shared_folders(jobs, runs)  # never started, collected or counted as done
+    failed.update(conflicts)
     n_done = sum(is_done(runs / j.name) for j in jobs)
     print(f"{n_done} of {len(jobs)} runs already done; {n_jobs} at a time, {threads} thread(s) each", flush=True)
     while True:
@@ -137,6 +139,8 @@ def train(jobs: list[Job], runs: Path, n_jobs: int, threads: int, poll_s: float 
             run = runs / j.name
             if j.name in running:
                 state[j.name] = "running"
+            elif j.name in conflicts:
+                state[j.name] = "failed"
             elif is_done(run):
                 state[j.name] = "done"
                 if on_done and j.name not in seen_done:
@@ -188,6 +192,16 @@ def train(jobs: list[Job], runs: Path, n_jobs: int, threads: int, poll_s: float 
     return len(failed)
 
 
+def _shared_folders(jobs: list[Job], runs: Path) -> dict[str, str]:
+    """``{run: why}`` for the runs whose folders ``runs/<run>`` lead to one real folder (adopted twice)."""
+    folders: dict[str, list[str]] = {}
+    for j in jobs:
+        folders.setdefault(os.path.realpath(runs / j.name), []).append(j.name)
+    return {name: f"runs {', '.join(shared)} all lead to the folder {folder}: remove the extra links from {runs} "
+                  "(one folder holds one run)" for folder, shared in folders.items() if len(shared) > 1
+            for name in shared}
+
+
 def _locked(path: Path) -> bool:
     if not path.exists():
         return False
@@ -226,20 +240,34 @@ def _start(job: Job, runs: Path, env: dict, threads: int, running: dict) -> bool
 
 # ----------------------------------------------------------------------------- adopt
 
-# arguments that do not change what a run computes (where it reads and writes, how it checkpoints)
-NEUTRAL_ARGS = {"output_dir", "data_dir", "cache_dir", "download", "cpu", "mixed_precision", "resume_from_checkpoint",
-                "with_tracking", "log_every", "checkpointing_steps", "keep_checkpoints", "init_from"}
 
-
-def _json_value(v: Any) -> Any:
-    return json.loads(json.dumps(v, default=str))
+def link_run(runs: Path, name: str, source: Path) -> bool:
+    """Make ``runs/name`` a symlink to the folder ``source`` (absolute), unless it is one already;
+    ``SystemExit`` when ``runs/name`` is something else, or when another entry of ``runs`` leads to
+    ``source`` already (two runs writing one folder). Returns whether a link was made."""
+    source = source.resolve()
+    runs.mkdir(parents=True, exist_ok=True)
+    link = runs / name
+    if link.is_symlink() and link.resolve() == source:
+        return False
+    if link.exists() or link.is_symlink():
+        raise SystemExit(f"--adopt {name}: {link} exists already; move it away to adopt {source} instead")
+    other = next((p.name for p in sorted(runs.iterdir()) if p.name != name and p.is_dir() and p.resolve() == source),
+                 None)
+    if other is not None:
+        raise SystemExit(f"--adopt {name}={source}: that folder is run {other} already ({runs / other}); one folder "
+                         f"holds one run: give {name} a folder of its own")
+    link.symlink_to(source, target_is_directory=True)
+    return True
 
 
 def adopt(job: Job, runs: Path, source: Path) -> None:
     """Link ``source``, the output folder of a run of ``job`` started by hand (finished or still
-    running), as ``runs/<job.name>``, after checking that its arguments (from its ``metrics.json`` or
-    its live process) are the job's, except :data:`NEUTRAL_ARGS`."""
+    running), as ``runs/<job.name>`` (:func:`link_run`), after checking that its arguments (from its
+    ``metrics.json`` or its live process) are the job's, except ``common.NEUTRAL_ARGS``."""
     import importlib
+
+    from common import NEUTRAL_ARGS, json_value
 
     source = source.resolve()
     if not source.is_dir():
@@ -257,18 +285,12 @@ def adopt(job: Job, runs: Path, source: Path) -> None:
     else:
         ours = vars(recipe.parse_args(job.argv[1:]))
         diff = {k: (theirs[k], ours[k]) for k in ours if k in theirs and k not in NEUTRAL_ARGS
-                and _json_value(theirs[k]) != _json_value(ours[k])}
+                and json_value(theirs[k]) != json_value(ours[k])}
         if diff:
             raise SystemExit(f"--adopt {job.name}={source}: {origin} differs from the planned run in "
                              + ", ".join(f"{k} ({a!r}, planned {b!r})" for k, (a, b) in diff.items())
                              + f"; adopt a run of `{shlex.join(['python'] + job.argv)}`, or let the runner train it")
-    runs.mkdir(parents=True, exist_ok=True)
-    link = runs / job.name
-    if link.is_symlink() and link.resolve() == source:
-        return
-    if link.exists() or link.is_symlink():
-        raise SystemExit(f"--adopt {job.name}: {link} exists already; move it away to adopt {source} instead")
-    link.symlink_to(source, target_is_directory=True)
-    print(f"adopted {source} as {link}")
+    if link_run(runs, job.name, source):
+        print(f"adopted {source} as {runs / job.name}")
 
 

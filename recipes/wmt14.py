@@ -10,7 +10,9 @@ as a Hugging Face ``MarianMTModel`` from a config, so ``generate`` with beam sea
 Presets ``--model-size base|small|tiny``. The tokenizer is a joint BPE trained with
 ``tokenizers`` on the training pairs (saved with the model), or ``--tokenizer DIR``.
 Evaluation: detokenized sacreBLEU on the test split (beam 4, length penalty 0.6), with its
-signature printed and saved in ``metrics.json``.
+signature printed and saved in ``metrics.json``; with ``--validation-file`` as well, the validation
+split's BLEU beside it (``validation_bleu``: for choices made without looking at the test split),
+and on the validation split alone when there is no test split.
 """
 
 from __future__ import annotations
@@ -41,6 +43,9 @@ PRESETS = {  # layers, d_model, heads, ffn, peak lr, warm-up steps
 }
 SPECIALS = ("<pad>", "</s>", "<unk>")  # ids 0, 1, 2
 PAD, EOS = 0, 1
+SELECT_DEFAULT = "saliency"  # AdamW: channels chosen by saliency (see common.add_linearize_args)
+VOCAB_SIZE = 8000  # of the joint BPE trained here (without --tokenizer)
+PROVENANCE = "provenance.json"  # beside OUTPUT_DIR/tokenizer: what it was trained on
 
 
 # ----------------------------------------------------------------------------- data
@@ -116,15 +121,65 @@ def train_tokenizer(pairs: list[tuple[str, str]], vocab_size: int, show: bool):
     return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="</s>", unk_token="<unk>")
 
 
+def tokenizer_provenance(pairs: list[tuple[str, str]], vocab_size: int) -> dict:
+    """What a tokenizer trained by :func:`train_tokenizer` depends on: the vocabulary size and the training
+    pairs (their number and sha256), stored as ``provenance.json`` beside it."""
+    h = hashlib.sha256()
+    for src, tgt in pairs:
+        h.update(src.encode() + b"\0" + tgt.encode() + b"\0")
+    return {"vocab_size": vocab_size, "train_pairs": len(pairs), "train_sha256": h.hexdigest()}
+
+
+def prepare_tokenizer(directory: Path, pairs: list[tuple[str, str]], args: argparse.Namespace, show: bool) -> None:
+    """Train the joint BPE into ``directory`` (``OUTPUT_DIR/tokenizer``, written as a whole: a temp folder
+    renamed into place) unless the intact one there was trained on the same ``pairs`` with the same
+    ``--vocab-size`` (its :func:`tokenizer_provenance`). A fresh run trains another one; a resumed run
+    refuses one trained otherwise (its checkpoint was trained with that tokenizer), and keeps one written
+    before the provenance was recorded (the checkpoint's fingerprint covers its vocabulary)."""
+    want = tokenizer_provenance(pairs, args.vocab_size)
+    try:
+        load_tokenizer(directory)
+        have = json.loads((directory / PROVENANCE).read_text())
+    except FileNotFoundError:  # none yet, or no provenance recorded
+        have = "unrecorded" if (directory / "tokenizer.json").is_file() else None
+    except ValueError:  # damaged: unreadable tokenizer files or provenance.json
+        have = None
+    if have == want:
+        return
+    if args.resume_from_checkpoint and have is not None:
+        if have == "unrecorded":
+            return
+        changed = [f"{k} {have.get(k)!r} (now {v!r})" if isinstance(have, dict) else f"{k} {v!r}"
+                   for k, v in want.items() if not isinstance(have, dict) or have.get(k) != v]
+        raise ValueError(f"{directory} was trained otherwise than this run's data and --vocab-size give: "
+                         f"{'; '.join(changed)}; resume with the --vocab-size and training data the run started "
+                         "with, or start a fresh --output_dir")
+    if directory.exists():
+        print(f"{directory}: not trained on this run's data and --vocab-size ({have or 'unreadable'}); training "
+              "the tokenizer again", file=sys.stderr)
+    with common.replaced_dir(directory) as stage:
+        train_tokenizer(pairs, args.vocab_size, show).save_pretrained(str(stage))
+        (stage / PROVENANCE).write_text(json.dumps(want, indent=1))
+
+
 def load_tokenizer(path: str | Path):
-    """The tokenizer of ``--tokenizer`` or the one saved next to a model (``OUTPUT_DIR/model``), checked
-    for this recipe's special tokens."""
+    """The tokenizer of ``--tokenizer``, of ``OUTPUT_DIR/tokenizer`` or the one saved next to a model
+    (``OUTPUT_DIR/model``: its files checked against ``recipe.json``), checked for this recipe's special
+    tokens. A damaged folder raises ``ValueError`` naming it and the fix."""
     from transformers import PreTrainedTokenizerFast
 
     path = Path(path)
     if not (path / "tokenizer.json").is_file():
         raise FileNotFoundError(f"--tokenizer {path} holds no tokenizer.json (a folder written by save_pretrained)")
-    tok = PreTrainedTokenizerFast.from_pretrained(str(path))
+    if (path / "recipe.json").is_file():
+        common.check_files(path, common.read_recipe_json(path))
+    try:
+        tok = PreTrainedTokenizerFast.from_pretrained(str(path))
+    except Exception as e:  # the tokenizers parser raises a bare Exception on truncated JSON
+        first = (str(e).strip().splitlines() or [repr(e)])[0]
+        raise ValueError(f"{path / 'tokenizer.json'} (or another tokenizer file in {path}) cannot be read "
+                         f"({type(e).__name__}: {first}): the save is damaged; delete {path} to have the recipe "
+                         "train its tokenizer again, or restore it") from e
     if tok.pad_token_id != PAD or tok.eos_token_id != EOS:
         raise ValueError(f"tokenizer {path} must have <pad> = {PAD} and </s> = {EOS} "
                          f"(got {tok.pad_token_id}, {tok.eos_token_id})")
@@ -230,8 +285,9 @@ def example_inputs(batch: int = 2, length: int = 8) -> dict[str, torch.Tensor]:
 
 
 def load_model(directory: str | Path) -> nn.Module:
-    """The ``MarianMTModel`` saved by this recipe (``OUTPUT_DIR/model``), converted and with its units
-    restored bit-identically when it was trained linearized (see :func:`load_tokenizer` for the tokenizer).
+    """The ``MarianMTModel`` saved by this recipe (``OUTPUT_DIR/model``), its files checked against the sizes
+    and sha256 ``recipe.json`` records, converted and with its units restored bit-identically when it was
+    trained linearized (see :func:`load_tokenizer` for the tokenizer).
 
     Example::
 
@@ -242,6 +298,10 @@ def load_model(directory: str | Path) -> nn.Module:
 
     directory = Path(directory)
     meta = common.read_recipe_json(directory, ("linearize",))
+    if meta["linearize"] not in common.LINEARIZE_MODES:
+        raise linearize.LoadError(f"{directory / 'recipe.json'}: linearize {meta['linearize']!r} is not one of "
+                                  f"{common.LINEARIZE_MODES}: the save is damaged or was edited")
+    common.check_files(directory, meta)
     if meta["linearize"] == "none":
         return MarianMTModel.from_pretrained(str(directory))
     # loads the weights with the unit tensors expected (no UNEXPECTED-keys table), then the units
@@ -309,7 +369,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     d.add_argument("--max-length", "--max_length", dest="max_length", type=int, default=128,
                    help="truncate sentences to this many tokens")
     d.add_argument("--tokenizer", default=None, help="a tokenizer folder; default: train a joint BPE")
-    d.add_argument("--vocab-size", "--vocab_size", dest="vocab_size", type=int, default=8000)
+    d.add_argument("--vocab-size", "--vocab_size", dest="vocab_size", type=int, default=None,
+                   help=f"of the joint BPE trained without --tokenizer (default {VOCAB_SIZE})")
     m = p.add_argument_group("model and training")
     m.add_argument("--model-size", "--model_size", dest="model_size", choices=list(PRESETS), default="base")
     m.add_argument("--epochs", type=int, default=10)
@@ -324,13 +385,37 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     m.add_argument("--clip-grad", "--clip_grad", dest="clip_grad", type=float, default=1.0)
     m.add_argument("--num-beams", "--num_beams", dest="num_beams", type=int, default=4)
     m.add_argument("--length-penalty", "--length_penalty", dest="length_penalty", type=float, default=0.6)
-    common.add_linearize_args(p, default_select="saliency")  # AdamW: channels chosen by saliency
+    common.add_linearize_args(p, default_select=SELECT_DEFAULT)
     common.add_run_args(p)
     args = p.parse_args(argv)
     if args.target_flops is not None or args.target_latency is not None:
         p.error("--target-flops / --target-latency are recipes/cifar.py's (convolutional sites); for the FFN "
                 "channels here, steer the nonlinear fraction with --target")
-    common.check_linearize_args(args)
+    common.check_run_args(args)
+    common.check_linearize_args(args, SELECT_DEFAULT)
+    files = [common.flag(f"{k}_file") for k in ("train", "validation", "test") if getattr(args, f"{k}_file")]
+    if args.dataset and files:
+        p.error(f"--dataset {args.dataset} and {', '.join(files)} both name the data: give one or the other")
+    if args.dataset_config and not args.dataset:
+        p.error("--dataset-config is the configuration of a hub --dataset: add --dataset (e.g. wmt14) or drop it")
+    if args.tokenizer and args.vocab_size is not None:
+        p.error("--vocab-size sizes the tokenizer trained here, which --tokenizer replaces: drop one of them")
+    args.vocab_size = VOCAB_SIZE if args.tokenizer is None and args.vocab_size is None else args.vocab_size
+    if args.vocab_size is not None and args.vocab_size <= len(SPECIALS):
+        p.error(f"--vocab-size must exceed the {len(SPECIALS)} special tokens, got {args.vocab_size}")
+    for name in ("max_train_samples", "max_eval_samples", "max_length", "max_tokens", "eval_max_tokens", "num_beams"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            p.error(f"{common.flag(name)} must be >= 1, got {getattr(args, name)}")
+    if args.warmup_steps is not None and args.warmup_steps < 0:
+        p.error(f"--warmup-steps must be >= 0, got {args.warmup_steps}")
+    for name in ("lr", "weight_decay", "clip_grad"):
+        value = getattr(args, name)
+        if value is not None and not (math.isfinite(value) and value >= 0):
+            p.error(f"{common.flag(name)} must be a finite number >= 0, got {value}")
+    if not 0.0 <= args.label_smoothing < 1.0:
+        p.error(f"--label-smoothing must lie in [0, 1), got {args.label_smoothing}")
+    if not math.isfinite(args.length_penalty):
+        p.error(f"--length-penalty must be a finite number, got {args.length_penalty}")
     preset = PRESETS[args.model_size]
     args.lr = preset["lr"] if args.lr is None else args.lr
     args.warmup_steps = preset["warmup"] if args.warmup_steps is None else args.warmup_steps
@@ -349,13 +434,16 @@ def main(argv: list[str] | None = None) -> dict:
     with accelerator.main_process_first():
         pairs = load_pairs(args)
         tok_dir = Path(args.tokenizer) if args.tokenizer else out_dir / "tokenizer"
-        if args.tokenizer is None and accelerator.is_main_process and not (tok_dir / "tokenizer.json").is_file():
-            train_tokenizer(pairs["train"], args.vocab_size, show).save_pretrained(str(tok_dir))
+        if args.tokenizer is None and accelerator.is_main_process:
+            prepare_tokenizer(tok_dir, pairs["train"], args, show)
     tokenizer = load_tokenizer(tok_dir)
     train = encode(tokenizer, pairs["train"], args.max_length)
-    eval_split = "test" if "test" in pairs else "validation" if "validation" in pairs else None
-    if eval_split is None:
+    # BLEU on every evaluation split there is; the test split's is the run's result (metrics "bleu"), the
+    # validation split's is reported beside it ("validation_bleu", for choices made without the test split)
+    eval_splits = [s for s in ("test", "validation") if s in pairs]
+    if not eval_splits:
         raise ValueError("no test or validation split to evaluate on: pass --test-file")
+    eval_split = eval_splits[0]
 
     torch.manual_seed(args.seed)
     model = build_model(args.model_size, len(tokenizer), max_positions=max(512, 2 * args.max_length + 16))
@@ -396,19 +484,24 @@ def main(argv: list[str] | None = None) -> dict:
     raw = accelerator.unwrap_model(model)
     if args.freeze:
         common.freeze_units(raw, args)
-    evaluated = encode(tokenizer, pairs[eval_split], args.max_length)
-    hyps = translate(model, tokenizer, evaluated, accelerator, args)
+    encoded = {s: encode(tokenizer, pairs[s], args.max_length) for s in eval_splits}
+    hyps = {s: translate(model, tokenizer, encoded[s], accelerator, args) for s in eval_splits}
+    evaluated = encoded[eval_split]
     metrics = {"recipe": RECIPE, "model_size": args.model_size, "pair": f"{args.source_lang}-{args.target_lang}",
                "steps": step, "total_steps": total_steps, "train_pairs": len(train), "eval_split": eval_split,
-               "eval_pairs": len(hyps), "num_beams": args.num_beams, "length_penalty": args.length_penalty,
-               **bleu(hyps, [t for _, t in pairs[eval_split]], args.target_lang),
+               "eval_pairs": len(hyps[eval_split]), "num_beams": args.num_beams, "length_penalty": args.length_penalty,
+               **bleu(hyps[eval_split], [t for _, t in pairs[eval_split]], args.target_lang),
                **common.unit_stats(raw, args.tol)}
+    for s in eval_splits[1:]:
+        metrics.update({f"{s}_bleu": bleu(hyps[s], [t for _, t in pairs[s]], args.target_lang)["bleu"],
+                        f"{s}_pairs": len(hyps[s])})
     if accelerator.is_main_process:
         history = out_dir / "sparsifier_history.json"
         if sparsifier is not None:
             sparsifier.save_history(history)
         accelerator.print(f"sacreBLEU {metrics['bleu']}  ({metrics['bleu_signature']})")
-        (out_dir / f"{eval_split}_hypotheses.txt").write_text("\n".join(hyps) + "\n")
+        for s in eval_splits:
+            (out_dir / f"{s}_hypotheses.txt").write_text("\n".join(hyps[s]) + "\n")
         save_final(raw, tokenizer, out_dir / "model", args)
         common.write_metrics(out_dir, metrics, args, start_time, accelerator.num_processes, str(accelerator.device), run.earlier_s)
         if args.fold or args.report:
@@ -424,14 +517,15 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 def save_final(model: nn.Module, tokenizer, directory: Path, args: argparse.Namespace) -> None:
-    """HF weights + tokenizer, the linearize sidecar and ``recipe.json`` (see :func:`load_model`)."""
+    """HF weights + tokenizer, the linearize sidecar and ``recipe.json`` (with the size and sha256 of every
+    other file, verified by :func:`load_model`)."""
     with common.replaced_dir(directory) as stage:  # all files replace the old ones together
         model.save_pretrained(str(stage))
         tokenizer.save_pretrained(str(stage))
         if args.linearize != "none":
             linearize.save_pretrained(model, stage)
         meta = {"model_size": args.model_size, "source_lang": args.source_lang, "target_lang": args.target_lang,
-                "linearize": args.linearize}
+                "linearize": args.linearize, "files": common.file_records(stage)}
         (stage / "recipe.json").write_text(json.dumps(meta, indent=2))
 
 
