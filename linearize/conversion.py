@@ -31,6 +31,7 @@ traced into a ``GraphModule``. Right after conversion it computes exactly the sa
 from __future__ import annotations
 
 import copy
+import math
 import warnings
 from typing import Any, Callable
 
@@ -39,7 +40,7 @@ from torch import nn
 
 from .activations import FunctionalActivation, activation_kind
 from .example_inputs import guess_example_inputs
-from .inputs import call_model, eval_mode, float_outputs
+from .inputs import call_model, eval_mode, map_tensors, output_tensors
 from .config import BlendConfig, GatedConfig, LinearizeConfig
 from .functional_sites import FunctionalSites, install_functional_sites
 from .injection import (CallSites, ConversionReport, call_channels, install_call_sites, plan_conversion,
@@ -77,7 +78,9 @@ def _check_model(model: object) -> None:
 def _convert_blend(model: nn.Module, config: BlendConfig, example_inputs: Any) -> nn.Module:
     """Blend units in place of every selected activation call site of ``model`` (in place)."""
     wrap_function_attributes(model)
-    report, plan, owner_plans = plan_conversion(model, config, example_inputs, functional=True)
+    # the probe runs on a copy: a model whose first activation works in place would rewrite the caller's inputs
+    probe_inputs = None if example_inputs is None else map_tensors(example_inputs, torch.clone)
+    report, plan, owner_plans = plan_conversion(model, config, probe_inputs, functional=True)
     if not report.sites:
         raise ValueError(
             f"{type(model).__name__} has no convertible activation (kinds {list(config.activations)})."
@@ -88,7 +91,7 @@ def _convert_blend(model: nn.Module, config: BlendConfig, example_inputs: Any) -
     dtype = param.dtype if param is not None and param.dtype == torch.float64 else None
     # an in-place activation whose input the model reads again after the call (out = act(h) + h): an
     # out-of-place unit would change the function, so compare with the original before and after
-    inplace_sites = config.init_slope == 0 and any(getattr(act, "inplace", False) for _, _, act, _ in plan)
+    inplace_sites = any(getattr(act, "inplace", False) for _, _, act, _ in plan)
     if inplace_sites:
         inputs = example_inputs if example_inputs is not None else guess_example_inputs(model)
         reference = _outputs(model, inputs)
@@ -136,31 +139,49 @@ def _convert_blend(model: nn.Module, config: BlendConfig, example_inputs: Any) -
 
 
 def _outputs(model: nn.Module, inputs: Any) -> list[torch.Tensor]:
-    with eval_mode(model), torch.no_grad():
-        return [t.clone() for t in float_outputs(call_model(model, inputs))]
+    """Every output tensor of ``model`` in eval mode on a copy of ``inputs`` (an in-place activation of
+    the input must not change the next call's), with the random generators at one fixed state."""
+    with eval_mode(model), torch.no_grad(), torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        out = call_model(model, map_tensors(inputs, torch.clone))
+    return [t.clone() for t in output_tensors(out)]
 
 
 def _keep_inplace(model: nn.Module, inputs: Any, reference: list[torch.Tensor],
                   units: list[LinearizableActivation]) -> None:
-    """If the converted ``model`` (slopes 0) differs from its ``reference`` outputs, make the ``units`` of
-    in-place activations write into their input as those did (``unit.inplace``: a copy per call when
-    gradients flow), and warn if that does not restore the original function either."""
+    """If the converted ``model`` at slopes 0 differs from its ``reference`` outputs, make the ``units``
+    of in-place activations write into their input as those did (``unit.inplace``: a copy per call when
+    gradients flow), and warn if that does not restore the original function either. The units'
+    slopes are restored afterwards (``init_slope`` may be other than 0)."""
+    every = [m for m in model.modules() if isinstance(m, LinearizableActivation)]
+    slopes = [u.slope.detach().clone() for u in every]
 
     def error() -> float:
+        with torch.no_grad():
+            for u in every:
+                u.slope.zero_()
         out = _outputs(model, inputs)
-        scale = max((float(t.abs().max()) for t in reference if t.numel()), default=0.0)
-        err = max((float((a.double() - b.double()).abs().max()) for a, b in zip(reference, out) if a.numel()),
-                  default=0.0)
-        return err if err > 1e-5 * max(scale, 1e-12) or len(out) != len(reference) else 0.0
+        if len(out) != len(reference) or any(a.shape != b.shape or a.dtype != b.dtype for a, b in zip(reference, out)):
+            return math.inf
+        floats = [(a, b) for a, b in zip(reference, out) if a.is_floating_point() and a.numel()]
+        if any(not torch.equal(a, b) for a, b in zip(reference, out) if not a.is_floating_point()):
+            return math.inf  # integer outputs (predicted classes) must not change at all
+        scale = max((float(a.abs().max()) for a, _ in floats), default=0.0)
+        err = max((float((a.double() - b.double()).abs().max()) for a, b in floats), default=0.0)
+        return err if err > 1e-5 * max(scale, 1e-12) else 0.0
 
-    if not error():
-        return
-    for unit in units:
-        unit.inplace = True
-    left = error()
-    if left:
-        warnings.warn(f"linearize.convert: the converted {type(model).__name__} differs from the original by "
-                      f"{left:.3g} at slopes 0 on the probe input; please report this model", stacklevel=4)
+    try:
+        if error():
+            for unit in units:
+                unit.inplace = True
+            left = error()
+            if left:
+                warnings.warn(f"linearize.convert: the converted {type(model).__name__} differs from the original "
+                              f"by {left:.3g} at slopes 0 on the probe input; please report this model", stacklevel=4)
+    finally:
+        with torch.no_grad():
+            for u, a in zip(every, slopes):
+                u.slope.copy_(a)
 
 
 def _convert_gated(model: nn.Module, config: GatedConfig, example_inputs: Any) -> nn.Module:

@@ -337,12 +337,23 @@ def save_folded(model: nn.Module, directory: str | os.PathLike, *, builder: str 
             "weights": {"file": name, "bytes": len(data), "sha256": digest}}
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
+    replaced = _named_weights(directory)
     atomic_write(directory / name, data)
     atomic_write(directory / FOLDED_CONFIG, json.dumps(meta, indent=1))
-    for old in directory.iterdir():  # weights of earlier saves, now named by nothing
-        if old.name != name and _WEIGHTS_FILE.fullmatch(old.name):
-            old.unlink(missing_ok=True)
+    # the weights the replaced folded.json named; only those: another save may be writing its own file now
+    if replaced not in (None, name) and _named_weights(directory) == name:
+        (directory / replaced).unlink(missing_ok=True)
     return directory
+
+
+def _named_weights(directory: Path) -> str | None:
+    """The weights file the ``folded.json`` in ``directory`` names, or None (none, or unreadable)."""
+    try:
+        w = json.loads((directory / FOLDED_CONFIG).read_text(encoding="utf-8")).get("weights")
+        name = w.get("file") if isinstance(w, dict) else None
+    except (OSError, ValueError, AttributeError):
+        return None
+    return name if isinstance(name, str) and _WEIGHTS_FILE.fullmatch(name) else None
 
 
 def folded_weights_name(sha256: str) -> str:
@@ -394,6 +405,7 @@ def _rebuild(meta: dict[str, Any], base: nn.Module | None, path: Path) -> nn.Mod
                 del module._modules[child]
         if name:
             parent, _, attr = name.rpartition(".")
+            built[parent].__dict__.pop(attr, None)  # a plain attribute there (self.act = F.relu) becomes the module
             built[parent].add_module(attr, module)
         built[name] = module
     from .injection import CallSites, _reset_call_sites
@@ -435,7 +447,8 @@ def _read_folded(directory: Path, tries: int = 3) -> tuple[dict, bytes, Path]:
             raise LoadError(f"{path}: names no weights file of the form folded-<checksum>.safetensors; save the "
                             "model again with linearize.save_folded(model, dir)")
         weights = directory / w["file"]
-        data = weights.read_bytes() if weights.is_file() else None
+        fits = weights.is_file() and weights.stat().st_size == w.get("bytes")  # before reading a file of any size
+        data = weights.read_bytes() if fits else None
         if data is not None and len(data) == w.get("bytes") and hashlib.sha256(data).hexdigest() == w.get("sha256"):
             return meta, data, weights
         attempt += 1
@@ -460,6 +473,13 @@ def load_folded(directory: str | os.PathLike, base: nn.Module | None = None) -> 
     meta, data, weights = _read_folded(directory)
     model = _rebuild(meta, _build_base(meta.get("base") or {}, base, path), path)
     tensors = safetensors.torch.load(data)
+    from .folding import modules
+
+    for name, module in model.named_modules():  # built in float32: take the dtype of their saved tensors
+        if isinstance(module, (modules.ChannelPReLU, modules.ChannelBlend)):
+            key = f"{name}.{'weight' if isinstance(module, modules.ChannelPReLU) else 'slope'}".lstrip(".")
+            if key in tensors and tensors[key].is_floating_point():
+                module.to(tensors[key].dtype)
     try:
         model.load_state_dict(tensors, strict=True)
     except RuntimeError as err:

@@ -62,8 +62,9 @@ def distill_loss(
             over the last dim (classes the teacher gives probability 0 add 0), averaged over the
             unmasked positions; ``"pooled"``: ``1 - cosine`` of the mean-pooled hidden states
             (sentence embeddings), averaged over the batch.
-        attention_mask: ``[B, T]`` (1 = token); ``None``, or a mask of another shape than the
-            outputs' positions (outputs with one row per example): every position counts.
+        attention_mask: ``[B, T]`` of 0 / 1 (1 = token); ``None``: every position counts. Outputs
+            with one row per example (``[B, C]`` logits) take no mask (one of another shape is not used);
+            ``[B, T', D]`` outputs need a mask of their positions.
         temperature: ``T`` of ``"logits"``.
 
     Example::
@@ -84,11 +85,17 @@ def distill_loss(
         if s.ndim == 3:
             s, t = mean_pool(s, attention_mask), mean_pool(t, attention_mask)
         return (1.0 - F.cosine_similarity(s, t, dim=-1)).mean()
+    if attention_mask is not None and s.ndim >= 3 and tuple(attention_mask.shape) != tuple(s.shape[:-1]):
+        raise ValueError(f"attention_mask of shape {tuple(attention_mask.shape)} does not cover the outputs' "
+                         f"positions {tuple(s.shape[:-1])}: pass the mask of these positions (shifted logits "
+                         "need the shifted mask)")
     masked = attention_mask is not None and tuple(attention_mask.shape) == tuple(s.shape[:-1])
-    m = attention_mask.to(s.dtype) if masked else torch.ones(s.shape[:-1], dtype=s.dtype, device=s.device)
+    if masked and not bool(((attention_mask == 0) | (attention_mask == 1)).all()):
+        raise ValueError("attention_mask must hold 0 (padding) and 1 (token) only")
+    keep = attention_mask.bool() if masked else torch.ones(s.shape[:-1], dtype=torch.bool, device=s.device)
 
-    def mean(per: torch.Tensor) -> torch.Tensor:  # over the unmasked positions
-        return (per * m).sum() / m.sum().clamp(min=1.0)
+    def mean(per: torch.Tensor) -> torch.Tensor:  # over the unmasked positions (NaN at padding stays out)
+        return torch.where(keep, per, 0.0).sum() / keep.sum().clamp(min=1)
 
     if kind == "logits":
         log_t, log_s = F.log_softmax(t / temperature, -1), F.log_softmax(s / temperature, -1)

@@ -41,7 +41,7 @@ import torch
 from torch import nn
 
 __all__ = [
-    "Batches", "call_model", "as_call", "eval_mode", "float_outputs", "hooks", "model_device", "map_tensors", "to_device",
+    "Batches", "call_model", "as_call", "eval_mode", "float_outputs", "output_tensors", "hooks", "model_device", "map_tensors", "to_device",
     "record_preactivations",
 ]
 
@@ -80,21 +80,26 @@ def model_device(model: nn.Module) -> torch.device | None:
     return next((t.device for t in (*model.parameters(), *model.buffers())), None)
 
 
-def float_outputs(out: Any) -> list[torch.Tensor]:
-    """The floating-point tensors of a model output (a tensor, or nested in mappings such as
-    ``ModelOutput``, tuples and lists), in order.
+def output_tensors(out: Any) -> list[torch.Tensor]:
+    """The tensors of a model output (a tensor, or nested in mappings such as ``ModelOutput``, tuples
+    and lists), in order.
 
     Example:
-        >>> [t.shape for t in float_outputs({"logits": torch.ones(2, 3), "ids": torch.ones(2, dtype=torch.long)})]
-        [torch.Size([2, 3])]
+        >>> [t.dtype for t in output_tensors({"logits": torch.ones(2, 3), "ids": (torch.ones(2, dtype=torch.long),)})]
+        [torch.float32, torch.int64]
     """
     if isinstance(out, torch.Tensor):
-        return [out] if out.is_floating_point() else []
+        return [out]
     if isinstance(out, Mapping):
-        return [t for v in out.values() for t in float_outputs(v)]
+        return [t for v in out.values() for t in output_tensors(v)]
     if isinstance(out, (list, tuple)):
-        return [t for v in out for t in float_outputs(v)]
+        return [t for v in out for t in output_tensors(v)]
     return []
+
+
+def float_outputs(out: Any) -> list[torch.Tensor]:
+    """The floating-point tensors of a model output (:func:`output_tensors`), in order."""
+    return [t for t in output_tensors(out) if t.is_floating_point()]
 
 
 def map_tensors(obj: Any, fn: Callable[[torch.Tensor], Any]) -> Any:

@@ -244,3 +244,140 @@ def test_torch_namespace_selu_and_celu_calls_become_units(call):
         # all slopes 1: an affine map, so f(2x) - 2 f(x) + f(0) = 0
         zero = torch.zeros_like(x)
         assert float((model(2 * x) - 2 * model(x.clone()) + model(zero)).abs().max()) < 1e-12
+
+
+# ----------------------------------------------------------------------------- the review of this round's fixes
+
+
+def test_two_savers_into_one_folder_leave_the_last_complete_save_loadable(tmp_path, monkeypatch):
+    x = torch.randn(5, 4)
+    a = linearize.fold(_seq(), x)
+    b = copy.deepcopy(a)
+    with torch.no_grad():
+        b[0].weight.add_(1.0)
+    real = deploy.atomic_write
+
+    def interleaved(path, data):  # B has written its weights when A saves completely, then B finishes
+        real(path, data)
+        if path.name.startswith("folded-") and not interleaved.done:
+            interleaved.done = True
+            monkeypatch.setattr(deploy, "atomic_write", real)
+            linearize.save_folded(a, tmp_path)
+
+    interleaved.done = False
+    monkeypatch.setattr(deploy, "atomic_write", interleaved)
+    linearize.save_folded(b, tmp_path)
+    with torch.no_grad():
+        torch.testing.assert_close(linearize.load_folded(tmp_path)(x), b(x), rtol=0, atol=0)
+
+
+def test_load_folded_checks_the_size_before_reading(tmp_path, monkeypatch):
+    x = torch.randn(5, 4)
+    linearize.save_folded(linearize.fold(_seq(), x), tmp_path)
+    meta = json.loads((tmp_path / deploy.FOLDED_CONFIG).read_text())
+    weights = tmp_path / meta["weights"]["file"]
+    with open(weights, "ab") as f:
+        f.truncate(weights.stat().st_size + (1 << 30))  # 1 GiB more, sparse
+    monkeypatch.setattr(type(weights), "read_bytes", lambda self: pytest.fail("read a file of the wrong size"))
+    with pytest.raises(linearize.LoadError, match="truncated or modified"):
+        linearize.load_folded(tmp_path)
+
+
+def test_folded_float64_prelu_and_a_function_attribute_load_back(tmp_path):
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b, self.f = nn.Linear(4, 6), nn.Linear(6, 2), F.relu
+
+        def forward(self, x):
+            return self.b(self.f(self.a(x)))
+
+    torch.manual_seed(0)
+    x = torch.randn(8, 4, dtype=torch.float64)
+    model = linearize.convert(Net().double(), example_inputs=x)
+    _set_slopes(model)
+    folded = linearize.fold(model, x)
+    linearize.save_folded(folded, tmp_path)
+    loaded = linearize.load_folded(tmp_path, base=Net().double())
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(x), model(x), rtol=1e-10, atol=1e-10)
+
+
+def test_in_place_check_with_init_slope_the_model_input_and_integer_outputs():
+    class OnInput(nn.Module):  # the activation works in place on the model's own input
+        def __init__(self, argmax=False):
+            super().__init__()
+            self.act, self.fc, self.argmax = nn.ReLU(inplace=True), nn.Linear(4, 3), argmax
+
+        def forward(self, x):
+            out = self.fc(self.act(x) + x)
+            return out.argmax(1) if self.argmax else out
+
+    torch.manual_seed(0)
+    x = torch.randn(64, 4)
+    for argmax, init_slope in ((False, 0.0), (False, 0.5), (True, 0.0)):
+        original = OnInput(argmax)
+        given = x.clone()
+        model = linearize.convert(copy.deepcopy(original), example_inputs=given, init_slope=init_slope)
+        assert torch.equal(given, x)  # convert leaves the caller's inputs as they were
+        assert all(u.inplace for _, u in linearize.units(model))
+        assert all(bool((u.slope == init_slope).all()) for _, u in linearize.units(model))
+        for _, unit in linearize.units(model):
+            with torch.no_grad():
+                unit.slope.zero_()
+        with torch.no_grad():
+            assert torch.equal(model(x.clone()), original(x.clone()))
+
+
+@pytest.mark.parametrize("op", [lambda t: t.detach(), lambda t: t.data, lambda t: t.to(torch.long).to(t.dtype),
+                                lambda t: t.new_tensor(t), lambda t: t * t.to(torch.bool)],
+                         ids=["detach", "data", "to_long", "new_tensor", "to_bool"])
+def test_regions_refuse_ops_that_cut_or_quantize_the_input(op):
+    from linearize.measures.regions import linear_regions
+
+    net = nn.Sequential(nn.Linear(1, 1)).double()
+    with torch.no_grad():
+        net[0].weight.fill_(3.0)
+
+    class Net(nn.Module):
+        def forward(self, x):
+            return torch.relu(op(net(x)) - 1.0) + net(x)  # a kink (or steps) the tracer would not see
+
+    with pytest.raises(ValueError, match="cuts the output's dependence|into torch"):
+        linear_regions(Net(), torch.tensor([[-1.0]], dtype=torch.float64), torch.tensor([[2.0]], dtype=torch.float64))
+
+
+def test_regions_accept_where_with_a_constant_mask_and_addcmul_with_one_input_factor():
+    from linearize.measures.regions import linear_regions
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(1, 3)
+
+        def forward(self, x):
+            h = self.lin(x)
+            mask = torch.tensor([True, False, True])
+            return torch.where(mask, torch.relu(h), 0.0).addcmul(h, torch.full((3,), 2.0)).sum(1, keepdim=True)
+
+    torch.manual_seed(0)
+    net = Net().double()
+    x0, x1 = torch.tensor([[-3.0]], dtype=torch.float64), torch.tensor([[3.0]], dtype=torch.float64)
+    ts = torch.linspace(0, 1, 100001, dtype=torch.float64)[:, None]
+    with torch.no_grad():
+        h = net.lin(x0 + ts * (x1 - x0)) > 0  # regions: activation patterns of the ReLU (seed 001), all 3 channels
+    assert int(linear_regions(net, x0, x1).count.reshape(-1)[0]) == int((h[1:] != h[:-1]).any(1).sum()) + 1
+
+
+def test_distill_masks_keep_nan_at_padding_out_and_are_checked():
+    s, t = torch.randn(2, 4, 5), torch.randn(2, 4, 5)
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]])
+    want = {k: linearize.distill_loss(s, t, k, mask).item() for k in ("logits", "hidden")}
+    s2, t2 = s.clone(), t.clone()
+    s2[0, 3], t2[1, 3] = float("nan"), -math.inf
+    for k in ("logits", "hidden"):
+        assert linearize.distill_loss(s2, t2, k, mask).item() == pytest.approx(want[k], rel=1e-6)
+    with pytest.raises(ValueError, match="0 \\(padding\\) and 1"):
+        linearize.distill_loss(s, t, "logits", mask * -1)
+    with pytest.raises(ValueError, match="does not cover"):
+        linearize.distill_loss(s[:, :3], t[:, :3], "logits", mask)  # shifted logits, unshifted mask

@@ -69,6 +69,7 @@ from torch.overrides import TorchFunctionMode
 from tqdm.auto import tqdm
 
 from ..checks import check_positive, check_positive_int
+from ..inputs import output_tensors
 
 __all__ = [
     "PartialResultWarning",
@@ -104,12 +105,16 @@ _LINEAR = {
     "ones_like", "empty_like", "full_like", "new_zeros", "new_ones", "new_empty", "new_full", "new_tensor",
     "__get__", "__len__", "size", "dim", "ndimension", "numel", "nelement", "stride", "storage_offset",
     "is_contiguous", "is_floating_point", "is_complex", "element_size", "data_ptr", "__iter__", "__format__",
-    "__repr__", "__hash__", "_unpack_dual", "_make_dual",
+    "__repr__", "__hash__", "_unpack_dual", "_make_dual", "where", "constant_pad_nd", "sum_to_size", "diff",
+    "masked_scatter", "masked_scatter_", "get_device", "bfloat16", "half",
 }
+# Make tensors of constants shaped like their input-dependent argument (no tangent, and rightly so).
+_CONSTANT_LIKE = {"zeros_like", "ones_like", "empty_like", "full_like", "new_zeros", "new_ones", "new_empty",
+                  "new_full", "_unpack_dual", "_make_dual"}
 # Bilinear: refused when two or more arguments depend on the input.
 _PRODUCTS = {
     "mul", "mul_", "__mul__", "__rmul__", "__imul__", "matmul", "__matmul__", "__rmatmul__", "mm",
-    "bmm", "einsum", "bilinear", "addcmul", "addcmul_", "baddbmm", "addmm", "addbmm", "outer",
+    "bmm", "einsum", "bilinear", "baddbmm", "addmm", "addbmm", "outer",
     "dot", "tensordot", "scaled_dot_product_attention",
 }
 # Refused when the divisor depends on the input.
@@ -177,7 +182,20 @@ class _Tracer(TorchFunctionMode):
             return self._unit(name, args, kwargs)
         if name not in _LINEAR:
             self._check(name, args, kwargs)
-        return func(*args, **kwargs)
+        dual = any(_tangent(a) is not None for a in _flat_args(args, kwargs))
+        try:
+            out = func(*args, **kwargs)
+        except NotImplementedError as err:  # no forward-mode derivative: not an op this tracer can follow
+            if not dual:
+                raise
+            self._refuse(f"{name} (no forward-mode derivative: {str(err).splitlines()[0]})")
+        if dual and name not in _CONSTANT_LIKE:
+            for t in output_tensors(out):
+                if not t.is_floating_point():
+                    self._refuse(f"{name}, which turns input-dependent values into {t.dtype} values,")
+                if _tangent(t) is None:
+                    self._refuse(f"{name}, which cuts the output's dependence on the input (detach, .data, a copy),")
+        return out
 
     def _check(self, name: str, args: Sequence[Any], kwargs: dict) -> None:
         if name == "batch_norm":
@@ -185,7 +203,11 @@ class _Tracer(TorchFunctionMode):
                 self._refuse("batch_norm with batch statistics (training mode)")
             return
         dual = [_tangent(a) is not None for a in _flat_args(args, kwargs)]
-        if name in _PRODUCTS:
+        if name in ("addcmul", "addcmul_"):  # input + value * tensor1 * tensor2: a product of the last two
+            factors = [kwargs.get(k, args[i] if len(args) > i else None) for i, k in ((1, "tensor1"), (2, "tensor2"))]
+            if all(_tangent(f) is not None for f in factors):
+                self._refuse(f"{name} of two input-dependent tensors")
+        elif name in _PRODUCTS:
             if sum(dual) >= 2:
                 self._refuse(f"{name} of two input-dependent tensors")
         elif name in _DIVISIONS:
