@@ -40,7 +40,7 @@ from torch import nn
 
 from .activations import FunctionalActivation, activation_kind
 from .example_inputs import guess_example_inputs
-from .inputs import call_model, eval_mode, map_tensors, output_tensors
+from .inputs import call_model, eval_mode, map_tensors, max_difference, output_tensors
 from .config import BlendConfig, GatedConfig, LinearizeConfig
 from .functional_sites import FunctionalSites, install_functional_sites
 from .injection import (CallSites, ConversionReport, call_channels, install_call_sites, plan_conversion,
@@ -163,11 +163,10 @@ def _keep_inplace(model: nn.Module, inputs: Any, reference: list[torch.Tensor],
         out = _outputs(model, inputs)
         if len(out) != len(reference) or any(a.shape != b.shape or a.dtype != b.dtype for a, b in zip(reference, out)):
             return math.inf
-        floats = [(a, b) for a, b in zip(reference, out) if a.is_floating_point() and a.numel()]
         if any(not torch.equal(a, b) for a, b in zip(reference, out) if not a.is_floating_point()):
             return math.inf  # integer outputs (predicted classes) must not change at all
-        scale = max((float(a.abs().max()) for a, _ in floats), default=0.0)
-        err = max((float((a.double() - b.double()).abs().max()) for a, b in floats), default=0.0)
+        floats = [(a, b) for a, b in zip(reference, out) if a.is_floating_point()]
+        err, scale = max_difference([a for a, _ in floats], [b for _, b in floats])
         return err if err > 1e-5 * max(scale, 1e-12) else 0.0
 
     try:

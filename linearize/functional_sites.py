@@ -33,6 +33,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from .activations import FUNCTIONAL_SPECS, INPLACE_ARG, _arg
+from .unit import write_into
 
 __all__ = ["FunctionalSites", "FunctionalSiteError", "ATTR", "install_functional_sites"]
 
@@ -116,10 +117,7 @@ class FunctionalSites(nn.Module):
         unit = self._modules[slot]
         if not _in_place(func, args, kwargs):
             return unit(x)
-        # in place: the unit's backward needs its input as it was (for x's or the slopes' gradient),
-        # so it gets a copy when gradients flow
-        grads = torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in unit.parameters()))
-        return x.copy_(unit(x.clone() if grads else x))
+        return write_into(x, unit, unit.parameters())
 
     def _expected(self, k: int, kind: str, x: Any) -> bool:
         if k >= len(self.kinds) or self.kinds[k] != kind:

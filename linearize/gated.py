@@ -67,6 +67,7 @@ from .config import BlendConfig, GatedConfig, LinearizeConfig
 from .example_inputs import guess_example_inputs
 from .injection import activation_registrations, install_call_sites, plan_conversion, wrap_function_attributes
 from .inputs import Batches, as_call, call_model, eval_mode, model_device
+from .unit import LinearizableActivation, write_into
 
 __all__ = ["GATED_KINDS", "GaLU", "FeatureTap", "GatedNetwork", "convert_gated", "gate_statistics"]
 
@@ -102,9 +103,13 @@ class _GateStore:
 class FeatureTap(nn.Module):
     """Feature-network side of one call site: stores the pre-activation ``q`` and continues.
 
-    DGN: returns ``act(q)`` (the original ReLU / LeakyReLU / ReLU6, never in place).
-    DLGN: returns a copy of ``q`` (identity; a copy so later in-place ops cannot alter ``q``).
+    DGN: returns ``act(q)`` (the original ReLU / LeakyReLU / ReLU6), written into ``q`` when ``inplace``
+    (the model reads an in-place activation's input again: see :func:`_reads_inplace_input`).
+    DLGN: returns a copy of ``q`` (identity; a copy so later in-place ops cannot alter ``q``; an identity
+    written in place would leave ``q`` as it is, so ``inplace`` changes nothing).
     """
+
+    inplace = False
 
     def __init__(self, site: str, kind: str, leak: float, linear: bool, store: _GateStore) -> None:
         super().__init__()
@@ -112,9 +117,16 @@ class FeatureTap(nn.Module):
         self._store = store
 
     def forward(self, q: torch.Tensor) -> torch.Tensor:
-        self._store.preacts[self.site] = q
         if self.linear:
+            self._store.preacts[self.site] = q
             return q.clone()
+        if self.inplace:
+            self._store.preacts[self.site] = q.clone()  # the gate needs q as it was before the write
+            return write_into(q, self._act)
+        self._store.preacts[self.site] = q
+        return self._act(q)
+
+    def _act(self, q: torch.Tensor) -> torch.Tensor:
         if self.kind == "relu6":
             return F.relu6(q)
         return F.leaky_relu(q, self.leak) if self.leak else F.relu(q)
@@ -131,8 +143,11 @@ class GaLU(nn.Module):
     raised to ``s + (1 - s) G`` for a leaky ReLU of negative slope ``s``.
 
     Attributes for counters and reports: ``site`` (name), ``kind``, ``num_channels`` (``C``),
-    ``channel_dim`` (1 for ``[N, C, H, W]``, -1 for ``[..., C]``), ``beta``, ``hard``.
+    ``channel_dim`` (1 for ``[N, C, H, W]``, -1 for ``[..., C]``), ``beta``, ``hard``; ``inplace``: the
+    result is written into ``z``, as the replaced in-place activation did (see :func:`_reads_inplace_input`).
     """
+
+    inplace = False
 
     def __init__(self, site: str, kind: str, num_channels: int, channel_dim: int, leak: float,
                  beta: float, hard: bool, store: _GateStore) -> None:
@@ -162,6 +177,8 @@ class GaLU(nn.Module):
             )
         if self._store.recording:
             self._record(q)
+        if self.inplace:  # the replaced in-place activation's input is read again: write as it did
+            return write_into(z, lambda t: t * self.gate(q), (q,))
         return z * self.gate(q)
 
     @torch.no_grad()
@@ -363,6 +380,18 @@ def _audit_dlgn_feature(feature: nn.Module, inputs: Any) -> None:
         )
 
 
+def _reads_inplace_input(model: nn.Module, config: BlendConfig, inputs: Any) -> bool:
+    """Whether ``model`` reads the input of an in-place activation after the call (``out = relu_(h) + h``),
+    so that the gated sites of in-place activations must write into their input too. Decided as
+    ``linearize.convert`` decides it for blend units: on a converted copy, compared with the original."""
+    from .conversion import convert
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the gated conversion reports its own problems
+        probe = convert(copy.deepcopy(model), config, example_inputs=inputs)
+    return any(getattr(m, "inplace", False) for m in probe.modules() if isinstance(m, LinearizableActivation))
+
+
 def _reset_parameters(net: nn.Module) -> None:
     for module in net.modules():
         reset = getattr(module, "reset_parameters", None)
@@ -430,6 +459,8 @@ def convert_gated(model: nn.Module, config: GatedConfig, example_inputs: Any = N
     store = _GateStore()
     sites = iter(report.sites)
     linear = config.mode == "dlgn"
+    inplace = any(getattr(act, "inplace", False) for _, _, act, _ in plan) and _reads_inplace_input(
+        model, probe_config, inputs)
     for owner, attr, act, calls in plan:
         owner_name = names[id(owner)]
         feature_owner = feature.get_submodule(owner_name) if owner_name else feature
@@ -440,6 +471,9 @@ def convert_gated(model: nn.Module, config: GatedConfig, example_inputs: Any = N
             galus.append(GaLU(site.name, site.kind, site.num_channels, site.channel_dim, leak,
                               float(config.beta), config.hard_gates, store))
             taps.append(FeatureTap(site.name, site.kind, leak, linear, store))
+        if inplace and getattr(act, "inplace", False):
+            for m in galus + taps:
+                m.inplace = True
         install_call_sites(owner, attr, galus)
         install_call_sites(feature_owner, attr, taps)
 

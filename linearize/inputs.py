@@ -32,6 +32,7 @@ Example:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any, Callable
@@ -41,7 +42,7 @@ import torch
 from torch import nn
 
 __all__ = [
-    "Batches", "call_model", "as_call", "eval_mode", "float_outputs", "output_tensors", "hooks", "model_device", "map_tensors", "to_device",
+    "Batches", "call_model", "as_call", "eval_mode", "float_outputs", "max_difference", "output_tensors", "hooks", "model_device", "map_tensors", "to_device",
     "record_preactivations",
 ]
 
@@ -100,6 +101,27 @@ def output_tensors(out: Any) -> list[torch.Tensor]:
 def float_outputs(out: Any) -> list[torch.Tensor]:
     """The floating-point tensors of a model output (:func:`output_tensors`), in order."""
     return [t for t in output_tensors(out) if t.is_floating_point()]
+
+
+def max_difference(ref: list[torch.Tensor], new: list[torch.Tensor]) -> tuple[float, float]:
+    """``(error, scale)``: the largest ``|ref - new|`` and the largest finite ``|ref|`` over paired tensors of
+    one shape, in float64 (``(0.0, 0.0)`` for none). Equal values are no error, NaN and inf included; NaN or
+    inf on one side only is an infinite one.
+
+    Example:
+        >>> max_difference([torch.tensor([1.0, -4.0, float("nan")])], [torch.tensor([1.5, -4.0, float("nan")])])
+        (0.5, 4.0)
+    """
+    err = scale = 0.0
+    for a, b in zip(ref, new, strict=True):
+        if not a.numel():
+            continue
+        a, b = a.detach().double(), b.detach().to(a.device).double()
+        same = (a == b) | (torch.isnan(a) & torch.isnan(b))
+        diff = torch.where(same, 0.0, (a - b).abs()).nan_to_num(nan=math.inf, posinf=math.inf)
+        err = max(err, float(diff.max()))
+        scale = max(scale, float(a.abs().nan_to_num(nan=0.0, posinf=0.0).max()))
+    return err, scale
 
 
 def map_tensors(obj: Any, fn: Callable[[torch.Tensor], Any]) -> Any:

@@ -180,14 +180,15 @@ class ChannelPReLU(nn.PReLU):
         self.inplace = inplace  # write the result into the input (the plain form of an in-place unit)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return write_into(x, self._prelu, (self.weight,)) if self.inplace else self._prelu(x)
+
+    def _prelu(self, x: torch.Tensor) -> torch.Tensor:
         dim = self.channel_dim % x.ndim
         if dim == 1:
-            out = F.prelu(x, self.weight)
-        elif dim == x.ndim - 1:
-            out = F.prelu(x.reshape(-1, self.num_parameters), self.weight).reshape(x.shape)
-        else:
-            out = F.prelu(x.movedim(dim, 1), self.weight).movedim(1, dim)
-        return x.copy_(out) if self.inplace else out
+            return F.prelu(x, self.weight)
+        if dim == x.ndim - 1:
+            return F.prelu(x.reshape(-1, self.num_parameters), self.weight).reshape(x.shape)
+        return F.prelu(x.movedim(dim, 1), self.weight).movedim(1, dim)
 
     def extra_repr(self) -> str:
         return (f"num_parameters={self.num_parameters}, channel_dim={self.channel_dim}"
@@ -208,10 +209,12 @@ class ChannelBlend(nn.Module):
         self.register_buffer("slope", slope.detach().clone().reshape(-1))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return write_into(x, self._blend, self.act.parameters()) if self.inplace else self._blend(x)
+
+    def _blend(self, x: torch.Tensor) -> torch.Tensor:
         shape = [1] * x.ndim
         shape[self.channel_dim] = self.slope.numel()
-        out = torch.lerp(self.act(x), x, self.slope.to(x.dtype).view(shape))
-        return x.copy_(out) if self.inplace else out
+        return torch.lerp(self.act(x), x, self.slope.to(x.dtype).view(shape))
 
     def extra_repr(self) -> str:
         return (f"channels={self.slope.numel()}, channel_dim={self.channel_dim}"
@@ -351,11 +354,7 @@ class LinearizableActivation(nn.Module):
     inplace = False  # write the result into the input, as the replaced in-place activation did
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.inplace:
-            return self._blend(x)
-        # the backward needs the input as it was (for x's or the slopes' gradient): a copy when gradients flow
-        grads = torch.is_grad_enabled() and (x.requires_grad or self.slope.requires_grad)
-        return x.copy_(self._blend(x.clone() if grads else x))
+        return write_into(x, self._blend, (self.slope,)) if self.inplace else self._blend(x)
 
     def _blend(self, x: torch.Tensor) -> torch.Tensor:
         dim = self._check(x)
@@ -438,6 +437,21 @@ class LinearizableActivation(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.kind}, channels={self.num_channels}, channel_dim={self.channel_dim}"
+
+
+def write_into(x: torch.Tensor, fn: Callable[[torch.Tensor], torch.Tensor],
+               weights: Iterable[torch.Tensor] = ()) -> torch.Tensor:
+    """``x.copy_(fn(x))``: what an in-place activation does. When gradients flow (to ``x`` or to any of
+    ``weights``, the parameters ``fn`` uses), ``fn`` gets a copy of ``x``: its backward needs the input
+    as it was, and autograd refuses an input changed after use.
+
+    Example:
+        >>> x = torch.tensor([-1.0, 2.0])
+        >>> write_into(x, torch.relu) is x, x
+        (True, tensor([0., 2.]))
+    """
+    grads = torch.is_grad_enabled() and (x.requires_grad or any(w.requires_grad for w in weights))
+    return x.copy_(fn(x.clone() if grads else x))
 
 
 def _without_inplace(act: nn.Module) -> nn.Module:

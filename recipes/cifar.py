@@ -618,6 +618,7 @@ def main(argv: list[str] | None = None) -> dict:
             teacher = build_model(args.arch, num_classes)
             teacher.load_state_dict(weights)
             teacher.eval().requires_grad_(False)
+            args.teacher_sha256 = common.state_sha256(weights)  # recorded: a resume with another teacher is refused
     example = torch.zeros(2, 3, args.image_size, args.image_size)
     model = common.convert_model(model, args, example_inputs=example)
     if args.channels_last:  # convolutions then give channels_last maps, the units keep them (linearize.unit._prelu)

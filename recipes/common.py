@@ -658,12 +658,26 @@ def recorded_args(args: argparse.Namespace) -> dict:
     return {k: json_value(v) for k, v in sorted(vars(args).items()) if k not in NEUTRAL_ARGS}
 
 
+# Values a recipe adds to its arguments once it has read its inputs, recorded and compared like them: the name
+# a difference is reported under.
+DERIVED_ARGS = {"teacher_sha256": "the --distill teacher (the --init-from weights), sha256"}
+
+
 def args_differences(stored: dict, args: argparse.Namespace) -> list[str]:
     """``--flag A (now B)`` for every argument of ``stored`` (:func:`recorded_args` of an earlier run) that
     ``args`` sets otherwise; arguments one side lacks (added or removed by another version) are not compared."""
     now = recorded_args(args)
-    return [f"{flag(k)} {stored[k]!r} (now {now[k]!r})" for k in sorted(stored.keys() & now.keys())
+    return [f"{DERIVED_ARGS.get(k, flag(k))} {stored[k]!r} (now {now[k]!r})" for k in sorted(stored.keys() & now.keys())
             if stored[k] != now[k]]
+
+
+def state_sha256(state: dict[str, torch.Tensor]) -> str:
+    """First 16 hex digits of the sha256 of a state dict: names, dtypes, shapes and bytes, in name order."""
+    h = hashlib.sha256()
+    for name, t in sorted(state.items()):
+        h.update(f"{name}:{t.dtype}:{tuple(t.shape)};".encode())
+        h.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()[:16]
 
 
 def model_fingerprint(model: nn.Module) -> str:

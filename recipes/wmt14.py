@@ -303,9 +303,9 @@ def load_model(directory: str | Path) -> nn.Module:
                                   f"{common.LINEARIZE_MODES}: the save is damaged or was edited")
     common.check_files(directory, meta)
     if meta["linearize"] == "none":
-        return MarianMTModel.from_pretrained(str(directory))
+        return MarianMTModel.from_pretrained(str(directory), use_safetensors=True)
     # loads the weights with the unit tensors expected (no UNEXPECTED-keys table), then the units
-    return linearize.from_pretrained(MarianMTModel, directory, example_inputs=example_inputs())
+    return linearize.from_pretrained(MarianMTModel, directory, use_safetensors=True, example_inputs=example_inputs())
 
 
 # ----------------------------------------------------------------------------- evaluation

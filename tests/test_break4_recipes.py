@@ -427,6 +427,30 @@ def test_resume_with_other_flags_is_refused_old_checkpoints_resume(env, data, tm
     assert m["steps"] == m["total_steps"] == 4
 
 
+def test_resume_with_another_distill_teacher_is_refused(env, data, tmp_path):
+    """--init-from is neutral (a resume reads its weights from the checkpoint), but under --distill it is
+    also the teacher: its weights are recorded, and a resume with another teacher is refused."""
+    import cifar
+
+    base = ["--data-dir", str(data), "--arch", "resnet20", "--image-size", "8", "--batch-size", "4",
+            "--eval-batch-size", "10", "--cpu", "--linearize", "none", "--max-steps", "2"]
+    for seed in (0, 1):
+        cifar.main(base + ["--seed", str(seed), "--output_dir", str(tmp_path / f"base{seed}")])
+    out = tmp_path / "late"
+
+    def late(teacher: str, *extra: str) -> dict:
+        return cifar.main(_cifar_argv(data, out, "--target", "0.5", "--init-from", str(tmp_path / teacher / "model"),
+                                      "--distill", "0.5", *extra))
+
+    late("base0", "--stop-after", "2")
+    state = json.loads((common.checkpoint_dir(out, 2) / common.STATE_FILE).read_text())
+    assert state["args"]["teacher_sha256"] == common.state_sha256(cifar.load_model(tmp_path / "base0" / "model").state_dict())
+    with pytest.raises(ValueError, match=r"the --distill teacher \(the --init-from weights\), sha256 '[0-9a-f]{16}' \(now"):
+        late("base1", "--resume_from_checkpoint", "latest")
+    m = late("base0", "--resume_from_checkpoint", "latest")
+    assert m["steps"] == m["total_steps"] == 4
+
+
 # ----------------------------------------------------------------------------- 9, 10, 11: parse time
 
 

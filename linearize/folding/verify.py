@@ -6,14 +6,13 @@ that fold left untouched and that does vary (the features before the head) is ve
 from __future__ import annotations
 
 import copy
-import math
 from typing import Any, Callable
 
 import torch
 from torch import nn
 
 from ..checks import FoldVerificationError
-from ..inputs import call_model, float_outputs, map_tensors
+from ..inputs import call_model, float_outputs, map_tensors, max_difference
 from .probe import Probe
 from .summary import FoldSummary
 
@@ -87,8 +86,7 @@ def _verify(
             "dtype (try dtype=torch.float64) or a wrong fold rule (please report this model). "
             "Decisions:\n" + "\n".join(summary.merged)
         )
-    err = max(float((a.double() - b.double()).abs().max()) for a, b in zip(ref_out, new_out))
-    scale = max(float(a.double().abs().max()) for a in ref_out)
+    err, scale = max_difference(ref_out, new_out)
     summary.max_abs_error, summary.output_scale = err, scale
     summary.tolerance = atol if atol is not None else rtol * max(scale, _ZERO)
     if not err <= summary.tolerance:
@@ -179,7 +177,7 @@ def _verify_signal(
         scale = float(a.double().abs().max())
         if b is None or b.shape != a.shape or _vacuous([a], rtol, inputs):
             continue
-        err = float((a.double() - b.double()).abs().max()) if bool(torch.isfinite(b).all()) else math.inf
+        err = max_difference([a], [b])[0]
         summary.verified_on, summary.verified_why = f"input of {path!r}", f"the output is {why}"
         summary.signal_error, summary.signal_scale, summary.signal_tolerance = err, scale, rtol * scale
         if not err <= rtol * scale:
