@@ -66,7 +66,7 @@ from .activations import activation_kind
 from .config import BlendConfig, GatedConfig, LinearizeConfig
 from .example_inputs import guess_example_inputs
 from .injection import activation_registrations, install_call_sites, plan_conversion, wrap_function_attributes
-from .inputs import Batches, as_call, call_model, eval_mode, model_device
+from .inputs import Batches, as_call, call_model, eval_mode, map_tensors, model_device
 from .unit import LinearizableActivation, write_into
 
 __all__ = ["GATED_KINDS", "GaLU", "FeatureTap", "GatedNetwork", "convert_gated", "gate_statistics"]
@@ -207,6 +207,7 @@ class GatedNetwork(nn.Module):
         self.value = value
         self.linearize_config = config
         self._store = store
+        self._taps_write = any(isinstance(m, FeatureTap) and m.inplace for m in feature.modules())
 
     def gates(self) -> list[tuple[str, GaLU]]:
         """``[(site, galu)]`` in call order of a forward (site names as for units of ``convert``)."""
@@ -214,7 +215,11 @@ class GatedNetwork(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         try:
-            self.feature(*args, **kwargs)
+            if getattr(self, "_taps_write", False):
+                # a tap written in place may write into a model input: the value network must see it as given
+                self.feature(*map_tensors(args, torch.clone), **map_tensors(kwargs, torch.clone))
+            else:
+                self.feature(*args, **kwargs)
             if self.linearize_config.value_input == "ones":
                 args, kwargs = _constant_inputs(args, kwargs)
             return self.value(*args, **kwargs)

@@ -114,6 +114,8 @@ def max_difference(ref: list[torch.Tensor], new: list[torch.Tensor]) -> tuple[fl
     """
     err = scale = 0.0
     for a, b in zip(ref, new, strict=True):
+        if a.shape != b.shape:  # broadcasting would compare other elements, or none (an empty side)
+            raise ValueError(f"max_difference compares tensors of one shape, got {tuple(a.shape)} and {tuple(b.shape)}")
         if not a.numel():
             continue
         a, b = a.detach().double(), b.detach().to(a.device).double()

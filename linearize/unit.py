@@ -354,7 +354,8 @@ class LinearizableActivation(nn.Module):
     inplace = False  # write the result into the input, as the replaced in-place activation did
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return write_into(x, self._blend, (self.slope,)) if self.inplace else self._blend(x)
+        # every parameter: an act module may hold its own (a learnable activation), beside the slopes
+        return write_into(x, self._blend, self.parameters()) if self.inplace else self._blend(x)
 
     def _blend(self, x: torch.Tensor) -> torch.Tensor:
         dim = self._check(x)
