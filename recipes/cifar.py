@@ -38,7 +38,10 @@ import linearize  # noqa: E402
 RECIPE = "cifar"
 MOBILENET_WIDTHS = {"mobilenet_v2": 1.0, "mobilenet_v2_x0_75": 0.75, "mobilenet_v2_x0_5": 0.5,
                     "mobilenet_v2_x0_35": 0.35}
-ARCHS = ("resnet18", "resnet34", "resnet50", "resnet20", "resnet56", "vgg11_bn", "vgg16_bn", *MOBILENET_WIDTHS)
+# CIFAR ResNets: (depth, width of the first stage); the narrower ResNet-20s are the alternative a user
+# would train for a faster model (issue 20)
+CIFAR_RESNETS = {"resnet20": (20, 16), "resnet56": (56, 16), "resnet20_x0_75": (20, 12), "resnet20_x0_5": (20, 8)}
+ARCHS = ("resnet18", "resnet34", "resnet50", *CIFAR_RESNETS, "vgg11_bn", "vgg16_bn", *MOBILENET_WIDTHS)
 VGG_CFG = {
     "vgg11_bn": [64, "M", 128, "M", 256, 256, "M", 512, 512, "M", 512, 512, "M"],
     "vgg16_bn": [64, 64, "M", 128, 128, "M", 256, 256, 256, "M", 512, 512, 512, "M", 512, 512, 512, "M"],
@@ -111,7 +114,8 @@ def cifar_mobilenet_v2(width: float, num_classes: int = 10) -> nn.Module:
 
 def build_model(arch: str, num_classes: int) -> nn.Module:
     """A CIFAR model: torchvision ResNet-18/34/50 with the CIFAR stem (3x3 conv, stride 1, no
-    max-pool), ResNet-20/56 (He et al., width 16), VGG-11/16 with batch norm (one linear head), or
+    max-pool), ResNet-20/56 (He et al., width 16; ResNet-20 also at width 12 and 8: ``resnet20_x0_75``,
+    ``resnet20_x0_5``), VGG-11/16 with batch norm (one linear head), or
     MobileNet-V2 at width 1, 0.75, 0.5 or 0.35 with the CIFAR stem (:func:`cifar_mobilenet_v2`).
 
     Example:
@@ -125,8 +129,9 @@ def build_model(arch: str, num_classes: int) -> nn.Module:
         model.conv1 = nn.Conv2d(3, 64, 3, 1, 1, bias=False)
         model.maxpool = nn.Identity()
         return model
-    if arch in ("resnet20", "resnet56"):
-        return CifarResNet(int(arch[6:]), num_classes)
+    if arch in CIFAR_RESNETS:
+        depth, width = CIFAR_RESNETS[arch]
+        return CifarResNet(depth, num_classes, width)
     if arch in VGG_CFG:
         return _vgg(VGG_CFG[arch], num_classes)
     if arch in MOBILENET_WIDTHS:

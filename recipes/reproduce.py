@@ -32,6 +32,13 @@ Two sweeps (``--scale``):
       # resumes from them
       python recipes/reproduce.py --scale full --stage park && git add recipes/results/inflight
 
+* ``speed``: issue 20 (``recipes/reproduce_speed.py``): MobileNet-V2 x0.5 and ResNet-20 linearized late
+  under CPU latency budgets (whole blocks), folded, against MobileNet-V2 x0.35 and ResNet-20 at width 12
+  trained for as many epochs; the same stages, runs in ``runs/reproduce/speed/``, collected runs in
+  ``recipes/results/<run>/``, tables and the accuracy-vs-latency plot in ``recipes/results/speed/``::
+
+      setsid nohup python recipes/reproduce.py --scale speed --stage train >> runs/reproduce-speed.log 2>&1 < /dev/null &
+
 Stage ``train`` runs ``recipes/cifar.py`` (and ``recipes/wmt14.py``) ``--jobs`` at a time, each with
 ``--threads`` torch threads, logs appended to ``RUNS/<run>.log``, launches and exit codes to
 ``RUNS/jobs.json``. All its state comes from the run folders, so the runner can be killed (even
@@ -262,14 +269,16 @@ def _regions(run: Path, x, radius: float, segments: int | None, pieces: int, n_a
     return {"segment_regions": res.count.tolist(), "segment_length": length.tolist(), "segment_deviation": dev.tolist()}
 
 
-def _plot(path: Path, draw) -> None:
+def _plot(path: Path, *draws: Callable[[Any], None]) -> None:
+    """A PNG of one panel per function of ``draws`` (each draws on its matplotlib axes), side by side."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    draw(ax)
+    fig, axes = plt.subplots(1, len(draws), figsize=(6.4 * len(draws), 4.2), squeeze=False)
+    for draw, ax in zip(draws, axes[0]):
+        draw(ax)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -549,10 +558,13 @@ def machine_name(threads: int | None = None, jobs: int | None = None) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     import reproduce_full as full
+    import reproduce_speed as speed
 
+    plans = {**{s: full for s in full.SCALES}, **{s: speed for s in speed.SCALES}}  # scale -> its plan and analysis
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--scale", choices=[*SCALES, *full.SCALES], default="cpu-small",
-                   help="cpu-small, full (issue 19), or tiny (a miniature of full for tests/test_reproduce.py)")
+    p.add_argument("--scale", choices=[*SCALES, *plans], default="cpu-small",
+                   help="cpu-small, full (issue 19), speed (issue 20), or tiny / speed-tiny (their miniatures for "
+                        "the tests)")
     p.add_argument("--stage", choices=["all", "train", "collect", "analyze", "park"], default="all",
                    help="all = train, collect (full), analyze; park (full): copy the newest checkpoint of every "
                         "unfinished run to RESULTS_DIR/inflight/<run>/ to commit, which train resumes from on a "
@@ -596,12 +608,12 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--only takes comma-separated run names, got {args.only!r} (leave it out to run every run)")
     runs = Path(args.runs_dir) / args.scale
     results = Path(args.results_dir)
-    is_full = args.scale in full.SCALES
+    is_full = args.scale in plans  # a planned sweep: runs collected to RESULTS_DIR/<run>/, parked, resumed
     parts = {"cifar"} if is_full else set(args.parts.split(","))
     if args.stage in ("all", "train") and "cifar" in parts and not args.cifar:
         sys.exit("CIFAR-10 not found: pass --cifar or set LINEARIZE_CIFAR10")
     if is_full:
-        jobs = full.plan(args.scale, args.cifar, runs)
+        jobs = plans[args.scale].plan(args.scale, args.cifar, runs)
     else:
         if args.stage == "collect" or args.adopt:
             sys.exit("--stage collect and --adopt are for --scale full: cpu-small analyzes its run folders directly")
@@ -648,7 +660,8 @@ def main(argv: list[str] | None = None) -> int:
             full.collect(runs, results, j.name)
     if args.stage in ("all", "analyze"):
         if is_full:
-            full.analyze(results, args.scale, full.plan(args.scale, args.cifar, runs), args.cifar, args.latency_reps,
+            plan = plans[args.scale]
+            plan.analyze(results, args.scale, plan.plan(args.scale, args.cifar, runs), args.cifar, args.latency_reps,
                          args.remeasure_latency)
         else:
             analyze(runs, results, args.scale, args.cifar, args.regions_images, args.regions_radius,
