@@ -269,6 +269,18 @@ def _regions(run: Path, x, radius: float, segments: int | None, pieces: int, n_a
     return {"segment_regions": res.count.tolist(), "segment_length": length.tolist(), "segment_deviation": dev.tolist()}
 
 
+def on_one_thread(fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)`` with torch on one thread (latencies are timed on one), the thread count restored after."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return fn(*args)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def _plot(path: Path, *draws: Callable[[Any], None]) -> None:
     """A PNG of one panel per function of ``draws`` (each draws on its matplotlib axes), side by side."""
     import matplotlib
@@ -661,8 +673,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.stage in ("all", "analyze"):
         if is_full:
             plan = plans[args.scale]
-            plan.analyze(results, args.scale, plan.plan(args.scale, args.cifar, runs), args.cifar, args.latency_reps,
-                         args.remeasure_latency)
+            on_one_thread(plan.analyze, results, args.scale, plan.plan(args.scale, args.cifar, runs), args.cifar,
+                          args.latency_reps, args.remeasure_latency)
         else:
             analyze(runs, results, args.scale, args.cifar, args.regions_images, args.regions_radius,
                     args.regions_runs.split(","), regions_pieces=args.regions_pieces,

@@ -455,28 +455,22 @@ def _label(c: dict) -> str:
     return task + ("baseline" if c["schedule"] == "none" else f"{c['schedule']} {100 * c['target']:g}%") + how
 
 
+def analysis_folder(results: Path, scale: str) -> tuple[Path, dict]:
+    """``results/<scale>`` (created) and the ``results.json`` an earlier analysis left there (``{}``: none);
+    the warning of folding a model without units (a baseline: BatchNorm only) is silenced from now on."""
+    import warnings
+
+    warnings.filterwarnings("ignore", message="the model has no linearize units")
+    out = results / scale
+    out.mkdir(parents=True, exist_ok=True)
+    return out, sweep._read(out / "results.json")
+
+
 def analyze(results: Path, scale: str, jobs: list[sweep.Job], data: str | None, reps: int = 15,
             remeasure_latency: bool = False) -> dict:
     """Tables and plots (``results/<scale>/results.md``, ``results.json``, PNGs) from the collected
-    run folders ``results/<run>/`` only (on one torch thread)."""
-    import torch
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        return _analyze(results, scale, jobs, data, reps, remeasure_latency)
-    finally:
-        torch.set_num_threads(threads)
-
-
-def _analyze(results: Path, scale: str, jobs: list[sweep.Job], data: str | None, reps: int,
-             remeasure_latency: bool) -> dict:
-    import warnings
-
-    warnings.filterwarnings("ignore", message="the model has no linearize units")  # folding a baseline: BN only
-    out = results / scale
-    out.mkdir(parents=True, exist_ok=True)
-    previous = sweep._read(out / "results.json")
+    run folders ``results/<run>/`` only."""
+    out, previous = analysis_folder(results, scale)
     skipped: list[str] = []
     runs: dict[str, dict] = {}
     for j in jobs:

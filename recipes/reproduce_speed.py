@@ -92,25 +92,8 @@ def plan(scale: str, data: str | None, runs: Path) -> list[sweep.Job]:
 def analyze(results: Path, scale: str, jobs: list[sweep.Job], data: str | None, reps: int = 15,
             remeasure_latency: bool = False) -> dict:
     """``results/<scale>/results.md``, ``results.json`` and ``accuracy_vs_latency.png`` from the collected
-    run folders ``results/<run>/`` only (on one torch thread)."""
-    import torch
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        return _analyze(results, scale, jobs, data, reps, remeasure_latency)
-    finally:
-        torch.set_num_threads(threads)
-
-
-def _analyze(results: Path, scale: str, jobs: list[sweep.Job], data: str | None, reps: int,
-             remeasure_latency: bool) -> dict:
-    import warnings
-
-    warnings.filterwarnings("ignore", message="the model has no linearize units")  # folding a baseline: BN only
-    out = results / scale
-    out.mkdir(parents=True, exist_ok=True)
-    previous = sweep._read(out / "results.json")
+    run folders ``results/<run>/`` only."""
+    out, previous = F.analysis_folder(results, scale)
     skipped: list[str] = []
     runs: dict[str, dict] = {}
     unverified: dict[str, str] = {}  # run -> why its fold does not verify (reported, not hidden)

@@ -49,3 +49,21 @@ def dead_pid() -> int:
     proc = subprocess.Popen([sys.executable, "-c", ""])
     proc.wait()
     return proc.pid
+
+
+CIFAR10_CLASSES = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"]
+
+
+@pytest.fixture(scope="module")
+def tiny_cifar(tmp_path_factory):
+    """A CIFAR-10 image-folder tree: 2 train and 1 test image of 8x8 random pixels per class."""
+    from torchvision.io import write_png
+
+    root = tmp_path_factory.mktemp("cifar")
+    g = torch.Generator().manual_seed(0)
+    for split, n in (("train", 2), ("test", 1)):
+        for c in CIFAR10_CLASSES:
+            (root / split / c).mkdir(parents=True)
+            for i in range(n):
+                write_png(torch.randint(0, 256, (3, 8, 8), generator=g, dtype=torch.uint8), str(root / split / c / f"{i}.png"))
+    return root

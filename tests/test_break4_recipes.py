@@ -31,7 +31,6 @@ sys.path.insert(0, str(RECIPES))
 
 import common  # noqa: E402
 
-CLASSES = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"]
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
@@ -55,18 +54,8 @@ def env(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def data(tmp_path_factory) -> Path:
-    """A CIFAR-10 image-folder tree: 2 train and 1 test image of 8x8 per class."""
-    from torchvision.io import write_png
-
-    root = tmp_path_factory.mktemp("cifar")
-    g = torch.Generator().manual_seed(0)
-    for split, n in (("train", 2), ("test", 1)):
-        for c in CLASSES:
-            (root / split / c).mkdir(parents=True)
-            for i in range(n):
-                write_png(torch.randint(0, 256, (3, 8, 8), generator=g, dtype=torch.uint8), str(root / split / c / f"{i}.png"))
-    return root
+def data(tiny_cifar) -> Path:
+    return tiny_cifar
 
 
 def write_pairs(path: Path, n: int, seed: int = 0) -> Path:

@@ -18,9 +18,6 @@ sys.path.insert(0, str(RECIPES))
 import reproduce_full  # noqa: E402
 import reproduce_speed as S  # noqa: E402
 
-CLASSES = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"]
-
-
 def test_every_planned_run_parses_and_the_resnet_baseline_is_issue_19s(tmp_path):
     import cifar
 
@@ -65,26 +62,10 @@ def test_narrower_network_is_beaten_only_at_equal_or_lower_latency_and_higher_ac
     assert ("is not beaten" in claim) is not beaten
 
 
-@pytest.fixture(scope="module")
-def data(tmp_path_factory) -> Path:
-    """A CIFAR-10 image-folder tree: 2 train and 1 test image of 8x8 per class."""
-    import torch
-    from torchvision.io import write_png
-
-    root = tmp_path_factory.mktemp("cifar")
-    g = torch.Generator().manual_seed(0)
-    for split, n in (("train", 2), ("test", 1)):
-        for c in CLASSES:
-            (root / split / c).mkdir(parents=True)
-            for i in range(n):
-                write_png(torch.randint(0, 256, (3, 8, 8), generator=g, dtype=torch.uint8), str(root / split / c / f"{i}.png"))
-    return root
-
-
-def test_resnet20_part_end_to_end(data, tmp_path):
+def test_resnet20_part_end_to_end(tiny_cifar, tmp_path):
     """Train (baseline, one latency budget, the narrower network), collect, analyze: the table, the claim
     and the plot; every folded model within the issue's 1e-4 of its output scale."""
-    env = {**os.environ, "LINEARIZE_CACHE": str(tmp_path / "cache"), "TQDM_DISABLE": "1", "LINEARIZE_CIFAR10": str(data),
+    env = {**os.environ, "LINEARIZE_CACHE": str(tmp_path / "cache"), "TQDM_DISABLE": "1", "LINEARIZE_CIFAR10": str(tiny_cifar),
            "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     only = "r20_base_s0,r20_lat_90_s0,r20_x0_75_base_s0"
     cmd = [sys.executable, str(RECIPES / "reproduce.py"), "--scale", "speed-tiny", "--runs-dir", str(tmp_path / "runs"),
