@@ -63,6 +63,7 @@ from torch.overrides import TorchFunctionMode
 from tqdm.auto import tqdm
 
 from .activations import activation_kind
+from .blend import convert_blend
 from .config import BlendConfig, GatedConfig, LinearizeConfig
 from .example_inputs import guess_example_inputs
 from .injection import activation_registrations, install_call_sites, plan_conversion, wrap_function_attributes
@@ -389,11 +390,9 @@ def _reads_inplace_input(model: nn.Module, config: BlendConfig, inputs: Any) -> 
     """Whether ``model`` reads the input of an in-place activation after the call (``out = relu_(h) + h``),
     so that the gated sites of in-place activations must write into their input too. Decided as
     ``linearize.convert`` decides it for blend units: on a converted copy, compared with the original."""
-    from .conversion import convert
-
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the gated conversion reports its own problems
-        probe = convert(copy.deepcopy(model), config, example_inputs=inputs)
+        probe = convert_blend(copy.deepcopy(model), config, inputs)
     return any(getattr(m, "inplace", False) for m in probe.modules() if isinstance(m, LinearizableActivation))
 
 
