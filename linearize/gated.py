@@ -216,7 +216,7 @@ class GatedNetwork(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         try:
-            if getattr(self, "_taps_write", False):
+            if self._taps_write:
                 # a tap written in place may write into a model input: the value network must see it as given
                 self.feature(*map_tensors(args, torch.clone), **map_tensors(kwargs, torch.clone))
             else:

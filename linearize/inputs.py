@@ -42,8 +42,8 @@ import torch
 from torch import nn
 
 __all__ = [
-    "Batches", "call_model", "as_call", "eval_mode", "float_outputs", "max_difference", "output_tensors", "hooks", "model_device", "map_tensors", "to_device",
-    "record_preactivations",
+    "Batches", "call_model", "as_call", "eval_mode", "float_outputs", "max_difference", "output_tensors", "hooks",
+    "model_device", "map_tensors", "to_device", "record_preactivations",
 ]
 
 DATA_FORMS = (

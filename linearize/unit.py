@@ -342,14 +342,14 @@ class LinearizableActivation(nn.Module):
     def _plain_act(self, inplace: bool = False) -> nn.Module:
         if self.leak is not None:
             return nn.LeakyReLU(self.leak, inplace) if self.leak else nn.ReLU(inplace)
-        if "act" in self._modules:
-            act = copy.deepcopy(self.act)
-            if inplace and hasattr(act, "inplace"):
-                act.inplace = True
-                return act
-            return act if not inplace else ChannelBlend(act, torch.zeros(self.num_channels), self.channel_dim, True)
-        act = FunctionalActivation(self.act_fn, self.kind)
-        return act if not inplace else ChannelBlend(act, torch.zeros(self.num_channels), self.channel_dim, True)
+        act = copy.deepcopy(self.act) if "act" in self._modules else FunctionalActivation(self.act_fn, self.kind)
+        if not inplace:
+            return act
+        if hasattr(act, "inplace"):  # nn.SiLU, nn.Hardswish, ...: their own in-place form
+            act.inplace = True
+            return act
+        # no in-place form of its own: the write-back of a blend at slope 0 (exactly act(x))
+        return ChannelBlend(act, torch.zeros(self.num_channels), self.channel_dim, True)
 
     inplace = False  # write the result into the input, as the replaced in-place activation did
 

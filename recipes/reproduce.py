@@ -620,15 +620,15 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--only takes comma-separated run names, got {args.only!r} (leave it out to run every run)")
     runs = Path(args.runs_dir) / args.scale
     results = Path(args.results_dir)
-    is_full = args.scale in plans  # a planned sweep: runs collected to RESULTS_DIR/<run>/, parked, resumed
-    parts = {"cifar"} if is_full else set(args.parts.split(","))
+    planned = args.scale in plans  # a planned sweep: runs collected to RESULTS_DIR/<run>/, parked, resumed
+    parts = {"cifar"} if planned else set(args.parts.split(","))
     if args.stage in ("all", "train") and "cifar" in parts and not args.cifar:
         sys.exit("CIFAR-10 not found: pass --cifar or set LINEARIZE_CIFAR10")
-    if is_full:
+    if planned:
         jobs = plans[args.scale].plan(args.scale, args.cifar, runs)
     else:
         if args.stage == "collect" or args.adopt:
-            sys.exit("--stage collect and --adopt are for --scale full: cpu-small analyzes its run folders directly")
+            sys.exit("--stage collect and --adopt are for the planned sweeps (--scale full, speed): cpu-small analyzes its run folders directly")
         jobs = cifar_jobs(SCALES[args.scale], args.cifar, runs) if "cifar" in parts and args.cifar else []
         if "mt" in parts and args.stage in ("all", "train"):
             if not args.multi30k:
@@ -653,25 +653,25 @@ def main(argv: list[str] | None = None) -> int:
         if unknown:
             sys.exit(f"--only: unknown runs {unknown}; known: {sorted(by_name)}")
         jobs = [by_name[n] for n in args.only.split(",")]
-    if args.stage == "park" and not is_full:
-        sys.exit("--stage park is for --scale full")
+    if args.stage == "park" and not planned:
+        sys.exit("--stage park is for the planned sweeps (--scale full, speed)")
     failures = 0
     if args.stage == "park":
         failures += _each(jobs, lambda n: full.park(runs, results, n), "park")
     if args.stage in ("all", "train"):
         runs.mkdir(parents=True, exist_ok=True)
-        if is_full:  # on a fresh machine: collected runs count as done, parked ones resume
+        if planned:  # on a fresh machine: collected runs count as done, parked ones resume
             needed = {n for j in jobs for n in (j.name, *j.deps)}
             failures += _each([j for j in by_name.values() if j.name in needed],
                               lambda n: full.link_collected(runs, results, n), "link")
             failures += _each(jobs, lambda n: full.unpark(runs, results, n), "unpark")
-        on_done = (lambda n: full.collect(runs, results, n)) if is_full else None
+        on_done = (lambda n: full.collect(runs, results, n)) if planned else None
         failures += train(jobs, runs, args.jobs, args.threads, args.poll, args.max_hours, on_done)
-    if is_full and args.stage in ("all", "collect"):
+    if planned and args.stage in ("all", "collect"):
         for j in jobs:
             full.collect(runs, results, j.name)
     if args.stage in ("all", "analyze"):
-        if is_full:
+        if planned:
             plan = plans[args.scale]
             on_one_thread(plan.analyze, results, args.scale, plan.plan(args.scale, args.cifar, runs), args.cifar,
                           args.latency_reps, args.remeasure_latency)
@@ -679,7 +679,7 @@ def main(argv: list[str] | None = None) -> int:
             analyze(runs, results, args.scale, args.cifar, args.regions_images, args.regions_radius,
                     args.regions_runs.split(","), regions_pieces=args.regions_pieces,
                     remeasure_latency=args.remeasure_latency, machine=machine_name(args.threads, args.jobs))
-    out = results / args.scale if is_full else results
+    out = results / args.scale if planned else results
     print(f"runs: {runs}\nresults: {out}/results.md, results.json, *.png")
     return 1 if failures else 0
 

@@ -47,6 +47,12 @@ FAMILIES = {"mnv2": "MobileNet-V2 (x0.5; narrower: x0.35)", "r20": "ResNet-20 (w
 SPEEDUP_GOAL, LOSS_GOAL = 1.4, 1.0  # the issue's MobileNet goal: >= 1.4x at batch 1, <= 1.0 point lost
 
 
+def _meta(family: str, arch: str, budget: float | None = None, narrow: bool = False) -> dict:
+    """What the analysis needs to know about a run (seed 0; a budget makes it a late run)."""
+    return {"family": family, "arch": arch, "budget": budget, "narrow": narrow, "seed": 0,
+            "schedule": "none" if budget is None else "late"}
+
+
 def plan(scale: str, data: str | None, runs: Path) -> list[sweep.Job]:
     """Every run, most important first: the MobileNet baseline (the longest, everything waits on it) and
     the ResNet-20 budgets (their baseline is done), the MobileNet budgets, then the narrower networks."""
@@ -59,9 +65,7 @@ def plan(scale: str, data: str | None, runs: Path) -> list[sweep.Job]:
             budget: float | None = None, narrow: bool = False) -> sweep.Job:
         argv = [str(R.HERE / "cifar.py")] + (["--data-dir", data] if data else []) + ["--arch", arch] + FLAGS \
             + s["extra"] + argv + ["--seed", "0", "--output_dir", str(runs / name)]
-        meta = {"family": family, "arch": arch, "budget": budget, "narrow": narrow, "seed": 0,
-                "schedule": "none" if budget is None else "late"}
-        return sweep.Job(name, argv, deps, meta)
+        return sweep.Job(name, argv, deps, _meta(family, arch, budget, narrow))
 
     def late(name: str, arch: str, family: str, base: str, budget: float, epochs: int) -> sweep.Job:
         return job(name, arch, family, [
@@ -72,8 +76,7 @@ def plan(scale: str, data: str | None, runs: Path) -> list[sweep.Job]:
     mnv2_base = job("mnv2_x0_5_base_s0", "mobilenet_v2_x0_5", "mnv2",
                     ["--linearize", "none", "--epochs", str(s["mnv2_base_epochs"])])
     # issue 19's baseline, its own arguments (linked from recipes/results/ as done), this plan's description
-    r20_base = dataclasses.replace(r20_base, meta={"family": "r20", "arch": "resnet20", "budget": None,
-                                                   "narrow": False, "seed": 0, "schedule": "none"})
+    r20_base = dataclasses.replace(r20_base, meta=_meta("r20", "resnet20"))
     jobs = [mnv2_base, r20_base]
     jobs += [late(f"r20_lat_{round(100 * b)}_s0", "resnet20", "r20", "r20_base_s0", b, r20_late_epochs)
              for b in R20_BUDGETS]
