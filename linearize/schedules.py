@@ -202,7 +202,7 @@ class Target(Schedule):
             raise TypeError(f"target {name} must be a number in (0, 1], got {value!r}")
         if not 0.0 < value <= 1.0:
             what = ("the share of channels kept nonlinear" if name == "fraction" else
-                    f"the folded model's {name} over the model's folded with no site linear")
+                    f"the folded model's {name} over the original model's, folded")
             raise ValueError(f"target {name} must lie in (0, 1] ({what}), got {value}")
         _check_lam(self.lam)
         if not 0.0 <= self.hold <= 1.0:
@@ -291,8 +291,8 @@ def target(
     latency: float | None = None,
 ) -> Target:
     """Reach the nonlinear ``fraction`` (in (0, 1]) by ``end`` along a cubic path, then hold it; or,
-    with ``flops=`` / ``latency=`` instead, the folded model's cost as a fraction of the model's
-    folded with no site linear (needs ``Sparsifier(granularity="site" | "block", example_inputs=...)``).
+    with ``flops=`` / ``latency=`` instead, the folded model's cost as a fraction of the original
+    model's, folded (every slope 0; needs ``Sparsifier(granularity="site" | "block", example_inputs=...)``).
 
     Example:
         >>> target(0.1).goal, target(flops=0.6, end=0.9).cost

@@ -65,9 +65,15 @@ rescaled per parameter and momentum carries it past 1; the proximal step is opti
 **Cost targets** (``target(flops=0.6)`` or ``target(latency=0.7)``, with ``granularity="site"`` or
 ``"block"`` and ``example_inputs``) steer the *folded* model's cost instead of the nonlinear
 fraction: the cost of a set of linear groups (sites, or blocks) is measured by folding a copy of the
-model with exactly those groups linear (:func:`linearize.fold`; FLOPs by fold's own counter, or the
-median CPU latency of the folded model), as a fraction of the same model folded with no group
-linear. At the target's start a plan is made once: a modified greedy for the covering knapsack
+model with exactly those groups linear and every other free channel at slope 0
+(:func:`linearize.fold`; FLOPs by fold's own counter, or the median CPU latency of the folded
+model), as a fraction of the **original** model folded (every slope 0, frozen or not: each unit is
+its own activation, BatchNorm merged), so a budget counts only what linearization saves. A site
+left partly linear folds to a PReLU/blend that costs more than its original activation (on a CPU at
+batch 1 a ``ChannelPReLU`` call takes about twice a ReLU's), so a cost target glides the free
+channels of every group outside its plan down to exactly 0 (at ``1 / G`` per step, like the glide
+up) and holds them there: those sites fold back to their original activation and the folded model
+costs what the plan counted. At the target's start a plan is made once: a modified greedy for the covering knapsack
 "lose the least importance with cost <= budget" adds groups by importance per unit of *marginal*
 saving (each from a real fold, so interactions between sites count), records every group that
 alone would complete the budget as a candidate instead of adding it, keeps the least important
@@ -79,7 +85,8 @@ modified greedy for min-knapsack); fold's savings interact (merging two layers n
 linear), where no bound holds, but the budget is always met: the plan's last set is folded and
 counted. The path then descends from the cost at ``start`` to the budget along the cubic path, each
 step making linear the shortest prefix of the plan whose folded cost is within the path's value
-(groups glide to 1 as with a fraction target; all others stay below ``1 - release``), and holds it
+(groups glide to 1 as with a fraction target; the plan's other groups stay below ``1 - release``,
+groups outside the plan glide to 0), and holds it
 from ``end`` on. Planning folds the model ``O(groups^2)`` times (once); a budget below the cost with
 every group linear, a cost target with ``granularity="channel"`` or without ``example_inputs`` are
 refused with the fix.
@@ -123,6 +130,7 @@ GRANULARITY = ("channel", "site", "block")
 SALIENCY_DECAY = 0.9  # running mean of the squared slope gradients, per step
 SALIENCY_HYSTERESIS = 0.5  # a selected channel's cost counts this much in the ranking
 LATENCY_BUDGET_S = 0.3  # seconds of repetitions per folded model a latency target times
+PLAN_RTOL = 1e-2  # verification tolerance of the folds a cost target plans with (to the output scale)
 # torch optimizer -> weakref to the Sparsifier attached to it (one per optimizer: two would apply the pressure twice)
 _ATTACHED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
@@ -292,12 +300,14 @@ class Sparsifier:
                                          for i, (_, u) in enumerate(self._units)])
         # a cost target: the model to fold, its reference cost, the plan (groups in the order they go linear)
         self._model = model if cost is not None else None
-        self._example_inputs = example_inputs
-        self._costs: dict[frozenset, float] = {}  # cache: set of linear groups -> folded cost
+        self._cost_inputs = None if cost is None else map_tensors(  # float32 CPU, as every folded copy
+            example_inputs, lambda t: t.detach().cpu().float() if t.is_floating_point() else t.detach().cpu())
+        self._original: nn.Module | None = None  # the original model folded, timed beside each other set
+        self._costs: dict[frozenset | None, float] = {}  # cache: set of linear groups -> cost / original's
         self._plan: list[int] | None = None
         self._plan_start: set[int] = set()  # groups linear (or frozen linear) when the plan was made
         self._plan_costs: list[float] | None = None  # cost ratio of each plan prefix (len(plan) + 1)
-        self._reference: float | None = None
+        self._reference: float | None = None  # the original's folded cost (FLOPs or ms)
         if cost is not None:
             self._check_budget()
         # float64 [C]: running mean of squared slope gradients (select="saliency")
@@ -628,9 +638,14 @@ class Sparsifier:
         new = torch.minimum(slopes, before + delta)  # the proximal step's share of the cap
         new[chosen] = torch.clamp(before[chosen] + delta, max=1.0)  # exactly 1 once within delta of 1
         end = _schedules.resolve_step(self.schedule.end, self.total_steps)
-        if self.step_count >= end - 1:  # the path is at the target: a chosen channel the loss pulled down
+        at_target = self.step_count >= end - 1
+        if at_target:  # the path is at the target: a chosen channel the loss pulled down
             new[chosen] = 1.0  # harder than the glide arrives now (held exactly)
         new[beyond] = torch.minimum(new[beyond], torch.tensor(1.0 - self.release))
+        if self._plan is not None:  # outside the plan: glide to 0, the original activation (module docs)
+            planned = torch.tensor(sorted(self._plan_start.union(self._plan)), dtype=torch.long)
+            outside = free & ~torch.isin(self._channel_group.to(slopes.device), planned.to(slopes.device))
+            new[outside] = 0.0 if at_target else torch.clamp(before[outside] - delta, min=0.0)
         offset = 0
         for _, unit in self._units:
             n = unit.num_channels
@@ -668,40 +683,53 @@ class Sparsifier:
         """Groups linear when the plan was made (kept linear), and those frozen linear."""
         return sorted(self._plan_start)
 
-    def _folded_cost(self, linear: frozenset) -> float:
+    def _folded_cost(self, linear: frozenset | None) -> float:
         """Cost of the model folded (:func:`linearize.fold`) with the groups ``linear`` exactly linear and
-        every other channel nonlinear (slope 0.5; frozen channels keep their value): FLOPs counted by
-        fold's counter, or the median CPU latency (ms) of the folded model. Cached per set. Always on a
+        every other channel at slope 0, its original activation (frozen channels keep their value), as a
+        fraction of the original model folded (``linear=None``: every slope 0, frozen ones too; its
+        absolute cost is :attr:`_reference`): FLOPs counted by fold's counter, or median CPU latencies,
+        each measured interleaved with the original's (:func:`~linearize.timing.median_latency_ms`), so
+        a load that comes and goes during planning changes both alike. Cached per set. Always on a
         float32 CPU copy: the model may have moved since (``accelerator.prepare``, ``.to("cuda")``,
         ``.half()``), and every cost of the plan must be measured alike."""
+        if linear is None and not any(u.has_frozen() for _, u in self._units):
+            linear = frozenset()  # the same model: one measure (a second latency would differ by its noise)
         if linear not in self._costs:
             probe = copy.deepcopy(self._model).eval().cpu().float()
             units_ = require_units(probe)
-            on = {i for g in linear for i in self._groups[g]}
+            on = {i for g in linear or () for i in self._groups[g]}
             with torch.no_grad():
                 for i, (_, unit) in enumerate(units_):
-                    unit.slope.fill_(1.0 if i in on else 0.5)
+                    unit.slope.fill_(1.0 if i in on else 0.0)
+                    if linear is None:
+                        unit.unfreeze_()
             project_slopes(u for _, u in units_)
-            inputs = map_tensors(self._example_inputs,
-                                 lambda t: t.detach().cpu().float() if t.is_floating_point() else t.detach().cpu())
-            folded = fold(probe, inputs, latency=False)
-            if self.schedule.cost == "flops":
-                self._costs[linear] = float(folded.linearize_fold_summary.flops_after)
+            # verified loosely: this measures the folded structure; a float32 model whose own rounding
+            # error exceeds 1e-4 (badly conditioned BatchNorm) must not stop planning, its final fold verifies
+            folded = fold(probe, self._cost_inputs, latency=False, rtol=PLAN_RTOL)
+            if self._original is None:  # the first measure is the original's (_check_budget)
+                self._original = folded
+                self._reference = (float(folded.linearize_fold_summary.flops_after) if self.schedule.cost == "flops"
+                                   else median_latency_ms([folded], self._cost_inputs, LATENCY_BUDGET_S)[0])
+                self._costs[linear] = 1.0
+            elif self.schedule.cost == "flops":
+                self._costs[linear] = float(folded.linearize_fold_summary.flops_after) / self._reference
             else:
-                self._costs[linear] = median_latency_ms([folded], inputs, LATENCY_BUDGET_S)[0]
+                ref, ms = median_latency_ms([self._original, folded], self._cost_inputs, LATENCY_BUDGET_S)
+                self._costs[linear] = ms / ref
         return self._costs[linear]
 
     def _check_budget(self) -> None:
-        """Measure the reference cost (no group linear) and refuse a goal below the fully linear cost."""
+        """Measure the original model's cost and refuse a goal below the fully linear cost."""
         _, never = self._group_frozen()
-        self._reference = self._folded_cost(frozenset())
+        self._folded_cost(None)
         every = frozenset(g for g in range(len(self._groups)) if not never[g])
-        floor = self._folded_cost(every) / self._reference
+        floor = self._folded_cost(every)
         cost, goal = self.schedule.cost, self.schedule.goal
         if goal < floor:
             raise ValueError(
                 f"target({cost}={goal}) is below the cost of this model folded with every site linear ({floor:.4f} "
-                f"of it folded with none linear; sites frozen nonlinear stay so): pass {cost}= of at least {floor:.4f}"
+                f"of the original model folded; sites frozen nonlinear stay so): pass {cost}= of at least {floor:.4f}"
             )
 
     def _importance(self, before: torch.Tensor) -> list[float]:
@@ -728,7 +756,7 @@ class Sparsifier:
                  if always[g] or bool(linear_before[self._channel_group == g].all())}
         self._plan_start = start
         importance = self._importance(before)
-        budget = self.schedule.goal * self._reference
+        budget = self.schedule.goal
         cost = lambda groups: self._folded_cost(frozenset(groups))  # noqa: E731
         taken: list[int] = []
         rest = [g for g in range(len(self._groups)) if g not in start and not never[g]]
@@ -751,12 +779,13 @@ class Sparsifier:
             if cost(start | set(plan) - {g}) <= budget:
                 plan.remove(g)
         self._plan = plan
-        self._plan_costs = [cost(start | set(plan[:k])) / self._reference for k in range(len(plan) + 1)]
+        self._plan_costs = [cost(start | set(plan[:k])) for k in range(len(plan) + 1)]
 
     @property
     def cost_plan(self) -> list[dict] | None:
         """A cost target's plan (``None`` before its start): for each prefix, the groups linear (their
-        site names) and the folded cost as a fraction of the model folded with none linear.
+        site names) and the folded cost (every other site at its original activation) as a fraction of
+        the original model folded.
 
         Example: ``sp.cost_plan[-1]["cost"] <= 0.6`` for ``target(flops=0.6)``.
         """
@@ -860,6 +889,7 @@ class Sparsifier:
             "groups": len(self._groups),
             "cost": self.schedule.cost if self._model is not None else None,
             "cost_reference": self._reference,
+            "cost_reference_of": "original",  # older states measured against the model at slopes 0.5
             "plan": self._plan,
             "plan_start": sorted(self._plan_start),
             "plan_costs": self._plan_costs,
@@ -885,6 +915,9 @@ class Sparsifier:
         if state.get("cost") != cost:
             raise ValueError(f"state was saved with a cost target of {state.get('cost')!r}, this Sparsifier has "
                              f"{cost!r} (target(flops=/latency=)): build it with the same schedule to resume")
+        if state.get("cost_reference") is not None and state.get("cost_reference_of") != "original":
+            raise ValueError("state's cost target was measured against the model folded at slopes 0.5 (saved by an "
+                             "older linearize), this one against the original model: restart the cost target")
         weights = state.get("weights")
         if weights is not None and not finite_nonnegative(weights, len(self._units)):
             raise ValueError(f"state's weights must be {len(self._units)} finite numbers >= 0, one per unit")

@@ -124,11 +124,11 @@ def add_linearize_args(parser: argparse.ArgumentParser, default_mode: str = "pre
     g.add_argument("--target", type=float, default=None,
                    help="fraction of channels left nonlinear at the end, in (0, 1] (default 0.1)")
     g.add_argument("--target-flops", "--target_flops", dest="target_flops", type=float, default=None,
-                   help="instead of --target: the folded model's FLOPs as a fraction of the model folded with no "
-                        "site linear, in (0, 1] (whole sites go linear: needs --granularity site or block)")
+                   help="instead of --target: the folded model's FLOPs as a fraction of the original model folded, "
+                        "in (0, 1] (whole sites go linear: needs --granularity site or block)")
     g.add_argument("--target-latency", "--target_latency", dest="target_latency", type=float, default=None,
                    help="instead of --target: the folded model's measured CPU latency at batch 1, as a fraction "
-                        "(needs --granularity site or block)")
+                        "of the original model folded (needs --granularity site or block)")
     g.add_argument("--late-start", "--late_start", dest="late_start", type=float, default=None,
                    help="start of the late schedule: a fraction of training (< 1) or a step (>= 1) (default 0.5)")
     g.add_argument("--ramp-end", "--ramp_end", dest="ramp_end", type=float, default=None,

@@ -32,9 +32,8 @@ Two sweeps (``--scale``):
       # resumes from them
       python recipes/reproduce.py --scale full --stage park && git add recipes/results/inflight
 
-* ``speed``: issue 20 (``recipes/reproduce_speed.py``): MobileNet-V2 x0.5 and ResNet-20 linearized late
-  under CPU latency budgets (whole blocks), folded, against MobileNet-V2 x0.35 and ResNet-20 at width 12
-  trained for as many epochs; the same stages, runs in ``runs/reproduce/speed/``, collected runs in
+* ``speed``: issue 20 (``recipes/reproduce_speed.py``): MobileNet-V2 x0.5 linearized late under CPU
+  latency budgets (whole blocks), folded, against MobileNet-V2 x0.35 trained for as many epochs; the same stages, runs in ``runs/reproduce/speed/``, collected runs in
   ``recipes/results/<run>/``, tables and the accuracy-vs-latency plot in ``recipes/results/speed/``::
 
       setsid nohup python recipes/reproduce.py --scale speed --stage train >> runs/reproduce-speed.log 2>&1 < /dev/null &

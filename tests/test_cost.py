@@ -19,6 +19,7 @@ import linearize
 from linearize import schedules as S
 from linearize.folding import count_flops
 from linearize.sparsifier import flops_weights, latency_weights, site_groups
+from linearize.unit import ChannelPReLU
 
 
 @pytest.fixture(autouse=True)
@@ -138,15 +139,12 @@ def _mlp() -> nn.Module:
 
 
 def _true_flops(model: nn.Module, linear_sites: set[str], x: torch.Tensor) -> int:
-    """The truth: the sites ``linear_sites`` at slope 1 (the others at most 0.5), frozen, folded, and the
-    folded model counted."""
+    """The truth: the sites ``linear_sites`` at slope 1 (the others at 0, where a cost target leaves them),
+    frozen, folded, and the folded model counted."""
     model = copy.deepcopy(model).eval()
     with torch.no_grad():
         for name, u in linearize.units(model):
-            if name in linear_sites:
-                u.slope.fill_(1.0)
-            else:
-                u.slope.clamp_(max=0.5)
+            u.slope.fill_(1.0 if name in linear_sites else 0.0)
     linearize.freeze(model, tol=0.0)
     return count_flops(linearize.fold(model, x, latency=False), x)
 
@@ -176,7 +174,7 @@ def test_flops_target_meets_the_budget_like_the_brute_force(budget):
     lost = sum(importance[n] for n in chosen)
     assert lost <= 2 * best + 1e-9  # the documented bound of the modified greedy
     assert lost == pytest.approx(best)  # and here the optimum
-    assert all(not bool((u.slope == 1).any()) for n, u in linearize.units(model) if n not in chosen)
+    assert all(bool((u.slope == 0).all()) for n, u in linearize.units(model) if n not in chosen)  # original act
 
 
 def test_plan_is_within_twice_the_optimum_for_additive_savings(monkeypatch):
@@ -193,7 +191,7 @@ def test_plan_is_within_twice_the_optimum_for_additive_savings(monkeypatch):
         total = sum(save) + 1.0
         budget = 1.0 - torch.rand(1, generator=gen).item() * sum(save) / total
         monkeypatch.setattr(linearize.Sparsifier, "_folded_cost",
-                            lambda self, linear: total - sum(save[g] for g in linear))
+                            lambda self, linear: 1 - sum(save[g] for g in linear or ()) / total)
         with torch.no_grad():
             for _, u in linearize.units(model):  # importance = the slope gap, 0.04 .. 4 per site
                 u.slope.fill_(1 - (0.01 + torch.rand(1, generator=gen).item() * 0.99) / 4 * (1 + 3 * (trial % 2)))
@@ -268,6 +266,73 @@ def test_latency_target_plans_within_its_own_measure(monkeypatch):
     assert plan[0]["cost"] == 1.0 and plan[-1]["cost"] <= 0.95 and len(plan[-1]["sites"]) >= 1
     linear = {n for n, u in linearize.units(model) if bool((u.slope == 1).all())}
     assert linear == set(plan[-1]["sites"])
+
+
+def _fake_latency(model: nn.Module) -> float:
+    """A latency model with known costs per layer: a partly linear site's plain form (PReLU) costs twice
+    its original activation (ReLU), a linear one (Identity) nothing."""
+    price = {nn.Linear: 10.0, nn.ReLU: 1.0, ChannelPReLU: 2.0}
+    return sum(price.get(type(m), 0.0) for m in model.modules())
+
+
+def test_latency_target_counts_against_the_original_and_leaves_the_rest_at_its_activation(monkeypatch):
+    """The budget is a fraction of the *original* model (5 Linears, 4 ReLUs: 54), not of the model with
+    partly linear sites (PReLUs: 58); the sites outside the plan end at slope 0 exactly, so the frozen,
+    folded model costs what the plan counted, and nothing more."""
+    monkeypatch.setattr("linearize.sparsifier.median_latency_ms",
+                        lambda models, inputs, budget_s: [_fake_latency(m) for m in models])
+    original = _mlp()
+    for _, u in linearize.units(original):
+        assert type(u.act) is nn.ReLU
+    model, x = copy.deepcopy(original), torch.randn(4, 16)
+    with torch.no_grad():
+        for _, u in linearize.units(model):  # partly linear before the target starts
+            u.slope.fill_(0.3)
+    sp = linearize.Sparsifier(model, S.target(latency=0.96, end=6), total_steps=10, granularity="site",
+                              example_inputs=x)
+    _quiet_steps(sp, 10)
+    assert sp.state_dict()["cost_reference"] == 54.0  # 5 * 10 + 4 * 1, the original's plain form
+    linear = {n for n, u in linearize.units(model) if bool((u.slope == 1).all())}
+    assert linear and set(sp.cost_plan[-1]["sites"]) == linear
+    assert all(bool((u.slope == 0).all()) for n, u in linearize.units(model) if n not in linear)
+    linearize.freeze(model, tol=0.0)
+    folded = linearize.fold(model, x, latency=False)
+    assert _fake_latency(folded) / 54.0 == sp.cost_plan[-1]["cost"] <= 0.96
+    assert not any(isinstance(m, ChannelPReLU) for m in folded.modules())
+    with torch.no_grad():
+        assert torch.allclose(folded(x), model(x), atol=1e-6)
+
+
+def test_outside_the_plan_slopes_glide_to_zero_no_faster_than_the_glide():
+    model, x = _mlp(), torch.randn(4, 16)
+    with torch.no_grad():
+        for _, u in linearize.units(model):
+            u.slope.fill_(0.9)
+    sp = linearize.Sparsifier(model, S.target(flops=0.5, end=20), total_steps=25, granularity="site",
+                              example_inputs=x)
+    trace = []
+    for _ in range(25):
+        _quiet_steps(sp, 1)
+        planned = set(sp.cost_plan[-1]["sites"])
+        trace.append({n: u.slope.detach().clone() for n, u in linearize.units(model) if n not in planned})
+    assert trace[0] and all(len(t) == len(trace[0]) for t in trace)
+    for a, b in zip(trace, trace[1:]):
+        for n in a:
+            assert bool((a[n] - b[n] <= sp.max_step + 1e-6).all())  # no jump down
+    assert all(bool((t == 0).all()) for t in trace[-1].values())
+
+
+def test_a_state_measured_against_slopes_one_half_is_refused():
+    model, x = _mlp(), torch.randn(4, 16)
+    sp = linearize.Sparsifier(model, S.target(flops=0.5, end=4), total_steps=6, granularity="site", example_inputs=x)
+    _quiet_steps(sp, 2)
+    state = json.loads(json.dumps(sp.state_dict()))
+    del state["cost_reference_of"]
+    other = linearize.Sparsifier(_mlp(), S.target(flops=0.5, end=4), total_steps=6, granularity="site",
+                                 example_inputs=x)
+    with pytest.raises(ValueError, match="restart the cost target"):
+        other.load_state_dict(state)
+    assert other.step_count == 0
 
 
 @pytest.mark.parametrize("kind", ["block", "flops"])

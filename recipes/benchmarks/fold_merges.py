@@ -1,20 +1,25 @@
-"""Benchmark the folds that pay (issue 20): CPU latency of a MobileNet-V2 with about half its blocks
-linear, before and after ``linearize.fold``, at batch 1 and batch 64 on one thread.
+"""Benchmark the folds that pay (issue 20): CPU latency of a CIFAR model with about half its blocks
+linear (or all its sites), before and after ``linearize.fold``, at batch 1 and batch 64 on one thread.
 
-The model is torchvision's ``mobilenet_v2`` with the CIFAR stem (stem conv and the first stride-2
-block at stride 1: 32x32 inputs end at 4x4), random weights and BatchNorm statistics from random
-inputs (no training: latency does not depend on the weights). Every other expanding block (blocks
-2, 4, ..., 16) gets all its units' channels linear (slope 1), the others the plain ReLU6 (slope 0).
-Three models are timed in one run, repetitions interleaved (median ms):
+The model is ``recipes/cifar.py``'s ``--arch`` (default MobileNet-V2 x0.5 with the CIFAR stem: stem conv
+and the first stride-2 block at stride 1, 32x32 inputs end at 4x4), random weights and BatchNorm
+statistics from random inputs (no training: latency does not depend on the weights). ``--linear
+half``: every other residual block (the sites grouped by :func:`linearize.sparsifier.site_groups`,
+blocks with two or more sites: MobileNet-V2 blocks 2, 4, ..., 16) gets all its units' channels linear
+(slope 1), every other site its plain activation (slope 0); ``--linear all``: every site linear, the
+lowest latency any cost target (``--target-latency``) can reach on this model. Three models are
+timed in one run, repetitions interleaved (median ms):
 
-* ``original``: the plain torchvision model (ReLU6, BatchNorm not folded), what a user starts from;
-* ``bn-folded``: the same model folded with no linear site (BatchNorm folding only), the fair baseline;
-* ``merged``: the half-linear model folded with ``merge_latency=True``: each linear block's
-  expand 1x1 -> depthwise 3x3 -> project 1x1 becomes one 3x3 conv (skip in its centre tap) where
-  FLOPs drop and the batch-1 probe measures it faster.
+* ``original``: the plain model (BatchNorm not folded), what a user starts from;
+* ``bn-folded``: the same model folded with no linear site (BatchNorm folding only), the fair baseline
+  and the reference of a latency target;
+* ``merged``: the linearized model folded with ``merge_latency=True``: e.g. each linear inverted
+  residual's expand 1x1 -> depthwise 3x3 -> project 1x1 becomes one 3x3 conv (skip in its centre
+  tap) where FLOPs drop and the batch-1 probe measures it faster.
 
-    python recipes/benchmarks/fold_merges.py                 # width 0.5, about a minute on one core
-    python recipes/benchmarks/fold_merges.py --width 1.0 --budget 20
+    python recipes/benchmarks/fold_merges.py                 # MobileNet-V2 x0.5, about a minute on one core
+    python recipes/benchmarks/fold_merges.py --arch resnet20 --linear all
+    python recipes/benchmarks/fold_merges.py --arch mobilenet_v2_x1_0 --budget 20
 """
 
 from __future__ import annotations
@@ -30,10 +35,11 @@ from torch import nn
 
 import linearize
 from linearize.folding import count_flops
+from linearize.sparsifier import site_groups
 from linearize.timing import median_latency_ms
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from cifar import cifar_mobilenet_v2  # noqa: E402  (the recipe's model: what recipes/cifar.py trains)
+from cifar import ARCHS, build_model  # noqa: E402  (the recipe's models: what recipes/cifar.py trains)
 
 
 def calibrate(model: nn.Module, size: int = 32) -> nn.Module:
@@ -50,22 +56,27 @@ def calibrate(model: nn.Module, size: int = 32) -> nn.Module:
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--width", type=float, default=0.5, help="MobileNet-V2 width multiplier")
+    parser.add_argument("--arch", default="mobilenet_v2_x0_5", choices=ARCHS, help="a recipes/cifar.py model")
+    parser.add_argument("--linear", choices=("half", "all"), default="half",
+                        help="every other residual block linear, or every site")
     parser.add_argument("--budget", type=float, default=6.0, help="seconds of timing per batch size")
     args = parser.parse_args(argv)
     torch.manual_seed(0)
     torch.set_num_threads(1)
 
-    original = calibrate(cifar_mobilenet_v2(args.width))
+    original = calibrate(build_model(args.arch, 10))
     x = torch.randn(8, 3, 32, 32)
     model = copy.deepcopy(original)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         linearize.convert(model, example_inputs=x)
-    linear_blocks = [f"features.{i}" for i in range(2, 18, 2)]
+    groups = site_groups(model)
+    blocks = [name for name, sites in groups.items() if len(sites) > 1]
+    linear = set(groups) if args.linear == "all" else set(blocks[::2])
+    on = {site for name in linear for site in groups[name]}
     with torch.no_grad():
         for name, unit in linearize.units(model):
-            unit.slope.fill_(1.0 if any(name.startswith(b + ".") for b in linear_blocks) else 0.0)
+            unit.slope.fill_(1.0 if name in on else 0.0)
     plain = copy.deepcopy(model)
     with torch.no_grad():
         for _, unit in linearize.units(plain):
@@ -74,8 +85,8 @@ def main(argv: list[str] | None = None) -> dict:
     merged = linearize.fold(model, x, latency=False, merge_latency=True)
     summary = merged.linearize_fold_summary
 
-    print(f"MobileNet-V2 width {args.width}, CIFAR stem, 32x32 input, blocks {', '.join(b[9:] for b in linear_blocks)} "
-          f"linear ({sum(r.kept for r in summary.merges)} of {len(summary.merges)} block merges kept)")
+    print(f"{args.arch}, 32x32 input, " + ("every site" if args.linear == "all" else f"blocks {', '.join(n for n in groups if n in linear)}")
+          + f" linear ({sum(r.kept for r in summary.merges)} of {len(summary.merges)} block merges kept)")
     print(f"max abs error of the fold {summary.max_abs_error:.2g} (output scale {summary.output_scale:.3g})")
     for r in summary.merges:
         print(f"  {r}")
