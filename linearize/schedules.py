@@ -173,8 +173,8 @@ class Target(Schedule):
         hold: pressure after ``end`` as a fraction of ``lam`` (default 0: the projection alone
             holds the target).
         flops: instead of ``fraction``: the folded model's FLOPs (``linearize.fold`` then
-            ``count_flops``) as a fraction in ``(0, 1]`` of the same model folded with no site
-            linear (a cost target: see :class:`~linearize.Sparsifier`).
+            ``count_flops``) as a fraction in ``(0, 1]`` of the original model folded (every
+            slope 0; a cost target: see :class:`~linearize.Sparsifier`).
         latency: instead of ``fraction``: the folded model's measured CPU latency, likewise.
 
     Exactly one of ``fraction``, ``flops`` and ``latency`` is given.

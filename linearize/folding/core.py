@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import math
 import warnings
 from dataclasses import replace
 from typing import Any, Iterable
@@ -102,6 +103,7 @@ def fold(
     latency: bool = True,
     rules: Iterable[FoldRuleLike] | None = None,
     merge_latency: bool = False,
+    verify: bool = True,
 ) -> nn.Module:
     """Return a new plain PyTorch model computing ``model``'s function with linear parts folded.
 
@@ -130,6 +132,10 @@ def fold(
         merge_latency: also time every merge the objective chose (its pieces against the merged
             layer, batch 1, one thread, about 0.2 s each) and keep it only where the merged layer is
             faster; ``summary.merges`` lists every merge with its rule, FLOPs and latency before / after.
+        verify: compare the folded model with ``model`` on ``example_inputs`` (the default). ``False``
+            skips it, for estimates of the folded structure alone (its FLOPs or latency, e.g. a cost
+            target's planning on copies of a model whose own fold is verified later);
+            ``summary.max_abs_error`` is then NaN and ``summary.verify_dtype`` says "not verified".
 
     Returns:
         The folded model (eval mode) with ``folded.linearize_fold_summary`` (:class:`FoldSummary`).
@@ -206,7 +212,10 @@ def fold(
     summary.flops_after, output = run_counting(folded, example_inputs)
 
     untouched = functools.partial(_untouched_layers, model, folded, before_fold, probe)
-    _verify(model, folded, example_inputs, ref_out, float_outputs(output), summary, atol, rtol, dtype, untouched)
+    if verify:
+        _verify(model, folded, example_inputs, ref_out, float_outputs(output), summary, atol, rtol, dtype, untouched)
+    else:
+        summary.max_abs_error, summary.verify_dtype = math.nan, "not verified (verify=False)"
     if latency:
         with eval_mode(model):
             summary.latency_ms_before, summary.latency_ms_after = median_latency_ms([model, folded], example_inputs)
