@@ -73,11 +73,16 @@ left partly linear folds to a PReLU/blend that costs more than its original acti
 batch 1 a ``ChannelPReLU`` call takes about twice a ReLU's), so a cost target glides the free
 channels of every group outside its plan down to exactly 0 (at ``1 / G`` per step, like the glide
 up) and holds them there: those sites fold back to their original activation (a site with a channel
-frozen linear stays a PReLU/blend, and is counted so) and the folded model costs what the plan counted. At the target's start a plan is made once: a modified greedy for the covering knapsack
+frozen linear stays a PReLU/blend, and is counted so) and the folded model costs what the plan
+counted. Latencies are timed interleaved with the original's (the ratio is measured side by side),
+planning folds are not verified (``fold(verify=False)``: only their structure is measured).
+
+At the target's start a plan is made once: a modified greedy for the covering knapsack
 "lose the least importance with cost <= budget" adds groups by importance per unit of *marginal*
 saving (each from a real fold, so interactions between sites count), records every group that
 alone would complete the budget as a candidate instead of adding it, keeps the least important
-candidate, then drops every group it can do without. Importance is the slope gap ``sum (1 - a)``
+candidate, drops every group it can do without, and ends at its shortest prefix within the budget
+(measured costs need not be monotone). Importance is the slope gap ``sum (1 - a)``
 of a group's free channels (``select="slope"``) or the sum of their saliencies
 (``select="saliency"``, once every group has had a gradient: start the target after some steps).
 For additive savings this greedy loses at most twice the optimal importance (the bound of the
@@ -86,8 +91,7 @@ linear), where no bound holds, but the budget is always met: the plan's last set
 counted. The path then descends from the cost at ``start`` to the budget along the cubic path, each
 step making linear the shortest prefix of the plan whose folded cost is within the path's value
 (groups glide to 1 as with a fraction target; the plan's other groups stay below ``1 - release``,
-groups outside the plan glide to 0), and holds it
-from ``end`` on. Planning folds the model ``O(groups^2)`` times (once); a budget below the cost with
+groups outside the plan glide to 0), and holds it from ``end`` on. Planning folds the model ``O(groups^2)`` times (once); a budget below the cost with
 every group linear, a cost target with ``granularity="channel"`` or without ``example_inputs`` are
 refused with the fix.
 
