@@ -440,6 +440,8 @@ def test_verify_false_returns_what_verification_refuses():
         linearize.fold(model, x, tol=0.45, latency=False)
     folded = linearize.fold(model, x, tol=0.45, latency=False, verify=False)
     assert sum(isinstance(m, nn.ReLU) for m in folded.modules()) == 4 and not linearize.units(folded)
+    with pytest.raises(TypeError, match="verify must be True or False"):
+        linearize.fold(model, x, latency=False, verify="no")
 
 
 def test_target_class_docs_name_the_new_reference():

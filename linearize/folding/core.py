@@ -161,6 +161,8 @@ def fold(
     objective = Objective.of(objective)
     rules = fold_rules() if rules is None else check_rules(rules)
     tol = check_tol(tol)
+    if not isinstance(verify, bool):
+        raise TypeError(f"verify must be True or False, got {verify!r}")
     rtol = check_positive(rtol, "rtol")
     atol = None if atol is None else check_positive(atol, "atol")
     training_bn = [n for n, m in model.named_modules() if isinstance(m, _BatchNorm) and m.training]

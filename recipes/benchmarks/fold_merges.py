@@ -70,10 +70,16 @@ def main(argv: list[str] | None = None) -> dict:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         linearize.convert(model, example_inputs=x)
-    groups = site_groups(model)
-    blocks = [name for name, sites in groups.items() if len(sites) > 1]
-    linear = set(groups) if args.linear == "all" else set(blocks[::2])
-    on = {site for name in linear for site in groups[name]}
+    linear: list[str] = []  # the blocks made linear (--linear half)
+    if args.linear == "all":
+        on = {name for name, _ in linearize.units(model)}
+    else:
+        try:
+            groups = site_groups(model)
+        except ValueError:  # no residual block around any site
+            parser.error(f"--arch {args.arch} has no residual blocks to linearize every other one: pass --linear all")
+        linear = [name for name, sites in groups.items() if len(sites) > 1][::2]
+        on = {site for name in linear for site in groups[name]}
     with torch.no_grad():
         for name, unit in linearize.units(model):
             unit.slope.fill_(1.0 if name in on else 0.0)
@@ -85,7 +91,7 @@ def main(argv: list[str] | None = None) -> dict:
     merged = linearize.fold(model, x, latency=False, merge_latency=True)
     summary = merged.linearize_fold_summary
 
-    print(f"{args.arch}, 32x32 input, " + ("every site" if args.linear == "all" else f"blocks {', '.join(n for n in groups if n in linear)}")
+    print(f"{args.arch}, 32x32 input, " + ("every site" if args.linear == "all" else f"blocks {', '.join(linear)}")
           + f" linear ({sum(r.kept for r in summary.merges)} of {len(summary.merges)} block merges kept)")
     print(f"max abs error of the fold {summary.max_abs_error:.2g} (output scale {summary.output_scale:.3g})")
     for r in summary.merges:
