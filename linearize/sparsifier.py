@@ -91,9 +91,9 @@ linear), where no bound holds, but the budget is always met: the plan's last set
 counted. The path then descends from the cost at ``start`` to the budget along the cubic path, each
 step making linear the shortest prefix of the plan whose folded cost is within the path's value
 (groups glide to 1 as with a fraction target; the plan's other groups stay below ``1 - release``,
-groups outside the plan glide to 0), and holds it from ``end`` on. Planning folds the model ``O(groups^2)`` times (once); a budget below the cost with
-every group linear, a cost target with ``granularity="channel"`` or without ``example_inputs`` are
-refused with the fix.
+groups outside the plan glide to 0), and holds it from ``end`` on. Planning folds the model
+``O(groups^2)`` times (once); a budget below the cost with every group linear, a cost target with
+``granularity="channel"`` or without ``example_inputs`` are refused with the fix.
 
 Three added lines in a plain loop::
 
@@ -695,37 +695,40 @@ class Sparsifier:
         a load that comes and goes during planning changes both alike. Cached per set. Always on a
         float32 CPU copy: the model may have moved since (``accelerator.prepare``, ``.to("cuda")``,
         ``.half()``), and every cost of the plan must be measured alike."""
-        if linear is None and not any(u.has_frozen() for _, u in self._units):
-            linear = frozenset()  # the same model: one measure (a second latency would differ by its noise)
-        if linear not in self._costs:
-            probe = copy.deepcopy(self._model).eval().cpu().float()
-            units_ = require_units(probe)
-            on = {i for g in linear or () for i in self._groups[g]}
-            with torch.no_grad():
-                for i, (_, unit) in enumerate(units_):
-                    unit.slope.fill_(1.0 if i in on else 0.0)
-                    if linear is None:
-                        unit.unfreeze_()
-            project_slopes(u for _, u in units_)
-            # not verified: this measures the folded structure of a copy at slopes 0 / 1; a float32 model whose
-            # own rounding exceeds fold's 1e-4 (badly conditioned BatchNorm) must not stop planning
-            folded = fold(probe, self._cost_inputs, latency=False, verify=False)
-            if self._original is None:  # the first measure is the original's (_check_budget)
-                self._original = folded
-                self._reference = (float(folded.linearize_fold_summary.flops_after) if self.schedule.cost == "flops"
-                                   else median_latency_ms([folded], self._cost_inputs, LATENCY_BUDGET_S)[0])
-                self._costs[linear] = 1.0
-            elif self.schedule.cost == "flops":
+        if linear not in self._costs:  # the original (None, and the empty set without frozen channels): _check_budget
+            folded = self._fold_copy(linear)
+            if self.schedule.cost == "flops":
                 self._costs[linear] = float(folded.linearize_fold_summary.flops_after) / self._reference
             else:
                 ref, ms = median_latency_ms([self._original, folded], self._cost_inputs, LATENCY_BUDGET_S)
                 self._costs[linear] = ms / ref
         return self._costs[linear]
 
+    def _fold_copy(self, linear: frozenset | None) -> nn.Module:
+        """A float32 CPU copy of the model folded with the groups ``linear`` at slope 1, every other channel
+        at 0 (frozen ones keep their value; ``None``: all at 0, unfrozen). Not verified: this measures the
+        folded structure; a float32 model whose own rounding exceeds fold's 1e-4 (badly conditioned
+        BatchNorm) must not stop planning."""
+        probe = copy.deepcopy(self._model).eval().cpu().float()
+        units_ = require_units(probe)
+        on = {i for g in linear or () for i in self._groups[g]}
+        with torch.no_grad():
+            for i, (_, unit) in enumerate(units_):
+                unit.slope.fill_(1.0 if i in on else 0.0)
+                if linear is None:
+                    unit.unfreeze_()
+        project_slopes(u for _, u in units_)
+        return fold(probe, self._cost_inputs, latency=False, verify=False)
+
     def _check_budget(self) -> None:
         """Measure the original model's cost and refuse a goal below the fully linear cost."""
         _, never = self._group_frozen()
-        self._folded_cost(None)
+        self._original = self._fold_copy(None)
+        self._reference = (float(self._original.linearize_fold_summary.flops_after) if self.schedule.cost == "flops"
+                           else median_latency_ms([self._original], self._cost_inputs, LATENCY_BUDGET_S)[0])
+        self._costs[None] = 1.0
+        if not any(u.has_frozen() for _, u in self._units):
+            self._costs[frozenset()] = 1.0  # the same model: one measure (a second would differ by its noise)
         every = frozenset(g for g in range(len(self._groups)) if not never[g])
         floor = self._folded_cost(every)
         cost, goal = self.schedule.cost, self.schedule.goal

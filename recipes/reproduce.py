@@ -33,7 +33,8 @@ Two sweeps (``--scale``):
       python recipes/reproduce.py --scale full --stage park && git add recipes/results/inflight
 
 * ``speed``: issue 20 (``recipes/reproduce_speed.py``): MobileNet-V2 x0.5 linearized late under CPU
-  latency budgets (whole blocks), folded, against MobileNet-V2 x0.35 trained for as many epochs; the same stages, runs in ``runs/reproduce/speed/``, collected runs in
+  latency budgets (whole blocks), folded, against MobileNet-V2 x0.35 trained for as many epochs; the same
+  stages, runs in ``runs/reproduce/speed/``, collected runs in
   ``recipes/results/<run>/``, tables and the accuracy-vs-latency plot in ``recipes/results/speed/``::
 
       setsid nohup python recipes/reproduce.py --scale speed --stage train >> runs/reproduce-speed.log 2>&1 < /dev/null &
