@@ -14,9 +14,11 @@ from linearize.folding import (
     BorderExactConv,
     ChannelBlend,
     ChannelPReLU,
+    FoldRule,
     FoldVerificationError,
     LinearWithPassthrough,
     count_flops,
+    fold_rules,
 )
 from linearize.unit import LinearizableActivation as LA
 from zoo import randomize_batchnorm
@@ -439,3 +441,49 @@ def test_tolerance_snaps_and_verification_catches_large_error():
         linearize.fold(model, torch.randn(64, 4), tol=0.6, latency=False)
     folded = linearize.fold(model, torch.randn(64, 4), tol=0.6, atol=1e3, latency=False)
     assert len(folded) == 1
+
+
+def _ill_conditioned() -> nn.Sequential:
+    """Linear(16->16) with rows ``r`` and ``r + d`` (``|r|`` ~ 1e4, ``|d|`` ~ 1), a linear unit, and a
+    head that subtracts the pairs: outputs ~ ``d . x`` computed from values ~1e4, so float32
+    rounds them by ~1e-3 of their scale (10x the default rtol) while float64 is exact to ~1e-12."""
+    g = torch.Generator().manual_seed(0)
+    r, d = torch.randn(8, 16, generator=g) * 1e4, torch.randn(8, 16, generator=g)
+    head = torch.cat([-torch.ones(8), torch.ones(8)])
+    model = linearize.convert(nn.Sequential(nn.Linear(16, 16, bias=False), nn.ReLU(), nn.Linear(16, 2, bias=False)))
+    with torch.no_grad():
+        model[0].weight.copy_(torch.cat([r, r + d]))
+        model[2].weight.copy_(torch.stack([head, 0.5 * head]))
+        model[1].slope.fill_(1.0)
+    return model.eval()
+
+
+def test_float32_rounding_of_the_model_itself_is_verified_in_float64():
+    model, x = _ill_conditioned(), torch.randn(64, 16, generator=torch.Generator().manual_seed(1))
+    exact = x.double() @ (model[2].weight.double() @ model[0].weight.double()).T  # the function, by hand
+    with torch.no_grad():
+        own = float((model(x).double() - exact).abs().max() / exact.abs().max())
+    assert own > 2e-4  # the premise: the model's own float32 output misses the default rtol 1e-4
+    folded = linearize.fold(model, x, latency=False)
+    s = folded.linearize_fold_summary
+    assert s.verify_dtype.startswith("torch.float64 (re-verified: torch.float32 check")
+    (merged,) = [m for m in folded.modules() if isinstance(m, nn.Linear)]  # the two layers merged into one
+    torch.testing.assert_close(merged.weight.double(), model[2].weight.double() @ model[0].weight.double(), rtol=1e-6, atol=0)
+    assert s.max_abs_error <= 1e-4 * s.output_scale
+
+
+def test_float64_reverification_still_catches_a_wrong_fold():
+    model, x = _ill_conditioned(), torch.randn(64, 16, generator=torch.Generator().manual_seed(1))
+
+    def off_by_a_percent(m: nn.Module, ctx) -> nn.Module:
+        with torch.no_grad():
+            m.weight.mul_(1.01)
+        return m
+
+    wrong = FoldRule("wrong", lambda m, ctx: isinstance(m, nn.Linear) and m.out_features == 2, off_by_a_percent)
+    with pytest.raises(FoldVerificationError, match=r"rounding .*so fold re-verified in float64: folded model differs"):
+        linearize.fold(model, x, latency=False, rules=[wrong, *fold_rules()])
+    well_conditioned = linearize.convert(nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 2))).eval()
+    with pytest.raises(FoldVerificationError, match=r"differs by .*the model's own torch.float32 rounding is") as err:
+        linearize.fold(well_conditioned, x, latency=False, rules=[wrong, *fold_rules()])
+    assert "re-verified" not in str(err.value)  # its own rounding (~1e-7) explains nothing: no second check
