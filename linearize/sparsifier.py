@@ -311,6 +311,7 @@ class Sparsifier:
         self._plan_start: set[int] = set()  # groups linear (or frozen linear) when the plan was made
         self._plan_costs: list[float] | None = None  # cost ratio of each plan prefix (len(plan) + 1)
         self._reference: float | None = None  # the original's folded cost (FLOPs or ms)
+        self._frozen_measured: torch.Tensor | None = None  # frozen values when the costs were measured
         if cost is not None:
             self._check_budget()
         # float64 [C]: running mean of squared slope gradients (select="saliency")
@@ -721,7 +722,10 @@ class Sparsifier:
         return fold(probe, self._cost_inputs, latency=False, verify=False)
 
     def _check_budget(self) -> None:
-        """Measure the original model's cost and refuse a goal below the fully linear cost."""
+        """Measure the original model's cost and refuse a goal below the fully linear cost (again at the
+        plan's start if channels were frozen since: the cached costs and the floor depend on them)."""
+        self._costs.clear()
+        self._frozen_measured = self._frozen_now()
         _, never = self._group_frozen()
         self._original = self._fold_copy(None)
         self._reference = (float(self._original.linearize_fold_summary.flops_after) if self.schedule.cost == "flops"
@@ -738,6 +742,10 @@ class Sparsifier:
                 f"of the original model folded; sites frozen nonlinear stay so): pass {cost}= of at least "
                 f"{math.ceil(floor * 1e4) / 1e4:.4f}"
             )
+
+    def _frozen_now(self) -> torch.Tensor:
+        """Every channel's frozen value, free ones as -1 (NaN would never compare equal)."""
+        return torch.cat([u.frozen.detach().cpu() for _, u in self._units]).nan_to_num(nan=-1.0)
 
     def _importance(self, before: torch.Tensor) -> list[float]:
         """What making each group linear costs the model: ``select="slope"``: the slope gap
@@ -757,6 +765,8 @@ class Sparsifier:
         one group alone would reach the budget, record that completion as a candidate instead of
         adding it; keep the least important candidate, then drop every group it can do without.
         """
+        if not torch.equal(self._frozen_now(), self._frozen_measured):
+            self._check_budget()
         always, never = self._group_frozen()
         linear_before = before.cpu() == 1  # linear before this step's push: kept
         start = {g for g in range(len(self._groups))

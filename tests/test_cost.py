@@ -476,3 +476,22 @@ def test_site_outside_the_plan_with_a_frozen_linear_channel_stays_a_prelu_and_is
     folded = linearize.fold(model, x, latency=False)
     assert sum(isinstance(m, ChannelPReLU) for m in folded.modules()) == 1
     assert count_flops(folded, x) / sp.state_dict()["cost_reference"] == sp.cost_plan[-1]["cost"]
+
+
+def test_channels_frozen_after_construction_are_measured_again_at_the_plan_start():
+    """The floor (every site linear that may be) and the cached costs depend on the frozen channels: a site
+    frozen nonlinear between construction and the plan's start makes the budget unreachable, which the
+    start refuses with the new floor (the truth: the brute-force fold of that model)."""
+    model, x = _mlp(), torch.randn(4, 16)
+    names = [n for n, _ in linearize.units(model)]
+    every, two_frozen = _true_flops(model, set(names), x), _true_flops(model, set(names) - {"1", "3"}, x)
+    full = _true_flops(model, set(), x)
+    budget = round((every / full + two_frozen / full) / 2, 4)  # reachable now, not once "1" and "3" stay nonlinear
+    sp = linearize.Sparsifier(model, S.target(flops=budget, start=2, end=10), total_steps=12, granularity="site",
+                              example_inputs=x)
+    units = dict(linearize.units(model))
+    for name in ("1", "3"):
+        units[name].freeze_(torch.ones(units[name].num_channels, dtype=torch.bool), 0.0)
+    _quiet_steps(sp, 2)
+    with pytest.raises(ValueError, match=rf"flops={budget}\) is below .* at least {math.ceil(two_frozen / full * 1e4) / 1e4:.4f}"):
+        _quiet_steps(sp, 1)
