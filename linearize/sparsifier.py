@@ -622,7 +622,15 @@ class Sparsifier:
         if self._plan is not None:  # a cost target: the shortest plan prefix within the wanted cost
             k = next(k for k, c in enumerate(self._plan_costs) if c <= wanted or k == len(self._plan))
             groups = torch.tensor(self._start_groups() + self._plan[:k], dtype=torch.long)
-            mine = torch.isin(self._channel_group.to(slopes.device), groups.to(slopes.device))[ranked]
+            held = torch.isin(self._channel_group.to(slopes.device), groups.to(slopes.device))
+            if bool((held & (frozen == 0)).any()):  # frozen nonlinear since the plan was made: never linear now
+                stuck = [self._units[i][0] for g in groups.tolist() for i in self._groups[g]
+                         if bool((self._units[i][1].frozen == 0).any())]
+                self._warn_once(
+                    f"cost target: sites {stuck} of the plan were frozen nonlinear after it was made, so the folded "
+                    f"model cannot reach {self.schedule.cost}={self.schedule.goal}: unfreeze them (unit.unfreeze_()), "
+                    "or start the target again (a new Sparsifier plans around frozen channels)")
+            mine = held[ranked]
             ranked = torch.cat([ranked[mine], ranked[~mine]])
             k_free, keys = int(mine.sum()), ()
         elif self.select == "slope":

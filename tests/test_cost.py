@@ -495,3 +495,19 @@ def test_channels_frozen_after_construction_are_measured_again_at_the_plan_start
     _quiet_steps(sp, 2)
     with pytest.raises(ValueError, match=rf"flops={budget}\) is below .* at least {math.ceil(two_frozen / full * 1e4) / 1e4:.4f}"):
         _quiet_steps(sp, 1)
+
+
+def test_a_planned_site_frozen_nonlinear_after_the_plan_is_made_is_named_in_a_warning():
+    model, x = _mlp(), torch.randn(4, 16)
+    sp = linearize.Sparsifier(model, S.target(flops=0.2, start=2, end=10), total_steps=12, granularity="site",
+                              example_inputs=x)
+    _quiet_steps(sp, 3)
+    planned = set(sp.cost_plan[-1]["sites"])
+    units = dict(linearize.units(model))
+    frozen = sorted(planned)[:1] + sorted(set(units) - planned)[:1]  # one site in the plan, one outside it
+    for name in frozen:
+        units[name].freeze_(torch.ones(units[name].num_channels, dtype=torch.bool), 0.0)
+    with pytest.warns(UserWarning, match=rf"sites \['{frozen[0]}'\] of the plan were frozen nonlinear .*flops=0.2") as seen:
+        for _ in range(9):
+            sp.step()
+    assert sum("frozen nonlinear" in str(w.message) for w in seen) == 1  # once, not every step

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import warnings
 
 import pytest
@@ -472,18 +473,96 @@ def test_float32_rounding_of_the_model_itself_is_verified_in_float64():
     assert s.max_abs_error <= 1e-4 * s.output_scale
 
 
-def test_float64_reverification_still_catches_a_wrong_fold():
-    model, x = _ill_conditioned(), torch.randn(64, 16, generator=torch.Generator().manual_seed(1))
+def _off_by(factor: float) -> FoldRule:
+    """A wrong rule: the 2-output Linear's weights scaled by ``factor``."""
 
-    def off_by_a_percent(m: nn.Module, ctx) -> nn.Module:
+    def apply(m: nn.Module, ctx) -> nn.Module:
         with torch.no_grad():
-            m.weight.mul_(1.01)
+            m.weight.mul_(factor)
         return m
 
-    wrong = FoldRule("wrong", lambda m, ctx: isinstance(m, nn.Linear) and m.out_features == 2, off_by_a_percent)
-    with pytest.raises(FoldVerificationError, match=r"rounding .*so fold re-verified in float64: folded model differs"):
-        linearize.fold(model, x, latency=False, rules=[wrong, *fold_rules()])
+    return FoldRule("wrong", lambda m, ctx: isinstance(m, nn.Linear) and m.out_features == 2, apply)
+
+
+def test_a_wrong_fold_is_caught_within_the_rounding_by_float64_and_beyond_it_at_once():
+    model, x = _ill_conditioned(), torch.randn(64, 16, generator=torch.Generator().manual_seed(1))
+    # 0.05% off: within the model's own float32 rounding (~0.1% of the scale), so float64 must catch it
+    with pytest.raises(FoldVerificationError, match=r"float32 check: error .* the model itself by .*, so fold re-verified in float64: folded model differs"):
+        linearize.fold(model, x, latency=False, rules=[_off_by(1.0005), *fold_rules()])
+    # 1% off: 10x the model's own rounding, refused without a second check
+    with pytest.raises(FoldVerificationError, match=r"the folded model is off by .* in torch.float32, the model itself by") as err:
+        linearize.fold(model, x, latency=False, rules=[_off_by(1.01), *fold_rules()])
+    assert "re-verified" not in str(err.value)
     well_conditioned = linearize.convert(nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 2))).eval()
-    with pytest.raises(FoldVerificationError, match=r"differs by .*the model's own torch.float32 rounding is") as err:
-        linearize.fold(well_conditioned, x, latency=False, rules=[wrong, *fold_rules()])
+    with pytest.raises(FoldVerificationError, match=r"differs by .*the folded model is off by .* in torch.float32, the model itself by") as err:
+        linearize.fold(well_conditioned, x, latency=False, rules=[_off_by(1.01), *fold_rules()])
     assert "re-verified" not in str(err.value)  # its own rounding (~1e-7) explains nothing: no second check
+
+
+def test_a_fold_worse_than_the_models_own_rounding_is_refused_although_one_output_rounds():
+    """Output 0 is exact in float32 (x1 - x2, then times 1e4) but not once merged ([1e4, -1e4] on inputs ~1e3);
+    output 1 rounds in the model itself (inputs ~1e6). The merged float32 model is ~3% of the scale off the
+    float64 function, 100x further than the model: rounding does not explain that, whatever output 1 does."""
+    model = linearize.convert(nn.Sequential(nn.Linear(4, 2, bias=False), nn.ReLU(), nn.Linear(2, 2, bias=False)))
+    with torch.no_grad():
+        model[0].weight.copy_(torch.tensor([[1.0, -1, 0, 0], [0, 0, 0.1, -0.1]]))
+        model[2].weight.copy_(torch.tensor([[1e4, 0], [0, 1.0]]))
+        model[1].slope.fill_(1.0)
+    g = torch.Generator().manual_seed(0)
+    base = 1000 + torch.rand(64, 1, generator=g)
+    x = torch.cat([base, base + 1e-3 * torch.randn(64, 1, generator=g), 1e6 + torch.randn(64, 2, generator=g)], 1)
+    with torch.no_grad():
+        exact = x.double() @ (model[2].weight.double() @ model[0].weight.double()).T
+        own = float((model.eval()(x).double() - exact).abs().max())
+    assert 0 < own < 1e-3 * float(exact.abs().max())  # the premise: the model itself rounds, but little
+    with pytest.raises(FoldVerificationError, match=r"folded model is off by .* the model itself by") as err:
+        linearize.fold(model, x, latency=False)
+    assert "re-verified" not in str(err.value)
+
+
+class _ZeroHead(nn.Module):
+    """The ill-conditioned pair, a ReLU, and a zero head: the output verifies nothing, the head's input does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(*_ill_conditioned(), nn.ReLU())
+        self.head = nn.Linear(2, 3)
+        nn.init.zeros_(self.head.weight)
+        nn.init.zeros_(self.head.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(x))
+
+
+def test_the_inner_signal_is_re_verified_in_float64_too():
+    x = torch.randn(64, 16, generator=torch.Generator().manual_seed(1))
+    s = linearize.fold(_ZeroHead().eval(), x, latency=False).linearize_fold_summary
+    assert s.verified_on == "input of 'head'" and s.verify_dtype.startswith("torch.float64 (re-verified: torch.float32")
+    assert s.signal_error <= 1e-4 * s.signal_scale
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_folds_pass_within_their_own_rounding_and_wrong_ones_do_not(dtype):
+    """Merged half-precision weights round by ~1e-3 themselves, so fold holds the folded model to the model's
+    own distance from its float64 function (plus the tolerance); a 5%-off rule is far beyond it."""
+    torch.manual_seed(0)
+    model = linearize.convert(nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))).eval()
+    with torch.no_grad():
+        model[1].slope.fill_(1.0)
+    model, x = model.to(dtype), torch.randn(64, 16).to(dtype)
+    folded = linearize.fold(model, x, latency=False)
+    assert folded.linearize_fold_summary.verify_dtype.startswith(f"{dtype} (within its own rounding")
+    with torch.no_grad():
+        exact = copy.deepcopy(model).double()(x.double())
+        own, off = (model(x).double() - exact).abs().max(), (folded(x).double() - exact).abs().max()
+    assert off <= own + 1e-4 * exact.abs().max() * 1.01  # the documented bound, against an independent float64 run
+
+    def off_by_five_percent(m: nn.Module, ctx) -> nn.Module:
+        with torch.no_grad():
+            m.weight.mul_(1.05)
+        return m
+
+    wrong = FoldRule("wrong", lambda m, ctx: isinstance(m, nn.Linear) and m.out_features == 4, off_by_five_percent)
+    with pytest.raises(FoldVerificationError, match="the model itself by"):
+        linearize.fold(linearize.convert(nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))).eval().to(dtype),
+                       x, latency=False, rules=[wrong, *fold_rules()])
