@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPES = REPO / "recipes"
@@ -29,9 +30,28 @@ def test_every_planned_run_parses_and_the_narrower_network_trains_as_long(tmp_pa
         if j.meta["budget"] is not None:  # late, under a latency budget, from the baseline
             assert j.deps == ("mnv2_x0_5_base_s0",) and args.init_from == str(tmp_path / j.deps[0] / "model")
             assert (args.target_latency, args.granularity, args.arch) == (j.meta["budget"], "block", j.meta["arch"])
-    # the narrower network trains as many epochs as baseline + late run together
+    # the narrower network trains as long as baseline + late run together: its steps are cheaper, so more epochs
     epochs = {n: cifar.parse_args(j.argv[1:]).epochs for n, j in jobs.items()}
-    assert epochs["mnv2_x0_35_base_s0"] == epochs["mnv2_x0_5_base_s0"] + epochs["mnv2_x0_5_lat_70_s0"]
+    pipeline = epochs["mnv2_x0_5_base_s0"] + epochs["mnv2_x0_5_lat_70_s0"]
+    assert abs(epochs["mnv2_x0_35_base_s0"] * S.NARROW_TIME - pipeline) <= S.NARROW_TIME / 2 and pipeline == 21
+
+
+def test_train_step_benchmark_times_every_arch_and_converts_epochs(capsys):
+    sys.path.insert(0, str(RECIPES / "benchmarks"))
+    import train_step
+
+    threads = torch.get_num_threads()
+    try:
+        out = train_step.main(["--arch", "resnet20", "mobilenet_v2_x0_35", "--batch", "2", "--budget", "0.5",
+                               "--epochs", "10"])
+    finally:
+        torch.set_num_threads(threads)
+    assert set(out) == {"resnet20", "mobilenet_v2_x0_35"} and out["resnet20"]["ratio"] == 1.0
+    for r in out.values():
+        assert r["ms"] > 0 and r["epochs"] == pytest.approx(10 / r["ratio"])  # equal time: epochs x step time
+    assert "take as long as" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        train_step.main(["--batch", "0"])
 
 
 def _row(run: str, family: str, acc: float, base_acc: float, ms: float, base_ms: float, budget=0.7, narrow=False):
