@@ -363,6 +363,7 @@ def _configs(jobs: list[sweep.Job], runs: dict, latency: dict) -> dict:
         c["vs_baseline_points"] = (100 * (c["accuracy"]["mean"] - b["accuracy"]["mean"])
                                    if c["accuracy"] and b.get("accuracy") else None)
         c["flops_vs_baseline"] = _ratio(c["mflops_per_image_after_fold"], b.get("mflops_per_image_after_fold"))
+        c["params_vs_baseline"] = _ratio(c["params_after_fold"], b.get("params_after_fold"))
         c["latency_vs_baseline"] = {k: _ratio(v, b.get("latency_ms", {}).get(k)) for k, v in c["latency_ms"].items()}
     return out
 
@@ -508,7 +509,7 @@ def _report(res: dict, jobs: list[sweep.Job]) -> list[str]:
     md += ["## Results", "",
            "APL: average path length (nonlinear units met from input to output), normalized (equal split at every "
            "merge) and unnormalized (every channel-level path equally likely); baseline: all units nonlinear. "
-           "FLOPs and latency after `linearize.fold` (BN merged, linear parts folded), relative to the baseline of "
+           "Parameters, FLOPs and latency after `linearize.fold` (BN merged, linear parts folded), relative to the baseline of "
            "the same task folded the same way; latency: medians of " + str(lat.get("reps", "-")) + " interleaved "
            "repetitions of all models in one process, 1 thread" + (f", {lat['measured']} on {lat['machine']}"
                                                                  if lat.get("measured") else "")
@@ -516,14 +517,15 @@ def _report(res: dict, jobs: list[sweep.Job]) -> list[str]:
               "their ratios are noisy; equal FLOPs mean equal work)" if lat.get("load_average", 0) > 1.5 else "")
            + ". Fold error: "
            "largest |folded - model| over the logits of 64 test images, relative to the largest |logit|.", "",
-           "| configuration | test accuracy % | vs baseline | nonlinear | APL norm. | APL unnorm. | MFLOPs/image "
-           "(vs base) | latency b1 ms (vs base) | latency b64 ms (vs base) | fold error |",
-           "|---|---|---|---|---|---|---|---|---|---|"]
+           "| configuration | test accuracy % | vs baseline | nonlinear | APL norm. | APL unnorm. | params (vs base) "
+           "| MFLOPs/image (vs base) | latency b1 ms (vs base) | latency b64 ms (vs base) | fold error |",
+           "|---|---|---|---|---|---|---|---|---|---|---|"]
     for c in cfg.values():
         lv, l_ = c["latency_vs_baseline"], c["latency_ms"]
         md.append(f"| {_label(c)} | {_acc_cell(c['accuracy'])} | {_fmt(c['vs_baseline_points'], '+.2f')} | "
                   f"{_fmt(c['nonlinear_fraction'] and 100 * c['nonlinear_fraction'], '.1f', '%')} | "
                   f"{_fmt(c['apl_normalized'])} | {_fmt(c['apl_unnormalized'])} | "
+                  f"{_fmt(c['params_after_fold'], ',.0f')} ({_fmt(c['params_vs_baseline'], '.3f', 'x')}) | "
                   f"{_fmt(c['mflops_per_image_after_fold'], '.1f')} ({_fmt(c['flops_vs_baseline'], '.3f', 'x')}) | "
                   f"{_fmt(l_['b1'])} ({_fmt(lv['b1'], '.2f', 'x')}) | {_fmt(l_['b64'], '.1f')} "
                   f"({_fmt(lv['b64'], '.2f', 'x')}) | {_fmt(c['fold_max_rel_error'], '.1e')} |")

@@ -293,6 +293,12 @@ def test_analyze_table_and_plots(tree, swept, tmp_path, monkeypatch):
     assert run["apl"]["unnormalized"] == pytest.approx(apl.unnormalized)
     assert sum(s["nonlinear"] for s in run["sites"].values()) == linearize.count_units(model, 1e-3)["nonlinear"]
     assert run["fold"]["max_abs_error"] <= 1e-4 * run["fold"]["output_scale"]
+    # parameters after fold: the baseline folded here, counted by hand, is the table's baseline cell
+    base = linearize.fold(cifar.load_model(results / "r20_base_s0" / "model").eval(), torch.zeros(2, 3, 8, 8),
+                          latency=False)
+    assert res["runs"]["r20_base_s0"]["fold"]["params_after"] == sum(p.numel() for p in base.parameters())
+    late, b = res["configs"]["late_10"], res["configs"]["base"]
+    assert f"{late['params_after_fold']:,.0f} ({late['params_after_fold'] / b['params_after_fold']:.3f}x)" in md
     assert set(res["latency"]["ms"]) >= {"r20_late_10_s0/folded", "r20_base_s0/folded", "r20_base_s0/as trained"}
 
     # without the data: the table from the committed metrics and caches; a run not measured yet is named
