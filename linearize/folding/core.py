@@ -125,11 +125,10 @@ def fold(
         dtype: verify in this dtype instead (e.g. ``torch.float64``: copies of both models
             and the inputs are cast, so activation rounding does not blur the comparison; the
             folded weights keep the rounding of the model's own dtype); ``None`` verifies in the
-            model's dtype; if that fails while the folded model is no further from the model's
-            float64 function than the model itself is (plus the tolerance: the model's own
-            rounding, e.g. float32 outputs 1e-3 off while rtol is 1e-4), both are verified again in
-            float64 (bfloat16 / float16: that bound is the check, their merged weights round
-            ~1e-3); ``summary.verify_dtype`` then names both checks.
+            model's dtype. A refusal names the model's own distance from its float64 output there:
+            a badly conditioned float32 model (or a bfloat16 one) may not meet ``rtol`` by itself;
+            ``dtype=torch.float64`` then verifies the fold's algebra (not how its merged layers round
+            in the model's dtype).
         latency: measure CPU latency before and after (median of interleaved repetitions).
         rules: the fold rules for this call, in order (``None``: the registered ones,
             :func:`~linearize.folding.rules.fold_rules`; see :func:`linearize.register_fold_rule`).
