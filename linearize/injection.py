@@ -96,7 +96,13 @@ def _reset_call_sites(owner: nn.Module, args: Any) -> None:
 
 def install_call_sites(owner: nn.Module, attr: str, modules: list[nn.Module]) -> None:
     """Put one module per call at ``owner.attr``: the module itself, or a :class:`CallSites`
-    dispatcher (reset by a forward pre-hook on ``owner``) when the site is called several times."""
+    dispatcher (reset by a forward pre-hook on ``owner``) when the site is called several times.
+
+    An owner with a fused fast path that computes its activation itself (``nn.TransformerEncoderLayer``
+    in eval mode under ``no_grad``: it reads ``activation_relu_or_gelu``) gets that path switched off,
+    or inference would bypass the new units."""
+    if getattr(owner, "activation_relu_or_gelu", None):
+        owner.activation_relu_or_gelu = 0  # torch's fast-path check then names "activation_relu_or_gelu"
     if len(modules) == 1:
         setattr(owner, attr, modules[0])
         return

@@ -341,3 +341,26 @@ def test_float64_model_gets_float64_slopes_and_folds():
         torch.testing.assert_close(model[1](hidden), (1 - a) * hidden.clamp_min(0) + a * hidden, rtol=0, atol=1e-15)
         folded = linearize.fold(model, x)
         torch.testing.assert_close(folded(x), model(x), rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("act", ["relu", "gelu"])
+def test_transformer_encoder_fast_path_does_not_bypass_the_units(act):
+    """nn.TransformerEncoderLayer's fused eval/no_grad path computes relu/gelu itself: after convert it must
+    be off, so inference runs the units. Truth: the same weights with an identity activation (no fast path)."""
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True, activation=act).eval()
+    encoder = nn.TransformerEncoder(copy.deepcopy(layer), 2, enable_nested_tensor=False).eval()
+    x = torch.randn(2, 5, 16)
+    for model in (layer, encoder):
+        linear = copy.deepcopy(model)
+        for m in linear.modules():
+            if isinstance(m, nn.TransformerEncoderLayer):
+                m.activation, m.activation_relu_or_gelu = (lambda t: t), 0
+        linearize.convert(model, example_inputs=x)
+        with torch.no_grad():
+            for _, u in linearize.units(model):
+                u.slope.fill_(1.0)
+            torch.testing.assert_close(model(x), linear(x), rtol=0, atol=1e-5)  # the fused path would give relu/gelu
+        folded = linearize.fold(model, x, latency=False)
+        with torch.no_grad():
+            torch.testing.assert_close(folded(x), linear(x), rtol=0, atol=1e-5)
