@@ -10,7 +10,8 @@ reports. A *kind* is a short name (``"relu"``, ``"gelu"`` ...); :data:`DEFAULT_A
 - :data:`FUNCTIONAL_SPECS`: functions and tensor methods (in-place forms included), with
   :func:`activation_module` building the module a functional call computes, and
   :data:`FUNCTIONS_BY_NAME` naming its out-of-place functions (for folded saves);
-- :data:`OTHER_ELEMENTWISE`: elementwise activation modules ``convert`` does not swap (PReLU, Softsign...);
+- :data:`OTHER_ELEMENTWISE` / :data:`OTHER_FUNCTIONS`: elementwise activation modules and functions
+  ``convert`` does not swap (PReLU, Softsign...): its report names them;
 - :class:`FunctionalActivation`: a module wrapping an activation function held as an attribute.
 
 Example:
@@ -27,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 __all__ = ["DEFAULT_ACTIVATIONS", "GATE_KINDS", "MODULE_KINDS", "HF_KINDS", "TIMM_KINDS", "FUNCTIONAL_SPECS",
-           "FUNCTIONS_BY_NAME", "OTHER_ELEMENTWISE", "INPLACE_ARG", "activation_kind", "activation_module",
+           "FUNCTIONS_BY_NAME", "OTHER_ELEMENTWISE", "OTHER_FUNCTIONS", "INPLACE_ARG", "activation_kind", "activation_module",
            "FunctionalActivation"]
 
 DEFAULT_ACTIVATIONS = (
@@ -112,6 +113,10 @@ OTHER_ELEMENTWISE: tuple[type[nn.Module], ...] = (
     nn.PReLU, nn.RReLU, nn.Softsign, nn.Tanhshrink, nn.LogSigmoid, nn.Threshold, nn.Softshrink, nn.Hardshrink,
 )
 # position of the ``inplace`` argument of a kind's functional form (absent: none)
+# their functional forms (and torch's): recorded by convert's probe as nonlinear calls it leaves as they are
+OTHER_FUNCTIONS: tuple[Callable, ...] = (
+    F.prelu, torch.prelu, F.rrelu, F.softsign, F.tanhshrink, F.logsigmoid, F.threshold, F.softshrink, F.hardshrink,
+)
 INPLACE_ARG = {"relu": 1, "relu6": 1, "leaky_relu": 2, "elu": 2, "celu": 2, "selu": 1, "hardtanh": 3,
                 "hardsigmoid": 1, "hardswish": 1, "silu": 1, "mish": 1}
 

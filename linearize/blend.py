@@ -31,6 +31,8 @@ def convert_blend(model: nn.Module, config: BlendConfig, example_inputs: Any) ->
         raise ValueError(
             f"{type(model).__name__} has no convertible activation (kinds {list(config.activations)})."
             + (f" Functional calls seen: {', '.join(report.functional_calls)}" if report.functional_calls else "")
+            + (f" Nonlinearities no kind covers: {', '.join(f'{n} ({w})' for n, w in report.unsupported.items())}"
+               if report.unsupported else "")
         )
     param = next(model.parameters(), None)
     # new units go to the model's device; float64 models get float64 slopes, low precision ones float32

@@ -24,7 +24,15 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from .activations import FUNCTIONAL_SPECS, GATE_KINDS, FunctionalActivation, activation_kind, activation_module
+from .activations import (
+    FUNCTIONAL_SPECS,
+    GATE_KINDS,
+    OTHER_ELEMENTWISE,
+    OTHER_FUNCTIONS,
+    FunctionalActivation,
+    activation_kind,
+    activation_module,
+)
 from .checks import as_patterns, check_channel_dim
 from .config import LinearizeConfig
 from .example_inputs import guess_example_inputs, guessed_input_error
@@ -135,6 +143,8 @@ class ConversionReport:
     # multiplicative gates left unconverted (LinearizeConfig.gates="exclude"): site -> why it is a gate
     # (a functional gate call is named "owner: fn", like functional_calls)
     gates: dict[str, str] = field(default_factory=dict)
+    # nonlinearities no kind of convert covers (PReLU, Softsign, a recurrent layer's kernel): site -> what it is
+    unsupported: dict[str, str] = field(default_factory=dict)
 
     @property
     def num_channels(self) -> int:
@@ -153,6 +163,7 @@ class ConversionReport:
         ]
         lines += [f"{n}: never called during the probe forward" for n in self.uncalled]
         lines += [f"{n}: called by a module that does not own it" for n in self.unreachable]
+        lines += [f"{n}: {what}, not an activation kind convert swaps" for n, what in self.unsupported.items()]
         return lines
 
     def __str__(self) -> str:
@@ -191,6 +202,9 @@ class ActivationCall:
     act: nn.Module | None = None
 
 
+_UNSUPPORTED = OTHER_ELEMENTWISE + (nn.RNNBase, nn.RNNCellBase)  # nonlinear modules convert leaves as they are
+
+
 class _FunctionalRecorder(TorchFunctionMode):
     """Records functional activation calls made outside activation modules."""
 
@@ -207,6 +221,8 @@ class _FunctionalRecorder(TorchFunctionMode):
                 self.probe.follow(args[0], out)
             elif func in _PRODUCTS:
                 self.probe.record_product(func, args, out)
+            elif func in OTHER_FUNCTIONS and not any(isinstance(m, _UNSUPPORTED) for m in self.probe.stack):
+                self.probe.record_unsupported(func)
         return out
 
 
@@ -227,6 +243,7 @@ class _Probe:
         self.outputs: dict[int, tuple[weakref.ref, ActivationCall]] = {}  # activation outputs (and their views)
         self.pending: dict[int, ActivationCall] = {}  # candidate module id -> its call now running
         self.last_leaf: nn.Module | None = None
+        self.unsupported: dict[str, str] = {}  # functional calls of OTHER_FUNCTIONS -> what they are
 
     def inside_activation(self) -> bool:
         return any(id(m) in self.activations for m in self.stack)
@@ -245,6 +262,11 @@ class _Probe:
                 call.act = activation_module(func, args, kwargs)
         self.functional.append((where, call))
         self._tag(out, call)
+
+    def record_unsupported(self, func: Callable) -> None:
+        owner = next((m for m in reversed(self.stack) if id(m) in self.names), None)
+        where = (self.names.get(id(owner), "") or type(owner).__name__) if owner is not None else type(owner).__name__
+        self.unsupported[f"{where}: {getattr(func, '__name__', func)}"] = "functional call"
 
     def _tag(self, out: Any, call: ActivationCall) -> None:
         if isinstance(out, torch.Tensor):
@@ -458,6 +480,10 @@ def plan_conversion(
         if not guessed or isinstance(err, FunctionalSiteError):
             raise
         raise guessed_input_error(model, inputs, err) from err
+    report.unsupported = {
+        name: f"{type(m).__name__} (nonlinearities inside its kernel)" if isinstance(m, nn.RNNBase) else type(m).__name__
+        for name, m in model.named_modules() if isinstance(m, _UNSUPPORTED)
+    } | probe.unsupported
     exclude_gates = config.gates == "exclude"
     owned = [call for _, call in probe.functional if functional and call.owner is not None]
     owner_plans, left = _plan_functional(model, owned, config, report, probe.invocations, targets, excludes)

@@ -364,3 +364,29 @@ def test_transformer_encoder_fast_path_does_not_bypass_the_units(act):
         folded = linearize.fold(model, x, latency=False)
         with torch.no_grad():
             torch.testing.assert_close(folded(x), linear(x), rtol=0, atol=1e-5)
+
+
+class _Unsupported(nn.Module):
+    """One ReLU convert swaps, and five nonlinearities no kind covers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rnn = nn.RNN(8, 8, nonlinearity="relu", batch_first=True)
+        self.lin, self.act, self.prelu, self.softsign = nn.Linear(8, 8), nn.ReLU(), nn.PReLU(), nn.Softsign()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.softsign(self.prelu(self.act(self.lin(self.rnn(x)[0]))))
+        return nn.functional.softsign(h) + nn.functional.logsigmoid(h)
+
+
+def test_nonlinearities_no_kind_covers_are_named_never_dropped_silently():
+    model = _Unsupported()
+    with pytest.warns(UserWarning, match="left 5 activation") as seen:
+        linearize.convert(model, example_inputs=torch.randn(2, 3, 8))
+    text = str(seen[0].message)
+    for name in ("rnn: RNN (nonlinearities inside its kernel)", "prelu: PReLU", "softsign: Softsign",
+                 "_Unsupported: softsign: functional call", "_Unsupported: log_sigmoid: functional call"):
+        assert name in text and name in str(model.linearize_report)
+    assert [name for name, _ in linearize.units(model)] == ["act"]
+    with pytest.raises(ValueError, match=r"no convertible activation.*no kind covers: 1 \(PReLU\)"):
+        linearize.convert(nn.Sequential(nn.Linear(4, 4), nn.PReLU(), nn.Linear(4, 2)), example_inputs=torch.randn(2, 4))
