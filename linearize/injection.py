@@ -202,6 +202,27 @@ class ActivationCall:
     act: nn.Module | None = None
 
 
+def _width(layer: nn.Module) -> int | None:
+    """The width of a layer's output features (a conv's channels, a linear's or a norm's features, HF's
+    ``Conv1D.nf``), or ``None`` for a layer that keeps its input's (padding, dropout, pooling)."""
+    for attr in ("out_channels", "out_features", "num_features", "num_channels", "embedding_dim", "nf"):
+        width = getattr(layer, attr, None)
+        if isinstance(width, int) and not isinstance(width, bool):
+            return width
+    shape = getattr(layer, "normalized_shape", None)  # LayerNorm / RMSNorm
+    return shape[-1] if isinstance(shape, (tuple, list)) and shape and isinstance(shape[-1], int) else None
+
+
+def _in_width(layer: nn.Module) -> int | None:
+    """The width of the features a layer takes (a conv's input channels, a linear's or a norm's features)."""
+    for attr in ("in_channels", "in_features", "num_features", "num_channels"):
+        width = getattr(layer, attr, None)
+        if isinstance(width, int) and not isinstance(width, bool):
+            return width
+    shape = getattr(layer, "normalized_shape", None)
+    return shape[-1] if isinstance(shape, (tuple, list)) and shape and isinstance(shape[-1], int) else None
+
+
 _UNSUPPORTED = OTHER_ELEMENTWISE + (nn.RNNBase, nn.RNNCellBase)  # nonlinear modules convert leaves as they are
 
 
@@ -244,6 +265,8 @@ class _Probe:
         self.pending: dict[int, ActivationCall] = {}  # candidate module id -> its call now running
         self.last_leaf: nn.Module | None = None
         self.unsupported: dict[str, str] = {}  # functional calls of OTHER_FUNCTIONS -> what they are
+        self.last_width: int | None = None  # output width of the last layer that has one (_width)
+        self.unsure: list[ActivationCall] = []  # calls whose channel dim the next layer settles (_settle)
 
     def inside_activation(self) -> bool:
         return any(id(m) in self.activations for m in self.stack)
@@ -258,7 +281,9 @@ class _Probe:
         if func in FUNCTIONAL_SPECS and owner is not None and isinstance(out, torch.Tensor):
             call.owner, call.invocation = owner, self.invocations[id(owner)]  # a call the owner's mode will see
             if out.ndim:  # a scalar has no channels: that call runs as it is
-                call.channel_dim = self._channel_dim(f"functional call {where} (input shape {tuple(out.shape)})", out)
+                call.channel_dim, sure = self._channel_dim(f"functional call {where} (input shape {tuple(out.shape)})", out)
+                if not sure:
+                    self.unsure.append(call)
                 call.act = activation_module(func, args, kwargs)
         self.functional.append((where, call))
         self._tag(out, call)
@@ -306,9 +331,14 @@ class _Probe:
             if isinstance(x, torch.Tensor):
                 caller = self.stack[-1] if self.stack else None
                 where = f"activation {self.names.get(id(module), type(module).__name__)!r} (input shape {tuple(x.shape)})"
-                call = ActivationCall(caller, tuple(x.shape), self._channel_dim(where, x), activation_kind(module) or "")
+                dim, sure = self._channel_dim(where, x)
+                call = ActivationCall(caller, tuple(x.shape), dim, activation_kind(module) or "")
                 self.calls[id(module)].append(call)
                 self.pending[id(module)] = call
+                if not sure:
+                    self.unsure.append(call)
+        elif self.unsure and next(module.children(), None) is None and _in_width(module) is not None:
+            self._settle(_in_width(module), args[0] if args else None)
         self.invocations[id(module)] += 1
         self.stack.append(module)
 
@@ -320,21 +350,41 @@ class _Probe:
             self._tag(output, call)
         if id(module) not in self.candidates and next(module.children(), None) is None:
             self.last_leaf = module
+            self.last_width = _width(module) or self.last_width
 
-    def _channel_dim(self, where: str, x: torch.Tensor) -> int:
-        """The channel dim of an activation call on ``x`` (``where`` names the call in errors)."""
+    def _channel_dim(self, where: str, x: torch.Tensor) -> tuple[int, bool]:
+        """The channel dim of an activation call on ``x`` (``where`` names the call in errors) and whether
+        it is settled: the one of dims 1 and -1 whose size is the output width of the last layer that has
+        one (a conv's channels, a linear's or a norm's features), so a (B, C, T) map after a LayerNorm, or
+        (B, N, C) tokens after a BatchNorm1d, get their feature axis. Where neither or both fit (a matmul
+        or a reshape came between), a guess by the last layer's type, which the next layer taking this
+        shape settles by its input width (:meth:`_settle`)."""
         if self.channel_dim is not None:  # forced by the config: it must fit this call's input
             check_channel_dim(self.channel_dim, x.ndim, where)
-            return self.channel_dim
+            return self.channel_dim, True
         if x.ndim <= 2:
-            return -1
+            return -1, True
+        fits = [d for d in (1, -1) if x.shape[d] == self.last_width]
+        if len(fits) == 1:
+            return fits[0], True
         if isinstance(self.last_leaf, _CHANNEL_FIRST):
-            return 1
+            return 1, False
         if isinstance(self.last_leaf, (nn.Linear, nn.LayerNorm, nn.Embedding)) or (
             type(self.last_leaf).__name__ == "Conv1D"  # HF GPT-2 style linear layer
         ):
-            return -1
-        return 1 if x.ndim >= 4 else -1
+            return -1, False
+        return (1 if x.ndim >= 4 else -1), False
+
+    def _settle(self, width: int, x: Any) -> None:
+        """The first layer after unsettled activation calls that takes their shape (``x``) and has an input
+        ``width``: a call whose dim 1 or -1 alone has that size gets it as its channel dim."""
+        if not isinstance(x, torch.Tensor):
+            return
+        for call in self.unsure:
+            fits = [d for d in (1, -1) if len(call.shape) == x.ndim and call.shape[d] == width]
+            if tuple(x.shape) == call.shape and len(fits) == 1:
+                call.channel_dim = fits[0]
+        self.unsure = []
 
     def run(self, model: nn.Module, inputs: Any) -> None:
         pre = torch.nn.modules.module.register_module_forward_pre_hook(self.pre_hook)

@@ -390,3 +390,39 @@ def test_nonlinearities_no_kind_covers_are_named_never_dropped_silently():
     assert [name for name, _ in linearize.units(model)] == ["act"]
     with pytest.raises(ValueError, match=r"no convertible activation.*no kind covers: 1 \(PReLU\)"):
         linearize.convert(nn.Sequential(nn.Linear(4, 4), nn.PReLU(), nn.Linear(4, 2)), example_inputs=torch.randn(2, 4))
+
+
+class _Tokens(nn.Module):
+    """Three activations whose feature axis the layer types alone would miss: tokens (B, N, C) after a
+    BatchNorm1d over flattened tokens (LeViT), a (B, C, T) map after a LayerNorm over C (wav2vec2's
+    feature encoder), and tokens after a matmul, read by a Linear (attention, then its projection)."""
+
+    def __init__(self, c: int = 6) -> None:
+        super().__init__()
+        self.lin, self.bn, self.act1 = nn.Linear(c, c), nn.BatchNorm1d(c), nn.GELU()
+        self.conv, self.norm, self.act2 = nn.Conv1d(c, c, 3, padding=1), nn.LayerNorm(c), nn.GELU()
+        self.act3, self.proj = nn.Hardswish(), nn.Linear(c, c)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (B, N, C)
+        h = self.lin(x)
+        h = self.act1(self.bn(h.flatten(0, 1)).reshape_as(h))
+        m = self.norm(self.conv(h.transpose(1, 2)).transpose(1, 2)).transpose(1, 2)  # (B, C, N)
+        h = self.act2(m).transpose(1, 2)
+        attn = (h @ h.transpose(1, 2)).softmax(-1)
+        return self.proj(self.act3(attn @ h))
+
+
+@pytest.mark.parametrize("tokens", [4, 6, 9])  # 6: N == C, where size alone cannot tell
+def test_channel_dim_is_the_feature_axis_by_the_widths_around_the_activation(tokens):
+    model = _Tokens().eval()
+    x = torch.randn(2, tokens, 6)
+    with torch.no_grad():
+        ref = model(x)
+    linearize.convert(model, example_inputs=x)
+    dims = {n: (u.channel_dim, u.num_channels) for n, u in linearize.units(model)}
+    if tokens != 6:
+        assert dims == {"act1": (-1, 6), "act2": (1, 6), "act3": (-1, 6)}  # the truth, by construction
+        with torch.no_grad():
+            assert model(torch.randn(3, tokens + 5, 6)).shape == (3, tokens + 5, 6)  # other lengths run
+    with torch.no_grad():
+        assert torch.equal(model(x), ref)  # exact at init whatever the axis
