@@ -96,7 +96,7 @@ class FunctionalSites(nn.Module):
 
     def begin(self) -> None:
         """Start an owner forward: the next call is call 0."""
-        self.position, self.mismatch, self.seen = 0, False, []
+        self.position, self.mismatch, self.seen, self.width = 0, False, [], ""
 
     @torch.compiler.disable  # eager under torch.compile: the call counter is state, not a graph input
     def call(self, func: Callable, args: tuple, kwargs: dict) -> Any:
@@ -108,6 +108,10 @@ class FunctionalSites(nn.Module):
         if not self.mismatch and not self._expected(k, kind, x):
             self.mismatch = True
             self.seen = self.kinds[:k]
+            if k < len(self.kinds) and self.kinds[k] == kind and self.channels[k] is not None:
+                dim, width = self.channels[k]
+                self.width = (f"call {k} ({kind}) has input shape {tuple(getattr(x, 'shape', ()))}, its unit "
+                              f"{width} channels at dim {dim}")
         if self.mismatch:
             self.seen.append(kind)
             return func(*args, **kwargs)
@@ -135,6 +139,14 @@ class FunctionalSites(nn.Module):
             seen = self.seen if self.mismatch else self.kinds[: self.position]
             name = self.owner_name or "<root>"
             pattern = self.owner_name or f"{ATTR}.*"  # the root's units (exclude_modules cannot be empty)
+            if self.width:  # the probe's calls, but one is wider or narrower along its unit's channel dim
+                raise FunctionalSiteError(
+                    f"linearize: in module {name!r}, {self.width}: the probe forward of linearize.convert took "
+                    "that dim for the features, but its size changed with the input, so it is a sequence or "
+                    "spatial axis. Fix: convert with channel_dim= set to the feature axis (e.g. channel_dim=1 "
+                    f"for (batch, features, length) maps), or exclude_modules=[{pattern!r}] to keep its "
+                    "functional calls as they are."
+                )
             raise FunctionalSiteError(
                 f"linearize: module {name!r} made {len(seen)} functional activation call(s) in this forward "
                 f"({', '.join(seen) or 'none'}), the probe forward of linearize.convert made {len(self.kinds)} "

@@ -276,6 +276,10 @@ class _Probe:
         where = self.names.get(id(owner), "") if owner is not None else ""
         name = getattr(func, "__name__", str(func))
         where = f"{where or type(owner).__name__}: {name}"
+        inner = self.stack[-1] if self.stack else None
+        if inner is not None and id(inner) not in self.names:  # a module made in forward (HF's ACT2FN[...](x)):
+            where = f"{where} (inside a {type(inner).__name__} made during forward, not a registered module)"
+            owner = None  # its call hides the owner's calls from the owner's dispatch, so it stays as it is
         kind = FUNCTIONAL_SPECS[func][0]
         call = ActivationCall(None, tuple(getattr(out, "shape", ())), -1, kind, where=where)
         if func in FUNCTIONAL_SPECS and owner is not None and isinstance(out, torch.Tensor):

@@ -517,3 +517,36 @@ def test_functional_models_train_to_a_target_on_real_cifar_and_fold_exactly(buil
     with torch.no_grad():
         ref, out = model(x[:32]), folded(x[:32])
     assert (out - ref).abs().max() <= 1e-4 * ref.abs().max()
+
+
+class _MadeInForward(nn.Module):
+    """HF Mamba's reference kernels call ``ACT2FN["silu"](x)``: an activation module made during forward,
+    not registered in the model, whose F.silu the owner's dispatch cannot see; then an F.silu of its own
+    on a (batch, features, length) map after a Linear that leaves the axis open."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj, self.out = nn.Linear(6, 12), nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (B, T, 6)
+        h, z = self.proj(x).transpose(1, 2).chunk(2, dim=1)  # (B, 6, T) each
+        h = nn.SiLU()(h)  # made here: stays as it is, named in the report
+        return self.out((h * F.silu(z)).transpose(1, 2))
+
+
+def test_an_activation_module_made_during_forward_is_left_as_it_is_and_named():
+    torch.manual_seed(0)
+    model = _MadeInForward().eval()
+    x = torch.randn(2, 5, 6)
+    with torch.no_grad():
+        ref = model(x)
+    with pytest.warns(UserWarning, match=r"silu \(inside a SiLU made during forward, not a registered module\)"):
+        linearize.convert(model, example_inputs=x)
+    with torch.no_grad():
+        assert torch.equal(model(x), ref)  # the same input: exact, no error
+    with pytest.raises(FunctionalSiteError, match=r"input shape \(2, 6, 7\), its unit 5 channels at dim -1.*"
+                                                  r"sequence or spatial axis.*channel_dim="):
+        model(torch.randn(2, 7, 6))  # the probe took the length (5) for the features: named, with the fix
+    model = linearize.convert(_MadeInForward().eval(), example_inputs=x, channel_dim=1)
+    with torch.no_grad():
+        assert model(torch.randn(2, 7, 6)).shape == (2, 7, 6)
