@@ -9,8 +9,8 @@ state dict alone rebuilds it. A folded save holds:
   torchvision or timm builder and its keyword arguments, or ``"plain"``: the caller passes it), then
   every module in order (qualified name, class, constructor arguments). Modules of an allow-list
   (``torch.nn`` layers, linearize's fold modules, transformers activations) are built from their
-  arguments; any other class is taken from the base at the same name, and must have the same class
-  there. Anything else is refused with a :class:`LoadError` naming the class: loading runs no code
+  arguments; any other class is taken from the base at the same name (or, for a module fold moved,
+  at its path in the model folded), and must have the same class there. Anything else is refused with a :class:`LoadError` naming the class: loading runs no code
   from the files.
 
 Example::
@@ -39,6 +39,7 @@ from torch import nn
 from ._files import LoadError, atomic_write
 from ._optional import require
 from .activations import FUNCTIONAL_SPECS, FUNCTIONS_BY_NAME
+from .folding.layers import ORIGIN
 from .functional_sites import ATTR as FUNCTIONAL_ATTR, FunctionalSites, install_functional_sites
 from .hf import mark_folded
 
@@ -96,8 +97,23 @@ def _hf_activation(name: str) -> type | None:
     return cls if isinstance(cls, type) and issubclass(cls, nn.Module) else None
 
 
+def _timm_activation(name: str) -> type | None:
+    """timm's activation classes (``timm.layers.activations.GELU`` ...): built from their arguments, as
+    transformers' are (a fold leaves them inside its blend modules, at paths the base does not have)."""
+    from .activations import TIMM_KINDS
+
+    module, _, cls_name = name.rpartition(".")
+    if module != "timm.layers.activations" or cls_name not in TIMM_KINDS:
+        return None
+    try:
+        cls = getattr(importlib.import_module(module), cls_name, None)
+    except ImportError:
+        return None
+    return cls if isinstance(cls, type) and issubclass(cls, nn.Module) else None
+
+
 def _allowed(name: str) -> type | None:
-    return _nn_classes().get(name) or _fold_classes().get(name) or _hf_activation(name)
+    return _nn_classes().get(name) or _fold_classes().get(name) or _hf_activation(name) or _timm_activation(name)
 
 
 def _class_name(module: nn.Module) -> str:
@@ -328,6 +344,8 @@ def save_folded(model: nn.Module, directory: str | os.PathLike, *, builder: str 
                 entry["args"] = _spec(module)
             except ValueError as err:
                 raise ValueError(f"save_folded: module {name or '<root>'!r} ({cls}): {err}") from None
+        elif isinstance(module.__dict__.get(ORIGIN), str) and module.__dict__[ORIGIN] != name:
+            entry["origin"] = module.__dict__[ORIGIN]  # where the base has it: fold moved it
         modules.append(entry)
     tensors = _tensors(model, gated=True)
     data = safetensors.torch.save(tensors, {"format": "pt"})
@@ -370,6 +388,7 @@ def _rebuild(meta: dict[str, Any], base: nn.Module | None, path: Path) -> nn.Mod
     from .folding.layers import get_path
 
     built: dict[str, nn.Module] = {}
+    before = {} if base is None else dict(base.named_modules(remove_duplicate=False))  # rebuilding rearranges base
     for entry in meta["modules"]:
         name, cls_name = entry["name"], entry["class"]
         cls = _allowed(cls_name)
@@ -391,6 +410,9 @@ def _rebuild(meta: dict[str, Any], base: nn.Module | None, path: Path) -> nn.Mod
                 raise LoadError(f"{path}: module {where!r} ({cls_name}): bad arguments ({err})") from None
         else:
             module = None if base is None else (base if not name else get_path(base, name))
+            origin = entry.get("origin")
+            if base is not None and isinstance(origin, str) and (module is None or _class_name(module) != cls_name):
+                module = before.get(origin)  # a module fold moved: the base's at its old path
             if module is None:
                 hint = ("pass the base model: linearize.load_folded(directory, base=YourModel(...))"
                         if base is None else "the base model given has no module there")

@@ -153,3 +153,19 @@ def test_crafted_functional_sites_are_refused(tmp_path, edit, match):
     (tmp_path / "folded.json").write_text(json.dumps(meta))
     with pytest.raises(LoadError, match=match):
         linearize.load_folded(tmp_path, base=FunctionalNet())
+
+
+@pytest.mark.parametrize("name", ["mobilenetv3_small_050", "convnext_atto"])
+def test_timm_modules_fold_moved_and_timm_activations_load_back(name, tmp_path):
+    """A fold that merges a timm block into a Sequential moves its SqueezeExcite (a class load_folded takes
+    from the base) to a new path; a blend keeps timm's GELU at a path the base does not have."""
+    timm = pytest.importorskip("timm")
+    x = torch.randn(2, 3, 32, 32)
+    folded = _half_linear(timm.create_model(name, pretrained=False, num_classes=10), x)
+    linearize.save_folded(folded, tmp_path)
+    back = linearize.load_folded(tmp_path)
+    with torch.no_grad():
+        assert torch.equal(back(x), folded(x))
+    if name.startswith("mobilenet"):  # the premise: a module fold moved, found at its old path in the base
+        moved = [e for e in json.loads((tmp_path / "folded.json").read_text())["modules"] if "origin" in e]
+        assert moved and all(e["class"].endswith("SqueezeExcite") for e in moved)

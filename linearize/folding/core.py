@@ -19,7 +19,7 @@ from ..injection import CallSites, _reset_call_sites
 from ..hf import mark_folded
 from ..inputs import eval_mode, float_outputs
 from ..unit import LinearizableActivation, check_finite_slopes, units
-from .layers import set_path
+from .layers import ORIGIN, set_path
 from .modules import plain_unit
 from .probe import Probe, run_counting
 from .rules import FoldContext, FoldRuleLike, Objective, check_rules, fold_rules, is_builtin
@@ -185,6 +185,8 @@ def fold(
 
     summary = FoldSummary(objective=objective.name, tol=tol)
     folded = copy.deepcopy(model).eval()
+    for path, module in folded.named_modules():  # where each module was: save_folded finds moved ones in the base
+        module.__dict__.setdefault(ORIGIN, path)
     probe = Probe(keep=list(folded.modules()))
     before_fold = dict(folded.named_modules())  # path -> layer, to find the layers fold left alone
     try:  # the untouched eval copy gives the reference output, shapes and FLOPs in one forward

@@ -7,6 +7,10 @@ import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
+# set by fold on every module of its result: the module's path in the model folded; save_folded takes a
+# module a merge moved (a timm SqueezeExcite into a Sequential) from the base at that path
+ORIGIN = "_linearize_origin"
+
 CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
 CONV_BY_DIM = {1: nn.Conv1d, 2: nn.Conv2d, 3: nn.Conv3d}
 
