@@ -31,8 +31,10 @@ def convert_blend(model: nn.Module, config: BlendConfig, example_inputs: Any) ->
         raise ValueError(
             f"{type(model).__name__} has no convertible activation (kinds {list(config.activations)})."
             + (f" Functional calls seen: {', '.join(report.functional_calls)}" if report.functional_calls else "")
-            + (f" Nonlinearities no kind covers: {', '.join(f'{n} ({w})' for n, w in report.unsupported.items())}"
+            + (f" Nonlinearities no kind covers: {', '.join(f'{n} ({w})' for n, w in report.unsupported.items())}."
                if report.unsupported else "")
+            + (f" Left as multiplicative gates: {', '.join(report.gates)} (convert(..., gates='include') converts them)."
+               if report.gates else "")
         )
     param = next(model.parameters(), None)
     # new units go to the model's device; float64 models get float64 slopes, low precision ones float32

@@ -426,3 +426,19 @@ def test_channel_dim_is_the_feature_axis_by_the_widths_around_the_activation(tok
             assert model(torch.randn(3, tokens + 5, 6)).shape == (3, tokens + 5, 6)  # other lengths run
     with torch.no_grad():
         assert torch.equal(model(x), ref)  # exact at init whatever the axis
+
+
+def test_a_model_whose_only_activation_is_a_gate_is_told_how_to_convert_it():
+    class Gated(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.lin(x)
+            return h * torch.sigmoid(h)
+
+    with pytest.raises(ValueError, match=r"multiplicative gates: linearize_functional.sigmoid_0 .*gates='include'"):
+        linearize.convert(Gated(), example_inputs=torch.randn(2, 4))
+    model = linearize.convert(Gated(), example_inputs=torch.randn(2, 4), gates="include")
+    assert [n for n, _ in linearize.units(model)] == ["linearize_functional.sigmoid_0"]
