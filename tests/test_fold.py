@@ -377,6 +377,22 @@ def test_t5_gated_ffn_is_reported_not_folded():
     _no_units(folded)
 
 
+def test_llama_gated_ffn_is_reported_not_folded():
+    from transformers import LlamaConfig, LlamaModel
+
+    model = LlamaModel(LlamaConfig(vocab_size=100, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                   num_attention_heads=2, num_key_value_heads=1)).eval()
+    inputs = {"input_ids": torch.randint(0, 100, (2, 5))}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        linearize.convert(model, example_inputs=inputs)
+    _set_linear(model, 0.5)
+    folded = linearize.fold(model, inputs, latency=False)
+    assert any("layers.0.mlp: gated FFN act_fn(gate_proj x) * (up_proj x)" in s
+               for s in folded.linearize_fold_summary.skipped)
+    _no_units(folded)
+
+
 # ----------------------------------------------------------------------------- FLOPs, latency, errors
 
 

@@ -30,7 +30,9 @@ from .rules import Cost, FoldContext, FoldRule
 FFN_PATTERNS = (
     ("intermediate.dense", "intermediate.intermediate_act_fn", "output.dense"),  # BERT family
 )
-GATED_FFN_ATTRS = ("wi_0", "wi_1")  # T5DenseGatedActDense: act on the gate branch only
+# gated FFNs, act on the gate branch only: (gate, up, activation) attributes of T5DenseGatedActDense and
+# of the LLaMA family's MLP (LLaMA, Mistral, Qwen2, Gemma ...)
+GATED_FFN_ATTRS = (("wi_0", "wi_1", "act"), ("gate_proj", "up_proj", "act_fn"))
 
 
 def is_transparent(m: nn.Module) -> bool:
@@ -200,13 +202,18 @@ def _apply_patterns(module: nn.Module, ctx: FoldContext) -> nn.Module | None:
     return module
 
 
-def _gated_matches(module: nn.Module, ctx: FoldContext) -> bool:
-    return all(hasattr(module, a) for a in GATED_FFN_ATTRS) and bool(units_of(getattr(module, "act", nn.Identity())))
+def _gated_attrs(module: nn.Module) -> tuple[str, str, str] | None:
+    """The (gate, up, activation) attributes of a gated FFN whose activation has units, else ``None``."""
+    for gate, up, act in GATED_FFN_ATTRS:
+        if hasattr(module, gate) and hasattr(module, up) and units_of(getattr(module, act, nn.Identity())):
+            return gate, up, act
+    return None
 
 
 def _gated_note(module: nn.Module, ctx: FoldContext) -> nn.Module:
+    gate, up, act = _gated_attrs(module)
     ctx.skipped(
-        "gated FFN act(wi_0 x) * (wi_1 x): a linear gate channel is still a product of two linear maps "
+        f"gated FFN {act}({gate} x) * ({up} x): a linear gate channel is still a product of two linear maps "
         "(quadratic), nothing to fold; units made plain"
     )
     return module
@@ -214,4 +221,4 @@ def _gated_note(module: nn.Module, ctx: FoldContext) -> nn.Module:
 
 FFN_BY_SHAPE = FoldRule("ffn-by-shape", lambda m, ctx: bool(find_ffns(m, ctx)), _apply_by_shape)
 FFN_BY_PATH = FoldRule("ffn-by-path", _pattern_matches, _apply_patterns)
-GATED_FFN = FoldRule("gated-ffn", _gated_matches, _gated_note)
+GATED_FFN = FoldRule("gated-ffn", lambda m, ctx: _gated_attrs(m) is not None, _gated_note)
