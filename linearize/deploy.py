@@ -389,6 +389,7 @@ def _rebuild(meta: dict[str, Any], base: nn.Module | None, path: Path) -> nn.Mod
 
     built: dict[str, nn.Module] = {}
     before = {} if base is None else dict(base.named_modules(remove_duplicate=False))  # rebuilding rearranges base
+    placed: dict[int, str] = {}  # id of every module placed -> its path: none may sit at two
     for entry in meta["modules"]:
         name, cls_name = entry["name"], entry["class"]
         cls = _allowed(cls_name)
@@ -422,6 +423,11 @@ def _rebuild(meta: dict[str, Any], base: nn.Module | None, path: Path) -> nn.Mod
             if _class_name(module) != cls_name:
                 raise LoadError(f"{path}: module {where!r} is a {cls_name} in the save but a "
                                 f"{_class_name(module)} in the base model; build the same architecture")
+            module.__dict__[ORIGIN] = origin if isinstance(origin, str) and module is before.get(origin) else name
+        if id(module) in placed:
+            raise LoadError(f"{path}: module {where!r} would be the base's module already at "
+                            f"{placed[id(module)]!r} (an 'origin' used twice)")
+        placed[id(module)] = name
         for child in list(module._modules):
             if child not in entry["children"]:
                 del module._modules[child]
@@ -444,6 +450,9 @@ def _rebuild(meta: dict[str, Any], base: nn.Module | None, path: Path) -> nn.Mod
                 raise LoadError(f"{path}: functional sites {name!r}: slots {module.slots} do not name its modules "
                                 f"{sorted(module._modules)}; save the model again with linearize.save_folded")
             install_functional_sites(owner, module)  # the owner's calls go to the plain modules again
+    from .injection import disable_fused_paths
+
+    disable_fused_paths(built[""])  # a base's encoder layer reused around a folded activation
     return built[""]
 
 

@@ -126,7 +126,7 @@ class FunctionalSites(nn.Module):
     def _expected(self, k: int, kind: str, x: Any) -> bool:
         if k >= len(self.kinds) or self.kinds[k] != kind:
             return False
-        if not isinstance(x, torch.Tensor):  # a tracer's proxy: nothing to check
+        if not isinstance(x, torch.Tensor) or self.slots[k] is None:  # a proxy, or a call left as it is (a gate)
             return True
         if self.channels[k] is None:
             return x.ndim == 0
@@ -142,10 +142,11 @@ class FunctionalSites(nn.Module):
             if self.width:  # the probe's calls, but one is wider or narrower along its unit's channel dim
                 raise FunctionalSiteError(
                     f"linearize: in module {name!r}, {self.width}: the probe forward of linearize.convert took "
-                    "that dim for the features, but its size changed with the input, so it is a sequence or "
-                    "spatial axis. Fix: convert with channel_dim= set to the feature axis (e.g. channel_dim=1 "
-                    f"for (batch, features, length) maps), or exclude_modules=[{pattern!r}] to keep its "
-                    "functional calls as they are."
+                    "that dim for the features, but its size changed with the input. Either it is a sequence or "
+                    "spatial axis (fix: convert with channel_dim= set to the feature axis, e.g. channel_dim=1 "
+                    "for (batch, features, length) maps), or the call's input comes from another layer on this "
+                    f"input (control flow; fix: exclude_modules=[{pattern!r}] to keep its functional calls as "
+                    "they are, or example_inputs= that take this path)."
                 )
             raise FunctionalSiteError(
                 f"linearize: module {name!r} made {len(seen)} functional activation call(s) in this forward "

@@ -66,7 +66,13 @@ from .activations import activation_kind
 from .blend import convert_blend
 from .config import BlendConfig, GatedConfig, LinearizeConfig
 from .example_inputs import guess_example_inputs
-from .injection import activation_registrations, install_call_sites, plan_conversion, wrap_function_attributes
+from .injection import (
+    activation_registrations,
+    disable_fused_paths,
+    install_call_sites,
+    plan_conversion,
+    wrap_function_attributes,
+)
 from .inputs import Batches, as_call, call_model, eval_mode, map_tensors, model_device
 from .unit import LinearizableActivation, write_into
 
@@ -480,6 +486,8 @@ def convert_gated(model: nn.Module, config: GatedConfig, example_inputs: Any = N
                 m.inplace = True
         install_call_sites(owner, attr, galus)
         install_call_sites(feature_owner, attr, taps)
+    disable_fused_paths(value)
+    disable_fused_paths(feature)
 
     if config.init == "independent":
         _reset_parameters(feature)

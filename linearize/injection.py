@@ -40,7 +40,7 @@ from .functional_sites import ATTR, FunctionalSiteError
 from .inputs import call_model, eval_mode
 from .unit import LinearizableActivation
 
-__all__ = ["CallSites", "install_call_sites", "SiteInfo", "ConversionReport", "ActivationCall", "OwnerPlan",
+__all__ = ["CallSites", "install_call_sites", "disable_fused_paths", "SiteInfo", "ConversionReport", "ActivationCall", "OwnerPlan",
            "plan_conversion", "call_channels",
            "activation_registrations", "wrap_function_attributes"]
 
@@ -52,7 +52,8 @@ _PRODUCTS: dict[Callable, tuple[int, int]] = {
 }
 # ops whose output is the same values as their first argument (a gate is often reshaped first)
 _SAME_VALUES: set[Callable] = {
-    torch.Tensor.view, torch.Tensor.view_as, torch.Tensor.reshape, torch.reshape, torch.Tensor.expand,
+    torch.Tensor.view, torch.Tensor.view_as, torch.Tensor.reshape, torch.reshape, torch.Tensor.reshape_as,
+    torch.Tensor.expand,
     torch.Tensor.expand_as, torch.Tensor.flatten, torch.flatten, torch.Tensor.unsqueeze, torch.unsqueeze,
     torch.Tensor.squeeze, torch.squeeze, torch.Tensor.permute, torch.permute, torch.Tensor.transpose,
     torch.transpose, torch.Tensor.contiguous, torch.Tensor.to, torch.Tensor.type_as, torch.Tensor.clone,
@@ -102,15 +103,28 @@ def _reset_call_sites(owner: nn.Module, args: Any) -> None:
             child.reset()
 
 
+def disable_fused_paths(model: nn.Module) -> None:
+    """Switch off the fused fast paths that compute an activation themselves where it is no longer the
+    plain one: ``nn.TransformerEncoderLayer`` in eval mode under ``no_grad`` runs relu/gelu inside one
+    kernel when ``activation_relu_or_gelu`` (set at its init) says so, bypassing a unit or a folded
+    ChannelPReLU; an ``nn.TransformerEncoder`` over such layers stops making nested tensors, which
+    units do not take. Called by convert, fold and load_folded."""
+    for m in model.modules():
+        act = getattr(m, "activation", None)
+        act = act.fn if isinstance(act, FunctionalActivation) else act  # F.relu held as an attribute, wrapped
+        if getattr(m, "activation_relu_or_gelu", 0) and not (act in (F.relu, F.gelu) or type(act) in (nn.ReLU, nn.GELU)):
+            m.activation_relu_or_gelu = 0  # torch's fast-path check then names "activation_relu_or_gelu"
+    for m in model.modules():
+        if isinstance(m, nn.TransformerEncoder) and any(
+            not getattr(layer, "activation_relu_or_gelu", 1) for layer in m.layers
+        ):
+            m.use_nested_tensor = False
+
+
 def install_call_sites(owner: nn.Module, attr: str, modules: list[nn.Module]) -> None:
     """Put one module per call at ``owner.attr``: the module itself, or a :class:`CallSites`
-    dispatcher (reset by a forward pre-hook on ``owner``) when the site is called several times.
-
-    An owner with a fused fast path that computes its activation itself (``nn.TransformerEncoderLayer``
-    in eval mode under ``no_grad``: it reads ``activation_relu_or_gelu``) gets that path switched off,
-    or inference would bypass the new units."""
-    if getattr(owner, "activation_relu_or_gelu", None):
-        owner.activation_relu_or_gelu = 0  # torch's fast-path check then names "activation_relu_or_gelu"
+    dispatcher (reset by a forward pre-hook on ``owner``) when the site is called several times
+    (then :func:`disable_fused_paths` on the model)."""
     if len(modules) == 1:
         setattr(owner, attr, modules[0])
         return
@@ -264,8 +278,8 @@ class _Probe:
         self.outputs: dict[int, tuple[weakref.ref, ActivationCall]] = {}  # activation outputs (and their views)
         self.pending: dict[int, ActivationCall] = {}  # candidate module id -> its call now running
         self.last_leaf: nn.Module | None = None
-        self.unsupported: dict[str, str] = {}  # functional calls of OTHER_FUNCTIONS -> what they are
-        self.last_width: int | None = None  # output width of the last layer that has one (_width)
+        self.unsupported: Counter[str] = Counter()  # functional calls of OTHER_FUNCTIONS ("owner: fn") -> calls
+        self.widths: dict[int, tuple[weakref.ref, int]] = {}  # layer outputs (and their views) -> layer width
         self.unsure: list[ActivationCall] = []  # calls whose channel dim the next layer settles (_settle)
 
     def inside_activation(self) -> bool:
@@ -295,7 +309,7 @@ class _Probe:
     def record_unsupported(self, func: Callable) -> None:
         owner = next((m for m in reversed(self.stack) if id(m) in self.names), None)
         where = (self.names.get(id(owner), "") or type(owner).__name__) if owner is not None else type(owner).__name__
-        self.unsupported[f"{where}: {getattr(func, '__name__', func)}"] = "functional call"
+        self.unsupported[f"{where}: {getattr(func, '__name__', func)}"] += 1
 
     def _tag(self, out: Any, call: ActivationCall) -> None:
         if isinstance(out, torch.Tensor):
@@ -307,10 +321,18 @@ class _Probe:
         return entry[1] if entry is not None and entry[0]() is x else None
 
     def follow(self, x: Any, out: Any) -> None:
-        """``out`` holds the values of ``x`` (a view, reshape, cast): it inherits ``x``'s source."""
+        """``out`` holds the values of ``x`` (a view, reshape, cast): it inherits ``x``'s source and width."""
         call = self._source(x)
         if call is not None and out is not x:
             self._tag(out, call)
+        width = self._width_of(x)
+        if width is not None and isinstance(out, torch.Tensor) and out is not x:
+            self.widths[id(out)] = (weakref.ref(out), width)
+
+    def _width_of(self, x: Any) -> int | None:
+        """The output width of the layer that made ``x`` (or the tensor ``x`` is a view or reshape of)."""
+        entry = self.widths.get(id(x)) if isinstance(x, torch.Tensor) else None
+        return entry[1] if entry is not None and entry[0]() is x else None
 
     def record_product(self, func: Callable, args: tuple, out: Any) -> None:
         """Mark the activation calls whose outputs are factors of this product as gates (see
@@ -352,23 +374,28 @@ class _Probe:
         call = self.pending.pop(id(module), None)
         if call is not None:
             self._tag(output, call)
-        if id(module) not in self.candidates and next(module.children(), None) is None:
+        if id(module) in self.candidates:
+            return
+        if next(module.children(), None) is None:
             self.last_leaf = module
-            self.last_width = _width(module) or self.last_width
+        width = _width(module)  # leaf or not: a weight-normed conv holds its parametrization as children
+        if width is not None and isinstance(output, torch.Tensor):
+            self.widths[id(output)] = (weakref.ref(output), width)
 
     def _channel_dim(self, where: str, x: torch.Tensor) -> tuple[int, bool]:
         """The channel dim of an activation call on ``x`` (``where`` names the call in errors) and whether
-        it is settled: the one of dims 1 and -1 whose size is the output width of the last layer that has
-        one (a conv's channels, a linear's or a norm's features), so a (B, C, T) map after a LayerNorm, or
-        (B, N, C) tokens after a BatchNorm1d, get their feature axis. Where neither or both fit (a matmul
-        or a reshape came between), a guess by the last layer's type, which the next layer taking this
-        shape settles by its input width (:meth:`_settle`)."""
+        it is settled: when ``x`` is the output of a layer with a width (a conv's channels, a linear's or a
+        norm's features), or a view, reshape or transpose of it, the one of dims 1 and -1 of that size, so
+        a (B, C, T) map after a LayerNorm, or (B, N, C) tokens after a BatchNorm1d, get their feature
+        axis. Otherwise (a sum, a concatenation, a matmul, a pixel shuffle came between), or where both fit,
+        a guess by the last layer's type, which the next layer taking this shape settles by its input
+        width (:meth:`_settle`)."""
         if self.channel_dim is not None:  # forced by the config: it must fit this call's input
             check_channel_dim(self.channel_dim, x.ndim, where)
             return self.channel_dim, True
         if x.ndim <= 2:
             return -1, True
-        fits = [d for d in (1, -1) if x.shape[d] == self.last_width]
+        fits = [d for d in (1, -1) if x.shape[d] == self._width_of(x)]
         if len(fits) == 1:
             return fits[0], True
         if isinstance(self.last_leaf, _CHANNEL_FIRST):
@@ -534,10 +561,13 @@ def plan_conversion(
         if not guessed or isinstance(err, FunctionalSiteError):
             raise
         raise guessed_input_error(model, inputs, err) from err
-    report.unsupported = {
+    report.unsupported = {  # called in the probe, and not left out by the config's names
         name: f"{type(m).__name__} (nonlinearities inside its kernel)" if isinstance(m, nn.RNNBase) else type(m).__name__
-        for name, m in model.named_modules() if isinstance(m, _UNSUPPORTED)
-    } | probe.unsupported
+        for name, m in model.named_modules()
+        if isinstance(m, _UNSUPPORTED) and probe.invocations[id(m)] and (targets is None or _matches(name, targets))
+        and not _matches(name, excludes)
+    } | {where: f"functional call, {n} per forward" for where, n in probe.unsupported.items()
+         if not _matches(where.split(":")[0], excludes)}
     exclude_gates = config.gates == "exclude"
     owned = [call for _, call in probe.functional if functional and call.owner is not None]
     owner_plans, left = _plan_functional(model, owned, config, report, probe.invocations, targets, excludes)

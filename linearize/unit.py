@@ -184,6 +184,9 @@ class ChannelPReLU(nn.PReLU):
 
     def _prelu(self, x: torch.Tensor) -> torch.Tensor:
         dim = self.channel_dim % x.ndim
+        if x.shape[dim] != self.num_parameters and self.num_parameters != 1:  # a reshape would mix the channels
+            raise ValueError(f"ChannelPReLU has {self.num_parameters} channels at dim {self.channel_dim}, got an "
+                             f"input of shape {tuple(x.shape)}")
         if dim == 1:
             return F.prelu(x, self.weight)
         if dim == x.ndim - 1:

@@ -388,6 +388,11 @@ def test_nonlinearities_no_kind_covers_are_named_never_dropped_silently():
                  "_Unsupported: softsign: functional call", "_Unsupported: log_sigmoid: functional call"):
         assert name in text and name in str(model.linearize_report)
     assert [name for name, _ in linearize.units(model)] == ["act"]
+    spare = _Unsupported()
+    spare.unused = nn.GRU(4, 4)  # never called: nothing to name
+    with pytest.warns(UserWarning, match="left 4 activation"):  # the excluded PReLU is left out on purpose
+        linearize.convert(spare, example_inputs=torch.randn(2, 3, 8), exclude_modules=["prelu"])
+    assert "unused" not in spare.linearize_report.unsupported and "prelu" not in spare.linearize_report.unsupported
     with pytest.raises(ValueError, match=r"no convertible activation.*no kind covers: 1 \(PReLU\)"):
         linearize.convert(nn.Sequential(nn.Linear(4, 4), nn.PReLU(), nn.Linear(4, 2)), example_inputs=torch.randn(2, 4))
 
@@ -442,3 +447,47 @@ def test_a_model_whose_only_activation_is_a_gate_is_told_how_to_convert_it():
         linearize.convert(Gated(), example_inputs=torch.randn(2, 4))
     model = linearize.convert(Gated(), example_inputs=torch.randn(2, 4), gates="include")
     assert [n for n, _ in linearize.units(model)] == ["linearize_functional.sigmoid_0"]
+
+
+def test_encoder_nested_tensors_excluded_layers_and_loaded_folds_keep_the_right_path(tmp_path):
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True)
+    encoder = nn.TransformerEncoder(layer, 2).eval()  # nested tensors on: units cannot take them
+    x, pad = torch.randn(2, 5, 16), torch.tensor([[False] * 5, [False] * 3 + [True] * 2])
+    with torch.no_grad():
+        ref = encoder(x, src_key_padding_mask=pad)
+    linearize.convert(encoder, example_inputs=x, exclude_modules=["layers.1.activation"])
+    assert [m.activation_relu_or_gelu for m in encoder.layers] == [0, 1]  # the excluded layer keeps its fast path
+    with torch.no_grad():
+        out = encoder(x, src_key_padding_mask=pad)
+    torch.testing.assert_close(out[~pad], ref[~pad], rtol=0, atol=1e-5)  # exact at init, where not padded
+    with torch.no_grad():
+        linearize.units(encoder)[0][1].slope.fill_(1.0)
+    folded = linearize.fold(encoder, x, latency=False)
+    linearize.save_folded(folded, tmp_path)
+    base = nn.TransformerEncoder(nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True), 2).eval()
+    back = linearize.load_folded(tmp_path, base=base)  # reuses the base's layers: their fast path must go
+    with torch.no_grad():
+        torch.testing.assert_close(back(x), folded(x), rtol=0, atol=1e-6)
+        torch.testing.assert_close(back(x), encoder(x), rtol=0, atol=1e-5)
+
+
+class _Cat(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Conv2d(3, 16, 3, padding=1), nn.Conv2d(3, 16, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.relu(torch.cat([self.a(x), self.b(x)], 1))
+
+
+@pytest.mark.parametrize("build, dims", [
+    (_Cat, {"linearize_functional.relu_0": (1, 32)}),  # W == 16 == one conv's width: a cat is not that conv's output
+    (lambda: nn.Sequential(nn.Conv2d(3, 32, 3, padding=1), nn.PixelShuffle(2), nn.ReLU()), {"2": (1, 8)}),
+])
+def test_a_layer_width_counts_only_for_its_own_output_and_its_views(build, dims):
+    model, x = build().eval(), torch.randn(2, 3, 16, 16)
+    linearize.convert(model, example_inputs=x)
+    assert {n: (u.channel_dim, u.num_channels) for n, u in linearize.units(model)} == dims
+    with torch.no_grad():
+        model(torch.randn(1, 3, 20, 20))  # another size runs on the feature axis

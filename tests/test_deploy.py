@@ -169,3 +169,24 @@ def test_timm_modules_fold_moved_and_timm_activations_load_back(name, tmp_path):
     if name.startswith("mobilenet"):  # the premise: a module fold moved, found at its old path in the base
         moved = [e for e in json.loads((tmp_path / "folded.json").read_text())["modules"] if "origin" in e]
         assert moved and all(e["class"].endswith("SqueezeExcite") for e in moved)
+
+
+def test_a_loaded_fold_saves_again_and_an_origin_used_twice_is_refused(tmp_path):
+    timm = pytest.importorskip("timm")
+    x = torch.randn(2, 3, 32, 32)
+    folded = _half_linear(timm.create_model("mobilenetv3_small_050", pretrained=False, num_classes=10), x)
+    linearize.save_folded(folded, tmp_path / "a")
+    back = linearize.load_folded(tmp_path / "a")
+    linearize.save_folded(back, tmp_path / "b")  # the moved modules keep their origin through a load
+    with torch.no_grad():
+        assert torch.equal(linearize.load_folded(tmp_path / "b")(x), folded(x))
+    meta = json.loads((tmp_path / "a" / "folded.json").read_text())
+    moved = [e for e in meta["modules"] if "origin" in e]
+    moved[1]["origin"] = moved[0]["origin"]  # hostile: one base module at two paths
+    (tmp_path / "a" / "folded.json").write_text(json.dumps(meta))
+    with pytest.raises(LoadError, match="an 'origin' used twice"):
+        linearize.load_folded(tmp_path / "a")
+    moved[1]["origin"] = ""  # the base's root
+    (tmp_path / "a" / "folded.json").write_text(json.dumps(meta))
+    with pytest.raises(LoadError, match=rf"{moved[1]['name']}.*(used twice|in the save but)"):
+        linearize.load_folded(tmp_path / "a")
