@@ -40,8 +40,8 @@ from .functional_sites import ATTR, FunctionalSiteError
 from .inputs import call_model, eval_mode
 from .unit import LinearizableActivation
 
-__all__ = ["CallSites", "install_call_sites", "disable_fused_paths", "SiteInfo", "ConversionReport", "ActivationCall", "OwnerPlan",
-           "plan_conversion", "call_channels",
+__all__ = ["CallSites", "install_call_sites", "disable_fused_paths", "SiteInfo", "ConversionReport", "ActivationCall",
+           "OwnerPlan", "plan_conversion", "call_channels",
            "activation_registrations", "wrap_function_attributes"]
 
 # products that make an activation's output a multiplicative gate: op -> positions of the factors
@@ -216,10 +216,9 @@ class ActivationCall:
     act: nn.Module | None = None
 
 
-def _width(layer: nn.Module) -> int | None:
-    """The width of a layer's output features (a conv's channels, a linear's or a norm's features, HF's
-    ``Conv1D.nf``), or ``None`` for a layer that keeps its input's (padding, dropout, pooling)."""
-    for attr in ("out_channels", "out_features", "num_features", "num_channels", "embedding_dim", "nf"):
+def _first_width(layer: nn.Module, attrs: tuple[str, ...]) -> int | None:
+    """The first of ``attrs`` that ``layer`` holds as an int, else a norm's ``normalized_shape[-1]``."""
+    for attr in attrs:
         width = getattr(layer, attr, None)
         if isinstance(width, int) and not isinstance(width, bool):
             return width
@@ -227,14 +226,15 @@ def _width(layer: nn.Module) -> int | None:
     return shape[-1] if isinstance(shape, (tuple, list)) and shape and isinstance(shape[-1], int) else None
 
 
+def _width(layer: nn.Module) -> int | None:
+    """The width of a layer's output features (a conv's channels, a linear's or a norm's features, HF's
+    ``Conv1D.nf``), or ``None`` for a layer that keeps its input's (padding, dropout, pooling)."""
+    return _first_width(layer, ("out_channels", "out_features", "num_features", "num_channels", "embedding_dim", "nf"))
+
+
 def _in_width(layer: nn.Module) -> int | None:
     """The width of the features a layer takes (a conv's input channels, a linear's or a norm's features)."""
-    for attr in ("in_channels", "in_features", "num_features", "num_channels"):
-        width = getattr(layer, attr, None)
-        if isinstance(width, int) and not isinstance(width, bool):
-            return width
-    shape = getattr(layer, "normalized_shape", None)
-    return shape[-1] if isinstance(shape, (tuple, list)) and shape and isinstance(shape[-1], int) else None
+    return _first_width(layer, ("in_channels", "in_features", "num_features", "num_channels"))
 
 
 _UNSUPPORTED = OTHER_ELEMENTWISE + (nn.RNNBase, nn.RNNCellBase)  # nonlinear modules convert leaves as they are
@@ -285,11 +285,14 @@ class _Probe:
     def inside_activation(self) -> bool:
         return any(id(m) in self.activations for m in self.stack)
 
-    def record_functional(self, func: Callable, args: tuple, kwargs: dict, out: Any) -> None:
+    def _where(self, func: Callable) -> tuple[nn.Module | None, str]:
+        """The innermost registered module now running and ``"<its name>: <func>"`` for reports."""
         owner = next((m for m in reversed(self.stack) if id(m) in self.names), None)
         where = self.names.get(id(owner), "") if owner is not None else ""
-        name = getattr(func, "__name__", str(func))
-        where = f"{where or type(owner).__name__}: {name}"
+        return owner, f"{where or type(owner).__name__}: {getattr(func, '__name__', str(func))}"
+
+    def record_functional(self, func: Callable, args: tuple, kwargs: dict, out: Any) -> None:
+        owner, where = self._where(func)
         inner = self.stack[-1] if self.stack else None
         if inner is not None and id(inner) not in self.names:  # a module made in forward (HF's ACT2FN[...](x)):
             where = f"{where} (inside a {type(inner).__name__} made during forward, not a registered module)"
@@ -307,9 +310,7 @@ class _Probe:
         self._tag(out, call)
 
     def record_unsupported(self, func: Callable) -> None:
-        owner = next((m for m in reversed(self.stack) if id(m) in self.names), None)
-        where = (self.names.get(id(owner), "") or type(owner).__name__) if owner is not None else type(owner).__name__
-        self.unsupported[f"{where}: {getattr(func, '__name__', func)}"] += 1
+        self.unsupported[self._where(func)[1]] += 1
 
     def _tag(self, out: Any, call: ActivationCall) -> None:
         if isinstance(out, torch.Tensor):
@@ -363,8 +364,8 @@ class _Probe:
                 self.pending[id(module)] = call
                 if not sure:
                     self.unsure.append(call)
-        elif self.unsure and next(module.children(), None) is None and _in_width(module) is not None:
-            self._settle(_in_width(module), args[0] if args else None)
+        elif self.unsure and next(module.children(), None) is None and (width := _in_width(module)) is not None:
+            self._settle(width, args[0] if args else None)
         self.invocations[id(module)] += 1
         self.stack.append(module)
 
@@ -412,7 +413,7 @@ class _Probe:
         if not isinstance(x, torch.Tensor):
             return
         for call in self.unsure:
-            fits = [d for d in (1, -1) if len(call.shape) == x.ndim and call.shape[d] == width]
+            fits = [d for d in (1, -1) if call.shape[d] == width]
             if tuple(x.shape) == call.shape and len(fits) == 1:
                 call.channel_dim = fits[0]
         self.unsure = []
