@@ -164,6 +164,19 @@ def _channels(v: torch.Tensor, ndim: int) -> torch.Tensor:
     return v.view([1, -1] + [1] * (ndim - 2)) if ndim > 1 else v
 
 
+def _channel_axis(x: torch.Tensor, channel_dim: int, channels: int, owner: str) -> int:
+    """The non-negative axis of ``x`` at ``channel_dim``; ``ValueError`` naming ``owner`` unless ``x`` has
+    ``channels`` there (a 0-d input, or one of another width, would broadcast or mix channels)."""
+    dim = channel_dim if channel_dim >= 0 else x.ndim + channel_dim
+    if not 0 <= dim < x.ndim or x.shape[dim] != channels:
+        raise ValueError(
+            f"{owner} was built for {channels} channels at dim {channel_dim}, got an input of shape "
+            f"{tuple(x.shape)}. A module reused on inputs of different widths needs one unit per call "
+            "site: convert the model with linearize.convert, which finds each call."
+        )
+    return dim
+
+
 class ChannelPReLU(nn.PReLU):
     """``nn.PReLU`` whose channels sit at ``channel_dim`` (``nn.PReLU`` assumes dim 1).
 
@@ -183,10 +196,9 @@ class ChannelPReLU(nn.PReLU):
         return write_into(x, self._prelu, (self.weight,)) if self.inplace else self._prelu(x)
 
     def _prelu(self, x: torch.Tensor) -> torch.Tensor:
-        dim = self.channel_dim % x.ndim
-        if x.shape[dim] != self.num_parameters and self.num_parameters != 1:  # a reshape would mix the channels
-            raise ValueError(f"ChannelPReLU has {self.num_parameters} channels at dim {self.channel_dim}, got an "
-                             f"input of shape {tuple(x.shape)}")
+        if self.num_parameters == 1:  # one slope for every element, whatever the shape
+            return F.prelu(x, self.weight)
+        dim = _channel_axis(x, self.channel_dim, self.num_parameters, "ChannelPReLU")
         if dim == 1:
             return F.prelu(x, self.weight)
         if dim == x.ndim - 1:
@@ -216,7 +228,7 @@ class ChannelBlend(nn.Module):
 
     def _blend(self, x: torch.Tensor) -> torch.Tensor:
         shape = [1] * x.ndim
-        shape[self.channel_dim] = self.slope.numel()
+        shape[_channel_axis(x, self.channel_dim, self.slope.numel(), "ChannelBlend")] = self.slope.numel()
         return torch.lerp(self.act(x), x, self.slope.to(x.dtype).view(shape))
 
     def extra_repr(self) -> str:
@@ -361,7 +373,7 @@ class LinearizableActivation(nn.Module):
         return write_into(x, self._blend, self.parameters()) if self.inplace else self._blend(x)
 
     def _blend(self, x: torch.Tensor) -> torch.Tensor:
-        dim = self._check(x)
+        dim = _channel_axis(x, self.channel_dim, self.num_channels, f"{type(self).__name__}({self.kind})")
         a = self.slope  # one module attribute lookup: the forward runs at every call site, every step
         if a.dtype != x.dtype:
             a = a.to(x.dtype)
@@ -377,17 +389,6 @@ class LinearizableActivation(nn.Module):
             return _prelu(x.movedim(dim, 1), w).movedim(1, dim)
         # torch.lerp is exact at both ends: weight 0 gives act(x), weight 1 gives x.
         return torch.lerp(self.activation(x), x, a.view(self.broadcast_shape(x.ndim)))
-
-    def _check(self, x: torch.Tensor) -> int:
-        dim = self.channel_dim if self.channel_dim >= 0 else x.ndim + self.channel_dim
-        if not 0 <= dim < x.ndim or x.shape[dim] != self.num_channels:
-            raise ValueError(
-                f"{type(self).__name__}({self.kind}) was built for {self.num_channels} channels at "
-                f"dim {self.channel_dim}, got an input of shape {tuple(x.shape)}. A module reused on "
-                "inputs of different widths needs one unit per call site: convert the model with "
-                "linearize.convert, which finds each call."
-            )
-        return dim
 
     def broadcast_shape(self, ndim: int) -> list[int]:
         """Shape that broadcasts a ``[C]`` vector along ``channel_dim`` of an ``ndim`` input."""

@@ -128,6 +128,22 @@ def test_channel_prelu_channels_last():
     torch.testing.assert_close(ChannelPReLU(w, channel_dim=2)(x), ref)
 
 
+@pytest.mark.parametrize("plain", [lambda w: ChannelPReLU(w), lambda w: ChannelBlend(nn.GELU(), w),
+                                   lambda w: ChannelPReLU(w, channel_dim=-1), lambda w: ChannelBlend(nn.GELU(), w, -1)])
+@pytest.mark.parametrize("shape", [(), (5,), (2, 4), (2, 4, 6, 2)])
+def test_plain_forms_refuse_an_input_without_their_width_at_their_channel_dim(plain, shape):
+    """Broadcasting a [3] slope over width 1 or reshaping 4 channels into 3 would mix channels silently; a 0-d
+    input has no channel dim (it failed with Python's modulo error)."""
+    with pytest.raises(ValueError, match=r"built for 3 channels at dim -?1, got an input of shape"):
+        plain(torch.tensor([0.0, 0.5, 1.0]))(torch.randn(shape))
+
+
+def test_single_slope_prelu_takes_any_shape():
+    w, x = torch.tensor([0.25]), torch.randn(2, 4, 3)
+    for t in (x, x[0, 0, 0]):
+        torch.testing.assert_close(ChannelPReLU(w)(t), torch.where(t > 0, t, 0.25 * t))
+
+
 def test_ffn_split_in_sequential_matches_formula():
     torch.manual_seed(0)
     d, m = 8, 32
@@ -534,13 +550,13 @@ def test_rounding_on_one_output_never_passes_an_error_on_another():
 
 
 class _ZeroHead(nn.Module):
-    """The ill-conditioned pair, a ReLU, dropout and a zero head: the output verifies nothing, the head's
-    input does (in eval mode, as the outputs: dropout left in train mode must not blur it)."""
+    """``body`` then a zero head: the output verifies nothing, the head's input does (in eval mode, as the
+    outputs: dropout left in train mode must not blur it)."""
 
-    def __init__(self) -> None:
+    def __init__(self, body: nn.Module, width: int) -> None:
         super().__init__()
-        self.body = nn.Sequential(*_ill_conditioned(), nn.ReLU(), nn.Dropout(0.5))
-        self.head = nn.Linear(2, 3)
+        self.body = body
+        self.head = nn.Linear(width, 3)
         nn.init.zeros_(self.head.weight)
         nn.init.zeros_(self.head.bias)
 
@@ -550,7 +566,8 @@ class _ZeroHead(nn.Module):
 
 def test_the_inner_signal_names_the_rounding_and_is_verified_in_eval_mode():
     x = torch.randn(64, 16, generator=torch.Generator().manual_seed(1))
-    model = _ZeroHead().train()  # dropout on: the outputs and the inner signal are both taken in eval mode
+    # dropout on: the outputs and the inner signal are both taken in eval mode
+    model = _ZeroHead(nn.Sequential(*_ill_conditioned(), nn.ReLU(), nn.Dropout(0.5)), 2).train()
     with pytest.raises(FoldVerificationError, match=r"at the input of 'head' .*own torch.float32 output is .*rounding alone"):
         linearize.fold(model, x, latency=False)
     s = linearize.fold(model, x, latency=False, dtype=torch.float64).linearize_fold_summary
@@ -591,21 +608,10 @@ def test_a_model_that_does_not_run_in_float64_is_refused_saying_its_rounding_is_
         linearize.fold(model, torch.randn(64, 16, generator=torch.Generator().manual_seed(1)), latency=False)
 
 
-class _DropoutZeroHead(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.body = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 8), nn.Dropout(0.5), nn.ReLU())
-        self.head = nn.Linear(8, 3)
-        nn.init.zeros_(self.head.weight)
-        nn.init.zeros_(self.head.bias)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.body(x))
-
-
 def test_dropout_left_in_train_mode_does_not_blur_the_inner_signal():
     torch.manual_seed(0)
-    model = linearize.convert(_DropoutZeroHead())
+    body = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 8), nn.Dropout(0.5), nn.ReLU())
+    model = linearize.convert(_ZeroHead(body, 8))
     with torch.no_grad():
         model.body[1].slope.fill_(1.0)  # body 0 o 2 merge; the head's input verifies it
     s = linearize.fold(model.train(), torch.randn(64, 16), latency=False).linearize_fold_summary
