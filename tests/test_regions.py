@@ -124,6 +124,17 @@ def test_reference_function_hand_values():
     torch.testing.assert_close(res.end_value[:, 0], torch.tensor([0.0, 0.5], dtype=torch.float64))
 
 
+def test_hand_values_hold_under_inference_mode():
+    """inference_mode turned forward AD off silently: 1 region and deviation 0 for every segment."""
+    net = _reference_net()
+    with torch.inference_mode():
+        x0, x1 = torch.tensor([[-1.0], [-0.5]]), torch.tensor([[3.0], [1.5]])
+        assert linear_regions(net, x0, x1).count.tolist() == [4, 3]
+        dev = absolute_deviation(net, x0, x1)
+    torch.testing.assert_close(dev[:, 0], torch.tensor([1.0, 11 / 24], dtype=torch.float64))
+    assert torch.is_grad_enabled()
+
+
 def test_mlp_matches_dense_sampling():
     torch.manual_seed(0)
     mlp = nn.Sequential(

@@ -262,9 +262,12 @@ class _Tracer(TorchFunctionMode):
         """Output value ``[B, K]``, derivative w.r.t. ``t`` ``[B, K]`` and next step ``[B]``."""
         self.step = torch.full((x.shape[0],), math.inf, dtype=x.dtype, device=x.device)
         self.stack.clear()
-        handles = self._hooks()
+        handles, grad_mode = self._hooks(), torch.is_grad_enabled()
         try:
-            with fwAD.dual_level(), self:
+            # inference_mode turns forward AD off without a word (no tangents: 1 region); leave it here
+            # (grad mode as it was), with the caller's inference tensors copied into normal ones
+            with torch.inference_mode(False), torch.set_grad_enabled(grad_mode), fwAD.dual_level(), self:
+                x, direction = (t.clone() if t.is_inference() else t for t in (x, direction))
                 y = self.net(fwAD.make_dual(x, direction))
                 value, grad = fwAD.unpack_dual(_output_tensor(y))
                 self.output_shape = tuple(value.shape[1:])
