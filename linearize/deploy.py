@@ -4,7 +4,11 @@
 narrowed plus a ``d x d`` linear path, merged convs, ...), so neither ``model.save_pretrained`` nor a
 state dict alone rebuilds it. A folded save holds:
 
-- ``folded-<sha256[:16]>.safetensors``: the whole state dict (loaded strictly), named by its checksum;
+- ``folded-<sha256[:16]>.safetensors``: the whole state dict (loaded strictly), named by its checksum,
+  and a *probe*: one input row (``example_inputs``, else a guessed one) and the outputs the saved model
+  gave on it. ``load_folded`` runs the rebuilt model on it and refuses a model that computes something
+  else: a base rebuilt with other arguments than the model folded had (timm's ``global_pool`` or
+  ``img_size``, which no save records) loads without a complaint otherwise;
 - ``folded.json``: how to rebuild the structure: the *base* (a Hugging Face class and its config, a
   torchvision or timm builder and its keyword arguments, or ``"plain"``: the caller passes it), then
   every module in order (qualified name, class, constructor arguments). Modules of an allow-list
@@ -51,6 +55,7 @@ FOLDED_CONFIG = "folded.json"
 _WEIGHTS_FILE = re.compile(r"folded(-[0-9a-f]{16})?\.safetensors")
 FORMAT_VERSION = 1
 _JSON = (bool, int, float, str, type(None))
+_PROBE = "__linearize_probe__."  # prefix of the probe's tensors in the weights file
 
 
 # ----------------------------------------------------------------------------- allow-list
@@ -313,12 +318,73 @@ def _build_base(base: dict[str, Any], given: nn.Module | None, path: Path) -> nn
     raise LoadError(f"{path}: unknown base kind {kind!r}")
 
 
+# ----------------------------------------------------------------------------- probe
+
+
+def _probe(model: nn.Module, example_inputs: Any) -> tuple[dict[str, torch.Tensor], str]:
+    """Tensors of a probe (one input row, the model's floating outputs on it) and ``""``; or no tensors and
+    why (a guessed input the model refused, inputs that are not all tensors)."""
+    from .example_inputs import guess_example_inputs
+    from .inputs import _slice, as_call, eval_mode, float_outputs, num_rows
+
+    try:
+        inputs = guess_example_inputs(model) if example_inputs is None else example_inputs
+    except ValueError as err:
+        return {}, f"no input to guess: {err}"
+    args, kwargs = as_call(inputs)
+    if not all(isinstance(v, torch.Tensor) for v in (*args, *kwargs.values())) or not (args or kwargs):
+        return {}, "its inputs are not all tensors"
+    args, kwargs = as_call(_slice(inputs, 0, 1) if num_rows(inputs) else inputs)
+    try:
+        with torch.no_grad(), eval_mode(model):
+            outputs = float_outputs(model(*args, **kwargs))
+    except Exception as err:  # noqa: BLE001 -- any failure of the user's forward; theirs is re-raised
+        if example_inputs is not None:
+            raise ValueError(f"save_folded: the model fails on its example_inputs ({type(err).__name__}: {err})") from err
+        return {}, f"it fails on a guessed input ({type(err).__name__})"
+    tensors = {f"{_PROBE}arg.{i}": v for i, v in enumerate(args)}
+    tensors |= {f"{_PROBE}kwarg.{k}": v for k, v in kwargs.items()}
+    tensors |= {f"{_PROBE}output.{i}": v for i, v in enumerate(outputs)}
+    return {k: v.detach().cpu().contiguous().clone() for k, v in tensors.items()}, ""
+
+
+def _check_probe(model: nn.Module, probe: dict[str, torch.Tensor], path: Path) -> None:
+    """Refuse (:class:`LoadError`) a rebuilt ``model`` that does not give the probe's outputs on its input."""
+    from .inputs import eval_mode, float_outputs, max_difference
+
+    def part(kind: str) -> dict[str, torch.Tensor]:
+        return {k[len(_PROBE + kind) + 1:]: v for k, v in probe.items() if k.startswith(f"{_PROBE}{kind}.")}
+
+    args = [v for _, v in sorted(part("arg").items(), key=lambda kv: int(kv[0]))]
+    saved = [v for _, v in sorted(part("output").items(), key=lambda kv: int(kv[0]))]
+    fix = ("its base was built differently from the model folded (a timm or torchvision builder argument no save "
+           "records, such as global_pool or img_size, or another version of that library): build the original "
+           "architecture and pass it, linearize.load_folded(directory, base=...); check=False loads without this "
+           "check")
+    try:
+        with torch.no_grad(), eval_mode(model):
+            got = float_outputs(model(*args, **part("kwarg")))
+        if [t.shape for t in got] != [t.shape for t in saved]:
+            raise ValueError(f"output shapes {[tuple(t.shape) for t in got]}, saved {[tuple(t.shape) for t in saved]}")
+        err, scale = max_difference(saved, got)
+    except Exception as e:  # noqa: BLE001 -- the rebuilt model failing on the saved probe is the finding
+        raise LoadError(f"{path}: the rebuilt model fails on the probe saved with it ({type(e).__name__}: "
+                        f"{str(e).strip()[:200]}); {fix}") from None
+    rtol = max(1e-4, 16 * max((torch.finfo(t.dtype).eps for t in saved), default=0.0))
+    if err > rtol * max(scale, torch.finfo(torch.float32).tiny):
+        raise LoadError(f"{path}: the rebuilt model does not compute what the saved one did on the probe saved with "
+                        f"it (largest difference {err:.3g} at output scale {scale:.3g}); {fix}")
+
+
 # ----------------------------------------------------------------------------- save / load
 
 
 def save_folded(model: nn.Module, directory: str | os.PathLike, *, builder: str | None = None,
-                builder_kwargs: dict[str, Any] | None = None) -> Path:
+                builder_kwargs: dict[str, Any] | None = None, example_inputs: Any = None) -> Path:
     """Write a folded ``model`` to ``directory`` as ``folded.json`` + its weights (no pickle).
+
+    ``example_inputs`` (as for ``linearize.fold``; else guessed): its first row and the model's outputs
+    on it are saved as the probe :func:`load_folded` checks the rebuilt model against.
 
     The weights go to a file named by their checksum (:func:`folded_weights_name`), ``folded.json``
     last: a save interrupted at any point (an ``OSError``, a kill) leaves the previous save loadable.
@@ -348,11 +414,17 @@ def save_folded(model: nn.Module, directory: str | os.PathLike, *, builder: str 
             entry["origin"] = module.__dict__[ORIGIN]  # where the base has it: fold moved it
         modules.append(entry)
     tensors = _tensors(model, gated=True)
-    data = safetensors.torch.save(tensors, {"format": "pt"})
+    clash = next((k for k in tensors if k.startswith(_PROBE)), None)
+    if clash is not None:
+        raise ValueError(f"save_folded: the state key {clash!r} uses the prefix {_PROBE!r} of the saved probe; "
+                         "rename that module")
+    probe, no_probe = _probe(model, example_inputs)
+    data = safetensors.torch.save(tensors | probe, {"format": "pt"})
     digest = hashlib.sha256(data).hexdigest()
     name = folded_weights_name(digest)
     meta = {"format": FORMAT_VERSION, "base": _base_of(model, builder, builder_kwargs), "modules": modules,
-            "weights": {"file": name, "bytes": len(data), "sha256": digest}}
+            "weights": {"file": name, "bytes": len(data), "sha256": digest},
+            "probe": {"saved": bool(probe), "why_not": no_probe}}
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     replaced = _named_weights(directory)
@@ -488,12 +560,14 @@ def _read_folded(directory: Path, tries: int = 3) -> tuple[dict, bytes, Path]:
                             "save the model again with linearize.save_folded(model, dir)")
 
 
-def load_folded(directory: str | os.PathLike, base: nn.Module | None = None) -> nn.Module:
+def load_folded(directory: str | os.PathLike, base: nn.Module | None = None, *, check: bool = True) -> nn.Module:
     """Rebuild the folded model saved by :func:`save_folded` in ``directory`` and load its weights strictly.
 
-    ``base``: a freshly built model of the original architecture, needed only when ``folded.json``
-    names classes of your own (a plain base). Runs no code from the files. Raises
-    ``FileNotFoundError`` and :class:`LoadError` naming the file (damaged, tampered with, unknown class).
+    ``base``: a freshly built model of the original architecture, needed when ``folded.json`` names
+    classes of your own (a plain base) or when the model was built with arguments the save does not
+    record. ``check``: run the rebuilt model on the probe saved with it and refuse other outputs (beyond
+    ``max(1e-4, 16 eps)`` of the output scale). Runs no code from the files. Raises ``FileNotFoundError``
+    and :class:`LoadError` naming the file (damaged, tampered with, unknown class, other outputs).
 
     Example::
 
@@ -504,17 +578,32 @@ def load_folded(directory: str | os.PathLike, base: nn.Module | None = None) -> 
     meta, data, weights = _read_folded(directory)
     model = _rebuild(meta, _build_base(meta.get("base") or {}, base, path), path)
     tensors = safetensors.torch.load(data)
-    from .folding import modules
-
-    for name, module in model.named_modules():  # built in float32: take the dtype of their saved tensors
-        if isinstance(module, (modules.ChannelPReLU, modules.ChannelBlend)):
-            key = f"{name}.{'weight' if isinstance(module, modules.ChannelPReLU) else 'slope'}".lstrip(".")
-            if key in tensors and tensors[key].is_floating_point():
-                module.to(tensors[key].dtype)
+    probe = {k: tensors.pop(k) for k in [k for k in tensors if k.startswith(_PROBE)]}
+    _fit(model, tensors)
     try:
         model.load_state_dict(tensors, strict=True)
     except RuntimeError as err:
-        raise LoadError(f"{weights}: does not fit the rebuilt model ({err}); the base model differs from the "
-                        "one folded") from None
+        raise LoadError(f"{weights}: does not fit the rebuilt model ({str(err).strip()[:500]}); the base model "
+                        "differs from the one folded: build the original architecture with the arguments it had "
+                        "and pass it, linearize.load_folded(directory, base=...)") from None
     mark_folded(model)  # its own save_pretrained would reload as the original layers: guarded
+    if check and probe:
+        _check_probe(model, probe, path)
     return model.eval()
+
+
+def _fit(model: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
+    """Give the rebuilt ``model`` the saved tensors' floating dtypes (it is built in float32) and the
+    parameters fold filled that its base leaves empty (a conv subclass built with ``bias=False`` that fold
+    gave its BatchNorm's shift): the strict load then checks every name and shape."""
+    modules = dict(model.named_modules(remove_duplicate=False))
+    for key, saved in tensors.items():
+        owner, _, attr = key.rpartition(".")
+        module = modules.get(owner)
+        if module is None:
+            continue
+        if attr in module._parameters and module._parameters[attr] is None:
+            module.register_parameter(attr, nn.Parameter(torch.empty_like(saved), saved.is_floating_point()))
+        target = module._parameters.get(attr, module._buffers.get(attr))
+        if target is not None and target.is_floating_point() and saved.is_floating_point():
+            target.data = target.data.to(saved.dtype)  # in place: a tied parameter stays one

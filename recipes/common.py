@@ -421,7 +421,7 @@ def fold_and_report(model: nn.Module, args: argparse.Namespace, example_inputs: 
         folded = _feature("fold")(model, example_inputs)
         path = output_dir / "folded"
         with replaced_dir(path) as stage:  # never a half-written folded/ beside an older metrics.json
-            _feature("save_folded")(folded, stage)
+            _feature("save_folded")(folded, stage, example_inputs=example_inputs)
         summary = folded.linearize_fold_summary
         out["fold"] = {"path": str(path), "params_before": summary.params_before, "params_after": summary.params_after,
                        "flops_before": summary.flops_before, "flops_after": summary.flops_after,

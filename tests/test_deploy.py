@@ -190,3 +190,87 @@ def test_a_loaded_fold_saves_again_and_an_origin_used_twice_is_refused(tmp_path)
     (tmp_path / "a" / "folded.json").write_text(json.dumps(meta))
     with pytest.raises(LoadError, match=rf"{moved[1]['name']}.*(used twice|in the save but)"):
         linearize.load_folded(tmp_path / "a")
+
+
+class _Scaled(nn.Module):
+    """A base whose output depends on a constructor argument no save records."""
+
+    def __init__(self, scale: float = 1.0) -> None:
+        super().__init__()
+        self.fc, self.act, self.out, self.scale = nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2), scale
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.act(self.fc(x))) * self.scale
+
+
+def test_a_base_built_with_other_arguments_is_refused_by_the_saved_probe(tmp_path):
+    """The rebuilt model runs on the probe saved with it (one input row and the outputs it gave): a base with
+    another argument loads strictly (same names and shapes) but computes something else."""
+    x = torch.randn(6, 4, generator=torch.Generator().manual_seed(0))
+    folded = _half_linear(_Scaled(), x)
+    linearize.save_folded(folded, tmp_path, example_inputs=x)
+    assert json.loads((tmp_path / "folded.json").read_text())["probe"] == {"saved": True, "why_not": ""}
+    with pytest.raises(LoadError, match=r"does not compute what the saved one did .*base=\.\.\..*check=False"):
+        linearize.load_folded(tmp_path, base=_Scaled(2.0))
+    unchecked = linearize.load_folded(tmp_path, base=_Scaled(2.0), check=False)
+    torch.testing.assert_close(_call(unchecked, x), 2 * _call(folded, x))  # what the check kept out
+    assert torch.equal(_call(linearize.load_folded(tmp_path, base=_Scaled()), x), _call(folded, x))
+
+
+def test_timm_arguments_no_save_records_are_caught_and_base_loads_them(tmp_path):
+    """save_folded records a timm model's num_classes only: a ViT's global_pool='avg' came back as 'token'
+    (same names and shapes, another function) without a word."""
+    timm = pytest.importorskip("timm")
+
+    def vit() -> nn.Module:
+        return timm.create_model("test_vit", num_classes=0, global_pool="avg", fc_norm=False)
+
+    x = torch.randn(2, 3, 160, 160, generator=torch.Generator().manual_seed(0))
+    folded = _half_linear(vit(), x)
+    linearize.save_folded(folded, tmp_path)  # probe guessed (timm's input size)
+    with pytest.raises(LoadError, match="does not compute what the saved one did"):
+        linearize.load_folded(tmp_path)
+    assert torch.equal(_call(linearize.load_folded(tmp_path, base=vit()), x), _call(folded, x))
+
+
+def test_a_model_without_a_guessable_input_saves_without_a_probe(tmp_path):
+    class NoLayers(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x.relu()
+
+    linearize.save_folded(NoLayers(), tmp_path)
+    assert json.loads((tmp_path / "folded.json").read_text())["probe"]["why_not"].startswith("no input to guess")
+    with pytest.raises(ValueError, match="fails on its example_inputs"):
+        linearize.save_folded(nn.Linear(4, 2), tmp_path / "bad", example_inputs=torch.randn(3, 5))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_folds_load_in_their_dtype(tmp_path, dtype):
+    """The rebuilt model was float32 with only its PReLUs cast: it failed on inputs of either dtype."""
+    x = torch.randn(4, 3, 8, 8, generator=torch.Generator().manual_seed(0))
+    model = linearize.convert(nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), nn.Conv2d(8, 4, 1)).eval(),
+                              example_inputs=x)
+    with torch.no_grad():
+        linearize.units(model)[0][1].slope.uniform_(0.1, 0.9)  # partly linear: a ChannelPReLU stays
+    folded = linearize.fold(model.to(dtype), x.to(dtype), latency=False, rtol=5e-2)
+    linearize.save_folded(folded, tmp_path)
+    loaded = linearize.load_folded(tmp_path)
+    assert {p.dtype for p in loaded.parameters()} == {dtype}
+    assert torch.equal(_call(loaded, x.to(dtype)), _call(folded, x.to(dtype)))
+
+
+def test_a_conv_subclass_given_a_bias_by_fold_loads_from_its_base(tmp_path):
+    """fold merges a BatchNorm into a conv built with bias=False (torchvision's Conv3DSimple, timm's
+    Conv2dSame): the class comes from the base, without the bias the save holds."""
+
+    class MyConv(nn.Conv2d):
+        pass
+
+    def net() -> nn.Module:
+        return nn.Sequential(MyConv(3, 8, 3, bias=False), nn.BatchNorm2d(8), nn.ReLU(), nn.Conv2d(8, 4, 1))
+
+    x = torch.randn(2, 3, 8, 8, generator=torch.Generator().manual_seed(0))
+    folded = _half_linear(net(), x)
+    assert folded[0].bias is not None
+    linearize.save_folded(folded, tmp_path)
+    assert torch.equal(_call(linearize.load_folded(tmp_path, base=net()), x), _call(folded, x))
