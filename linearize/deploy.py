@@ -360,7 +360,7 @@ def _check_probe(model: nn.Module, probe: dict[str, torch.Tensor], path: Path) -
     fix = ("its base was built differently from the model folded (a timm or torchvision builder argument no save "
            "records, such as global_pool or img_size, or another version of that library): build the original "
            "architecture and pass it, linearize.load_folded(directory, base=...); check=False loads without this "
-           "check")
+           "check (for a model whose eval-mode forward is random)")
     try:
         with torch.no_grad(), eval_mode(model):
             got = float_outputs(model(*args, **part("kwarg")))
