@@ -61,7 +61,8 @@ class Flow:
 
 @dataclass
 class Probe:
-    """Per-module call counts, the input/output shape of the (last) call, and the data-flow log."""
+    """Per-module call counts, callers (the modules whose forward called it; ``None``: top level),
+    the input/output shape of the (last) call, and the data-flow log."""
 
     calls: dict[int, int] = field(default_factory=dict)
     out_shape: dict[int, tuple[int, ...]] = field(default_factory=dict)
@@ -69,6 +70,8 @@ class Probe:
     keep: list[nn.Module] = field(default_factory=list)  # keeps ids valid while folding
     nodes: list[Node] = field(default_factory=list)
     returns: dict[int, tuple[int, ...]] = field(default_factory=dict)  # module id -> value numbers it returned
+    callers: dict[int, set[int | None]] = field(default_factory=dict)  # module id -> ids of the modules that called it
+    chains: set[int] = field(default_factory=set)  # Sequentials the ``sequential`` rule found run as chains
     _by_parent: dict[int | None, list[Node]] | None = None
 
     def once(self, m: nn.Module) -> bool:
@@ -84,6 +87,7 @@ class Probe:
         if id(first) in self.in_shape:
             self.in_shape[id(new)] = self.in_shape[id(first)]
         self.calls[id(new)] = self.calls.get(id(like), 0)
+        self.callers[id(new)] = set(self.callers.get(id(like), ()))
         self.keep.append(new)
 
     def flow(self, module: nn.Module) -> Flow:
@@ -158,7 +162,9 @@ class _Recorder(FlopCounter):
         outputs = self.tensors(out)
         probe.returns[id(m)] = outputs
         transparent = type(m) is nn.Identity or (isinstance(m, _DropoutNd) and not m.training)
-        probe.nodes.append(Node(self.stack[-1][0] if self.stack else None, m, None, inputs, outputs, transparent))
+        parent = self.stack[-1][0] if self.stack else None
+        probe.callers.setdefault(id(m), set()).add(parent)
+        probe.nodes.append(Node(parent, m, None, inputs, outputs, transparent))
 
 
 @torch.no_grad()
