@@ -16,7 +16,7 @@ from torch.nn.modules.dropout import _DropoutNd
 from torch.utils._pytree import tree_flatten
 
 from ..inputs import call_model
-from .flops import FlopCounter
+from .flops import FlopCounter, counter_failure
 
 # ops that return their input unchanged when ``training`` is off (eval dropout)
 _DROPOUT_OPS = {F.dropout: 2, F.dropout1d: 2, F.dropout2d: 2, F.dropout3d: 2, F.alpha_dropout: 2,
@@ -149,9 +149,15 @@ class _Recorder(FlopCounter):
         self.probe.nodes.append(Node(parent, None, func, self.tensors((args, kwargs)), outputs, transparent))
 
     def pre_hook(self, m: nn.Module, args: tuple, kwargs: dict) -> None:
-        self.stack.append((id(m), self.tensors((args, kwargs))))
+        with counter_failure(f"the call of {type(m).__name__}"):
+            self.stack.append((id(m), self.tensors((args, kwargs))))
 
     def hook(self, m: nn.Module, args: tuple, kwargs: dict, out: Any) -> None:
+        with counter_failure(f"the return of {type(m).__name__}"):
+            self._record_call(m, args, out)
+
+    def _record_call(self, m: nn.Module, args: tuple, out: Any) -> None:
+        """Count ``m``'s call, record its shapes, callers and data-flow node."""
         _, inputs = self.stack.pop()
         probe = self.probe
         probe.calls[id(m)] = probe.calls.get(id(m), 0) + 1
