@@ -53,7 +53,8 @@ class _NamedMlp(nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        self.mlp = nn.Sequential(collections.OrderedDict(fc1=nn.Linear(4, 6), act=LA("relu", 6, -1), fc2=nn.Linear(6, 2)))
+        layers = collections.OrderedDict(fc1=nn.Linear(4, 6), act=LA("relu", 6, -1), fc2=nn.Linear(6, 2))
+        self.mlp = nn.Sequential(layers)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.mlp.fc2(self.mlp.act(self.mlp.fc1(x)))
