@@ -399,12 +399,16 @@ class LinearizableActivation(nn.Module):
 
     def frozen_mask(self) -> torch.Tensor | None:
         """Bool ``[C]`` of the frozen channels, or None when none is frozen. Cached on the ``frozen``
-        buffer's identity and version, so the optimizer hooks do no mask work or sync per step."""
-        seen = getattr(self, "_frozen_seen", None)
-        key = (id(self.frozen), self.frozen._version, self.frozen.data_ptr())
-        if seen is None or seen[:3] != key:
-            mask = ~torch.isnan(self.frozen)
-            seen = self._frozen_seen = (*key, mask if bool(mask.any()) else None)
+        buffer's identity and version, so the optimizer hooks do no mask work or sync per step; not
+        cached for an inference tensor (made under ``torch.inference_mode``: it has no version)."""
+        frozen, seen = self.frozen, getattr(self, "_frozen_seen", None)
+        key = None if frozen.is_inference() else (id(frozen), frozen._version, frozen.data_ptr())
+        if key is None or seen is None or seen[:3] != key:
+            mask = ~torch.isnan(frozen)
+            mask = mask if bool(mask.any()) else None
+            if key is None:
+                return mask
+            seen = self._frozen_seen = (*key, mask)
         return seen[3]
 
     def has_frozen(self) -> bool:
