@@ -483,7 +483,7 @@ def _rebuild(meta: dict[str, Any], base: nn.Module | None, path: Path) -> nn.Mod
                 raise LoadError(f"{path}: module {where!r} ({cls_name}): bad arguments ({err})") from None
         else:
             module = None if base is None else (base if not name else get_path(base, name))
-            origin = entry.get("origin")
+            origin = entry.get("origin", name)  # none saved: the same path in the model folded (its parent may be new)
             if base is not None and isinstance(origin, str) and (module is None or _class_name(module) != cls_name):
                 module = before.get(origin)  # a module fold moved: the base's at its old path
             if module is None:

@@ -95,6 +95,13 @@ def guessed_input_error(model: nn.Module, inputs: Any, err: BaseException) -> Va
                       f"forward failed on it: {type(err).__name__}: {str(err).strip()[:300]}. {_FIX[0].upper()}{_FIX[1:]}")
 
 
+# audio inputs guessed from the config: what the config must hold
+_AUDIO_NEEDS = {
+    "input_features": "config.num_mel_bins (Whisper-like)",
+    "input_values": "config.conv_kernel and conv_stride (wav2vec2-like) or num_mel_bins and max_length (AST-like)",
+}
+
+
 def _unknown(model: nn.Module, why: str) -> ValueError:
     return ValueError(f"cannot guess an input for {type(model).__name__}: {why}; {_FIX}")
 
@@ -207,9 +214,12 @@ def _from_hf_config(model: nn.Module, config: Any, gen: torch.Generator, float_k
         inputs = {"input_values": torch.randn(BATCH, _audio_length(config), **float_kw)}
     elif main == "input_values" and getattr(config, "num_mel_bins", None) and getattr(config, "max_length", None):
         inputs = {"input_values": torch.randn(BATCH, config.max_length, config.num_mel_bins, **float_kw)}
+    elif main in _AUDIO_NEEDS:
+        raise _unknown(model, f"its main input {main!r} is guessed only from {_AUDIO_NEEDS[main]}, "
+                       "which its config lacks")
     else:
-        raise _unknown(model, f"its main input {main!r} is not one of input_ids, pixel_values, input_features "
-                       "(Whisper-like, with config.num_mel_bins) or input_values (wav2vec2-like or AST-like)")
+        raise _unknown(model, f"its main input {main!r} is not one of input_ids, pixel_values, "
+                       "input_features or input_values")
     if getattr(config, "is_encoder_decoder", False) and _forward_accepts(model, "decoder_input_ids"):
         decoder = getattr(config, "decoder", None)  # EncoderDecoderModel: the decoder's own vocabulary
         inputs["decoder_input_ids"] = _token_ids(decoder if decoder is not None else config, gen)

@@ -19,7 +19,7 @@ from torch import nn
 
 from .checks import check_tol
 from .inputs import Batches, record_preactivations
-from .unit import exact_threshold, linear_masks, units
+from .unit import exact_threshold, linear_masks, require_units
 
 __all__ = ["freeze", "FreezeSummary"]
 
@@ -119,9 +119,7 @@ def freeze(
         raise TypeError(f"expected an nn.Module, got {type(model).__name__}")
     tol = check_tol(tol, upper=0.5)
     data = None if data is None else Batches.of(data)  # before any change: a bad type raises here
-    found = units(model)
-    if not found:
-        raise ValueError("the model has no linearizable units: call linearize.convert(model) first")
+    found = require_units(model, what="freeze")
     sites: dict[str, dict] = {}
     before = linear_masks(found, 0.0, "freeze")  # all masks first: freeze_ below changes slopes
     for (name, unit), one, linear in zip(found, linear_masks(found, tol, "freeze"), before):

@@ -513,7 +513,9 @@ def _plogp(p: torch.Tensor) -> torch.Tensor:
     return torch.where(p > 0, p * torch.log2(p.clamp_min(1e-300)), torch.zeros_like(p))
 
 
-def gate_statistics(gated: GatedNetwork, inputs: Any, max_batches: int | None = None) -> dict[str, dict]:
+def gate_statistics(
+    gated: GatedNetwork, inputs: Any, max_batches: int | None = None, progress: bool = True
+) -> dict[str, dict]:
     """Per-site statistics of the hard on/off state ``q > 0`` of the gates, in eval mode.
 
     Args:
@@ -523,6 +525,7 @@ def gate_statistics(gated: GatedNetwork, inputs: Any, max_batches: int | None = 
             arguments takes ``((a, b), targets)``) or an iterable of such batches (a list, a
             ``DataLoader``).
         max_batches: stop after this many batches.
+        progress: show a tqdm bar over the batches.
 
     Returns:
         ``{site: {"channels": C, "fraction_on": f, "entropy": H, "always_on": n1, "always_off": n0}}``
@@ -547,7 +550,8 @@ def gate_statistics(gated: GatedNetwork, inputs: Any, max_batches: int | None = 
     gated._store.recording = True
     try:
         with eval_mode(gated), torch.no_grad():
-            for batch in tqdm(data.to(model_device(gated)), desc="gate statistics", leave=False):
+            batches = data.to(model_device(gated))
+            for batch in tqdm(batches, desc="gate statistics", leave=False, disable=not progress):
                 call_model(gated, batch)
     finally:
         gated._store.recording = False

@@ -374,7 +374,7 @@ def _gates_section(gates: dict, image: str, report: Any) -> str:
 
 
 register_measure(
-    "gates", lambda ctx: gate_statistics(ctx.model, ctx.batches), title="Gate statistics",
+    "gates", lambda ctx: gate_statistics(ctx.model, ctx.batches, progress=ctx.progress), title="Gate statistics",
     plain="not a gated (DGN/DLGN) model", plot=plot_gates, plot_file=PLOTS["gates"], alt="gate statistics",
     section=_gates_section, skipped_section=False,
 )

@@ -34,6 +34,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from .activations import FunctionalActivation
 from .checks import NonFiniteSlopeError, check_channel_dim, check_tol
+from .config import GatedConfig
 from .kernels import cpu_prelu
 
 __all__ = [
@@ -398,12 +399,16 @@ class LinearizableActivation(nn.Module):
 
     def frozen_mask(self) -> torch.Tensor | None:
         """Bool ``[C]`` of the frozen channels, or None when none is frozen. Cached on the ``frozen``
-        buffer's identity and version, so the optimizer hooks do no mask work or sync per step."""
-        seen = getattr(self, "_frozen_seen", None)
-        key = (id(self.frozen), self.frozen._version, self.frozen.data_ptr())
-        if seen is None or seen[:3] != key:
-            mask = ~torch.isnan(self.frozen)
-            seen = self._frozen_seen = (*key, mask if bool(mask.any()) else None)
+        buffer's identity and version, so the optimizer hooks do no mask work or sync per step; not
+        cached for an inference tensor (made under ``torch.inference_mode``: it has no version)."""
+        frozen, seen = self.frozen, getattr(self, "_frozen_seen", None)
+        key = None if frozen.is_inference() else (id(frozen), frozen._version, frozen.data_ptr())
+        if key is None or seen is None or seen[:3] != key:
+            mask = ~torch.isnan(frozen)
+            mask = mask if bool(mask.any()) else None
+            if key is None:
+                return mask
+            seen = self._frozen_seen = (*key, mask)
         return seen[3]
 
     def has_frozen(self) -> bool:
@@ -486,11 +491,33 @@ def units(model: nn.Module) -> list[tuple[str, LinearizableActivation]]:
     return [(n, m) for n, m in model.named_modules() if isinstance(m, LinearizableActivation)]
 
 
-def require_units(model: nn.Module, why: str = "") -> list[tuple[str, LinearizableActivation]]:
-    """:func:`units`, raising ``ValueError`` (with ``why``) when the model has none."""
+def gated_mode(model: nn.Module) -> str | None:
+    """``"dgn"`` / ``"dlgn"`` when ``model`` is or holds a gated network (:mod:`linearize.gated`), else ``None``."""
+    for m in model.modules():
+        config = m.__dict__.get("linearize_config")
+        if isinstance(config, GatedConfig):
+            return config.mode
+    return None
+
+
+def gated_error(model: nn.Module, what: str) -> ValueError | None:
+    """The error for ``what`` (a function needing PReLU units) on a gated network, else ``None``."""
+    mode = gated_mode(model)
+    if mode is None:
+        return None
+    return ValueError(
+        f"{what} works on PReLU units (linearize.convert(model), mode='prelu'), but the model is a "
+        f"{mode.upper()} gated network (linearize.convert(..., mode={mode!r})): its gates have no slopes. "
+        "Use it on the original model converted with mode='prelu' instead"
+    )
+
+
+def require_units(model: nn.Module, why: str = "", what: str = "this") -> list[tuple[str, LinearizableActivation]]:
+    """:func:`units`, raising ``ValueError`` (with ``why``; :func:`gated_error` naming ``what`` for a
+    gated network) when the model has none."""
     found = units(model)
     if not found:
-        raise ValueError(
+        raise gated_error(model, what) or ValueError(
             f"the model has no linearizable units{', so ' + why if why else ''}: call linearize.convert(model) first"
         )
     return found

@@ -198,8 +198,10 @@ def test_an_unknown_hugging_face_input_is_refused_with_the_fix():
         config = hf.PretrainedConfig()  # no num_mel_bins: not Whisper-like
 
     with pytest.raises(ValueError, match=r"cannot guess an input for SpeechLike: its main input 'input_features'.*"
-                       r"example_inputs="):
+                       r"example_inputs=") as info:
         guess_example_inputs(SpeechLike())
+    assert "is not one of" not in str(info.value)  # it is one of them: the config lacks num_mel_bins
+    assert "config.num_mel_bins (Whisper-like), which its config lacks" in str(info.value)
 
 
 # ----------------------------------------------------------------------------- files and the command line

@@ -136,3 +136,26 @@ def test_snap_zero_is_exact_in_the_slope_dtype(dtype):
     model[1].slope.data = slopes.clone()
     linearize.freeze(model, tol=tol, snap_zero=True)
     assert torch.equal(model[1].frozen == 0, slopes.double() <= tol)
+
+
+def test_convert_and_freeze_inside_inference_mode_freeze_the_expected_channels():
+    # channel 0: pre-activation 100 + W x > 0 on all data (stably active); channel 1 slope 0.9995 (snaps);
+    # channels 2-4: slopes 0.5, 0.3, 0 and mixed signs: free. Expected, by hand: frozen [1, 1, nan, nan, nan].
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Linear(3, 5), nn.ReLU(), nn.Linear(5, 2)).eval()
+    x = torch.randn(64, 3)
+    with torch.no_grad():
+        base[0].bias.copy_(torch.tensor([100.0, 0.0, 0.0, 0.0, 0.0]))
+    with torch.inference_mode():
+        model = linearize.convert(base, example_inputs=x)
+        model[1].slope.copy_(torch.tensor([0.2, 0.9995, 0.5, 0.3, 0.0]))
+        summary = linearize.freeze(model, tol=1e-3, data=x)
+        y = model(x)
+    frozen = model[1].frozen
+    assert torch.equal(frozen[:2], torch.ones(2)) and torch.isnan(frozen[2:]).all()
+    assert summary.sites["1"]["snapped_one"] == 1 and summary.sites["1"]["stably_active"] == 1
+    a = torch.tensor([1.0, 1.0, 0.5, 0.3, 0.0], dtype=torch.float64)
+    w1, b1, w2, b2 = (p.detach().double() for p in (base[0].weight, base[0].bias, base[2].weight, base[2].bias))
+    h = x.double() @ w1.T + b1
+    ref = torch.where(h > 0, h, a * h) @ w2.T + b2
+    torch.testing.assert_close(y.double(), ref, atol=1e-4, rtol=1e-5)

@@ -242,6 +242,15 @@ def test_gated_model_reports_gate_statistics() -> None:
     assert reporting.PLOTS["gates"] in rep.plots()
 
 
+def test_progress_false_shows_no_gate_statistics_bar(capfd: pytest.CaptureFixture) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 24), nn.ReLU(), nn.Linear(24, 10))
+    gated = linearize.convert(model, mode="dlgn", example_inputs=torch.randn(2, 64))
+    rep = linearize.report(gated, _digits(64), progress=False)
+    assert rep.gates is not None
+    assert "gate statistics" not in capfd.readouterr().err
+
+
 def _cli(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="linearize")
     cli_report.register_cli(parser.add_subparsers(dest="command", required=True))

@@ -6,7 +6,8 @@ The returned model is a new module (the input is never changed), like PEFT's
 keep working. The copy is walked bottom-up and at every module an ordered list of fold rules
 (:mod:`.rules`; users add their own with :func:`register_fold_rule`) decides what to do:
 
-1. ``sequential`` (:mod:`.chains`): in every ``nn.Sequential`` (flattened) drops units whose
+1. ``sequential`` (:mod:`.chains`): in every ``nn.Sequential`` that runs as a chain (nested ones
+   flattened, names kept; one whose layers another forward calls by name is left as is) drops units whose
    channels are all linear (slope ``a >= 1 - tol``: the identity), folds BatchNorm (eval
    statistics) into the preceding conv / linear layer, and merges runs of adjacent linear maps
    (``Linear o Linear``, ``Conv o Conv``, grouped and depthwise convs, 1x1 convs into neighbours)
@@ -37,7 +38,7 @@ from __future__ import annotations
 
 from ..checks import FoldVerificationError
 from .blocks import RESNET_BLOCK, RESNET_STEM
-from .chains import fold_sequential, is_plain_sequential
+from .chains import fold_chain, is_plain_sequential
 from .conv import BorderBiasConv, BorderExactConv
 from .core import fold
 from .ffn import FFN_BY_PATH, FFN_BY_SHAPE, GATED_FFN
@@ -68,6 +69,6 @@ __all__ = [
     "count_flops",
 ]
 
-SEQUENTIAL = FoldRule("sequential", lambda m, ctx: is_plain_sequential(m), fold_sequential)
+SEQUENTIAL = FoldRule("sequential", lambda m, ctx: is_plain_sequential(m), fold_chain)
 
 register_builtin([SEQUENTIAL, TORCHVISION_INVERTED_RESIDUAL, TIMM_INVERTED_RESIDUAL, RESNET_BLOCK, RESNET_STEM, FFN_BY_SHAPE, FFN_BY_PATH, GATED_FFN])

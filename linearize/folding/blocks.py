@@ -15,7 +15,7 @@ import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from .chains import is_map, merge_segment, plan_run, segment_cost
+from .chains import chain_layers, is_map, merge_segment, plan_run, segment_cost
 from .conv import BorderBiasConv, BorderExactConv, merge_convs
 from .layers import CONVS, bn_foldable, fold_bn, is_plain_conv
 from .modules import _Residual, units_of
@@ -122,7 +122,7 @@ def _downsample_conv(block: nn.Module) -> tuple[nn.Module | None, str]:
     """The block's projection shortcut as one conv (``None`` for the identity), or why it is not one."""
     if block.downsample is None:
         return None, ""
-    mods = list(block.downsample) if isinstance(block.downsample, nn.Sequential) else [block.downsample]
+    mods = chain_layers(block.downsample)
     if len(mods) != 1 or not is_plain_conv(mods[0]):
         return None, "downsample is not one conv"
     return mods[0], ""

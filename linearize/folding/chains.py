@@ -36,8 +36,52 @@ def flatten_sequential(seq: nn.Sequential, prefix: str) -> Iterator[Item]:
             yield full, m
 
 
+def chain_layers(m: nn.Module) -> list[nn.Module]:
+    """``m``'s layers in call order: a plain Sequential's flattened, else ``[m]``."""
+    return [layer for _, layer in flatten_sequential(m, "")] if is_plain_sequential(m) else [m]
+
+
+def fold_chain(seq: nn.Sequential, ctx: FoldContext) -> nn.Module | None:
+    """The ``sequential`` rule: :func:`fold_sequential` for a Sequential that ran as a chain. One whose
+    layers a forward other than its own calls by name (timm MetaFormer's ``self.head.fc(...)``), or
+    holds such a Sequential, or that did not run, is left as is (``None``): that forward decides what
+    runs, so removing or merging one of its layers could change the model's function or break a name
+    it reads. ``probe.chains`` records the Sequentials that passed (children are visited first)."""
+    for name, child in seq.named_children():
+        if ctx.probe.callers.get(id(child), set()) - {id(seq)}:
+            why = "is called by name from outside the nn.Sequential's forward"
+        elif is_plain_sequential(child) and id(child) not in ctx.probe.chains:
+            why = "is a nested nn.Sequential left as is"
+        else:
+            continue
+        ctx.skipped(f"{ctx.site(name)} {why}; the Sequential is left as is (folding it could change what runs)")
+        return None
+    if not ctx.probe.calls.get(id(seq)):
+        ctx.skipped("nn.Sequential did not run on example_inputs; left as is")
+        return None
+    new = fold_sequential(seq, ctx)
+    ctx.probe.chains.update((id(seq), id(new)))
+    return new
+
+
+def _nest(kept: list[Item], prefix: str) -> nn.Sequential:
+    """A new ``nn.Sequential`` holding ``kept`` under their own names: ``kept``'s paths (under
+    ``prefix``, the folded Sequential's) rebuild the nested Sequentials they came from."""
+    root = nn.Sequential()
+    for path, m in kept:
+        *outer, leaf = (path[len(prefix) + 1:] if prefix else path).split(".")
+        seq = root
+        for name in outer:
+            if name not in seq._modules:
+                seq.add_module(name, nn.Sequential())
+            seq = seq._modules[name]
+        seq.add_module(leaf, m)
+    return root
+
+
 def fold_sequential(seq: nn.Sequential, ctx: FoldContext) -> nn.Module:
-    """The folded chain (a new ``nn.Sequential``), or ``seq`` itself when nothing changed."""
+    """The folded chain (a new ``nn.Sequential``), or ``seq`` itself when nothing changed. Layers kept
+    keep their names (and nesting); a merged layer takes its first layer's name."""
     items = list(flatten_sequential(seq, ctx.name))
     if not items:
         return seq
@@ -67,7 +111,7 @@ def fold_sequential(seq: nn.Sequential, ctx: FoldContext) -> nn.Module:
     split_any = split_in_chain(kept, ctx)
     if not (changed or merged_any or split_any):
         return seq
-    return nn.Sequential(*(m for _, m in kept))
+    return _nest(kept, ctx.name)
 
 
 def is_map(m: nn.Module, ctx: FoldContext) -> bool:

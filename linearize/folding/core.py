@@ -18,7 +18,8 @@ from ..checks import check_positive, check_tol
 from ..injection import CallSites, _reset_call_sites, disable_fused_paths
 from ..hf import mark_folded
 from ..inputs import eval_mode, float_outputs
-from ..unit import LinearizableActivation, check_finite_slopes, units
+from ..unit import LinearizableActivation, check_finite_slopes, gated_error, units
+from .flops import FlopCounterError
 from .layers import ORIGIN, set_path
 from .modules import plain_unit
 from .probe import Probe, run_counting
@@ -152,15 +153,19 @@ def fold(
     Raises:
         TypeError: ``model`` is not an ``nn.Module``, or a rule in ``rules`` lacks ``name`` /
             ``matches`` / ``apply`` (or its ``apply`` returned something that is not a module).
-        ValueError: bad ``objective`` / ``tol`` / ``rtol`` / ``atol``, BatchNorm in training mode,
-            ``example_inputs`` that the model cannot run, an empty batch, or NaN/inf outputs of
-            the model itself (:class:`~linearize.unit.NonFiniteSlopeError` for NaN/inf slopes).
+        ValueError: a gated (DGN / DLGN) network, bad ``objective`` / ``tol`` / ``rtol`` / ``atol``,
+            BatchNorm in training mode, ``example_inputs`` that the model cannot run, an empty batch,
+            or NaN/inf outputs of the model itself (:class:`~linearize.unit.NonFiniteSlopeError` for NaN/inf slopes).
+        FlopCounterError: fold's own FLOP counter / probe failed on an op the model ran (a bug to report).
         FoldVerificationError: the folded model differs by more than the tolerance (at the output,
             or at the verified inner signal when the output is zero or the same for every sample;
             see ``FoldSummary.verified_on``), or no signal that varies can be verified.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"fold expects an nn.Module, got {type(model).__name__}")
+    gated = gated_error(model, "fold")  # a gate is a product of two networks' signals: no linear part to fold
+    if gated is not None:
+        raise gated
     objective = Objective.of(objective)
     rules = fold_rules() if rules is None else check_rules(rules)
     tol = check_tol(tol)
@@ -191,6 +196,8 @@ def fold(
     before_fold = dict(folded.named_modules())  # path -> layer, to find the layers fold left alone
     try:  # the untouched eval copy gives the reference output, shapes and FLOPs in one forward
         summary.flops_before, reference = run_counting(folded, example_inputs, probe)
+    except FlopCounterError:  # fold's own failure: not the inputs' fault
+        raise
     except Exception as exc:  # the model's own error, re-raised with what to do
         raise ValueError(
             f"example_inputs {_describe_inputs(example_inputs)} do not fit the model "

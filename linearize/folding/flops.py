@@ -5,7 +5,8 @@ conv, matmul and attention op, plus 2 per BatchNorm element; other element-wise 
 from __future__ import annotations
 
 import math
-from typing import Any, Callable
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -15,7 +16,7 @@ from torch.overrides import TorchFunctionMode
 from ..inputs import call_model
 from .layers import CONVS, is_hf_conv1d
 
-__all__ = ["count_flops", "module_flops", "FlopCounter"]
+__all__ = ["count_flops", "module_flops", "FlopCounter", "FlopCounterError"]
 
 
 def module_flops(m: nn.Module, inp: tuple, out: Any) -> int:
@@ -38,32 +39,52 @@ def module_flops(m: nn.Module, inp: tuple, out: Any) -> int:
     return 0
 
 
-def _op_flops(func: Callable, args: tuple, out: Any) -> int:
-    """FLOPs of one torch op (2 per multiply-add; 2 per element for batch norm), else 0."""
-    kind = _FLOP_OPS.get(func)
-    if kind is None or not isinstance(out, torch.Tensor):
+def _op_flops(func: Callable, args: tuple, kwargs: dict, out: Any) -> int:
+    """FLOPs of one torch op (2 per multiply-add; 2 per element for batch norm), else 0. Operands are
+    read by position or keyword (``F.linear(x, weight=w)``), as the op itself binds them."""
+    op = _FLOP_OPS.get(func)
+    if op is None or not isinstance(out, torch.Tensor):
         return 0
-    if kind == "linear":  # F.linear(x, W[out, in])
-        return 2 * out.numel() * args[1].shape[-1]
-    if kind == "conv":  # conv(x, W[out, in / groups, *k])
-        return 2 * out.numel() * math.prod(args[1].shape[1:])
+    kind, names = op
+    a = dict(zip(names, args)) | {k: v for k, v in kwargs.items() if k in names}
+    if kind in ("linear", "conv"):  # F.linear(x, W[out, in]) / conv(x, W[out, in / groups, *k])
+        return 2 * out.numel() * math.prod(a["weight"].shape[1:])
     if kind == "matmul":  # a @ b, contracted over a's last dim
-        return 2 * out.numel() * args[0].shape[-1]
+        return 2 * out.numel() * a["input"].shape[-1]
     if kind == "addmm":  # addmm(bias, a, b) / baddbmm(input, a, b)
-        return 2 * out.numel() * args[1].shape[-1]
+        return 2 * out.numel() * a[names[1]].shape[-1]
     if kind == "sdpa":  # softmax(q k^T) v: q [.., T, D], k [.., S, D], v [.., S, Dv]
-        q, k = args[0], args[1]
+        q, k = a["query"], a["key"]
         return 2 * (q.numel() // q.shape[-1]) * k.shape[-2] * (q.shape[-1] + out.shape[-1])
     return 2 * out.numel()  # batch_norm
 
 
-_FLOP_OPS = {
-    F.linear: "linear", torch.conv1d: "conv", torch.conv2d: "conv", torch.conv3d: "conv",
-    torch.matmul: "matmul", torch.Tensor.matmul: "matmul", torch.Tensor.__matmul__: "matmul",
-    torch.mm: "matmul", torch.Tensor.mm: "matmul", torch.bmm: "matmul", torch.Tensor.bmm: "matmul",
-    torch.addmm: "addmm", torch.baddbmm: "addmm", F.scaled_dot_product_attention: "sdpa",
-    F.batch_norm: "batch_norm",
+_CONV = ("conv", ("input", "weight"))
+_MATMUL = ("matmul", ("input",))
+# op -> (kind, its parameter names in order, as far as the count reads them; a Tensor method's self is "input")
+_FLOP_OPS: dict[Callable, tuple[str, tuple[str, ...]]] = {
+    F.linear: ("linear", ("input", "weight")), torch.conv1d: _CONV, torch.conv2d: _CONV, torch.conv3d: _CONV,
+    torch.matmul: _MATMUL, torch.Tensor.matmul: _MATMUL, torch.Tensor.__matmul__: _MATMUL,
+    torch.mm: _MATMUL, torch.Tensor.mm: _MATMUL, torch.bmm: _MATMUL, torch.Tensor.bmm: _MATMUL,
+    torch.addmm: ("addmm", ("input", "mat1")), torch.baddbmm: ("addmm", ("input", "batch1")),
+    F.scaled_dot_product_attention: ("sdpa", ("query", "key")), F.batch_norm: ("batch_norm", ()),
 }
+
+
+class FlopCounterError(RuntimeError):
+    """The FLOP counter itself failed on an op the model ran (a linearize bug, not the model's inputs)."""
+
+
+@contextmanager
+def counter_failure(what: str) -> Iterator[None]:
+    """Re-raise any error of the counter's own code (on ``what``) as :class:`FlopCounterError`."""
+    try:
+        yield
+    except Exception as exc:
+        raise FlopCounterError(
+            f"linearize's FLOP counter failed on {what} ({type(exc).__name__}: {exc}); the model itself "
+            "ran it: please report this to linearize with the model"
+        ) from exc
 
 
 class FlopCounter(TorchFunctionMode):
@@ -80,8 +101,9 @@ class FlopCounter(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        self.total += _op_flops(func, args, out)
-        self.on_op(func, args, kwargs, out)
+        with counter_failure(getattr(func, "__qualname__", None) or repr(func)):
+            self.total += _op_flops(func, args, kwargs, out)
+            self.on_op(func, args, kwargs, out)
         return out
 
 

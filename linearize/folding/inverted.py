@@ -19,7 +19,7 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from .blocks import fold_skip, imported, is_block
-from .chains import fold_sequential
+from .chains import chain_layers, fold_sequential
 from .conv import BorderBiasConv, BorderExactConv
 from .layers import CONVS
 from .modules import _Residual
@@ -40,7 +40,7 @@ def _layout(m: nn.Module, table: tuple) -> str | tuple[str, ...] | None:
 
 def _one_conv(body: nn.Module) -> nn.Module | None:
     """``body`` (or its only layer) when it is a single conv, else ``None``."""
-    mods = list(body) if isinstance(body, nn.Sequential) else [body]
+    mods = chain_layers(body)
     return mods[0] if len(mods) == 1 and isinstance(mods[0], (*CONVS, BorderBiasConv, BorderExactConv)) else None
 
 

@@ -16,7 +16,7 @@ from torch.nn.modules.dropout import _DropoutNd
 from torch.utils._pytree import tree_flatten
 
 from ..inputs import call_model
-from .flops import FlopCounter
+from .flops import FlopCounter, counter_failure
 
 # ops that return their input unchanged when ``training`` is off (eval dropout)
 _DROPOUT_OPS = {F.dropout: 2, F.dropout1d: 2, F.dropout2d: 2, F.dropout3d: 2, F.alpha_dropout: 2,
@@ -61,7 +61,8 @@ class Flow:
 
 @dataclass
 class Probe:
-    """Per-module call counts, the input/output shape of the (last) call, and the data-flow log."""
+    """Per-module call counts, callers (the modules whose forward called it; ``None``: top level),
+    the input/output shape of the (last) call, and the data-flow log."""
 
     calls: dict[int, int] = field(default_factory=dict)
     out_shape: dict[int, tuple[int, ...]] = field(default_factory=dict)
@@ -69,6 +70,8 @@ class Probe:
     keep: list[nn.Module] = field(default_factory=list)  # keeps ids valid while folding
     nodes: list[Node] = field(default_factory=list)
     returns: dict[int, tuple[int, ...]] = field(default_factory=dict)  # module id -> value numbers it returned
+    callers: dict[int, set[int | None]] = field(default_factory=dict)  # module id -> ids of the modules that called it
+    chains: set[int] = field(default_factory=set)  # Sequentials the ``sequential`` rule found run as chains
     _by_parent: dict[int | None, list[Node]] | None = None
 
     def once(self, m: nn.Module) -> bool:
@@ -84,6 +87,7 @@ class Probe:
         if id(first) in self.in_shape:
             self.in_shape[id(new)] = self.in_shape[id(first)]
         self.calls[id(new)] = self.calls.get(id(like), 0)
+        self.callers[id(new)] = set(self.callers.get(id(like), ()))
         self.keep.append(new)
 
     def flow(self, module: nn.Module) -> Flow:
@@ -145,9 +149,15 @@ class _Recorder(FlopCounter):
         self.probe.nodes.append(Node(parent, None, func, self.tensors((args, kwargs)), outputs, transparent))
 
     def pre_hook(self, m: nn.Module, args: tuple, kwargs: dict) -> None:
-        self.stack.append((id(m), self.tensors((args, kwargs))))
+        with counter_failure(f"the call of {type(m).__name__}"):
+            self.stack.append((id(m), self.tensors((args, kwargs))))
 
     def hook(self, m: nn.Module, args: tuple, kwargs: dict, out: Any) -> None:
+        with counter_failure(f"the return of {type(m).__name__}"):
+            self._record_call(m, args, out)
+
+    def _record_call(self, m: nn.Module, args: tuple, out: Any) -> None:
+        """Count ``m``'s call, record its shapes, callers and data-flow node."""
         _, inputs = self.stack.pop()
         probe = self.probe
         probe.calls[id(m)] = probe.calls.get(id(m), 0) + 1
@@ -158,7 +168,9 @@ class _Recorder(FlopCounter):
         outputs = self.tensors(out)
         probe.returns[id(m)] = outputs
         transparent = type(m) is nn.Identity or (isinstance(m, _DropoutNd) and not m.training)
-        probe.nodes.append(Node(self.stack[-1][0] if self.stack else None, m, None, inputs, outputs, transparent))
+        parent = self.stack[-1][0] if self.stack else None
+        probe.callers.setdefault(id(m), set()).add(parent)
+        probe.nodes.append(Node(parent, m, None, inputs, outputs, transparent))
 
 
 @torch.no_grad()

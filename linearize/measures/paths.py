@@ -58,7 +58,7 @@ from torch.utils.weak import WeakTensorKeyDictionary
 
 from ..checks import check_tol
 from ..inputs import call_model, eval_mode
-from ..unit import LinearizableActivation, check_finite_slopes, units
+from ..unit import LinearizableActivation, check_finite_slopes, require_units, units
 
 __all__ = ["average_path_length", "PathLengthResult"]
 
@@ -366,10 +366,8 @@ def average_path_length(
     """
     if method not in ("auto", "fx", "record"):
         raise ValueError(f"method must be 'auto', 'fx' or 'record', got {method!r}")
-    if not units(model):
-        raise ValueError("the model has no linearizable units: call linearize.convert(model) first")
     tol = check_tol(tol)
-    check_finite_slopes(units(model), "average_path_length")
+    check_finite_slopes(require_units(model, what="average_path_length"), "average_path_length")
     srcs = _sources(example_inputs, model, sources)
     with eval_mode(model):
         node, used = None, method

@@ -1,0 +1,84 @@
+"""The FLOP counter reads every op's operands by position or keyword (timm EVA-02's
+``F.linear(x, weight=..., bias=...)``), checked against hand counts of multiply-adds; a failure of the
+counter itself is never reported as the user's inputs not fitting the model."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import linearize
+from linearize.folding import count_flops
+from linearize.folding import flops as flops_module
+FlopCounterError = getattr(flops_module, "FlopCounterError", ValueError)
+
+
+class _Op(nn.Module):
+    """Runs one op on its stored operands (the input is ignored)."""
+
+    def __init__(self, op: Callable[[], torch.Tensor]) -> None:
+        super().__init__()
+        self.op = op
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.op()
+
+
+def _t(*shape: int) -> torch.Tensor:
+    return torch.randn(*shape)
+
+
+# (op with its operands given by keyword, hand count: 2 x multiply-adds)
+CASES = {
+    "linear": (lambda: F.linear(_t(16, 4), weight=_t(8, 4), bias=_t(8)), 2 * 16 * 8 * 4),
+    "conv2d": (lambda: F.conv2d(_t(2, 3, 8, 8), weight=_t(5, 3, 3, 3), padding=1), 2 * (2 * 5 * 64) * 27),
+    "conv1d-grouped": (lambda: torch.conv1d(input=_t(1, 4, 9), weight=_t(6, 2, 3), groups=2), 2 * (6 * 7) * 2 * 3),
+    "matmul": (lambda: torch.matmul(input=_t(2, 3, 4), other=_t(4, 5)), 2 * (2 * 3 * 5) * 4),
+    "mm": (lambda: torch.mm(input=_t(3, 4), mat2=_t(4, 5)), 2 * 15 * 4),
+    "bmm": (lambda: torch.bmm(input=_t(2, 3, 4), mat2=_t(2, 4, 5)), 2 * 30 * 4),
+    "addmm": (lambda: torch.addmm(_t(5), mat1=_t(3, 4), mat2=_t(4, 5)), 2 * 15 * 4),
+    "baddbmm": (lambda: torch.baddbmm(_t(2, 3, 5), batch1=_t(2, 3, 4), batch2=_t(2, 4, 5)), 2 * 30 * 4),
+    # q [2, 4, 6, 8], k [.., 10, 8], v [.., 10, 7]: q k^T is 48 x 10 dots of 8, scores @ v 48 x 7 dots of 10
+    "sdpa": (lambda: F.scaled_dot_product_attention(query=_t(2, 4, 6, 8), key=_t(2, 4, 10, 8), value=_t(2, 4, 10, 7)),
+             2 * (2 * 4 * 6 * 10 * 8 + 2 * 4 * 6 * 7 * 10)),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_operands_given_by_keyword_are_counted_like_a_hand_count(name):
+    op, hand = CASES[name]
+    assert count_flops(_Op(op), torch.zeros(1)) == hand
+
+
+class _KeywordLinear(nn.Module):
+    """The repro: ``F.linear`` with keyword weight and bias, as timm EVA-02 attention calls it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.act, self.out = nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.act(F.linear(x, weight=self.fc.weight, bias=self.fc.bias)))
+
+
+def test_fold_counts_a_keyword_linear():
+    torch.manual_seed(0)
+    x = torch.randn(16, 4)
+    model = linearize.convert(_KeywordLinear().eval(), example_inputs=x)
+    folded = linearize.fold(model, x, latency=False)
+    assert folded.linearize_fold_summary.flops_before == 2 * 16 * 4 * 8 + 2 * 16 * 8 * 2
+
+
+def test_a_failure_of_the_counter_is_not_blamed_on_the_inputs(monkeypatch):
+    def broken(*args: object) -> int:
+        raise IndexError("tuple index out of range")
+
+    monkeypatch.setattr(flops_module, "_op_flops", broken)
+    model = nn.Sequential(nn.Linear(4, 2)).eval()
+    with pytest.raises(FlopCounterError, match="FLOP counter failed on .*linear.*IndexError") as info:
+        linearize.fold(model, torch.randn(3, 4), latency=False)
+    assert "do not fit" not in str(info.value)
