@@ -266,6 +266,19 @@ def test_depthwise_pointwise_chain_merges_to_cheaper_dense_conv():
     _same(model, folded, x)
 
 
+def test_a_border_bias_conv_folded_under_inference_mode_runs_there():
+    """Its bias map was cached on the bias buffer's version, which an inference tensor lacks: torch's error."""
+    unit = LA("relu", 16, 1)
+    with torch.no_grad():
+        unit.slope.fill_(1.0)
+    x = torch.randn(2, 4, 10, 10)
+    with torch.inference_mode():  # 1x1 expand, depthwise 3x3, 1x1 project: one cheaper dense conv
+        model = nn.Sequential(nn.Conv2d(4, 16, 1), unit, nn.Conv2d(16, 16, 3, padding=1, groups=16), nn.Conv2d(16, 4, 1))
+        folded = linearize.fold(model.eval(), x, latency=False)
+        assert isinstance(folded[0], BorderBiasConv)
+        _same(model, folded, x)
+
+
 # ----------------------------------------------------------------------------- residual blocks
 
 

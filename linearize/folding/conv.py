@@ -53,13 +53,17 @@ class BorderBiasConv(nn.Module):
         self._cache: dict[tuple, torch.Tensor] = {}
 
     def bias_map(self, spatial: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
-        """``[1, C_out, *out_spatial]`` bias for an input of spatial size ``spatial``."""
-        key = (spatial, like.dtype, like.device, self.tap_bias._version)
-        if key not in self._cache:
+        """``[1, C_out, *out_spatial]`` bias for an input of spatial size ``spatial`` (cached on the bias's
+        identity and version; not for an inference tensor, which has no version)."""
+        bias = self.tap_bias
+        key = None if bias.is_inference() else (spatial, like.dtype, like.device, id(bias), bias._version)
+        if key is None or key not in self._cache:
             inner = [(n - 1) // s + 1 for n, s in zip(spatial, self.inner_stride)]
             ones = torch.ones(1, 1, *inner, dtype=like.dtype, device=like.device)
-            fn = _CONV_FN[len(spatial)]
-            self._cache = {key: fn(ones, self.tap_bias.to(like.dtype), None, self.stride, self.padding, self.dilation)}
+            out = _CONV_FN[len(spatial)](ones, bias.to(like.dtype), None, self.stride, self.padding, self.dilation)
+            if key is None:
+                return out
+            self._cache = {key: out}
         return self._cache[key]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
