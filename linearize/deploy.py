@@ -5,8 +5,8 @@ narrowed plus a ``d x d`` linear path, merged convs, ...), so neither ``model.sa
 state dict alone rebuilds it. A folded save holds:
 
 - ``folded-<sha256[:16]>.safetensors``: the whole state dict (loaded strictly), named by its checksum,
-  and a *probe*: one input row (``example_inputs``, else a guessed one) and the outputs the saved model
-  gave on it. ``load_folded`` runs the rebuilt model on it and refuses a model that computes something
+  and a *probe*: one input row (``example_inputs``, else a guessed one) and the outputs a float32 CPU
+  copy of the saved model gave on it. ``load_folded`` runs the rebuilt model on it and refuses a model that computes something
   else: a base rebuilt with other arguments than the model folded had (timm's ``global_pool`` or
   ``img_size``, which no save records) loads without a complaint otherwise;
 - ``folded.json``: how to rebuild the structure: the *base* (a Hugging Face class and its config, a
@@ -27,6 +27,7 @@ Example::
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import importlib
 import inspect
@@ -321,11 +322,19 @@ def _build_base(base: dict[str, Any], given: nn.Module | None, path: Path) -> nn
 # ----------------------------------------------------------------------------- probe
 
 
+def _float32_twin(model: nn.Module) -> nn.Module:
+    """A float32 CPU copy of ``model`` in eval mode: the probe's outputs do not depend on the device (TF32),
+    half-precision rounding or thread count beyond float32 rounding, and running it leaves ``model``'s
+    buffers as they are. Costs a copy of the model while it runs."""
+    return copy.deepcopy(model).to("cpu").to(torch.float32).eval()
+
+
 def _probe(model: nn.Module, example_inputs: Any) -> tuple[dict[str, torch.Tensor], str]:
-    """Tensors of a probe (one input row, the model's floating outputs on it) and ``""``; or no tensors and
-    why (a guessed input the model refused, inputs that are not all tensors)."""
+    """Tensors of a probe (one input row, else the whole input, and the floating outputs of a float32 CPU
+    copy of ``model`` on it) and ``""``; or no tensors and why (no input to guess, inputs that are not all
+    tensors, a guessed input the model refused). Raises ``ValueError`` when given ``example_inputs`` fail."""
     from .example_inputs import guess_example_inputs
-    from .inputs import _slice, as_call, eval_mode, float_outputs, num_rows
+    from .inputs import _slice, as_call, float_outputs, map_tensors, num_rows
 
     try:
         inputs = guess_example_inputs(model) if example_inputs is None else example_inputs
@@ -334,44 +343,71 @@ def _probe(model: nn.Module, example_inputs: Any) -> tuple[dict[str, torch.Tenso
     args, kwargs = as_call(inputs)
     if not all(isinstance(v, torch.Tensor) for v in (*args, *kwargs.values())) or not (args or kwargs):
         return {}, "its inputs are not all tensors"
-    args, kwargs = as_call(_slice(inputs, 0, 1) if num_rows(inputs) else inputs)
-    try:
-        with torch.no_grad(), eval_mode(model):
-            outputs = float_outputs(model(*args, **kwargs))
-    except Exception as err:  # noqa: BLE001 -- any failure of the user's forward; theirs is re-raised
-        if example_inputs is not None:
-            raise ValueError(f"save_folded: the model fails on its example_inputs ({type(err).__name__}: {err})") from err
-        return {}, f"it fails on a guessed input ({type(err).__name__})"
-    tensors = {f"{_PROBE}arg.{i}": v for i, v in enumerate(args)}
-    tensors |= {f"{_PROBE}kwarg.{k}": v for k, v in kwargs.items()}
-    tensors |= {f"{_PROBE}output.{i}": v for i, v in enumerate(outputs)}
-    return {k: v.detach().cpu().contiguous().clone() for k, v in tensors.items()}, ""
+    inputs = map_tensors(inputs, lambda t: t.detach().cpu().float() if t.is_floating_point() else t.detach().cpu())
+    twin, failed = _float32_twin(model), None
+    for candidate in ((_slice(inputs, 0, 1), inputs) if num_rows(inputs) > 1 else (inputs,)):
+        args, kwargs = as_call(candidate)  # one row, else the whole input (a batch not along dim 0 everywhere)
+        try:
+            with torch.no_grad():  # on copies: a forward that writes into its input changes no saved input
+                outputs = float_outputs(twin(*[v.clone() for v in args], **{k: v.clone() for k, v in kwargs.items()}))
+        except Exception as err:  # noqa: BLE001 -- any failure of the user's forward; theirs is re-raised
+            failed = err
+            continue
+        tensors = {f"{_PROBE}arg.{i}": v for i, v in enumerate(args)}
+        tensors |= {f"{_PROBE}kwarg.{k}": v for k, v in kwargs.items()}
+        tensors |= {f"{_PROBE}output.{i}": v for i, v in enumerate(outputs)}
+        return {k: v.detach().contiguous().clone() for k, v in tensors.items()}, ""
+    if example_inputs is not None:
+        raise ValueError(f"save_folded: a float32 CPU copy of the model (the probe load_folded checks) fails on its "
+                         f"example_inputs ({type(failed).__name__}: {str(failed).strip()[:300]}); pass inputs it "
+                         "accepts, or none to guess them") from failed
+    return {}, f"it fails on a guessed input ({type(failed).__name__})"
+
+
+def _probe_parts(probe: dict[str, torch.Tensor], path: Path) -> tuple[list[torch.Tensor], dict, list[torch.Tensor]]:
+    """Positional inputs, keyword inputs and outputs of a saved probe; :class:`LoadError` if malformed."""
+    parts: dict[str, dict[str, torch.Tensor]] = {"arg": {}, "kwarg": {}, "output": {}}
+    for key, v in probe.items():
+        kind, _, name = key[len(_PROBE):].partition(".")
+        if kind not in parts or not name or (kind != "kwarg" and not name.isdigit()) or \
+                (kind == "output" and not v.is_floating_point()):
+            raise LoadError(f"{path}: malformed probe tensor {key!r} in the weights file; save the model again with "
+                            "linearize.save_folded(model, dir)")
+        parts[kind][name] = v
+
+    def ordered(kind: str) -> list[torch.Tensor]:
+        items = sorted(parts[kind].items(), key=lambda kv: int(kv[0]))
+        if [int(k) for k, _ in items] != list(range(len(items))):
+            raise LoadError(f"{path}: probe {kind}s numbered {[k for k, _ in items]}, not 0..n-1; save the model "
+                            "again with linearize.save_folded(model, dir)")
+        return [v for _, v in items]
+
+    return ordered("arg"), parts["kwarg"], ordered("output")
 
 
 def _check_probe(model: nn.Module, probe: dict[str, torch.Tensor], path: Path) -> None:
-    """Refuse (:class:`LoadError`) a rebuilt ``model`` that does not give the probe's outputs on its input."""
-    from .inputs import eval_mode, float_outputs, max_difference
+    """Refuse (:class:`LoadError`) a rebuilt ``model`` whose float32 CPU copy does not give the probe's
+    outputs (within 1e-4 of their scale) on its input."""
+    from .inputs import float_outputs, max_difference
 
-    def part(kind: str) -> dict[str, torch.Tensor]:
-        return {k[len(_PROBE + kind) + 1:]: v for k, v in probe.items() if k.startswith(f"{_PROBE}{kind}.")}
-
-    args = [v for _, v in sorted(part("arg").items(), key=lambda kv: int(kv[0]))]
-    saved = [v for _, v in sorted(part("output").items(), key=lambda kv: int(kv[0]))]
+    args, kwargs, saved = _probe_parts(probe, path)
+    if not saved:
+        raise LoadError(f"{path}: {FOLDED_CONFIG} says a probe was saved, but the weights file holds no probe "
+                        "output; save the model again with linearize.save_folded(model, dir)")
     fix = ("its base was built differently from the model folded (a timm or torchvision builder argument no save "
            "records, such as global_pool or img_size, or another version of that library): build the original "
            "architecture and pass it, linearize.load_folded(directory, base=...); check=False loads without this "
            "check (for a model whose eval-mode forward is random)")
     try:
-        with torch.no_grad(), eval_mode(model):
-            got = float_outputs(model(*args, **part("kwarg")))
+        with torch.no_grad():
+            got = float_outputs(_float32_twin(model)(*args, **kwargs))
         if [t.shape for t in got] != [t.shape for t in saved]:
             raise ValueError(f"output shapes {[tuple(t.shape) for t in got]}, saved {[tuple(t.shape) for t in saved]}")
         err, scale = max_difference(saved, got)
     except Exception as e:  # noqa: BLE001 -- the rebuilt model failing on the saved probe is the finding
         raise LoadError(f"{path}: the rebuilt model fails on the probe saved with it ({type(e).__name__}: "
                         f"{str(e).strip()[:200]}); {fix}") from None
-    rtol = max(1e-4, 16 * max((torch.finfo(t.dtype).eps for t in saved), default=0.0))
-    if err > rtol * max(scale, torch.finfo(torch.float32).tiny):
+    if err > 1e-4 * max(scale, torch.finfo(torch.float32).tiny):
         raise LoadError(f"{path}: the rebuilt model does not compute what the saved one did on the probe saved with "
                         f"it (largest difference {err:.3g} at output scale {scale:.3g}); {fix}")
 
@@ -383,8 +419,9 @@ def save_folded(model: nn.Module, directory: str | os.PathLike, *, builder: str 
                 builder_kwargs: dict[str, Any] | None = None, example_inputs: Any = None) -> Path:
     """Write a folded ``model`` to ``directory`` as ``folded.json`` + its weights (no pickle).
 
-    ``example_inputs`` (as for ``linearize.fold``; else guessed): its first row and the model's outputs
-    on it are saved as the probe :func:`load_folded` checks the rebuilt model against.
+    ``example_inputs`` (as for ``linearize.fold``; else guessed): its first row (else all of it) and the
+    outputs of a float32 CPU copy of the model on it are saved as the probe :func:`load_folded` checks
+    the rebuilt model against.
 
     The weights go to a file named by their checksum (:func:`folded_weights_name`), ``folded.json``
     last: a save interrupted at any point (an ``OSError``, a kill) leaves the previous save loadable.
@@ -565,8 +602,8 @@ def load_folded(directory: str | os.PathLike, base: nn.Module | None = None, *, 
 
     ``base``: a freshly built model of the original architecture, needed when ``folded.json`` names
     classes of your own (a plain base) or when the model was built with arguments the save does not
-    record. ``check``: run the rebuilt model on the probe saved with it and refuse other outputs (beyond
-    ``max(1e-4, 16 eps)`` of the output scale). Runs no code from the files. Raises ``FileNotFoundError``
+    record. ``check``: run a float32 CPU copy of the rebuilt model on the probe saved with it and refuse
+    other outputs (beyond 1e-4 of the output scale). Runs no code from the files. Raises ``FileNotFoundError``
     and :class:`LoadError` naming the file (damaged, tampered with, unknown class, other outputs).
 
     Example::
@@ -587,13 +624,14 @@ def load_folded(directory: str | os.PathLike, base: nn.Module | None = None, *, 
                         "differs from the one folded: build the original architecture with the arguments it had "
                         "and pass it, linearize.load_folded(directory, base=...)") from None
     mark_folded(model)  # its own save_pretrained would reload as the original layers: guarded
-    if check and probe:
+    if check and (probe or (meta.get("probe") or {}).get("saved")):
         _check_probe(model, probe, path)
     return model.eval()
 
 
 def _fit(model: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
-    """Give the rebuilt ``model`` the saved tensors' floating dtypes (it is built in float32) and the
+    """Give the rebuilt ``model`` the saved tensors' floating dtypes (it is built in float32; when they
+    share one dtype, its unsaved floating buffers take it too) and the
     parameters fold filled that its base leaves empty (a conv subclass built with ``bias=False`` that fold
     gave its BatchNorm's shift): the strict load then checks every name and shape."""
     modules = dict(model.named_modules(remove_duplicate=False))
@@ -607,3 +645,8 @@ def _fit(model: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
         target = module._parameters.get(attr, module._buffers.get(attr))
         if target is not None and target.is_floating_point() and saved.is_floating_point():
             target.data = target.data.to(saved.dtype)  # in place: a tied parameter stays one
+    dtypes = {t.dtype for t in tensors.values() if t.is_floating_point()}
+    if len(dtypes) == 1:  # a model in one dtype: its unsaved buffers too (timm BlurPool2d's persistent=False filter)
+        for t in (*model.parameters(), *model.buffers()):
+            if t.is_floating_point():
+                t.data = t.data.to(*dtypes)

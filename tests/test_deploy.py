@@ -11,6 +11,7 @@ from torch import nn
 
 import linearize
 from linearize import LoadError
+from linearize.deploy import folded_weights_name
 from zoo import save_folded_functional, tiny_bert
 
 
@@ -274,3 +275,99 @@ def test_a_conv_subclass_given_a_bias_by_fold_loads_from_its_base(tmp_path):
     assert folded[0].bias is not None
     linearize.save_folded(folded, tmp_path)
     assert torch.equal(_call(linearize.load_folded(tmp_path, base=net()), x), _call(folded, x))
+
+
+class _Counting(nn.Module):
+    """Writes into its input and counts its calls in a buffer: the probe must change neither the caller's
+    inputs nor the saved state (the file held the state after the probe, the outputs of the state before)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.act = nn.Linear(4, 4), nn.ReLU()
+        self.register_buffer("calls", torch.zeros(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return self.act(self.fc(x.mul_(2))) + self.calls
+
+
+def test_the_probe_changes_neither_the_inputs_nor_the_model_and_loads_back(tmp_path):
+    x = torch.randn(3, 4, generator=torch.Generator().manual_seed(0))
+    model, before = _Counting().eval(), x.clone()
+    linearize.save_folded(model, tmp_path, example_inputs=x)
+    assert torch.equal(x, before) and model.calls.item() == 0
+    loaded = linearize.load_folded(tmp_path, base=_Counting())
+    assert loaded.calls.item() == 0
+    ref = 2 * before @ model.fc.weight.T + model.fc.bias  # its first call, by hand
+    torch.testing.assert_close(loaded(before.clone()), ref.relu() + 1)
+
+
+def test_inputs_batched_off_dim_0_are_probed_whole(tmp_path):
+    """An RNN's (x [B, T, D], h0 [1, B, H]): one row of x with all of h0 fails; the whole input is saved."""
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.rnn, self.out = nn.GRU(4, 8, batch_first=True), nn.Linear(8, 2)
+
+        def forward(self, x: torch.Tensor, h0: torch.Tensor) -> torch.Tensor:
+            return self.out(self.rnn(x, h0)[0])
+
+    torch.manual_seed(0)
+    model, inputs = Net().eval(), (torch.randn(3, 5, 4), torch.randn(1, 3, 8))
+    linearize.save_folded(model, tmp_path, example_inputs=inputs)
+    loaded = linearize.load_folded(tmp_path, base=Net())
+    torch.testing.assert_close(loaded(*inputs), model(*inputs))
+
+
+def test_an_unsaved_buffer_of_a_half_precision_model_takes_its_dtype(tmp_path):
+    """A non-persistent float buffer (timm BlurPool2d's filter) stayed float32 beside bf16 weights."""
+
+    class Blur(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv = nn.Conv2d(3, 3, 1)
+            self.register_buffer("filt", torch.full((3, 1, 3, 3), 1 / 9), persistent=False)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.nn.functional.conv2d(self.conv(x), self.filt, groups=3)
+
+    model, x = Blur().to(torch.bfloat16).eval(), torch.randn(2, 3, 6, 6, dtype=torch.bfloat16)
+    linearize.save_folded(model, tmp_path)
+    loaded = linearize.load_folded(tmp_path, base=Blur())
+    assert loaded.filt.dtype == torch.bfloat16 and torch.equal(loaded(x), model(x))
+
+
+def _rewrite(directory, edit) -> None:
+    """Edit the saved tensors and write them back with a matching checksum (a crafted, consistent save)."""
+    import hashlib
+
+    import safetensors.torch
+
+    meta = json.loads((directory / "folded.json").read_text())
+    tensors = safetensors.torch.load((directory / meta["weights"]["file"]).read_bytes())
+    edit(tensors)
+    data = safetensors.torch.save(tensors, {"format": "pt"})
+    digest = hashlib.sha256(data).hexdigest()
+    meta["weights"] = {"file": folded_weights_name(digest), "bytes": len(data), "sha256": digest}
+    (directory / meta["weights"]["file"]).write_bytes(data)
+    (directory / "folded.json").write_text(json.dumps(meta))
+
+
+P = "__linearize_probe__."
+
+
+@pytest.mark.parametrize("edit, match", [
+    (lambda t: t.__setitem__(P + "arg.x", t[P + "arg.0"].clone()), "malformed probe tensor"),
+    (lambda t: t.__setitem__(P + "output.0", t[P + "output.0"].long()), "malformed probe tensor"),
+    (lambda t: t.__setitem__(P + "arg.7", t[P + "arg.0"].clone()), r"probe args numbered \['0', '7'\]"),
+    (lambda t: [t.pop(k) for k in [k for k in t if k.startswith(P)]], "holds no probe output"),
+    (lambda t: t.__setitem__(P + "output.0", t[P + "output.0"] + 1), "does not compute what the saved one did"),
+])
+def test_a_crafted_probe_is_refused_naming_it(tmp_path, edit, match):
+    x = torch.randn(2, 3, 8, 8)
+    seq = _half_linear(nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Flatten(), nn.Linear(144, 3)), x)
+    linearize.save_folded(seq, tmp_path, example_inputs=x)
+    _rewrite(tmp_path, edit)
+    with pytest.raises(LoadError, match=match):
+        linearize.load_folded(tmp_path)

@@ -35,6 +35,7 @@ def _t(*shape: int) -> torch.Tensor:
 # (op with its operands given by keyword, hand count: 2 x multiply-adds)
 CASES = {
     "linear": (lambda: F.linear(_t(16, 4), weight=_t(8, 4), bias=_t(8)), 2 * 16 * 8 * 4),
+    "linear, 1-D weight": (lambda: F.linear(_t(16, 4), _t(4)), 2 * 16 * 4),
     "conv2d": (lambda: F.conv2d(_t(2, 3, 8, 8), weight=_t(5, 3, 3, 3), padding=1), 2 * (2 * 5 * 64) * 27),
     "conv1d-grouped": (lambda: torch.conv1d(input=_t(1, 4, 9), weight=_t(6, 2, 3), groups=2), 2 * (6 * 7) * 2 * 3),
     "matmul": (lambda: torch.matmul(input=_t(2, 3, 4), other=_t(4, 5)), 2 * (2 * 3 * 5) * 4),

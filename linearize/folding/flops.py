@@ -47,7 +47,9 @@ def _op_flops(func: Callable, args: tuple, kwargs: dict, out: Any) -> int:
         return 0
     kind, names = op
     a = dict(zip(names, args)) | {k: v for k, v in kwargs.items() if k in names}
-    if kind in ("linear", "conv"):  # F.linear(x, W[out, in]) / conv(x, W[out, in / groups, *k])
+    if kind == "linear":  # F.linear(x, W[out, in] or W[in])
+        return 2 * out.numel() * a["weight"].shape[-1]
+    if kind == "conv":  # conv(x, W[out, in / groups, *k])
         return 2 * out.numel() * math.prod(a["weight"].shape[1:])
     if kind == "matmul":  # a @ b, contracted over a's last dim
         return 2 * out.numel() * a["input"].shape[-1]
