@@ -46,6 +46,15 @@ CASES = {
     # q [2, 4, 6, 8], k [.., 10, 8], v [.., 10, 7]: q k^T is 48 x 10 dots of 8, scores @ v 48 x 7 dots of 10
     "sdpa": (lambda: F.scaled_dot_product_attention(query=_t(2, 4, 6, 8), key=_t(2, 4, 10, 8), value=_t(2, 4, 10, 7)),
              2 * (2 * 4 * 6 * 10 * 8 + 2 * 4 * 6 * 7 * 10)),
+    # every one of the 2 * 4 * 5 * 5 input elements meets 3 * 3 * 3 weights
+    "conv_transpose2d": (lambda: F.conv_transpose2d(_t(2, 4, 5, 5), weight=_t(4, 3, 3, 3)), 2 * (2 * 4 * 25) * 27),
+    "Tensor.addmm": (lambda: _t(5).addmm(mat1=_t(3, 4), mat2=_t(4, 5)), 2 * 15 * 4),
+    "einsum": (lambda: torch.einsum("bij,bjk->bik", _t(2, 3, 4), _t(2, 4, 5)), 2 * 30 * 4),
+    "einsum, operand list": (lambda: torch.einsum("bij,bjk->bik", [_t(2, 3, 4), _t(2, 4, 5)]), 2 * 30 * 4),
+    # "..." broadcasts [2, 1] with [6]: 12 batches of a 3 x 4 by 4 x 5 product
+    "einsum, broadcast ellipsis": (lambda: torch.einsum("...ij,...jk->...ik", _t(2, 1, 3, 4), _t(6, 4, 5)),
+                                   2 * (12 * 15) * 4),
+    "einsum, one operand (a trace)": (lambda: torch.einsum("ii->", _t(3, 3)), 0),
 }
 
 

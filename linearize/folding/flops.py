@@ -1,6 +1,7 @@
 """The one FLOP counter: :func:`count_flops` (fold's summary, the reports) and :func:`module_flops`
 (fold's planner, the sparsifier's ``weights="flops"``). 2 FLOPs per multiply-add of every linear,
-conv, matmul and attention op, plus 2 per BatchNorm element; other element-wise ops count 0."""
+conv (transposed too), matmul, two-operand einsum and attention op, plus 2 per BatchNorm element; other
+element-wise ops (and einsums of three or more operands) count 0."""
 
 from __future__ import annotations
 
@@ -51,6 +52,10 @@ def _op_flops(func: Callable, args: tuple, kwargs: dict, out: Any) -> int:
         return 2 * out.numel() * a["weight"].shape[-1]
     if kind == "conv":  # conv(x, W[out, in / groups, *k])
         return 2 * out.numel() * math.prod(a["weight"].shape[1:])
+    if kind == "conv_transpose":  # every input element meets out / groups * k weights: W[in, out / groups, *k]
+        return 2 * a["input"].numel() * math.prod(a["weight"].shape[1:])
+    if kind == "einsum":
+        return _einsum_flops(a["equation"], args[1:])
     if kind == "matmul":  # a @ b, contracted over a's last dim
         return 2 * out.numel() * a["input"].shape[-1]
     if kind == "addmm":  # addmm(bias, a, b) / baddbmm(input, a, b)
@@ -61,14 +66,36 @@ def _op_flops(func: Callable, args: tuple, kwargs: dict, out: Any) -> int:
     return 2 * out.numel()  # batch_norm
 
 
+def _einsum_flops(equation: str, operands: tuple) -> int:
+    """2 x the product of every index size of a two-operand einsum (its multiply-adds); 0 for one operand
+    (a transpose, trace or sum) and for three or more (their cost depends on the contraction order)."""
+    if len(operands) == 1 and isinstance(operands[0], (list, tuple)):
+        operands = tuple(operands[0])  # einsum(eq, [a, b])
+    specs = equation.replace(" ", "").split("->")[0].split(",")
+    if len(operands) != 2 or len(specs) != 2:
+        return 0
+    sizes: dict[str, int] = {}
+    for spec, t in zip(specs, operands):
+        before, dots, after = spec.partition("...")
+        span = t.ndim - len(before) - len(after)  # dims under "...", named from the right (they broadcast so)
+        names = [*before, *(f".{span - 1 - i}" for i in range(span if dots else 0)), *after]
+        for name, size in zip(names, t.shape):
+            sizes[name] = max(sizes.get(name, 1), size)
+    return 2 * math.prod(sizes.values())
+
+
 _CONV = ("conv", ("input", "weight"))
+_CONV_T = ("conv_transpose", ("input", "weight"))
 _MATMUL = ("matmul", ("input",))
 # op -> (kind, its parameter names in order, as far as the count reads them; a Tensor method's self is "input")
 _FLOP_OPS: dict[Callable, tuple[str, tuple[str, ...]]] = {
     F.linear: ("linear", ("input", "weight")), torch.conv1d: _CONV, torch.conv2d: _CONV, torch.conv3d: _CONV,
     torch.matmul: _MATMUL, torch.Tensor.matmul: _MATMUL, torch.Tensor.__matmul__: _MATMUL,
     torch.mm: _MATMUL, torch.Tensor.mm: _MATMUL, torch.bmm: _MATMUL, torch.Tensor.bmm: _MATMUL,
+    torch.conv_transpose1d: _CONV_T, torch.conv_transpose2d: _CONV_T, torch.conv_transpose3d: _CONV_T,
     torch.addmm: ("addmm", ("input", "mat1")), torch.baddbmm: ("addmm", ("input", "batch1")),
+    torch.Tensor.addmm: ("addmm", ("input", "mat1")), torch.Tensor.baddbmm: ("addmm", ("input", "batch1")),
+    torch.einsum: ("einsum", ("equation",)),
     F.scaled_dot_product_attention: ("sdpa", ("query", "key")), F.batch_norm: ("batch_norm", ()),
 }
 
