@@ -325,8 +325,18 @@ def _build_base(base: dict[str, Any], given: nn.Module | None, path: Path) -> nn
 def _float32_twin(model: nn.Module) -> nn.Module:
     """A float32 CPU copy of ``model`` in eval mode: the probe's outputs do not depend on the device (TF32),
     half-precision rounding or thread count beyond float32 rounding, and running it leaves ``model``'s
-    buffers as they are. Costs a copy of the model while it runs."""
-    return copy.deepcopy(model).to("cpu").to(torch.float32).eval()
+    buffers as they are. Costs a float32 copy of the model in CPU memory while it runs (the parameters and
+    buffers are copied straight to the CPU: none is duplicated on an accelerator)."""
+
+    def cpu32(t: torch.Tensor) -> torch.Tensor:
+        return t.detach().to("cpu", torch.float32 if t.is_floating_point() else t.dtype, copy=True)
+
+    memo: dict[int, Any] = {}
+    for p in model.parameters():
+        memo[id(p)] = nn.Parameter(cpu32(p), p.requires_grad and p.is_floating_point())
+    for b in model.buffers():
+        memo[id(b)] = cpu32(b)
+    return copy.deepcopy(model, memo).eval()
 
 
 def _probe(model: nn.Module, example_inputs: Any) -> tuple[dict[str, torch.Tensor], str]:
@@ -344,7 +354,10 @@ def _probe(model: nn.Module, example_inputs: Any) -> tuple[dict[str, torch.Tenso
     if not all(isinstance(v, torch.Tensor) for v in (*args, *kwargs.values())) or not (args or kwargs):
         return {}, "its inputs are not all tensors"
     inputs = map_tensors(inputs, lambda t: t.detach().cpu().float() if t.is_floating_point() else t.detach().cpu())
-    twin, failed = _float32_twin(model), None
+    try:
+        twin, failed = _float32_twin(model), None
+    except Exception as err:  # noqa: BLE001 -- a model holding something copy.deepcopy refuses
+        return {}, f"the model cannot be copied ({type(err).__name__}: {str(err).strip()[:200]})"
     for candidate in ((_slice(inputs, 0, 1), inputs) if num_rows(inputs) > 1 else (inputs,)):
         args, kwargs = as_call(candidate)  # one row, else the whole input (a batch not along dim 0 everywhere)
         try:
