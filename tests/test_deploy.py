@@ -243,6 +243,11 @@ def test_a_model_without_a_guessable_input_saves_without_a_probe(tmp_path):
     assert json.loads((tmp_path / "folded.json").read_text())["probe"]["why_not"].startswith("no input to guess")
     with pytest.raises(ValueError, match="fails on its example_inputs"):
         linearize.save_folded(nn.Linear(4, 2), tmp_path / "bad", example_inputs=torch.randn(3, 5))
+    uncopyable = nn.Linear(4, 2)
+    uncopyable.stream = (i for i in range(3))  # copy.deepcopy refuses a generator
+    linearize.save_folded(uncopyable, tmp_path / "gen")
+    assert "cannot be copied" in json.loads((tmp_path / "gen" / "folded.json").read_text())["probe"]["why_not"]
+    assert torch.equal(linearize.load_folded(tmp_path / "gen").weight, uncopyable.weight)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
