@@ -16,7 +16,7 @@ from .activations import FunctionalActivation, activation_kind
 from .config import BlendConfig
 from .example_inputs import guess_example_inputs
 from .functional_sites import FunctionalSites, install_functional_sites
-from .injection import call_channels, disable_fused_paths, install_call_sites, plan_conversion, wrap_function_attributes
+from .injection import call_channels, install_call_sites, plan_conversion, settle_placed_modules, wrap_function_attributes
 from .inputs import call_model, eval_mode, map_tensors, max_difference, output_tensors
 from .unit import LinearizableActivation, install_optimizer_hooks
 
@@ -73,7 +73,7 @@ def convert_blend(model: nn.Module, config: BlendConfig, example_inputs: Any) ->
             made = {k: u.to(param.device, dtype) for k, u in made.items()}
         sites = FunctionalSites(p.name, [c.kind for c in p.calls], [call_channels(c) for c in p.calls], made)
         install_functional_sites(p.owner, sites)
-    disable_fused_paths(model)
+    settle_placed_modules(model)
     if inplace_sites:
         _keep_inplace(model, inputs, reference, from_inplace)
     model.linearize_config = config

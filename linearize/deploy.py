@@ -68,6 +68,10 @@ def _nn_classes() -> dict[str, type]:
         obj = getattr(nn, name)
         if isinstance(obj, type) and issubclass(obj, nn.Module) and obj.__module__.startswith("torch.nn.modules"):
             found[f"torch.nn.{name}"] = obj
+    # nn.MultiheadAttention's out_proj: a Linear under another name (the class exists to refuse quantization)
+    from torch.nn.modules.linear import NonDynamicallyQuantizableLinear
+
+    found["torch.nn.modules.linear.NonDynamicallyQuantizableLinear"] = NonDynamicallyQuantizableLinear
     return found
 
 
@@ -159,10 +163,31 @@ def _shapes(module: nn.Module) -> dict[str, list[int] | None]:
     return out
 
 
+def _attributes(module: nn.Module) -> dict[str, Any]:
+    """The plain attributes of ``module`` (JSON values; activation functions of the table by name)."""
+    out: dict[str, Any] = {}
+    for k, v in vars(module).items():
+        if k.startswith("_") or k == "training":
+            continue
+        name = next((n for n, f in _FUNCTIONS.items() if f is v), None) if callable(v) else None
+        if name is not None:
+            out[k] = {"function": name}
+            continue
+        try:
+            out[k] = _jsonable(v)
+        except TypeError:
+            continue  # not data: a forward that reads it fails, and the load's probe names that
+    return out
+
+
 def _generic_args(module: nn.Module) -> dict[str, Any]:
-    """Constructor arguments of a ``torch.nn`` layer read back from its attributes of the same names."""
+    """Constructor arguments of a ``torch.nn`` layer read back from its attributes of the same names; for
+    a layer whose constructor needs what its attributes do not hold (``nn.TransformerEncoder``'s
+    ``encoder_layer``, a layer's ``d_model``), ``{"attributes": ...}``: its plain attributes, set on an
+    instance made without its constructor (its submodules are rebuilt as its children)."""
     args: dict[str, Any] = {}
-    for p in list(inspect.signature(type(module).__init__).parameters)[1:]:
+    params = inspect.signature(type(module).__init__).parameters
+    for p in list(params)[1:]:
         if p in ("device", "dtype", "_weight", "_freeze") or p.startswith("*"):
             continue
         if p == "bias" and ("bias" in module._parameters or hasattr(module, "bias")):
@@ -176,7 +201,9 @@ def _generic_args(module: nn.Module) -> dict[str, Any]:
                 args[p] = _jsonable(getattr(module, p))
             except TypeError:
                 raise ValueError(f"cannot record argument {p!r} of {type(module).__name__}") from None
-    return args
+    required = [p for p in list(params.values())[1:] if p.default is p.empty and p.name not in args
+                and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    return {"attributes": _attributes(module)} if required else args
 
 
 def _spec(module: nn.Module) -> dict[str, Any]:
@@ -263,7 +290,28 @@ def _build(cls: type, args: dict[str, Any]) -> nn.Module:
         return cls([])
     if cls is FunctionalSites:
         return _functional_sites(args)
+    if set(args) == {"attributes"} and "attributes" not in inspect.signature(cls.__init__).parameters:
+        return _with_attributes(cls, args["attributes"])
     return cls(**{k: _tupled(v) for k, v in args.items()})
+
+
+def _with_attributes(cls: type, attributes: Any) -> nn.Module:
+    """An instance of the ``torch.nn`` class ``cls`` made without its constructor, given recorded plain
+    ``attributes`` (JSON values, or ``{"function": name}`` of the activation table; never a name that
+    starts with ``_`` or one of the class's own)."""
+    if not isinstance(attributes, dict):
+        raise ValueError("attributes must be a mapping")
+    m = cls.__new__(cls)
+    nn.Module.__init__(m)
+    for k, v in attributes.items():
+        if not isinstance(k, str) or not k.isidentifier() or k.startswith("_") or hasattr(cls, k):
+            raise ValueError(f"attribute {k!r} is not one a save records")
+        if isinstance(v, dict):
+            if set(v) != {"function"} or v["function"] not in _FUNCTIONS:
+                raise ValueError(f"attribute {k!r}: unknown function {v!r}")
+            v = _FUNCTIONS[v["function"]]
+        setattr(m, k, _tupled(v))
+    return m
 
 
 # ----------------------------------------------------------------------------- base models
@@ -572,9 +620,9 @@ def _rebuild(meta: dict[str, Any], base: nn.Module | None, path: Path) -> nn.Mod
                 raise LoadError(f"{path}: functional sites {name!r}: slots {module.slots} do not name its modules "
                                 f"{sorted(module._modules)}; save the model again with linearize.save_folded")
             install_functional_sites(owner, module)  # the owner's calls go to the plain modules again
-    from .injection import disable_fused_paths
+    from .injection import settle_placed_modules
 
-    disable_fused_paths(built[""])  # a base's encoder layer reused around a folded activation
+    settle_placed_modules(built[""])  # a base's encoder layer reused around a folded activation
     return built[""]
 
 

@@ -68,7 +68,7 @@ from .config import BlendConfig, GatedConfig, LinearizeConfig
 from .example_inputs import guess_example_inputs
 from .injection import (
     activation_registrations,
-    disable_fused_paths,
+    settle_placed_modules,
     install_call_sites,
     plan_conversion,
     wrap_function_attributes,
@@ -486,8 +486,8 @@ def convert_gated(model: nn.Module, config: GatedConfig, example_inputs: Any = N
                 m.inplace = True
         install_call_sites(owner, attr, galus)
         install_call_sites(feature_owner, attr, taps)
-    disable_fused_paths(value)
-    disable_fused_paths(feature)
+    settle_placed_modules(value)
+    settle_placed_modules(feature)
 
     if config.init == "independent":
         _reset_parameters(feature)

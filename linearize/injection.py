@@ -40,7 +40,7 @@ from .functional_sites import ATTR, FunctionalSiteError
 from .inputs import call_model, eval_mode
 from .unit import LinearizableActivation
 
-__all__ = ["CallSites", "install_call_sites", "disable_fused_paths", "SiteInfo", "ConversionReport", "ActivationCall",
+__all__ = ["CallSites", "install_call_sites", "settle_placed_modules", "SiteInfo", "ConversionReport", "ActivationCall",
            "OwnerPlan", "plan_conversion", "call_channels",
            "activation_registrations", "wrap_function_attributes"]
 
@@ -103,12 +103,20 @@ def _reset_call_sites(owner: nn.Module, args: Any) -> None:
             child.reset()
 
 
-def disable_fused_paths(model: nn.Module) -> None:
-    """Switch off the fused fast paths that compute an activation themselves where it is no longer the
-    plain one: ``nn.TransformerEncoderLayer`` in eval mode under ``no_grad`` runs relu/gelu inside one
-    kernel when ``activation_relu_or_gelu`` (set at its init) says so, bypassing a unit or a folded
-    ChannelPReLU; an ``nn.TransformerEncoder`` over such layers stops making nested tensors, which
-    units do not take. Called by convert, fold and load_folded."""
+def settle_placed_modules(model: nn.Module) -> None:
+    """Make the modules linearize placed (units, their plain forms) hold in ``model``; called by convert,
+    the gated split, fold and load_folded.
+
+    - Fused fast paths that compute an activation themselves are switched off where it is no longer the
+      plain one: ``nn.TransformerEncoderLayer`` in eval mode under ``no_grad`` runs relu/gelu inside one
+      kernel when ``activation_relu_or_gelu`` (set at its init) says so, bypassing a unit or a folded
+      ChannelPReLU; an ``nn.TransformerEncoder`` over such layers stops making nested tensors, which
+      units do not take.
+    - A module placed at a name its owner's ``__setstate__`` fills in when the name is missing from the
+      state (``nn.TransformerDecoderLayer`` puts ``F.relu`` at ``activation``) is kept in the instance
+      dict too: ``copy.deepcopy`` or unpickling would otherwise shadow the module with that default, a
+      copy silently computing relu.
+    """
     for m in model.modules():
         act = getattr(m, "activation", None)
         act = act.fn if isinstance(act, FunctionalActivation) else act  # F.relu held as an attribute, wrapped
@@ -119,12 +127,30 @@ def disable_fused_paths(model: nn.Module) -> None:
             not getattr(layer, "activation_relu_or_gelu", 1) for layer in m.layers
         ):
             m.use_nested_tensor = False
+    for m in model.modules():
+        for name in _shadowed_on_copy(m):
+            m.__dict__[name] = m._modules[name]
+
+
+def _shadowed_on_copy(m: nn.Module) -> list[str]:
+    """Names of ``m``'s submodules that its class's own ``__setstate__`` would set as plain attributes
+    (found by running it on a blank instance with ``m``'s state less those submodule names)."""
+    cls = type(m)
+    if cls.__setstate__ is nn.Module.__setstate__ or not m._modules:
+        return []
+    state = {k: dict(v) if isinstance(v, dict) else v for k, v in m.__dict__.items() if k not in m._modules}
+    blank = cls.__new__(cls)
+    try:
+        blank.__setstate__(state)
+    except Exception:  # noqa: BLE001 -- a __setstate__ that needs more than its state: nothing learnt
+        return []
+    return [n for n, sub in m._modules.items() if sub is not None and n in blank.__dict__ and blank.__dict__[n] is not sub]
 
 
 def install_call_sites(owner: nn.Module, attr: str, modules: list[nn.Module]) -> None:
     """Put one module per call at ``owner.attr``: the module itself, or a :class:`CallSites`
     dispatcher (reset by a forward pre-hook on ``owner``) when the site is called several times
-    (then :func:`disable_fused_paths` on the model)."""
+    (then :func:`settle_placed_modules` on the model)."""
     if len(modules) == 1:
         setattr(owner, attr, modules[0])
         return

@@ -472,6 +472,22 @@ def test_encoder_nested_tensors_excluded_layers_and_loaded_folds_keep_the_right_
         torch.testing.assert_close(back(x), encoder(x), rtol=0, atol=1e-5)
 
 
+def test_a_converted_decoder_layer_keeps_its_unit_through_deepcopy():
+    """nn.TransformerDecoderLayer.__setstate__ puts F.relu at 'activation' when the state lacks that key (the
+    unit lives in _modules): every deepcopy (fold's, the user's) silently computed relu again, and fold refused
+    its own correct result. Truth: the same weights with an identity activation (slopes 1)."""
+    torch.manual_seed(0)
+    layer = nn.TransformerDecoderLayer(16, 2, 32, dropout=0.0, batch_first=True).eval()
+    linear = copy.deepcopy(layer)
+    linear.activation = nn.Identity()
+    x, memory = torch.randn(2, 5, 16), torch.randn(2, 3, 16)
+    linearize.convert(layer, example_inputs=(x, memory))
+    with torch.no_grad():
+        linearize.units(layer)[0][1].slope.fill_(1.0)
+        for m in (layer, copy.deepcopy(layer), linearize.fold(layer, (x, memory), latency=False)):
+            torch.testing.assert_close(m(x, memory), linear(x, memory))
+
+
 class _Cat(nn.Module):
     def __init__(self) -> None:
         super().__init__()

@@ -376,3 +376,41 @@ def test_a_crafted_probe_is_refused_naming_it(tmp_path, edit, match):
     _rewrite(tmp_path, edit)
     with pytest.raises(LoadError, match=match):
         linearize.load_folded(tmp_path)
+
+
+def test_torch_transformer_stacks_load_without_a_base(tmp_path):
+    """nn.TransformerEncoder / Decoder (and their layers) need a layer module or d_model to be built, which
+    no attribute holds: they are made from their recorded plain attributes, their submodules rebuilt as
+    children. Truth: the converted model (a partly linear first layer, an excluded plain relu in the second)."""
+    torch.manual_seed(0)
+    x, memory = torch.randn(2, 5, 16), torch.randn(2, 3, 16)
+    pad = torch.tensor([[False] * 5, [False] * 3 + [True] * 2])
+    enc = nn.TransformerEncoder(nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True), 2,
+                                norm=nn.LayerNorm(16)).eval()
+    dec = nn.TransformerDecoder(nn.TransformerDecoderLayer(16, 2, 32, dropout=0.0, batch_first=True, activation="gelu"),
+                                2).eval()
+    for i, (model, inputs, kw) in enumerate([(enc, (x,), {"src_key_padding_mask": pad}), (dec, (x, memory), {})]):
+        linearize.convert(model, example_inputs=inputs, exclude_modules=["layers.1.activation"])
+        with torch.no_grad():
+            linearize.units(model)[0][1].slope.uniform_(0, 1)
+        folded = linearize.fold(model, inputs, latency=False)
+        linearize.save_folded(folded, tmp_path / str(i), example_inputs=inputs)
+        loaded = linearize.load_folded(tmp_path / str(i))
+        assert type(loaded) is type(model)
+        with torch.no_grad():  # eval + no_grad: the encoder's fused path where the layer's activation is plain
+            torch.testing.assert_close(loaded(*inputs, **kw), model(*inputs, **kw), rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("attributes, match", [
+    ({"forward": 1}, "'forward' is not one a save records"),
+    ({"_modules": {}}, "'_modules' is not one a save records"),
+    ({"activation": {"function": "os.system"}}, "unknown function"),
+])
+def test_crafted_attributes_are_refused(tmp_path, attributes, match):
+    enc = nn.TransformerEncoder(nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True), 1).eval()
+    linearize.save_folded(enc, tmp_path)
+    meta = json.loads((tmp_path / "folded.json").read_text())
+    meta["modules"][0]["args"] = {"attributes": attributes}
+    (tmp_path / "folded.json").write_text(json.dumps(meta))
+    with pytest.raises(LoadError, match=match):
+        linearize.load_folded(tmp_path)

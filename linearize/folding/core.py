@@ -15,7 +15,7 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from ..checks import check_positive, check_tol
-from ..injection import CallSites, _reset_call_sites, disable_fused_paths
+from ..injection import CallSites, _reset_call_sites, settle_placed_modules
 from ..hf import mark_folded
 from ..inputs import eval_mode, float_outputs
 from ..unit import LinearizableActivation, check_finite_slopes, gated_error, units
@@ -216,7 +216,7 @@ def fold(
 
     folded = _visit(folded, FoldContext(objective, tol, probe, summary, time_merges=merge_latency), rules)
     folded = _replace_units(folded, tol, summary)
-    disable_fused_paths(folded)  # a ChannelPReLU where an encoder layer's fast path would run relu
+    settle_placed_modules(folded)  # a ChannelPReLU where an encoder layer's fast path would run relu
     summary.skipped = list(dict.fromkeys(summary.skipped))
     folded.eval()
     for attr in ("linearize_config", "linearize_report"):  # the result has no units
