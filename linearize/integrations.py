@@ -42,8 +42,9 @@ class LinearizeCallback(TrainerCallback, ExportableState):
 
     Args:
         sparsifier: a ready :class:`~linearize.Sparsifier`; or leave it ``None`` and give
-        schedule: a :mod:`linearize.schedules` schedule; the Sparsifier is then built at
-            ``on_train_begin`` with ``total_steps = state.max_steps``.
+        schedule: a :mod:`linearize.schedules` schedule; a Sparsifier is then built at every
+            ``on_train_begin`` with ``total_steps = state.max_steps`` (one per ``train()``: a model
+            from ``model_init``, each trial of a hyperparameter search).
         teacher: the original model (e.g. before ``linearize.convert``): with
             :class:`LinearizeTrainerMixin`, ``compute_loss`` becomes :func:`linearize.distill_loss`
             of the student's outputs to the teacher's (no labels needed).
@@ -90,8 +91,18 @@ class LinearizeCallback(TrainerCallback, ExportableState):
         return {"args": {}, "attributes": {"sparsifier_state": saved}}
 
     def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
-        if self.sparsifier is None:
+        if self.schedule is not None:  # a new Sparsifier for every train(): model_init, a search's trials
+            if self._hook is not None:
+                self._hook.remove()
+                self._hook = None
             self.sparsifier = Sparsifier(model, self.schedule, state.max_steps, **self.sparsifier_kwargs)
+        elif model is not None and {id(u) for _, u in self.sparsifier._units} != {id(u) for _, u in units(model)}:
+            raise ValueError("the Sparsifier given to LinearizeCallback was built on another model than the one "
+                             "training (model_init builds a new one per train()): pass schedule=... instead")
+        elif state.global_step == 0 and self.sparsifier.step_count > 0:
+            raise ValueError(f"the Sparsifier given to LinearizeCallback has run {self.sparsifier.step_count} steps "
+                             "already and this train() starts from step 0: pass schedule=... (a new Sparsifier per "
+                             "run) or a fresh Sparsifier")
         if optimizer is not None:
             self.sparsifier.optimizer = _torch_optimizer(optimizer)
         elif self.sparsifier.optimizer is None:

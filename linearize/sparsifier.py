@@ -116,7 +116,7 @@ import torch
 from torch import nn
 
 from . import schedules as _schedules
-from .checks import check_positive, check_positive_int, finite_nonnegative
+from .checks import check_positive, check_positive_int, finite_nonnegative, is_real
 from .folding.blocks import residual_block_types
 from .folding.core import fold
 from .folding.flops import module_flops
@@ -489,6 +489,12 @@ class Sparsifier:
             self._observe()
         self._project()
         target = isinstance(self.schedule, _schedules.Target)
+        low = next((u.slope.dtype for _, u in self._units if u.slope.dtype in (torch.bfloat16, torch.float16)), None)
+        if low is not None and not target and not self.legacy and self.rate < torch.finfo(low).eps / 4:
+            self._warn_once(f"the slopes are {low}: a push of {self.rate:.3g} per step is below half a {low} ulp "
+                            f"near 1 ({torch.finfo(low).eps / 4:.3g}) and rounds away, so the pressure does nothing; "
+                            "keep the slopes in float32 (for _, u in linearize.units(model): u.slope.data = "
+                            "u.slope.data.float(); the units take inputs of any dtype)")
         before = torch.cat([u.slope.detach().float() for _, u in self._units]) if target else None
         lam_t = self.lam_at()
         if self.mode == "proximal" and lam_t > 0 and self.select == "slope":
@@ -511,6 +517,8 @@ class Sparsifier:
                 ahead = self.schedule.wanted(self.step_count + self.glide_steps(), self.total_steps,
                                              self.initial_fraction)
                 self._project_budget(ahead, before)
+                if self._model is None and (self.step_count == start or self.step_count % self.log_every == 0):
+                    self._check_reachable()
         self.step_count += 1
         if self.step_count % self.log_every == 0 or self.step_count == 1:
             self._record(lam_t, wanted)
@@ -534,6 +542,15 @@ class Sparsifier:
                 part.mul_(SALIENCY_DECAY).add_(grad.detach().double().cpu().square(), alpha=1 - SALIENCY_DECAY)
                 self._seen[offset : offset + n] = True
             offset += n
+
+    def _check_reachable(self) -> None:
+        """Warn (once) when channels frozen nonlinear (slope 0) keep a fraction target out of reach."""
+        total = sum(u.num_channels for _, u in self._units)
+        frozen = sum(int((u.frozen == 0).sum()) for _, u in self._units)
+        if frozen / total > self.schedule.fraction + 0.5 / total:
+            self._warn_once(f"target fraction {self.schedule.fraction} cannot be reached: {frozen} of {total} channels "
+                            f"are frozen nonlinear (slope 0), a floor of {frozen / total:.4f}; unfreeze them "
+                            "(unit.frozen.fill_(float('nan'))) or set a target at or above the floor")
 
     def _warn_once(self, message: str) -> None:
         if message not in self._said:
@@ -922,12 +939,16 @@ class Sparsifier:
             "plan_start": sorted(self._plan_start),
             "plan_costs": self._plan_costs,
             "weights": list(self._weights),  # measured ones (weights="latency") would differ on a new measure
+            "sites": [[name, u.num_channels] for name, u in self._units],
+            "total_steps": self.total_steps,
+            "schedule": self.schedule.to_dict() if isinstance(self.schedule, _schedules.Schedule) else None,
         }
 
     def load_state_dict(self, state: Mapping) -> None:
         """Restore :meth:`state_dict` (slopes themselves live in the model's state dict). Everything
         is checked before anything changes."""
         channels = sum(u.num_channels for _, u in self._units)
+        self._check_state_values(state, channels)
         if state["channels"] != channels:
             raise ValueError(f"state is for {state['channels']} channels, this model has {channels}")
         if state.get("granularity", "channel") != self.granularity:
@@ -950,6 +971,10 @@ class Sparsifier:
         if weights is not None and not finite_nonnegative(weights, len(self._units)):
             raise ValueError(f"state's weights must be {len(self._units)} finite numbers >= 0, one per unit")
         self._check_plan(state)
+        mine = self.schedule.to_dict() if isinstance(self.schedule, _schedules.Schedule) else None
+        if state.get("schedule") is not None and mine is not None and state["schedule"] != mine:
+            raise ValueError(f"state was saved with the schedule {state['schedule']!r:.200}, this Sparsifier has "
+                             f"{mine!r:.200}: build it with the same schedule to resume")
         saliency, seen = self._saliency, self._seen
         if state.get("saliency") is not None:
             saliency = torch.tensor(state["saliency"], dtype=torch.float64)
@@ -978,6 +1003,54 @@ class Sparsifier:
         if weights is not None:
             self._weights = [float(w) for w in weights]
         self._versions = [-1] * len(self._units)  # the model was loaded: do not warn on the next step
+
+    def _check_state_values(self, state: Mapping, channels: int) -> None:
+        """``ValueError`` naming the key for a state that is not a :meth:`state_dict` of this run: missing
+        keys, values of the wrong type or range, other sites (names, widths) or run length (the schedule is
+        compared last, after the more specific checks of :meth:`load_state_dict`)."""
+        if not isinstance(state, Mapping):
+            raise TypeError(f"state must be a mapping (Sparsifier.state_dict()), got {type(state).__name__}")
+        missing = [k for k in ("channels", "step_count", "initial_fraction", "lam", "history") if k not in state]
+        if missing:
+            raise ValueError(f"state lacks {missing}: not a Sparsifier.state_dict()")
+
+        def bad(key: str, what: str) -> ValueError:
+            return ValueError(f"state's {key} must be {what}, got {state[key]!r:.80}")
+
+        def count(v: object) -> bool:
+            return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+        def fraction(v: object) -> bool:
+            return is_real(v) and 0 <= v <= 1
+
+        if not count(state["step_count"]):
+            raise bad("step_count", "an int >= 0")
+        if state["initial_fraction"] is not None and not fraction(state["initial_fraction"]):
+            raise bad("initial_fraction", "null or a number in [0, 1]")
+        if state["lam"] is not None and not (is_real(state["lam"]) and math.isfinite(state["lam"])):
+            raise bad("lam", "null or a finite number")
+        if "rate" in state and not (is_real(state["rate"]) and 0 < state["rate"] < math.inf):
+            raise bad("rate", "a finite number > 0")
+        if not (isinstance(state["history"], list) and all(isinstance(h, dict) for h in state["history"])):
+            raise bad("history", "a list of records (mappings)")
+        for key in ("selected", "seen"):
+            ids = state.get(key)
+            if ids is not None and not (isinstance(ids, list) and all(count(i) and i < channels for i in ids)
+                                        and len(set(ids)) == len(ids)):
+                raise bad(key, f"null or distinct channel indices in [0, {channels})")
+        peaks = state.get("lr_peak")
+        if peaks is not None and not (isinstance(peaks, list) and len(peaks) == len(self._units) and all(
+                p is None or (is_real(p) and 0 < p < math.inf) for p in peaks)):
+            raise bad("lr_peak", f"null or {len(self._units)} entries, each null or a finite number > 0")
+        sites = [[name, u.num_channels] for name, u in self._units]
+        if state.get("sites") is not None and state["sites"] != sites:
+            theirs = state["sites"] if isinstance(state["sites"], list) else []
+            diff = next((f"{a} there, {b} here" for a, b in zip(theirs, sites) if a != b),
+                        f"{len(theirs)} sites there, {len(sites)} here")
+            raise ValueError(f"state is for other sites ({diff}): it belongs to another model")
+        if state.get("total_steps") is not None and state["total_steps"] != self.total_steps:
+            raise ValueError(f"state was saved in a run of total_steps={state['total_steps']!r}, this Sparsifier has "
+                             f"{self.total_steps}: its schedule would jump; build it with the same total_steps")
 
     def _check_plan(self, state: Mapping) -> None:
         """A cost target's plan in ``state``: distinct groups of this Sparsifier, one cost per plan prefix."""

@@ -121,6 +121,41 @@ def test_callback_needs_a_sparsifier_or_a_schedule():
         LinearizeCallback()
 
 
+class _Tiny(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
+
+    def forward(self, x, labels=None):
+        out = self.net(x)
+        return {"loss": None if labels is None else torch.nn.functional.cross_entropy(out, labels), "logits": out}
+
+
+def test_each_train_with_model_init_gets_its_own_sparsifier(tmp_path):
+    """The callback built its Sparsifier once: a second train() (model_init, a search's next trial) kept pressing
+    the first model, logged its fraction, and the new model ended fully nonlinear."""
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(64, 6, generator=g), torch.randint(0, 3, (64,), generator=g)
+    data = [{"x": x[i], "labels": y[i]} for i in range(64)]
+
+    def init():
+        torch.manual_seed(0)
+        return linearize.convert(_Tiny(), example_inputs=torch.randn(2, 6))
+
+    callback = LinearizeCallback(schedule=linearize.schedules.target(0.25, start=0.1, end=0.7))
+    args = TrainingArguments(output_dir=str(tmp_path), max_steps=20, per_device_train_batch_size=8, learning_rate=0.05,
+                             report_to="none", use_cpu=True, save_strategy="no", disable_tqdm=True)
+    trainer = LinearizeTrainer(model_init=init, args=args, train_dataset=data, callbacks=[callback])
+    for _ in range(2):
+        trainer.train()
+        slopes_now = slopes(trainer.model)
+        assert float((slopes_now < 1).float().mean()) == pytest.approx(0.25, abs=1 / 16)
+        assert callback.sparsifier.step_count == 20
+    used = linearize.Sparsifier(init(), linearize.schedules.target(0.25), total_steps=20)
+    with pytest.raises(ValueError, match="built on another model than the one training"):
+        LinearizeTrainer(model_init=init, args=args, train_dataset=data, callbacks=[LinearizeCallback(used)]).train()
+
+
 def test_two_process_accelerate_keeps_slopes_identical(tmp_path):
     # accelerate 1.x: `--cpu --num_processes 2` starts ONE process (simple launcher); `--multi_gpu`
     # goes through torchrun, and Accelerator(cpu=True) in the script then runs DDP on gloo.

@@ -347,3 +347,61 @@ def test_deepcopy_of_an_attached_sparsifier_drives_its_own_copy():
     model(torch.randn(3, 4)).sum().backward()
     opt.step()
     assert sp.step_count == 1 and copied.step_count == 1 and not torch.equal(slope, before)
+
+
+def _tiny(widths=(16, 12)) -> nn.Module:
+    layers, d = [], 8
+    for w in widths:
+        layers += [nn.Linear(d, w), nn.ReLU()]
+        d = w
+    return linearize.convert(nn.Sequential(*layers, nn.Linear(d, 2)), example_inputs=torch.randn(2, 8))
+
+
+@pytest.mark.parametrize("key, value, match", [
+    ("step_count", -5, "step_count must be an int >= 0"),
+    ("step_count", True, "step_count must be an int >= 0"),
+    ("initial_fraction", float("nan"), r"initial_fraction must be null or a number in \[0, 1\]"),
+    ("selected", [-1], "selected must be null or distinct channel indices"),
+    ("selected", [1.7], "selected must be null or distinct channel indices"),
+    ("lam", float("nan"), "lam must be null or a finite number"),
+    ("rate", -1.0, "rate must be a finite number > 0"),
+    ("lr_peak", [1.0], "lr_peak must be null or 2 entries"),
+    ("history", "abc", "history must be a list of records"),
+    ("sites", [["1", 12], ["3", 16]], r"other sites \(\['1', 12\] there, \['1', 16\] here\)"),
+    ("total_steps", 80, "total_steps=80, this Sparsifier has 40"),
+    ("schedule", S.target(0.6, end=20).to_dict(), "build it with the same schedule"),
+])
+def test_a_state_that_is_not_this_runs_is_refused_naming_the_key(key, value, match):
+    """Such states loaded and then wrapped indices, split strings into history, blamed the schedule for a NaN
+    rate, or put another model's per-unit state (same channel total) on the wrong units."""
+    sp = linearize.Sparsifier(_tiny(), S.target(0.25, end=20), total_steps=40)
+    state = json.loads(json.dumps(sp.state_dict())) | {key: value}
+    with pytest.raises(ValueError, match=match):
+        linearize.Sparsifier(_tiny(), S.target(0.25, end=20), total_steps=40).load_state_dict(state)
+    with pytest.raises(ValueError, match=r"lacks \['channels'\]"):
+        sp.load_state_dict({k: v for k, v in state.items() if k != "channels"})
+
+
+def test_a_fraction_target_that_frozen_channels_keep_out_of_reach_warns():
+    model = _tiny()
+    for _, u in linearize.units(model):
+        u.frozen.fill_(0.0)  # every channel frozen nonlinear: the fraction cannot leave 1
+    sp = linearize.Sparsifier(model, S.target(0.25, end=10), total_steps=10)
+    with pytest.warns(UserWarning, match=r"28 of 28 channels are frozen nonlinear \(slope 0\), a floor of 1.0000"):
+        for _ in range(10):
+            sp.step()
+    assert sp.nonlinear_fraction() == 1.0
+
+
+def test_half_precision_slopes_whose_push_rounds_away_warn_and_float32_slopes_move():
+    """rate 1e-3 is below half a bfloat16 ulp near 1: the slopes stopped at 0.5 without a word."""
+    model = _tiny().to(torch.bfloat16)
+    opt = torch.optim.SGD(linearize.param_groups(model), lr=1e-4)
+    sp = linearize.Sparsifier(model, S.early(), total_steps=1000).attach(opt)
+    with pytest.warns(UserWarning, match="below half a torch.bfloat16 ulp"):
+        opt.step()
+    for _, u in linearize.units(model):  # the fix the warning names
+        u.slope.data = u.slope.data.float()
+    for _ in range(999):
+        opt.step()
+    assert all(float(u.slope.detach().min()) > 0.99 for _, u in linearize.units(model))  # 1000 x 1e-3 from 0
