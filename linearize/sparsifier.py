@@ -490,7 +490,7 @@ class Sparsifier:
         self._project()
         target = isinstance(self.schedule, _schedules.Target)
         low = next((u.slope.dtype for _, u in self._units if u.slope.dtype in (torch.bfloat16, torch.float16)), None)
-        if low is not None and not target and not self.legacy and self.rate < torch.finfo(low).eps / 4:
+        if low is not None and not target and not self.legacy and 0 < self.rate < torch.finfo(low).eps / 4:
             self._warn_once(f"the slopes are {low}: a push of {self.rate:.3g} per step is below half a {low} ulp "
                             f"near 1 ({torch.finfo(low).eps / 4:.3g}) and rounds away, so the pressure does nothing; "
                             "keep the slopes in float32 (for _, u in linearize.units(model): u.slope.data = "
@@ -1029,8 +1029,8 @@ class Sparsifier:
             raise bad("initial_fraction", "null or a number in [0, 1]")
         if state["lam"] is not None and not (is_real(state["lam"]) and math.isfinite(state["lam"])):
             raise bad("lam", "null or a finite number")
-        if "rate" in state and not (is_real(state["rate"]) and 0 < state["rate"] < math.inf):
-            raise bad("rate", "a finite number > 0")
+        if "rate" in state and not (is_real(state["rate"]) and 0 <= state["rate"] < math.inf):
+            raise bad("rate", "a finite number >= 0")
         if not (isinstance(state["history"], list) and all(isinstance(h, dict) for h in state["history"])):
             raise bad("history", "a list of records (mappings)")
         for key in ("selected", "seen"):

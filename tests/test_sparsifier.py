@@ -364,7 +364,7 @@ def _tiny(widths=(16, 12)) -> nn.Module:
     ("selected", [-1], "selected must be null or distinct channel indices"),
     ("selected", [1.7], "selected must be null or distinct channel indices"),
     ("lam", float("nan"), "lam must be null or a finite number"),
-    ("rate", -1.0, "rate must be a finite number > 0"),
+    ("rate", -1.0, "rate must be a finite number >= 0"),
     ("lr_peak", [1.0], "lr_peak must be null or 2 entries"),
     ("history", "abc", "history must be a list of records"),
     ("sites", [["1", 12], ["3", 16]], r"other sites \(\['1', 12\] there, \['1', 16\] here\)"),
