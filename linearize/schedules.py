@@ -147,6 +147,14 @@ class Ramp(Schedule):
             raise ValueError(f"the pressure starts at step {start} (start={self.start}), after the last of "
                              f"total_steps={total_steps}: give start as a fraction of training, e.g. 0.5, or a "
                              "step <= total_steps, or pass the run's real total_steps")
+        full = start + resolve_step(self.ramp, total_steps)  # the first step after the ramp (full lam from here)
+        last = total_steps if self.end is None else min(total_steps, resolve_step(self.end, total_steps) + 1)
+        slack = any(isinstance(v, float) for v in (self.start, self.ramp, self.end))  # one step of rounding
+        if full > last + slack:  # lam would never reach its full value
+            raise ValueError(f"the ramp (start={self.start}, ramp={self.ramp}) reaches full pressure at step {full}, "
+                             f"after {'the end of training' if last == total_steps else f'end={self.end}'} "
+                             f"(step {last}, total_steps={total_steps}): shorten the ramp (e.g. warmup=0.1), "
+                             "start earlier, or pass the run's real total_steps")
 
     def shape(self, step: int, total_steps: int) -> float:
         start = resolve_step(self.start, total_steps)

@@ -55,6 +55,12 @@ CASES = {
     "einsum, broadcast ellipsis": (lambda: torch.einsum("...ij,...jk->...ik", _t(2, 1, 3, 4), _t(6, 4, 5)),
                                    2 * (12 * 15) * 4),
     "einsum, one operand (a trace)": (lambda: torch.einsum("ii->", _t(3, 3)), 0),
+    # three operands, contracted left to right as PyTorch does without opt_einsum: (3x4 @ 4x5) then @ 5x6
+    "einsum, a chain of three": (lambda: torch.einsum("ij,jk,kl->il", _t(3, 4), _t(4, 5), _t(5, 6)),
+                                 2 * 15 * 4 + 2 * 18 * 5),
+    "einsum, implicit output": (lambda: torch.einsum("ij,jk,kl", _t(3, 4), _t(4, 5), _t(5, 6)), 2 * 15 * 4 + 2 * 18 * 5),
+    # u^T W v: u^T W is 5 dot products of length 4, then one of length 5 (i is summed out after the first)
+    "einsum, a bilinear form": (lambda: torch.einsum("i,ij,j->", _t(4), _t(4, 5), _t(5)), 2 * 5 * 4 + 2 * 5),
 }
 
 

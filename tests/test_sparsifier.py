@@ -288,6 +288,13 @@ def test_bad_inputs_raise():
         linearize.Sparsifier(mlp(), S.target(0.1, start=80, end=0.5), total_steps=100)
     with pytest.raises(ValueError, match="fraction of training"):
         S.late(start=1.5)
+    # a warm-up longer than the run never reaches full pressure: refused, not silently weaker
+    with pytest.raises(ValueError, match="reaches full pressure at step 200"):
+        linearize.Sparsifier(mlp(), S.linear(warmup=200), total_steps=100)
+    with pytest.raises(ValueError, match="after end=20"):
+        linearize.Sparsifier(mlp(), S.Ramp(start=10, ramp=20, end=20), total_steps=100)
+    for fits in (S.linear(warmup=100), S.late(start=0.5, ramp=0.5), S.cosine(warmup=0.1)):  # full at the last step
+        linearize.Sparsifier(mlp(), fits, total_steps=7 if fits.ramp == 0.5 else 100)
     with pytest.raises(ValueError, match="no linearizable units"):
         linearize.Sparsifier(nn.Linear(3, 3), S.constant(0.1), total_steps=10)
     with pytest.raises(ValueError, match="lam"):

@@ -1,7 +1,7 @@
 """The one FLOP counter: :func:`count_flops` (fold's summary, the reports) and :func:`module_flops`
 (fold's planner, the sparsifier's ``weights="flops"``). 2 FLOPs per multiply-add of every linear,
-conv (transposed too), matmul, two-operand einsum and attention op, plus 2 per BatchNorm element; other
-element-wise ops (and einsums of three or more operands) count 0."""
+conv (transposed too), matmul, einsum (pairwise, left to right) and attention op, plus 2 per BatchNorm
+element; other element-wise ops count 0."""
 
 from __future__ import annotations
 
@@ -67,21 +67,34 @@ def _op_flops(func: Callable, args: tuple, kwargs: dict, out: Any) -> int:
 
 
 def _einsum_flops(equation: str, operands: tuple) -> int:
-    """2 x the product of every index size of a two-operand einsum (its multiply-adds); 0 for one operand
-    (a transpose, trace or sum) and for three or more (their cost depends on the contraction order)."""
+    """2 x the product of every index size of each pairwise contraction, in the order PyTorch runs them
+    without ``opt_einsum`` (left to right; an index leaves as soon as no later operand and not the output
+    has it); 0 for one operand (a transpose, trace or sum). With ``opt_einsum`` on, PyTorch may pick a
+    cheaper order: the count is then an upper bound."""
     if len(operands) == 1 and isinstance(operands[0], (list, tuple)):
-        operands = tuple(operands[0])  # einsum(eq, [a, b])
-    specs = equation.replace(" ", "").split("->")[0].split(",")
-    if len(operands) != 2 or len(specs) != 2:
+        operands = tuple(operands[0])  # einsum(eq, [a, b, ...])
+    lhs, arrow, rhs = equation.replace(" ", "").partition("->")
+    specs = lhs.split(",")
+    if len(operands) < 2 or len(specs) != len(operands):
         return 0
     sizes: dict[str, int] = {}
+    named: list[set[str]] = []
     for spec, t in zip(specs, operands):
         before, dots, after = spec.partition("...")
         span = t.ndim - len(before) - len(after)  # dims under "...", named from the right (they broadcast so)
         names = [*before, *(f".{span - 1 - i}" for i in range(span if dots else 0)), *after]
         for name, size in zip(names, t.shape):
             sizes[name] = max(sizes.get(name, 1), size)
-    return 2 * math.prod(sizes.values())
+        named.append(set(names))
+    letters = [c for spec in specs for c in spec if c.isalpha()]
+    kept = {n for n in sizes if n.startswith(".")} | (  # the output's indices (implicit: those used once)
+        set(rhs) if arrow else {c for c in letters if letters.count(c) == 1})
+    total, acc = 0, named[0]
+    for i, nxt in enumerate(named[1:], start=2):
+        pair = acc | nxt
+        total += 2 * math.prod(sizes[n] for n in pair)
+        acc = {n for n in pair if n in kept or any(n in later for later in named[i:])}
+    return total
 
 
 _CONV = ("conv", ("input", "weight"))
