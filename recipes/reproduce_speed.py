@@ -43,6 +43,10 @@ SCALES = {
 }
 # latency budgets (fraction of the original model folded); 0.7 is the issue's 1.4x at batch 1
 MNV2_BUDGETS = (0.8, 0.7, 0.6)
+# the same budgets with blocks chosen by saliency (the running mean of each slope's squared loss gradient, a
+# Taylor estimate of what making it linear costs) instead of by channel count: the pressure starts after
+# SALIENCY_START of the late run, once every block has had gradients
+SALIENCY_BUDGETS, SALIENCY_START = (0.7,), 0.05
 FAMILIES = {"mnv2": "MobileNet-V2 (x0.5; narrower: x0.35)"}
 # x0.35's step time over x0.5's (median of 3 measurements of recipes/benchmarks/train_step.py): the narrower
 # network trains (base + late epochs) / NARROW_TIME epochs, the same CPU time as the linearized pipeline
@@ -50,10 +54,11 @@ NARROW_TIME = 0.58
 SPEEDUP_GOAL, LOSS_GOAL = 1.4, 1.0  # the issue's MobileNet goal: >= 1.4x at batch 1, <= 1.0 point lost
 
 
-def _meta(family: str, arch: str, budget: float | None = None, narrow: bool = False) -> dict:
-    """What the analysis needs to know about a run (seed 0; a budget makes it a late run)."""
+def _meta(family: str, arch: str, budget: float | None = None, narrow: bool = False, select: str = "slope") -> dict:
+    """What the analysis needs to know about a run (seed 0; a budget makes it a late run; ``select``: how
+    its blocks were chosen)."""
     return {"family": family, "arch": arch, "budget": budget, "narrow": narrow, "seed": 0,
-            "schedule": "none" if budget is None else "late"}
+            "schedule": "none" if budget is None else "late", "select": select if budget is not None else None}
 
 
 def plan(scale: str, data: str | None, runs: Path) -> list[sweep.Job]:
@@ -62,20 +67,24 @@ def plan(scale: str, data: str | None, runs: Path) -> list[sweep.Job]:
     s = SCALES[scale]
 
     def job(name: str, arch: str, argv: list[str], deps: tuple[str, ...] = (), budget: float | None = None,
-            narrow: bool = False) -> sweep.Job:
+            narrow: bool = False, select: str = "slope") -> sweep.Job:
         argv = [str(R.HERE / "cifar.py")] + (["--data-dir", data] if data else []) + ["--arch", arch] + FLAGS \
             + s["extra"] + argv + ["--seed", "0", "--output_dir", str(runs / name)]
-        return sweep.Job(name, argv, deps, _meta("mnv2", arch, budget, narrow))
+        return sweep.Job(name, argv, deps, _meta("mnv2", arch, budget, narrow, select))
+
+    def late(budget: float, select: str) -> sweep.Job:
+        name = f"mnv2_x0_5_lat_{round(100 * budget)}{'_sal' if select == 'saliency' else ''}_s0"
+        return job(name, "mobilenet_v2_x0_5", [
+            "--linearize", "prelu", "--target-latency", f"{budget:g}", "--granularity", "block", "--freeze",
+            *(["--select", select] if select != "slope" else []), "--init-from", str(runs / base.name / "model"),
+            "--schedule", "late", "--late-start", str(SALIENCY_START if select == "saliency" else 0), "--ramp-end",
+            "0.67", "--epochs", str(s["late_epochs"]), "--lr", "0.02"], (base.name,), budget, select=select)
 
     base = job("mnv2_x0_5_base_s0", "mobilenet_v2_x0_5", ["--linearize", "none", "--epochs", str(s["base_epochs"])])
-    jobs = [base]
-    jobs += [job(f"mnv2_x0_5_lat_{round(100 * b)}_s0", "mobilenet_v2_x0_5", [
-        "--linearize", "prelu", "--target-latency", f"{b:g}", "--granularity", "block", "--freeze",
-        "--init-from", str(runs / base.name / "model"), "--schedule", "late", "--late-start", "0", "--ramp-end",
-        "0.67", "--epochs", str(s["late_epochs"]), "--lr", "0.02"], (base.name,), b) for b in MNV2_BUDGETS]
+    jobs = [base] + [late(b, "slope") for b in MNV2_BUDGETS]
     jobs.append(job("mnv2_x0_35_base_s0", "mobilenet_v2_x0_35", [
         "--linearize", "none", "--epochs", str(round((s["base_epochs"] + s["late_epochs"]) / NARROW_TIME))], narrow=True))
-    return jobs
+    return jobs + [late(b, "saliency") for b in SALIENCY_BUDGETS]
 
 
 # ----------------------------------------------------------------------------- analysis
@@ -125,7 +134,7 @@ def _table(jobs: list[sweep.Job], runs: dict, latency: dict) -> list[dict]:
         ref = {k: ms.get(f"{base[j.meta['family']]}/folded", {}).get(k) for k in ("b1", "b64")}
         fold = r.get("fold") or {}
         rows.append({
-            "run": j.name, **{k: j.meta[k] for k in ("family", "arch", "budget", "narrow")},
+            "run": j.name, **{k: j.meta.get(k) for k in ("family", "arch", "budget", "narrow", "select")},
             "accuracy": r["test_accuracy"], "nonlinear_fraction": r["nonlinear_fraction"],
             "vs_baseline_points": 100 * (r["test_accuracy"] - b["test_accuracy"]) if b else None,
             "latency_ms": lat,
@@ -187,7 +196,8 @@ def _report(res: dict) -> list[str]:
           "| MFLOPs | params | fold error (rel.) | training h |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in res["table"]:
         md.append(" | ".join([
-            f"| {r['run']}", F._fmt(r["budget"], ".2f"), F._fmt(100 * r["accuracy"], ".2f", "%"),
+            f"| {r['run']}", F._fmt(r["budget"], ".2f") + (f" ({r['select']})" if r.get("select") not in (None, "slope") else ""),
+            F._fmt(100 * r["accuracy"], ".2f", "%"),
             F._fmt(r["vs_baseline_points"], "+.2f"), F._fmt(r["nonlinear_fraction"], ".3f"),
             F._fmt(r["latency_ms"]["b1"], ".3f"), F._fmt(r["latency_ms"]["b64"], ".1f"),
             F._fmt(r["speedup"]["b1"], ".2f", "x"), F._fmt(r["speedup"]["b64"], ".2f", "x"),
@@ -208,7 +218,8 @@ def _draw(ax: Any, table: list[dict], batch: str) -> None:
         if not rows:
             continue
         color = f"C{i}"
-        line = sorted((r for r in rows if not r["narrow"]), key=lambda r: r["latency_ms"][batch])
+        line = sorted((r for r in rows if not r["narrow"] and r.get("select") in (None, "slope")),
+                      key=lambda r: r["latency_ms"][batch])
         ax.plot([r["latency_ms"][batch] for r in line], [r["accuracy"] for r in line], "o-", color=color,
                 label=f"{label.split(' (')[0]}: baseline and latency budgets")
         for r in line:
@@ -217,6 +228,9 @@ def _draw(ax: Any, table: list[dict], batch: str) -> None:
         for r in rows:
             if r["narrow"]:
                 ax.plot([r["latency_ms"][batch]], [r["accuracy"]], "*", ms=11, color=color, label=f"narrower {r['arch']}")
+            elif r.get("select") not in (None, "slope"):  # another way of choosing the blocks: its own marker
+                ax.plot([r["latency_ms"][batch]], [r["accuracy"]], "s", color=color, mfc="none",
+                        label=f"budget {r['budget']:g}, blocks by {r['select']}")
     ax.set_xlabel(f"CPU latency of the folded model, ms (batch {'1' if batch == 'b1' else '64'}, 1 thread)")
     ax.set_ylabel("test accuracy")
     ax.set_title(f"batch {'1' if batch == 'b1' else '64'}")

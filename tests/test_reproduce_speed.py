@@ -23,13 +23,16 @@ def test_every_planned_run_parses_and_the_narrower_network_trains_as_long(tmp_pa
     import cifar
 
     jobs = {j.name: j for j in S.plan("speed", "/data", tmp_path)}
-    assert len([j for j in jobs.values() if j.meta["budget"] is not None]) == len(S.MNV2_BUDGETS)
+    assert len([j for j in jobs.values() if j.meta["budget"] is not None]) == len(S.MNV2_BUDGETS) + len(S.SALIENCY_BUDGETS)
     for j in jobs.values():
         args = cifar.parse_args(j.argv[1:])
         assert Path(args.output_dir) == tmp_path / j.name and args.channels_last
         if j.meta["budget"] is not None:  # late, under a latency budget, from the baseline
             assert j.deps == ("mnv2_x0_5_base_s0",) and args.init_from == str(tmp_path / j.deps[0] / "model")
             assert (args.target_latency, args.granularity, args.arch) == (j.meta["budget"], "block", j.meta["arch"])
+            # saliency needs gradients before it plans: its pressure starts later
+            assert (args.select or "slope", args.late_start) == (
+                (j.meta["select"], S.SALIENCY_START) if j.meta["select"] == "saliency" else ("slope", 0))
     # the narrower network trains as long as baseline + late run together: its steps are cheaper, so more epochs
     epochs = {n: cifar.parse_args(j.argv[1:]).epochs for n, j in jobs.items()}
     pipeline = epochs["mnv2_x0_5_base_s0"] + epochs["mnv2_x0_5_lat_70_s0"]
@@ -84,7 +87,7 @@ def test_sweep_end_to_end(tiny_cifar, tmp_path):
     no slower than its budget allows against the baseline folded (measured in the same process)."""
     env = {**os.environ, "LINEARIZE_CACHE": str(tmp_path / "cache"), "TQDM_DISABLE": "1", "LINEARIZE_CIFAR10": str(tiny_cifar),
            "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    only = "mnv2_x0_5_base_s0,mnv2_x0_5_lat_60_s0,mnv2_x0_35_base_s0"
+    only = "mnv2_x0_5_base_s0,mnv2_x0_5_lat_60_s0,mnv2_x0_35_base_s0,mnv2_x0_5_lat_70_sal_s0"
     cmd = [sys.executable, str(RECIPES / "reproduce.py"), "--scale", "speed-tiny", "--runs-dir", str(tmp_path / "runs"),
            "--results-dir", str(tmp_path / "results"), "--poll", "0.2", "--latency-reps", "3", "--only", only]
     p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
@@ -101,4 +104,5 @@ def test_sweep_end_to_end(tiny_cifar, tmp_path):
     assert rows["mnv2_x0_5_lat_60_s0"]["speedup"]["b1"] > 1.2  # budget 0.6: 1.67x planned, timing noise aside
     md = (tmp_path / "results" / "speed-tiny" / "results.md").read_text()
     assert "**MobileNet-V2 (x0.5; narrower: x0.35)** (one seed)" in md and "| mnv2_x0_5_lat_60_s0 | 0.60 |" in md
+    assert rows["mnv2_x0_5_lat_70_sal_s0"]["select"] == "saliency" and "| mnv2_x0_5_lat_70_sal_s0 | 0.70 (saliency) |" in md
     assert (tmp_path / "results" / "speed-tiny" / "accuracy_vs_latency.png").stat().st_size > 10_000
