@@ -143,17 +143,17 @@ class Ramp(Schedule):
             raise ValueError(
                 f"start ({self.start}) is after end ({self.end}) for total_steps={total_steps}"
             )
-        if start > total_steps:  # no pressure would ever apply
-            raise ValueError(f"the pressure starts at step {start} (start={self.start}), after the last of "
-                             f"total_steps={total_steps}: give start as a fraction of training, e.g. 0.5, or a "
-                             "step <= total_steps, or pass the run's real total_steps")
-        full = start + resolve_step(self.ramp, total_steps)  # the first step after the ramp (full lam from here)
-        last = total_steps if self.end is None else min(total_steps, resolve_step(self.end, total_steps) + 1)
-        slack = any(isinstance(v, float) for v in (self.start, self.ramp, self.end))  # one step of rounding
-        if full > last + slack:  # lam would never reach its full value
-            raise ValueError(f"the ramp (start={self.start}, ramp={self.ramp}) reaches full pressure at step {full}, "
+        if start >= total_steps:  # steps run 0 .. total_steps - 1: no pressure would ever apply
+            raise ValueError(f"the pressure starts at step {start} (start={self.start}), but the last step is "
+                             f"{total_steps - 1} (total_steps={total_steps}): give start as a fraction of training "
+                             "below 1, e.g. 0.5, or a step < total_steps, or pass the run's real total_steps")
+        exact = lambda v: v * total_steps if isinstance(v, float) else v  # noqa: E731  (before any rounding)
+        full = exact(self.start) + exact(self.ramp)  # the first step at full lam
+        last = total_steps if self.end is None else min(total_steps, exact(self.end) + 1)
+        if full > last:  # lam would never reach its full value
+            raise ValueError(f"the ramp (start={self.start}, ramp={self.ramp}) reaches full pressure at step {full:g}, "
                              f"after {'the end of training' if last == total_steps else f'end={self.end}'} "
-                             f"(step {last}, total_steps={total_steps}): shorten the ramp (e.g. warmup=0.1), "
+                             f"(step {last:g}, total_steps={total_steps}): shorten the ramp (e.g. warmup=0.1), "
                              "start earlier, or pass the run's real total_steps")
 
     def shape(self, step: int, total_steps: int) -> float:
@@ -236,6 +236,10 @@ class Target(Schedule):
         start, end = resolve_step(self.start, total_steps), resolve_step(self.end, total_steps)
         if start > end:
             raise ValueError(f"start ({self.start}) is after end ({self.end}) for total_steps={total_steps}")
+        if start >= total_steps:  # steps run 0 .. total_steps - 1: the target would never act
+            raise ValueError(f"the target starts at step {start} (start={self.start}), but the last step is "
+                             f"{total_steps - 1} (total_steps={total_steps}): give start as a fraction of training "
+                             "below 1, or a step < total_steps, or pass the run's real total_steps")
         if end > total_steps:  # the target would never be reached (or, past start, never pressed at all)
             raise ValueError(f"the target is reached at step {end} (end={self.end}), after the last of "
                              f"total_steps={total_steps}: give end (and start) as fractions of training, e.g. "

@@ -132,6 +132,9 @@ MODES = ("proximal", "loss")
 SELECT = ("slope", "saliency")
 GRANULARITY = ("channel", "site", "block")
 SALIENCY_DECAY = 0.9  # running mean of the squared slope gradients, per step
+# free slopes closer together than this when a cost plan is made with select="slope": the slope gaps of
+# the groups are their channel counts give or take this much, so the plan says it ranks by count alone
+SLOPE_SPREAD = 0.1
 SALIENCY_HYSTERESIS = 0.5  # a selected channel's cost counts this much in the ranking
 LATENCY_BUDGET_S = 0.3  # seconds of repetitions per folded model a latency target times
 # torch optimizer -> weakref to the Sparsifier attached to it (one per optimizer: two would apply the pressure twice)
@@ -780,6 +783,16 @@ class Sparsifier:
         value = (1.0 - before.double().cpu()) * free
         if self.select == "saliency" and bool(self._seen[free].all()):
             value = self._saliency * free
+        elif self.select == "saliency":
+            missing, unseen, offset = free & ~self._seen, [], 0
+            for name, unit in self._units:
+                if bool(missing[offset : offset + unit.num_channels].any()):
+                    unseen.append(name)
+                offset += unit.num_channels
+            self._warn_once(f"select='saliency': the slopes of {len(unseen)} site(s) had no gradient before the cost "
+                            f"plan was made ({', '.join(unseen[:5])}{', ...' if len(unseen) > 5 else ''}), so every "
+                            "group is ranked by slope gap instead: put those slopes in the optimizer (with "
+                            "requires_grad) and start the target after some steps, e.g. start=0.05")
         return torch.zeros(len(self._groups), dtype=torch.float64).index_add_(0, self._channel_group, value).tolist()
 
     def _make_plan(self, before: torch.Tensor) -> None:
@@ -802,6 +815,15 @@ class Sparsifier:
         cost = lambda groups: self._folded_cost(frozenset(groups))  # noqa: E731
         taken: list[int] = []
         rest = [g for g in range(len(self._groups)) if g not in start and not never[g]]
+        ranked = before.cpu()[torch.isin(self._channel_group, torch.tensor(rest, dtype=torch.long))]
+        if self.select == "slope" and len(rest) > 1 and float(ranked.max() - ranked.min()) < SLOPE_SPREAD:
+            self._warn_once(
+                f"the cost target plans by slope gap sum(1 - a), and every slope it can choose from lies in "
+                f"[{ranked.min().item():.3g}, {ranked.max().item():.3g}]: the groups are ranked by channel count alone, "
+                "which says nothing about what each costs the model "
+                "(on a trained MobileNet-V2 it ranked them against it, see recipes/benchmarks/block_sensitivity.py). "
+                "Pass select='saliency' (--select saliency) and start the target after some steps (e.g. start=0.05) "
+                "so that each group is ranked by its loss gradients")
         best: tuple[float, list[int]] | None = (0.0, []) if cost(start) <= budget else None
         while best is None or best[1]:  # (while the best plan needs a group at all)
             now = cost(start | set(taken))

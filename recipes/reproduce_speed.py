@@ -167,7 +167,7 @@ def _claims(table: list[dict]) -> list[str]:
             continue
         ok = [r for r in late if r["speedup"]["b1"] >= SPEEDUP_GOAL and r["vs_baseline_points"] >= -LOSS_GOAL]
         best = max(late, key=lambda r: (r["vs_baseline_points"] >= -LOSS_GOAL, r["speedup"]["b1"]))
-        speed = (f"{len(ok)} of {len(late)} budgets reach >= {SPEEDUP_GOAL}x at batch 1 with <= {LOSS_GOAL} point "
+        speed = (f"{len(ok)} of {len(late)} linearized runs reach >= {SPEEDUP_GOAL}x at batch 1 with <= {LOSS_GOAL} point "
                  f"lost" + (f" (best: {best['run']}, {best['speedup']['b1']:.2f}x, {best['vs_baseline_points']:+.2f})"
                             if best else "")) + ": the issue's goal " + ("**is met**" if ok else "**is missed**")
         if narrow is None:

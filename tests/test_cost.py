@@ -220,6 +220,48 @@ def test_cost_target_path_descends_to_the_budget_and_holds():
     assert all(c == costs[-1] <= 0.35 for c in costs[11:])  # reached by the end and held
 
 
+@pytest.mark.parametrize("slopes, select, warned", [("zero", "slope", True), ("random", "slope", False),
+                                                     ("zero", "saliency", False)])
+def test_a_plan_that_could_only_count_channels_says_so(slopes, select, warned):
+    """From a trained network (every slope 0) the slope gap of a group is its channel count: the plan is
+    made, and a warning names select='saliency'. Slopes that differ, or saliency, rank by the model."""
+    model, x = _mlp().train(), torch.randn(8, 16)
+    if slopes == "random":
+        with torch.no_grad():
+            for _, u in linearize.units(model):
+                u.slope.uniform_(0, 0.5)
+    opt = torch.optim.SGD(linearize.param_groups(model, weight_decay=0.0), lr=0.01)
+    sp = linearize.Sparsifier(model, S.target(flops=0.5, start=2, end=6), total_steps=8, granularity="site",
+                              select=select, example_inputs=x[:2]).attach(opt)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        for _ in range(4):
+            opt.zero_grad()
+            model(x).pow(2).mean().backward()
+            opt.step()
+    said = [str(w.message) for w in seen if "channel count alone" in str(w.message)]
+    assert sp.cost_plan is not None and bool(said) is warned
+    assert not said or "select='saliency'" in said[0]
+
+
+def test_a_saliency_plan_without_every_gradient_names_the_sites_it_lacks():
+    model, x = _mlp().train(), torch.randn(8, 16)
+    names = [n for n, _ in linearize.units(model)]
+    dict(linearize.units(model))[names[0]].slope.requires_grad_(False)  # never gets a gradient
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.01)
+    sp = linearize.Sparsifier(model, S.target(flops=0.5, start=2, end=6), total_steps=8, granularity="site",
+                              select="saliency", example_inputs=x[:2]).attach(opt)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        for _ in range(4):
+            opt.zero_grad()
+            model(x).pow(2).mean().backward()
+            opt.step()
+    said = [str(w.message) for w in seen if "had no gradient before the cost plan" in str(w.message)]
+    assert sp.cost_plan is not None and len(said) == 1 and "1 site(s) had no gradient" in said[0]
+    assert f"({names[0]})" in said[0]
+
+
 def test_saliency_cost_target_plans_from_the_gradients_and_meets_the_budget():
     model, x = _mlp().train(), torch.randn(32, 16)
     y = torch.randint(0, 4, (32,), generator=torch.Generator().manual_seed(0))

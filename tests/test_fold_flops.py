@@ -81,6 +81,29 @@ class _KeywordLinear(nn.Module):
         return self.out(self.act(F.linear(x, weight=self.fc.weight, bias=self.fc.bias)))
 
 
+EINSUMS = {  # equation: operand shapes; each contraction here runs as matmuls inside torch.einsum
+    "ij,jk,kl->l": [(1000, 3), (3, 4), (4, 5)],  # i: summed out of the first operand before any product
+    "ij,jk,kl->i": [(2, 3), (3, 4), (4, 1000)],  # l: likewise, of the last
+    "...ij,...jk,kl->il": [(6, 2, 3), (6, 3, 4), (4, 5)],  # the batch dims the output drops
+    "ij,jk,kl->il": [(0, 3), (3, 4), (4, 5)],  # an empty operand: no work
+    "ij,jk->k": [(3, 4), (4, 5)],
+    "bij,bjk,bkl->bil": [(1, 2, 3), (4, 3, 5), (4, 5, 6)],  # a batch of 1 broadcast to 4
+    "ab,bc,cd,de->ae": [(2, 3), (3, 4), (4, 5), (5, 6)],
+    "ii,ij->j": [(3, 3), (3, 4)],  # a diagonal
+}
+
+
+@pytest.mark.parametrize("equation", list(EINSUMS))
+def test_einsum_counts_what_torch_runs(equation):
+    """Truth: torch's own FLOP counter on the matmuls that torch.einsum runs (aten level)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    operands = [_t(*shape) for shape in EINSUMS[equation]]
+    with FlopCounterMode(display=False) as truth:
+        torch.einsum(equation, *operands)
+    assert count_flops(_Op(lambda: torch.einsum(equation, *operands)), torch.zeros(1)) == truth.get_total_flops()
+
+
 def test_fold_counts_a_keyword_linear():
     torch.manual_seed(0)
     x = torch.randn(16, 4)

@@ -293,8 +293,15 @@ def test_bad_inputs_raise():
         linearize.Sparsifier(mlp(), S.linear(warmup=200), total_steps=100)
     with pytest.raises(ValueError, match="after end=20"):
         linearize.Sparsifier(mlp(), S.Ramp(start=10, ramp=20, end=20), total_steps=100)
-    for fits in (S.linear(warmup=100), S.late(start=0.5, ramp=0.5), S.cosine(warmup=0.1)):  # full at the last step
-        linearize.Sparsifier(mlp(), fits, total_steps=7 if fits.ramp == 0.5 else 100)
+    with pytest.raises(ValueError, match="reaches full pressure at step 2"):  # a float start rounds nothing here
+        linearize.Sparsifier(mlp(), S.Ramp(start=0.0, ramp=2), total_steps=1)
+    for never in (S.late(start=1.0), S.Ramp(start=10), S.target(0.5, start=10, end=10)):  # steps run 0 .. 9
+        with pytest.raises(ValueError, match="the last step is 9"):
+            linearize.Sparsifier(mlp(), never, total_steps=10)
+    for fits in (S.linear(warmup=100), S.cosine(warmup=0.1), S.Ramp(start=99)):  # full pressure by the last step
+        linearize.Sparsifier(mlp(), fits, total_steps=100)
+    for total in range(1, 60):  # halves of an odd run round apart, but together they fit it
+        linearize.Sparsifier(mlp(), S.late(start=0.5, ramp=0.5), total_steps=total)
     with pytest.raises(ValueError, match="no linearizable units"):
         linearize.Sparsifier(nn.Linear(3, 3), S.constant(0.1), total_steps=10)
     with pytest.raises(ValueError, match="lam"):

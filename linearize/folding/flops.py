@@ -68,9 +68,10 @@ def _op_flops(func: Callable, args: tuple, kwargs: dict, out: Any) -> int:
 
 def _einsum_flops(equation: str, operands: tuple) -> int:
     """2 x the product of every index size of each pairwise contraction, in the order PyTorch runs them
-    without ``opt_einsum`` (left to right; an index leaves as soon as no later operand and not the output
-    has it); 0 for one operand (a transpose, trace or sum). With ``opt_einsum`` on, PyTorch may pick a
-    cheaper order: the count is then an upper bound."""
+    without ``opt_einsum``: first each index that one operand alone has and the output drops is summed out
+    (a reduction: 0), then the operands are contracted left to right, an index leaving as soon as no later
+    operand and not the output has it; 0 for one operand (a transpose, trace or sum). With ``opt_einsum``
+    on, PyTorch may take another order."""
     if len(operands) == 1 and isinstance(operands[0], (list, tuple)):
         operands = tuple(operands[0])  # einsum(eq, [a, b, ...])
     lhs, arrow, rhs = equation.replace(" ", "").partition("->")
@@ -84,11 +85,14 @@ def _einsum_flops(equation: str, operands: tuple) -> int:
         span = t.ndim - len(before) - len(after)  # dims under "...", named from the right (they broadcast so)
         names = [*before, *(f".{span - 1 - i}" for i in range(span if dots else 0)), *after]
         for name, size in zip(names, t.shape):
-            sizes[name] = max(sizes.get(name, 1), size)
+            sizes[name] = size if sizes.get(name, 1) == 1 else sizes[name]  # broadcasting: a 1 takes the other size
         named.append(set(names))
     letters = [c for spec in specs for c in spec if c.isalpha()]
-    kept = {n for n in sizes if n.startswith(".")} | (  # the output's indices (implicit: those used once)
-        set(rhs) if arrow else {c for c in letters if letters.count(c) == 1})
+    kept = set(rhs) if arrow else {c for c in letters if letters.count(c) == 1}  # implicit: the indices used once
+    if not arrow or "..." in rhs:
+        kept |= {n for n in sizes if n.startswith(".")}
+    named = [{n for n in own if n in kept or any(n in other for j, other in enumerate(named) if j != i)}
+             for i, own in enumerate(named)]  # a private index the output drops is summed out first
     total, acc = 0, named[0]
     for i, nxt in enumerate(named[1:], start=2):
         pair = acc | nxt

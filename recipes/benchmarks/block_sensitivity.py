@@ -7,7 +7,8 @@ conv are groups of one site) of a model saved by ``recipes/cifar.py`` (``OUTPUT_
 * **acc / loss linear**: test accuracy and cross-entropy with that block alone made linear (every
   slope 1), no fine-tuning;
 * **saliency**: the sum over the block's channels of the mean squared loss gradient of their slopes
-  (slopes 0, eval mode, ``--batches`` training batches of 128): what ``--select saliency`` ranks by;
+  (slopes 0, eval mode, ``--batches`` shuffled training batches of 128): what ``--select saliency`` ranks
+  by (training takes a running mean over its steps, in training mode);
 * **MFLOPs / ms saved**: the model folded with that block alone linear against it folded with none
   (BatchNorm folding only), FLOPs per image and median CPU latency at batch 1 on one thread,
   repetitions interleaved in one run.
@@ -84,6 +85,8 @@ def main(argv: list[str] | None = None) -> dict:
         parser.error(f"{args.model} was trained with --linearize {meta['linearize']}: pass a plain model (a baseline)")
     x, y = _images(args.data_dir, "test", args.images, meta, Path(args.cache_dir))
     xt, yt = _images(args.data_dir, "train", 128 * args.batches, meta, Path(args.cache_dir))
+    mix = torch.randperm(len(yt), generator=torch.Generator().manual_seed(0))  # the subset comes class by class
+    xt, yt = xt[mix], yt[mix]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         model = linearize.convert(cifar.load_model(args.model).eval(), example_inputs=x[:2])
