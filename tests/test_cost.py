@@ -220,6 +220,17 @@ def test_cost_target_path_descends_to_the_budget_and_holds():
     assert all(c == costs[-1] <= 0.35 for c in costs[11:])  # reached by the end and held
 
 
+def _train_and_hear(model: nn.Module, x: torch.Tensor, opt, words: str, steps: int = 4) -> list[str]:
+    """The warnings containing ``words`` over ``steps`` optimizer steps on a stand-in loss."""
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        for _ in range(steps):
+            opt.zero_grad()
+            model(x).pow(2).mean().backward()
+            opt.step()
+    return [str(w.message) for w in seen if words in str(w.message)]
+
+
 @pytest.mark.parametrize("slopes, select, warned", [("zero", "slope", True), ("random", "slope", False),
                                                      ("zero", "saliency", False)])
 def test_a_plan_that_could_only_count_channels_says_so(slopes, select, warned):
@@ -233,13 +244,7 @@ def test_a_plan_that_could_only_count_channels_says_so(slopes, select, warned):
     opt = torch.optim.SGD(linearize.param_groups(model, weight_decay=0.0), lr=0.01)
     sp = linearize.Sparsifier(model, S.target(flops=0.5, start=2, end=6), total_steps=8, granularity="site",
                               select=select, example_inputs=x[:2]).attach(opt)
-    with warnings.catch_warnings(record=True) as seen:
-        warnings.simplefilter("always")
-        for _ in range(4):
-            opt.zero_grad()
-            model(x).pow(2).mean().backward()
-            opt.step()
-    said = [str(w.message) for w in seen if "channel count alone" in str(w.message)]
+    said = _train_and_hear(model, x, opt, "channel count alone")
     assert sp.cost_plan is not None and bool(said) is warned
     assert not said or "select='saliency'" in said[0]
 
@@ -251,13 +256,7 @@ def test_a_saliency_plan_without_every_gradient_names_the_sites_it_lacks():
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.01)
     sp = linearize.Sparsifier(model, S.target(flops=0.5, start=2, end=6), total_steps=8, granularity="site",
                               select="saliency", example_inputs=x[:2]).attach(opt)
-    with warnings.catch_warnings(record=True) as seen:
-        warnings.simplefilter("always")
-        for _ in range(4):
-            opt.zero_grad()
-            model(x).pow(2).mean().backward()
-            opt.step()
-    said = [str(w.message) for w in seen if "had no gradient before the cost plan" in str(w.message)]
+    said = _train_and_hear(model, x, opt, "had no gradient before the cost plan")
     assert sp.cost_plan is not None and len(said) == 1 and "1 site(s) had no gradient" in said[0]
     assert f"({names[0]})" in said[0]
 
