@@ -821,7 +821,7 @@ class Sparsifier:
                 f"the cost target plans by slope gap sum(1 - a), and every slope it can choose from lies in "
                 f"[{ranked.min().item():.3g}, {ranked.max().item():.3g}]: the groups are ranked by channel count alone, "
                 "which says nothing about what each costs the model "
-                "(on a trained MobileNet-V2 it ranked them against it, see recipes/benchmarks/block_sensitivity.py). "
+                "(on a trained CIFAR MobileNet-V2, channel count ranked the blocks against the accuracy each costs). "
                 "Pass select='saliency' (--select saliency) and start the target after some steps (e.g. start=0.05) "
                 "so that each group is ranked by its loss gradients")
         best: tuple[float, list[int]] | None = (0.0, []) if cost(start) <= budget else None
