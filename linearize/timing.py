@@ -15,13 +15,18 @@ from .inputs import call_model
 
 __all__ = ["median_ms", "median_latency_ms"]
 
+# warm-up before timing: at least this many rounds and this share of the budget (one round was not enough:
+# the first timed rounds of two fresh models then differ by up to 2x on an idle model pair)
+WARMUP_ROUNDS, WARMUP_SHARE = 3, 0.25
+
 
 @torch.no_grad()
 def median_ms(calls: Sequence[Callable[[], Any]], budget_s: float = 2.0, max_reps: int = 200,
               threads: int | None = None) -> list[float]:
-    """Median wall time (ms) of each call, repetitions interleaved (a, b, a, b, ...) after one warm-up.
+    """Median wall time (ms) of each call, repetitions interleaved (a, b, a, b, ...) after warm-up rounds
+    (at least ``WARMUP_ROUNDS``, and ``WARMUP_SHARE`` of ``budget_s``).
 
-    The number of repetitions fits ``budget_s`` seconds in all (at least 5, at most ``max_reps``);
+    The number of timed repetitions fits ``budget_s`` seconds in all (at least 5, at most ``max_reps``);
     ``threads`` sets torch's intra-op threads while timing (``None``: leave them as they are).
 
     Example:
@@ -35,10 +40,15 @@ def median_ms(calls: Sequence[Callable[[], Any]], budget_s: float = 2.0, max_rep
     if threads is not None:
         torch.set_num_threads(threads)
     try:
-        t0 = time.perf_counter()
-        for call in calls:  # warm-up, and the cost of one round
-            call()
-        one = max(time.perf_counter() - t0, 1e-6)
+        t0, rounds = time.perf_counter(), 0
+        while True:  # warm-up rounds (caches, allocator, kernels picked on first calls), and the cost of one
+            for call in calls:
+                call()
+            rounds += 1
+            spent = time.perf_counter() - t0
+            if rounds >= WARMUP_ROUNDS and (spent >= WARMUP_SHARE * budget_s or rounds >= max_reps):
+                break
+        one = max(spent / rounds, 1e-6)
         reps = int(min(max(budget_s / one, 5), max_reps))
         times: list[list[float]] = [[] for _ in calls]
         for _ in range(reps):
