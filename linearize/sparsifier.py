@@ -537,14 +537,10 @@ class Sparsifier:
             return
         if all(g is None or not g.any() for g in grads):  # zeroed already, or a loss at its minimum: no news
             return
-        offset = 0
-        for (_, unit), grad in zip(self._units, grads):
-            n = unit.num_channels
+        for grad, part, seen in zip(grads, self._per_unit(self._saliency), self._per_unit(self._seen)):
             if grad is not None:
-                part = self._saliency[offset : offset + n]
                 part.mul_(SALIENCY_DECAY).add_(grad.detach().double().cpu().square(), alpha=1 - SALIENCY_DECAY)
-                self._seen[offset : offset + n] = True
-            offset += n
+                seen.fill_(True)
 
     def _check_reachable(self) -> None:
         """Warn (once) when channels frozen nonlinear (slope 0) keep a fraction target out of reach."""
@@ -571,11 +567,11 @@ class Sparsifier:
 
     def saliency(self) -> dict[str, torch.Tensor]:
         """Per unit, the running mean of each channel's squared slope gradient (``select="saliency"``)."""
-        out, offset = {}, 0
-        for name, unit in self._units:
-            out[name] = self._saliency[offset : offset + unit.num_channels].clone()
-            offset += unit.num_channels
-        return out
+        return {name: part.clone() for (name, _), part in zip(self._units, self._per_unit(self._saliency))}
+
+    def _per_unit(self, flat: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """``flat`` (one entry per channel, units in order) split into one view per unit."""
+        return torch.split(flat, [u.num_channels for _, u in self._units])
 
     def _proximal(self, lam_t: float) -> None:
         lrs = self._lr_by_slope()
@@ -678,11 +674,8 @@ class Sparsifier:
             planned = torch.tensor(sorted(self._plan_start.union(self._plan)), dtype=torch.long)
             outside = free & ~torch.isin(self._channel_group.to(slopes.device), planned.to(slopes.device))
             new[outside] = 0.0 if at_target else torch.clamp(before[outside] - delta, min=0.0)
-        offset = 0
-        for _, unit in self._units:
-            n = unit.num_channels
-            unit.slope.copy_(new[offset : offset + n].to(unit.slope))
-            offset += n
+        for (_, unit), part in zip(self._units, self._per_unit(new)):
+            unit.slope.copy_(part.to(unit.slope))
         self._project()
         self._selected = torch.zeros(total, dtype=torch.bool)
         self._selected[chosen.cpu()] = True
@@ -784,11 +777,7 @@ class Sparsifier:
         if self.select == "saliency" and bool(self._seen[free].all()):
             value = self._saliency * free
         elif self.select == "saliency":
-            missing, unseen, offset = free & ~self._seen, [], 0
-            for name, unit in self._units:
-                if bool(missing[offset : offset + unit.num_channels].any()):
-                    unseen.append(name)
-                offset += unit.num_channels
+            unseen = [name for (name, _), part in zip(self._units, self._per_unit(free & ~self._seen)) if part.any()]
             self._warn_once(f"select='saliency': the slopes of {len(unseen)} site(s) had no gradient before the cost "
                             f"plan was made ({', '.join(unseen[:5])}{', ...' if len(unseen) > 5 else ''}), so every "
                             "group is ranked by slope gap instead: put those slopes in the optimizer (with "
