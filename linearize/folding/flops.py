@@ -91,13 +91,17 @@ def _einsum_flops(equation: str, operands: tuple) -> int:
     kept = set(rhs) if arrow else {c for c in letters if letters.count(c) == 1}  # implicit: the indices used once
     if not arrow or "..." in rhs:
         kept |= {n for n in sizes if n.startswith(".")}
-    named = [{n for n in own if n in kept or any(n in other for j, other in enumerate(named) if j != i)}
-             for i, own in enumerate(named)]  # a private index the output drops is summed out first
+
+    def needed(name: str, others: list[set[str]]) -> bool:  # by the output or by an operand still to come
+        return name in kept or any(name in other for other in others)
+
+    # a private index the output drops is summed out first
+    named = [{n for n in own if needed(n, named[:i] + named[i + 1:])} for i, own in enumerate(named)]
     total, acc = 0, named[0]
     for i, nxt in enumerate(named[1:], start=2):
         pair = acc | nxt
         total += 2 * math.prod(sizes[n] for n in pair)
-        acc = {n for n in pair if n in kept or any(n in later for later in named[i:])}
+        acc = {n for n in pair if needed(n, named[i:])}
     return total
 
 
