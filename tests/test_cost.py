@@ -413,6 +413,43 @@ def test_resume_is_bit_exact(kind):
             other.load_state_dict(saved_state)
 
 
+def _timed(planning: float, confirming: float):
+    """``median_latency_ms`` on the :func:`_fake_latency` model, a folded copy timed ``planning`` (or, on
+    the plan's confirmation, ``confirming``) times its true latency."""
+    def fake(models, inputs, budget_s):
+        out = [_fake_latency(m) for m in models]
+        if len(models) == 2:
+            out[1] *= planning if budget_s == linearize.sparsifier.LATENCY_BUDGET_S else confirming
+        return out
+    return fake
+
+
+def test_a_latency_plan_is_timed_again_and_extended_past_the_measurements_that_came_in_low(monkeypatch):
+    """Planning measurements 10% low (the winner's curse of picking the sets timed under the budget): one
+    merging site reads 43 * 0.9 / 54 = 0.717 <= 0.75 but costs 0.796; timed again exactly, the plan takes
+    a second site (two merges: 32 / 54 = 0.593), and the folded model costs what the plan says."""
+    monkeypatch.setattr("linearize.sparsifier.median_latency_ms", _timed(0.9, 1.0))
+    model, x = _mlp(), torch.randn(4, 16)
+    sp = linearize.Sparsifier(model, S.target(latency=0.75, end=6), total_steps=10, granularity="site",
+                              example_inputs=x)
+    _quiet_steps(sp, 10)
+    assert len(sp.cost_plan[-1]["sites"]) == 2
+    linearize.freeze(model, tol=0.0)
+    folded = linearize.fold(model, x, latency=False)
+    assert _fake_latency(folded) / 54.0 == sp.cost_plan[-1]["cost"] == 32 / 54
+
+
+def test_a_latency_plan_that_timed_again_misses_the_budget_says_so(monkeypatch):
+    monkeypatch.setattr("linearize.sparsifier.median_latency_ms", _timed(1.0, 5.0))
+    model, x = _mlp(), torch.randn(4, 16)
+    sp = linearize.Sparsifier(model, S.target(latency=0.75, end=6), total_steps=10, granularity="site",
+                              example_inputs=x)
+    with pytest.warns(UserWarning, match="timed again, the plan's last set costs .* so the budget is not met"):
+        for _ in range(10):
+            sp.step()
+    assert len(sp.cost_plan[-1]["sites"]) == 4 and sp.cost_plan[-1]["cost"] > 0.75
+
+
 # ---- found by a break-it review of the cost-target change (fd736c6); each written failing, then fixed
 
 
