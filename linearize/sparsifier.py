@@ -393,6 +393,10 @@ class Sparsifier:
                 "their pressure after every step; use one Sparsifier, or call detach() on the other first"
             )
         self.optimizer = inner
+        if not self._lr_by_slope() and any(u.slope.requires_grad for _, u in self._units):
+            self._warn_once(f"attach(): this {type(inner).__name__} holds none of the unit slopes, so the pressure "
+                            "runs after a step that does not move them: attach the optimizer that trains the slopes "
+                            "(linearize.param_groups(model) puts them in one)")
         self._hook = inner.register_step_post_hook(lambda opt, args, kwargs: self.step())
         _ATTACHED[inner] = weakref.ref(self)
         return self

@@ -339,6 +339,25 @@ def test_budget_projection_keeps_exactly_the_budget_and_prefers_linear_channels(
     assert sp.nonlinear_fraction() == 0.8
 
 
+def test_attaching_an_optimizer_without_the_slopes_warns():
+    """Slopes trained by optimizer B, the Sparsifier attached to A (the weights'): the pressure would run
+    after a step that does not move the slopes. Attached to B, or to A with frozen slopes: no warning."""
+    model = linearize.convert(nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)),
+                              example_inputs=torch.randn(2, 4))
+    slopes = [u.slope for _, u in linearize.units(model)]
+    weights = [p for p in model.parameters() if all(p is not s for s in slopes)]
+    a, b = torch.optim.SGD(weights, lr=0.1), torch.optim.Adam(slopes, lr=0.1)
+    schedule = linearize.schedules.constant(1.0)
+    with pytest.warns(UserWarning, match="this SGD holds none of the unit slopes"):
+        linearize.Sparsifier(model, schedule, total_steps=10).attach(a)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        linearize.Sparsifier(model, schedule, total_steps=10).attach(b)
+        for s in slopes:
+            s.requires_grad_(False)
+        linearize.Sparsifier(model, schedule, total_steps=10).attach(torch.optim.SGD(weights, lr=0.1))
+
+
 def test_deepcopy_of_an_attached_sparsifier_drives_its_own_copy():
     """A deep copy (model, optimizer and sparsifier together) is attached to its own optimizer: a
     step of the copy's optimizer moves the copy's slopes only, a step of the original's the original's
