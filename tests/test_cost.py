@@ -424,10 +424,11 @@ def _timed(planning: float, confirming: float):
     return fake
 
 
-def test_a_latency_plan_is_timed_again_and_extended_past_the_measurements_that_came_in_low(monkeypatch):
+def test_a_latency_plan_is_made_again_until_its_last_set_timed_again_is_within_budget(monkeypatch):
     """Planning measurements 10% low (the winner's curse of picking the sets timed under the budget): one
-    merging site reads 43 * 0.9 / 54 = 0.717 <= 0.75 but costs 0.796; timed again exactly, the plan takes
-    a second site (two merges: 32 / 54 = 0.593), and the folded model costs what the plan says."""
+    merging site reads 43 * 0.9 / 54 = 0.717 <= 0.75 but costs 0.796; timed again exactly, each such plan
+    is refused, and the plan ends with two sites (two merges: 32 / 54 = 0.593), the folded model costing
+    what the plan says."""
     monkeypatch.setattr("linearize.sparsifier.median_latency_ms", _timed(0.9, 1.0))
     model, x = _mlp(), torch.randn(4, 16)
     sp = linearize.Sparsifier(model, S.target(latency=0.75, end=6), total_steps=10, granularity="site",
@@ -439,15 +440,38 @@ def test_a_latency_plan_is_timed_again_and_extended_past_the_measurements_that_c
     assert _fake_latency(folded) / 54.0 == sp.cost_plan[-1]["cost"] == 32 / 54
 
 
+def test_one_glitch_in_planning_does_not_make_the_plan(monkeypatch):
+    """The first single merging site the plan times reads half its latency once (a preempted reference; on CIFAR
+    MobileNet-V2 one block read 0.51 of the original), every other time is exact: the plan that glitch
+    made is timed again and refused, and the final plan meets the budget by the true latency."""
+    glitched = []
+
+    def fake(models, inputs, budget_s):
+        out = [_fake_latency(m) for m in models]
+        if len(models) == 2 and out[1] == 43.0 and not glitched:  # the first one-merge set timed
+            glitched.append(out[1])
+            out[1] *= 0.5
+        return out
+
+    monkeypatch.setattr("linearize.sparsifier.median_latency_ms", fake)
+    model, x = _mlp(), torch.randn(4, 16)
+    sp = linearize.Sparsifier(model, S.target(latency=0.75, end=6), total_steps=10, granularity="site",
+                              example_inputs=x)
+    _quiet_steps(sp, 10)
+    linearize.freeze(model, tol=0.0)
+    true = _fake_latency(linearize.fold(model, x, latency=False)) / 54.0
+    assert true == sp.cost_plan[-1]["cost"] <= 0.75
+
+
 def test_a_latency_plan_that_timed_again_misses_the_budget_says_so(monkeypatch):
     monkeypatch.setattr("linearize.sparsifier.median_latency_ms", _timed(1.0, 5.0))
     model, x = _mlp(), torch.randn(4, 16)
     sp = linearize.Sparsifier(model, S.target(latency=0.75, end=6), total_steps=10, granularity="site",
                               example_inputs=x)
-    with pytest.warns(UserWarning, match="timed again, the plan's last set costs .* so the budget is not met"):
+    with pytest.warns(UserWarning, match="timed again, the plan's last set costs .* no plan of the groups it can make linear met"):
         for _ in range(10):
             sp.step()
-    assert len(sp.cost_plan[-1]["sites"]) == 4 and sp.cost_plan[-1]["cost"] > 0.75
+    assert sp.cost_plan[-1]["cost"] > 0.75  # as timed again: the plan does not claim the budget
 
 
 # ---- found by a break-it review of the cost-target change (fd736c6); each written failing, then fixed
