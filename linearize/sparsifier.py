@@ -83,9 +83,12 @@ saving (each from a real fold, so interactions between sites count), records eve
 alone would complete the budget as a candidate instead of adding it, keeps the least important
 candidate, drops every group it can do without, and ends at its shortest prefix within the budget
 (measured costs need not be monotone). A latency plan's last set is then timed again, on its own and
-longer, and the plan made again with that time in place of the first, until its last set so timed
-is within the budget: among many noisy times the plan picks those that came in low (on CIFAR
-MobileNet-V2, a single block once timed 0.51 of the original). Importance is the slope gap ``sum (1 - a)``
+longer, and the plan made again with that time in place of the first until its last set so timed is
+within the budget: among many noisy times the plan picks those that came in low (on CIFAR
+MobileNet-V2, a single block once timed 0.51 of the original). Once two sets are refused, every
+planning time is divided by the mildest of their planning-over-timed-again ratios (a load that reads
+every time low; one glitch alone moves nothing); when no plan tried meets the budget, the closest is
+kept, with a warning. Importance is the slope gap ``sum (1 - a)``
 of a group's free channels (``select="slope"``) or the sum of their saliencies
 (``select="saliency"``, once every group has had a gradient: start the target after some steps).
 For additive savings this greedy loses at most twice the optimal importance (the bound of the
@@ -113,7 +116,7 @@ import math
 import warnings
 import weakref
 from pathlib import Path
-from typing import Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -820,29 +823,38 @@ class Sparsifier:
                 "(on a trained CIFAR MobileNet-V2, channel count ranked the blocks against the accuracy each costs). "
                 "Pass select='saliency' (--select saliency) and start the target after some steps (e.g. start=0.05) "
                 "so that each group is ranked by its loss gradients")
-        confirmed: set[frozenset] = set()  # latency: sets timed again (their cost replaced)
+        timed: dict[frozenset, float] = {}  # latency: the sets timed again, on their own
+        bias = 1.0  # planning time over time again, of the sets refused so far (the mildest, once two are)
+        tried: list[tuple[list[int], list[float]]] = []
+
+        def cost(groups: set[int]) -> float:  # timed again if it was, else as planned, corrected for the bias
+            key = frozenset(groups)
+            return timed[key] if key in timed else self._folded_cost(key) / bias
+
         for _ in range(2 * len(rest) + 2):  # latency: plan again until its last set, timed again, is within budget
-            plan, costs = self._greedy(start, list(rest), importance, budget)
+            plan, costs = self._greedy(start, list(rest), importance, budget, cost)
             linear = frozenset(start | set(plan))
-            if self.schedule.cost != "latency" or linear in confirmed:
-                break
+            if self.schedule.cost != "latency" or not plan or linear in timed:
+                break  # (no group chosen: nothing was picked among noisy times)
             ref, ms = median_latency_ms([self._original, self._fold_copy(linear)], self._cost_inputs,
                                         LATENCY_CONFIRM_S)
-            self._costs[linear] = costs[-1] = ms / ref
-            confirmed.add(linear)
+            timed[linear] = costs[-1] = ms / ref
+            tried.append((plan, costs))
             if costs[-1] <= budget:
                 break
-        if self.schedule.cost == "latency" and costs[-1] > budget:
-            self._warn_once(f"latency target {budget}: timed again, the plan's last set costs {costs[-1]:.3f} of the "
-                            "original, and no plan of the groups it can make linear met the budget so timed: set a "
-                            "higher budget, or plan with less load on the CPU (latencies are noisy under load)")
+            if len(timed) >= 2:  # a steady low reading (load): correct every planning time; one glitch alone does not
+                bias = min(1.0, max(self._folded_cost(key) / t for key, t in timed.items()))
+        if tried and costs[-1] > budget:
+            plan, costs = min(tried, key=lambda t: t[1][-1])
+            self._warn_once(f"latency target {budget}: no plan tried met it when timed again (the closest costs "
+                            f"{costs[-1]:.3f} of the original): set a higher budget, or plan with less load on the "
+                            "CPU (latencies are noisy under load)")
         self._plan, self._plan_costs = plan, costs
 
-    def _greedy(self, start: set[int], rest: list[int], importance: list[float],
-                budget: float) -> tuple[list[int], list[float]]:
+    def _greedy(self, start: set[int], rest: list[int], importance: list[float], budget: float,
+                cost: Callable[[set[int]], float]) -> tuple[list[int], list[float]]:
         """The plan (groups of ``rest`` in order) and the cost of each of its prefixes (after ``start``),
-        by the measured costs so far (see :meth:`_make_plan`)."""
-        cost = lambda groups: self._folded_cost(frozenset(groups))  # noqa: E731
+        by ``cost`` of a set of linear groups (see :meth:`_make_plan`)."""
         taken: list[int] = []
         best: tuple[float, list[int]] | None = (0.0, []) if cost(start) <= budget else None
         while best is None or best[1]:  # (while the best plan needs a group at all)
@@ -1067,8 +1079,10 @@ class Sparsifier:
 
         if not count(state["step_count"]):
             raise bad("step_count", "an int >= 0")
-        if state["initial_fraction"] is not None and not fraction(state["initial_fraction"]):
-            raise bad("initial_fraction", "null or a number in [0, 1]")
+        # a cost target's is the folded cost at its start: above 1 where a site frozen partly linear costs more
+        start = state["initial_fraction"]
+        if start is not None and not (fraction(start) or state.get("cost") and finite_nonnegative([start], 1)):
+            raise bad("initial_fraction", "null or a number in [0, 1] (a cost target's: a finite number >= 0)")
         if state["lam"] is not None and not (is_real(state["lam"]) and math.isfinite(state["lam"])):
             raise bad("lam", "null or a finite number")
         if "rate" in state and not (is_real(state["rate"]) and 0 <= state["rate"] < math.inf):

@@ -358,6 +358,27 @@ def test_attaching_an_optimizer_without_the_slopes_warns():
         linearize.Sparsifier(model, schedule, total_steps=10).attach(torch.optim.SGD(weights, lr=0.1))
 
 
+def test_attaching_through_a_wrapper_and_copying_do_not_warn():
+    """The slopes are in the optimizer inside an accelerate-like wrapper; a deep copy and a pickle re-attach
+    to their own copy of it: no "holds none of the unit slopes" warning (found holding by a break-it review)."""
+    import copy
+    import pickle
+
+    model = linearize.convert(nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)),
+                              example_inputs=torch.randn(2, 4))
+    opt = torch.optim.SGD(linearize.param_groups(model), lr=0.1)
+
+    class Wrapper:  # as accelerate's AcceleratedOptimizer: the torch optimizer at .optimizer
+        def __init__(self, optimizer):
+            self.optimizer = optimizer
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        sp = linearize.Sparsifier(model, S.constant(1.0), total_steps=10).attach(Wrapper(opt))
+        copy.deepcopy((model, opt, sp))
+        pickle.loads(pickle.dumps((model, opt, sp)))
+
+
 def test_deepcopy_of_an_attached_sparsifier_drives_its_own_copy():
     """A deep copy (model, optimizer and sparsifier together) is attached to its own optimizer: a
     step of the copy's optimizer moves the copy's slopes only, a step of the original's the original's
