@@ -128,7 +128,7 @@ from .folding.core import fold
 from .folding.flops import module_flops
 from .folding.layers import CONVS, is_hf_conv1d
 from .inputs import call_model, map_tensors
-from .timing import median_latency_ms, median_ms
+from .timing import busy_cpu, median_latency_ms, median_ms
 from .unit import (LinearizableActivation, check_finite_slopes, count_channels, linear_masks, project_slopes,
                    require_units, units)
 
@@ -804,6 +804,11 @@ class Sparsifier:
         one group alone would reach the budget, record that completion as a candidate instead of
         adding it; keep the least important candidate, then drop every group it can do without.
         """
+        busy = busy_cpu() if self.schedule.cost == "latency" else None
+        if busy:
+            self._warn_once(f"latency target: the CPU is busy while the plan times folded models ({busy}), so their "
+                            "times are noisy, up to 2x either way, and the plan may miss the budget: plan on a quieter "
+                            "machine (start the target when other jobs are done), or target flops= instead")
         if not torch.equal(self._frozen_now(), self._frozen_measured):
             self._check_budget()
         always, never = self._group_frozen()

@@ -4,6 +4,7 @@ per-merge probe) and the sparsifier (latency weights and targets)."""
 from __future__ import annotations
 
 import functools
+import os
 import statistics
 import time
 from typing import Any, Callable, Sequence
@@ -13,11 +14,14 @@ from torch import nn
 
 from .inputs import call_model
 
-__all__ = ["median_ms", "median_latency_ms"]
+__all__ = ["median_ms", "median_latency_ms", "busy_cpu"]
 
 # warm-up before timing: at least this many rounds and this share of the budget (one round was not enough:
 # the first timed rounds of two fresh models then differ by up to 2x on an idle model pair)
 WARMUP_ROUNDS, WARMUP_SHARE = 3, 0.25
+# a 1-minute load average this far above the cores this process may use means other processes preempt the
+# timed calls: on 2 cores with 4 busy processes one pair of folded MobileNet-V2s timed 0.43 to 0.83 apart
+LOAD_MARGIN = 1.0
 
 
 @torch.no_grad()
@@ -71,3 +75,22 @@ def median_latency_ms(models: Sequence[nn.Module], inputs: Any, budget_s: float 
         True
     """
     return median_ms([functools.partial(call_model, m, inputs) for m in models], budget_s, threads=threads)
+
+
+def busy_cpu() -> str | None:
+    """Why times taken now would be noisy: the 1-minute load average at least ``LOAD_MARGIN`` above the
+    cores this process may run on (so other processes preempt the timed calls), or ``None`` (also where
+    the load is unknown).
+
+    Example:
+        >>> busy_cpu() is None or "load average" in busy_cpu()
+        True
+    """
+    try:
+        load = os.getloadavg()[0]
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    except OSError:
+        return None
+    if load < cores + LOAD_MARGIN:
+        return None
+    return f"1-minute load average {load:.1f} on {cores} core(s)"

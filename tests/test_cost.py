@@ -465,6 +465,25 @@ def test_one_glitch_in_planning_does_not_make_the_plan(monkeypatch):
     assert true == sp.cost_plan[-1]["cost"] <= 0.75
 
 
+def test_a_latency_plan_made_on_a_busy_cpu_says_so(monkeypatch):
+    """The plan's times are noisy when other processes preempt them: the plan says so, naming the load
+    (``busy_cpu`` is tested against a monkeypatched load in tests/test_timing.py); a FLOPs plan does not."""
+    monkeypatch.setattr(sps, "median_latency_ms", _timed(1.0, 1.0))
+    monkeypatch.setattr(sps, "busy_cpu", lambda: "1-minute load average 5.0 on 2 core(s)")
+    model, x = _mlp(), torch.randn(4, 16)
+    sp = linearize.Sparsifier(model, S.target(latency=0.8, end=6), total_steps=10, granularity="site",
+                              example_inputs=x)
+    with pytest.warns(UserWarning, match=r"the CPU is busy .*\(1-minute load average 5.0 on 2 core\(s\)\)"):
+        for _ in range(10):
+            sp.step()
+    sp = linearize.Sparsifier(_mlp(), S.target(flops=0.8, end=6), total_steps=10, granularity="site", example_inputs=x)
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        for _ in range(10):
+            sp.step()
+    assert not any("the CPU is busy" in str(w.message) for w in said)
+
+
 def test_a_latency_plan_that_timed_again_misses_the_budget_says_so(monkeypatch):
     monkeypatch.setattr("linearize.sparsifier.median_latency_ms", _timed(1.0, 5.0))
     model, x = _mlp(), torch.randn(4, 16)

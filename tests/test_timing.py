@@ -30,3 +30,22 @@ def test_warm_up_takes_a_share_of_the_budget_but_stops_at_max_reps():
 
     median_ms([count], budget_s=0.01, max_reps=7)
     assert calls["n"] <= 2 * 7  # warm-up bounded by max_reps, then at most max_reps timed
+
+
+def test_busy_cpu_names_a_load_above_the_cores_and_nothing_else(monkeypatch):
+    """Truth: the load average and the affinity set given to the function (monkeypatched ``os``)."""
+    import os
+
+    from linearize import timing
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    monkeypatch.setattr(os, "getloadavg", lambda: (3.2, 1.0, 1.0))
+    assert timing.busy_cpu() == "1-minute load average 3.2 on 2 core(s)"
+    monkeypatch.setattr(os, "getloadavg", lambda: (2.9, 1.0, 1.0))  # two busy processes on two cores: fine
+    assert timing.busy_cpu() is None
+
+    def unknown():
+        raise OSError("no load average here")
+
+    monkeypatch.setattr(os, "getloadavg", unknown)
+    assert timing.busy_cpu() is None
