@@ -465,6 +465,20 @@ def test_one_glitch_in_planning_does_not_make_the_plan(monkeypatch):
     assert true == sp.cost_plan[-1]["cost"] <= 0.75
 
 
+def test_a_latency_budget_is_refused_only_when_its_floor_timed_again_is_above_it(monkeypatch):
+    """Every site linear folds to 10 / 54 of the original (one Linear: every merge pays, by the fake timer).
+    A planning time 5x high (a busy CPU) once refused budget 0.5 at construction: the floor is timed again
+    before refusing. When the second time is high too, the refusal names the busy CPU."""
+    model, x = _mlp(), torch.randn(4, 16)
+    monkeypatch.setattr(sps, "median_latency_ms", _timed(5.0, 1.0))
+    linearize.Sparsifier(model, S.target(latency=0.5, end=6), total_steps=10, granularity="site", example_inputs=x)
+    monkeypatch.setattr(sps, "median_latency_ms", _timed(5.0, 5.0))
+    monkeypatch.setattr(sps, "busy_cpu", lambda: "1-minute load average 5.0 on 2 core(s)")
+    with pytest.raises(ValueError, match=r"latency=0.5\) is below .* at least 0.9260 \(timed on a busy CPU, 1-minute"):
+        linearize.Sparsifier(model, S.target(latency=0.5, end=6), total_steps=10, granularity="site",
+                             example_inputs=x)
+
+
 def test_a_latency_plan_made_on_a_busy_cpu_says_so(monkeypatch):
     """The plan's times are noisy when other processes preempt them: the plan says so, naming the load
     (``busy_cpu`` is tested against a monkeypatched load in tests/test_timing.py); a FLOPs plan does not."""
