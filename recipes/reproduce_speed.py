@@ -219,20 +219,24 @@ def _draw(ax: Any, table: list[dict], batch: str) -> None:
         rows = [r for r in table if r["family"] == family and r["latency_ms"][batch]]
         if not rows:
             continue
-        color = f"C{i}"
-        line = sorted((r for r in rows if not r["narrow"] and r.get("select") in (None, "slope")),
-                      key=lambda r: r["latency_ms"][batch])
-        ax.plot([r["latency_ms"][batch] for r in line], [r["accuracy"] for r in line], "o-", color=color,
-                label=f"{label.split(' (')[0]}: baseline and latency budgets")
-        for r in line:
-            ax.annotate("baseline" if r["budget"] is None else f"{r['budget']:g}", (r["latency_ms"][batch], r["accuracy"]),
-                        fontsize=6, xytext=(3, 3), textcoords="offset points")
+        color, name = f"C{i}", label.split(" (")[0]
+        base = [r for r in rows if r["budget"] is None and not r["narrow"]]
+        for style, select in (("o-", "slope"), ("s--", "saliency")):  # one line per way of choosing the blocks
+            runs = [r for r in rows if r["budget"] is not None and r.get("select", "slope") == select]
+            if not runs:
+                continue
+            line = sorted(base + runs, key=lambda r: r["latency_ms"][batch])
+            ax.plot([r["latency_ms"][batch] for r in line], [r["accuracy"] for r in line], style, color=color,
+                    mfc=color if select == "slope" else "none", label=f"{name}: latency budgets, blocks by {select}")
+            for r in runs:
+                ax.annotate(f"{r['budget']:g}", (r["latency_ms"][batch], r["accuracy"]), fontsize=6, xytext=(3, 3),
+                            textcoords="offset points")
+        for r in base:
+            ax.annotate("baseline", (r["latency_ms"][batch], r["accuracy"]), fontsize=6, xytext=(3, 3),
+                        textcoords="offset points")
         for r in rows:
             if r["narrow"]:
                 ax.plot([r["latency_ms"][batch]], [r["accuracy"]], "*", ms=11, color=color, label=f"narrower {r['arch']}")
-            elif r.get("select") not in (None, "slope"):  # another way of choosing the blocks: its own marker
-                ax.plot([r["latency_ms"][batch]], [r["accuracy"]], "s", color=color, mfc="none",
-                        label=f"budget {r['budget']:g}, blocks by {r['select']}")
     ax.set_xlabel(f"CPU latency of the folded model, ms (batch {'1' if batch == 'b1' else '64'}, 1 thread)")
     ax.set_ylabel("test accuracy")
     ax.set_title(f"batch {'1' if batch == 'b1' else '64'}")
