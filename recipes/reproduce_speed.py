@@ -49,6 +49,9 @@ MNV2_BUDGETS = (0.8, 0.7)
 # Taylor estimate of what making it linear costs) instead of by channel count: the pressure starts after
 # SALIENCY_START of the late run, once every block has had gradients
 SALIENCY_BUDGETS, SALIENCY_START = (0.7, 0.6), 0.05
+# budget 0.7 by saliency again, learning from the original model too (--distill ALPHA: knowledge distillation
+# from the network before linearization): 1.43x cost 2.67 points with labels alone
+DISTILL_BUDGETS, DISTILL = (0.7,), 0.5
 FAMILIES = {"mnv2": "MobileNet-V2 (x0.5; narrower: x0.35)"}
 # x0.35's step time over x0.5's (median of 3 measurements of recipes/benchmarks/train_step.py): the narrower
 # network trains (base + late epochs) / NARROW_TIME epochs, the same CPU time as the linearized pipeline
@@ -56,11 +59,19 @@ NARROW_TIME = 0.58
 SPEEDUP_GOAL, LOSS_GOAL = 1.4, 1.0  # the issue's MobileNet goal: >= 1.4x at batch 1, <= 1.0 point lost
 
 
-def _meta(family: str, arch: str, budget: float | None = None, narrow: bool = False, select: str = "slope") -> dict:
+def _meta(family: str, arch: str, budget: float | None = None, narrow: bool = False, select: str = "slope",
+          distill: float = 0.0) -> dict:
     """What the analysis needs to know about a run (seed 0; a budget makes it a late run; ``select``: how
-    its blocks were chosen)."""
+    its blocks were chosen; ``distill``: the weight of distillation from the original, 0 for labels alone)."""
+    late = budget is not None
     return {"family": family, "arch": arch, "budget": budget, "narrow": narrow, "seed": 0,
-            "schedule": "none" if budget is None else "late", "select": select if budget is not None else None}
+            "schedule": "late" if late else "none", "select": select if late else None,
+            "distill": distill if late else None}
+
+
+def _method(row: dict) -> str:
+    """How a linearized run chose its blocks, and whether it learned from the original too ("" for a baseline)."""
+    return "" if row.get("select") is None else f"{row['select']}{', distilled' if row.get('distill') else ''}"
 
 
 def plan(scale: str, data: str | None, runs: Path) -> list[sweep.Job]:
@@ -69,24 +80,25 @@ def plan(scale: str, data: str | None, runs: Path) -> list[sweep.Job]:
     s = SCALES[scale]
 
     def job(name: str, arch: str, argv: list[str], deps: tuple[str, ...] = (), budget: float | None = None,
-            narrow: bool = False, select: str = "slope") -> sweep.Job:
+            narrow: bool = False, select: str = "slope", distill: float = 0.0) -> sweep.Job:
         argv = [str(R.HERE / "cifar.py")] + (["--data-dir", data] if data else []) + ["--arch", arch] + FLAGS \
             + s["extra"] + argv + ["--seed", "0", "--output_dir", str(runs / name)]
-        return sweep.Job(name, argv, deps, _meta("mnv2", arch, budget, narrow, select))
+        return sweep.Job(name, argv, deps, _meta("mnv2", arch, budget, narrow, select, distill))
 
-    def late(budget: float, select: str) -> sweep.Job:
-        name = f"mnv2_x0_5_lat_{round(100 * budget)}{'_sal' if select == 'saliency' else ''}_s0"
-        return job(name, "mobilenet_v2_x0_5", [
+    def late(budget: float, select: str, distill: float = 0.0) -> sweep.Job:
+        name = f"mnv2_x0_5_lat_{round(100 * budget)}{'_sal' if select == 'saliency' else ''}{'_kd' if distill else ''}_s0"
+        return job(name, "mobilenet_v2_x0_5", [*(["--distill", f"{distill:g}"] if distill else []),
             "--linearize", "prelu", "--target-latency", f"{budget:g}", "--granularity", "block", "--freeze",
             *(["--select", select] if select != "slope" else []), "--init-from", str(runs / base.name / "model"),
             "--schedule", "late", "--late-start", str(SALIENCY_START if select == "saliency" else 0), "--ramp-end",
-            "0.67", "--epochs", str(s["late_epochs"]), "--lr", "0.02"], (base.name,), budget, select=select)
+            "0.67", "--epochs", str(s["late_epochs"]), "--lr", "0.02"], (base.name,), budget, select=select,
+            distill=distill)
 
     base = job("mnv2_x0_5_base_s0", "mobilenet_v2_x0_5", ["--linearize", "none", "--epochs", str(s["base_epochs"])])
     jobs = [base] + [late(b, "slope") for b in MNV2_BUDGETS]
     jobs.append(job("mnv2_x0_35_base_s0", "mobilenet_v2_x0_35", [
         "--linearize", "none", "--epochs", str(round((s["base_epochs"] + s["late_epochs"]) / NARROW_TIME))], narrow=True))
-    return jobs + [late(b, "saliency") for b in SALIENCY_BUDGETS]
+    return jobs + [late(b, "saliency") for b in SALIENCY_BUDGETS] + [late(b, "saliency", DISTILL) for b in DISTILL_BUDGETS]
 
 
 # ----------------------------------------------------------------------------- analysis
@@ -136,7 +148,7 @@ def _table(jobs: list[sweep.Job], runs: dict, latency: dict) -> list[dict]:
         ref = {k: ms.get(f"{base[j.meta['family']]}/folded", {}).get(k) for k in ("b1", "b64")}
         fold = r.get("fold") or {}
         rows.append({
-            "run": j.name, **{k: j.meta.get(k) for k in ("family", "arch", "budget", "narrow", "select")},
+            "run": j.name, **{k: j.meta.get(k) for k in ("family", "arch", "budget", "narrow", "select", "distill")},
             "accuracy": r["test_accuracy"], "nonlinear_fraction": r["nonlinear_fraction"],
             "vs_baseline_points": 100 * (r["test_accuracy"] - b["test_accuracy"]) if b else None,
             "latency_ms": lat,
@@ -198,7 +210,7 @@ def _report(res: dict) -> list[str]:
           "| MFLOPs | params | fold error (rel.) | training h |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in res["table"]:
         md.append(" | ".join([
-            f"| {r['run']}", F._fmt(r["budget"], ".2f") + (f" ({r['select']})" if r.get("select") not in (None, "slope") else ""),
+            f"| {r['run']}", F._fmt(r["budget"], ".2f") + (f" ({_method(r)})" if _method(r) not in ("", "slope") else ""),
             F._fmt(100 * r["accuracy"], ".2f", "%"),
             F._fmt(r["vs_baseline_points"], "+.2f"), F._fmt(r["nonlinear_fraction"], ".3f"),
             F._fmt(r["latency_ms"]["b1"], ".3f"), F._fmt(r["latency_ms"]["b64"], ".1f"),
@@ -221,13 +233,14 @@ def _draw(ax: Any, table: list[dict], batch: str) -> None:
             continue
         color, name = f"C{i}", label.split(" (")[0]
         base = [r for r in rows if r["budget"] is None and not r["narrow"]]
-        for style, select in (("o-", "slope"), ("s--", "saliency")):  # one line per way of choosing the blocks
-            runs = [r for r in rows if r["budget"] is not None and r.get("select", "slope") == select]
+        # one line per way of choosing the blocks (and of learning)
+        for style, method in (("o-", "slope"), ("s--", "saliency"), ("^:", "saliency, distilled")):
+            runs = [r for r in rows if r["budget"] is not None and _method(r) == method]
             if not runs:
                 continue
             line = sorted(base + runs, key=lambda r: r["latency_ms"][batch])
             ax.plot([r["latency_ms"][batch] for r in line], [r["accuracy"] for r in line], style, color=color,
-                    mfc=color if select == "slope" else "none", label=f"{name}: latency budgets, blocks by {select}")
+                    mfc=color if method == "slope" else "none", label=f"{name}: latency budgets, blocks by {method}")
             for r in runs:
                 ax.annotate(f"{r['budget']:g}", (r["latency_ms"][batch], r["accuracy"]), fontsize=6, xytext=(3, 3),
                             textcoords="offset points")

@@ -465,18 +465,24 @@ def test_one_glitch_in_planning_does_not_make_the_plan(monkeypatch):
     assert true == sp.cost_plan[-1]["cost"] <= 0.75
 
 
-def test_a_latency_budget_is_refused_only_when_its_floor_timed_again_is_above_it(monkeypatch):
+def test_a_latency_budget_below_its_floor_timed_twice_warns_and_the_plan_takes_every_site(monkeypatch):
     """Every site linear folds to 10 / 54 of the original (one Linear: every merge pays, by the fake timer).
-    A planning time 5x high (a busy CPU) once refused budget 0.5 at construction: the floor is timed again
-    before refusing. When the second time is high too, the refusal names the busy CPU."""
+    A time 5x high (a busy CPU; on a loaded CI the floor of MobileNet-V2 read 0.83, then 0.69) once
+    refused budget 0.5 at construction: the floor is timed again, and a latency budget still below it
+    warns, naming the busy CPU, and the plan makes every site linear (a FLOPs floor, exact, refuses)."""
     model, x = _mlp(), torch.randn(4, 16)
     monkeypatch.setattr(sps, "median_latency_ms", _timed(5.0, 1.0))
-    linearize.Sparsifier(model, S.target(latency=0.5, end=6), total_steps=10, granularity="site", example_inputs=x)
-    monkeypatch.setattr(sps, "median_latency_ms", _timed(5.0, 5.0))
-    monkeypatch.setattr(sps, "busy_cpu", lambda: "1-minute load average 5.0 on 2 core(s)")
-    with pytest.raises(ValueError, match=r"latency=0.5\) is below .* at least 0.9260 \(timed on a busy CPU, 1-minute"):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
         linearize.Sparsifier(model, S.target(latency=0.5, end=6), total_steps=10, granularity="site",
                              example_inputs=x)
+    monkeypatch.setattr(sps, "median_latency_ms", _timed(5.0, 5.0))
+    monkeypatch.setattr(sps, "busy_cpu", lambda: "1-minute load average 5.0 on 2 core(s)")
+    with pytest.warns(UserWarning, match=r"latency=0.5\) is below .*timed twice, on a busy CPU: 1-minute.* at least 0.926"):
+        sp = linearize.Sparsifier(model, S.target(latency=0.5, end=6), total_steps=10, granularity="site",
+                                  example_inputs=x)
+    _quiet_steps(sp, 10)
+    assert len(sp.cost_plan[-1]["sites"]) == 4
 
 
 def test_a_latency_plan_made_on_a_busy_cpu_says_so(monkeypatch):

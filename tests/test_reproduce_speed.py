@@ -23,7 +23,8 @@ def test_every_planned_run_parses_and_the_narrower_network_trains_as_long(tmp_pa
     import cifar
 
     jobs = {j.name: j for j in S.plan("speed", "/data", tmp_path)}
-    assert len([j for j in jobs.values() if j.meta["budget"] is not None]) == len(S.MNV2_BUDGETS) + len(S.SALIENCY_BUDGETS)
+    assert len([j for j in jobs.values() if j.meta["budget"] is not None]) == len(S.MNV2_BUDGETS) + len(S.SALIENCY_BUDGETS) \
+        + len(S.DISTILL_BUDGETS)
     for j in jobs.values():
         args = cifar.parse_args(j.argv[1:])
         assert Path(args.output_dir) == tmp_path / j.name and args.channels_last
@@ -87,7 +88,7 @@ def test_sweep_end_to_end(tiny_cifar, tmp_path):
     baseline folded measured in the same process, and the linearized one cheaper in FLOPs."""
     env = {**os.environ, "LINEARIZE_CACHE": str(tmp_path / "cache"), "TQDM_DISABLE": "1", "LINEARIZE_CIFAR10": str(tiny_cifar),
            "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    only = "mnv2_x0_5_base_s0,mnv2_x0_5_lat_70_s0,mnv2_x0_35_base_s0,mnv2_x0_5_lat_60_sal_s0"
+    only = "mnv2_x0_5_base_s0,mnv2_x0_5_lat_70_s0,mnv2_x0_35_base_s0,mnv2_x0_5_lat_60_sal_s0,mnv2_x0_5_lat_70_sal_kd_s0"
     cmd = [sys.executable, str(RECIPES / "reproduce.py"), "--scale", "speed-tiny", "--runs-dir", str(tmp_path / "runs"),
            "--results-dir", str(tmp_path / "results"), "--poll", "0.2", "--latency-reps", "3", "--only", only]
     p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
@@ -109,4 +110,6 @@ def test_sweep_end_to_end(tiny_cifar, tmp_path):
     md = (tmp_path / "results" / "speed-tiny" / "results.md").read_text()
     assert "**MobileNet-V2 (x0.5; narrower: x0.35)** (one seed)" in md and "| mnv2_x0_5_lat_70_s0 | 0.70 |" in md
     assert rows["mnv2_x0_5_lat_60_sal_s0"]["select"] == "saliency" and "| mnv2_x0_5_lat_60_sal_s0 | 0.60 (saliency) |" in md
+    assert rows["mnv2_x0_5_lat_70_sal_kd_s0"]["distill"] == S.DISTILL
+    assert "| mnv2_x0_5_lat_70_sal_kd_s0 | 0.70 (saliency, distilled) |" in md
     assert (tmp_path / "results" / "speed-tiny" / "accuracy_vs_latency.png").stat().st_size > 10_000
