@@ -734,9 +734,13 @@ class Sparsifier:
             if self.schedule.cost == "flops":
                 self._costs[linear] = float(folded.linearize_fold_summary.flops_after) / self._reference
             else:
-                ref, ms = median_latency_ms([self._original, folded], self._cost_inputs, LATENCY_BUDGET_S)
-                self._costs[linear] = ms / ref
+                self._costs[linear] = self._latency_ratio(folded, LATENCY_BUDGET_S)
         return self._costs[linear]
+
+    def _latency_ratio(self, folded: nn.Module, budget_s: float) -> float:
+        """``folded``'s median CPU latency over the original's, timed interleaved for ``budget_s`` seconds."""
+        ref, ms = median_latency_ms([self._original, folded], self._cost_inputs, budget_s)
+        return ms / ref
 
     def _fold_copy(self, linear: frozenset | None) -> nn.Module:
         """A float32 CPU copy of the model folded with the groups ``linear`` at slope 1, every other channel
@@ -770,8 +774,7 @@ class Sparsifier:
         floor = self._folded_cost(every)
         cost, goal = self.schedule.cost, self.schedule.goal
         if goal < floor and cost == "latency":  # a time is noisy: time it again, longer, and warn, not refuse
-            ref, ms = median_latency_ms([self._original, self._fold_copy(every)], self._cost_inputs, LATENCY_CONFIRM_S)
-            floor = self._costs[every] = ms / ref
+            floor = self._costs[every] = self._latency_ratio(self._fold_copy(every), LATENCY_CONFIRM_S)
             busy = busy_cpu()
             if goal < floor:
                 self._warn_once(
@@ -849,9 +852,7 @@ class Sparsifier:
             linear = frozenset(start | set(plan))
             if self.schedule.cost != "latency" or not plan or linear in timed:
                 break  # (no group chosen: nothing was picked among noisy times)
-            ref, ms = median_latency_ms([self._original, self._fold_copy(linear)], self._cost_inputs,
-                                        LATENCY_CONFIRM_S)
-            timed[linear] = costs[-1] = ms / ref
+            timed[linear] = costs[-1] = self._latency_ratio(self._fold_copy(linear), LATENCY_CONFIRM_S)
             tried.append((plan, costs))
             if costs[-1] <= budget:
                 break
