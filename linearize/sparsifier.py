@@ -396,11 +396,12 @@ class Sparsifier:
                 f"another Sparsifier is already attached to this {type(inner).__name__}: both would apply "
                 "their pressure after every step; use one Sparsifier, or call detach() on the other first"
             )
-        self.optimizer = inner
-        if not self._lr_by_slope() and any(u.slope.requires_grad for _, u in self._units):
+        if not self._lr_by_slope(inner) and any(u.slope.requires_grad for _, u in self._units):
+            # before any state changes: a warning turned into an error leaves this Sparsifier detached
             self._warn_once(f"attach(): this {type(inner).__name__} holds none of the unit slopes, so the pressure "
                             "runs after a step that does not move them: attach the optimizer that trains the slopes "
                             "(linearize.param_groups(model) puts them in one)")
+        self.optimizer = inner
         self._hook = inner.register_step_post_hook(lambda opt, args, kwargs: self.step())
         _ATTACHED[inner] = weakref.ref(self)
         return self
@@ -464,13 +465,14 @@ class Sparsifier:
             raise ValueError(f"the schedule returned lam={value} at step {step}; it must be finite and >= 0")
         return value
 
-    def _lr_by_slope(self) -> dict[int, float]:
-        if self.optimizer is None:
+    def _lr_by_slope(self, optimizer: torch.optim.Optimizer | None = None) -> dict[int, float]:
+        optimizer = optimizer if optimizer is not None else self.optimizer
+        if optimizer is None:
             return {}
         slope_ids = {id(u.slope) for _, u in self._units}
         return {
             id(p): float(group["lr"])
-            for group in self.optimizer.param_groups
+            for group in optimizer.param_groups
             for p in group["params"]
             if id(p) in slope_ids
         }
@@ -565,8 +567,8 @@ class Sparsifier:
 
     def _warn_once(self, message: str) -> None:
         if message not in self._said:
-            self._said.add(message)
             warnings.warn(message, UserWarning, stacklevel=3)
+            self._said.add(message)  # after: a warning turned into an error is raised again next time
 
     def _cost(self, selected: torch.Tensor) -> torch.Tensor:
         """Ranking cost per channel (``select="saliency"``): saliency per unit of weight, halved for

@@ -358,6 +358,26 @@ def test_attaching_an_optimizer_without_the_slopes_warns():
         linearize.Sparsifier(model, schedule, total_steps=10).attach(torch.optim.SGD(weights, lr=0.1))
 
 
+def test_attach_warning_raised_as_error_leaves_the_sparsifier_detached():
+    """Under ``simplefilter("error")`` the warning stops attach(): nothing is half attached (no optimizer
+    held, no hook, the optimizer free for another Sparsifier), and a second try raises again."""
+    model = linearize.convert(nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)),
+                              example_inputs=torch.randn(2, 4))
+    slopes = {id(u.slope) for _, u in linearize.units(model)}
+    opt = torch.optim.SGD([p for p in model.parameters() if id(p) not in slopes], lr=0.1)
+    sp = linearize.Sparsifier(model, linearize.schedules.constant(1.0), total_steps=10)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for _ in range(2):
+            with pytest.raises(UserWarning, match="holds none of the unit slopes"):
+                sp.attach(opt)
+            assert sp.optimizer is None and sp._hook is None
+    assert not opt._optimizer_step_post_hooks
+    with pytest.warns(UserWarning, match="holds none of the unit slopes"):
+        linearize.Sparsifier(model, linearize.schedules.constant(1.0), total_steps=10).attach(opt)
+    assert len(opt._optimizer_step_post_hooks) == 1
+
+
 def test_attaching_through_a_wrapper_and_copying_do_not_warn():
     """The slopes are in the optimizer inside an accelerate-like wrapper; a deep copy and a pickle re-attach
     to their own copy of it: no "holds none of the unit slopes" warning (found holding by a break-it review)."""
