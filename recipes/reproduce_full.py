@@ -14,6 +14,7 @@ from __future__ import annotations
 import filecmp
 import os
 import shutil
+import statistics
 import time
 from pathlib import Path
 from typing import Any
@@ -41,6 +42,7 @@ VARIANTS = {"sal": (["--select", "saliency"], "--select saliency"),
             "kd": (["--distill", "0.9", "--distill-temperature", "4"], "distilled from the baseline"),
             "long": (["--epochs", "20", "--ramp-end", "0.4"], "20 epochs, target at 40%")}
 FOLD_IMAGES = 64
+LATENCY_ROUNDS = 9  # latency measurements (one per --remeasure-latency of unchanged models) kept, medians reported
 # the runs started before cifar.py had --channels-last (2026-11-27): their checkpoints resume only without it.
 # Every other run uses it: the same values up to float rounding, training steps about 1.4x faster on the CPU.
 STARTED_CONTIGUOUS = frozenset({"r20_base_s0", "r20_base_s1", "r20_late_10_s0", "r20_late_10_s1", "r20_late_25_s0",
@@ -286,12 +288,17 @@ def _latency(results: Path, names: list[str], runs: dict, data: str | None, prev
              remeasure: bool, skipped: list[str]) -> dict:
     """Interleaved CPU latency at batch 1 and 64 (1 thread) of every run's folded model and of each
     baseline as trained, measured together in one process; reused from ``previous`` for unchanged
-    models unless ``remeasure``, kept from it (for the models still there) when there is no data."""
+    models unless ``remeasure``, kept from it (for the models still there) when there is no data.
+
+    Times move by up to 10% between processes on an idle machine, so a ``remeasure`` of unchanged models
+    adds a round to the previous ones (the last ``LATENCY_ROUNDS``): ``ms`` is each time's median over
+    the rounds, ``rounds`` holds every round's own times."""
     import linearize
 
     models = {n: runs[n]["model_digest"] for n in names}
     prev_ms = previous.get("ms", {})
-    if not remeasure and previous.get("models") == models and previous.get("reps") == reps:
+    same = previous.get("models") == models and previous.get("reps") == reps
+    if not remeasure and same:
         return previous
     src = next((s for n in names if (s := _data_source(results / n, data))), None)
     if src is None:
@@ -306,10 +313,30 @@ def _latency(results: Path, names: list[str], runs: dict, data: str | None, prev
         built[n + "/folded"] = linearize.fold(model, x, latency=False)
         if runs[n]["schedule"] == "none":
             built[n + "/as trained"] = model
-    ms = R.interleaved_latency(built, {"b1": x[:1], "b64": x}, reps)
-    return {"models": models, "reps": reps, "batch": {"b1": 1, "b64": len(x)}, "ms": ms,
-            "measured": time.strftime("%Y-%m-%d %H:%M"), "machine": R.machine_name(),
-            "load_average": round(os.getloadavg()[0], 2)}  # other processes on the cores make the ms noisy
+    now = {"ms": R.interleaved_latency(built, {"b1": x[:1], "b64": x}, reps),
+           "measured": time.strftime("%Y-%m-%d %H:%M"),
+           "load_average": round(os.getloadavg()[0], 2)}  # other processes on the cores make the ms noisy
+    rounds = _latency_rounds(previous if same else {}, now)
+    ms = {k: {b: statistics.median(r["ms"][k][b] for r in rounds) for b in now["ms"][k]} for k in now["ms"]}
+    return {"models": models, "reps": reps, "batch": {"b1": 1, "b64": len(x)}, "ms": ms, "rounds": rounds,
+            **{k: now[k] for k in ("measured", "load_average")}, "machine": R.machine_name()}
+
+
+def _latency_rounds(previous: dict, now: dict) -> list[dict]:
+    """The measurement rounds of ``previous`` (a latency result; one written before rounds were kept counts as
+    one round) followed by ``now`` (``{"ms", "measured", "load_average"}``), the last ``LATENCY_ROUNDS``."""
+    before = previous.get("rounds") or ([{k: previous[k] for k in now}] if all(k in previous for k in now) else [])
+    return (before + [now])[-LATENCY_ROUNDS:]
+
+
+def measured(lat: dict) -> str:
+    """When and under what load the latencies were measured: one round, or the medians of several."""
+    rounds = lat.get("rounds") or [lat]
+    when, load = [r["measured"] for r in rounds], [r["load_average"] for r in rounds]
+    if len(rounds) == 1:
+        return f"{when[0]}, load average {load[0]} when measured"
+    return (f"medians of {len(rounds)} measurements (each in a fresh process, `--remeasure-latency`) from {min(when)} "
+            f"to {max(when)}, load average {min(load)}-{max(load)}")
 
 
 # ----------------------------------------------------------------------------- aggregation
@@ -511,7 +538,7 @@ def _report(res: dict, jobs: list[sweep.Job]) -> list[str]:
            "merge) and unnormalized (every channel-level path equally likely); baseline: all units nonlinear. "
            "Parameters, FLOPs and latency after `linearize.fold` (BN merged, linear parts folded), relative to the baseline of "
            "the same task folded the same way; latency: medians of " + str(lat.get("reps", "-")) + " interleaved "
-           "repetitions of all models in one process, 1 thread" + (f", {lat['measured']} on {lat['machine']}"
+           "repetitions of all models in one process, 1 thread" + (f", on {lat['machine']}, {measured(lat)}"
                                                                  if lat.get("measured") else "")
            + (f" at a load average of {lat['load_average']:.1f} (other runs shared the cores: the milliseconds and "
               "their ratios are noisy; equal FLOPs mean equal work)" if lat.get("load_average", 0) > 1.5 else "")

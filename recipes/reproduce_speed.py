@@ -26,6 +26,7 @@ each linearized model next to its baseline and the narrower network.
 
 from __future__ import annotations
 
+import statistics
 from pathlib import Path
 from typing import Any
 
@@ -138,23 +139,29 @@ def _table(jobs: list[sweep.Job], runs: dict, latency: dict) -> list[dict]:
     """One row per finished run: accuracy, nonlinear fraction, latency (folded; baselines also as trained),
     speed-up over its family's baseline folded, accuracy against that baseline, fold error, training time."""
     ms = latency.get("ms", {})
+    rounds = [r["ms"] for r in latency.get("rounds", [])] or [ms]
     base = {j.meta["family"]: j.name for j in jobs if j.meta["schedule"] == "none" and not j.meta["narrow"]}
     rows = []
     for j in jobs:
         if j.name not in runs:
             continue
         r, b = runs[j.name], runs.get(base[j.meta["family"]])
-        lat = {k: ms.get(f"{j.name}/folded", {}).get(k) for k in ("b1", "b64")}
-        ref = {k: ms.get(f"{base[j.meta['family']]}/folded", {}).get(k) for k in ("b1", "b64")}
+        key, ref = f"{j.name}/folded", f"{base[j.meta['family']]}/folded"
+        lat = {k: ms.get(key, {}).get(k) for k in ("b1", "b64")}
+        own = {k: [m[key][k] for m in rounds if key in m] for k in ("b1", "b64")}
+        # the speed-up within each measurement round (both timed in one process), then its median and range
+        ups = {k: [m[ref][k] / m[key][k] for m in rounds if key in m and ref in m] for k in ("b1", "b64")}
         fold = r.get("fold") or {}
         rows.append({
             "run": j.name, **{k: j.meta.get(k) for k in ("family", "arch", "budget", "narrow", "select", "distill")},
             "accuracy": r["test_accuracy"], "nonlinear_fraction": r["nonlinear_fraction"],
             "vs_baseline_points": 100 * (r["test_accuracy"] - b["test_accuracy"]) if b else None,
             "latency_ms": lat,
+            "latency_ms_range": {k: [min(v), max(v)] if v else None for k, v in own.items()},
             "latency_ms_as_trained": ({k: ms.get(f"{j.name}/as trained", {}).get(k) for k in ("b1", "b64")}
                                       if j.meta["schedule"] == "none" else None),
-            "speedup": {k: F._ratio(ref[k], lat[k]) for k in lat},
+            "speedup": {k: statistics.median(u) if u else None for k, u in ups.items()},
+            "speedup_range": {k: [min(u), max(u)] if u else None for k, u in ups.items()},
             "mflops_per_image": fold["flops_after"] / fold["images"] / 1e6 if fold else None,
             "params": fold.get("params_after"),
             "fold_max_rel_error": fold["max_abs_error"] / fold["output_scale"] if fold else None,
@@ -203,9 +210,11 @@ def _report(res: dict) -> list[str]:
           "Made by `python recipes/reproduce.py --scale speed --stage analyze` from `recipes/results/<run>/`. "
           "Latency: the folded model (baselines also as trained), median of interleaved repetitions on one "
           f"thread, batch 1 and {lat.get('batch', {}).get('b64', 64)} test images"
-          + (f", {lat['machine']}, {lat['measured']}, load average {lat['load_average']} when measured"
-             if lat.get("machine") else "") + ". Speed-up: against the family's baseline folded (BatchNorm folded "
-          "into the convolutions: what a user deploys anyway). One seed per run.", "", *[f"- {c}" for c in res["claims"]],
+          + (f", {lat['machine']}, " + F.measured(lat) if lat.get("machine") else "")
+          + ". Speed-up: against the family's baseline folded (BatchNorm folded into the convolutions: what a user "
+          "deploys anyway), the median over measurements of the ratio within each (range in brackets; the bars in "
+          "`accuracy_vs_latency.png`: the range of each latency). "
+          "One seed per run.", "", *[f"- {c}" for c in res["claims"]],
           "", "| run | budget | test acc | vs baseline | nonlinear | ms b1 | ms b64 | speed-up b1 | speed-up b64 "
           "| MFLOPs | params | fold error (rel.) | training h |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in res["table"]:
@@ -214,7 +223,7 @@ def _report(res: dict) -> list[str]:
             F._fmt(100 * r["accuracy"], ".2f", "%"),
             F._fmt(r["vs_baseline_points"], "+.2f"), F._fmt(r["nonlinear_fraction"], ".3f"),
             F._fmt(r["latency_ms"]["b1"], ".3f"), F._fmt(r["latency_ms"]["b64"], ".1f"),
-            F._fmt(r["speedup"]["b1"], ".2f", "x"), F._fmt(r["speedup"]["b64"], ".2f", "x"),
+            _speedup(r, "b1"), _speedup(r, "b64"),
             F._fmt(r["mflops_per_image"], ".1f"), F._fmt(r["params"], ",.0f"), F._fmt(r["fold_max_rel_error"], ".1e"),
             F._fmt(r["train_hours"], ".2f")]) + " |")
     for name, why in res["unverified"].items():
@@ -224,6 +233,13 @@ def _report(res: dict) -> list[str]:
     if res["skipped"]:
         md += ["", "Skipped (no CIFAR data): " + ", ".join(res["skipped"]) + "."]
     return md
+
+
+def _speedup(row: dict, batch: str) -> str:
+    """``1.47x``, or ``1.47x (1.41-1.56)`` over several measurement rounds."""
+    lo_hi = (row.get("speedup_range") or {}).get(batch)
+    spread = f" ({lo_hi[0]:.2f}-{lo_hi[1]:.2f})" if lo_hi and lo_hi[0] != lo_hi[1] else ""
+    return F._fmt(row["speedup"][batch], ".2f", "x") + spread
 
 
 def _draw(ax: Any, table: list[dict], batch: str) -> None:
@@ -244,6 +260,11 @@ def _draw(ax: Any, table: list[dict], batch: str) -> None:
             for r in runs:
                 ax.annotate(f"{r['budget']:g}", (r["latency_ms"][batch], r["accuracy"]), fontsize=6, xytext=(3, 3),
                             textcoords="offset points")
+        for r in rows:  # the spread of the measurements the median latency comes from
+            lo, hi = (r.get("latency_ms_range") or {}).get(batch) or (r["latency_ms"][batch],) * 2
+            x = r["latency_ms"][batch]
+            ax.errorbar([x], [r["accuracy"]], xerr=[[x - lo], [hi - x]], fmt="none", ecolor=color, elinewidth=0.8,
+                        capsize=2)
         for r in base:
             ax.annotate("baseline", (r["latency_ms"][batch], r["accuracy"]), fontsize=6, xytext=(3, 3),
                         textcoords="offset points")

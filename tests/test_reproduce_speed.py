@@ -82,6 +82,41 @@ def test_narrower_network_is_beaten_only_at_equal_or_lower_latency_and_higher_ac
     assert ("is not beaten" in claim) is not beaten
 
 
+def test_latency_rounds_give_medians_of_within_round_ratios_and_their_range(monkeypatch):
+    """Three measurement rounds of the same models (the first written before rounds were kept): each time is
+    the median over rounds, each speed-up the median of the ratios *within* a round (drifts between processes
+    hit both models of a round alike) with its range; new models start the rounds again; at most
+    LATENCY_ROUNDS are kept; the report says how many and when."""
+    import statistics
+
+    import sweep
+
+    base, lat = "mnv2_x0_5_base_s0", "mnv2_x0_5_lat_70_s0"
+    times = [(4.0, 2.0), (5.0, 3.0), (4.4, 2.0)]  # (baseline, linearized) ms at batch 1, per round
+    rnd = lambda i: {"ms": {f"{base}/folded": {"b1": times[i][0], "b64": 1.0},  # noqa: E731
+                            f"{lat}/folded": {"b1": times[i][1], "b64": 1.0}},
+                     "measured": f"2026-11-27 22:4{i}", "load_average": 0.5 + i / 10}
+    legacy = {"models": {}, "reps": 15, **rnd(0)}  # an analysis written before rounds were kept: one round
+    rounds = reproduce_full._latency_rounds(legacy, rnd(1))
+    rounds = reproduce_full._latency_rounds({"rounds": rounds}, rnd(2))
+    assert [r["measured"] for r in rounds] == ["2026-11-27 22:40", "2026-11-27 22:41", "2026-11-27 22:42"]
+    assert reproduce_full._latency_rounds({}, rnd(2)) == [rnd(2)]  # other models: a fresh start
+    many = {"rounds": [rnd(0)] * (reproduce_full.LATENCY_ROUNDS + 3)}
+    assert len(reproduce_full._latency_rounds(many, rnd(2))) == reproduce_full.LATENCY_ROUNDS
+
+    ms = {k: {"b1": statistics.median(r["ms"][k]["b1"] for r in rounds), "b64": 1.0} for k in rounds[0]["ms"]}
+    jobs = [sweep.Job(n, [], meta=S._meta("mnv2", "mobilenet_v2_x0_5", budget=b)) for n, b in ((base, None), (lat, 0.7))]
+    runs = {n: {"test_accuracy": 0.8, "nonlinear_fraction": 0.5, "wall_time_s": 1.0} for n in (base, lat)}
+    row = S._table(jobs, runs, {"ms": ms, "rounds": rounds})[1]
+    # ratios 2.0, 1.667, 2.2: median 2.0; the ratio of the medians (4.4 / 2.0 = 2.2) would be another number
+    assert row["speedup"]["b1"] == pytest.approx(2.0) and row["speedup_range"]["b1"] == pytest.approx([5 / 3, 2.2])
+    assert row["latency_ms"]["b1"] == 2.0 and row["latency_ms_range"]["b1"] == [2.0, 3.0]
+    assert S._speedup(row, "b1") == "2.00x (1.67-2.20)" and S._speedup(row, "b64") == "1.00x"
+    said = reproduce_full.measured({"rounds": rounds})
+    assert "medians of 3 measurements" in said and "22:40 to 2026-11-27 22:42" in said and "0.5-0.7" in said
+    assert reproduce_full.measured(legacy) == "2026-11-27 22:40, load average 0.5 when measured"
+
+
 def test_sweep_end_to_end(tiny_cifar, tmp_path):
     """Train (baseline, one latency budget, the narrower network), collect, analyze: the table, the claim
     and the plot; every folded model within the issue's 1e-4 of its output scale, its speed-up against the
