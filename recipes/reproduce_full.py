@@ -540,8 +540,8 @@ def _report(res: dict, jobs: list[sweep.Job]) -> list[str]:
            "the same task folded the same way; latency: medians of " + str(lat.get("reps", "-")) + " interleaved "
            "repetitions of all models in one process, 1 thread" + (f", on {lat['machine']}, {measured(lat)}"
                                                                  if lat.get("measured") else "")
-           + (f" at a load average of {lat['load_average']:.1f} (other runs shared the cores: the milliseconds and "
-              "their ratios are noisy; equal FLOPs mean equal work)" if lat.get("load_average", 0) > 1.5 else "")
+           + (" (other runs shared the cores: the milliseconds and their ratios are noisy; equal FLOPs mean equal "
+              "work)" if lat.get("load_average", 0) > 1.5 else "")
            + ". Fold error: "
            "largest |folded - model| over the logits of 64 test images, relative to the largest |logit|.", "",
            "| configuration | test accuracy % | vs baseline | nonlinear | APL norm. | APL unnorm. | params (vs base) "

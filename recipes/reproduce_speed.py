@@ -7,10 +7,10 @@ The plan (full CIFAR-10 train and test sets, one seed, every run ``--channels-la
   under CPU latency budgets (``--target-latency`` R of the original model folded, whole inverted-residual
   blocks at a time: ``--granularity block``), and the honest alternative: MobileNet-V2 x0.35 trained from
   scratch for the same CPU time as baseline + late run together (``NARROW_TIME``).
-* **ResNet-20 is not trained here**: with every site linear it folds to 0.93-0.98 of its original's latency
-  at batch 1 (``python recipes/benchmarks/fold_merges.py --arch resnet20 --linear all``; its 3x3 convs
-  cannot merge into anything cheaper), so no budget buys more than a few percent, within the timing
-  noise of a loaded machine; its linearized runs are issue 19's (``recipes/results/full/``).
+* **ResNet-20 is not trained here**: with every site linear it folds to 0.95-0.96 of its BatchNorm-folded
+  latency at batch 1 on an idle machine (``python recipes/benchmarks/fold_merges.py --arch resnet20 --linear
+  all``; its 3x3 convs cannot merge into anything cheaper), so no budget buys more than 4-5%, less than
+  the timing noise between processes; its linearized runs are issue 19's (``recipes/results/full/``).
 
 Equal time, not equal epochs: a training step of x0.35 takes 0.49-0.63x as long as one of x0.5 (three
 measurements, ``python recipes/benchmarks/train_step.py``, one thread, other runs sharing the cores;
