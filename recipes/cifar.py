@@ -207,7 +207,15 @@ def load_model(directory: str | Path) -> nn.Module:
     """Rebuild a model saved by this recipe (``OUTPUT_DIR/model``): the architecture from
     ``recipe.json`` (:func:`read_meta`), its files checked against their recorded sizes and sha256, the
     units with ``linearize.from_pretrained``, then the other weights (:func:`_load_weights`).
-    ``recipe.json`` also lists the class names in label order (``classes``)."""
+    ``recipe.json`` also lists the class names in label order (``classes``). The model comes back in eval
+    mode, as from ``transformers``' ``from_pretrained`` and :func:`wmt14.load_model`: ready to evaluate or
+    fold (call ``.train()`` to train it on).
+
+    Example::
+
+        model = cifar.load_model("recipes/results/mnv2_x0_5_lat_70_sal_kd_s0/model")
+        folded = linearize.fold(model, torch.zeros(1, 3, 32, 32))
+    """
     directory = Path(directory)
     meta = read_meta(directory)
     common.check_files(directory, meta)
@@ -216,7 +224,7 @@ def load_model(directory: str | Path) -> nn.Module:
         example = torch.zeros(2, 3, meta["image_size"], meta["image_size"])
         model = linearize.from_pretrained(model, directory, example_inputs=example)
     _load_weights(model, directory / "model.safetensors", meta)
-    return model
+    return model.eval()
 
 
 def trained_weights(directory: str | Path, arch: str, classes: list[str]) -> dict:

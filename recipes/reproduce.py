@@ -172,7 +172,7 @@ def _cifar_inputs(run: Path, data: str | None, n: int):
 def _model(run: Path):
     import cifar
 
-    return cifar.load_model(run / "model").eval()
+    return cifar.load_model(run / "model")
 
 
 def _fold_summary(run: Path, x, latency: bool = True) -> dict:

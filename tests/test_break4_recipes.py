@@ -217,6 +217,22 @@ def cifar_model_dir(tmp_path, env) -> Path:
     return tmp_path / "model"
 
 
+def test_cifar_load_model_returns_eval_mode(cifar_model_dir):
+    """A loaded model evaluates with its BatchNorm running statistics (not the batch's) and leaves them
+    unchanged, as wmt14.load_model and transformers' from_pretrained do; it folds without a .eval() call."""
+    import cifar
+
+    model = cifar.load_model(cifar_model_dir)
+    assert not any(m.training for m in model.modules())
+    stats = {k: v.clone() for k, v in model.state_dict().items() if "running" in k}
+    x = torch.randn(4, 3, 8, 8)
+    with torch.no_grad():
+        y = model(x)
+        assert torch.allclose(model(x[:1]), y[:1], atol=1e-5)  # each image on its own: running statistics
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in stats.items())
+    linearize.fold(model, x, latency=False)
+
+
 def _edit_weights(directory: Path, edit) -> None:
     """Change model.safetensors and drop recipe.json's 'files' (a save from before they were recorded)."""
     weights = load_file(str(directory / "model.safetensors"))

@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> dict:
     xt, yt = xt[mix], yt[mix]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        model = linearize.convert(cifar.load_model(args.model).eval(), example_inputs=x[:2])
+        model = linearize.convert(cifar.load_model(args.model), example_inputs=x[:2])
     units = dict(linearize.units(model))
     groups = site_groups(model)
 
