@@ -608,7 +608,10 @@ def main(argv: list[str] | None = None) -> int:
                         "regions; on one CPU thread 1.18x faster on a segment of the baseline (README, "
                         "benchmarks/regions.py --trained), less with few regions per piece")
     p.add_argument("--remeasure-latency", action="store_true",
-                   help="measure the latencies again instead of reusing those of the previous results.json")
+                   help="measure the latencies again instead of reusing those of the previous results.json; "
+                        "--scale full and speed add the new measurement to the earlier ones of the same models "
+                        "on the same machine and report medians over the last 9 (remove results.json to start "
+                        "afresh)")
     p.add_argument("--regions-runs", default="cifar_late_0.02,cifar_late_0.1,cifar_baseline",
                    help="runs whose linear regions are counted, cheapest first; NAME:K uses only the first K "
                         "segments of each loop (the unlinearized baseline has far more regions)")

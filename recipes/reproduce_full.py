@@ -291,21 +291,22 @@ def _latency(results: Path, names: list[str], runs: dict, data: str | None, prev
     models unless ``remeasure``, kept from it (for the models still there) when there is no data.
 
     Times move by up to 10% between processes on an idle machine, so a ``remeasure`` of unchanged models
-    adds a round to the previous ones (the last ``LATENCY_ROUNDS``): ``ms`` is each time's median over
-    the rounds, ``rounds`` holds every round's own times."""
+    adds a round to the previous ones measured on the same machine (the last ``LATENCY_ROUNDS``): ``ms``
+    is each time's median over the rounds, ``rounds`` holds every round's own times."""
     import linearize
 
     models = {n: runs[n]["model_digest"] for n in names}
-    prev_ms = previous.get("ms", {})
-    same = previous.get("models") == models and previous.get("reps") == reps
+    same = (previous.get("models") == models and previous.get("reps") == reps
+            and previous.get("machine") == R.machine_name())
     if not remeasure and same:
         return previous
     src = next((s for n in names if (s := _data_source(results / n, data))), None)
     if src is None:
         keep = {n for n, d in models.items() if previous.get("models", {}).get(n) == d}
         skipped += [f"latency of {n}" for n in names if n not in keep]
-        return {**previous, "models": {n: models[n] for n in keep},
-                "ms": {k: v for k, v in prev_ms.items() if k.split("/")[0] in keep}}
+        kept = lambda ms: {k: v for k, v in ms.items() if k.split("/")[0] in keep}  # noqa: E731
+        return {**previous, "models": {n: models[n] for n in keep}, "ms": kept(previous.get("ms", {})),
+                "rounds": [{**r, "ms": kept(r["ms"])} for r in _latency_rounds(previous)]}
     x = R._cifar_inputs(results / names[0], src, FOLD_IMAGES)[0]
     built = {}
     for n in names:
@@ -316,27 +317,33 @@ def _latency(results: Path, names: list[str], runs: dict, data: str | None, prev
     now = {"ms": R.interleaved_latency(built, {"b1": x[:1], "b64": x}, reps),
            "measured": time.strftime("%Y-%m-%d %H:%M"),
            "load_average": round(os.getloadavg()[0], 2)}  # other processes on the cores make the ms noisy
-    rounds = _latency_rounds(previous if same else {}, now)
+    rounds = ((_latency_rounds(previous) if same else []) + [now])[-LATENCY_ROUNDS:]
     ms = {k: {b: statistics.median(r["ms"][k][b] for r in rounds) for b in now["ms"][k]} for k in now["ms"]}
     return {"models": models, "reps": reps, "batch": {"b1": 1, "b64": len(x)}, "ms": ms, "rounds": rounds,
             **{k: now[k] for k in ("measured", "load_average")}, "machine": R.machine_name()}
 
 
-def _latency_rounds(previous: dict, now: dict) -> list[dict]:
-    """The measurement rounds of ``previous`` (a latency result; one written before rounds were kept counts as
-    one round) followed by ``now`` (``{"ms", "measured", "load_average"}``), the last ``LATENCY_ROUNDS``."""
-    before = previous.get("rounds") or ([{k: previous[k] for k in now}] if all(k in previous for k in now) else [])
-    return (before + [now])[-LATENCY_ROUNDS:]
+def _latency_rounds(previous: dict) -> list[dict]:
+    """The measurement rounds (``{"ms", "measured", "load_average"}``) of a latency result; one written
+    before rounds were kept counts as one round."""
+    return previous.get("rounds") or ([{k: previous.get(k) for k in ("ms", "measured", "load_average")}]
+                                      if previous.get("ms") else [])
+
+
+def max_load(lat: dict) -> float:
+    """The highest load average any of a latency result's measurements saw (0 when none was recorded)."""
+    return max((r.get("load_average") or 0 for r in lat.get("rounds") or [lat]), default=0)
 
 
 def measured(lat: dict) -> str:
     """When and under what load the latencies were measured: one round, or the medians of several."""
     rounds = lat.get("rounds") or [lat]
-    when, load = [r["measured"] for r in rounds], [r["load_average"] for r in rounds]
+    when = [r.get("measured") or "?" for r in rounds]
+    load = [r["load_average"] for r in rounds if r.get("load_average") is not None]
     if len(rounds) == 1:
-        return f"{when[0]}, load average {load[0]} when measured"
+        return when[0] + (f", load average {load[0]} when measured" if load else "")
     return (f"medians of {len(rounds)} measurements (each in a fresh process, `--remeasure-latency`) from {min(when)} "
-            f"to {max(when)}, load average {min(load)}-{max(load)}")
+            f"to {max(when)}" + (f", load average {min(load)}-{max(load)}" if load else ""))
 
 
 # ----------------------------------------------------------------------------- aggregation
@@ -541,7 +548,7 @@ def _report(res: dict, jobs: list[sweep.Job]) -> list[str]:
            "repetitions of all models in one process, 1 thread" + (f", on {lat['machine']}, {measured(lat)}"
                                                                  if lat.get("measured") else "")
            + (" (other runs shared the cores: the milliseconds and their ratios are noisy; equal FLOPs mean equal "
-              "work)" if lat.get("load_average", 0) > 1.5 else "")
+              "work)" if max_load(lat) > 1.5 else "")
            + ". Fold error: "
            "largest |folded - model| over the logits of 64 test images, relative to the largest |logit|.", "",
            "| configuration | test accuracy % | vs baseline | nonlinear | APL norm. | APL unnorm. | params (vs base) "

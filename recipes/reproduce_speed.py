@@ -26,6 +26,7 @@ each linearized model next to its baseline and the narrower network.
 
 from __future__ import annotations
 
+import math
 import statistics
 from pathlib import Path
 from typing import Any
@@ -148,9 +149,12 @@ def _table(jobs: list[sweep.Job], runs: dict, latency: dict) -> list[dict]:
         r, b = runs[j.name], runs.get(base[j.meta["family"]])
         key, ref = f"{j.name}/folded", f"{base[j.meta['family']]}/folded"
         lat = {k: ms.get(key, {}).get(k) for k in ("b1", "b64")}
-        own = {k: [m[key][k] for m in rounds if key in m] for k in ("b1", "b64")}
+        own = {k: [t for m in rounds if key in m and (t := m[key].get(k)) is not None and math.isfinite(t)]
+               for k in ("b1", "b64")}
         # the speed-up within each measurement round (both timed in one process), then its median and range
-        ups = {k: [m[ref][k] / m[key][k] for m in rounds if key in m and ref in m] for k in ("b1", "b64")}
+        ups = {k: [u for m in rounds if key in m and ref in m
+                   if (u := F._ratio(m[ref].get(k), m[key].get(k))) is not None and math.isfinite(u)]
+               for k in ("b1", "b64")}
         fold = r.get("fold") or {}
         rows.append({
             "run": j.name, **{k: j.meta.get(k) for k in ("family", "arch", "budget", "narrow", "select", "distill")},

@@ -82,39 +82,95 @@ def test_narrower_network_is_beaten_only_at_equal_or_lower_latency_and_higher_ac
     assert ("is not beaten" in claim) is not beaten
 
 
-def test_latency_rounds_give_medians_of_within_round_ratios_and_their_range(monkeypatch):
-    """Three measurement rounds of the same models (the first written before rounds were kept): each time is
-    the median over rounds, each speed-up the median of the ratios *within* a round (drifts between processes
-    hit both models of a round alike) with its range; new models start the rounds again; at most
-    LATENCY_ROUNDS are kept; the report says how many and when."""
-    import statistics
+BASE, LAT = "mnv2_x0_5_base_s0", "mnv2_x0_5_lat_70_s0"
 
+
+def _round(i: int, base_ms: float, lat_ms: float, load: float | None = 0.5) -> dict:
+    return {"ms": {f"{BASE}/folded": {"b1": base_ms, "b64": 1.0}, f"{LAT}/folded": {"b1": lat_ms, "b64": 1.0}},
+            "measured": f"2026-11-27 22:4{i}", "load_average": load}
+
+
+def _jobs_and_runs():
     import sweep
 
-    base, lat = "mnv2_x0_5_base_s0", "mnv2_x0_5_lat_70_s0"
-    times = [(4.0, 2.0), (5.0, 3.0), (4.4, 2.0)]  # (baseline, linearized) ms at batch 1, per round
-    rnd = lambda i: {"ms": {f"{base}/folded": {"b1": times[i][0], "b64": 1.0},  # noqa: E731
-                            f"{lat}/folded": {"b1": times[i][1], "b64": 1.0}},
-                     "measured": f"2026-11-27 22:4{i}", "load_average": 0.5 + i / 10}
-    legacy = {"models": {}, "reps": 15, **rnd(0)}  # an analysis written before rounds were kept: one round
-    rounds = reproduce_full._latency_rounds(legacy, rnd(1))
-    rounds = reproduce_full._latency_rounds({"rounds": rounds}, rnd(2))
-    assert [r["measured"] for r in rounds] == ["2026-11-27 22:40", "2026-11-27 22:41", "2026-11-27 22:42"]
-    assert reproduce_full._latency_rounds({}, rnd(2)) == [rnd(2)]  # other models: a fresh start
-    many = {"rounds": [rnd(0)] * (reproduce_full.LATENCY_ROUNDS + 3)}
-    assert len(reproduce_full._latency_rounds(many, rnd(2))) == reproduce_full.LATENCY_ROUNDS
+    jobs = [sweep.Job(n, [], meta=S._meta("mnv2", "mobilenet_v2_x0_5", budget=b)) for n, b in ((BASE, None), (LAT, 0.7))]
+    runs = {n: {"test_accuracy": 0.8, "nonlinear_fraction": 0.5, "wall_time_s": 1.0, "model_digest": n, "schedule":
+                "none" if n == BASE else "late"} for n in (BASE, LAT)}
+    return jobs, runs
 
-    ms = {k: {"b1": statistics.median(r["ms"][k]["b1"] for r in rounds), "b64": 1.0} for k in rounds[0]["ms"]}
-    jobs = [sweep.Job(n, [], meta=S._meta("mnv2", "mobilenet_v2_x0_5", budget=b)) for n, b in ((base, None), (lat, 0.7))]
-    runs = {n: {"test_accuracy": 0.8, "nonlinear_fraction": 0.5, "wall_time_s": 1.0} for n in (base, lat)}
-    row = S._table(jobs, runs, {"ms": ms, "rounds": rounds})[1]
+
+def test_latency_rounds_give_medians_of_within_round_ratios_and_their_range(monkeypatch, tmp_path):
+    """Measurement rounds of the same models on the same machine (the first written before rounds were kept):
+    each time is the median over rounds, each speed-up the median of the ratios *within* a round (drifts
+    between processes hit both models of a round alike) with its range; other models or another machine start
+    the rounds again; at most LATENCY_ROUNDS are kept; the report says how many and when."""
+    import statistics
+
+    import reproduce
+
+    F = reproduce_full
+    jobs, runs = _jobs_and_runs()
+    times = iter([(5.0, 3.0), (4.4, 2.0)] + [(4.0, 2.0)] * 20)  # (baseline, linearized) ms at batch 1, per round
+    monkeypatch.setattr(F, "_data_source", lambda run, data: str(tmp_path))
+    monkeypatch.setattr(reproduce, "_cifar_inputs", lambda *a: (torch.zeros(2, 3, 4, 4),))
+    monkeypatch.setattr(reproduce, "_model", lambda run: torch.nn.Identity())
+    monkeypatch.setattr("linearize.fold", lambda model, x, latency: model)
+    monkeypatch.setattr(reproduce, "machine_name", lambda: "here")
+    monkeypatch.setattr(reproduce, "interleaved_latency", lambda built, inputs, reps: _round(0, *next(times))["ms"])
+
+    legacy = {"models": {n: n for n in runs}, "reps": 3, "machine": "here", **_round(0, 4.0, 2.0)}  # no rounds
+    lat = F._latency(tmp_path, list(runs), runs, None, legacy, 3, True, [])
+    lat = F._latency(tmp_path, list(runs), runs, None, lat, 3, True, [])
+    assert len(lat["rounds"]) == 3 and lat["rounds"][0]["measured"] == "2026-11-27 22:40"
+    for k in lat["ms"]:
+        assert lat["ms"][k]["b1"] == statistics.median(r["ms"][k]["b1"] for r in lat["rounds"])
+    row = S._table(jobs, runs, lat)[1]
     # ratios 2.0, 1.667, 2.2: median 2.0; the ratio of the medians (4.4 / 2.0 = 2.2) would be another number
     assert row["speedup"]["b1"] == pytest.approx(2.0) and row["speedup_range"]["b1"] == pytest.approx([5 / 3, 2.2])
     assert row["latency_ms"]["b1"] == 2.0 and row["latency_ms_range"]["b1"] == [2.0, 3.0]
     assert S._speedup(row, "b1") == "2.00x (1.67-2.20)" and S._speedup(row, "b64") == "1.00x"
-    said = reproduce_full.measured({"rounds": rounds})
-    assert "medians of 3 measurements" in said and "22:40 to 2026-11-27 22:42" in said and "0.5-0.7" in said
-    assert reproduce_full.measured(legacy) == "2026-11-27 22:40, load average 0.5 when measured"
+    assert F.measured(lat).startswith("medians of 3 measurements (each in a fresh process")
+    assert F._latency(tmp_path, list(runs), runs, None, lat, 3, False, []) is lat  # not asked: reused
+    for _ in range(F.LATENCY_ROUNDS + 2):
+        lat = F._latency(tmp_path, list(runs), runs, None, lat, 3, True, [])
+    assert len(lat["rounds"]) == F.LATENCY_ROUNDS
+    # another machine, other models: their rounds are not mixed with the new one
+    assert len(F._latency(tmp_path, list(runs), runs, None, {**lat, "machine": "there"}, 3, True, [])["rounds"]) == 1
+    other = {**runs, LAT: {**runs[LAT], "model_digest": "retrained"}}
+    assert len(F._latency(tmp_path, list(runs), other, None, lat, 3, True, [])["rounds"]) == 1
+
+
+def test_latency_without_data_keeps_only_unchanged_models_in_every_round(monkeypatch, tmp_path):
+    """No data to time with after a run was retrained: its old times leave ``ms`` *and* every round, so the
+    table shows no speed-up for it (not the old model's) and the claims still read (found by a break-it review)."""
+    F = reproduce_full
+    jobs, runs = _jobs_and_runs()
+    monkeypatch.setattr(F, "_data_source", lambda run, data: None)
+    previous = {"models": {n: n for n in runs}, "reps": 3, "machine": "here", "ms": _round(0, 4.0, 2.0)["ms"],
+                "rounds": [_round(0, 4.0, 2.0), _round(1, 4.0, 3.0)]}
+    retrained = {**runs, LAT: {**runs[LAT], "model_digest": "retrained"}}
+    skipped: list[str] = []
+    lat = F._latency(tmp_path, list(runs), retrained, None, previous, 3, False, skipped)
+    assert skipped == [f"latency of {LAT}"] and all(f"{LAT}/folded" not in r["ms"] for r in lat["rounds"])
+    row = S._table(jobs, retrained, lat)[1]
+    assert row["speedup"] == {"b1": None, "b64": None} and row["latency_ms"]["b1"] is None
+    assert S._claims(S._table(jobs, retrained, lat))[0].endswith("no linearized run measured yet.")
+
+
+def test_latency_report_reads_old_results_and_bad_times():
+    """A result from before load averages were recorded reports its time alone; a zero or NaN time gives no
+    speed-up instead of an error or a NaN range; the noisy-load note looks at every round's load."""
+    F = reproduce_full
+    old = {"measured": "2026-11-24 18:00", "machine": "x86_64 CPU, 2 cores", "ms": {}}
+    assert F.measured(old) == "2026-11-24 18:00" and F.max_load(old) == 0
+    assert F._latency_rounds(old) == [] and F._latency_rounds({**old, "ms": {"a": {}}})[0]["load_average"] is None
+    rounds = [_round(0, 4.0, 2.0, 0.5), _round(1, 4.0, 2.0, 3.0), _round(2, 4.0, 2.0, None)]
+    assert F.max_load({"rounds": rounds}) == 3.0 and "load average 0.5-3.0" in F.measured({"rounds": rounds})
+    jobs, runs = _jobs_and_runs()
+    for bad in (0.0, float("nan")):
+        rounds = [_round(0, 4.0, bad), _round(1, 4.0, 2.0), _round(2, 4.0, 1.0)]
+        row = S._table(jobs, runs, {"ms": rounds[1]["ms"], "rounds": rounds})[1]
+        assert row["speedup"]["b1"] == pytest.approx(3.0) and row["speedup_range"]["b1"] == pytest.approx([2.0, 4.0])
 
 
 def test_sweep_end_to_end(tiny_cifar, tmp_path):
