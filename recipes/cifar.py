@@ -31,6 +31,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import airbench  # noqa: E402
 import common  # noqa: E402
 
 import linearize  # noqa: E402
@@ -41,7 +42,7 @@ MOBILENET_WIDTHS = {"mobilenet_v2": 1.0, "mobilenet_v2_x0_75": 0.75, "mobilenet_
 # CIFAR ResNets: (depth, width of the first stage); the narrower ResNet-20s are the alternative a user
 # would train for a faster model (issue 20)
 CIFAR_RESNETS = {"resnet20": (20, 16), "resnet56": (56, 16), "resnet20_x0_75": (20, 12), "resnet20_x0_5": (20, 8)}
-ARCHS = ("resnet18", "resnet34", "resnet50", *CIFAR_RESNETS, "vgg11_bn", "vgg16_bn", *MOBILENET_WIDTHS)
+ARCHS = ("resnet18", "resnet34", "resnet50", *CIFAR_RESNETS, "vgg11_bn", "vgg16_bn", *MOBILENET_WIDTHS, *airbench.ARCHS)
 VGG_CFG = {
     "vgg11_bn": [64, "M", 128, "M", 256, 256, "M", 512, 512, "M", 512, 512, "M"],
     "vgg16_bn": [64, 64, "M", 128, 128, "M", 256, 256, 256, "M", 512, 512, 512, "M", 512, 512, 512, "M"],
@@ -116,7 +117,8 @@ def build_model(arch: str, num_classes: int) -> nn.Module:
     """A CIFAR model: torchvision ResNet-18/34/50 with the CIFAR stem (3x3 conv, stride 1, no
     max-pool), ResNet-20/56 (He et al., width 16; ResNet-20 also at width 12 and 8: ``resnet20_x0_75``,
     ``resnet20_x0_5``), VGG-11/16 with batch norm (one linear head), or
-    MobileNet-V2 at width 1, 0.75, 0.5 or 0.35 with the CIFAR stem (:func:`cifar_mobilenet_v2`).
+    MobileNet-V2 at width 1, 0.75, 0.5 or 0.35 with the CIFAR stem (:func:`cifar_mobilenet_v2`), or the wide
+    airbench94 network (:func:`airbench.airbench94`, trained with its own recipe).
 
     Example:
         >>> build_model("mobilenet_v2_x0_5", 10)(torch.zeros(1, 3, 32, 32)).shape
@@ -136,6 +138,8 @@ def build_model(arch: str, num_classes: int) -> nn.Module:
         return _vgg(VGG_CFG[arch], num_classes)
     if arch in MOBILENET_WIDTHS:
         return cifar_mobilenet_v2(MOBILENET_WIDTHS[arch], num_classes)
+    if arch == "airbench94":
+        return airbench.airbench94(num_classes)
     raise ValueError(f"unknown --arch {arch!r}; choose from {ARCHS}")
 
 
@@ -528,18 +532,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     d.add_argument("--eval-subset", "--eval_subset", dest="eval_subset", type=int, default=None,
                    help="use only N test images")
     d.add_argument("--image-size", "--image_size", dest="image_size", type=int, default=32)
-    d.add_argument("--arch", choices=ARCHS, default="resnet20")
+    d.add_argument("--arch", choices=ARCHS, default="resnet20",
+                   help="airbench94 trains with its own recipe (recipes/airbench.py) and its own defaults: "
+                        + ", ".join(f"{common.flag(k)} {v:.4g}" for k, v in airbench.DEFAULTS.items()))
     d.add_argument("--init-from", "--init_from", dest="init_from", default=None,
                    help="start from the weights of OUTPUT_DIR/model of an earlier --linearize none run (same "
                         "--arch): linearize an already trained network, the 'late' setting of seed 000")
     t = p.add_argument_group("training")
-    t.add_argument("--epochs", type=int, default=200)
+    t.add_argument("--epochs", type=float, default=200,
+                   help="training epochs; a fraction ends the run inside the last epoch (steps rounded up)")
     t.add_argument("--batch-size", "--batch_size", dest="batch_size", type=int, default=128,
                    help="global batch size (split over the processes)")
     t.add_argument("--eval-batch-size", "--eval_batch_size", dest="eval_batch_size", type=int, default=500)
     t.add_argument("--lr", type=float, default=0.1, help="peak SGD learning rate (cosine decay to 0)")
     t.add_argument("--warmup-epochs", "--warmup_epochs", dest="warmup_epochs", type=float, default=0.0)
     t.add_argument("--weight-decay", "--weight_decay", dest="weight_decay", type=float, default=5e-4)
+    t.add_argument("--tta", type=int, choices=(0, 1, 2), default=0,
+                   help="also report the test accuracy with test-time augmentation: 1 the mean with the mirror "
+                        "image, 2 also with 1-pixel translations (airbench's levels)")
     t.add_argument("--label-smoothing", "--label_smoothing", dest="label_smoothing", type=float, default=0.0)
     t.add_argument("--distill", type=float, default=0.0, metavar="ALPHA",
                    help="with --init-from: learn from the --init-from model too (knowledge distillation from the "
@@ -553,12 +563,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "only with the flag it started with")
     common.add_linearize_args(p)
     common.add_run_args(p)
+    first = argparse.ArgumentParser(add_help=False)
+    first.add_argument("--arch")
+    if first.parse_known_args(argv)[0].arch in airbench.ARCHS:
+        p.set_defaults(**airbench.DEFAULTS)
     args = p.parse_args(argv)
     common.check_run_args(args)
     common.check_linearize_args(args)
     for name in ("subset", "eval_subset", "batch_size", "eval_batch_size", "image_size"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             p.error(f"{common.flag(name)} must be >= 1")
+    if not math.isfinite(args.epochs):
+        p.error(f"--epochs must be a finite number >= 1, got {args.epochs}")
     for name in ("lr", "warmup_epochs", "weight_decay"):
         if not (math.isfinite(getattr(args, name)) and getattr(args, name) >= 0):
             p.error(f"{common.flag(name)} must be a finite number >= 0, got {getattr(args, name)}")
@@ -581,20 +597,27 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 
-def evaluate(model, loader, accelerator, mean, std) -> dict:
-    """Top-1 accuracy and mean loss over the (gathered, de-duplicated) test set; leaves ``model`` in eval mode."""
+def evaluate(model, loader, accelerator, mean, std, tta: int = 0) -> dict:
+    """Top-1 accuracy and mean loss over the (gathered, de-duplicated) test set, and with ``tta`` > 0 also the
+    accuracy with test-time augmentation (:func:`airbench.tta_logits`); leaves ``model`` in eval mode."""
     model.eval()
-    correct = total = 0
+    correct = correct_tta = total = 0
     loss_sum = 0.0
     with torch.no_grad():
         for x, y in tqdm(loader, desc="eval", disable=not accelerator.is_local_main_process, leave=False):
-            logits = model(normalize(x, mean, std))
+            x = normalize(x, mean, std)
+            logits = model(x)
             loss = F.cross_entropy(logits, y, reduction="none")
-            pred, y, loss = accelerator.gather_for_metrics((logits.argmax(1), y, loss))
+            pred_tta = airbench.tta_logits(model, x, tta).argmax(1) if tta else logits.argmax(1)
+            pred, pred_tta, y, loss = accelerator.gather_for_metrics((logits.argmax(1), pred_tta, y, loss))
             correct += int((pred == y).sum())
+            correct_tta += int((pred_tta == y).sum())
             total += len(y)
             loss_sum += float(loss.sum())
-    return {"test_accuracy": correct / total, "test_loss": loss_sum / total, "test_images": total}
+    out = {"test_accuracy": correct / total, "test_loss": loss_sum / total, "test_images": total}
+    if tta:
+        out.update(test_accuracy_tta=correct_tta / total, tta_level=tta)
+    return out
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -632,6 +655,8 @@ def main(argv: list[str] | None = None) -> dict:
             teacher.load_state_dict(weights)
             teacher.eval().requires_grad_(False)
             args.teacher_sha256 = common.state_sha256(weights)  # recorded: a resume with another teacher is refused
+    elif args.arch in airbench.ARCHS:  # the whitening filters from (normalized) training patches
+        airbench.init_whitening(model.whiten, normalize(train["x"][:5000], mean, std))
     example = torch.zeros(2, 3, args.image_size, args.image_size)
     model = common.convert_model(model, args, example_inputs=example)
     if args.channels_last:  # convolutions then give channels_last maps, the units keep them (linearize.unit._prelu)
@@ -651,14 +676,21 @@ def main(argv: list[str] | None = None) -> dict:
     total_steps = common.run_length(args, steps_per_epoch)
     warmup = int(args.warmup_epochs * steps_per_epoch)
 
-    optimizer = torch.optim.SGD(common.param_groups(model, args.weight_decay), lr=args.lr, momentum=0.9, nesterov=True)
+    if args.arch in airbench.ARCHS:
+        optimizer, scheduler = airbench.optimizer_and_schedule(model, args.lr, args.weight_decay, total_steps,
+                                                               steps_per_epoch)
+        lookahead = airbench.Lookahead(model, optimizer, total_steps)
+        optimizer.register_step_post_hook(lambda *_: lookahead.step(scheduler.last_epoch + 1))
+    else:
+        optimizer = torch.optim.SGD(common.param_groups(model, args.weight_decay), lr=args.lr, momentum=0.9,
+                                    nesterov=True)
 
-    def lr_factor(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / warmup
-        return 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, total_steps - warmup)))
+        def lr_factor(step: int) -> float:
+            if step < warmup:
+                return (step + 1) / warmup
+            return 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, total_steps - warmup)))
 
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
     # a cost target folds copies of the model to price its sites: on one test image, the batch-1 latency
     sparsifier = common.make_sparsifier(model, args, total_steps, optimizer,
                                         example_inputs=normalize(test["x"][:1], mean, std))
@@ -674,7 +706,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     def loss_fn(batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         x, y = batch
-        x = normalize(augment(x), mean, std)
+        x = normalize(airbench.augment(x, 2) if args.arch in airbench.ARCHS else augment(x), mean, std)
         logits = model(x)
         loss = F.cross_entropy(logits, y, label_smoothing=args.label_smoothing)
         if teacher is None:
@@ -691,7 +723,7 @@ def main(argv: list[str] | None = None) -> dict:
     raw = accelerator.unwrap_model(model)
     if args.freeze:
         common.freeze_units(raw, args)  # on every process: the copies stay identical
-    metrics.update(evaluate(model, test_loader, accelerator, mean, std))
+    metrics.update(evaluate(model, test_loader, accelerator, mean, std, args.tta))
     metrics.update(common.unit_stats(raw, args.tol))
     if accelerator.is_main_process:
         history = out_dir / "sparsifier_history.json"

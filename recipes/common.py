@@ -473,10 +473,11 @@ def run_length(args: argparse.Namespace, steps_per_epoch: int) -> int:
 
     ``--max-steps`` when given (as Hugging Face's ``max_steps`` and Accelerate's ``--max_train_steps``:
     it overrides ``--epochs``, and the run goes on into further epochs if it needs them), else
-    ``--epochs`` full epochs. Example: 8 steps per epoch, ``--epochs 10 --max-steps 20``: 20.
+    ``--epochs`` epochs (a fraction rounded up to whole steps). Example: 8 steps per epoch, ``--epochs 10
+    --max-steps 20``: 20; ``--epochs 9.9``: 80.
     (:func:`check_run_args` has checked both flags; the recipes refuse data giving no step per epoch.)
     """
-    return args.max_steps if args.max_steps else steps_per_epoch * args.epochs
+    return args.max_steps if args.max_steps else math.ceil(steps_per_epoch * args.epochs)
 
 
 def start(run: Run, total_steps: int) -> tuple[int, int]:
