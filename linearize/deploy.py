@@ -8,14 +8,22 @@ state dict alone rebuilds it. A folded save holds:
   and a *probe*: one input row (``example_inputs``, else a guessed one) and the outputs a float32 CPU
   copy of the saved model gave on it. ``load_folded`` runs the rebuilt model on it and refuses a model that computes something
   else: a base rebuilt with other arguments than the model folded had (timm's ``global_pool`` or
-  ``img_size``, which no save records) loads without a complaint otherwise;
+  ``img_size``, which no save records) loads without a complaint otherwise. ``save_folded`` refuses a
+  model it cannot make a probe for (inputs it cannot guess: pass ``example_inputs``) unless told
+  ``probe=False``;
 - ``folded.json``: how to rebuild the structure: the *base* (a Hugging Face class and its config, a
   torchvision or timm builder and its keyword arguments, or ``"plain"``: the caller passes it), then
-  every module in order (qualified name, class, constructor arguments). Modules of an allow-list
+  every module in order (qualified name, class, constructor arguments). A torchvision model needs
+  its ``builder=`` (``save_folded`` refuses it without). Modules of an allow-list
   (``torch.nn`` layers, linearize's fold modules, transformers activations) are built from their
   arguments; any other class is taken from the base at the same name (or, for a module fold moved,
   at its path in the model folded), and must have the same class there. Anything else is refused with a :class:`LoadError` naming the class: loading runs no code
   from the files.
+
+Saves into one folder (several processes, threads) take turns on its save lock
+(:func:`linearize._files.save_lock`): the folder always holds one complete save, the last one.
+Loads take no lock: ``folded.json`` is replaced by one rename, and a reader re-reads it when a save
+removed the weights it named meanwhile.
 
 Example::
 
@@ -41,7 +49,7 @@ import safetensors.torch
 import torch
 from torch import nn
 
-from ._files import LoadError, atomic_write
+from ._files import LoadError, atomic_write, remove_stale, save_lock
 from ._optional import require
 from .activations import FUNCTIONAL_SPECS, FUNCTIONS_BY_NAME
 from .folding.layers import ORIGIN
@@ -317,13 +325,18 @@ def _with_attributes(cls: type, attributes: Any) -> nn.Module:
 # ----------------------------------------------------------------------------- base models
 
 
-def _base_of(model: nn.Module, builder: str | None, builder_kwargs: dict | None) -> dict[str, Any]:
+def _base_of(model: nn.Module, builder: str | None, builder_kwargs: dict | None, needs_base: bool) -> dict[str, Any]:
+    """How :func:`load_folded` builds the base of ``model`` (``needs_base``: some module is not built from its
+    description). Raises ``ValueError`` for a torchvision model without ``builder``, which it could not build."""
     from .hf import CONFIG_KEY, GUARD_KEY, is_guard, is_hf_model
 
+    plain = {"kind": "plain", "class": f"{type(model).__module__}.{type(model).__qualname__}"}
+    if builder == "plain":  # the caller passes the base to load_folded (a model built by its own code)
+        return plain
     if builder is not None:
         family, _, name = builder.partition(":")
         if family not in ("torchvision", "timm") or not name:
-            raise ValueError(f"builder must be 'torchvision:NAME' or 'timm:NAME', got {builder!r}")
+            raise ValueError(f"builder must be 'torchvision:NAME', 'timm:NAME' or 'plain', got {builder!r}")
         return {"kind": family, "name": name, "kwargs": _jsonable_dict(builder_kwargs or {})}
     if is_hf_model(model):
         config = {k: v for k, v in model.config.to_dict().items()
@@ -333,7 +346,13 @@ def _base_of(model: nn.Module, builder: str | None, builder_kwargs: dict | None)
     if arch and type(model).__module__.startswith("timm."):
         kwargs = {"num_classes": getattr(model, "num_classes", None)}
         return {"kind": "timm", "name": arch, "kwargs": {k: v for k, v in kwargs.items() if v is not None}}
-    return {"kind": "plain", "class": f"{type(model).__module__}.{type(model).__qualname__}"}
+    if needs_base and type(model).__module__.startswith("torchvision."):
+        raise ValueError(f"save_folded: {type(model).__module__}.{type(model).__qualname__} is a torchvision model, "
+                         "which load_folded cannot rebuild without knowing how it was built: pass "
+                         "builder='torchvision:NAME' (the name given to torchvision.models.get_model, e.g. "
+                         "'resnet18') and builder_kwargs (e.g. {'num_classes': 10}), or builder='plain' when your own "
+                         "code builds it (then load_folded(directory, base=<that model>))")
+    return plain
 
 
 def _jsonable_dict(d: dict) -> dict:
@@ -477,19 +496,26 @@ def _check_probe(model: nn.Module, probe: dict[str, torch.Tensor], path: Path) -
 
 
 def save_folded(model: nn.Module, directory: str | os.PathLike, *, builder: str | None = None,
-                builder_kwargs: dict[str, Any] | None = None, example_inputs: Any = None) -> Path:
+                builder_kwargs: dict[str, Any] | None = None, example_inputs: Any = None,
+                probe: bool = True) -> Path:
     """Write a folded ``model`` to ``directory`` as ``folded.json`` + its weights (no pickle).
 
     ``example_inputs`` (as for ``linearize.fold``; else guessed): its first row (else all of it) and the
     outputs of a float32 CPU copy of the model on it are saved as the probe :func:`load_folded` checks
-    the rebuilt model against.
+    the rebuilt model against. A model for which no probe can be made (no input to guess, e.g. one with
+    two inputs; inputs that are not all tensors; a model ``copy.deepcopy`` refuses) raises ``ValueError``
+    naming the fix; ``probe=False`` saves it without one (then nothing checks the rebuilt model).
 
     The weights go to a file named by their checksum (:func:`folded_weights_name`), ``folded.json``
     last: a save interrupted at any point (an ``OSError``, a kill) leaves the previous save loadable.
+    Concurrent saves into one folder take turns on its save lock (``directory/.linearize.lock``, at most
+    600 s: then ``TimeoutError``): it always holds one complete save, the last one.
 
     ``builder`` (``"torchvision:resnet18"``, ``"timm:resnet18"``) and ``builder_kwargs`` name how to
-    build the base of a torchvision model (HF and timm models are recognised by themselves); models
-    made only of ``torch.nn`` layers need none; for your own classes pass ``base=`` to :func:`load_folded`.
+    build the base of a torchvision model (required: ``ValueError`` without; HF and timm models are
+    recognised by themselves); models made only of ``torch.nn`` layers need none; for your own classes,
+    and for ``builder="plain"`` (a torchvision class your own code changed), pass ``base=`` to
+    :func:`load_folded`.
     Raises ``ValueError`` for a module whose class is neither allow-listed nor rebuildable from the base.
 
     Example::
@@ -516,32 +542,35 @@ def save_folded(model: nn.Module, directory: str | os.PathLike, *, builder: str 
     if clash is not None:
         raise ValueError(f"save_folded: the state key {clash!r} uses the prefix {_PROBE!r} of the saved probe; "
                          "rename that module")
-    probe, no_probe = _probe(model, example_inputs)
-    data = safetensors.torch.save(tensors | probe, {"format": "pt"})
+    base = _base_of(model, builder, builder_kwargs, needs_base=any("args" not in m for m in modules))
+    if not probe:
+        if example_inputs is not None:
+            raise ValueError("save_folded: example_inputs make the probe, which probe=False leaves out: pass one of "
+                             "them, not both")
+        probe_tensors, no_probe = {}, "probe=False"
+    else:
+        probe_tensors, no_probe = _probe(model, example_inputs)
+        if not probe_tensors:
+            fix = ("pass probe=False to save it without that check" if example_inputs is not None else
+                   "pass example_inputs=<the inputs it takes> (as for linearize.fold: a tensor, a tuple of them "
+                   "for several inputs, or a dict of keyword inputs), or probe=False to save it without that check")
+            raise ValueError(f"save_folded: no probe for load_folded to check the rebuilt {type(model).__name__} "
+                             f"with ({no_probe}): a base built otherwise would load unchecked; {fix}")
+    data = safetensors.torch.save(tensors | probe_tensors, {"format": "pt"})
     digest = hashlib.sha256(data).hexdigest()
     name = folded_weights_name(digest)
-    meta = {"format": FORMAT_VERSION, "base": _base_of(model, builder, builder_kwargs), "modules": modules,
+    meta = {"format": FORMAT_VERSION, "base": base, "modules": modules,
             "weights": {"file": name, "bytes": len(data), "sha256": digest},
-            "probe": {"saved": bool(probe), "why_not": no_probe}}
+            "probe": {"saved": bool(probe_tensors), "why_not": no_probe}}
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    replaced = _named_weights(directory)
-    atomic_write(directory / name, data)
-    atomic_write(directory / FOLDED_CONFIG, json.dumps(meta, indent=1))
-    # the weights the replaced folded.json named; only those: another save may be writing its own file now
-    if replaced not in (None, name) and _named_weights(directory) == name:
-        (directory / replaced).unlink(missing_ok=True)
+    with save_lock(directory) as outermost:
+        atomic_write(directory / name, data)
+        atomic_write(directory / FOLDED_CONFIG, json.dumps(meta, indent=1))
+        if outermost:
+            remove_stale(directory, {name, FOLDED_CONFIG},
+                         lambda n: n == FOLDED_CONFIG or _WEIGHTS_FILE.fullmatch(n) is not None)
     return directory
-
-
-def _named_weights(directory: Path) -> str | None:
-    """The weights file the ``folded.json`` in ``directory`` names, or None (none, or unreadable)."""
-    try:
-        w = json.loads((directory / FOLDED_CONFIG).read_text(encoding="utf-8")).get("weights")
-        name = w.get("file") if isinstance(w, dict) else None
-    except (OSError, ValueError, AttributeError):
-        return None
-    return name if isinstance(name, str) and _WEIGHTS_FILE.fullmatch(name) else None
 
 
 def folded_weights_name(sha256: str) -> str:
@@ -606,13 +635,13 @@ def _rebuild(meta: dict[str, Any], base: nn.Module | None, path: Path) -> nn.Mod
             built[parent].__dict__.pop(attr, None)  # a plain attribute there (self.act = F.relu) becomes the module
             built[parent].add_module(attr, module)
         built[name] = module
-    from .injection import CallSites, _reset_call_sites
+    from .dispatch import attach_owner
+    from .injection import CallSites
 
     for name, module in built.items():
         owner = built.get(name.rpartition(".")[0])
-        if isinstance(module, CallSites) and not getattr(owner, "_linearize_reset_hook", False):
-            owner.register_forward_pre_hook(_reset_call_sites)  # resets the call counter, as convert does
-            owner._linearize_reset_hook = True
+        if isinstance(module, CallSites):
+            attach_owner(owner)  # counts its calls per forward, as convert does
         if isinstance(module, FunctionalSites):
             if name.rpartition(".")[2] != FUNCTIONAL_ATTR:
                 raise LoadError(f"{path}: functional sites at {name!r}, not at <owner>.{FUNCTIONAL_ATTR}")
@@ -626,7 +655,7 @@ def _rebuild(meta: dict[str, Any], base: nn.Module | None, path: Path) -> nn.Mod
     return built[""]
 
 
-def _read_folded(directory: Path, tries: int = 3) -> tuple[dict, bytes, Path]:
+def _read_folded(directory: Path, tries: int = 10) -> tuple[dict, bytes, Path]:
     """``folded.json``, checked, and the weights bytes it names (re-read when a concurrent save replaced the pair)."""
     path = directory / FOLDED_CONFIG
     if not path.is_file():

@@ -9,7 +9,9 @@ No separate sidecar is needed:
     model = linearize.from_pretrained(AutoModel, dir)            # loaded without a warning table
 
 restores the model bit-identically, with the checks of :mod:`linearize.serialization` (manifest
-structure, unit tensors finite in ``[0, 1]``, frozen channels at their value).
+structure, unit tensors finite in ``[0, 1]``, frozen channels at their value). Given a model
+instance instead of a class, ``linearize.from_pretrained(model, dir)`` loads the folder's weights into
+it as well (:func:`load_weights`), not only its units.
 
 A plain ``AutoModel.from_pretrained(dir)`` (or ``BertModel.from_pretrained(dir)``, any class) would
 build the original activations and drop the units: another function. It fails instead: the
@@ -39,7 +41,7 @@ from torch import nn
 from ._files import LoadError, safe_torch_load
 
 __all__ = ["CONFIG_KEY", "GUARD_KEY", "is_guard", "lift_guard", "is_hf_model", "mark", "unmark", "refuse_stripped", "has_manifest",
-           "read_unit_tensors", "load_plain"]
+           "has_weights", "read_unit_tensors", "load_plain", "load_weights"]
 
 CONFIG_KEY = "linearize"
 GUARD_KEY = "quantization_config"  # transformers refuses to load a config whose entry has no quant_method
@@ -188,6 +190,14 @@ def has_manifest(directory: str | os.PathLike) -> bool:
     return isinstance(config, dict) and CONFIG_KEY in config  # a JSON string or list is no HF config
 
 
+def has_weights(directory: str | os.PathLike) -> bool:
+    """True when ``directory`` holds the weights of a Hugging Face save beside its ``config.json``
+    (``model.safetensors``, ``pytorch_model.bin``, or the index of their shards)."""
+    directory = Path(directory)
+    return (directory / HF_CONFIG).is_file() and any((directory / n).is_file()
+                                                     for n in (_SAFE, _SAFE_INDEX, _BIN, _BIN_INDEX))
+
+
 def _weight_files(directory: Path) -> dict[str, Path]:
     """Which file of an HF save holds each tensor name (``{}``: unsharded, see ``_single_file``)."""
     for index in (_SAFE_INDEX, _BIN_INDEX):
@@ -282,8 +292,8 @@ def load_plain(cls: type, directory: Path, keys: list[str], kwargs: dict[str, An
             if config is None or isinstance(config, (str, os.PathLike)):
                 config = AutoConfig.from_pretrained(str(config or view))
             cls = _get_model_class(config, cls._model_mapping)
-        pattern = r"(^|\.)(" + "|".join(re.escape(k) for k in keys) + r")$"
-        ignore = set(cls._keys_to_ignore_on_load_unexpected or []) | {pattern}
+        pattern = r"(^|\.)(" + "|".join(re.escape(k) for k in keys) + r")$"  # no keys: matches every key
+        ignore = set(cls._keys_to_ignore_on_load_unexpected or []) | ({pattern} if keys else set())
         sub = type(cls.__name__, (cls,), {"_keys_to_ignore_on_load_unexpected": ignore,
                                           "__module__": cls.__module__, "__qualname__": cls.__qualname__})
         model = sub.from_pretrained(str(view), **kwargs)
@@ -294,3 +304,23 @@ def load_plain(cls: type, directory: Path, keys: list[str], kwargs: dict[str, An
     if isinstance(own, set):
         own.discard(pattern)
     return model
+
+
+def load_weights(model: nn.Module, directory: Path, keys: list[str]) -> None:
+    """Load the weights of the Hugging Face save in ``directory`` into ``model``, an unconverted instance of
+    that architecture, in place (its config and dtype stay; the unit tensors ``keys`` are left for the caller).
+
+    transformers reads them into a second model (:func:`load_plain` of ``type(model)``: shards, renamed and
+    tied keys as in any ``from_pretrained``), whose state is copied into ``model``: a second copy of the model
+    in memory while it runs. Raises ``ValueError`` when ``model`` is another architecture (names or shapes).
+    """
+    saved = load_plain(type(model), directory, keys, {}).state_dict()
+    own = model.state_dict()
+    missing, extra = sorted(set(own) - set(saved)), sorted(set(saved) - set(own))
+    shapes = sorted(k for k in set(own) & set(saved) if own[k].shape != saved[k].shape)
+    if missing or extra or shapes:
+        name = type(model).__name__
+        raise ValueError(f"the {name} given does not fit the weights saved in {directory} (missing {missing[:5]}, "
+                         f"unexpected {extra[:5]}, other shapes {shapes[:5]}): build it from {directory / HF_CONFIG}, "
+                         f"or pass its class, linearize.from_pretrained({name}, {str(directory)!r})")
+    model.load_state_dict(saved)

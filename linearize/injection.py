@@ -36,7 +36,15 @@ from .activations import (
 from .checks import as_patterns, check_channel_dim
 from .config import LinearizeConfig
 from .example_inputs import guess_example_inputs, guessed_input_error
-from .functional_sites import ATTR, FunctionalSiteError
+from .dispatch import (
+    FunctionalSiteError,
+    attach_owner,
+    called_from_hook,
+    caller_scope,
+    compiled_submodules,
+    refuse_scripting,
+)
+from .functional_sites import ATTR
 from .inputs import call_model, eval_mode
 from .unit import LinearizableActivation
 
@@ -60,47 +68,52 @@ _SAME_VALUES: set[Callable] = {
     torch.clone, torch.Tensor.__getitem__, torch.Tensor.float, torch.Tensor.half, torch.Tensor.bfloat16,
     F.dropout,
 }
+# what the probe records of a call (a user's hook calling one of these is not the model's own code)
+_WATCHED = {*FUNCTIONAL_SPECS, *_PRODUCTS, *OTHER_FUNCTIONS}
 _CHANNEL_FIRST = (nn.modules.conv._ConvNd, nn.modules.batchnorm._NormBase, nn.GroupNorm)
 
 
 class CallSites(nn.Module):
     """One unit per call of a reused activation module.
 
-    The ``k``-th call of this module within one forward of its owner runs ``calls[k]``; a
-    forward pre-hook on the owner resets the counter, so every owner forward (also under
-    gradient checkpointing re-runs) dispatches the same way.
+    The ``k``-th call of this module within one forward of its owner runs ``calls[k]``. The position is
+    counted per forward and per thread (:mod:`~linearize.dispatch`), so threads, nested forwards,
+    exceptions and re-runs of the owner (gradient checkpointing of a module) all dispatch the same way.
     """
 
     def __init__(self, calls: list[LinearizableActivation], where: str = "") -> None:
         super().__init__()
         self.calls = nn.ModuleList(calls)
-        self.position = 0
         self.where = where  # "<owner class>.<attribute>", for errors
 
-    def reset(self) -> None:
-        """Start a new owner forward: the next call is call 0."""
-        self.position = 0
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.position >= len(self.calls):
+    @torch.compiler.disable  # the position is per-forward state, not a graph input
+    def _position(self) -> int:
+        where = self.where or "of this site"
+        scope = caller_scope(lambda: f"a call of the activation module {where}", skip=1)
+        if scope is None:
             raise FunctionalSiteError(
-                f"linearize: the activation module {self.where or 'of this site'} was called more than "
+                f"linearize: the activation module {where} holds one unit per call of its owner's forward, "
+                "matched by call order, and was called from elsewhere (a hook, another module, or a recomputation "
+                "outside the owner's forward). Fix: call it only from its owner's forward, or give the other "
+                "caller its own activation module.")
+        k = scope.next_position(self)
+        if k >= len(self.calls):
+            raise FunctionalSiteError(
+                f"linearize: the activation module {where} was called more than "
                 f"{len(self.calls)} times in one forward of its owner; the probe forward of linearize.convert "
                 f"saw {len(self.calls)} calls and made one unit per call (matched by order, which fails when the "
                 "number of calls depends on the input). Fix: convert with example_inputs= that take the path "
                 "with the most calls, or exclude_modules= naming this owner to keep its activation as it is.")
-        unit = self.calls[self.position]
-        self.position += 1
-        return unit(x)
+        return k
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.calls[self._position()](x)
+
+    def __prepare_scriptable__(self) -> nn.Module:
+        refuse_scripting(self)
 
     def extra_repr(self) -> str:
         return f"calls={len(self.calls)}"
-
-
-def _reset_call_sites(owner: nn.Module, args: Any) -> None:
-    for child in owner.children():
-        if isinstance(child, CallSites):
-            child.reset()
 
 
 def settle_placed_modules(model: nn.Module) -> None:
@@ -149,15 +162,13 @@ def _shadowed_on_copy(m: nn.Module) -> list[str]:
 
 def install_call_sites(owner: nn.Module, attr: str, modules: list[nn.Module]) -> None:
     """Put one module per call at ``owner.attr``: the module itself, or a :class:`CallSites`
-    dispatcher (reset by a forward pre-hook on ``owner``) when the site is called several times
-    (then :func:`settle_placed_modules` on the model)."""
+    dispatcher (counted per forward of ``owner``: :func:`~linearize.dispatch.attach_owner`) when the site is
+    called several times (then :func:`settle_placed_modules` on the model)."""
     if len(modules) == 1:
         setattr(owner, attr, modules[0])
         return
     setattr(owner, attr, CallSites(modules, f"{type(owner).__name__}.{attr}"))
-    if not getattr(owner, "_linearize_reset_hook", False):
-        owner.register_forward_pre_hook(_reset_call_sites)
-        owner._linearize_reset_hook = True
+    attach_owner(owner)
 
 
 @dataclass
@@ -275,7 +286,7 @@ class _FunctionalRecorder(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        if not self.probe.inside_activation():
+        if not self.probe.inside_activation() and not (func in _WATCHED and called_from_hook()):
             if func in FUNCTIONAL_SPECS:
                 self.probe.record_functional(func, args, kwargs or {}, out)
             elif func in _SAME_VALUES and args:
@@ -544,12 +555,23 @@ def _plan_functional(
             elif gate is not None and config.gates == "exclude":
                 report.gates[name] = f"{gate}; functional call"
             else:
-                site = SiteInfo(name, call.kind, call.shape[call.channel_dim], call.channel_dim, list(call.shape))
+                site = SiteInfo(name, call.kind, _width_of_call(name, call), call.channel_dim, list(call.shape))
                 report.sites.append(site)
                 plan.units[k] = site
         if plan.units:
             plans.append(plan)
     return plans, left
+
+
+def _width_of_call(name: str, call: ActivationCall) -> int:
+    """The channels of the call a unit ``name`` is made for; ``ValueError`` for a zero-width one."""
+    width = call.shape[call.channel_dim]
+    if width == 0:
+        raise ValueError(f"linearize.convert: activation {name!r} runs on zero channels (input shape "
+                         f"{list(call.shape)}, channel dim {call.channel_dim}): there is nothing to linearize. Fix: "
+                         f"exclude it, linearize.convert(..., exclude_modules=[{name.split('.calls.')[0]!r}]), "
+                         "or remove the empty layer")
+    return width
 
 
 def call_channels(call: ActivationCall) -> tuple[int, int] | None:
@@ -594,7 +616,10 @@ def plan_conversion(
         if isinstance(m, _UNSUPPORTED) and probe.invocations[id(m)] and (targets is None or _matches(name, targets))
         and not _matches(name, excludes)
     } | {where: f"functional call, {n} per forward" for where, n in probe.unsupported.items()
-         if not _matches(where.split(":")[0], excludes)}
+         if not _matches(where.split(":")[0], excludes)} | {
+        name or "<root>": "TorchScript module: its code runs compiled, so the activations inside it can be neither "
+        "seen nor converted (fix: convert the Python module, then script the result)"
+        for name in compiled_submodules(model) if not _matches(name, excludes)}
     exclude_gates = config.gates == "exclude"
     owned = [call for _, call in probe.functional if functional and call.owner is not None]
     owner_plans, left = _plan_functional(model, owned, config, report, probe.invocations, targets, excludes)
@@ -627,7 +652,7 @@ def plan_conversion(
                 continue
             call.gate = None  # converted: convert() builds a unit for every call without a gate
             report.sites.append(
-                SiteInfo(unit_name, activation_kind(act) or "", call.shape[call.channel_dim],
+                SiteInfo(unit_name, activation_kind(act) or "", _width_of_call(unit_name, call),
                          call.channel_dim, list(call.shape))
             )
         if any(call.gate is None for call in calls):

@@ -483,3 +483,35 @@ def record_preactivations(
     if missing:
         raise ValueError(f"sites {missing} were never called on the data")
     return {n: (lo.cpu(), hi.cpu()) for n, (lo, hi) in stats.items()}
+
+
+MAX_IMAGE_PIXELS = 50_000_000  # what an image file may decode to (PIL warns above 89M pixels, refuses above 179M)
+
+
+def image_size(data: bytes, where: str, max_pixels: int = MAX_IMAGE_PIXELS) -> tuple[int, int]:
+    """``(width, height)`` of an encoded image (PNG, JPEG, ...) read from its header, before any decoding;
+    ``ValueError`` naming ``where`` when it is no image, or when it would decode to more than ``max_pixels``
+    pixels (a few bytes of PNG can claim 12000 x 12000: a decompression bomb).
+
+    Example:
+        >>> import io; from PIL import Image
+        >>> buf = io.BytesIO(); Image.new("RGB", (40, 30)).save(buf, "PNG")
+        >>> image_size(buf.getvalue(), "a.png")
+        (40, 30)
+    """
+    import io
+    import warnings
+
+    from PIL import Image
+
+    try:
+        with warnings.catch_warnings():  # PIL's own warning about large images: the refusal below says more
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            with Image.open(io.BytesIO(data)) as img:
+                width, height = img.size
+    except Exception as e:  # PIL's UnidentifiedImageError, DecompressionBombError, a truncated header
+        raise ValueError(f"{where} is not an image that can be read ({type(e).__name__}: {e})") from None
+    if width * height > max_pixels:
+        raise ValueError(f"{where} is a {width} x {height} image ({width * height:,} pixels, more than {max_pixels:,}): "
+                         "refusing to decode it (a decompression bomb, or not the data meant); resize it first")
+    return width, height

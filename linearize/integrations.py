@@ -3,8 +3,10 @@
 Convert **before** building the Trainer: the Trainer builds its optimizer from the model's
 parameters, so the unit slopes must exist by then::
 
-    model = linearize.convert(AutoModelForSequenceClassification.from_pretrained(path))
-    callback = LinearizeCallback(schedule=linearize.schedules.target(0.10, end=0.8))  # teacher=original: distil
+    model = AutoModelForSequenceClassification.from_pretrained(path)
+    original = copy.deepcopy(model)  # an optional teacher: a copy made before convert (which works in place)
+    model = linearize.convert(model)
+    callback = LinearizeCallback(schedule=linearize.schedules.target(0.10, end=0.8), teacher=original)
     trainer = LinearizeTrainer(model=model, args=args, train_dataset=ds, callbacks=[callback])
     trainer.train()          # or trainer.train(resume_from_checkpoint=True)
 
@@ -19,9 +21,14 @@ without its values (``trainer.state.log_history`` gets them either way).
 
 from __future__ import annotations
 
+import math
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
 
 import torch
+from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from ._optional import require
@@ -45,10 +52,17 @@ class LinearizeCallback(TrainerCallback, ExportableState):
         schedule: a :mod:`linearize.schedules` schedule; a Sparsifier is then built at every
             ``on_train_begin`` with ``total_steps = state.max_steps`` (one per ``train()``: a model
             from ``model_init``, each trial of a hyperparameter search).
-        teacher: the original model (e.g. before ``linearize.convert``): with
-            :class:`LinearizeTrainerMixin`, ``compute_loss`` becomes :func:`linearize.distill_loss`
-            of the student's outputs to the teacher's (no labels needed).
+        teacher: the original model, a copy made before ``linearize.convert`` (which converts in
+            place), e.g. ``copy.deepcopy(model)``: with :class:`LinearizeTrainerMixin` the loss becomes
+            the model's own loss on the batch's labels plus ``distill_weight`` times
+            :func:`linearize.distill_loss` of the student's outputs to the teacher's; a batch without
+            labels gets the distillation term alone (no labels needed). The teacher runs in eval mode
+            under ``torch.no_grad`` and is never modified (its parameters may be shared with the
+            student, e.g. tied embeddings); the student itself, or a model holding its units, is refused.
         distill: what to match: ``"hidden"`` (last hidden states), ``"logits"`` or ``"pooled"``.
+        distill_weight: the weight of the distillation term (default 1.0; ``"hidden"`` is a relative
+            squared error, 0 at the start, so the task's loss leads and the term keeps the student
+            near the original).
         **sparsifier_kwargs: further :class:`~linearize.Sparsifier` arguments (``rate``, ``lam``,
             ``mode``, ``weights``...).
 
@@ -59,11 +73,17 @@ class LinearizeCallback(TrainerCallback, ExportableState):
     """
 
     def __init__(
-        self, sparsifier: Sparsifier | None = None, schedule=None, teacher=None, distill: str = "hidden",
-        **sparsifier_kwargs,
+        self, sparsifier: Sparsifier | None = None, schedule=None, teacher: nn.Module | None = None,
+        distill: str = "hidden", distill_weight: float = 1.0, **sparsifier_kwargs,
     ) -> None:
         if distill not in KINDS:
             raise ValueError(f"distill must be one of {KINDS}, got {distill!r}")
+        if isinstance(distill_weight, bool) or not isinstance(distill_weight, (int, float)) \
+                or not (distill_weight > 0 and math.isfinite(distill_weight)):
+            raise ValueError(f"distill_weight must be a finite number above 0 (the weight of the distillation "
+                             f"term; leave teacher=None to train without it), got {distill_weight!r}")
+        if teacher is not None and not isinstance(teacher, nn.Module):
+            raise TypeError(f"teacher must be the original model (an nn.Module), got {type(teacher).__name__}")
         if sparsifier is None and schedule is None:
             raise TypeError(
                 "LinearizeCallback needs a Sparsifier or a schedule (e.g. "
@@ -81,9 +101,38 @@ class LinearizeCallback(TrainerCallback, ExportableState):
         self.sparsifier = sparsifier
         self.schedule = schedule
         self.sparsifier_kwargs = sparsifier_kwargs
-        self.teacher = teacher.eval().requires_grad_(False) if teacher is not None else None
+        self.teacher = teacher  # never modified: it may share modules with the student (tied embeddings)
         self.distill = distill
+        self.distill_weight = float(distill_weight)
         self._hook = None
+        self._in_mixin = False  # set by LinearizeTrainerMixin, whose compute_loss reads the teacher
+        self._checked_student: int | None = None  # id of the model check_teacher last accepted
+        self._warned_head = False
+
+    def check_teacher(self, student: nn.Module) -> None:
+        """Refuse a teacher that is ``student`` or holds its units (``ValueError``).
+
+        ``linearize.convert`` converts in place, so the model passed to it *is* the converted
+        student: as its own teacher it would distil towards itself and learn nothing. A copy made
+        before converting (``copy.deepcopy``) is the teacher. Sharing other modules (tied
+        embeddings) is fine: the teacher is never modified.
+        """
+        if self.teacher is None or self._checked_student == id(student):
+            return
+        if self.teacher is student or self.teacher is getattr(student, "module", None):
+            raise ValueError(
+                "LinearizeCallback(teacher=...) got the model being trained: linearize.convert converts in place, "
+                "so the model it was given is the student now. Pass a copy made before converting: "
+                "original = copy.deepcopy(model); model = linearize.convert(model); "
+                "LinearizeCallback(..., teacher=original)")
+        slopes = {id(u.slope) for _, u in units(student)}
+        shared = [n for n, p in self.teacher.named_parameters() if id(p) in slopes]
+        if shared:
+            raise ValueError(
+                f"the teacher given to LinearizeCallback holds {len(shared)} unit slopes of the model being trained "
+                f"(e.g. {shared[0]!r}): it is (part of) the student, not the original. Pass a copy made before "
+                "converting: original = copy.deepcopy(model); model = linearize.convert(model)")
+        self._checked_student = id(student)
 
     def state(self) -> dict:
         """For ``trainer_state.json`` (read back by :meth:`on_train_begin` when resuming)."""
@@ -91,6 +140,14 @@ class LinearizeCallback(TrainerCallback, ExportableState):
         return {"args": {}, "attributes": {"sparsifier_state": saved}}
 
     def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
+        if self.teacher is not None:
+            if model is not None:
+                self.check_teacher(model)
+            if not self._in_mixin:
+                warnings.warn(
+                    "linearize: LinearizeCallback(teacher=...) distils only in a Trainer built from "
+                    "LinearizeTrainerMixin (class LinearizeTrainer(LinearizeTrainerMixin, Trainer): pass): this "
+                    "Trainer's loss ignores the teacher", UserWarning, stacklevel=2)
         if self.schedule is not None:  # a new Sparsifier for every train(): model_init, a search's trials
             if self._hook is not None:
                 self._hook.remove()
@@ -186,8 +243,10 @@ class LinearizeTrainerMixin:
 
     - no weight decay on slopes (``create_optimizer`` reads :meth:`get_decay_parameter_names`);
     - ``compute_loss`` adds ``sparsifier.penalty()`` (via ``super()``) when the callback's
-      Sparsifier has ``mode="loss"``; with ``LinearizeCallback(teacher=...)`` the loss is
-      :func:`linearize.distill_loss` to the teacher instead of the model's own loss;
+      Sparsifier has ``mode="loss"``; with ``LinearizeCallback(teacher=...)`` it adds
+      ``distill_weight`` times :func:`linearize.distill_loss` to the teacher to the model's own
+      loss (the distillation term alone for a batch without labels); the outputs it returns (the
+      predictions of ``evaluate``) are the model's, without the hidden states it asked for;
     - moves the :class:`LinearizeCallback` first, so reporters log its values.
     """
 
@@ -196,6 +255,8 @@ class LinearizeTrainerMixin:
         callbacks = self.callback_handler.callbacks
         ours = [cb for cb in callbacks if isinstance(cb, LinearizeCallback)]
         callbacks[:] = ours + [cb for cb in callbacks if not isinstance(cb, LinearizeCallback)]
+        for cb in ours:
+            cb._in_mixin = True
 
     def get_decay_parameter_names(self, model) -> list[str]:
         slope_names = {f"{name}.slope" if name else "slope" for name, _ in units(model)}
@@ -208,24 +269,52 @@ class LinearizeTrainerMixin:
         cb = self._linearize_callback()
         return cb.sparsifier if cb is not None else None
 
-    def _distill_loss(self, cb: LinearizeCallback, model, inputs, return_outputs: bool):
-        """The student's distance to ``cb.teacher`` on ``inputs`` (labels are not used)."""
-        inputs = {k: v for k, v in inputs.items() if k not in ("labels", "label")}
-        hidden = {"output_hidden_states": True} if cb.distill != "logits" else {}
-        outputs = model(**inputs, **hidden)
+    def _distill_loss(self, cb: LinearizeCallback, model, inputs: dict, return_outputs: bool, **kwargs):
+        """The model's own loss (when ``inputs`` hold the labels) plus ``cb.distill_weight`` times the
+        student's distance to ``cb.teacher`` on the same inputs."""
+        cb.check_teacher(model)
+        label_names = getattr(self, "label_names", None) or ["labels"]
+        has_labels = all(inputs.get(k) is not None for k in label_names)
+        features = {k: v for k, v in inputs.items() if k not in (*label_names, "labels", "label")}
+        config = getattr(getattr(model, "module", model), "config", None)
+        add_hidden = cb.distill != "logits" and not inputs.get("output_hidden_states") \
+            and not getattr(config, "output_hidden_states", False)
+        hidden = {"output_hidden_states": True} if add_hidden else {}
+        if has_labels:  # the Trainer's own loss (label smoothing, compute_loss_func...), one student forward
+            task, outputs = super().compute_loss(model, {**inputs, **hidden}, return_outputs=True, **kwargs)
+        else:
+            task, outputs = None, model(**features, **hidden)
+            self._warn_untrained_head(cb, outputs, label_names)
         teacher = cb.teacher
         device = next(model.parameters()).device
         if next(teacher.parameters()).device != device:
             teacher.to(device)
-        with torch.no_grad():
-            target = teacher(**inputs, **hidden)
-        loss = distill_loss(outputs, target, cb.distill, inputs.get("attention_mask"))
-        return (loss, outputs) if return_outputs else loss
+        with torch.no_grad(), _eval_mode(teacher):
+            target = teacher(**features, **hidden)
+        loss = cb.distill_weight * distill_loss(outputs, target, cb.distill, features.get("attention_mask"))
+        if task is not None:
+            loss = task + loss.to(task.dtype)
+        if not return_outputs:
+            return loss
+        return loss, _without_hidden_states(outputs) if add_hidden else outputs
+
+    def _warn_untrained_head(self, cb: LinearizeCallback, outputs: Any, label_names: list[str]) -> None:
+        """Warn once when a model with a head (``logits``) distils hidden states from batches without labels:
+        the head then gets no gradient at all."""
+        logits = outputs.get("logits") if isinstance(outputs, dict) else getattr(outputs, "logits", None)
+        if cb.distill == "logits" or logits is None or cb._warned_head:
+            return
+        cb._warned_head = True
+        warnings.warn(
+            f"linearize: the batches hold no labels ({', '.join(label_names)}), so the loss is the distance of the "
+            f"{cb.distill} states to the teacher's alone, which does not depend on the model's head: the head "
+            "does not train. Keep the labels in the dataset (the loss is then the model's own plus the "
+            "distillation term), or pass distill='logits'", UserWarning, stacklevel=3)
 
     def compute_loss(self, model, inputs, return_outputs=False, **kwargs):
         cb = self._linearize_callback()
         if cb is not None and cb.teacher is not None:
-            result = self._distill_loss(cb, model, inputs, return_outputs)
+            result = self._distill_loss(cb, model, inputs, return_outputs, **kwargs)
         else:
             result = super().compute_loss(model, inputs, return_outputs=return_outputs, **kwargs)
         sparsifier = cb.sparsifier if cb is not None else None
@@ -235,3 +324,25 @@ class LinearizeTrainerMixin:
             loss, outputs = result
             return loss + sparsifier.penalty().to(loss.device), outputs
         return result + sparsifier.penalty().to(result.device)
+
+
+@contextmanager
+def _eval_mode(module: nn.Module) -> Iterator[None]:
+    """``module`` in eval mode inside the block, every submodule's mode restored after it (a module the
+    teacher shares with the student, e.g. tied embeddings, trains again in the student's next forward)."""
+    modes = [(m, m.training) for m in module.modules()]
+    module.eval()
+    try:
+        yield
+    finally:
+        for m, training in modes:
+            m.training = training
+
+
+def _without_hidden_states(outputs: Any) -> Any:
+    """Model outputs without the ``hidden_states`` the distillation asked for: the Trainer's predictions are
+    every output but the loss, and these would turn the logits into a tuple ``compute_metrics`` does not expect."""
+    if isinstance(outputs, dict) and outputs.get("hidden_states") is not None:
+        fields = {k: v for k, v in outputs.items() if k != "hidden_states"}
+        return fields if type(outputs) is dict else type(outputs)(**fields)
+    return outputs

@@ -1,8 +1,10 @@
-"""The compiled CPU kernel of the PReLU units (``csrc/prelu.cpp``), built on first use.
+"""The compiled CPU kernels of the units (``csrc/prelu.cpp``), built on first use.
 
-:func:`cpu_prelu` returns the kernel's ``prelu(x, w)`` (channels at dim 1, autograd in C++), or
-``None`` when it is switched off or cannot be had; :class:`linearize.unit.LinearizableActivation`
-then runs the PyTorch-ops path, which computes the same values (``tests/test_unit.py`` compares both).
+:func:`cpu_prelu` returns the library's ``prelu(x, w)`` (the PReLU of ReLU-family units) and
+:func:`cpu_blend` its ``blend(act, x, w)`` (the blend of smooth units), both with channels at dim 1
+and autograd in C++, or ``None`` when the kernels are switched off or cannot be had;
+:class:`linearize.unit.LinearizableActivation` then runs the PyTorch-ops paths, which compute the same
+values (``tests/test_unit.py`` and ``tests/test_unit_exactness.py`` compare both).
 
 Build: ``torch.utils.cpp_extension.load`` compiles the source once per environment (about 30 s on two
 idle cores, 100 s or more under load) with ``-O3 -march=native -fno-trapping-math``, so the fused loop
@@ -68,7 +70,7 @@ from typing import Callable
 
 import torch
 
-__all__ = ["cpu_prelu", "build_directory", "ENV_SWITCH", "ENV_WAIT"]
+__all__ = ["cpu_prelu", "cpu_blend", "build_directory", "ENV_SWITCH", "ENV_WAIT"]
 
 ENV_SWITCH = "LINEARIZE_CPU_KERNEL"
 ENV_WAIT = "LINEARIZE_CPU_KERNEL_WAIT"
@@ -81,9 +83,11 @@ _BUILT_NAME = "linearize-built"  # written after a successful build: the library
 _ERROR_LOG_NAME = "build-error.log"
 _log = logging.getLogger(__name__)
 _lock = threading.Lock()
-_state: dict[str, object] = {}  # "prelu": the loaded function or None (tried and unavailable)
+_state: dict[str, object] = {}  # "prelu", "blend": the loaded functions or None (tried and unavailable)
+_FUNCTIONS = ("prelu", "blend")
 
 PReLU = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+Blend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 class KernelUnavailable(RuntimeError):
@@ -274,8 +278,8 @@ def _announce(line: str) -> None:
     _log.info(line)
 
 
-def _build() -> PReLU:
-    """The kernel's ``prelu``: from this environment's finished build, else built now under the lock."""
+def _build() -> ModuleType:
+    """The kernels' library: from this environment's finished build, else built now under the lock."""
     directory = build_directory()
     module = _load_built(directory)
     if module is None:
@@ -301,24 +305,38 @@ def _build() -> PReLU:
                 marker = directory / f"{_BUILT_NAME}.{os.getpid()}"
                 marker.write_text(Path(module.__file__).name)  # torch may name it ..._v1 (a rebuild in-process)
                 os.replace(marker, directory / _BUILT_NAME)
-    return module.prelu
+    return module
+
+
+def _kernel(name: str) -> Callable | None:
+    """The library's function ``name``, or ``None`` (switched off by ``LINEARIZE_CPU_KERNEL=0``, or unavailable).
+
+    The first call loads (or builds) the library once for all its functions; a failed build warns once.
+    """
+    try:
+        return _state[name]  # type: ignore[return-value]
+    except KeyError:
+        pass
+    with _lock:
+        if name not in _state:
+            module = None
+            if os.environ.get(ENV_SWITCH, "1") != "0":
+                try:
+                    module = _build()
+                except Exception as err:  # no compiler, a lock held too long, read-only cache...: fall back, loudly
+                    message = str(err) if isinstance(err, KernelUnavailable) else _failure_message(err)
+                    warnings.warn(message, RuntimeWarning, stacklevel=4)
+            for function in _FUNCTIONS:  # functions already set (or set by a test) stay
+                _state.setdefault(function, getattr(module, function, None))
+        return _state[name]  # type: ignore[return-value]
 
 
 def cpu_prelu() -> PReLU | None:
     """The compiled ``prelu(x, w)``, or ``None`` (switched off by ``LINEARIZE_CPU_KERNEL=0``, or unavailable)."""
-    try:
-        return _state["prelu"]  # type: ignore[return-value]
-    except KeyError:
-        pass
-    with _lock:
-        if "prelu" not in _state:
-            if os.environ.get(ENV_SWITCH, "1") == "0":
-                _state["prelu"] = None
-            else:
-                try:
-                    _state["prelu"] = _build()
-                except Exception as err:  # no compiler, a lock held too long, read-only cache...: fall back, loudly
-                    message = str(err) if isinstance(err, KernelUnavailable) else _failure_message(err)
-                    warnings.warn(message, RuntimeWarning, stacklevel=3)
-                    _state["prelu"] = None
-        return _state["prelu"]  # type: ignore[return-value]
+    return _kernel("prelu")
+
+
+def cpu_blend() -> Blend | None:
+    """The compiled ``blend(act, x, w)``: ``(1 - w) * act + w * x`` with slopes ``w [C]`` along dim 1, ``act``
+    where ``w`` is 0 and ``x`` where it is 1, exactly; or ``None`` (switched off, or unavailable)."""
+    return _kernel("blend")

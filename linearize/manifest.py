@@ -14,9 +14,19 @@ _WRAPPER_PREFIXES = ("_orig_mod.", "module.")
 
 
 def clean_name(name: str) -> str:
-    """A unit's name without ``torch.compile`` / DDP wrapper prefixes."""
-    for prefix in _WRAPPER_PREFIXES:
-        name = name.replace(prefix, "")
+    """A unit's name without the ``torch.compile`` / DDP wrappers' leading prefixes (``_orig_mod.``,
+    ``module.``, in any order and number); a module merely named ``submodule`` keeps its name.
+
+    Example:
+        >>> clean_name("module._orig_mod.layer1.submodule.relu")
+        'layer1.submodule.relu'
+    """
+    stripped = True
+    while stripped:
+        stripped = False
+        for prefix in _WRAPPER_PREFIXES:
+            if name.startswith(prefix):
+                name, stripped = name[len(prefix):], True
     return name
 
 

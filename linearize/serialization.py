@@ -1,40 +1,52 @@
-"""Save and load converted models as a sidecar: the config as JSON plus the unit tensors.
+"""Save and load converted models as a sidecar: the config as JSON plus the unit tensors and weights.
 
 ``from_pretrained`` of a Hugging Face model (or a torchvision builder) rebuilds the original
 activations, so the units cannot live in the base model's own checkpoint. The sidecar holds:
 
 - ``linearize_config.json``, the manifest: the :class:`LinearizeConfig`, the site list (name,
-  kind, channels, channel dim), the format version, and the name, size and SHA-256 of the tensor file;
-- ``linearize_units-<first 16 hex digits of its SHA-256>.safetensors``: in ``"prelu"`` mode only the
-  unit tensors (``<site>.slope``, ``<site>.frozen``); in gated modes the whole gated model (its
-  feature network is new weights).
+  kind, channels, channel dim), the format version, the name, size and SHA-256 of the tensor file,
+  and ``base``: where the model's own weights are (see below);
+- ``linearize_units-<first 16 hex digits of its SHA-256>.safetensors``: in ``"prelu"`` mode the
+  unit tensors (``<site>.slope``, ``<site>.frozen``) and, for a model that is not a Hugging Face
+  model, all its other weights (``__linearize_model__.<state dict key>``; ``base: {"saved": true}``);
+  in gated modes the whole gated model (its feature network is new weights).
 
-Loading re-converts a freshly built base model with the saved config and copies the tensors in,
-so outputs are bit-identical.
+A Hugging Face model's weights belong in its own ``model.save_pretrained(directory)`` (whose
+``config.json`` carries the units as well, see :mod:`linearize.hf`): its sidecar records only their
+digests (``base: {"saved": false, "tensors": {key: digest}}``). Loading re-converts a freshly built
+model with the saved config and copies the tensors in, so outputs are bit-identical: the weights
+come from the sidecar, or from the Hugging Face save in the folder; units are never put on other
+weights without a word (see :func:`from_pretrained`).
 
 Atomic pair: a save writes the tensor file under its new (content-derived) name, then replaces the
 manifest (each file through a temporary sibling and a rename, flushed to disk), and only then
-removes the previous tensor file. Interrupted anywhere (disk full, a crash), the directory still
-loads the previous save, unchanged; a first save that fails leaves nothing that loads. A reader
-that races a save re-reads the manifest. One writer per directory at a time.
+removes the previous tensor file. Interrupted anywhere (disk full, a crash, a kill), the directory
+still loads the previous save, unchanged; a first save that fails leaves nothing that loads.
+
+Concurrent saves: saves into one folder (every DDP rank without a main-process guard, threads) take
+turns on the folder's save lock (:func:`linearize._files.save_lock`, ``.linearize.lock`` in the
+folder, released by the OS when its holder dies), so the folder always ends up holding one of them,
+whole: the last writer's. Loads take no lock (a read-only folder loads): they see the manifest
+before or after its rename, and a reader whose tensor file a save removed meanwhile re-reads it.
 
 Validated loads: the manifest's structure, the tensor file's size and checksum (a flipped bit is
 caught), the safetensors decoding, and each unit's tensors (floating point, of the unit's shape,
 slopes finite in ``[0, 1]``, frozen values 0, 1 or NaN = free, with the slope at its frozen value)
 are checked before the model is touched; any failure raises :class:`LoadError` (a ``ValueError``)
 naming the file and the unit. ``save_pretrained`` refuses a state that would not load back.
-Format 1 sidecars (``linearize_units.safetensors``, no checksum) still load, with the same checks
-but the checksum.
+Format 1 sidecars (``linearize_units.safetensors``, no checksum) and format 2 sidecars (no
+``base``: the units only) still load, with the same checks but the checksum (format 1); loaded into a
+model instance, their units go on its own weights, with a warning.
 """
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import os
 import re
 import warnings
+from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
@@ -42,19 +54,27 @@ import safetensors.torch
 import torch
 from torch import nn
 
-from ._files import LoadError, atomic_write
+from ._files import LoadError, atomic_write, remove_stale, save_lock
 from .config import LinearizeConfig
 from .manifest import FORMAT_VERSION, clean_name as _clean, site_records as _sites
 from .unit import units
 
-__all__ = ["save_pretrained", "from_pretrained", "load_unit_tensors", "unwrap_model", "LoadError"]
+__all__ = ["save_pretrained", "from_pretrained", "load_unit_tensors", "unwrap_model", "LoadError", "UnitsOnlyWarning"]
 
 CONFIG_NAME = "linearize_config.json"
 LEGACY_WEIGHTS_NAME = "linearize_units.safetensors"  # format 1: a fixed name, no checksum
+SIDECAR_FORMAT = 3  # format 2 (manifest.FORMAT_VERSION, still that of an HF config.json) + "base"
+MODEL_PREFIX = "__linearize_model__."  # the model's own weights in the tensor file of a format 3 save
 _WEIGHTS_RE = re.compile(r"linearize_units-([0-9a-f]{16})\.safetensors")
 _SITE_KEYS = {"name", "kind", "num_channels", "channel_dim"}
-_READ_TRIES = 3  # manifest re-reads when a concurrent save swaps the pair under a reader
+_READ_TRIES = 10  # manifest re-reads when concurrent saves swap the pair under a reader
 _SAVE_AGAIN = "Save the model again with linearize.save_pretrained(model, directory)."
+
+
+class UnitsOnlyWarning(UserWarning):
+    """A sidecar written before saves held the model's weights (formats 1 and 2) was loaded into a model
+    instance: its units went on the weights the instance had. A caller that loads the right weights itself
+    right after may filter this category."""
 
 
 def weights_name(sha256: str) -> str:
@@ -73,19 +93,44 @@ def unwrap_model(model: nn.Module) -> nn.Module:
             return model
 
 
-def _tensors(model: nn.Module, gated: bool) -> dict[str, torch.Tensor]:
+def _tensors(model: nn.Module, gated: bool, base: bool = False) -> dict[str, torch.Tensor]:
+    """The CPU tensors a save writes: gated modes the whole state dict; ``"prelu"`` mode the units'
+    (``<site>.slope``, ``<site>.frozen``) and with ``base`` the model's other weights
+    (``MODEL_PREFIX + <state dict key>``)."""
     if gated:
-        items = model.state_dict().items()
+        items = [(_clean(k), t) for k, t in model.state_dict().items()]
     else:
-        items = ((f"{n}.{k}", t) for n, u in units(model) for k, t in (("slope", u.slope), ("frozen", u.frozen)))
+        items = [(_clean(f"{n}.{k}"), t) for n, u in units(model)
+                 for k, t in (("slope", u.slope), ("frozen", u.frozen))]
+        clash = next((k for k, _ in items if k.startswith(MODEL_PREFIX)), None)
+        if clash is not None:
+            raise ValueError(f"cannot save unit tensor {clash!r}: its name starts with {MODEL_PREFIX!r}, the prefix "
+                             "of the model's own weights in the save; rename that module")
+        if base:
+            items += [(MODEL_PREFIX + k, t) for k, t in _base_state(model).items()]
     tensors: dict[str, torch.Tensor] = {}
     seen: set[int] = set()
     for name, t in items:
         if t.data_ptr() in seen and t.numel():  # tied weights: safetensors refuses shared storage
             t = t.clone()
         seen.add(t.data_ptr())
-        tensors[_clean(name)] = t.detach().cpu().contiguous()
+        tensors[name] = t.detach().cpu().contiguous()
     return tensors
+
+
+def _base_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The state dict of ``model`` without its units' slopes and frozen values (and without the non-tensor
+    entries of ``get_extra_state``): the weights the units act on."""
+    own = {id(t) for _, u in units(model) for t in (u.slope, u.frozen)}
+    return {k: t for k, t in model.state_dict(keep_vars=True).items()
+            if isinstance(t, torch.Tensor) and id(t) not in own}
+
+
+def _value_digest(t: torch.Tensor) -> str:
+    """:func:`_tensor_digest` of a tensor's values, floating ones in float64: the same for an exact copy in
+    another floating dtype (bfloat16 weights loaded as float32), another for any other value."""
+    t = t.detach()
+    return _tensor_digest(t.to("cpu", torch.float64) if t.is_floating_point() else t)
 
 
 def _unit_problem(slope: torch.Tensor, frozen: torch.Tensor, num_channels: int) -> str | None:
@@ -126,11 +171,29 @@ def _tensor_digest(t: torch.Tensor) -> str:
     return hashlib.sha256(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()).hexdigest()[:16]
 
 
-def save_pretrained(model: nn.Module, directory: str | os.PathLike) -> Path:
+def _with_versions(state: dict[str, torch.Tensor], model: nn.Module) -> dict[str, torch.Tensor]:
+    """``state`` with ``model``'s state-dict metadata (each module's version), which a safetensors file does not
+    keep and some modules' ``_load_from_state_dict`` require (torchvision's MNASNet)."""
+    out = OrderedDict(state)
+    out._metadata = getattr(model.state_dict(), "_metadata", None)  # type: ignore[attr-defined]
+    return out
+
+
+def save_pretrained(model: nn.Module, directory: str | os.PathLike, *, weights: bool = True) -> Path:
     """Write the linearize sidecar of a converted ``model`` into ``directory`` (created if needed).
 
+    What it holds gets the model back: the units and, for a model that is not a Hugging Face model, all
+    its other weights (the save is as large as the model). A Hugging Face model's weights go in its own
+    ``model.save_pretrained(directory)``; the sidecar records their digests, so that
+    :func:`from_pretrained` refuses to put the units on other weights. ``weights=False`` records digests
+    for any model: for a caller that saves the weights itself and loads them into the instance before
+    :func:`from_pretrained` (the CIFAR recipe's ``model.safetensors``). Gated modes: the whole model.
+
     Atomic as a pair: until the new manifest is in place the directory loads the previous save,
-    unchanged; a failed save removes what it wrote and re-raises. Returns the directory.
+    unchanged; a failed save removes what it wrote and re-raises. Concurrent saves into one folder (every
+    DDP rank, threads) take turns on its save lock (``directory/.linearize.lock``, waiting at most 600 s:
+    then ``TimeoutError``), so the folder always holds one complete save, the last one. Returns the
+    directory.
 
     Raises ``ValueError`` for a model that was never converted, or whose units hold a state that
     would not load back (a slope outside ``[0, 1]`` or not finite, a frozen channel off its value).
@@ -138,7 +201,6 @@ def save_pretrained(model: nn.Module, directory: str | os.PathLike) -> Path:
     Example:
         >>> import tempfile
         >>> model, fresh = nn.Sequential(nn.Linear(4, 8), nn.ReLU()), nn.Sequential(nn.Linear(4, 8), nn.ReLU())
-        >>> _ = fresh.load_state_dict(model.state_dict())  # the base weights: your own checkpoint
         >>> _ = linearize.convert(model, example_inputs=torch.randn(1, 4))[1].slope.data.fill_(0.5)
         >>> with tempfile.TemporaryDirectory() as directory:
         ...     _ = linearize.save_pretrained(model, directory)
@@ -160,32 +222,39 @@ def save_pretrained(model: nn.Module, directory: str | os.PathLike) -> Path:
                     "finite in [0, 1], frozen channels at their value (linearize.project_slopes(model) "
                     "clamps the slopes and restores frozen channels)"
                 )
-    tensors = _tensors(model, gated)
+    from . import hf
+
+    if not isinstance(weights, bool):
+        raise TypeError(f"save_pretrained: weights must be True or False, got {weights!r}")
+    # the weights saved elsewhere (model.save_pretrained's files, or the caller's own): only their digests here
+    elsewhere = not gated and (hf.is_hf_model(model) or not weights)
+    tensors = _tensors(model, gated, base=not elsewhere)
     data = safetensors.torch.save(tensors, {"format": "pt"})
     digest = hashlib.sha256(data).hexdigest()
     name = weights_name(digest)
     meta = {
-        "format": FORMAT_VERSION,
+        "format": SIDECAR_FORMAT,
         "config": config.to_dict(),
         "sites": _sites(model),
         "weights": {"file": name, "bytes": len(data), "sha256": digest,
                     "tensors": {k: _tensor_digest(t) for k, t in tensors.items()}},
+        "base": ({"saved": False, "tensors": {k: _value_digest(t) for k, t in _base_state(model).items()}}
+                 if elsewhere else {"saved": True}),
     }
     directory = Path(directory)
-    created = not directory.exists()
     directory.mkdir(parents=True, exist_ok=True)
-    existed = (directory / name).exists()  # the same tensors saved before: the old manifest may name it
-    try:
-        atomic_write(directory / name, data)
-        atomic_write(directory / CONFIG_NAME, json.dumps(meta, indent=2))
-    except BaseException:
-        if not existed and _manifest_file(directory) != name:  # not committed: remove what this save wrote
-            (directory / name).unlink(missing_ok=True)
-            if created:
-                with contextlib.suppress(OSError):
-                    directory.rmdir()
-        raise
-    _remove_stale(directory, keep=name)
+    with save_lock(directory) as outermost:
+        existed = (directory / name).exists()  # the same tensors saved before: the old manifest may name it
+        try:
+            atomic_write(directory / name, data)
+            atomic_write(directory / CONFIG_NAME, json.dumps(meta, indent=2))
+        except BaseException:
+            if not existed and _manifest_file(directory) != name:  # not committed: remove what this save wrote
+                (directory / name).unlink(missing_ok=True)
+            raise
+        if outermost:
+            remove_stale(directory, {name, CONFIG_NAME},
+                         lambda n: n in (CONFIG_NAME, LEGACY_WEIGHTS_NAME) or _WEIGHTS_RE.fullmatch(n) is not None)
     return directory
 
 
@@ -197,21 +266,11 @@ def _manifest_file(directory: Path) -> str | None:
         return None
 
 
-def _remove_stale(directory: Path, keep: str) -> None:
-    """Remove tensor files other than ``keep`` and temporary files left by interrupted saves (best effort)."""
-    for path in directory.iterdir():
-        n = path.name
-        ours = n == LEGACY_WEIGHTS_NAME or _WEIGHTS_RE.fullmatch(n) is not None
-        temp = n.endswith(".tmp") and n.startswith((f".{CONFIG_NAME}.", ".linearize_units-"))
-        if n != keep and (ours or temp):
-            with contextlib.suppress(OSError):  # e.g. held open by a reader on Windows: removed next save
-                path.unlink()
-
-
 def _parse_manifest(raw: bytes, path: Path, weights: bool = True) -> dict[str, Any]:
     """The checked contents of ``linearize_config.json``: ``format``, ``config`` (a
-    :class:`LinearizeConfig`), ``sites`` and ``weights`` (``file``, ``bytes``, ``sha256``; the last
-    two None for format 1). Raises :class:`LoadError` naming ``path``.
+    :class:`LinearizeConfig`), ``sites``, ``weights`` (``file``, ``bytes``, ``sha256``; the last
+    two None for format 1) and ``base`` (format 3: ``{"saved": true}``, or ``{"saved": false,
+    "tensors": {key: digest}}``; None before). Raises :class:`LoadError` naming ``path``.
 
     ``weights=False``: the manifest an HF ``config.json`` carries (``linearize`` key), whose tensors
     are in the model's own weights: no ``weights`` entry (returned as None)."""
@@ -226,10 +285,11 @@ def _parse_manifest(raw: bytes, path: Path, weights: bool = True) -> dict[str, A
     if not isinstance(meta, dict):
         raise bad(f"expected a JSON object, got {type(meta).__name__}")
     fmt = meta.get("format")
-    if fmt not in (1, FORMAT_VERSION) or isinstance(fmt, bool):
-        raise LoadError(f"{path}: unsupported sidecar format {fmt!r}; this linearize reads formats 1 and "
-                        f"{FORMAT_VERSION}. If a newer linearize wrote it, upgrade linearize; else the file is "
-                        f"damaged. {_SAVE_AGAIN}")
+    formats = (1, FORMAT_VERSION, SIDECAR_FORMAT) if weights else (1, FORMAT_VERSION)
+    if fmt not in formats or isinstance(fmt, bool):
+        raise LoadError(f"{path}: unsupported sidecar format {fmt!r}; this linearize reads formats "
+                        f"{', '.join(map(str, formats))}. If a newer linearize wrote it, upgrade linearize; else "
+                        f"the file is damaged. {_SAVE_AGAIN}")
     missing = [k for k in ("config", "sites", "weights")[: 3 if fmt >= 2 and weights else 2] if k not in meta]
     if missing:
         raise bad(f"missing {', '.join(map(repr, missing))}")
@@ -246,9 +306,9 @@ def _parse_manifest(raw: bytes, path: Path, weights: bool = True) -> dict[str, A
     if len({s["name"] for s in sites}) != len(sites):
         raise bad("'sites' names a unit twice")
     if not weights:
-        return {"format": fmt, "config": config, "sites": sites, "weights": None}
+        return {"format": fmt, "config": config, "sites": sites, "weights": None, "base": None}
     if fmt == 1:
-        return {"format": fmt, "config": config, "sites": sites,
+        return {"format": fmt, "config": config, "sites": sites, "base": None,
                 "weights": {"file": LEGACY_WEIGHTS_NAME, "bytes": None, "sha256": None}}
     w = meta["weights"]
     if not (isinstance(w, dict) and isinstance(w.get("file"), str) and isinstance(w.get("sha256"), str)
@@ -257,7 +317,14 @@ def _parse_manifest(raw: bytes, path: Path, weights: bool = True) -> dict[str, A
             and all(isinstance(d, str) for d in w.get("tensors", {}).values())):
         raise bad("'weights' must be {file: linearize_units-<sha256[:16]>.safetensors, bytes, sha256, "
                   "tensors: {name: digest}}")
-    return {"format": fmt, "config": config, "sites": sites, "weights": w}
+    base = meta.get("base")
+    if fmt == SIDECAR_FORMAT and not (
+        isinstance(base, dict) and (base == {"saved": True} or (
+            set(base) == {"saved", "tensors"} and base["saved"] is False and isinstance(base["tensors"], dict)
+            and all(isinstance(d, str) for d in base["tensors"].values())))):
+        raise bad("'base' must be {saved: true} or {saved: false, tensors: {name: digest}}")
+    return {"format": fmt, "config": config, "sites": sites, "weights": w,
+            "base": base if fmt == SIDECAR_FORMAT else None}
 
 
 def _read_hf_manifest(directory: Path) -> dict[str, Any]:
@@ -348,11 +415,13 @@ def _check_unit_tensors(tensors: dict[str, torch.Tensor], sites: list[dict], pat
                             f"linearize.save_pretrained; refusing to load it. {_SAVE_AGAIN}")
 
 
-def _check_state_tensors(tensors: dict[str, torch.Tensor], state: dict[str, torch.Tensor], path: Path) -> None:
-    """Refuse (:class:`LoadError`) a gated model's saved tensors that do not fit the rebuilt model."""
+def _check_state_tensors(tensors: dict[str, torch.Tensor], state: dict[str, torch.Tensor], path: Path,
+                         what: str = "gated model") -> None:
+    """Refuse (:class:`LoadError`) saved tensors (of a gated model, or a model's own weights) that do not fit
+    the rebuilt model's ``state``."""
     missing, extra = sorted(set(state) - set(tensors)), sorted(set(tensors) - set(state))
     if missing or extra:
-        raise LoadError(f"{path}: the saved gated model does not match the rebuilt one (missing {missing[:5]}, "
+        raise LoadError(f"{path}: the saved {what} does not match the rebuilt one (missing {missing[:5]}, "
                         f"unexpected {extra[:5]}). Build the same architecture (same config) before loading.")
     for key, t in tensors.items():
         ref = state[key]
@@ -374,18 +443,24 @@ def load_unit_tensors(directory: str | os.PathLike) -> dict[str, torch.Tensor]:
     return _load_checked(Path(directory))[1]
 
 
-def _load_checked(directory: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor], Path]:
-    """``(manifest, tensors, tensor file)`` of the sidecar in ``directory``, with every check that
-    needs no model (manifest, size, checksum, decoding, unit tensors in ``"prelu"`` mode)."""
+def _load_checked(directory: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor], dict[str, torch.Tensor] | None,
+                                            Path]:
+    """``(manifest, tensors, model weights, tensor file)`` of the sidecar in ``directory``, with every check
+    that needs no model (manifest, size, checksum, decoding, unit tensors in ``"prelu"`` mode). In
+    ``"prelu"`` mode ``tensors`` are the units'; the model weights are the model's own weights a format 3
+    save holds (``MODEL_PREFIX`` removed), None when it holds none."""
     if not (directory / CONFIG_NAME).is_file():
         raise FileNotFoundError(
             f"{directory} has no linearize sidecar ({CONFIG_NAME}); "
             "write one with linearize.save_pretrained(model, directory)"
         )
     meta, tensors, path = _read_sidecar(directory)
+    state = None
     if meta["config"].mode == "prelu":
+        if meta["base"] == {"saved": True}:
+            state = {k[len(MODEL_PREFIX):]: tensors.pop(k) for k in [k for k in tensors if k.startswith(MODEL_PREFIX)]}
         _check_unit_tensors(tensors, meta["sites"], path)
-    return meta, tensors, path
+    return meta, tensors, state, path
 
 
 def _load_hf_checked(directory: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor], Path]:
@@ -423,7 +498,14 @@ def _check_agree(directory: Path, tensors: dict[str, torch.Tensor]) -> None:
 
 def from_pretrained(model: nn.Module | type, directory: str | os.PathLike, example_inputs: Any = None,
                     **hf_kwargs: Any) -> nn.Module:
-    """Re-convert a freshly built base ``model`` with the saved config and load the saved units.
+    """Re-convert a freshly built base ``model`` with the saved config and load the saved model into it.
+
+    The weights the units act on come from the save, never silently from ``model``: those a sidecar holds
+    (a model that is not a Hugging Face model, gated modes), else the Hugging Face save in ``directory``
+    (``model.save_pretrained``: loaded into a ``model`` instance too, through transformers). Without
+    either (the sidecar of a Hugging Face model alone) the instance's weights must be those the units
+    were saved with (their digests); a sidecar of formats 1 and 2 (units only) loads onto them with a
+    warning. Loads take no lock: a save racing the load is seen whole, before or after.
 
     Args:
         model: the same architecture the sidecar was saved from, *not* converted; or a Hugging
@@ -437,7 +519,8 @@ def from_pretrained(model: nn.Module | type, directory: str | os.PathLike, examp
     Returns the converted model (the same object in ``"prelu"`` mode). Raises ``FileNotFoundError``
     when the sidecar is missing, :class:`LoadError` (a ``ValueError``) naming the file and the unit
     when the sidecar is damaged, tampered with or inconsistent (checked before ``model`` is
-    converted), and ``ValueError`` when its sites do not match the model.
+    converted) or the weights do not fit (another architecture, other weights than those the units
+    were saved with), and ``ValueError`` when its sites do not match the model.
 
     Example::
 
@@ -449,17 +532,22 @@ def from_pretrained(model: nn.Module | type, directory: str | os.PathLike, examp
 
     directory = Path(directory)
     if (directory / CONFIG_NAME).is_file() or not hf.has_manifest(directory):
-        meta, tensors, path = _load_checked(directory)
+        meta, tensors, state, path = _load_checked(directory)
         if meta["config"].mode == "prelu":
             _check_agree(directory, tensors)
     else:
         meta, tensors, path = _load_hf_checked(directory)
+        state = None
+    config = meta["config"]
+    keys = [f"{s['name']}.{k}" for s in meta["sites"] for k in ("slope", "frozen")]
+    weights_from_folder = isinstance(model, type) or config.mode != "prelu" or state is not None
     if isinstance(model, type):
-        keys = [f"{s['name']}.{k}" for s in meta["sites"] for k in ("slope", "frozen")]
         model = hf.load_plain(model, directory, keys, hf_kwargs)
     elif hf_kwargs:
         raise TypeError(f"unexpected keyword arguments {sorted(hf_kwargs)} (only with a model class)")
-    config = meta["config"]
+    elif not weights_from_folder and hf.is_hf_model(model) and hf.has_weights(directory):
+        hf.load_weights(model, directory, keys)  # the folder's own weights, not those the instance was built with
+        weights_from_folder = True
     hf.unmark(model)
     model = convert(model, config, example_inputs=example_inputs)
     found = _sites(model)
@@ -477,8 +565,14 @@ def from_pretrained(model: nn.Module | type, directory: str | os.PathLike, examp
         )
     if config.mode != "prelu":
         _check_state_tensors(tensors, model.state_dict(), path)
-        model.load_state_dict(tensors, strict=True)
+        model.load_state_dict(_with_versions(tensors, model), strict=True)
         return model
+    if state is not None:
+        plain = unwrap_model(model)
+        _check_state_tensors(state, _base_state(plain), path, what="model")
+        plain.load_state_dict(_with_versions(state, plain), strict=False)  # every key but the units' checked above
+    elif not weights_from_folder:
+        _check_base(unwrap_model(model), meta, directory, cross=found != meta["sites"])
     with torch.no_grad():
         for name, unit in units(model):
             key = saved_name.get(_clean(name))
@@ -486,6 +580,39 @@ def from_pretrained(model: nn.Module | type, directory: str | os.PathLike, examp
                 unit.slope.copy_(tensors[f"{key}.slope"])
                 unit.frozen.copy_(tensors[f"{key}.frozen"])
     return model
+
+
+def _check_base(model: nn.Module, meta: dict[str, Any], directory: Path, cross: bool) -> None:
+    """Refuse (:class:`LoadError`) to put the saved units on weights of ``model`` other than those they were
+    saved with (the digests of a format 3 sidecar of a Hugging Face model); warn for a save that recorded
+    none (formats 1 and 2). ``cross``: the units of a head model loaded into its base model (or the
+    reverse): only the weights both have are compared, without the ``base_model_prefix``."""
+    if meta["base"] is None:
+        warnings.warn(f"{directory}: this save holds the units only (written by an older linearize, sidecar format "
+                      f"{meta['format']}): they were loaded onto the weights {type(model).__name__} has now. If those "
+                      "are not the weights the units were trained with, load those first (model.load_state_dict); "
+                      "linearize.save_pretrained(model, directory) now saves what is needed.", UnitsOnlyWarning,
+                      stacklevel=3)
+        return
+    lead = (getattr(model, "base_model_prefix", "") or "") + "."
+
+    def plain(key: str) -> str:
+        return key[len(lead):] if cross and lead != "." and key.startswith(lead) else key
+
+    saved = {plain(k): d for k, d in meta["base"]["tensors"].items()}
+    own = {plain(k): t for k, t in _base_state(model).items()}
+    common = sorted(set(saved) & set(own))
+    other = sorted(set(saved) ^ set(own))
+    differ = [k for k in common if _value_digest(own[k]) != saved[k]]
+    if differ or (other and not (cross and common)):
+        found = f"{len(differ)} of them differ, e.g. {differ[:3]}" if differ else f"other names: {other[:5]}"
+        raise LoadError(
+            f"{directory / CONFIG_NAME}: the weights of the {type(model).__name__} given are not those the units "
+            f"were saved with ({found}); this sidecar holds the units only (a Hugging Face model's weights are in "
+            "its own save, other models' where save_pretrained(..., weights=False) left them to the caller). Load "
+            "the weights saved with them first: keep the model's own save in that folder "
+            "(model.save_pretrained(directory), then linearize.from_pretrained(ModelClass, directory)), or "
+            "model.load_state_dict(...) of the weights you trained, in their dtype.")
 
 
 def _base_model_names(model: nn.Module, found: list[dict], saved: list[dict], mode: str) -> dict[str, str] | None:

@@ -1156,6 +1156,8 @@ def site_groups(model: nn.Module, blocks: Sequence[str] | None = None) -> dict[s
     ``Sparsifier(granularity="block")`` makes them linear together.
 
     Raises:
+        TypeError: ``blocks`` is a string (it would be read as one name per character) or holds
+            something other than strings.
         ValueError: ``blocks`` names a module the model does not have, or ``blocks=None`` and the
             model has no block of a known class (pass ``blocks=[...]``).
 
@@ -1166,7 +1168,14 @@ def site_groups(model: nn.Module, blocks: Sequence[str] | None = None) -> dict[s
     """
     modules = dict(model.named_modules())
     if blocks is not None:
+        if isinstance(blocks, (str, bytes)):
+            raise TypeError(f"blocks must be a list of module names, got the string {blocks!r} (read as one name "
+                            f"per character): pass blocks=[{blocks!r}]")
         blocks = list(blocks)
+        odd = [b for b in blocks if not isinstance(b, str)]
+        if odd:
+            raise TypeError(f"blocks must hold module names (strings from model.named_modules()), got "
+                            f"{type(odd[0]).__name__} {odd[0]!r}")
         unknown = [b for b in blocks if b not in modules]
         if unknown:
             raise ValueError(f"blocks names modules the model does not have: {unknown[:5]}; pass module names "

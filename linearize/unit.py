@@ -3,9 +3,11 @@
 One module class, :class:`LinearizableActivation`, replaces every activation call site.
 Its learnable ``slope`` ``a`` has shape ``[C]`` (one value per channel) and lives in
 ``[0, 1]``: ``a = 0`` computes the original activation bit for bit, ``a = 1`` is exactly the
-identity. For ReLU (and LeakyReLU) the blend *is* a PReLU with negative slope ``a`` (the
-sparsified PReLU of seed 000) and runs as one fused PReLU: on the CPU a compiled kernel whose
-backward is one pass (:mod:`linearize.kernels`), with a PyTorch-ops fallback (:class:`_PReLU`).
+identity, for every input (+-inf, NaN and -0 included) and floating dtype. For ReLU (and
+LeakyReLU) the blend *is* a PReLU with negative slope ``a`` (the sparsified PReLU of seed 000) and
+runs as one fused PReLU: on the CPU a compiled kernel whose backward is one pass
+(:mod:`linearize.kernels`), with a PyTorch-ops fallback (:class:`_PReLU`); smooth units run the
+compiled blend kernel, or :class:`_Blend`.
 
 Range of the slopes: the stored parameter is **projected** onto ``[0, 1]`` after every step
 of any ``torch.optim`` optimizer (projected gradient descent), by a global optimizer
@@ -21,6 +23,7 @@ from __future__ import annotations
 import copy
 import functools
 import math
+import warnings
 import weakref
 from typing import Callable, Iterable
 
@@ -35,7 +38,8 @@ from torch.utils.weak import WeakIdKeyDictionary
 from .activations import FunctionalActivation
 from .checks import NonFiniteSlopeError, check_channel_dim, check_tol
 from .config import GatedConfig
-from .kernels import cpu_prelu
+from .dispatch import compiled_submodules, refuse_scripting
+from .kernels import cpu_blend, cpu_prelu
 
 __all__ = [
     "LinearizableActivation",
@@ -64,17 +68,20 @@ _HOOKS_INSTALLED = False
 class _PReLU(torch.autograd.Function):
     """``F.prelu`` (channels at dim 1) with a cheaper backward, and forward-mode AD, from PyTorch ops.
 
-    The path of :func:`_prelu` where the compiled kernel does not apply (forward AD, ``torch.compile``,
-    channels-last or empty inputs) or is switched off.
+    The path of :func:`_prelu` off the CPU and where the compiled kernel does not apply (forward AD,
+    ``torch.compile``, empty inputs) or is switched off; it computes the kernel's values.
 
-    Forward: the fused ``F.prelu`` kernel. Backward: ReLU's ``threshold_backward`` kernel splits the
-    incoming gradient ``g`` into ``pos`` (where ``x > 0``) and ``neg = g - pos``; then, in place,
-    ``grad_x = pos + a * neg`` and ``grad_a = sum(neg * x)`` over every dim but 1. These are
-    PyTorch's PReLU gradients (at ``x = 0`` too: slope ``a``) from vectorized passes and two
-    allocations; PyTorch's CPU PReLU backward broadcasts ``a`` inside one kernel whose inner loop
-    runs over the (small) spatial dims and takes about 2x as long on ResNet-sized maps. Maps of at
-    most 16 elements per channel (4x4, 2x2) run on a flat view (:func:`_flat`). ``jvp`` gives the
-    tangent ``where(x > 0, x_t, a x_t) + min(x, 0) a_t`` for ``torch.autograd.forward_ad`` (linear regions).
+    Forward: ``F.prelu``, but ``F.relu`` in the channels with ``a = 0`` (``F.prelu``'s ``0 * x`` is
+    ``-0`` for ``x < 0`` and NaN for ``x = -inf``, where ReLU gives 0), so a unit at slope 0 is ReLU
+    bit for bit. Backward: ReLU's ``threshold_backward`` kernel splits the incoming gradient ``g`` into
+    ``pos`` (where ``x > 0``) and ``neg = g - pos``; then, in place, ``grad_x = pos + a * neg`` and
+    ``grad_a = sum(neg * x)`` over every dim but 1. These are PyTorch's PReLU gradients (at ``x = 0``
+    too: slope ``a``), except that an infinite ``x`` adds nothing to ``grad_a`` (:func:`_finite_part`),
+    from vectorized passes and two allocations; PyTorch's CPU PReLU backward broadcasts ``a`` inside
+    one kernel whose inner loop runs over the (small) spatial dims and takes about 2x as long on
+    ResNet-sized maps. Maps of at most 16 elements per channel (4x4, 2x2) run on a flat view
+    (:func:`_flat`). ``jvp`` gives the tangent ``where(x > 0, x_t, a x_t) + min(x, 0) a_t`` for
+    ``torch.autograd.forward_ad`` (linear regions).
     """
 
     @staticmethod
@@ -82,7 +89,8 @@ class _PReLU(torch.autograd.Function):
         ctx.save_for_backward(x, weight)
         ctx.save_for_forward(x, weight)
         flat_x, flat_w, _ = _flat(x, weight)
-        return F.prelu(flat_x, flat_w).view(x.shape)
+        y = torch.where(_channels(flat_w == 0, flat_x.ndim), F.relu(flat_x), F.prelu(flat_x, flat_w))
+        return y.view(x.shape)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -98,6 +106,7 @@ class _PReLU(torch.autograd.Function):
             grad_x, prod = pos.addcmul_(neg, _channels(flat_w, flat_x.ndim)), neg.mul_(flat_x)
         grad_w = None
         if ctx.needs_input_grad[1]:
+            prod = _finite_part(prod, flat_x)  # -inf: g * -inf; +inf: 0 * inf
             grad_w = prod.sum([d for d in range(prod.ndim) if d != 1])
             grad_w = grad_w.view(-1, inner).sum(1) if inner > 1 else grad_w
         return grad_x.view(x.shape), grad_w
@@ -110,9 +119,19 @@ class _PReLU(torch.autograd.Function):
             pos = torch.ops.aten.threshold_backward(x_t, x, 0)
             out = torch.addcmul(pos, x_t - pos, _channels(weight, x.ndim))
         if weight_t is not None:
-            neg, w_t = x.clamp(max=0), _channels(weight_t, x.ndim)
+            neg, w_t = _finite_part(x.clamp(max=0), x), _channels(weight_t, x.ndim)
             out = neg * w_t if out is None else torch.addcmul(out, neg, w_t)
         return torch.zeros_like(x) if out is None else out
+
+
+def _refuse_functorch(x: torch.Tensor) -> None:
+    """``RuntimeError`` with the fix for a unit called under ``torch.func`` transforms (``vmap``, ``grad``,
+    ``jacrev``): its autograd functions define their own backward, which those transforms cannot take."""
+    if torch._C._functorch.is_functorch_wrapped_tensor(x):
+        raise RuntimeError(
+            "linearize units do not run under torch.func transforms (vmap, grad, jacrev, ...): their custom "
+            "backward cannot be transformed. Fix: linearize.fold(model, example_inputs) gives a plain PyTorch "
+            "model that can; or torch.autograd.functional.jacobian / a batched forward on the converted model")
 
 
 def _prelu(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -120,16 +139,18 @@ def _prelu(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
     That kernel (autograd in C++, one fused backward pass) takes contiguous non-empty inputs outside
     ``torch.compile`` and forward-mode AD (it has no ``jvp``), and channels_last maps as the
-    ``[N * H * W, C]`` matrix they are in memory (the result stays channels_last); the rest, and every call when it is
-    switched off or cannot be built, runs :class:`_PReLU`, which computes the same values. Under a
-    torch-function mode or with tensor subclasses the call is dispatched as a plain ``F.prelu``, so
-    tools that intercept functions (linear regions, FLOP counting, graph recording) see the same call
-    as before.
+    ``[N * H * W, C]`` matrix they are in memory (the result stays channels_last); the rest (other
+    devices too), and every call when it is switched off or cannot be built, runs :class:`_PReLU`,
+    which computes the same values: ``F.prelu``'s, but ReLU's exactly where ``weight`` is 0 (``F.prelu``
+    gives NaN there for ``x = -inf``). Under a torch-function mode or with tensor subclasses the call
+    is dispatched as a plain ``F.prelu``, so tools that intercept functions (linear regions, FLOP
+    counting, graph recording) see the same call as before.
     """
     if has_torch_function_variadic(x, weight):
         return handle_torch_function(F.prelu, (x, weight), x, weight)
-    if x.device.type != "cpu":  # CUDA's PReLU backward is already one fused kernel
-        return F.prelu(x, weight)
+    _refuse_functorch(x)
+    if x.device.type != "cpu" or torch.jit.is_tracing():  # the tracer cannot record the kernel's C++ loops
+        return _PReLU.apply(x, weight)
     if x.ndim == 4 and x.numel() and not x.is_contiguous() and x.is_contiguous(memory_format=torch.channels_last):
         # channels_last: the same memory as a contiguous [N*H*W, C], channels innermost; the result keeps the layout
         n, c, h, w = x.shape
@@ -163,6 +184,98 @@ def _flat(x: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Te
 def _channels(v: torch.Tensor, ndim: int) -> torch.Tensor:
     """A ``[C]`` vector viewed to broadcast along dim 1 of an ``ndim`` tensor."""
     return v.view([1, -1] + [1] * (ndim - 2)) if ndim > 1 else v
+
+
+def exact_lerp(act: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``torch.lerp(act, x, weight)``, exact at both ends for every input: ``act`` where ``weight`` is 0
+    and ``x`` where it is 1, +-inf, NaN and -0 included (``lerp`` computes ``act + 0 * (x - act)``: NaN
+    wherever ``x - act`` is infinite, e.g. ``tanh`` at ``x = -inf``, and +0 for ``act = -0``).
+
+    Example:
+        >>> x = torch.tensor([-math.inf, -0.0, 2.0])
+        >>> exact_lerp(torch.tanh(x), x, torch.tensor(0.0)), exact_lerp(torch.tanh(x), x, torch.tensor(1.0))
+        (tensor([-1.0000, -0.0000,  0.9640]), tensor([-inf, -0., 2.]))
+    """
+    return torch.where(weight == 0, act, torch.where(weight == 1, x, torch.lerp(act, x, weight)))
+
+
+class _Blend(torch.autograd.Function):
+    """``(1 - w) * act + w * x`` with the values of :func:`exact_lerp` and the blend's gradients.
+
+    A ``torch.where`` in autograd would give the slope no gradient where it is 0 or 1 (the selected
+    branch does not depend on it), and slopes start at 0: here ``d/dw = sum(g * (x - act))`` at every
+    slope, ``d/dact = g * (1 - w)`` (``g`` itself at ``w = 0``, so the gradient through the original
+    activation is the original's), ``d/dx = g * w``. ``w`` broadcasts against ``x`` (``[1, C, 1, 1]``);
+    its gradient is summed to its shape. Forward-mode AD and ``torch.func`` transforms are supported.
+    An infinite ``x`` adds nothing to the slope's gradient, as in the PReLU units (:func:`_finite_part`).
+    """
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(act: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return exact_lerp(act, x, w)
+
+    @staticmethod
+    def setup_context(ctx, inputs: tuple, output: torch.Tensor) -> None:
+        ctx.save_for_backward(*inputs)
+        ctx.save_for_forward(*inputs)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        act, x, w = ctx.saved_tensors
+        need_act, need_x, need_w = ctx.needs_input_grad
+        return (g * (1 - w) if need_act else None, g * w if need_x else None,
+                _finite_part(g * (x - act), x).sum_to_size(w.shape) if need_w else None)
+
+    @staticmethod
+    def jvp(ctx, act_t: torch.Tensor | None, x_t: torch.Tensor | None, w_t: torch.Tensor | None) -> torch.Tensor:
+        act, x, w = ctx.saved_tensors
+        out = torch.zeros_like(act)
+        if act_t is not None:
+            out = out + act_t * (1 - w)
+        if x_t is not None:
+            out = out + x_t * w
+        if w_t is not None:
+            out = out + _finite_part(w_t * (x - act), x)
+        return out
+
+
+def _finite_part(slope_term: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """``slope_term`` with 0 where ``x`` is infinite: an infinite (overflowed) input carries no slope gradient.
+
+    A unit's output there is infinite for every slope above 0, and its slope term (``g * x``, or
+    ``g * (x - act)``) is +-inf or NaN: at every step it would make the slope gradient non-finite, and
+    an fp16 ``GradScaler`` skip every step, though the original activation trains on such inputs.
+    """
+    return slope_term.masked_fill(x.isinf(), 0)
+
+
+def _blend(act: torch.Tensor, x: torch.Tensor, slope: torch.Tensor, dim: int) -> torch.Tensor:
+    """The blend ``(1 - a) * act + a * x`` of a smooth unit, ``a = slope [C]`` along ``dim`` of ``x``, exact at
+    ``a`` 0 and 1 (:func:`exact_lerp`), with the slope gradients of :class:`_Blend`.
+
+    On the CPU, contiguous inputs with channels at dim 1 or last run the compiled kernel
+    (:func:`linearize.kernels.cpu_blend`: one pass forward, one backward; ``torch.where`` passes made the
+    PyTorch-ops path 2x as slow as the old ``torch.lerp``), outside ``torch.compile`` and forward-mode
+    AD; the rest, and every call when it is switched off or cannot be built, runs :class:`_Blend`. Under a
+    torch-function mode or with tensor subclasses it is dispatched as a plain ``torch.lerp``, so tools that
+    intercept functions see the call they know.
+    """
+    shape = [1] * x.ndim
+    shape[dim] = slope.numel()
+    weight = slope.view(shape)
+    if has_torch_function_variadic(act, x, weight):
+        return torch.lerp(act, x, weight)
+    _refuse_functorch(x)
+    if (x.device.type == "cpu" and not torch.jit.is_tracing() and dim in (1, x.ndim - 1) and x.numel() and x.is_contiguous() and act.is_contiguous()
+            and act.dtype == x.dtype == slope.dtype and fwAD._current_level < 0 and not torch.compiler.is_compiling()):
+        kernel = cpu_blend()
+        if kernel is not None:
+            if dim == 1 and x.ndim > 1:
+                return kernel(act, x, slope)
+            return kernel(act.view(-1, slope.numel()), x.view(-1, slope.numel()), slope).view(x.shape)
+    return _Blend.apply(act, x, weight)
 
 
 def _channel_axis(x: torch.Tensor, channel_dim: int, channels: int, owner: str) -> int:
@@ -230,7 +343,7 @@ class ChannelBlend(nn.Module):
     def _blend(self, x: torch.Tensor) -> torch.Tensor:
         shape = [1] * x.ndim
         shape[_channel_axis(x, self.channel_dim, self.slope.numel(), "ChannelBlend")] = self.slope.numel()
-        return torch.lerp(self.act(x), x, self.slope.to(x.dtype).view(shape))
+        return exact_lerp(self.act(x), x, self.slope.to(x.dtype).view(shape))
 
     def extra_repr(self) -> str:
         return (f"channels={self.slope.numel()}, channel_dim={self.channel_dim}"
@@ -380,7 +493,7 @@ class LinearizableActivation(nn.Module):
             a = a.to(x.dtype)
         if self.leak and x.dtype in (torch.float16, torch.bfloat16):
             # the PReLU weight a + (1 - a) * leak would round leak to 8 or 11 bits: leaky_relu keeps it exact
-            return torch.lerp(F.leaky_relu(x, self.leak), x, a.view(self.broadcast_shape(x.ndim)))
+            return _blend(F.leaky_relu(x, self.leak), x, a, dim)
         if self.leak is not None:
             w = self.prelu_weight(a)
             if dim == 1 or x.ndim == 2:
@@ -388,8 +501,7 @@ class LinearizableActivation(nn.Module):
             if dim == x.ndim - 1:
                 return _prelu(x.reshape(-1, self.num_channels), w).reshape(x.shape)
             return _prelu(x.movedim(dim, 1), w).movedim(1, dim)
-        # torch.lerp is exact at both ends: weight 0 gives act(x), weight 1 gives x.
-        return torch.lerp(self.activation(x), x, a.view(self.broadcast_shape(x.ndim)))
+        return _blend(self.activation(x), x, a, dim)  # exact at a = 0 and 1
 
     def broadcast_shape(self, ndim: int) -> list[int]:
         """Shape that broadcasts a ``[C]`` vector along ``channel_dim`` of an ``ndim`` input."""
@@ -447,6 +559,9 @@ class LinearizableActivation(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.kind}, channels={self.num_channels}, channel_dim={self.channel_dim}"
+
+    def __prepare_scriptable__(self) -> nn.Module:
+        refuse_scripting(self)
 
 
 def write_into(x: torch.Tensor, fn: Callable[[torch.Tensor], torch.Tensor],
@@ -613,11 +728,19 @@ def count_units(model: nn.Module, tol: float = 0.0) -> dict:
     """Channel counts: ``{"total", "nonlinear", "linear", "sites": {name: {...}}}``.
 
     A channel is linear when its slope ``a >= 1 - tol`` (``tol`` in ``[0, 1)``), nonlinear
-    otherwise (:func:`linear_masks`); a NaN/inf slope raises :class:`NonFiniteSlopeError`. Each site entry holds ``total``,
+    otherwise (:func:`linear_masks`); a NaN/inf slope raises :class:`NonFiniteSlopeError`; TorchScript submodules,
+    whose activations linearize cannot see, give a warning. Each site entry holds ``total``,
     ``nonlinear``, ``linear``, ``fraction`` (nonlinear / total) and ``kind``. A gated model
     (DGN/DLGN, :mod:`linearize.gated`) has gates instead of slopes: every gate channel counts as
     nonlinear (see ``linearize.gated.gate_statistics`` for how often gates switch on data).
     """
+    compiled = compiled_submodules(model)
+    if compiled:
+        warnings.warn(
+            f"count_units: the TorchScript module(s) {', '.join(repr(n or '<root>') for n in compiled)} run compiled "
+            "code that linearize cannot see; activations inside them are in no count, so the model may be less "
+            "linear than the counts say. Fix: convert the Python module, then script the result", RuntimeWarning,
+            stacklevel=2)
     if not units(model) and callable(getattr(model, "gates", None)):
         check_tol(tol)
         return _counts([(n, g.kind, g.num_channels, 0) for n, g in model.gates()])

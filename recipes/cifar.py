@@ -35,6 +35,8 @@ import airbench  # noqa: E402
 import common  # noqa: E402
 
 import linearize  # noqa: E402
+from linearize.inputs import image_size  # noqa: E402
+from linearize.serialization import UnitsOnlyWarning  # noqa: E402
 
 RECIPE = "cifar"
 MOBILENET_WIDTHS = {"mobilenet_v2": 1.0, "mobilenet_v2_x0_75": 0.75, "mobilenet_v2_x0_5": 0.5,
@@ -174,20 +176,43 @@ def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
         a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8))
 
 
-def _load_weights(model: nn.Module, path: Path, meta: dict) -> None:
-    """Load ``model.safetensors`` into ``model`` (built from ``recipe.json``, units restored from the
-    sidecar): its tensors must fit the model, be finite, and its unit tensors equal the sidecar's
-    (checked there: slopes in [0, 1], frozen values), which they may not overwrite."""
+def _load_weights(model: nn.Module, weights: dict[str, torch.Tensor], path: Path, meta: dict) -> None:
+    """Load ``weights`` (of ``model.safetensors`` at ``path``) into ``model`` (built from ``recipe.json``, units
+    restored from the sidecar): its tensors must fit the model, be finite, and its unit tensors equal the
+    sidecar's (checked there: slopes in [0, 1], frozen values), which they may not overwrite."""
+    own = model.state_dict()
+    unit_keys = {f"{n}.{k}" for n, u in linearize.units(model) for k in u.state_dict()}
+    _check_fit(weights, own, unit_keys, path, meta)
+    for k in sorted(unit_keys & weights.keys()):
+        if not _same_bits(weights[k], own[k]):
+            raise linearize.LoadError(f"{path}: unit tensor {k} differs from the linearize sidecar of "
+                                      f"{path.parent} (linearize_config.json, linearize_units-*.safetensors); "
+                                      "one of them was modified: train again or restore the folder")
+    rest = {k: v for k, v in weights.items() if k not in unit_keys}
+    _check_finite(rest, path)
+    model.load_state_dict(rest, strict=False)
+
+
+def _check_finite(weights: dict[str, torch.Tensor], path: Path) -> None:
+    bad = common.first_nonfinite(weights.items())
+    if bad is not None:
+        raise linearize.LoadError(f"{path}: tensor {bad} holds inf or NaN; refusing to load it")
+
+
+def _read_weights(path: Path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
     try:
-        weights = load_file(str(path))
+        return load_file(str(path))
     except Exception as e:  # SafetensorError, OSError: a damaged or missing file
         raise linearize.LoadError(f"{path} cannot be read ({type(e).__name__}: {e}); train again or restore it") from e
-    own = model.state_dict()
-    unit_keys = {f"{n}.{k}" for n, u in linearize.units(model) for k in u.state_dict()}
+
+
+def _check_fit(weights: dict, own: dict, unit_keys: set[str], path: Path, meta: dict, plain: bool = False) -> None:
+    """``LoadError`` naming ``recipe.json`` when ``weights`` do not fit the model's state ``own`` (less its
+    ``unit_keys``); ``plain``: ``own`` is the model before conversion, so extra keys (its units') may remain."""
     missing = sorted(own.keys() - weights.keys() - unit_keys)
-    unexpected = sorted(weights.keys() - own.keys())
+    unexpected = [] if plain else sorted(weights.keys() - own.keys())
     shapes = [f"{k} {tuple(weights[k].shape)} (model {tuple(own[k].shape)})" for k in sorted(weights.keys() & own.keys())
               if weights[k].shape != own[k].shape]
     if missing or unexpected or shapes:
@@ -195,22 +220,13 @@ def _load_weights(model: nn.Module, path: Path, meta: dict) -> None:
             f"{path} does not fit the model its recipe.json describes (arch {meta['arch']}, num_classes "
             f"{meta['num_classes']}, linearize {meta['linearize']}): missing {missing[:5]}, unexpected "
             f"{unexpected[:5]}, other shapes {shapes[:5]}; recipe.json was edited or belongs to other weights")
-    for k in sorted(unit_keys & weights.keys()):
-        if not _same_bits(weights[k], own[k]):
-            raise linearize.LoadError(f"{path}: unit tensor {k} differs from the linearize sidecar of "
-                                      f"{path.parent} (linearize_config.json, linearize_units-*.safetensors); "
-                                      "one of them was modified: train again or restore the folder")
-    rest = {k: v for k, v in weights.items() if k not in unit_keys}
-    bad = common.first_nonfinite(rest.items())
-    if bad is not None:
-        raise linearize.LoadError(f"{path}: tensor {bad} holds inf or NaN; refusing to load it")
-    model.load_state_dict(rest, strict=False)
 
 
 def load_model(directory: str | Path) -> nn.Module:
     """Rebuild a model saved by this recipe (``OUTPUT_DIR/model``): the architecture from
     ``recipe.json`` (:func:`read_meta`), its files checked against their recorded sizes and sha256, the
-    units with ``linearize.from_pretrained``, then the other weights (:func:`_load_weights`).
+    weights, the units with ``linearize.from_pretrained`` (which checks the weights it sits on), then every
+    tensor again against the converted model (:func:`_load_weights`).
     ``recipe.json`` also lists the class names in label order (``classes``). The model comes back in eval
     mode, as from ``transformers``' ``from_pretrained`` and :func:`wmt14.load_model`: ready to evaluate or
     fold (call ``.train()`` to train it on).
@@ -224,10 +240,18 @@ def load_model(directory: str | Path) -> nn.Module:
     meta = read_meta(directory)
     common.check_files(directory, meta)
     model = build_model(meta["arch"], meta["num_classes"])
-    if meta["linearize"] != "none":
+    path = directory / "model.safetensors"
+    weights = _read_weights(path)
+    if meta["linearize"] != "none":  # the weights first: the sidecar checks them by their digests
+        plain = model.state_dict()
+        _check_fit(weights, plain, set(), path, meta, plain=True)
+        _check_finite({k: weights[k] for k in plain}, path)
+        model.load_state_dict({k: weights[k] for k in plain}, strict=True)
         example = torch.zeros(2, 3, meta["image_size"], meta["image_size"])
-        model = linearize.from_pretrained(model, directory, example_inputs=example)
-    _load_weights(model, directory / "model.safetensors", meta)
+        with warnings.catch_warnings():  # saves from before the digests: the weights are loaded here
+            warnings.simplefilter("ignore", UnitsOnlyWarning)
+            model = linearize.from_pretrained(model, directory, example_inputs=example)
+    _load_weights(model, weights, path, meta)
     return model.eval()
 
 
@@ -263,9 +287,10 @@ def _select(names: list[str], n: int | None) -> list[int]:
     return sorted(torch.randperm(len(names), generator=g)[:n].tolist())
 
 
-def _decode(data: bytes, size: int) -> torch.Tensor:
+def _decode(data: bytes, size: int, where: str) -> torch.Tensor:
     from torchvision.io import ImageReadMode, decode_image
 
+    image_size(data, where)  # refuses an image that would decode to a huge map
     img = decode_image(torch.frombuffer(bytearray(data), dtype=torch.uint8), mode=ImageReadMode.RGB)
     if img.shape[-1] != size or img.shape[-2] != size:
         img = F.interpolate(img[None].float(), size=(size, size), mode="bilinear", antialias=True,
@@ -316,7 +341,7 @@ def _tensors(chosen: list[tuple[str, str]], classes: list[str], read, split: str
     x = torch.empty(len(chosen), 3, size, size, dtype=torch.uint8)
     y = torch.empty(len(chosen), dtype=torch.long)
     for i, (p, c) in enumerate(tqdm(chosen, desc=f"decode {split}", disable=not show, leave=False)):
-        x[i] = _decode(read(p), size)
+        x[i] = _decode(read(p), size, p)
         y[i] = classes.index(c)
     return {"x": x, "y": y, "classes": classes}
 
@@ -754,8 +779,8 @@ def save_final(model: nn.Module, directory: Path, args: argparse.Namespace, clas
     from safetensors.torch import save_file
 
     with common.replaced_dir(directory) as stage:  # the three files replace the old ones together
-        if args.linearize != "none":
-            linearize.save_pretrained(model, stage)
+        if args.linearize != "none":  # the units, and digests of the weights model.safetensors holds
+            linearize.save_pretrained(model, stage, weights=False)
         save_file({k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()},
                   str(stage / "model.safetensors"))
         meta = {"arch": args.arch, "num_classes": len(classes), "classes": classes, "dataset": args.dataset,

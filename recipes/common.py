@@ -421,7 +421,8 @@ def fold_and_report(model: nn.Module, args: argparse.Namespace, example_inputs: 
         folded = _feature("fold")(model, example_inputs)
         path = output_dir / "folded"
         with replaced_dir(path) as stage:  # never a half-written folded/ beside an older metrics.json
-            _feature("save_folded")(folded, stage, example_inputs=example_inputs)
+            # the recipes build their models themselves: load_folded(dir, base=<the recipe's model>)
+            _feature("save_folded")(folded, stage, builder="plain", example_inputs=example_inputs)
         summary = folded.linearize_fold_summary
         out["fold"] = {"path": str(path), "params_before": summary.params_before, "params_after": summary.params_after,
                        "flops_before": summary.flops_before, "flops_after": summary.flops_after,
@@ -1026,10 +1027,11 @@ def read_recipe_json(directory: str | Path, required: Iterable[str] = ()) -> dic
 
 
 def file_records(directory: Path, exclude: Iterable[str] = ("recipe.json",)) -> dict[str, dict]:
-    """``{name: {"size", "sha256"}}`` of the files directly in ``directory`` (less ``exclude``): the
-    ``files`` field of a saved model's ``recipe.json``, which :func:`check_files` verifies on load."""
-    return {f.name: {"size": f.stat().st_size, "sha256": file_sha256(f)}
-            for f in sorted(Path(directory).iterdir()) if f.is_file() and f.name not in set(exclude)}
+    """``{name: {"size", "sha256"}}`` of the files directly in ``directory`` (less ``exclude`` and hidden files,
+    such as the save lock of ``linearize.save_pretrained``): the ``files`` field of a saved model's
+    ``recipe.json``, which :func:`check_files` verifies on load."""
+    return {f.name: {"size": f.stat().st_size, "sha256": file_sha256(f)} for f in sorted(Path(directory).iterdir())
+            if f.is_file() and f.name not in set(exclude) and not f.name.startswith(".")}
 
 
 def check_files(directory: str | Path, meta: dict) -> None:

@@ -99,8 +99,9 @@ SMALL_FILES = ("metrics.json", "sparsifier_history.json")
 
 
 def _small_files(run: Path) -> dict[str, Path]:
-    """``{relative path: file}`` of what gets committed: ``model/*``, metrics, sparsifier history."""
-    files = {f"model/{p.name}": p for p in sorted((run / "model").iterdir()) if p.is_file()}
+    """``{relative path: file}`` of what gets committed: ``model/*`` (not hidden files: the save lock),
+    metrics, sparsifier history."""
+    files = {f"model/{p.name}": p for p in sorted((run / "model").iterdir()) if p.is_file() and not p.name.startswith(".")}
     return files | {f: run / f for f in SMALL_FILES if (run / f).is_file()}
 
 

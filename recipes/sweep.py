@@ -115,11 +115,12 @@ def train(jobs: list[Job], runs: Path, n_jobs: int, threads: int, poll_s: float 
     running: dict[str, tuple[subprocess.Popen, float]] = {}
     failed: dict[str, str] = {}
     seen_done: set[str] = set()
+    changed: set[str] = set()  # done, but with other arguments than planned now
     announced: set[str] = set()
     deadline = time.time() + 3600 * max_hours
     conflicts = _shared_folders(jobs, runs)  # never started, collected or counted as done
     failed.update(conflicts)
-    n_done = sum(is_done(runs / j.name) for j in jobs)
+    n_done = sum(is_done(runs / j.name) and not plan_changed(j, runs / j.name) for j in jobs)
     print(f"{n_done} of {len(jobs)} runs already done; {n_jobs} at a time, {threads} thread(s) each", flush=True)
     while True:
         for name, (proc, t0) in list(running.items()):
@@ -139,9 +140,13 @@ def train(jobs: list[Job], runs: Path, n_jobs: int, threads: int, poll_s: float 
             run = runs / j.name
             if j.name in running:
                 state[j.name] = "running"
-            elif j.name in conflicts:
+            elif j.name in conflicts or j.name in changed:
                 state[j.name] = "failed"
-            elif is_done(run):
+            elif is_done(run) and j.name not in changed and (why := plan_changed(j, run)):
+                changed.add(j.name)  # checked once: a finished run's metrics.json no longer changes
+                state[j.name] = "failed"
+                failed[j.name] = why
+            elif is_done(run) and j.name not in changed:
                 state[j.name] = "done"
                 if on_done and j.name not in seen_done:
                     try:
@@ -261,13 +266,33 @@ def link_run(runs: Path, name: str, source: Path) -> bool:
     return True
 
 
+def _differences(job: Job, theirs: dict) -> str:
+    """The arguments (but ``common.NEUTRAL_ARGS``) in which a run's ``theirs`` differs from ``job``'s plan,
+    as ``"name (theirs, planned ours)"``; "" when none."""
+    import importlib
+
+    from common import NEUTRAL_ARGS, json_value
+
+    recipe = importlib.import_module(Path(job.argv[0]).stem)  # cifar / wmt14: their own parse_args
+    ours = vars(recipe.parse_args(job.argv[1:]))
+    return ", ".join(f"{k} ({json_value(theirs[k])!r}, planned {json_value(ours[k])!r})" for k in ours
+                     if k in theirs and k not in NEUTRAL_ARGS and json_value(theirs[k]) != json_value(ours[k]))
+
+
+def plan_changed(job: Job, run: Path) -> str:
+    """Why the finished run in ``run`` is not ``job`` any more (its plan was edited since: another
+    ``--target``, ``--epochs``, ...), or "" when its ``metrics.json`` arguments are the planned ones."""
+    theirs = _read(run / "metrics.json").get("args")
+    diff = _differences(job, theirs) if isinstance(theirs, dict) else ""
+    return (f"{run} finished with other arguments than planned now: {diff}; its result is not this job's. Move "
+            "the folder away (or delete it) to run the job as planned, or restore the plan") if diff else ""
+
+
 def adopt(job: Job, runs: Path, source: Path) -> None:
     """Link ``source``, the output folder of a run of ``job`` started by hand (finished or still
     running), as ``runs/<job.name>`` (:func:`link_run`), after checking that its arguments (from its
     ``metrics.json`` or its live process) are the job's, except ``common.NEUTRAL_ARGS``."""
     import importlib
-
-    from common import NEUTRAL_ARGS, json_value
 
     source = source.resolve()
     if not source.is_dir():
@@ -282,14 +307,9 @@ def adopt(job: Job, runs: Path, source: Path) -> None:
     if theirs is None:
         print(f"--adopt {job.name}: {source} has no metrics.json and no live process: its arguments are not checked; "
               "the runner resumes it from its latest checkpoint with the planned arguments")
-    else:
-        ours = vars(recipe.parse_args(job.argv[1:]))
-        diff = {k: (theirs[k], ours[k]) for k in ours if k in theirs and k not in NEUTRAL_ARGS
-                and json_value(theirs[k]) != json_value(ours[k])}
-        if diff:
-            raise SystemExit(f"--adopt {job.name}={source}: {origin} differs from the planned run in "
-                             + ", ".join(f"{k} ({a!r}, planned {b!r})" for k, (a, b) in diff.items())
-                             + f"; adopt a run of `{shlex.join(['python'] + job.argv)}`, or let the runner train it")
+    elif diff := _differences(job, theirs):
+        raise SystemExit(f"--adopt {job.name}={source}: {origin} differs from the planned run in {diff}; adopt a run "
+                         f"of `{shlex.join(['python'] + job.argv)}`, or let the runner train it")
     if link_run(runs, job.name, source):
         print(f"adopted {source} as {runs / job.name}")
 

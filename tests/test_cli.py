@@ -100,3 +100,28 @@ def test_trust_pickle_loads_a_pickled_module(tmp_path, capsys):
     with pytest.raises(TypeError, match=rf"{re.escape(str(path))} holds a \w+, not a pickled nn.Module"):
         load_model(path)
 
+
+
+def test_input_shape_refuses_absurd_sizes_before_allocating():
+    import argparse
+
+    from linearize.cli import input_shape
+
+    assert input_shape("1,3,224,224") == (1, 3, 224, 224)
+    for text, why in (("100000,3,224,224", r"15,052,800,000 values"), ("1,1,1,1,1,1,1,1,1", r"in 9 dims"),
+                      ("0,3", "positive sizes"), ("a,b", "positive sizes")):
+        with pytest.raises(argparse.ArgumentTypeError, match=why):
+            input_shape(text)
+
+
+def test_the_demo_runs_on_the_threads_asked_and_restores_torchs(monkeypatch):
+    import torch
+
+    import linearize.demo as demo
+
+    seen = []
+    monkeypatch.setattr(demo, "_run_demo", lambda *a: seen.append(torch.get_num_threads()) or {})
+    before = torch.get_num_threads()
+    main(["demo", "--epochs", "1"])
+    main(["demo", "--epochs", "1", "--threads", "2"])
+    assert seen == [1, 2] and torch.get_num_threads() == before

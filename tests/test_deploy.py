@@ -72,7 +72,7 @@ def test_folded_torchvision_and_timm_round_trip(tmp_path):
 def test_plain_models(tmp_path):
     x = torch.randn(2, 3, 8, 8, generator=torch.Generator().manual_seed(0))
     seq = _half_linear(nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Flatten(), nn.Linear(144, 3)), x)
-    linearize.save_folded(seq, tmp_path / "seq")
+    linearize.save_folded(seq, tmp_path / "seq", example_inputs=x)  # an 8x8 input: no guess fits its Linear
     assert torch.equal(_call(linearize.load_folded(tmp_path / "seq"), x), _call(seq, x))  # torch.nn only: no base
     net = _half_linear(Net(), x)
     linearize.save_folded(net, tmp_path / "net")
@@ -84,14 +84,14 @@ def test_plain_models(tmp_path):
 def test_unknown_classes_and_damage_are_refused(tmp_path):
     x = torch.randn(2, 3, 8, 8)
     seq = _half_linear(nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Flatten(), nn.Linear(144, 3)), x)
-    linearize.save_folded(seq, tmp_path)
+    linearize.save_folded(seq, tmp_path, example_inputs=x)
     meta_path = tmp_path / "folded.json"
     meta = json.loads(meta_path.read_text())
     meta["modules"][1]["class"] = "os.system"
     meta_path.write_text(json.dumps(meta))
     with pytest.raises(LoadError, match=r"folded\.json.*os\.system"):
         linearize.load_folded(tmp_path)
-    linearize.save_folded(seq, tmp_path)
+    linearize.save_folded(seq, tmp_path, example_inputs=x)
     weights = tmp_path / json.loads(meta_path.read_text())["weights"]["file"]
     raw = bytearray(weights.read_bytes())
     raw[-1] ^= 1
@@ -234,20 +234,69 @@ def test_timm_arguments_no_save_records_are_caught_and_base_loads_them(tmp_path)
     assert torch.equal(_call(linearize.load_folded(tmp_path, base=vit()), x), _call(folded, x))
 
 
-def test_a_model_without_a_guessable_input_saves_without_a_probe(tmp_path):
+def test_a_model_without_a_probe_is_refused_unless_told_probe_false(tmp_path):
     class NoLayers(nn.Module):
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             return x.relu()
 
-    linearize.save_folded(NoLayers(), tmp_path)
-    assert json.loads((tmp_path / "folded.json").read_text())["probe"]["why_not"].startswith("no input to guess")
+    with pytest.raises(ValueError, match=r"no probe for load_folded to check the rebuilt NoLayers with \(no input to "
+                                         r"guess.*pass example_inputs=.*or probe=False"):
+        linearize.save_folded(NoLayers(), tmp_path)
+    assert not tmp_path.joinpath("folded.json").exists()
+    linearize.save_folded(NoLayers(), tmp_path, probe=False)
+    assert json.loads((tmp_path / "folded.json").read_text())["probe"] == {"saved": False, "why_not": "probe=False"}
+    with pytest.raises(ValueError, match="not both"):
+        linearize.save_folded(NoLayers(), tmp_path, probe=False, example_inputs=torch.randn(2, 3))
     with pytest.raises(ValueError, match="fails on its example_inputs"):
         linearize.save_folded(nn.Linear(4, 2), tmp_path / "bad", example_inputs=torch.randn(3, 5))
     uncopyable = nn.Linear(4, 2)
     uncopyable.stream = (i for i in range(3))  # copy.deepcopy refuses a generator
-    linearize.save_folded(uncopyable, tmp_path / "gen")
-    assert "cannot be copied" in json.loads((tmp_path / "gen" / "folded.json").read_text())["probe"]["why_not"]
+    with pytest.raises(ValueError, match=r"the model cannot be copied .*; pass probe=False"):
+        linearize.save_folded(uncopyable, tmp_path / "gen", example_inputs=torch.randn(3, 4))
+    linearize.save_folded(uncopyable, tmp_path / "gen", probe=False)
     assert torch.equal(linearize.load_folded(tmp_path / "gen").weight, uncopyable.weight)
+
+
+class _TwoInputs(nn.Module):
+    def __init__(self, scale: float = 1.0) -> None:
+        super().__init__()
+        self.a, self.b, self.act, self.out = nn.Linear(4, 8), nn.Linear(3, 8), nn.ReLU(), nn.Linear(8, 2)
+        self.scale = scale
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return self.out(self.act(self.a(x) + self.b(y))) * self.scale
+
+
+def test_a_two_input_model_needs_example_inputs_for_its_probe(tmp_path):
+    """save_folded of a two-input model without example_inputs saved no probe and said nothing: a base built
+    with another argument then loaded unchecked (0.449 off). It is refused, naming example_inputs; with
+    them, the probe catches that base."""
+    g = torch.Generator().manual_seed(0)
+    x = {"x": torch.randn(5, 4, generator=g), "y": torch.randn(5, 3, generator=g)}
+    folded = _half_linear(_TwoInputs(), x)
+    truth = _call(folded, x)  # before saving
+    with pytest.raises(ValueError, match=r"no probe .*_TwoInputs.*pass example_inputs="):
+        linearize.save_folded(folded, tmp_path)
+    linearize.save_folded(folded, tmp_path, example_inputs=x)
+    with pytest.raises(LoadError, match="does not compute what the saved one did"):
+        linearize.load_folded(tmp_path, base=_TwoInputs(2.0))
+    assert torch.equal(_call(linearize.load_folded(tmp_path, base=_TwoInputs()), x), truth)
+
+
+def test_a_torchvision_model_without_builder_is_refused_at_save(tmp_path):
+    """save_folded accepted a torchvision model without builder= that load_folded then refused (its classes
+    need a base): refused when saved, naming builder=; with it the model loads back."""
+    tv = pytest.importorskip("torchvision")
+    torch.manual_seed(0)
+    model = tv.models.resnet18(num_classes=10).eval()
+    x = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(0))
+    truth = _call(model, x)
+    with pytest.raises(ValueError, match=r"torchvision.models.resnet.ResNet is a torchvision model.*"
+                                         r"builder='torchvision:NAME'.*builder_kwargs"):
+        linearize.save_folded(model, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+    linearize.save_folded(model, tmp_path / "out", builder="torchvision:resnet18", builder_kwargs={"num_classes": 10})
+    assert torch.equal(_call(linearize.load_folded(tmp_path / "out"), x), truth)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -414,3 +463,24 @@ def test_crafted_attributes_are_refused(tmp_path, attributes, match):
     (tmp_path / "folded.json").write_text(json.dumps(meta))
     with pytest.raises(LoadError, match=match):
         linearize.load_folded(tmp_path)
+
+
+def test_builder_plain_saves_a_changed_torchvision_model_for_a_base_given_at_load(tmp_path):
+    import torchvision
+
+    def build() -> nn.Module:
+        model = torchvision.models.resnet18(num_classes=4)
+        model.conv1 = nn.Conv2d(3, 64, 3, 1, 1, bias=False)  # a CIFAR stem: no builder name rebuilds it
+        model.maxpool = nn.Identity()
+        return model.eval()
+
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 16, 16)
+    model = linearize.convert(build(), example_inputs=x)
+    folded = linearize.fold(model, x, latency=False)
+    with pytest.raises(ValueError, match=r"builder='plain' when your own code builds it"):
+        linearize.save_folded(folded, tmp_path / "a", example_inputs=x)
+    linearize.save_folded(folded, tmp_path / "b", builder="plain", example_inputs=x)
+    loaded = linearize.load_folded(tmp_path / "b", base=build())
+    with torch.no_grad():
+        assert torch.allclose(loaded(x), model(x), atol=1e-5)

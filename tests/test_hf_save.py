@@ -244,3 +244,37 @@ def test_folded_and_gated_models_are_guarded(tmp_path):
     for name in ("feature", "value"):
         getattr(gated, name).save_pretrained(tmp_path / name)
         _plain_load_fails(hf.BertModel, tmp_path / name)
+
+
+def _classifier(seed: int, num_labels: int = 2) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return hf.BertForSequenceClassification(hf.BertConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                                          intermediate_size=64, vocab_size=100,
+                                                          num_labels=num_labels)).eval()
+
+
+@pytest.mark.parametrize("sidecar", [False, True])
+def test_an_instance_gets_the_weights_of_the_hf_save_too(tmp_path, sidecar):
+    """linearize.from_pretrained(instance, hf_save): the instance (built with other random weights) gets the
+    folder's weights as well as its units: the logits of the saved model (0.0196 off before), with the
+    manifest in config.json alone or a sidecar beside it."""
+    model = _trained(_classifier(0))
+    ids = torch.randint(0, 100, (3, 7), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        truth = model(input_ids=ids).logits  # before saving
+    model.save_pretrained(tmp_path)
+    if sidecar:
+        linearize.save_pretrained(model, tmp_path)
+    fresh = _classifier(1)
+    loaded = linearize.from_pretrained(fresh, tmp_path)
+    assert loaded is fresh
+    with torch.no_grad():
+        assert torch.equal(loaded(input_ids=ids).logits, truth)
+
+
+def test_an_instance_of_another_architecture_is_refused_with_the_fix(tmp_path):
+    _trained(_classifier(0)).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=r"the BertForSequenceClassification given does not fit the weights saved in "
+                                         r".*other shapes \['classifier.bias', 'classifier.weight'\].*"
+                                         r"linearize.from_pretrained\(BertForSequenceClassification, "):
+        linearize.from_pretrained(_classifier(0, num_labels=3), tmp_path)

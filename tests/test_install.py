@@ -88,3 +88,18 @@ def test_the_core_runs_without_any_extra():
     proc = _run_hidden(set(EXTRAS), "import runpy; runpy.run_path('tests/core_install_check.py', run_name='__main__')")
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert "core install OK" in proc.stdout
+
+
+def test_the_package_ships_its_license_types_marker_and_version(capsys):
+    from importlib.metadata import version
+
+    from linearize.cli import main
+
+    assert PYPROJECT["license"] == "Apache-2.0" and PYPROJECT["license-files"] == ["LICENSE"]
+    text = (REPO / "LICENSE").read_text()
+    assert "Apache License" in text and "Version 2.0, January 2004" in text
+    assert (REPO / "linearize" / "py.typed").is_file()
+    assert "py.typed" in tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["linearize"]
+    with pytest.raises(SystemExit) as exit_:
+        main(["--version"])
+    assert exit_.value.code == 0 and capsys.readouterr().out.strip() == f"linearize {version('linearize')}"

@@ -226,6 +226,25 @@ def test_adopt_checks_the_arguments_of_finished_and_running_runs(tree, swept, tm
             p.wait()
 
 
+def test_a_finished_run_whose_plan_was_edited_is_not_counted_done(tree, swept, capsys):
+    import reproduce_full
+
+    job = {j.name: j for j in reproduce_full.plan("tiny", str(tree["data"]), tree["runs"])}["r20_late_10_s0"]
+    assert sweep.is_done(tree["runs"] / job.name) and not sweep.plan_changed(job, tree["runs"] / job.name)
+    argv = list(job.argv)
+    argv[argv.index("--target") + 1] = "0.3"  # the plan edited after the run finished
+    edited = sweep.Job(job.name, argv, job.deps, job.meta)
+    before = jobs_json(tree)
+    collected: list[str] = []
+    failures = sweep.train([edited], tree["runs"], n_jobs=1, threads=1, poll_s=0.1, max_hours=1 / 3600,
+                           on_done=collected.append)
+    out = capsys.readouterr().out
+    assert failures == 1 and collected == [], out  # the old result is neither collected nor counted
+    assert "0 of 1 runs already done" in out and "FAILED r20_late_10_s0" in out
+    assert "finished with other arguments than planned now: target (0.1, planned 0.3)" in out
+    assert jobs_json(tree) == before  # and not started again over it
+
+
 def started_by_hand(argv: list[str]) -> subprocess.Popen:
     """A process whose command line is that of a recipe run (it only sleeps), once ``/proc`` shows it."""
     proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"] + argv)

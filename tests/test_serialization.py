@@ -16,6 +16,7 @@ from torch import nn
 
 import linearize
 from linearize import serialization
+from linearize._files import SAVE_LOCK_NAME
 from linearize.serialization import CONFIG_NAME
 
 
@@ -43,7 +44,8 @@ def test_round_trip_is_bit_identical(tmp_path):
     linearize.save_pretrained(model, tmp_path)
     meta = json.loads((tmp_path / CONFIG_NAME).read_text())
     weights = tmp_path / meta["weights"]["file"]
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([CONFIG_NAME, weights.name])
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([CONFIG_NAME, weights.name, SAVE_LOCK_NAME])
+    assert (tmp_path / SAVE_LOCK_NAME).stat().st_size == 0  # the (empty) save lock stays in the folder
     digest = hashlib.sha256(weights.read_bytes()).hexdigest()
     assert meta["weights"]["sha256"] == digest and weights.name == f"linearize_units-{digest[:16]}.safetensors"
     assert len(meta["sites"]) == 17 and meta["config"]["mode"] == "prelu"
@@ -195,7 +197,7 @@ def test_interrupted_save_leaves_the_previous_save_or_the_new_one_never_a_mix(tm
     else:  # the new save, complete
         assert_same_units(loaded, unit_state(new))
         linearize.save_pretrained(new, tmp_path)  # the next save removes the previous tensor file
-        assert len(snapshot(tmp_path)) == 2
+        assert sorted(snapshot(tmp_path)) == sorted([CONFIG_NAME, tensor_file(tmp_path).name, SAVE_LOCK_NAME])
 
 
 @pytest.mark.parametrize("failing", ["tensors", "manifest"])
@@ -223,13 +225,16 @@ def test_failed_first_save_leaves_nothing_that_loads(tmp_path, monkeypatch, call
     with pytest.raises(OSError):
         linearize.save_pretrained(trained_small(1), tmp_path / "new")
     monkeypatch.undo()
-    assert not (tmp_path / "new").exists()
-    (tmp_path / "kept").mkdir()  # a directory that existed before is kept, and left empty
+    # the folder stays, with its (empty) save lock only: removing it could pull it from under a waiting save
+    assert [p.name for p in (tmp_path / "new").iterdir()] == [SAVE_LOCK_NAME]
+    with pytest.raises(FileNotFoundError, match="no linearize sidecar"):
+        linearize.from_pretrained(small(), tmp_path / "new", example_inputs=XS)
+    (tmp_path / "kept").mkdir()  # a directory that existed before is kept, and left empty but for the lock
     fail_nth(monkeypatch, call, n)
     with pytest.raises(OSError):
         linearize.save_pretrained(trained_small(1), tmp_path / "kept")
     monkeypatch.undo()
-    assert list((tmp_path / "kept").iterdir()) == []
+    assert [p.name for p in (tmp_path / "kept").iterdir()] == [SAVE_LOCK_NAME]
 
 
 def test_save_killed_after_writing_the_tensors_still_loads_the_previous_save(tmp_path):
@@ -244,7 +249,8 @@ def test_save_killed_after_writing_the_tensors_still_loads_the_previous_save(tmp
     assert_same_units(unit_state(linearize.from_pretrained(small(), directory, example_inputs=XS)), unit_state(old))
     (directory / "model.safetensors").write_bytes(b"not ours")  # the base model's files are left alone
     linearize.save_pretrained(old, directory)
-    assert sorted(snapshot(directory)) == sorted([CONFIG_NAME, tensor_file(directory).name, "model.safetensors"])
+    assert sorted(snapshot(directory)) == sorted([CONFIG_NAME, tensor_file(directory).name, "model.safetensors",
+                                                  SAVE_LOCK_NAME])
 
 
 def test_reader_racing_a_save_loads_the_new_pair(tmp_path, monkeypatch):
@@ -282,13 +288,26 @@ def test_save_refuses_a_state_that_would_not_load_back(tmp_path):
 # ----------------------------------------------------------------------------- validated loads
 
 
-def to_format_1(directory) -> None:
-    """Turn a save into a format-1 sidecar (fixed tensor file name, no checksum), as older versions wrote."""
+def to_format(directory, fmt: int) -> None:
+    """Turn a save into a sidecar of an older format, as older versions wrote: the units only (no model
+    weights, no ``base``); format 1 also has a fixed tensor file name and no checksum."""
     meta = manifest(directory)
-    if "weights" in meta:
-        (directory / meta.pop("weights")["file"]).rename(directory / "linearize_units.safetensors")
-        meta["format"] = 1
-        (directory / CONFIG_NAME).write_text(json.dumps(meta))
+    path = tensor_file(directory)
+    tensors = {k: t for k, t in safetensors.torch.load(path.read_bytes()).items()
+               if not k.startswith(serialization.MODEL_PREFIX)}
+    path.unlink()
+    data = safetensors.torch.save(tensors)
+    del meta["base"]
+    if fmt == 1:
+        del meta["weights"]
+        path = directory / "linearize_units.safetensors"
+    else:
+        digest = hashlib.sha256(data).hexdigest()
+        path = directory / f"linearize_units-{digest[:16]}.safetensors"
+        meta["weights"] = {"file": path.name, "bytes": len(data), "sha256": digest}
+    meta["format"] = fmt
+    path.write_bytes(data)
+    (directory / CONFIG_NAME).write_text(json.dumps(meta))
 
 
 def rewrite_tensors(directory, edit) -> None:
@@ -335,13 +354,13 @@ TAMPERED = {  # edit of the saved tensors -> what the error says (unit "3" has 6
 }
 
 
-@pytest.mark.parametrize("fmt", [1, 2])
+@pytest.mark.parametrize("fmt", [1, 3])
 @pytest.mark.parametrize("case", sorted(TAMPERED))
 def test_load_refuses_tampered_unit_tensors(tmp_path, case, fmt):
     edit, message = TAMPERED[case]
     linearize.save_pretrained(trained_small(1), tmp_path)
     if fmt == 1:
-        to_format_1(tmp_path)
+        to_format(tmp_path, 1)
     rewrite_tensors(tmp_path, edit)
     base = small()
     with pytest.raises(ValueError, match=message) as err:
@@ -351,11 +370,19 @@ def test_load_refuses_tampered_unit_tensors(tmp_path, case, fmt):
     assert linearize.units(base) == []  # refused before the model was converted
 
 
-def test_format_1_sidecar_still_loads(tmp_path):
+@pytest.mark.parametrize("fmt", [1, 2])
+def test_older_sidecars_still_load_their_units_onto_the_model_with_a_warning(tmp_path, fmt):
+    """Formats 1 and 2 hold the units only: they load onto the weights the model has, saying so."""
     model = trained_small(1)
     linearize.save_pretrained(model, tmp_path)
-    to_format_1(tmp_path)
-    assert_same_units(unit_state(linearize.from_pretrained(small(), tmp_path, example_inputs=XS)), unit_state(model))
+    to_format(tmp_path, fmt)
+    with pytest.warns(serialization.UnitsOnlyWarning,
+                      match=rf"holds the units only \(written by an older linearize, sidecar format {fmt}\).*"
+                            r"load those first \(model.load_state_dict\)"):
+        loaded = linearize.from_pretrained(small(), tmp_path, example_inputs=XS)
+    assert_same_units(unit_state(loaded), unit_state(model))
+    with torch.no_grad():
+        assert torch.equal(loaded(XS), model(XS))  # small() is the same seeded base
 
 
 def flip_bit_in(key: str):
@@ -378,6 +405,8 @@ def truncate(path) -> None:
 
 DAMAGED_TENSOR_FILE = {  # damage to the tensor file, the manifest untouched -> what the error says
     "bit flip": (flip_bit_in("3.slope"), r"does not match the SHA-256 recorded at save time \(changed: 3.slope\)"),
+    "bit flip in a weight": (flip_bit_in("__linearize_model__.5.weight"),
+                             r"does not match the SHA-256 .*\(changed: __linearize_model__.5.weight\)"),
     "truncated": (truncate, r"has \d+ bytes, linearize_config.json recorded \d+ at save time \(truncated\?\)"),
     "missing": (lambda p: p.unlink(), r"is missing, though linearize_config.json names it"),
 }
@@ -398,7 +427,7 @@ def test_load_refuses_a_damaged_tensor_file(tmp_path, case):
 
 def test_load_refuses_a_truncated_format_1_tensor_file(tmp_path):
     linearize.save_pretrained(trained_small(1), tmp_path)
-    to_format_1(tmp_path)
+    to_format(tmp_path, 1)
     path = tensor_file(tmp_path)
     truncate(path)
     with pytest.raises(ValueError, match=re.escape(str(path)) + r": not a readable safetensors file") as err:
@@ -424,6 +453,8 @@ TAMPERED_MANIFEST = {  # damage to linearize_config.json -> what the error says
     "bad site": (edit_manifest(lambda m: m["sites"][0].update(num_channels="8")), r"'sites' must be a list"),
     "path in weights": (edit_manifest(lambda m: m["weights"].update(file="../../etc/passwd")), r"'weights' must be"),
     "future format": (edit_manifest(lambda m: m.update(format=99)), r"unsupported sidecar format 99"),
+    "no base": (edit_manifest(lambda m: m.pop("base")), r"'base' must be \{saved: true\}"),
+    "bad base": (edit_manifest(lambda m: m.update(base={"saved": "yes"})), r"'base' must be"),
 }
 
 
@@ -461,3 +492,97 @@ def test_load_unit_tensors_reads_a_save_without_a_model(tmp_path):
     rewrite_tensors(tmp_path, set_value("3.slope", 0, 2.0))
     with pytest.raises(ValueError, match=r"unit '3': slope 2.0 at channel 0 lies outside \[0, 1\]"):
         serialization.load_unit_tensors(tmp_path)
+
+
+# ----------------------------------------------------------------------------- the model's own weights
+
+
+def test_a_fresh_model_gets_the_saved_weights_not_only_the_slopes(tmp_path):
+    """A save of a model that is not a Hugging Face model holds its weights: loaded into a freshly built
+    model (other random weights), the outputs are those of the saved model, not the saved slopes on the
+    fresh weights (logits 13.8 off before)."""
+    model = trained_like(build())
+    x = torch.randn(4, 3, 32, 32, generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        truth = model(x)  # before saving
+    linearize.save_pretrained(model, tmp_path)
+    torch.manual_seed(7)
+    fresh = torchvision.models.resnet18(weights=None, num_classes=10).eval()
+    with torch.no_grad():
+        assert not torch.equal(fresh.fc.weight, model.fc.weight)
+    loaded = linearize.from_pretrained(fresh, tmp_path, example_inputs=X)
+    assert loaded is fresh
+    with torch.no_grad():
+        assert torch.equal(loaded(x), truth)
+    assert manifest(tmp_path)["base"] == {"saved": True} and manifest(tmp_path)["format"] == 3
+
+
+def test_weights_of_another_shape_are_refused_before_they_are_loaded(tmp_path):
+    """Same units (sites), other head: the saved weights do not fit the model given."""
+    linearize.save_pretrained(trained_small(1), tmp_path)
+    other = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 6, 3, padding=1), nn.ReLU(),
+                          nn.Flatten(), nn.Linear(6 * 8 * 8, 7))
+    with pytest.raises(linearize.LoadError, match=r"tensor '5\.(weight|bias)' is torch.float32 \(5,.*\), the model "
+                                                  r"expects torch.float32 \(7,.*Build the same architecture"):
+        linearize.from_pretrained(other, tmp_path, example_inputs=XS)
+    with pytest.raises(linearize.LoadError, match=r"the saved model does not match the rebuilt one \(missing "
+                                                  r"\['4.bias', '4.weight', '6.bias', '6.weight'\], "
+                                                  r"unexpected \['5.bias', '5.weight'\]\)"):
+        linearize.from_pretrained(nn.Sequential(*small()[:4], nn.Conv2d(6, 6, 1), nn.Flatten(),
+                                                nn.Linear(6 * 8 * 8, 5)), tmp_path, example_inputs=XS)
+
+
+def _bert(seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    return hf.BertModel(hf.BertConfig(vocab_size=99, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                      intermediate_size=64)).eval()
+
+
+def test_sidecar_of_a_hf_model_refuses_a_model_with_other_weights(tmp_path):
+    """A Hugging Face model's sidecar holds its units and their weights' digests (the weights go in its own
+    save_pretrained): loaded into a model with other weights (and no HF save in the folder), it is refused,
+    naming the fix; into the model it was saved from (or a float64 copy: same values), it loads exactly."""
+    model = linearize.convert(_bert(0))
+    with torch.no_grad():
+        for _, u in linearize.units(model):
+            u.slope.uniform_()
+    ids = torch.randint(0, 99, (2, 9), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        truth = model(ids).last_hidden_state
+    linearize.save_pretrained(model, tmp_path)
+    with pytest.raises(linearize.LoadError, match=r"the weights of the BertModel given are not those the units were "
+                                                  r"saved with \(\d+ of them differ.*model.save_pretrained"):
+        linearize.from_pretrained(_bert(1), tmp_path)
+    assert not any(k.startswith(serialization.MODEL_PREFIX) for k in serialization.load_unit_tensors(tmp_path))
+    with torch.no_grad():
+        assert torch.equal(linearize.from_pretrained(_bert(0), tmp_path)(ids).last_hidden_state, truth)
+        wide = linearize.from_pretrained(_bert(0).double(), tmp_path)(ids).last_hidden_state
+    torch.testing.assert_close(wide, truth.double(), rtol=1e-5, atol=1e-5)
+
+
+def test_sidecar_of_a_hf_head_model_checks_the_weights_its_base_model_shares(tmp_path):
+    """Units of a masked-LM saved as a sidecar, loaded into its base class: the base model's weights are checked
+    against those the head model's base had (its prefix removed); the head's own are not the base model's."""
+    config = hf.BertConfig(vocab_size=99, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                           intermediate_size=64)
+    torch.manual_seed(0)
+    mlm = hf.BertForMaskedLM(config).eval()
+    own = {k[len("bert."):]: v.clone() for k, v in mlm.state_dict().items() if k.startswith("bert.")}
+    linearize.convert(mlm)
+    with torch.no_grad():
+        for _, u in linearize.units(mlm):
+            u.slope.uniform_()
+    ids = torch.randint(0, 99, (2, 9), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        truth = mlm.bert(ids).last_hidden_state
+    linearize.save_pretrained(mlm, tmp_path)
+    torch.manual_seed(1)
+    with pytest.warns(UserWarning, match="saved unit"), pytest.raises(
+            linearize.LoadError, match=r"the weights of the BertModel given are not those the units"):
+        linearize.from_pretrained(hf.BertModel(config, add_pooling_layer=False).eval(), tmp_path)
+    base = hf.BertModel(config, add_pooling_layer=False).eval()
+    base.load_state_dict(own)
+    with pytest.warns(UserWarning, match="saved unit"):  # the head's unit is not in the base model
+        loaded = linearize.from_pretrained(base, tmp_path)
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).last_hidden_state, truth)

@@ -479,3 +479,32 @@ def test_half_precision_slopes_whose_push_rounds_away_warn_and_float32_slopes_mo
     for _ in range(999):
         opt.step()
     assert all(float(u.slope.detach().min()) > 0.99 for _, u in linearize.units(model))  # 1000 x 1e-3 from 0
+
+
+
+class _WithBlock(nn.Module):
+    """A ReLU, then a module named ``block`` holding two units, then a head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(nn.Linear(4, 8), nn.ReLU())
+        self.block = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU())
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.block(self.stem(x)))
+
+
+def test_blocks_given_as_one_string_is_refused_not_read_per_character():
+    """``blocks="block"`` was read per character ('b', 'l', ...: "modules the model does not have"; with
+    one-letter module names it would group the wrong sites silently): a string is refused with the fix,
+    and so is a module in place of its name; the list of the name groups the block's two sites."""
+    model = linearize.convert(_WithBlock())
+    names = [n for n, _ in linearize.units(model)]
+    with pytest.raises(TypeError, match=r"blocks must be a list of module names, got the string 'block'.*"
+                                        r"blocks=\['block'\]"):
+        linearize.Sparsifier(model, S.constant(0.1), total_steps=10, granularity="block", blocks="block")
+    with pytest.raises(TypeError, match=r"blocks must hold module names .* got Sequential"):
+        linearize.Sparsifier(model, S.constant(0.1), total_steps=10, granularity="block", blocks=[model.block])
+    assert linearize.sparsifier.site_groups(model, ["block"]) == {names[0]: [names[0]], "block": names[1:]}
+    linearize.Sparsifier(model, S.constant(0.1), total_steps=10, granularity="block", blocks=["block"])

@@ -7,6 +7,7 @@ the files it reads (image folders and archives, JSONL text, checkpoints) are :mo
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from typing import Any
 
@@ -20,6 +21,9 @@ def _inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+MAX_INPUT_ELEMENTS = 2**26  # 256 MiB of float32: the probe input of --input-shape is one small batch
+
+
 def input_shape(text: str) -> tuple[int, ...]:
     """An ``argparse`` ``type=`` for ``--input-shape``: ``"1,3,224,224"`` as a tuple of positive ints."""
     try:
@@ -29,6 +33,10 @@ def input_shape(text: str) -> tuple[int, ...]:
     if not shape or min(shape) < 1:
         raise argparse.ArgumentTypeError(f"--input-shape {text!r}: expected positive sizes separated by commas, "
                                          "e.g. 1,3,224,224")
+    if len(shape) > 8 or math.prod(shape) > MAX_INPUT_ELEMENTS:
+        raise argparse.ArgumentTypeError(
+            f"--input-shape {text!r}: {math.prod(shape):,} values in {len(shape)} dims; the probe input is one small "
+            f"batch (at most 8 dims and {MAX_INPUT_ELEMENTS:,} values), e.g. 1,3,224,224")
     return shape
 
 
@@ -58,8 +66,17 @@ def example_inputs_from_args(args: argparse.Namespace) -> Any:
 def _demo(args: argparse.Namespace) -> int:
     from ..demo import run_demo
 
-    run_demo(epochs=args.epochs, target=args.target, seed=args.seed)
+    run_demo(epochs=args.epochs, target=args.target, seed=args.seed, threads=args.threads)
     return 0
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("linearize")
+    except PackageNotFoundError:  # imported from a source tree that was never installed
+        return "unknown (not installed)"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -70,12 +87,14 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="linearize report --compare RUN_A RUN_B ... [--out compare.html]: several run directories "
         "(baseline and linearized) side by side on one HTML page.",
     )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
     demo = sub.add_parser("demo", help="train, linearize, freeze and fold a small net on sklearn digits (no download)")
     demo.add_argument("--epochs", type=int, default=30, help="training epochs of the baseline (default 30)")
     demo.add_argument("--target", type=float, default=0.10, help="nonlinear fraction to reach (default 0.10)")
     demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument("--threads", type=int, default=1, help="torch threads (default 1: the demo's ops are small)")
     demo.set_defaults(func=_demo)
 
     inspect = sub.add_parser("inspect", help="list the activation call sites convert would swap (dry run)")

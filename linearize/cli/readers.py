@@ -20,7 +20,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from .._optional import require
-from ..inputs import Batches
+from ..inputs import Batches, image_size
 from ..unit import units
 
 __all__ = ["load_model_and_data", "load_data"]
@@ -98,13 +98,13 @@ def load_data(args: argparse.Namespace, model: nn.Module, hf_dir: Path | None) -
         if not files:
             raise ValueError(f"no images ({', '.join(_IMAGE_EXT)}) under {path}")
         pick = np.random.default_rng(0).permutation(len(files))[:n]
-        images = [files[i].read_bytes() for i in sorted(pick)]
+        images = [(str(files[i]), files[i].read_bytes()) for i in sorted(pick)]
     else:
         raise ValueError(f"--data {src}: expected 'digits', an image folder, a .tar.gz of images or a .jsonl file")
     return _decode(images, args.image_size, norm)
 
 
-def _tar_images(path: Path, n: int) -> list[bytes]:
+def _tar_images(path: Path, n: int) -> list[tuple[str, bytes]]:
     import tarfile
 
     with tarfile.open(path) as tar:
@@ -114,14 +114,16 @@ def _tar_images(path: Path, n: int) -> list[bytes]:
         test = [m for m in members if "/test/" in f"/{m.name}"]
         members = test or members  # the held-out split when there is one
         pick = np.random.default_rng(0).permutation(len(members))[:n]
-        return [tar.extractfile(members[i]).read() for i in sorted(pick)]
+        return [(f"{path}:{members[i].name}", tar.extractfile(members[i]).read()) for i in sorted(pick)]
 
 
-def _decode(images: list[bytes], size: int | None, norm: str) -> torch.Tensor:
+def _decode(images: list[tuple[str, bytes]], size: int | None, norm: str) -> torch.Tensor:
+    """``(where, encoded image)`` pairs as one float batch (resized to ``size``, normalized by ``norm``)."""
     from PIL import Image
 
     out = []
-    for raw in tqdm(images, desc="images", leave=False):
+    for where, raw in tqdm(images, desc="images", leave=False):
+        image_size(raw, where)  # refuses an image that would decode to a huge map
         img = Image.open(io.BytesIO(raw)).convert("RGB")
         if size:
             img = img.resize((size, size), Image.BILINEAR)

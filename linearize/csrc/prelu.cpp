@@ -1,14 +1,20 @@
-// Fused CPU PReLU with per-channel slopes, forward and backward in C++ (built by linearize/kernels.py).
+// Fused CPU kernels of the units, forward and backward in C++ (built by linearize/kernels.py): the PReLU of
+// ReLU-family units (prelu) and the blend of smooth units (blend, at the end of this file).
 //
 // Input x: contiguous [N, C, *S] (channels at dim 1) or [N, C]; slopes w: [C]. The maps are viewed as
 // [N, K] rows with K = C * prod(S) and the slopes repeated prod(S) times, so every loop runs over
 // contiguous memory whatever the map size (PyTorch's broadcasting kernels loop innermost over S).
 //
-//   forward:  y = x > 0 ? x : w * x                        (ATen's prelu kernel on the [N, K] view)
+//   forward:  y = x > 0 ? x : w * x, and ReLU's 0 where w == 0 and x < 0 (w * x would give -0, and
+//             NaN at x = -inf): a zero slope computes ReLU bit for bit, a slope of 1 the identity
 //   backward: grad_x = x > 0 ? g : w * g                   (one pass that also accumulates ...)
 //             grad_w = sum over N and S of g * min(x, 0)   (... per element of K, then summed over S)
+//             where x = -inf adds nothing to grad_w
 //
-// These are PyTorch's PReLU gradients (slope w at x = 0 too). The backward is one pass over g and x
+// These are PyTorch's PReLU gradients (slope w at x = 0 too), except that an infinite input carries no
+// slope gradient (PyTorch's adds g * -inf, or NaN where g = 0): the unit's output there is infinite for
+// every w > 0, and a non-finite slope gradient at every step would make an fp16 GradScaler skip every
+// step, though ReLU (w = 0) trains on such inputs. The backward is one pass over g and x
 // instead of the five of a composition of ATen ops, and the autograd node is C++, so a training step
 // pays no Python per call. When the backward itself is differentiated (create_graph=True) it
 // uses differentiable ATen ops with the same formulas instead.
@@ -18,6 +24,8 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <cmath>
+#include <limits>
 
 using torch::Tensor;
 using torch::autograd::AutogradContext;
@@ -25,7 +33,35 @@ using torch::autograd::tensor_list;
 
 namespace {
 
-// One row segment. Both branches are computed and selected, so the loop vectorizes (with
+// One row segment of the forward (computed in float for bfloat16 and half: the product of two such
+// values is exact in float, so it rounds once, as ATen's prelu does).
+template <typename scalar_t>
+void forward_row(const scalar_t* __restrict__ x, const scalar_t* __restrict__ w, scalar_t* __restrict__ y,
+                 int64_t len) {
+  using acc_t = at::opmath_type<scalar_t>;
+  for (int64_t k = 0; k < len; ++k) {
+    const acc_t xv = x[k], wv = w[k];
+    const acc_t neg = wv == acc_t(0) && xv < acc_t(0) ? acc_t(0) : wv * xv;
+    y[k] = xv > acc_t(0) ? xv : neg;
+  }
+}
+
+// x: contiguous [N, K]; w_rep: [K]. Rows are split over threads in blocks of about 32k elements.
+Tensor fused_forward(const Tensor& x, const Tensor& w_rep) {
+  const int64_t K = w_rep.numel(), N = x.numel() / K;
+  Tensor y = at::empty_like(x);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "linearize_prelu_forward", [&] {
+    const scalar_t* xp = x.const_data_ptr<scalar_t>();
+    const scalar_t* wp = w_rep.const_data_ptr<scalar_t>();
+    scalar_t* yp = y.mutable_data_ptr<scalar_t>();
+    at::parallel_for(0, N, std::max<int64_t>(1, 32768 / K), [&](int64_t n0, int64_t n1) {
+      for (int64_t n = n0; n < n1; ++n) forward_row<scalar_t>(xp + n * K, wp, yp + n * K, K);
+    });
+  });
+  return y;
+}
+
+// One row segment of the backward. Both branches are computed and selected, so the loop vectorizes (with
 // -fno-trapping-math the compiler may evaluate w * g where x > 0).
 template <typename scalar_t, typename acc_t>
 void backward_row(const scalar_t* __restrict__ x, const scalar_t* __restrict__ g, const scalar_t* __restrict__ w,
@@ -33,8 +69,9 @@ void backward_row(const scalar_t* __restrict__ x, const scalar_t* __restrict__ g
   for (int64_t k = 0; k < len; ++k) {
     const acc_t xv = x[k], gv = g[k];
     const acc_t wg = static_cast<acc_t>(w[k]) * gv;
+    const acc_t neg = std::min(xv, acc_t(0));
     grad_x[k] = xv > acc_t(0) ? gv : wg;
-    acc[k] += gv * std::min(xv, acc_t(0));
+    acc[k] += neg == -std::numeric_limits<acc_t>::infinity() ? acc_t(0) : gv * neg;
   }
 }
 
@@ -77,11 +114,86 @@ Tensor repeat_slopes(const Tensor& w, int64_t s) {
   return s > 1 ? w.unsqueeze(1).expand({w.numel(), s}).reshape({-1}) : w;
 }
 
+// Smooth units: y = w == 0 ? a : w == 1 ? x : lerp(a, x, w), with a = act(x) computed before; lerp as ATen's
+// vectorized one, fma(c, x - a, base) with (c, base) = (w, a) for |w| < 0.5 and (w - 1, x) otherwise. The ends
+// are selected, not computed: lerp gives NaN there wherever x - a is infinite, and +0 for a = -0.
+template <typename scalar_t>
+void blend_forward_row(const scalar_t* __restrict__ a, const scalar_t* __restrict__ x, const scalar_t* __restrict__ w,
+                       scalar_t* __restrict__ y, int64_t len) {
+  using acc_t = at::opmath_type<scalar_t>;
+  for (int64_t k = 0; k < len; ++k) {
+    const acc_t av = a[k], xv = x[k], wv = w[k];
+    const bool small = std::abs(wv) < acc_t(0.5);
+    const acc_t mixed = std::fma(small ? wv : wv - acc_t(1), xv - av, small ? av : xv);
+    y[k] = wv == acc_t(0) ? av : (wv == acc_t(1) ? xv : mixed);
+  }
+}
+
+// a, x: contiguous [N, K]; w_rep: [K].
+Tensor fused_blend_forward(const Tensor& a, const Tensor& x, const Tensor& w_rep) {
+  const int64_t K = w_rep.numel(), N = x.numel() / K;
+  Tensor y = at::empty_like(x);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "linearize_blend_forward", [&] {
+    const scalar_t* ap = a.const_data_ptr<scalar_t>();
+    const scalar_t* xp = x.const_data_ptr<scalar_t>();
+    const scalar_t* wp = w_rep.const_data_ptr<scalar_t>();
+    scalar_t* yp = y.mutable_data_ptr<scalar_t>();
+    at::parallel_for(0, N, std::max<int64_t>(1, 32768 / K), [&](int64_t n0, int64_t n1) {
+      for (int64_t n = n0; n < n1; ++n) blend_forward_row<scalar_t>(ap + n * K, xp + n * K, wp, yp + n * K, K);
+    });
+  });
+  return y;
+}
+
+// grad_a = g * (1 - w), grad_x = g * w, and per element of K the slope gradient g * (x - a), where an
+// infinite x adds nothing (as in the PReLU's backward).
+template <typename scalar_t, typename acc_t>
+void blend_backward_row(const scalar_t* __restrict__ a, const scalar_t* __restrict__ x, const scalar_t* __restrict__ g,
+                        const scalar_t* __restrict__ w, scalar_t* __restrict__ grad_a, scalar_t* __restrict__ grad_x,
+                        acc_t* __restrict__ acc, int64_t len) {
+  for (int64_t k = 0; k < len; ++k) {
+    const acc_t av = a[k], xv = x[k], gv = g[k], wv = w[k];
+    grad_a[k] = gv * (acc_t(1) - wv);
+    grad_x[k] = gv * wv;
+    acc[k] += std::abs(xv) == std::numeric_limits<acc_t>::infinity() ? acc_t(0) : gv * (xv - av);
+  }
+}
+
+// g, a, x: contiguous [N, K]; w_rep: [K]. Blocks and partial sums as fused_backward's: the slope gradient does
+// not depend on the thread count.
+std::tuple<Tensor, Tensor, Tensor> fused_blend_backward(const Tensor& g, const Tensor& a, const Tensor& x,
+                                                        const Tensor& w_rep) {
+  const int64_t K = w_rep.numel(), N = x.numel() / K;
+  Tensor grad_a = at::empty_like(x), grad_x = at::empty_like(x);
+  Tensor acc;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "linearize_blend_backward", [&] {
+    using acc_t = at::opmath_type<scalar_t>;
+    const int64_t rows = std::max<int64_t>(1, 32768 / K);
+    const int64_t blocks = (N + rows - 1) / rows;
+    Tensor partial = at::zeros({blocks, K}, x.options().dtype(c10::CppTypeToScalarType<acc_t>::value));
+    const scalar_t* ap = a.const_data_ptr<scalar_t>();
+    const scalar_t* xp = x.const_data_ptr<scalar_t>();
+    const scalar_t* gp = g.const_data_ptr<scalar_t>();
+    const scalar_t* wp = w_rep.const_data_ptr<scalar_t>();
+    scalar_t* gap = grad_a.mutable_data_ptr<scalar_t>();
+    scalar_t* gxp = grad_x.mutable_data_ptr<scalar_t>();
+    acc_t* pp = partial.mutable_data_ptr<acc_t>();
+    at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
+      for (int64_t b = b0; b < b1; ++b)
+        for (int64_t n = b * rows; n < std::min(N, (b + 1) * rows); ++n)
+          blend_backward_row<scalar_t, acc_t>(ap + n * K, xp + n * K, gp + n * K, wp, gap + n * K, gxp + n * K,
+                                              pp + b * K, K);
+    });
+    acc = blocks > 1 ? partial.sum(0) : partial.view({K});
+  });
+  return {grad_a, grad_x, acc};
+}
+
 struct PReLUFunction : public torch::autograd::Function<PReLUFunction> {
   static Tensor forward(AutogradContext* ctx, const Tensor& x, const Tensor& w) {
     ctx->save_for_backward({x, w});
     const int64_t s = inner_size(x);
-    return at::prelu(x.view({x.size(0), -1}), repeat_slopes(w, s)).view(x.sizes());
+    return fused_forward(x.view({x.size(0), -1}), repeat_slopes(w, s).contiguous()).view(x.sizes());
   }
 
   static tensor_list backward(AutogradContext* ctx, tensor_list grads) {
@@ -96,12 +208,40 @@ struct PReLUFunction : public torch::autograd::Function<PReLUFunction> {
       const Tensor pos = at::threshold_backward(flat_g, flat_x, 0);
       const Tensor neg = flat_g - pos;
       grad_x = at::addcmul(pos, neg, w_rep);
-      grad_w = (neg * flat_x).sum(0);
+      grad_w = at::where(flat_x.isinf(), 0, neg * flat_x).sum(0);  // neg is 0 at +inf: 0 * inf = NaN
     } else {
       std::tie(grad_x, grad_w) = fused_backward(flat_g.contiguous(), flat_x, w_rep.contiguous());
     }
     if (s > 1) grad_w = grad_w.view({c, s}).sum(1);
     return {grad_x.view(x.sizes()), grad_w.to(w.scalar_type())};
+  }
+};
+
+struct BlendFunction : public torch::autograd::Function<BlendFunction> {
+  static Tensor forward(AutogradContext* ctx, const Tensor& a, const Tensor& x, const Tensor& w) {
+    ctx->save_for_backward({a, x, w});
+    const int64_t n = x.size(0);
+    const Tensor w_rep = repeat_slopes(w, inner_size(x)).contiguous();
+    return fused_blend_forward(a.view({n, -1}), x.view({n, -1}), w_rep).view(x.sizes());
+  }
+
+  static tensor_list backward(AutogradContext* ctx, tensor_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const Tensor &a = saved[0], &x = saved[1], &w = saved[2];
+    const int64_t n = x.size(0), c = w.numel(), s = inner_size(x);
+    const Tensor flat_a = a.view({n, c * s}), flat_x = x.view({n, c * s});
+    const Tensor flat_g = grads[0].reshape({n, c * s});
+    const Tensor w_rep = repeat_slopes(w, s);
+    Tensor grad_a, grad_x, grad_w;
+    if (torch::autograd::GradMode::is_enabled()) {  // double backward: keep the graph
+      grad_a = flat_g * (1 - w_rep);
+      grad_x = flat_g * w_rep;
+      grad_w = at::where(flat_x.isinf(), 0, flat_g * (flat_x - flat_a)).sum(0);
+    } else {
+      std::tie(grad_a, grad_x, grad_w) = fused_blend_backward(flat_g.contiguous(), flat_a, flat_x, w_rep.contiguous());
+    }
+    if (s > 1) grad_w = grad_w.view({c, s}).sum(1);
+    return {grad_a.view(x.sizes()), grad_x.view(x.sizes()), grad_w.to(w.scalar_type())};
   }
 };
 
@@ -113,8 +253,19 @@ Tensor prelu(const Tensor& x, const Tensor& w) {
   return PReLUFunction::apply(x, w);
 }
 
+Tensor blend(const Tensor& a, const Tensor& x, const Tensor& w) {
+  TORCH_CHECK(x.device().is_cpu() && x.dim() >= 2 && x.is_contiguous() && x.numel() > 0,
+              "linearize blend kernel: expected a non-empty contiguous CPU tensor [N, C, ...]");
+  TORCH_CHECK(a.device().is_cpu() && a.is_contiguous() && a.sizes() == x.sizes() && a.scalar_type() == x.scalar_type(),
+              "linearize blend kernel: expected act(x) of the input's shape and dtype, contiguous");
+  TORCH_CHECK(w.dim() == 1 && w.numel() == x.size(1) && w.scalar_type() == x.scalar_type(),
+              "linearize blend kernel: expected slopes [C] of the input's dtype");
+  return BlendFunction::apply(a, x, w);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("prelu", &prelu, "PReLU with per-channel slopes (channels at dim 1), fused CPU backward");
+  m.def("blend", &blend, "(1 - w) * a + w * x with per-channel slopes w (channels at dim 1), exact at w = 0 and 1");
 }

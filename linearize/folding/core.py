@@ -15,7 +15,9 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from ..checks import check_positive, check_tol
-from ..injection import CallSites, _reset_call_sites, settle_placed_modules
+from ..dispatch import compiled_submodules, detach_owner
+from ..functional_sites import FunctionalSites
+from ..injection import CallSites, settle_placed_modules
 from ..hf import mark_folded
 from ..inputs import eval_mode, float_outputs
 from ..unit import LinearizableActivation, check_finite_slopes, gated_error, units
@@ -64,7 +66,7 @@ def _replace_units(model: nn.Module, tol: float, summary: FoldSummary) -> nn.Mod
 
     A ``CallSites`` dispatcher (one unit per call of a reused activation) whose calls all
     became the same stateless module (e.g. all ``nn.ReLU``) is replaced by that module, and its
-    owner's reset hook is removed; otherwise it stays, holding plain modules only.
+    owner's dispatch hooks are removed; otherwise it stays, holding plain modules only.
     """
     for name, unit in [(n, m) for n, m in model.named_modules() if isinstance(m, LinearizableActivation)]:
         plain = plain_unit(unit, tol)
@@ -83,12 +85,8 @@ def _replace_units(model: nn.Module, tol: float, summary: FoldSummary) -> nn.Mod
             if stateless:
                 set_path(model, name, first)
     for m in model.modules():
-        if any(isinstance(c, CallSites) for c in m.children()):
-            continue
-        for key, hook in list(m._forward_pre_hooks.items()):
-            if hook is _reset_call_sites:
-                del m._forward_pre_hooks[key]
-        m.__dict__.pop("_linearize_reset_hook", None)
+        if not any(isinstance(c, (CallSites, FunctionalSites)) for c in m.children()):
+            detach_owner(m)
     return model
 
 
@@ -153,7 +151,7 @@ def fold(
     Raises:
         TypeError: ``model`` is not an ``nn.Module``, or a rule in ``rules`` lacks ``name`` /
             ``matches`` / ``apply`` (or its ``apply`` returned something that is not a module).
-        ValueError: a gated (DGN / DLGN) network, bad ``objective`` / ``tol`` / ``rtol`` / ``atol``,
+        ValueError: a gated (DGN / DLGN) network, a model holding TorchScript modules, bad ``objective`` / ``tol`` / ``rtol`` / ``atol``,
             BatchNorm in training mode, ``example_inputs`` that the model cannot run, an empty batch,
             or NaN/inf outputs of the model itself (:class:`~linearize.unit.NonFiniteSlopeError` for NaN/inf slopes).
         FlopCounterError: fold's own FLOP counter / probe failed on an op the model ran (a bug to report).
@@ -187,6 +185,12 @@ def fold(
             "folded model on it, so pass at least one sample"
         )
     check_finite_slopes(units(model), "fold")
+    compiled = compiled_submodules(model)
+    if compiled:
+        raise ValueError(
+            f"fold cannot look inside the TorchScript module(s) {', '.join(repr(n or '<root>') for n in compiled)}: "
+            "their code runs compiled, so their activations are unseen and their layers cannot be merged or "
+            "verified. Fix: fold the Python model (before torch.jit.script / trace), then script the folded one")
 
     summary = FoldSummary(objective=objective.name, tol=tol)
     folded = copy.deepcopy(model).eval()

@@ -1,0 +1,246 @@
+"""Which call of its owner's forward an activation call is: per thread, per forward, safe on every exit.
+
+Units of a reused activation module (:class:`~linearize.injection.CallSites`) and of functional calls
+(:class:`~linearize.functional_sites.FunctionalSites`) are matched to calls by their order within one
+forward of the module that makes them (their *owner*). The owner's forward pre-hook opens a :class:`Scope`
+(the position counters of that one forward) keyed by the owner's ``Module._call_impl`` frame on this
+thread; its forward hook (always called, first of the owner's hooks) closes it. So:
+
+- two threads, or a forward inside a forward, each count on their own (nothing is shared between calls);
+- an exception closes the scope; a scope left open by an interrupt that skips hooks (``KeyboardInterrupt``)
+  is found stale (its frame is no longer running) and dropped by the next forward on that thread, and its
+  functional interception passes every call through meanwhile;
+- whose call it is comes from the interpreter's frames, not from hooks around every module: the owner's
+  *own* code is the code whose innermost running module is the owner, less the owner's hook functions, so a
+  child's calls and a user's monitoring hook that calls an activation are never counted;
+- a call the owner's forward makes inside ``torch.utils.checkpoint`` is refused with a clear error: its
+  recomputation in the backward pass runs outside the owner's forward, where no unit can be reached
+  (checkpointing a module, as Hugging Face's gradient checkpointing does, works: its hooks run again).
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from dataclasses import dataclass, field
+from types import CodeType, FrameType
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+__all__ = ["Scope", "attach_owner", "detach_owner", "is_attached", "caller_scope", "called_from_hook",
+           "compiled_submodules", "refuse_scripting", "FunctionalSiteError"]
+
+_CALL_IMPL: CodeType = nn.Module._call_impl.__code__
+_CHECKPOINT_FILE = torch.utils.checkpoint.__file__
+_MODULE_FILE = nn.Module._call_impl.__code__.co_filename  # its nested ``inner`` runs hooks and forward
+_LOCAL = threading.local()  # .scopes: {id(owner's _call_impl frame): Scope} of this thread
+_MARK = "_linearize_dispatch"  # owner attribute: the handles of its two hooks
+
+
+class FunctionalSiteError(RuntimeError):
+    """An owner's activation calls (functional ones, or those of a reused module) cannot be matched to the
+    units that the probe forward of ``linearize.convert`` made for them (the message says why and the fix)."""
+
+
+@dataclass
+class Scope:
+    """One running forward of an owner: its frame and the position counters of its call sites."""
+
+    owner: nn.Module
+    frame: FrameType
+    positions: dict[int, int] = field(default_factory=dict)  # call sites (by id of their __dict__) -> calls so far
+    data: Any = None  # what the owner's functional sites keep for this forward (their mode)
+
+    def next_position(self, sites: nn.Module) -> int:
+        """The position of ``sites``' call now being made (0 for the first in this forward). Keyed by the
+        module's ``__dict__``, which tracing proxies of the module (``torch.export``'s) share with it."""
+        key = id(sites.__dict__)
+        k = self.positions.get(key, 0)
+        self.positions[key] = k + 1
+        return k
+
+
+def _scopes() -> dict[int, Scope]:
+    scopes = getattr(_LOCAL, "scopes", None)
+    if scopes is None:
+        scopes = _LOCAL.scopes = {}
+    return scopes
+
+
+def _live_frames(frame: FrameType | None) -> set[int]:
+    ids = set()
+    while frame is not None:
+        ids.add(id(frame))
+        frame = frame.f_back
+    return ids
+
+
+def _call_impl_frame(owner: nn.Module) -> FrameType:
+    """The ``Module._call_impl`` frame of ``owner`` now running on this thread (a hook is called from it)."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        if frame.f_code is _CALL_IMPL and frame.f_locals.get("self") is owner:
+            return frame
+        frame = frame.f_back
+    raise FunctionalSiteError(f"linearize: a forward hook of {type(owner).__name__} ran outside its module call")
+
+
+def _hook_codes(owner: nn.Module | None) -> set[CodeType]:
+    """Code objects of the hook functions that ``Module._call_impl`` calls for ``owner``."""
+    from torch.nn.modules import module as m
+
+    own = [*owner._forward_pre_hooks.values(), *owner._forward_hooks.values()] if isinstance(owner, nn.Module) else []
+    hooks = [*own, *m._global_forward_pre_hooks.values(), *m._global_forward_hooks.values()]
+    codes = set()
+    for h in hooks:
+        while hasattr(h, "func"):  # functools.partial
+            h = h.func
+        fn = getattr(h, "__func__", h)
+        code = getattr(fn, "__code__", None) or getattr(getattr(type(h), "__call__", None), "__code__", None)
+        if code is not None:
+            codes.add(code)
+    return codes
+
+
+def _calling_module_frame(skip: int) -> tuple[FrameType | None, FrameType | None, bool]:
+    """Walk up from the caller of this module's public functions to the innermost running module's
+    ``Module._call_impl`` frame (past ``skip`` of them): ``(that frame or None, the frame it called: the
+    forward or a hook, whether ``torch.utils.checkpoint`` code ran between)``."""
+    frame, callee, checkpointed = sys._getframe(3), None, False
+    while frame is not None:
+        if frame.f_code is _CALL_IMPL:
+            if not skip:
+                break
+            skip, callee, checkpointed = skip - 1, None, False
+        elif not (frame.f_code.co_name == "inner" and frame.f_code.co_filename == _MODULE_FILE):
+            checkpointed = checkpointed or frame.f_code.co_filename == _CHECKPOINT_FILE
+            callee = frame
+        frame = frame.f_back
+    return frame, callee, checkpointed
+
+
+def called_from_hook() -> bool:
+    """Whether the call this function's caller handles was made by a hook function of the innermost running
+    module (a forward or forward pre-hook, its own or global), not by the module's forward."""
+    frame, callee, _ = _calling_module_frame(0)
+    return frame is not None and callee is not None and callee.f_code in _hook_codes(frame.f_locals.get("self"))
+
+
+def caller_scope(what: Callable[[], str], skip: int = 0) -> Scope | None:
+    """The open scope of the module whose own code made the call this function's caller handles: the scope
+    of the innermost running module (past ``skip`` module calls: 1 for a module's own forward) if that module's
+    forward, not one of its hooks, made the call; else None (a child's call, a hook's, or no forward running).
+
+    Raises :class:`FunctionalSiteError` when the call was made inside ``torch.utils.checkpoint`` within the owner's
+    forward (``what()`` names the call for the message).
+    """
+    frame, callee, checkpointed = _calling_module_frame(skip)
+    if frame is None:
+        return None
+    scope = _scopes().get(id(frame))
+    if scope is None or scope.frame is not frame:
+        return None
+    if callee is not None and callee.f_code in _hook_codes(scope.owner):
+        return None  # a hook of the owner calls an activation (monitoring): not one of the forward's calls
+    if checkpointed:
+        name = type(scope.owner).__name__
+        raise FunctionalSiteError(
+            f"linearize: {what()} is made inside torch.utils.checkpoint within the forward of {name}. Its "
+            "recomputation in the backward pass runs outside that forward, where linearize cannot send it to its "
+            f"unit, so its gradients would be the original activation's. Fix: checkpoint a module instead (move "
+            f"the code into an nn.Module, or checkpoint the {name} itself: its hooks run again on recompute), or "
+            f"keep these calls as they are with linearize.convert(..., exclude_modules=[<the {name}'s name>]).")
+    return scope
+
+
+@torch.compiler.disable
+def _open(owner: nn.Module, args: Any) -> None:
+    scopes = _scopes()
+    frame = _call_impl_frame(owner)
+    if scopes:  # drop scopes whose forward is no longer running (an interrupt skipped their closing hook)
+        live = _live_frames(frame)
+        for key in [k for k, s in reversed(scopes.items()) if id(s.frame) not in live]:  # innermost first
+            _close(scopes.pop(key))
+    scope = scopes[id(frame)] = Scope(owner, frame)
+    for child in owner._modules.values():
+        begin = getattr(child, "begin_forward", None)
+        if begin is not None:
+            begin(scope)
+
+
+def _close(scope: Scope) -> None:
+    for child in scope.owner._modules.values():
+        end = getattr(child, "end_forward", None)
+        if end is not None:
+            end(scope)
+
+
+@torch.compiler.disable
+def _shut(owner: nn.Module, args: Any, output: Any) -> None:
+    """Close this forward's scope; its sites check their calls unless the forward raised."""
+    scopes = _scopes()
+    frame = _call_impl_frame(owner)
+    scope = scopes.pop(id(frame), None)
+    if scope is None or scope.frame is not frame:
+        return
+    _close(scope)
+    if output is not None or sys.exc_info()[1] is None:  # always_call hooks also run when forward raised
+        for child in owner._modules.values():
+            check = getattr(child, "check_forward", None)
+            if check is not None:
+                check(scope)
+
+
+def attach_owner(owner: nn.Module) -> None:
+    """Give ``owner`` the hooks that open and close a :class:`Scope` around each of its forwards (once).
+
+    Its children with ``begin_forward(scope)`` / ``end_forward(scope)`` / ``check_forward(scope)`` methods
+    (the call-site dispatchers) are told when a forward begins, ends, and ends without an exception.
+    """
+    if is_attached(owner):
+        return
+    handles = (owner.register_forward_pre_hook(_open, prepend=True),
+               owner.register_forward_hook(_shut, prepend=True, always_call=True))
+    owner.__dict__[_MARK] = tuple(h.id for h in handles)
+
+
+def is_attached(owner: nn.Module) -> bool:
+    """Whether :func:`attach_owner` gave ``owner`` its hooks (they survive ``copy.deepcopy``)."""
+    return _MARK in owner.__dict__
+
+
+def detach_owner(owner: nn.Module) -> None:
+    """Remove the hooks of :func:`attach_owner` (when no call-site dispatcher is left on ``owner``)."""
+    ids = owner.__dict__.pop(_MARK, ())
+    for hooks in (owner._forward_pre_hooks, owner._forward_hooks):
+        for key in [k for k in hooks if k in ids]:
+            del hooks[key]
+    for key in ids:
+        owner._forward_hooks_always_called.pop(key, None)
+
+
+def refuse_scripting(module: nn.Module) -> None:
+    """Raise the error of ``torch.jit.script`` on a model holding linearize's modules (from their
+    ``__prepare_scriptable__``, which the scripting calls first on every submodule)."""
+    raise TypeError(
+        f"torch.jit.script cannot compile linearize's {type(module).__name__} (its dispatch and its kernels are "
+        "Python). Fix: linearize.fold(model, example_inputs) gives a plain PyTorch model that "
+        "scripts, or use torch.jit.trace, torch.export or torch.compile on the converted model")
+
+
+def compiled_submodules(model: nn.Module) -> list[str]:
+    """Names of the outermost TorchScript submodules of ``model`` (``torch.jit.script`` / ``trace``): their code
+    runs compiled, without Python frames or module hooks, so linearize can neither see nor convert the
+    activations inside them ("" names ``model`` itself).
+
+    Example:
+        >>> compiled_submodules(nn.Sequential(nn.Linear(2, 2), torch.jit.script(nn.ReLU())))
+        ['1']
+    """
+    found: list[str] = []
+    for name, m in model.named_modules():
+        if isinstance(m, torch.jit.ScriptModule) and not any(name.startswith(f + ".") or f == "" for f in found):
+            found.append(name)
+    return found

@@ -1,0 +1,309 @@
+"""Call-site dispatch (reused activation modules and functional calls matched by call order) stays right
+under threads, exceptions, interrupts, user hooks and activation checkpointing.
+
+Truths: the unconverted model (every slope 0), a hand-written blend of the same weights and slopes, and the
+same converted model without threads or checkpointing.
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+
+import pytest
+import torch
+import torch.nn.functional as F
+import torchvision
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+import linearize
+from linearize.functional_sites import FunctionalSiteError
+
+
+class Functional(nn.Module):
+    """Two functional calls in its own forward (one unit each)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(6, 8), nn.Linear(8, 8), nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c(F.gelu(self.b(F.relu(self.a(x)))))
+
+
+class Reused(nn.Module):
+    """One ReLU module called twice (a CallSites dispatcher with two units)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(6, 8), nn.Linear(8, 8), nn.Linear(8, 3)
+        self.act = nn.ReLU()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c(self.act(self.b(self.act(self.a(x)))))
+
+
+def _random_slopes(model: nn.Module, seed: int = 0) -> None:
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for _, u in linearize.units(model):
+            u.slope.copy_(torch.rand(u.slope.shape, generator=g))
+
+
+def _slopes(model: nn.Module) -> list[torch.Tensor]:
+    return [u.slope.detach() for _, u in linearize.units(model)]
+
+
+def _by_hand(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """Functional / Reused with units, written out: PReLU unit then GELU blend (or two PReLU units)."""
+    a1, a2 = _slopes(model)
+    h = model.a(x)
+    h = torch.where(h >= 0, h, a1 * h)
+    h = model.b(h)
+    h = (1 - a2) * F.gelu(h) + a2 * h if isinstance(model, Functional) else torch.where(h >= 0, h, a2 * h)
+    return model.c(h)
+
+
+def _run_threads(model: nn.Module, x: torch.Tensor, reference: torch.Tensor, threads: int = 4,
+                 reps: int = 8) -> tuple[int, list[str]]:
+    wrong, errors = [0], []
+
+    def work() -> None:
+        for _ in range(reps):
+            try:
+                with torch.no_grad():
+                    wrong[0] += not torch.equal(model(x), reference)
+            except Exception as e:  # noqa: BLE001 -- counted and shown
+                errors.append(f"{type(e).__name__}: {e}")
+
+    workers = [threading.Thread(target=work) for _ in range(threads)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    return wrong[0], errors
+
+
+@pytest.mark.parametrize("cls", [Functional, Reused])
+def test_threads_dispatch_each_forward_on_its_own(cls):
+    torch.manual_seed(0)
+    x = torch.randn(5, 6)
+    model = linearize.convert(cls().eval(), example_inputs=x)
+    _random_slopes(model)
+    with torch.no_grad():
+        reference = _by_hand(model, x)
+    assert torch.allclose(model(x), reference, atol=1e-6)
+    with torch.no_grad():
+        reference = model(x)
+    assert _run_threads(model, x, reference) == (0, [])
+
+
+def test_threads_on_a_converted_resnet18_give_the_original_outputs():
+    torch.manual_seed(0)
+    original = torchvision.models.resnet18(num_classes=5).eval()
+    x = torch.randn(2, 3, 32, 32)
+    model = linearize.convert(copy.deepcopy(original), example_inputs=x)  # slopes 0: the original function
+    with torch.no_grad():
+        reference = original(x)
+    assert torch.allclose(model(x), reference, atol=1e-5)
+    _random_slopes(model)
+    with torch.no_grad():
+        reference = model(x)
+    assert _run_threads(model, x, reference, threads=3, reps=3) == (0, [])
+
+
+class _Fails(nn.Module):
+    def __init__(self, error: type[BaseException]) -> None:
+        super().__init__()
+        self.error, self.armed = error, False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.armed:
+            raise self.error("stop here")
+        return x
+
+
+class FailsAfterRelu(Functional):
+    """Raises (when armed) after its first functional call, inside a child module."""
+
+    def __init__(self, error: type[BaseException]) -> None:
+        super().__init__()
+        self.fail = _Fails(error)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c(F.gelu(self.b(self.fail(F.relu(self.a(x))))))
+
+
+@pytest.mark.parametrize("error", [RuntimeError, KeyboardInterrupt])
+def test_an_exception_or_interrupt_inside_a_forward_leaves_no_interception_behind(error):
+    torch.manual_seed(0)
+    x = torch.randn(5, 6)
+    model = linearize.convert(FailsAfterRelu(error).eval(), example_inputs=x)
+    _random_slopes(model)
+    with torch.no_grad():
+        reference = _by_hand(model, x)
+    model.fail.armed = True
+    with pytest.raises(error):
+        model(x)
+    # anything computed afterwards is the plain function, never a unit's
+    assert F.relu(torch.tensor(-2.0)).item() == 0.0
+    assert torch.relu(torch.tensor([-3.0, 1.0])).tolist() == [0.0, 1.0]
+    assert F.gelu(torch.tensor(-1.0)).item() == pytest.approx(-0.15865525, abs=1e-6)
+    model.fail.armed = False
+    assert torch.allclose(model(x), reference, atol=1e-6)
+    assert torch._C._len_torch_function_stack() == 0  # a stale interception is removed by the next forward
+    assert torch.allclose(model(x), reference, atol=1e-6)
+
+
+@pytest.mark.parametrize("when", ["before", "after"])
+@pytest.mark.parametrize("cls", [Functional, Reused])
+def test_user_hooks_that_call_activations_are_not_counted(cls, when):
+    torch.manual_seed(0)
+    x = torch.randn(5, 6)
+    seen = []
+
+    def monitor(module, args, output):
+        seen.append(float(F.relu(output).mean()) + float(torch.sigmoid(F.gelu(output)).mean()))
+
+    def pre(module, args):
+        seen.append(float(F.relu(args[0]).sum()))
+
+    model = cls().eval()
+    handles = []
+    if when == "before":
+        handles = [model.register_forward_hook(monitor), model.register_forward_pre_hook(pre),
+                   model.b.register_forward_hook(monitor)]
+    model = linearize.convert(model, example_inputs=x)
+    if when == "after":
+        handles = [model.register_forward_hook(monitor), model.register_forward_pre_hook(pre),
+                   model.b.register_forward_hook(monitor)]
+    _random_slopes(model)
+    with torch.no_grad():
+        expected = _by_hand(model, x)
+        for _ in range(3):
+            assert torch.allclose(model(x), expected, atol=1e-6)
+    assert len(seen) >= 9
+    for h in handles:
+        h.remove()
+
+
+class CheckpointsAFunction(Functional):
+    def __init__(self, reentrant: bool) -> None:
+        super().__init__()
+        self.reentrant = reentrant
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = checkpoint(lambda t: F.relu(self.a(t)), x, use_reentrant=self.reentrant)
+        return self.c(F.gelu(self.b(h)))
+
+
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_a_functional_call_inside_checkpoint_is_refused_with_the_fix(reentrant):
+    x = torch.randn(5, 6, requires_grad=True)
+    model = linearize.convert(CheckpointsAFunction(reentrant), example_inputs=x.detach())
+    with pytest.raises(FunctionalSiteError, match=r"torch.utils.checkpoint.*Fix: checkpoint a module"):
+        model(x).sum().backward()
+
+
+class Outer(nn.Module):
+    """Checkpoints its child owners (as Hugging Face's gradient checkpointing does with layers)."""
+
+    def __init__(self, cls: type[nn.Module], use: bool, reentrant: bool) -> None:
+        super().__init__()
+        self.inner, self.use, self.reentrant = cls(), use, reentrant
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.use:
+            return checkpoint(self.inner, x, use_reentrant=self.reentrant)
+        return self.inner(x)
+
+
+@pytest.mark.parametrize("reentrant", [True, False])
+@pytest.mark.parametrize("cls", [Functional, Reused])
+def test_checkpointing_an_owner_gives_the_gradients_of_the_plain_run(cls, reentrant):
+    torch.manual_seed(0)
+    x = torch.randn(5, 6, requires_grad=True)
+    plain = linearize.convert(Outer(cls, False, reentrant), example_inputs=x.detach())
+    _random_slopes(plain)
+    ckpt = copy.deepcopy(plain)
+    ckpt.use = True
+    grads = []
+    for model in (plain, ckpt):
+        model.zero_grad()
+        out = model(x)
+        out.square().sum().backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+    assert grads[0].keys() == grads[1].keys()
+    for n in grads[0]:
+        assert torch.allclose(grads[0][n], grads[1][n], atol=1e-6), n
+    assert all(grads[1][n].abs().sum() > 0 for n in grads[1] if n.endswith("slope"))
+
+
+class HoldsScript(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.act, self.c = nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)
+        self.block = torch.jit.script(nn.Sequential(nn.Linear(8, 8), nn.ReLU()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c(self.block(self.act(self.a(x))))
+
+
+def test_a_scripted_submodule_is_listed_and_never_counted_as_linear():
+    x = torch.randn(3, 4)
+    with pytest.warns(UserWarning, match=r"block: TorchScript module"):
+        model = linearize.convert(HoldsScript(), example_inputs=x)
+    assert "block" in model.linearize_report.unsupported
+    with torch.no_grad():
+        for _, u in linearize.units(model):
+            u.slope.fill_(1.0)
+    with pytest.warns(RuntimeWarning, match=r"TorchScript module\(s\) 'block'.*less linear than the counts say"):
+        linearize.nonlinear_fraction(model)
+    with pytest.raises(ValueError, match=r"TorchScript module\(s\) 'block'.*fold the Python model"):
+        linearize.fold(model.eval(), x)
+
+
+@pytest.mark.parametrize("cls", [Functional, Reused])
+def test_trace_and_export_compute_the_converted_function_and_script_is_refused_with_the_fix(cls):
+    torch.manual_seed(0)
+    x = torch.randn(5, 6)
+    model = linearize.convert(cls().eval(), example_inputs=x)
+    _random_slopes(model)
+    with torch.no_grad():
+        expected = _by_hand(model, x)
+        traced = torch.jit.trace(model, x, check_trace=False)
+        assert torch.allclose(traced(x), expected, atol=1e-6)
+        exported = torch.export.export(model, (x,)).module()
+        assert torch.allclose(exported(x), expected, atol=1e-6)
+    with pytest.raises(TypeError, match=r"torch.jit.script cannot compile.*Fix: linearize.fold"):
+        torch.jit.script(model)
+
+
+def test_a_zero_width_activation_is_refused_naming_it_and_the_fix():
+    model = nn.Sequential(nn.Linear(4, 0), nn.ReLU(), nn.Linear(0, 2))
+    with pytest.raises(ValueError, match=r"activation '1' runs on zero channels.*exclude_modules=\['1'\]"):
+        linearize.convert(model, example_inputs=torch.randn(2, 4))
+    converted = linearize.convert(nn.Sequential(nn.Linear(4, 0), nn.ReLU(), nn.Linear(0, 2), nn.ReLU()),
+                                  example_inputs=torch.randn(2, 4), exclude_modules=["1"])
+    assert [n for n, _ in linearize.units(converted)] == ["3"]
+
+
+@pytest.mark.parametrize("cls", [Functional, Reused])
+def test_torch_func_transforms_are_refused_with_the_fix(cls):
+    x = torch.randn(5, 6)
+    model = linearize.convert(cls().eval(), example_inputs=x)
+    for transform in (lambda: torch.func.vmap(model)(x), lambda: torch.func.jacrev(model)(x[0])):
+        with pytest.raises(RuntimeError, match=r"do not run under torch.func transforms.*Fix: linearize.fold"):
+            transform()
+
+
+def test_script_of_a_model_with_module_units_only_is_refused_with_the_fix():
+    model = linearize.convert(nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 8), nn.GELU()),
+                              example_inputs=torch.randn(2, 4))
+    with pytest.raises(TypeError, match=r"cannot compile linearize's LinearizableActivation.*Fix: linearize.fold"):
+        torch.jit.script(model)
+    folded = linearize.fold(model.eval(), torch.randn(2, 4), latency=False)
+    scripted = torch.jit.script(folded)
+    x = torch.randn(3, 4)
+    assert torch.allclose(scripted(x), model(x), atol=1e-5)

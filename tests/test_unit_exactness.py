@@ -1,0 +1,208 @@
+"""A unit at slope 0 is its original activation bit for bit, and at slope 1 the identity, for every input.
+
+The truth is the original activation module itself (torch's, Hugging Face's, timm's: every class of the
+activation table) on a tensor holding -inf, inf, NaN, +-0, the dtype's largest and smallest numbers and
+ordinary values, in float32, float64, float16 and bfloat16, in train and eval mode, with and without
+autograd, on the compiled kernels and on the PyTorch-ops paths. ``0 * x`` in ``a * x`` or in ``torch.lerp``
+gave NaN where ReLU gives 0 for -inf (and -0 for +0), so a half-precision pre-activation that overflowed
+turned finite logits into NaN.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import linearize
+from linearize import LinearizableActivation, kernels
+from linearize.activations import FUNCTIONS_BY_NAME, HF_KINDS, MODULE_KINDS, TIMM_KINDS, activation_kind
+from linearize.unit import ChannelBlend
+
+DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
+ARGUMENTS = {"ClippedGELUActivation": (-3.0, 3.0)}  # HF classes that take arguments
+
+
+def activation_table() -> list[tuple[str, object]]:
+    """One instance of every activation of the table: torch's modules, HF's and timm's classes (where
+    installed), the out-of-place functions, and LeakyReLU / GELU with their other arguments."""
+    acts: list[tuple[str, object]] = [(cls.__name__, cls()) for cls, _ in MODULE_KINDS]
+    acts += [("LeakyReLU(0.2)", nn.LeakyReLU(0.2)), ("GELU(tanh)", nn.GELU(approximate="tanh")),
+             ("Hardtanh(-2, 3)", nn.Hardtanh(-2.0, 3.0)), ("ELU(0.5)", nn.ELU(0.5))]
+    acts += [(name, fn) for name, fn in FUNCTIONS_BY_NAME.items()]
+    for module_name, names in (("transformers.activations", HF_KINDS),
+                               ("timm.layers.activations", TIMM_KINDS), ("timm.layers.activations_me", TIMM_KINDS)):
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError:
+            continue
+        for name in names:
+            cls = getattr(module, name, None)
+            if cls is not None:
+                act = cls(*ARGUMENTS.get(name, ()))
+                assert activation_kind(act) is not None, f"{module_name}.{name} is not in the activation table"
+                acts.append((f"{module_name}.{name}", act))
+    return acts
+
+
+ACTS = activation_table()
+
+
+def special_values(dtype: torch.dtype) -> torch.Tensor:
+    """-inf, inf, NaN, +-0, +-max, +-tiny (normal), +-smallest subnormal and ordinary values, in ``dtype``."""
+    info = torch.finfo(dtype)
+    subnormal = float(torch.nextafter(torch.zeros((), dtype=dtype), torch.ones((), dtype=dtype)))
+    values = [-math.inf, math.inf, math.nan, 0.0, -0.0, info.max, -info.max, info.tiny, -info.tiny, subnormal,
+              -subnormal, -1e4, 3e4, -7.5, -1.0, -0.3, 0.25, 1.0, 2.5, 60.0]
+    return torch.tensor(values, dtype=torch.float64).to(dtype)
+
+
+def assert_same_bits(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
+    """Equal bit for bit (the sign of zero included), NaN where ``want`` is NaN (any NaN)."""
+    assert got.dtype == want.dtype and got.shape == want.shape, what
+    nan = torch.isnan(want)
+    assert torch.equal(torch.isnan(got), nan), f"{what}: NaN at {torch.isnan(got).nonzero().flatten().tolist()}, " \
+                                               f"want at {nan.nonzero().flatten().tolist()}"
+    bits = {2: torch.int16, 4: torch.int32, 8: torch.int64}[got.element_size()]
+    same = got.view(bits) == want.view(bits)
+    bad = (~same & ~nan).nonzero().flatten().tolist()
+    assert not bad, f"{what}: got {got.flatten()[bad].tolist()}, want {want.flatten()[bad].tolist()} at {bad}"
+
+
+@pytest.fixture(params=["kernel", "pytorch-ops"])
+def path(request, monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
+    """The compiled kernels (each call counted), or the PyTorch-ops paths (kernels switched off)."""
+    monkeypatch.setattr(kernels, "_state", {})
+    if request.param == "pytorch-ops":
+        monkeypatch.setenv(kernels.ENV_SWITCH, "0")
+        assert kernels.cpu_prelu() is None and kernels.cpu_blend() is None
+        return {}
+    monkeypatch.delenv(kernels.ENV_SWITCH, raising=False)
+    calls = {"prelu": 0, "blend": 0}
+    for name, kernel in (("prelu", kernels.cpu_prelu()), ("blend", kernels.cpu_blend())):
+        assert kernel is not None, "the compiled kernels did not build: see the RuntimeWarning for why"
+
+        def counted(*args, name=name, kernel=kernel):
+            calls[name] += 1
+            return kernel(*args)
+
+        kernels._state[name] = counted
+    return calls
+
+
+def unit_and_input(act, dtype: torch.dtype, channel_dim: int,
+                   slope: float) -> tuple[LinearizableActivation, torch.Tensor]:
+    """A 3-channel unit at ``slope`` and an input [2, 3, 20] (channel_dim 1) or [2, 20, 3] (-1) whose every
+    channel holds every special value."""
+    v = special_values(dtype)
+    x = v.expand(2, 3, v.numel()).contiguous()
+    if channel_dim == -1:
+        x = x.transpose(1, 2).contiguous()
+    unit = LinearizableActivation(copy.deepcopy(act) if isinstance(act, nn.Module) else act, 3, channel_dim)
+    with torch.no_grad():
+        unit.slope.fill_(slope)
+    return unit, x
+
+
+@pytest.mark.parametrize("name,act", ACTS, ids=[n for n, _ in ACTS])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_slope_0_is_the_activation_and_slope_1_the_identity_bit_for_bit(name, act, dtype, path):
+    for channel_dim in (1, -1):
+        for training in (True, False):
+            for grad in (False, True):
+                unit, x = unit_and_input(act, dtype, channel_dim, 0.0)
+                unit.train(training)
+                x = x.requires_grad_(grad)
+                with torch.no_grad():
+                    want = act(x)
+                where = f"{name} {dtype} channel_dim={channel_dim} training={training} grad={grad} a="
+                with torch.set_grad_enabled(grad):
+                    assert_same_bits(unit(x).detach(), want, where + "0")
+                    with torch.no_grad():
+                        unit.slope.fill_(1.0)
+                    assert_same_bits(unit(x).detach(), x.detach(), where + "1")
+    if path:  # the compiled kernels computed these (not the PyTorch-ops fallback)
+        assert path["prelu" if unit.is_prelu and not (unit.leak and dtype.itemsize == 2) else "blend"] > 0
+
+
+@pytest.mark.parametrize("name,act", ACTS, ids=[n for n, _ in ACTS])
+def test_mixed_slopes_keep_each_channel_exact_and_the_input_gradient_is_the_activations(name, act, path):
+    """Channels at slope 0, 1 and 0.25 in one unit: the first is act(x), the second x, bit for bit, the third
+    the blend; at slope 0 the gradient reaching x is the activation's wherever that one is finite."""
+    unit, x = unit_and_input(act, torch.float32, 1, 0.0)
+    with torch.no_grad():
+        unit.slope.copy_(torch.tensor([0.0, 1.0, 0.25]))
+    y = unit(x)
+    want = act(x)
+    assert_same_bits(y[:, 0], want[:, 0], f"{name} a=0")
+    assert_same_bits(y[:, 1], x[:, 1], f"{name} a=1")
+    ok = torch.isfinite(want[:, 2]) & torch.isfinite(x[:, 2])
+    torch.testing.assert_close(y[:, 2][ok], (0.75 * want[:, 2] + 0.25 * x[:, 2])[ok], rtol=1e-6, atol=1e-6)
+
+    unit, x = unit_and_input(act, torch.float64, 1, 0.0)
+    g = torch.linspace(-2, 3, x.numel(), dtype=x.dtype).view(x.shape)
+    xa, xu = x.clone().requires_grad_(), x.clone().requires_grad_()
+    (want_grad,) = torch.autograd.grad(act(xa), xa, g)
+    (got_grad,) = torch.autograd.grad(unit(xu), xu, g)
+    ok = torch.isfinite(want_grad) & ~torch.isnan(x)  # the derivative at a NaN input is a convention
+    assert torch.equal(got_grad[ok], want_grad[ok]), name
+
+
+def test_channel_blend_the_plain_form_is_exact_at_both_ends():
+    x = special_values(torch.float32).expand(2, 3, -1).contiguous()
+    blend = ChannelBlend(nn.Tanh(), torch.tensor([0.0, 1.0, 0.5]))
+    y = blend(x)
+    assert_same_bits(y[:, 0], torch.tanh(x[:, 0]), "ChannelBlend a=0")
+    assert_same_bits(y[:, 1], x[:, 1], "ChannelBlend a=1")
+
+
+@pytest.mark.parametrize("act", [nn.ReLU(), nn.GELU(), nn.Tanh()], ids=["relu", "gelu", "tanh"])
+def test_an_infinite_input_adds_nothing_to_the_slope_gradient(act, path):
+    """The slope's gradient is sum(g * (x - act(x))) over the finite inputs: at an infinite one the blend is
+    infinite for every slope above 0 and the term +-inf or NaN (0 * inf where g = 0), which would make the
+    gradient non-finite at every step. Truth: the sum over the finite inputs in float64. A NaN input still
+    makes it NaN (a diverged run must show in the slopes)."""
+    values = torch.tensor([-math.inf, math.inf, 0.0, -0.0, -7.5, -1.0, -0.3, 0.25, 1.0, 2.5])
+    x = values.expand(2, 3, -1).contiguous()
+    unit = LinearizableActivation(act, 3)
+    with torch.no_grad():
+        unit.slope.copy_(torch.tensor([0.0, 0.5, 1.0]))
+    g = torch.linspace(-1, 1, x.numel()).view(x.shape)
+    g[0, :, 1] = 0.0  # a zero gradient at x = +inf
+    (grad,) = torch.autograd.grad(unit(x), unit.slope, g)
+    truth = torch.where(torch.isfinite(x), g.double() * (x.double() - act(x).double()), 0.0).sum((0, 2))
+    assert torch.isfinite(grad).all()
+    torch.testing.assert_close(grad.double(), truth, rtol=1e-5, atol=1e-6)
+    x[1, 1, 3] = math.nan
+    (grad,) = torch.autograd.grad(unit(x), unit.slope, g)
+    assert torch.isnan(grad[1]) and torch.isfinite(grad[[0, 2]]).all()
+
+
+def test_fp16_autocast_training_with_an_overflowing_pre_activation_steps_as_the_original(path):
+    """A Linear whose first output overflows to -inf in float16 under autocast, then ReLU: the original trains
+    (ReLU gives 0 there); the converted model gave NaN logits, and its GradScaler skipped every step. Now its
+    first step updates the weights exactly as the original's (slopes 0: the same function and gradients)."""
+    torch.manual_seed(0)
+    original = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    with torch.no_grad():
+        original[0].weight[0] = torch.tensor([-6e4, -6e4, 0.0, 0.0])  # -6e4 * (x0 + x1) < -65504: -inf in float16
+    x, y = torch.rand(16, 4) + 0.5, torch.randint(0, 2, (16,))
+    converted = linearize.convert(copy.deepcopy(original), example_inputs=x)
+    for model in (original, converted):
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
+        with torch.autocast("cpu", dtype=torch.float16):
+            hidden = model[0](x)
+            loss = F.cross_entropy(model(x).float(), y)
+        assert torch.isinf(hidden[:, 0]).all() and torch.isfinite(loss)
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        assert scaler.get_scale() == 2.0**8  # no inf/NaN gradient: the step was taken
+    for i in (0, 2):
+        assert torch.equal(converted[i].weight, original[i].weight) and torch.equal(converted[i].bias, original[i].bias)
