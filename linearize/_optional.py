@@ -1,7 +1,7 @@
 """Optional dependencies: one place that knows which extra of ``linearize`` provides which package.
 
-The core install (``pip install linearize``: torch, torchvision, numpy, safetensors, tqdm, and ninja
-and filelock for the CPU kernel's build) converts, sparsifies, freezes and folds. Everything else
+The core install (``pip install linearize``: torch, torchvision, numpy, safetensors, tqdm, ninja for the
+CPU kernel's build and filelock for that build's and the saves' locks) converts, sparsifies, freezes and folds. Everything else
 is an extra, imported only where it is used, through :func:`require`, so that a missing package
 fails with an :class:`ImportError` naming it and the extra to install::
 

@@ -20,6 +20,7 @@ thread; its forward hook (always called, first of the owner's hooks) closes it. 
 
 from __future__ import annotations
 
+import inspect
 import sys
 import threading
 from dataclasses import dataclass, field
@@ -30,13 +31,46 @@ import torch
 from torch import nn
 
 __all__ = ["Scope", "attach_owner", "detach_owner", "is_attached", "caller_scope", "called_from_hook",
-           "compiled_submodules", "refuse_scripting", "FunctionalSiteError"]
+           "compiled_submodules", "refuse_scripting", "unreachable_call", "checkpoint_error", "foreign_torch_function",
+           "SITE_MODE", "FunctionalSiteError"]
 
 _CALL_IMPL: CodeType = nn.Module._call_impl.__code__
 _CHECKPOINT_FILE = torch.utils.checkpoint.__file__
+_FUNCTION_FORWARDS: dict[CodeType, bool] = {}  # code -> whether it is a custom autograd.Function's forward
+
+
+def _function_forward(frame: FrameType) -> bool:
+    """Whether ``frame`` runs the ``forward`` of a ``torch.autograd.Function`` subclass (cached per code)."""
+    code = frame.f_code
+    known = _FUNCTION_FORWARDS.get(code)
+    if known is None:
+        qualname = getattr(code, "co_qualname", "")
+        obj: Any = None
+        if qualname.endswith(".forward") and "<locals>" not in qualname:
+            obj = frame.f_globals
+            for part in qualname.split(".")[:-1]:
+                obj = obj.get(part) if isinstance(obj, dict) else getattr(obj, part, None)
+        known = _FUNCTION_FORWARDS[code] = isinstance(obj, type) and issubclass(obj, torch.autograd.Function)
+    return known
 _MODULE_FILE = nn.Module._call_impl.__code__.co_filename  # its nested ``inner`` runs hooks and forward
 _LOCAL = threading.local()  # .scopes: {id(owner's _call_impl frame): Scope} of this thread
 _MARK = "_linearize_dispatch"  # owner attribute: the handles of its two hooks
+
+
+SITE_MODE = "linearize_site_mode"  # class attribute of linearize's own torch-function modes
+
+
+def foreign_torch_function(*tensors: torch.Tensor) -> bool:
+    """Whether a call on ``tensors`` would be intercepted by someone else than linearize's own site modes: a
+    tensor subclass, or a torch-function mode of another tool (FLOP counting, linear regions, a device context)."""
+    from torch.overrides import has_torch_function_variadic
+
+    if not has_torch_function_variadic(*tensors):
+        return False
+    if any(type(t) not in (torch.Tensor, nn.Parameter) for t in tensors):
+        return True
+    stack = torch._C._len_torch_function_stack()
+    return any(not getattr(torch._C._get_function_stack_at(i), SITE_MODE, False) for i in range(stack))
 
 
 class FunctionalSiteError(RuntimeError):
@@ -51,6 +85,7 @@ class Scope:
     owner: nn.Module
     frame: FrameType
     positions: dict[int, int] = field(default_factory=dict)  # call sites (by id of their __dict__) -> calls so far
+    checkpointed: list[str] = field(default_factory=list)  # calls made inside torch.utils.checkpoint, left as they are
     data: Any = None  # what the owner's functional sites keep for this forward (their mode)
 
     def next_position(self, sites: nn.Module) -> int:
@@ -88,44 +123,72 @@ def _call_impl_frame(owner: nn.Module) -> FrameType:
 
 
 def _hook_codes(owner: nn.Module | None) -> set[CodeType]:
-    """Code objects of the hook functions that ``Module._call_impl`` calls for ``owner``."""
+    """Code objects of the user's hook functions that ``Module._call_impl`` calls for ``owner`` (not those of
+    :func:`attach_owner`): a call made by one of them, anywhere between it and the activation, is the hook's."""
     from torch.nn.modules import module as m
 
     own = [*owner._forward_pre_hooks.values(), *owner._forward_hooks.values()] if isinstance(owner, nn.Module) else []
     hooks = [*own, *m._global_forward_pre_hooks.values(), *m._global_forward_hooks.values()]
     codes = set()
     for h in hooks:
+        if h is _open or h is _shut:
+            continue
         while hasattr(h, "func"):  # functools.partial
             h = h.func
-        fn = getattr(h, "__func__", h)
-        code = getattr(fn, "__code__", None) or getattr(getattr(type(h), "__call__", None), "__code__", None)
+        # the function's own code, under decorators (torch.no_grad, torch.compiler.disable share their wrapper's)
+        fn = inspect.unwrap(getattr(h, "__func__", h))
+        code = getattr(fn, "__code__", None) or getattr(getattr(type(fn), "__call__", None), "__code__", None)
         if code is not None:
             codes.add(code)
     return codes
 
 
-def _calling_module_frame(skip: int) -> tuple[FrameType | None, FrameType | None, bool]:
+@dataclass
+class _Caller:
+    """What lies between a call and the innermost running module: its ``Module._call_impl`` frame (or None),
+    the code objects of the frames between, whether ``torch.utils.checkpoint`` ran there, and whether the call
+    is made inside a custom ``autograd.Function``'s forward (whose backward is its own)."""
+
+    frame: FrameType | None
+    codes: set[CodeType]
+    checkpointed: bool
+    in_function: bool
+
+
+def _calling_module_frame(skip: int) -> _Caller:
     """Walk up from the caller of this module's public functions to the innermost running module's
-    ``Module._call_impl`` frame (past ``skip`` of them): ``(that frame or None, the frame it called: the
-    forward or a hook, whether ``torch.utils.checkpoint`` code ran between)``."""
-    frame, callee, checkpointed = sys._getframe(3), None, False
+    ``Module._call_impl`` frame, past ``skip`` of them."""
+    frame, codes, checkpointed, in_function = sys._getframe(3), set(), False, False
     while frame is not None:
-        if frame.f_code is _CALL_IMPL:
+        code = frame.f_code
+        if code is _CALL_IMPL:
             if not skip:
                 break
-            skip, callee, checkpointed = skip - 1, None, False
-        elif not (frame.f_code.co_name == "inner" and frame.f_code.co_filename == _MODULE_FILE):
-            checkpointed = checkpointed or frame.f_code.co_filename == _CHECKPOINT_FILE
-            callee = frame
+            skip, codes, checkpointed, in_function = skip - 1, set(), False, False
+        else:
+            codes.add(code)
+            checkpointed = checkpointed or code.co_filename == _CHECKPOINT_FILE
+            in_function = in_function or _function_forward(frame)
         frame = frame.f_back
-    return frame, callee, checkpointed
+    return _Caller(frame, codes, checkpointed, in_function)
 
 
 def called_from_hook() -> bool:
     """Whether the call this function's caller handles was made by a hook function of the innermost running
     module (a forward or forward pre-hook, its own or global), not by the module's forward."""
-    frame, callee, _ = _calling_module_frame(0)
-    return frame is not None and callee is not None and callee.f_code in _hook_codes(frame.f_locals.get("self"))
+    caller = _calling_module_frame(0)
+    return caller.frame is not None and bool(caller.codes & _hook_codes(caller.frame.f_locals.get("self")))
+
+
+def unreachable_call() -> str:
+    """Why the call this function's caller handles, made within the innermost running module, could not get a
+    unit that trains ("" when it could): inside ``torch.utils.checkpoint`` (recomputed outside the module's
+    forward) or inside a custom ``torch.autograd.Function``'s forward (its own backward gives the gradients).
+    The probe lists such calls unconverted; the dispatch leaves a Function's calls as they are."""
+    caller = _calling_module_frame(0)
+    if caller.checkpointed:
+        return "inside torch.utils.checkpoint, recomputed outside its module's forward"
+    return "inside a custom autograd.Function's forward, whose backward is its own" if caller.in_function else ""
 
 
 def caller_scope(what: Callable[[], str], skip: int = 0) -> Scope | None:
@@ -133,26 +196,38 @@ def caller_scope(what: Callable[[], str], skip: int = 0) -> Scope | None:
     of the innermost running module (past ``skip`` module calls: 1 for a module's own forward) if that module's
     forward, not one of its hooks, made the call; else None (a child's call, a hook's, or no forward running).
 
-    Raises :class:`FunctionalSiteError` when the call was made inside ``torch.utils.checkpoint`` within the owner's
-    forward (``what()`` names the call for the message).
+    A call made inside ``torch.utils.checkpoint`` or a custom ``autograd.Function`` is left as it is (None), as
+    the probe left it; a checkpointed one is recorded in the scope (``what()`` names it), so that a forward whose
+    calls then differ from the probe's says why (:func:`checkpoint_error`).
     """
-    frame, callee, checkpointed = _calling_module_frame(skip)
+    caller = _calling_module_frame(skip)
+    frame = caller.frame
     if frame is None:
         return None
     scope = _scopes().get(id(frame))
     if scope is None or scope.frame is not frame:
         return None
-    if callee is not None and callee.f_code in _hook_codes(scope.owner):
+    if caller.codes & _hook_codes(scope.owner):
         return None  # a hook of the owner calls an activation (monitoring): not one of the forward's calls
-    if checkpointed:
-        name = type(scope.owner).__name__
-        raise FunctionalSiteError(
-            f"linearize: {what()} is made inside torch.utils.checkpoint within the forward of {name}. Its "
-            "recomputation in the backward pass runs outside that forward, where linearize cannot send it to its "
-            f"unit, so its gradients would be the original activation's. Fix: checkpoint a module instead (move "
-            f"the code into an nn.Module, or checkpoint the {name} itself: its hooks run again on recompute), or "
-            f"keep these calls as they are with linearize.convert(..., exclude_modules=[<the {name}'s name>]).")
+    if caller.checkpointed:
+        scope.checkpointed.append(what())  # left as it is, as the probe did; a unit it made misses it (see below)
+        return None
+    if caller.in_function:
+        return None  # a custom Function's forward: left as it is, as the probe did
     return scope
+
+
+def checkpoint_error(scope: Scope) -> FunctionalSiteError:
+    """The error for an owner forward whose calls were not the probe's because some ran inside
+    ``torch.utils.checkpoint`` (a checkpoint the probe forward did not take, e.g. one used in training only)."""
+    name = type(scope.owner).__name__
+    return FunctionalSiteError(
+        f"linearize: {scope.checkpointed[0]} is made inside torch.utils.checkpoint within the forward of {name}, "
+        "where the probe forward of linearize.convert saw it outside (and made it a unit). Its recomputation in "
+        "the backward pass runs outside that forward, where linearize cannot send it to its unit. Fix: "
+        f"checkpoint a module instead (move the code into an nn.Module, or checkpoint the {name} itself: its "
+        "hooks run again on recompute), or convert with example_inputs and the mode that take the checkpoint "
+        "(the call is then left as it is and listed)")
 
 
 @torch.compiler.disable

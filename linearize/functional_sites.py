@@ -29,7 +29,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from .activations import FUNCTIONAL_SPECS, INPLACE_ARG, _arg
-from .dispatch import FunctionalSiteError, Scope, attach_owner, caller_scope, refuse_scripting
+from .dispatch import FunctionalSiteError, Scope, attach_owner, caller_scope, checkpoint_error, refuse_scripting
 from .unit import write_into
 
 __all__ = ["FunctionalSites", "FunctionalSiteError", "ATTR", "install_functional_sites"]
@@ -55,6 +55,8 @@ class _Calls:
 
 class _SiteMode(TorchFunctionMode):
     """Sends one owner forward's own activation calls to its :class:`FunctionalSites`; the rest passes through."""
+
+    linearize_site_mode = True  # dispatch.SITE_MODE: units under it still take their own exact paths
 
     def __init__(self, sites: "FunctionalSites", scope: Scope) -> None:
         super().__init__()
@@ -161,6 +163,8 @@ class FunctionalSites(nn.Module):
     def check_forward(self, scope: Scope) -> None:
         """An owner forward returned: raise :class:`FunctionalSiteError` if its calls were not the probe's."""
         calls: _Calls = scope.data
+        if (calls.mismatch or calls.position != len(self.kinds)) and scope.checkpointed:
+            raise checkpoint_error(scope)
         if calls.mismatch or calls.position != len(self.kinds):
             seen = calls.seen if calls.mismatch else self.kinds[: calls.position]
             name = self.owner_name or "<root>"

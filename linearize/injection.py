@@ -43,6 +43,7 @@ from .dispatch import (
     caller_scope,
     compiled_submodules,
     refuse_scripting,
+    unreachable_call,
 )
 from .functional_sites import ATTR
 from .inputs import call_model, eval_mode
@@ -93,9 +94,10 @@ class CallSites(nn.Module):
         if scope is None:
             raise FunctionalSiteError(
                 f"linearize: the activation module {where} holds one unit per call of its owner's forward, "
-                "matched by call order, and was called from elsewhere (a hook, another module, or a recomputation "
-                "outside the owner's forward). Fix: call it only from its owner's forward, or give the other "
-                "caller its own activation module.")
+                "matched by call order, and was called from elsewhere: a hook, another module, a function run by "
+                "torch.utils.checkpoint (recomputed outside the owner's forward) or a custom autograd.Function. "
+                "Fix: call it only from its owner's own forward code (checkpoint the owner module itself), or "
+                "give the other caller its own activation module.")
         k = scope.next_position(self)
         if k >= len(self.calls):
             raise FunctionalSiteError(
@@ -334,6 +336,8 @@ class _Probe:
         if inner is not None and id(inner) not in self.names:  # a module made in forward (HF's ACT2FN[...](x)):
             where = f"{where} (inside a {type(inner).__name__} made during forward, not a registered module)"
             owner = None  # its call hides the owner's calls from the owner's dispatch, so it stays as it is
+        elif why := unreachable_call():  # a unit there could never train
+            where, owner = f"{where} ({why})", None
         kind = FUNCTIONAL_SPECS[func][0]
         call = ActivationCall(None, tuple(getattr(out, "shape", ())), -1, kind, where=where)
         if func in FUNCTIONAL_SPECS and owner is not None and isinstance(out, torch.Tensor):

@@ -31,14 +31,14 @@ import torch
 import torch.autograd.forward_ad as fwAD
 import torch.nn.functional as F
 from torch import nn
-from torch.overrides import handle_torch_function, has_torch_function_variadic
+from torch.overrides import handle_torch_function
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 from torch.utils.weak import WeakIdKeyDictionary
 
 from .activations import FunctionalActivation
 from .checks import NonFiniteSlopeError, check_channel_dim, check_tol
 from .config import GatedConfig
-from .dispatch import compiled_submodules, refuse_scripting
+from .dispatch import compiled_submodules, foreign_torch_function, refuse_scripting
 from .kernels import cpu_blend, cpu_prelu
 
 __all__ = [
@@ -146,7 +146,7 @@ def _prelu(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     is dispatched as a plain ``F.prelu``, so tools that intercept functions (linear regions, FLOP
     counting, graph recording) see the same call as before.
     """
-    if has_torch_function_variadic(x, weight):
+    if foreign_torch_function(x, weight):
         return handle_torch_function(F.prelu, (x, weight), x, weight)
     _refuse_functorch(x)
     if x.device.type != "cpu" or torch.jit.is_tracing():  # the tracer cannot record the kernel's C++ loops
@@ -265,7 +265,7 @@ def _blend(act: torch.Tensor, x: torch.Tensor, slope: torch.Tensor, dim: int) ->
     shape = [1] * x.ndim
     shape[dim] = slope.numel()
     weight = slope.view(shape)
-    if has_torch_function_variadic(act, x, weight):
+    if foreign_torch_function(act, x, weight):
         return torch.lerp(act, x, weight)
     _refuse_functorch(x)
     if (x.device.type == "cpu" and not torch.jit.is_tracing() and dim in (1, x.ndim - 1) and x.numel() and x.is_contiguous() and act.is_contiguous()

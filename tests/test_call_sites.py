@@ -85,14 +85,19 @@ def _run_threads(model: nn.Module, x: torch.Tensor, reference: torch.Tensor, thr
     return wrong[0], errors
 
 
-@pytest.mark.parametrize("cls", [Functional, Reused])
-def test_threads_dispatch_each_forward_on_its_own(cls):
+def _converted(cls: type[nn.Module]) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
+    """A converted ``cls`` with random slopes, an input, and its output written out by hand."""
     torch.manual_seed(0)
     x = torch.randn(5, 6)
     model = linearize.convert(cls().eval(), example_inputs=x)
     _random_slopes(model)
     with torch.no_grad():
-        reference = _by_hand(model, x)
+        return model, x, _by_hand(model, x)
+
+
+@pytest.mark.parametrize("cls", [Functional, Reused])
+def test_threads_dispatch_each_forward_on_its_own(cls):
+    model, x, reference = _converted(cls)
     assert torch.allclose(model(x), reference, atol=1e-6)
     with torch.no_grad():
         reference = model(x)
@@ -199,9 +204,18 @@ class CheckpointsAFunction(Functional):
 
 
 @pytest.mark.parametrize("reentrant", [True, False])
-def test_a_functional_call_inside_checkpoint_is_refused_with_the_fix(reentrant):
+def test_a_functional_call_inside_checkpoint_is_listed_or_refused_with_the_fix(reentrant):
     x = torch.randn(5, 6, requires_grad=True)
-    model = linearize.convert(CheckpointsAFunction(reentrant), example_inputs=x.detach())
+    with pytest.warns(UserWarning, match=r"relu \(inside torch.utils.checkpoint"):  # seen by the probe: listed
+        model = linearize.convert(CheckpointsAFunction(reentrant), example_inputs=x.detach())
+    assert [n for n, _ in linearize.units(model)] == ["linearize_functional.gelu_0"]
+    plain = CheckpointsAFunction(reentrant)
+    plain.load_state_dict(model.state_dict(), strict=False)
+    assert torch.equal(model(x), plain(x))
+    # checkpointing that starts after convert (only in training, say): refused, not silently mis-trained
+    model = linearize.convert(Functional(), example_inputs=x.detach())
+    model.forward = lambda t: model.c(F.gelu(model.b(checkpoint(lambda u: F.relu(model.a(u)), t,
+                                                                  use_reentrant=reentrant))))
     with pytest.raises(FunctionalSiteError, match=r"torch.utils.checkpoint.*Fix: checkpoint a module"):
         model(x).sum().backward()
 
@@ -266,12 +280,8 @@ def test_a_scripted_submodule_is_listed_and_never_counted_as_linear():
 
 @pytest.mark.parametrize("cls", [Functional, Reused])
 def test_trace_and_export_compute_the_converted_function_and_script_is_refused_with_the_fix(cls):
-    torch.manual_seed(0)
-    x = torch.randn(5, 6)
-    model = linearize.convert(cls().eval(), example_inputs=x)
-    _random_slopes(model)
+    model, x, expected = _converted(cls)
     with torch.no_grad():
-        expected = _by_hand(model, x)
         traced = torch.jit.trace(model, x, check_trace=False)
         assert torch.allclose(traced(x), expected, atol=1e-6)
         exported = torch.export.export(model, (x,)).module()
@@ -307,3 +317,85 @@ def test_script_of_a_model_with_module_units_only_is_refused_with_the_fix():
     scripted = torch.jit.script(folded)
     x = torch.randn(3, 4)
     assert torch.allclose(scripted(x), model(x), atol=1e-5)
+
+
+class OwnerWithModuleUnits(nn.Module):
+    """An owner (its F.relu) whose module units run while its site mode is active."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.act, self.tanh, self.lin = nn.ReLU(), nn.Tanh(), nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.relu(self.lin(self.act(x) + self.tanh(x)))
+
+
+def test_module_units_inside_an_owner_stay_exact_at_infinities():
+    x = torch.tensor([[-float("inf"), -1.0, 0.5, float("inf")], [0.0, -0.0, 3.0, -2.0]])
+    original = OwnerWithModuleUnits().eval()
+    model = linearize.convert(copy.deepcopy(original), example_inputs=x)
+    with torch.no_grad():
+        got, want = model(x), original(x)
+    assert torch.equal(got.isnan(), want.isnan()) and torch.equal(torch.nan_to_num(got), torch.nan_to_num(want))
+
+
+def _decorated_hook(module, args, output):
+    seen = F.relu(output).sum()  # monitoring
+    return None if seen is None else None
+
+
+class DecoratedForward(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.act, self.b = nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4)
+
+    @torch.no_grad()
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(F.relu(self.a(self.act(x))))
+
+
+@pytest.mark.parametrize("when", ["before", "after"])
+def test_a_decorated_forward_with_a_decorated_hook_keeps_its_own_calls(when):
+    hook = torch.no_grad()(_decorated_hook)
+    original = DecoratedForward().eval()
+    model = copy.deepcopy(original)
+    if when == "before":
+        model.register_forward_hook(hook)
+    x = torch.randn(3, 4)
+    model = linearize.convert(model, example_inputs=x)
+    if when == "after":
+        model.register_forward_hook(hook)
+    assert len(linearize.units(model)) == 2  # act and the F.relu of the forward, not the hook's
+    with torch.no_grad():
+        for _, u in linearize.units(model):
+            u.slope.fill_(1.0)
+        assert torch.allclose(model(x), original.b(original.a(x)), atol=1e-6)  # every unit linear: the F.relu too
+
+
+class MishFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x.mul(torch.tanh(F.softplus(x)))
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        fx = F.softplus(x).tanh()
+        return g * (fx + x * torch.sigmoid(x) * (1 - fx * fx))
+
+
+class MemoryEfficientMish(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return MishFunction.apply(x)
+
+
+def test_calls_inside_a_custom_autograd_function_are_listed_not_converted():
+    original = nn.Sequential(nn.Linear(4, 8), MemoryEfficientMish(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+    x = torch.randn(5, 4, requires_grad=True)
+    with pytest.warns(UserWarning, match=r"softplus \(inside a custom autograd.Function's forward"):
+        model = linearize.convert(copy.deepcopy(original), example_inputs=x.detach())
+    assert [n for n, _ in linearize.units(model)] == ["3"]
+    assert torch.equal(model(x), original(x))
+    model(x).sum().backward()
+    assert x.grad is not None and torch.isfinite(x.grad).all()

@@ -639,3 +639,20 @@ def test_dropout_left_in_train_mode_does_not_blur_the_inner_signal():
     s = linearize.fold(model.train(), torch.randn(64, 16), latency=False).linearize_fold_summary
     assert s.verified_on == "input of 'head'" and s.signal_error <= 1e-4 * s.signal_scale
     assert model.training
+
+
+def test_a_refusal_on_cuda_with_tf32_names_it():
+    from types import SimpleNamespace
+
+    from linearize.folding.verify import tf32_hint
+
+    cuda_out = [SimpleNamespace(device=torch.device("cuda"))]
+    before = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
+    try:
+        torch.backends.cudnn.allow_tf32 = True
+        assert tf32_hint([torch.zeros(2)]) == ""  # on the CPU TF32 plays no part
+        assert "TF32 is on" in tf32_hint(cuda_out) and "dtype=torch.float64" in tf32_hint(cuda_out)
+        torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
+        assert tf32_hint(cuda_out) == ""
+    finally:
+        torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = before

@@ -100,7 +100,8 @@ def _verify(
         raise FoldVerificationError(
             f"folded model differs by {err:.3g} (output scale {scale:.3g}, tolerance {summary.tolerance:.3g})"
             f"{_rounding(model, inputs, _outputs, ref_out, summary.tolerance) if dtype is None else ''}; "
-            f"{_snapped(summary.tol)}raise rtol/atol to accept a larger error. Decisions:\n" + "\n".join(summary.merged)
+            f"{_snapped(summary.tol)}{tf32_hint(ref_out)}raise rtol/atol to accept a larger error. Decisions:\n"
+            + "\n".join(summary.merged)
         )
     why = _vacuous(ref_out, rtol, inputs)
     if why:
@@ -109,6 +110,16 @@ def _verify(
 
 def _outputs(model: nn.Module, inputs: Any) -> list[torch.Tensor]:
     return float_outputs(call_model(model, inputs))
+
+
+def tf32_hint(outputs: list[torch.Tensor]) -> str:
+    """For a refusal on CUDA while TF32 is allowed: convolutions and matmuls there round their inputs to 10-bit
+    mantissas, so the model and its fold each differ from float32 by about 1e-3 relative."""
+    on_cuda = any(t.device.type == "cuda" for t in outputs)
+    tf32 = torch.backends.cuda.matmul.allow_tf32 or torch.backends.cudnn.allow_tf32
+    return ("TF32 is on (torch.backends.cudnn.allow_tf32 / torch.backends.cuda.matmul.allow_tf32): its rounding, "
+            "not the fold, may make this difference; set both to False while folding, or verify with "
+            "dtype=torch.float64, or ") if on_cuda and tf32 else ""
 
 
 def _snapped(tol: float) -> str:
