@@ -13,9 +13,11 @@ thread; its forward hook (always called, first of the owner's hooks) closes it. 
 - whose call it is comes from the interpreter's frames, not from hooks around every module: the owner's
   *own* code is the code whose innermost running module is the owner, less the owner's hook functions, so a
   child's calls and a user's monitoring hook that calls an activation are never counted;
-- a call the owner's forward makes inside ``torch.utils.checkpoint`` is refused with a clear error: its
-  recomputation in the backward pass runs outside the owner's forward, where no unit can be reached
-  (checkpointing a module, as Hugging Face's gradient checkpointing does, works: its hooks run again).
+- a call the owner's forward makes inside ``torch.utils.checkpoint`` (its recomputation in the backward pass
+  runs outside the owner's forward, where no unit can be reached) or inside a custom ``autograd.Function``
+  (whose backward is its own) is left as it is, as the probe of ``convert`` left and listed it; a checkpoint
+  the probe did not see is refused with the fix (:func:`checkpoint_error`). Checkpointing a module, as
+  Hugging Face's gradient checkpointing does, works: its hooks run again.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-__all__ = ["Scope", "attach_owner", "detach_owner", "is_attached", "caller_scope", "called_from_hook",
+__all__ = ["Scope", "attach_owner", "detach_owner", "caller_scope", "called_from_hook",
            "compiled_submodules", "refuse_scripting", "unreachable_call", "checkpoint_error", "foreign_torch_function",
            "SITE_MODE", "FunctionalSiteError"]
 
@@ -274,16 +276,11 @@ def attach_owner(owner: nn.Module) -> None:
     Its children with ``begin_forward(scope)`` / ``end_forward(scope)`` / ``check_forward(scope)`` methods
     (the call-site dispatchers) are told when a forward begins, ends, and ends without an exception.
     """
-    if is_attached(owner):
+    if _MARK in owner.__dict__:  # attached already (the mark survives copy.deepcopy)
         return
     handles = (owner.register_forward_pre_hook(_open, prepend=True),
                owner.register_forward_hook(_shut, prepend=True, always_call=True))
     owner.__dict__[_MARK] = tuple(h.id for h in handles)
-
-
-def is_attached(owner: nn.Module) -> bool:
-    """Whether :func:`attach_owner` gave ``owner`` its hooks (they survive ``copy.deepcopy``)."""
-    return _MARK in owner.__dict__
 
 
 def detach_owner(owner: nn.Module) -> None:
