@@ -11,7 +11,7 @@ learning rate (0.2 -> 1 over the first 23% of the steps, then linearly to 0.07),
 weights fixed at 1 (biases learn 64x faster, with the same decay), the whitening bias trained for the first 3
 epochs only, lookahead (every 5 steps the weights move to their running average, whose weight grows as
 ``0.95**5 * (step / steps)**3``; the final weights are the average), random 2-pixel translations of the
-reflect-padded image and flips, and test-time augmentation (flip + 1-pixel translations, ``--tta 2``).
+reflect-padded image and flips (``cifar.augment``), and test-time augmentation (flip + 1-pixel translations, ``--tta 2``).
 Left out: the original's alternating ("derandomized") flips, which need each image's index; flips are random.
 
 The original's learning rate (11.5 per 1024 images on a summed loss) and decay (0.0153, decoupled) are given
@@ -181,23 +181,6 @@ class Lookahead:
             for n in self.names:
                 average[n].lerp_(own[n], 1 - decay)
                 own[n].copy_(average[n])
-
-
-def augment(x: torch.Tensor, translate: int) -> torch.Tensor:
-    """Random translation by up to ``translate`` pixels of the reflect-padded image and random horizontal flip.
-
-    ``x``: uint8 ``[N, C, H, W]``; uses torch's global RNG.
-    """
-    n, _, h, w = x.shape
-    xp = F.pad(x.float(), (translate,) * 4, mode="reflect").to(x.dtype) if translate else x
-    oy = torch.randint(0, 2 * translate + 1, (n,), device=x.device)
-    ox = torch.randint(0, 2 * translate + 1, (n,), device=x.device)
-    rows = (oy[:, None] + torch.arange(h, device=x.device))[:, None, :, None]
-    cols = (ox[:, None] + torch.arange(w, device=x.device))[:, None, None, :]
-    out = xp[torch.arange(n, device=x.device)[:, None, None, None], torch.arange(x.shape[1], device=x.device)[None, :, None, None],
-             rows, cols]
-    flip = torch.rand(n, device=x.device) < 0.5
-    return torch.where(flip[:, None, None, None], out.flip(3), out)
 
 
 def tta_logits(model: nn.Module, x: torch.Tensor, level: int) -> torch.Tensor:

@@ -515,13 +515,17 @@ def _identity(batch):
     return batch
 
 
-def augment(x: torch.Tensor, pad: int = 4) -> torch.Tensor:
-    """Random crop after zero padding by ``pad`` pixels and random horizontal flip, per image.
+def augment(x: torch.Tensor, pad: int = 4, mode: str = "constant") -> torch.Tensor:
+    """Random crop after padding by ``pad`` pixels (``mode``: zeros, or ``"reflect"`` as airbench94's 2-pixel
+    translations) and random horizontal flip, per image.
 
     ``x``: uint8 ``[N, C, H, W]``; uses torch's global RNG on ``x.device``'s default generator.
     """
     n, c, h, w = x.shape
-    xp = F.pad(x, (pad, pad, pad, pad))
+    if mode == "constant":
+        xp = F.pad(x, (pad, pad, pad, pad))
+    else:  # reflect / replicate pad floats only
+        xp = F.pad(x.float(), (pad, pad, pad, pad), mode=mode).to(x.dtype)
     oy = torch.randint(0, 2 * pad + 1, (n,), device=x.device)
     ox = torch.randint(0, 2 * pad + 1, (n,), device=x.device)
     rows = (oy[:, None] + torch.arange(h, device=x.device))[:, None, :, None]
@@ -731,7 +735,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     def loss_fn(batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         x, y = batch
-        x = normalize(airbench.augment(x, 2) if args.arch in airbench.ARCHS else augment(x), mean, std)
+        x = normalize(augment(x, 2, "reflect") if args.arch in airbench.ARCHS else augment(x), mean, std)
         logits = model(x)
         loss = F.cross_entropy(logits, y, label_smoothing=args.label_smoothing)
         if teacher is None:

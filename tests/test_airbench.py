@@ -87,3 +87,16 @@ def test_a_run_stopped_and_resumed_ends_as_the_uninterrupted_one(tree, tmp_path)
     assert parts["test_accuracy"] == whole["test_accuracy"]
     model = cifar.load_model(tmp_path / "whole" / "model")
     assert isinstance(model.whiten, torch.nn.Conv2d) and not model.training
+
+
+def test_translations_are_crops_of_the_reflect_padded_image():
+    import cifar
+
+    torch.manual_seed(0)
+    x = torch.randint(0, 256, (6, 3, 8, 8), dtype=torch.uint8)
+    out = cifar.augment(x, 2, "reflect")
+    padded = torch.nn.functional.pad(x.float(), (2,) * 4, mode="reflect")
+    for i in range(len(x)):
+        crops = [padded[i, :, r:r + 8, c:c + 8] for r in range(5) for c in range(5)]
+        candidates = crops + [t.flip(-1) for t in crops]
+        assert any(torch.equal(out[i].float(), t) for t in candidates)
