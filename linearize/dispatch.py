@@ -31,6 +31,7 @@ from typing import Any, Callable
 
 import torch
 from torch import nn
+from torch.overrides import has_torch_function_variadic
 
 __all__ = ["Scope", "attach_owner", "detach_owner", "caller_scope", "called_from_hook",
            "compiled_submodules", "refuse_scripting", "unreachable_call", "checkpoint_error", "foreign_torch_function",
@@ -65,8 +66,6 @@ SITE_MODE = "linearize_site_mode"  # class attribute of linearize's own torch-fu
 def foreign_torch_function(*tensors: torch.Tensor) -> bool:
     """Whether a call on ``tensors`` would be intercepted by someone else than linearize's own site modes: a
     tensor subclass, or a torch-function mode of another tool (FLOP counting, linear regions, a device context)."""
-    from torch.overrides import has_torch_function_variadic
-
     if not has_torch_function_variadic(*tensors):
         return False
     if any(type(t) not in (torch.Tensor, nn.Parameter) for t in tensors):
