@@ -7,6 +7,7 @@ import argparse
 import json
 import shutil
 import subprocess
+from html.parser import HTMLParser
 from pathlib import Path
 
 import pytest
@@ -345,19 +346,86 @@ def _dump_dom(page: Path, tmp_path: Path) -> str:
     return subprocess.run(cmd, capture_output=True, text=True, timeout=60, check=True).stdout
 
 
+# The test's own probe, independent of the page's script: once the page has loaded, every image gets its
+# decoded width and every table its laid-out size and the number of cells the browser built.
+_PROBE = """<script>window.addEventListener("load", function () {
+  for (var img of document.images) img.setAttribute("data-probe-width", img.complete ? img.naturalWidth : 0);
+  for (var t of document.querySelectorAll("table")) {
+    var box = t.getBoundingClientRect();
+    t.setAttribute("data-probe-box", Math.round(box.width) + "x" + Math.round(box.height));
+    t.setAttribute("data-probe-cells", t.querySelectorAll("td, th").length);
+  }
+  document.body.setAttribute("data-probe", "done");
+});</script>"""
+
+
+class _Elements(HTMLParser):
+    """The ``<img>`` and ``<table>`` elements of a page, with their attributes and (tables) their cell count."""
+
+    def __init__(self, html_text: str) -> None:
+        super().__init__()
+        self.images: list[dict] = []
+        self.tables: list[dict] = []
+        self.body: dict = {}
+        self._open: list[dict] = []
+        self.feed(html_text)
+
+    def handle_starttag(self, tag: str, attrs: list) -> None:
+        if tag == "img":
+            self.images.append(dict(attrs))
+        elif tag == "table":
+            self.tables.append({**dict(attrs), "cells": 0})
+            self._open.append(self.tables[-1])
+        elif tag in ("td", "th") and self._open:
+            self._open[-1]["cells"] += 1
+        elif tag == "body":
+            self.body = dict(attrs)
+
+    def handle_endtag(self, tag: str) -> None:
+        if tag == "table" and self._open:
+            self._open.pop()
+
+
+def _render(page: Path, tmp_path: Path) -> tuple[_Elements, _Elements]:
+    """The page as written (parsed here) and as Chromium rendered it, with the probe's measurements."""
+    source = page.read_text(encoding="utf-8")
+    probed = tmp_path / f"probed-{page.name}"
+    probed.write_text(source.replace("</body>", _PROBE + "</body>", 1), encoding="utf-8")
+    rendered = _Elements(_dump_dom(probed, tmp_path))
+    assert rendered.body.get("data-probe") == "done", "the page's load event never fired"
+    return _Elements(source), rendered
+
+
+def _broken_images_and_empty_tables(source: _Elements, rendered: _Elements) -> tuple[list[str], list[str]]:
+    assert len(rendered.images) == len(source.images) and len(rendered.tables) == len(source.tables)
+    broken = [img.get("alt", "?") for img in rendered.images if int(img["data-probe-width"]) <= 0]
+    empty = [f"table {i}" for i, (ours, theirs) in enumerate(zip(source.tables, rendered.tables))
+             if theirs["data-probe-cells"] != str(ours["cells"])
+             or min(int(v) for v in theirs["data-probe-box"].split("x")) <= 0]
+    return broken, empty
+
+
 @pytest.mark.skipif(_chromium() is None, reason="no chromium binary (Debian: apt-get install -y chromium)")
-def test_html_images_load_in_headless_chromium(trained, tmp_path: Path) -> None:
+def test_html_report_renders_every_image_and_table_in_headless_chromium(trained, tmp_path: Path) -> None:
+    """report.html opened in a real browser: every embedded plot decodes (naturalWidth > 0) and every table is
+    laid out with all the cells written; the page's own load marks agree. Negative controls: a corrupt PNG and a
+    hidden table are caught."""
     model, history, x = trained
     rep = linearize.report(model, x, history=history, max_samples=64, segments=4, progress=False)
-    written = rep.save(tmp_path / "report")
-    dom = _dump_dom(written["report.html"], tmp_path)
-    assert dom.count('data-loaded="yes"') == 4 and 'data-loaded="no"' not in dom
-    assert 'data-images="loaded"' in dom
-    # negative control: a corrupt image is reported as not loaded
+    page = rep.save(tmp_path / "report")["report.html"]
+    source, rendered = _render(page, tmp_path)
+    assert len(source.images) == 4 and len(source.tables) >= 3
+    assert _broken_images_and_empty_tables(source, rendered) == ([], [])
+    assert [img["data-loaded"] for img in rendered.images] == ["yes"] * 4
+    assert rendered.body["data-images"] == "loaded"
+
     broken = tmp_path / "broken.html"
-    broken.write_text(written["report.html"].read_text().replace("base64,iVBOR", "base64,AAAA", 1))
-    dom = _dump_dom(broken, tmp_path)
-    assert dom.count('data-loaded="no"') == 1 and 'data-images="broken"' in dom
+    text = page.read_text(encoding="utf-8").replace("base64,iVBOR", "base64,AAAA", 1)
+    broken.write_text(text.replace("<table>", '<table style="display:none">', 1), encoding="utf-8")
+    source, rendered = _render(broken, tmp_path)
+    images, tables = _broken_images_and_empty_tables(source, rendered)
+    assert len(images) == 1 and tables == ["table 0"]
+    assert [img["data-loaded"] for img in rendered.images].count("no") == 1 and rendered.body["data-images"] == "broken"
 
 
 def test_linearize_cli_has_report_subcommand(capsys) -> None:
