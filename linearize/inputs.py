@@ -43,7 +43,7 @@ from torch import nn
 
 __all__ = [
     "Batches", "call_model", "as_call", "eval_mode", "float_outputs", "max_difference", "output_tensors", "hooks",
-    "model_device", "map_tensors", "to_device", "record_preactivations",
+    "model_device", "map_tensors", "to_device", "record_preactivations", "describe_inputs", "is_empty_batch",
 ]
 
 DATA_FORMS = (
@@ -82,8 +82,8 @@ def model_device(model: nn.Module) -> torch.device | None:
 
 
 def output_tensors(out: Any) -> list[torch.Tensor]:
-    """The tensors of a model output (a tensor, or nested in mappings such as ``ModelOutput``, tuples
-    and lists), in order.
+    """The tensors of a model output or of example inputs (a tensor, or nested in mappings such as
+    ``ModelOutput`` or a tokenizer's ``BatchEncoding``, tuples and lists), in order.
 
     Example:
         >>> [t.dtype for t in output_tensors({"logits": torch.ones(2, 3), "ids": (torch.ones(2, dtype=torch.long),)})]
@@ -96,6 +96,32 @@ def output_tensors(out: Any) -> list[torch.Tensor]:
     if isinstance(out, (list, tuple)):
         return [t for v in out for t in output_tensors(v)]
     return []
+
+
+def is_empty_batch(inputs: Any) -> bool:
+    """Whether a tensor of example ``inputs`` (nested in mappings, tuples and lists too) has no rows.
+
+    Example:
+        >>> is_empty_batch({"x": torch.ones(0, 4)}), is_empty_batch((torch.ones(2, 4),))
+        (True, False)
+    """
+    return any(t.ndim > 0 and t.shape[0] == 0 for t in output_tensors(inputs))
+
+
+def describe_inputs(inputs: Any) -> str:
+    """Example inputs in a line for messages: their structure and tensor shapes (any mapping as ``{...}``).
+
+    Example:
+        >>> describe_inputs({"x": torch.ones(2, 4), "mask": (torch.ones(2), 3)})
+        '{x: Tensor(2, 4), mask: (Tensor(2,), int)}'
+    """
+    if isinstance(inputs, torch.Tensor):
+        return f"Tensor{tuple(inputs.shape)}"
+    if isinstance(inputs, Mapping):
+        return "{" + ", ".join(f"{k}: {describe_inputs(v)}" for k, v in inputs.items()) + "}"
+    if isinstance(inputs, (tuple, list)):
+        return "(" + ", ".join(describe_inputs(v) for v in inputs) + ")"
+    return type(inputs).__name__
 
 
 def float_outputs(out: Any) -> list[torch.Tensor]:

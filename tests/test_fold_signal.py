@@ -113,3 +113,33 @@ def test_compress_refuses_to_verify_on_a_zero_output():
     nn.init.zeros_(model[2].bias)
     with pytest.raises(FoldVerificationError, match="output is zero"):
         linearize.compress(model, box, samples=64)
+
+
+class _Keywords(nn.Module):
+    """Takes its input as a keyword (as Hugging Face models take a tokenizer's ``BatchEncoding``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(4, 8), LA("relu", 8, -1))
+        self.head = nn.Linear(8, 3)
+        nn.init.zeros_(self.head.weight)  # the output is head.bias for every sample: verified before it
+
+    def forward(self, x):
+        return self.head(self.body(x))
+
+
+def test_a_user_dict_input_is_verified_as_a_dict():
+    """A ``UserDict`` (a tokenizer's ``BatchEncoding`` is one) is a mapping of keyword arguments: fold
+    verifies it as strongly as a ``dict`` (the features before a constant head, an empty batch refused
+    naming its tensors), not as one opaque object whose samples cannot differ."""
+    from collections import UserDict
+
+    torch.manual_seed(0)
+    model = _Keywords().eval()
+    x = torch.randn(5, 4)
+    for inputs in ({"x": x}, UserDict({"x": x})):
+        summary = linearize.fold(model, inputs, latency=False).linearize_fold_summary
+        assert summary.verified_on == "input of 'head'", type(inputs).__name__
+        assert "same for every sample" in summary.verified_why
+        with pytest.raises(ValueError, match=r"example_inputs \{x: Tensor\(0, 4\)\} is an empty batch"):
+            linearize.fold(model, type(inputs)({"x": x[:0]}), latency=False)

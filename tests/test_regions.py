@@ -270,6 +270,30 @@ def test_refuses_functional_max_pool_and_products():
         linear_regions(Functional(True), x0, x1)
 
 
+def test_refuses_a_torch_function_without_a_name():
+    """A ``__torch_function__`` call whose function has no ``__name__`` (a ``functools.partial``) is
+    refused like any unknown op, named by its repr and its module (it raised NameError before)."""
+    import functools
+
+    from torch.overrides import handle_torch_function, has_torch_function
+
+    def sine(x):
+        if has_torch_function((x,)):
+            return handle_torch_function(nameless, (x,), x)
+        return torch.sin(x)
+
+    nameless = functools.partial(sine)
+    assert not hasattr(nameless, "__name__")
+
+    class Sine(nn.Module):
+        def forward(self, x):
+            return nameless(x)
+
+    net = nn.Sequential(nn.Linear(2, 2), Sine())
+    with pytest.raises(ValueError, match=r"functools\.partial.*not known to be linear.*module '1'"):
+        linear_regions(net, torch.zeros(1, 2), torch.ones(1, 2))
+
+
 def test_bad_inputs():
     net = _reference_net()
     with pytest.raises(ValueError, match="same shape"):

@@ -19,7 +19,7 @@ from ..dispatch import compiled_submodules, detach_owner
 from ..functional_sites import FunctionalSites
 from ..injection import CallSites, settle_placed_modules
 from ..hf import mark_folded
-from ..inputs import eval_mode, float_outputs
+from ..inputs import describe_inputs, eval_mode, float_outputs, is_empty_batch
 from ..unit import LinearizableActivation, check_finite_slopes, gated_error, units
 from .flops import FlopCounterError
 from .layers import ORIGIN, set_path
@@ -28,7 +28,7 @@ from .probe import Probe, run_counting
 from .rules import FoldContext, FoldRuleLike, Objective, check_rules, fold_rules, is_builtin
 from .summary import FoldSummary
 from ..timing import median_latency_ms
-from .verify import _check_reference, _describe_inputs, _is_empty_batch, _untouched_layers, _verify
+from .verify import check_reference, untouched_layers, verify_fold
 
 __all__ = ["fold"]
 
@@ -179,9 +179,9 @@ def fold(
         )
     if example_inputs is None:
         raise ValueError("fold needs example_inputs (a batch shaped like the model's real inputs)")
-    if _is_empty_batch(example_inputs):
+    if is_empty_batch(example_inputs):
         raise ValueError(
-            f"example_inputs {_describe_inputs(example_inputs)} is an empty batch: fold verifies the "
+            f"example_inputs {describe_inputs(example_inputs)} is an empty batch: fold verifies the "
             "folded model on it, so pass at least one sample"
         )
     check_finite_slopes(units(model), "fold")
@@ -204,13 +204,13 @@ def fold(
         raise
     except Exception as exc:  # the model's own error, re-raised with what to do
         raise ValueError(
-            f"example_inputs {_describe_inputs(example_inputs)} do not fit the model "
+            f"example_inputs {describe_inputs(example_inputs)} do not fit the model "
             f"({type(exc).__name__}: {exc}); pass a batch shaped like its real inputs"
         ) from exc
     ref_out = float_outputs(reference)
     if not ref_out:
         raise ValueError("the model returned no floating-point tensor to verify against")
-    _check_reference(ref_out, example_inputs)
+    check_reference(ref_out, example_inputs)
     summary.units_before = sum(isinstance(m, LinearizableActivation) for m in folded.modules())
     summary.params_before = sum(p.numel() for p in model.parameters())
     if summary.units_before == 0:
@@ -230,9 +230,9 @@ def fold(
     summary.params_after = sum(p.numel() for p in folded.parameters())
     summary.flops_after, output = run_counting(folded, example_inputs)
 
-    untouched = functools.partial(_untouched_layers, model, folded, before_fold, probe)
+    untouched = functools.partial(untouched_layers, model, folded, before_fold, probe)
     if verify:
-        _verify(model, folded, example_inputs, ref_out, float_outputs(output), summary, atol, rtol, dtype, untouched)
+        verify_fold(model, folded, example_inputs, ref_out, float_outputs(output), summary, atol, rtol, dtype, untouched)
     else:
         summary.max_abs_error, summary.verify_dtype = math.nan, "not verified (verify=False)"
     if latency:

@@ -19,47 +19,26 @@ import torch
 from torch import nn
 
 from ..checks import FoldVerificationError
-from ..inputs import call_model, eval_mode, float_outputs, map_tensors, max_difference
+from ..inputs import call_model, describe_inputs, eval_mode, float_outputs, map_tensors, max_difference, output_tensors
 from .probe import Probe
 from .summary import FoldSummary
 
-def _is_empty_batch(inputs: Any) -> bool:
-    """Whether a tensor of ``inputs`` has no rows (batch dim 0)."""
-    if isinstance(inputs, torch.Tensor):
-        return inputs.ndim > 0 and inputs.shape[0] == 0
-    if isinstance(inputs, dict):
-        return any(_is_empty_batch(v) for v in inputs.values())
-    if isinstance(inputs, (tuple, list)):
-        return any(_is_empty_batch(v) for v in inputs)
-    return False
 
-
-def _check_reference(ref_out: list[torch.Tensor], inputs: Any) -> None:
+def check_reference(ref_out: list[torch.Tensor], inputs: Any) -> None:
     """The model's own outputs must be non-empty and finite, or no tolerance can verify a fold."""
     if any(t.numel() == 0 for t in ref_out):
         raise ValueError(
-            f"the model's output on example_inputs {_describe_inputs(inputs)} is empty: pass at least one sample"
+            f"the model's output on example_inputs {describe_inputs(inputs)} is empty: pass at least one sample"
         )
     if not all(bool(torch.isfinite(t).all()) for t in ref_out):
         raise ValueError(
-            f"the model's own output on example_inputs {_describe_inputs(inputs)} has NaN/inf values: fold "
+            f"the model's own output on example_inputs {describe_inputs(inputs)} has NaN/inf values: fold "
             "cannot verify against it (no tolerance helps); check the model's weights and the inputs"
         )
 
 
-def _describe_inputs(inputs: Any) -> str:
-    if isinstance(inputs, torch.Tensor):
-        return f"Tensor{tuple(inputs.shape)}"
-    if isinstance(inputs, dict):
-        return "{" + ", ".join(f"{k}: {_describe_inputs(v)}" for k, v in inputs.items()) + "}"
-    if isinstance(inputs, (tuple, list)):
-        return "(" + ", ".join(_describe_inputs(v) for v in inputs) + ")"
-    return type(inputs).__name__
-
-
-
 @torch.no_grad()
-def _verify(
+def verify_fold(
     model: nn.Module,
     folded: nn.Module,
     inputs: Any,
@@ -80,7 +59,7 @@ def _verify(
         ref_out = float_outputs(call_model(model_v, inputs))
         new_out = float_outputs(call_model(folded_v, inputs))
     summary.verify_dtype = str(dtype or ref_out[0].dtype)
-    _check_reference(ref_out, inputs)
+    check_reference(ref_out, inputs)
     if len(new_out) != len(ref_out) or any(a.shape != b.shape for a, b in zip(ref_out, new_out)):
         raise FoldVerificationError(
             f"folded model returns shapes {[tuple(t.shape) for t in new_out]}, expected "
@@ -161,8 +140,7 @@ def _row_spread(t: torch.Tensor) -> float:
 
 def _samples_differ(inputs: Any) -> bool:
     """Whether some input tensor has two different samples (rows)."""
-    tensors = inputs.values() if isinstance(inputs, dict) else inputs if isinstance(inputs, (tuple, list)) else [inputs]
-    return any(isinstance(t, torch.Tensor) and _row_spread(t) > 0 for t in tensors)
+    return any(_row_spread(t) > 0 for t in output_tensors(inputs))
 
 
 def _vacuous(signal: list[torch.Tensor], rtol: float, inputs: Any) -> str:
@@ -177,7 +155,7 @@ def _vacuous(signal: list[torch.Tensor], rtol: float, inputs: Any) -> str:
     return ""
 
 
-def _untouched_layers(model: nn.Module, folded: nn.Module, before: dict[str, nn.Module], probe: Probe) -> list[str]:
+def untouched_layers(model: nn.Module, folded: nn.Module, before: dict[str, nn.Module], probe: Probe) -> list[str]:
     """Paths of the leaf layers that fold left alone: the same layer object at the same path, called
     once, with the same parameters and buffers as in ``model`` (their input is the same signal)."""
     original = dict(model.named_modules())
@@ -242,7 +220,7 @@ def _verify_signal(
             )
         return
     raise FoldVerificationError(
-        f"fold cannot verify the folded model: its output on example_inputs {_describe_inputs(inputs)} is {why}, "
+        f"fold cannot verify the folded model: its output on example_inputs {describe_inputs(inputs)} is {why}, "
         "and no layer input that fold left untouched varies either. Pass example_inputs with at least 2 "
         "different samples, or give the model a head that is not zero (e.g. a random one) to verify the fold"
     )

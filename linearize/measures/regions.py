@@ -181,7 +181,7 @@ class _Tracer(TorchFunctionMode):
         if name in _UNITS:
             return self._unit(name, args, kwargs)
         if name not in _LINEAR:
-            self._check(name, args, kwargs)
+            self._check(name or repr(func), args, kwargs)
         dual = any(_tangent(a) is not None for a in _flat_args(args, kwargs))
         try:
             out = func(*args, **kwargs)
@@ -221,7 +221,7 @@ class _Tracer(TorchFunctionMode):
             if _tangent(weight) is not None and sum(dual) >= 2:
                 self._refuse(f"{name} with an input-dependent weight")
         elif any(dual):
-            self._refuse(f"{name or repr(func)}, which is not known to be linear,")
+            self._refuse(f"{name}, which is not known to be linear,")
 
     def _unit(self, name: str, args: Sequence[Any], kwargs: dict) -> torch.Tensor:
         x = args[0]
