@@ -44,6 +44,7 @@ _EXPORTS = {
     "FoldRule": "folding",
     "Objective": "folding",
     "stable_units": "stability",
+    "Box": "stability",
     "compress": "compression",
     # report
     "report": "reporting",

@@ -23,7 +23,7 @@ from torch import nn
 from ._optional import require
 from .checks import FoldVerificationError, check_positive, check_positive_int
 from .inputs import Batches, eval_mode, model_device, to_device
-from .stability import _MLP_TYPES, StabilityResult, _as_box, _build, stable_units
+from .stability import MLP_TYPES, StabilityResult, as_box, build_network, stable_units
 
 __all__ = ["compress", "CompressionReport"]
 
@@ -309,8 +309,8 @@ def compress(
 
     Args:
         model: an ``nn.Sequential`` as for :func:`stable_units`.
-        domain: an input box ``(lower, upper)`` (tensors of one input's shape) or data whose
-            inputs are tensors (see :func:`stable_units`).
+        domain: an input :class:`~linearize.Box` or data whose inputs are tensors (a tuple is
+            data; see :func:`stable_units`).
         method: how to find stable units (see :func:`stable_units`; ``"crown"`` for a box).
         data: extra data to verify on (any form of :mod:`linearize.inputs`, tensor inputs).
         samples: uniform samples of the box (plus its two extreme corners and centre) to verify on.
@@ -326,7 +326,8 @@ def compress(
     Example:
         >>> net = nn.Sequential(nn.Linear(1, 2), nn.ReLU(), nn.Linear(2, 1)).eval()
         >>> _ = net[0].weight.data.fill_(1.0), net[0].bias.data.copy_(torch.tensor([2.0, -2.0]))
-        >>> small = compress(net, (torch.tensor([-1.0]), torch.tensor([1.0])))  # on [-1, 1]: one ReLU on, one off
+        >>> from linearize import Box
+        >>> small = compress(net, Box(torch.tensor([-1.0]), torch.tensor([1.0])))  # on [-1, 1]: one ReLU on, one off
         >>> small, small.compression_report.units_after
         (Sequential(
           (0): Linear(in_features=1, out_features=1, bias=True)
@@ -337,9 +338,9 @@ def compress(
     rtol = check_positive(rtol, "rtol")
     rank_tol = check_positive(rank_tol, "rank_tol")
     samples = check_positive_int(samples, "samples")
-    box = _as_box(domain)
+    box = as_box(domain, method, "compress")
     if box is not None:
-        in_shape = tuple(box[0].shape)
+        domain, in_shape = box, tuple(box.lower.shape)
     else:
         domain = Batches.of(domain, "domain")
         first = next(iter(domain))
@@ -347,12 +348,12 @@ def compress(
             raise TypeError(f"compress runs an nn.Sequential on one input tensor: give data whose inputs are "
                             f"tensors (a tensor batch, (x, y) pairs, a loader of them), got {type(first).__name__}")
         in_shape = tuple(first.shape[1:])
-    affines, sites = _build(model, in_shape)
+    affines, sites = build_network(model, in_shape)
     stability = stable_units(model, domain, method, progress=progress)
     dtype = next(model.parameters()).dtype
     # the MLP head: the affine blocks from `start` on hold only Linear/BatchNorm1d/Flatten/...
     start = len(affines)
-    while start > 0 and all(isinstance(m, _MLP_TYPES) for _, m in affines[start - 1].modules):
+    while start > 0 and all(isinstance(m, MLP_TYPES) for _, m in affines[start - 1].modules):
         start -= 1
     if start == 0:
         layers, stats, folded = _mlp_part(affines, sites, stability, 0, slice(None), rank_tol, dtype)

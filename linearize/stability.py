@@ -9,6 +9,10 @@ interval bound propagation (``"ibp"``), a CROWN-style linear relaxation with bac
 small MLPs), or over data (``"data"``). The box methods are sound: a unit they call stable is
 stable for every input of the box (bounds are computed in float64).
 
+An input box is a :class:`Box`; a tuple is data (an ``(inputs, *targets)`` batch), whatever its
+shapes. A ``(lower, upper)`` tuple is still read as a box when a box method is named explicitly
+(``method="ibp"``, ``"crown"`` or ``"milp"``), with a ``FutureWarning``, for one deprecation period.
+
 Supported models: ``nn.Sequential`` chains (nested ones too) of ``Linear``, ``Conv1d``/``Conv2d``,
 ``BatchNorm1d``/``BatchNorm2d`` (eval), ``AvgPool``, ``Flatten``/``Unflatten``, ``Dropout`` (eval),
 ``Identity`` and the activation sites: PReLU-kind ``LinearizableActivation`` units, ``nn.ReLU``,
@@ -20,6 +24,7 @@ from __future__ import annotations
 
 import copy
 import math
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,14 +37,15 @@ from .checks import NonFiniteSlopeError
 from .inputs import Batches, record_preactivations, site_channel_dim
 from .unit import LinearizableActivation, check_finite_slopes
 
-__all__ = ["stable_units", "StabilityResult", "SiteStability", "record_preactivations"]
+__all__ = ["stable_units", "Box", "StabilityResult", "SiteStability", "record_preactivations"]
 
 METHODS = ("ibp", "crown", "milp", "data")
+BOX_METHODS = ("ibp", "crown", "milp")
 _AFFINE_TYPES = (
     nn.Linear, nn.Conv1d, nn.Conv2d, nn.BatchNorm1d, nn.BatchNorm2d, nn.Flatten, nn.Unflatten,
     nn.Identity, nn.Dropout, nn.AvgPool1d, nn.AvgPool2d, nn.AdaptiveAvgPool1d, nn.AdaptiveAvgPool2d,
 )
-_MLP_TYPES = (nn.Linear, nn.BatchNorm1d, nn.Flatten, nn.Identity, nn.Dropout)
+MLP_TYPES = (nn.Linear, nn.BatchNorm1d, nn.Flatten, nn.Identity, nn.Dropout)
 _SITE_TYPES = (LinearizableActivation, nn.ReLU, nn.LeakyReLU, nn.PReLU)
 _MAX_DENSE = 20_000_000  # entries of one dense affine block (160 MB in float64)
 _MILP_SLACK = 1e-7  # relative widening of MILP bounds, above HiGHS feasibility tolerances
@@ -161,7 +167,7 @@ def _dense(modules: list[tuple[str, nn.Module]], in_shape: tuple[int, ...]) -> _
     return _Affine(modules, W.contiguous(), b.reshape(-1), in_shape, out_shape)
 
 
-def _build(model: nn.Module, in_shape: tuple[int, ...]) -> tuple[list[_Affine], list[_Site]]:
+def build_network(model: nn.Module, in_shape: tuple[int, ...]) -> tuple[list[_Affine], list[_Site]]:
     """Split the chain into ``affine_0, site_0, affine_1, site_1, ..., affine_L`` (affines may be
     identities)."""
     chain = _flatten_chain(model)
@@ -392,28 +398,73 @@ class StabilityResult:
         return "\n".join(lines)
 
 
-def _as_box(domain: Any) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """``(lower, upper)`` float64 tensors if ``domain`` is a box, ``None`` if it is data.
+@dataclass(frozen=True, init=False)
+class Box:
+    """An input box ``lower <= x <= upper`` (tensors of one input's shape, no batch dim) for
+    :func:`stable_units` and :func:`linearize.compress`; kept as float64 CPU tensors.
 
-    A box is a tuple of exactly two tensors (or nested lists) of the same shape; a tuple of two
-    tensors of different shapes is an ``(inputs, targets)`` batch."""
-    if not (isinstance(domain, tuple) and len(domain) == 2):
-        return None
-    if all(isinstance(t, torch.Tensor) for t in domain) and domain[0].shape != domain[1].shape:
-        return None
-    try:
-        lower, upper = (torch.as_tensor(t, dtype=torch.float64).cpu() for t in domain)
-        lower, upper = torch.broadcast_tensors(lower, upper)
-    except (TypeError, RuntimeError, ValueError) as err:
-        raise ValueError(f"domain must be (lower, upper) tensors of one input's shape: {err}") from None
-    if lower.ndim == 0:
-        raise ValueError("domain (lower, upper) must have the input's shape (no batch dim), not scalars")
-    if torch.isnan(lower).any() or torch.isnan(upper).any():
-        raise ValueError("domain bounds contain NaN")
-    if (lower > upper).any():
-        bad = int((lower > upper).sum())
-        raise ValueError(f"domain has lower > upper in {bad} coordinate(s): pass (lower, upper) with lower <= upper")
-    return lower.contiguous(), upper.contiguous()
+    Example:
+        >>> box = Box(torch.zeros(3), torch.ones(3))
+        >>> box.lower.dtype, tuple(box.upper.shape)
+        (torch.float64, (3,))
+        >>> Box(torch.ones(2), torch.zeros(2))
+        Traceback (most recent call last):
+        ...
+        ValueError: Box has lower > upper in 2 coordinate(s): pass Box(lower, upper) with lower <= upper
+    """
+
+    lower: torch.Tensor
+    upper: torch.Tensor
+
+    def __init__(self, lower: Any, upper: Any) -> None:
+        try:
+            lo, hi = (torch.as_tensor(t, dtype=torch.float64).detach().cpu() for t in (lower, upper))
+            lo, hi = torch.broadcast_tensors(lo, hi)
+        except (TypeError, RuntimeError, ValueError) as err:
+            raise ValueError(f"Box(lower, upper) takes tensors of one input's shape: {err}") from None
+        if lo.ndim == 0:
+            raise ValueError("Box(lower, upper) bounds must have the input's shape (no batch dim), not scalars")
+        if torch.isnan(lo).any() or torch.isnan(hi).any():
+            raise ValueError("Box bounds contain NaN")
+        if (lo > hi).any():
+            raise ValueError(f"Box has lower > upper in {int((lo > hi).sum())} coordinate(s): pass "
+                             "Box(lower, upper) with lower <= upper")
+        object.__setattr__(self, "lower", lo.contiguous())
+        object.__setattr__(self, "upper", hi.contiguous())
+
+    def __iter__(self):
+        return iter((self.lower, self.upper))
+
+
+def as_box(domain: Any, method: str | None, caller: str = "stable_units") -> Box | None:
+    """``domain`` as a :class:`Box`, or ``None`` when it is data. A tuple is data, except (deprecated,
+    with a ``FutureWarning``) a ``(lower, upper)`` pair given with an explicit box ``method``.
+
+    Example:
+        >>> x, y = torch.randn(8, 3), torch.randn(8, 3)
+        >>> as_box((x, y), "data") is None  # an (inputs, targets) batch
+        True
+    """
+    if isinstance(domain, Box):
+        return domain
+    pair = isinstance(domain, tuple) and len(domain) == 2
+    if pair and method in BOX_METHODS:
+        warnings.warn(
+            f"{caller}: a (lower, upper) tuple as an input box is deprecated (a tuple is data, an "
+            f"(inputs, targets) batch); pass linearize.Box(lower, upper) for method={method!r}",
+            FutureWarning, stacklevel=3,
+        )
+        return Box(*domain)
+    if pair and method is None and all(isinstance(t, torch.Tensor) for t in domain) and (
+        domain[0].shape == domain[1].shape
+    ):
+        warnings.warn(
+            f"{caller}: the tuple of two tensors of one shape {tuple(domain[0].shape)} is read as data (an "
+            "(inputs, targets) batch), no longer as an input box: pass linearize.Box(lower, upper) for a box, "
+            "or method='data' to keep reading it as data without this warning",
+            FutureWarning, stacklevel=3,
+        )
+    return None
 
 
 def _box_bounds(affines, sites, xl, xu, method, time_limit, progress):
@@ -463,10 +514,11 @@ def stable_units(
     Args:
         model: a feedforward ``nn.Sequential`` ReLU/PReLU network (see the module docstring) in
             eval mode, for the box methods; any model with units or ReLU modules for ``"data"``.
-        domain: an input box ``(lower, upper)`` (tensors of one input's shape, no batch dim), or
-            data (:mod:`linearize.inputs`): a tensor batch, a mapping of keyword arguments, an
-            ``(inputs, *targets)`` tuple or an iterable of batches (a ``DataLoader``). A pair of
-            two tensors of the same shape is read as a box.
+        domain: an input :class:`Box` ``(lower, upper)``, or data (:mod:`linearize.inputs`): a
+            tensor batch, a mapping of keyword arguments, an ``(inputs, *targets)`` tuple or an
+            iterable of batches (a ``DataLoader``). A tuple is always data, except that a
+            ``(lower, upper)`` tuple with an explicit box ``method`` is still read as a box
+            (deprecated: a ``FutureWarning`` says to pass a :class:`Box`).
         method: ``"crown"`` (default for a box), ``"ibp"``, ``"milp"`` (exact bounds by two MILPs
             per neuron that CROWN leaves unstable, and per output; stable neurons keep their CROWN
             bounds; small MLPs: ~2 s per solve at 64 inputs and 25 binaries) or ``"data"``
@@ -481,20 +533,21 @@ def stable_units(
     Example:
         >>> net = nn.Sequential(nn.Linear(1, 2), nn.ReLU(), nn.Linear(2, 1)).eval()
         >>> _ = net[0].weight.data.fill_(1.0), net[0].bias.data.copy_(torch.tensor([2.0, -2.0]))
-        >>> site = stable_units(net, (torch.tensor([-1.0]), torch.tensor([1.0]))).sites["1"]
+        >>> site = stable_units(net, Box(torch.tensor([-1.0]), torch.tensor([1.0]))).sites["1"]
         >>> site.active.tolist(), site.inactive.tolist()  # on [-1, 1]: x + 2 > 0 and x - 2 < 0
         ([True, False], [False, True])
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"expected an nn.Module, got {type(model).__name__}")
-    box = _as_box(domain)
+    if method is not None and method not in METHODS:
+        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    box = as_box(domain, method)
     if method is None:
         method = "crown" if box is not None else "data"
-    if method not in METHODS:
-        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
     if method == "data":
         if box is not None:
-            raise ValueError("method='data' needs data (a tensor batch or a loader), not a (lower, upper) box")
+            raise ValueError("method='data' needs data (a tensor batch or a loader), not a Box: pass a box "
+                             f"method {BOX_METHODS} for it")
         sites = _site_modules(model)
         if not sites:
             raise ValueError("the model has no units or ReLU modules: call linearize.convert(model) first")
@@ -507,9 +560,10 @@ def stable_units(
             result[name] = _site_result(name, module, lo, hi, cdim)
         return StabilityResult("data", result)
     if box is None:
-        raise ValueError(f"method={method!r} needs an input box domain=(lower, upper); got data")
+        raise ValueError(f"method={method!r} needs an input box: pass domain=linearize.Box(lower, upper); got "
+                         "data (a tuple is data, an (inputs, targets) batch)")
     xl, xu = box
-    affines, sites = _build(model, tuple(xl.shape))
+    affines, sites = build_network(model, tuple(xl.shape))
     bounds = _box_bounds(affines, sites, xl, xu, method, time_limit, progress)
     result = {
         s.name: _site_result(s.name, s.module, l.reshape(s.shape), u.reshape(s.shape), s.channel_dim)

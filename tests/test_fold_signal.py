@@ -107,7 +107,7 @@ def test_identical_samples_and_a_varying_output_still_verify_on_the_output():
 def test_compress_refuses_to_verify_on_a_zero_output():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(3, 8), nn.ReLU(), nn.Linear(8, 2)).eval()
-    box = (torch.full((3,), -0.5), torch.full((3,), 0.5))
+    box = linearize.Box(torch.full((3,), -0.5), torch.full((3,), 0.5))
     linearize.compress(model, box, samples=64)  # verifiable: fine
     nn.init.zeros_(model[2].weight)
     nn.init.zeros_(model[2].bias)

@@ -76,7 +76,7 @@ ENTRY_POINTS = {
     "fold": lambda m: linearize.fold(m, torch.randn(5, 3), latency=False),
     "average_path_length": lambda m: average_path_length(m, torch.randn(2, 3)),
     "stable_units (data)": lambda m: linearize.stable_units(m, torch.randn(8, 3)),
-    "stable_units (box)": lambda m: linearize.stable_units(m, (torch.zeros(3), torch.ones(3))),
+    "stable_units (box)": lambda m: linearize.stable_units(m, linearize.Box(torch.zeros(3), torch.ones(3))),
     "report": lambda m: linearize.report(m, torch.randn(8, 3), progress=False, skip=["affinity", "regions"]),
 }
 
@@ -262,7 +262,7 @@ def test_compress_raises_the_fold_verification_error():
 
 def test_compress_refuses_nan_outputs_and_bad_arguments():
     model = _mlp()
-    box = (torch.zeros(2), torch.ones(2))
+    box = linearize.Box(torch.zeros(2), torch.ones(2))
     with torch.no_grad():
         model[2].bias[0] = NAN  # a NaN difference must not pass as "lossless"
     with pytest.raises(ValueError, match="own output has NaN/inf"):
@@ -277,7 +277,7 @@ def test_stable_units_refuses_nan_prelu_weights():
     with torch.no_grad():
         model[1].weight[0] = NAN
     with pytest.raises(ValueError, match="'1' .* NaN/inf negative slopes"):
-        linearize.stable_units(model, (torch.zeros(2), torch.ones(2)))
+        linearize.stable_units(model, linearize.Box(torch.zeros(2), torch.ones(2)))
 
 
 # ----------------------------------------------------------------------------- Sparsifier

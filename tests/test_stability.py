@@ -1,6 +1,8 @@
 """stable_units and compress: reference cases of the issue, soundness against MILP and dense
 sampling, and lossless compression checked on fresh samples of the box."""
 
+import warnings
+
 import pytest
 import torch
 from torch import nn
@@ -19,7 +21,8 @@ def reference_net():
     return model
 
 
-REF_BOX = (torch.tensor([-1.0, -2.0]), torch.tensor([2.0, 1.0]))
+REF_PAIR = (torch.tensor([-1.0, -2.0]), torch.tensor([2.0, 1.0]))
+REF_BOX = linearize.Box(*REF_PAIR)
 
 
 @pytest.mark.parametrize("method,out", [("ibp", (-6, 4)), ("crown", (-3, 3)), ("milp", (-2, 1))])
@@ -44,7 +47,7 @@ def test_single_neuron_cases(method):
     with torch.no_grad():
         model[0].weight.copy_(torch.tensor([[1.0, 1.0], [1.0, 1.0], [1.0, -1.0]]))
         model[0].bias.copy_(torch.tensor([-5.0, 1.0, 0.0]))
-    site = linearize.stable_units(model, (torch.zeros(2), torch.ones(2)), method=method).sites["1"]
+    site = linearize.stable_units(model, linearize.Box(torch.zeros(2), torch.ones(2)), method=method).sites["1"]
     assert site.inactive.tolist() == [True, False, False]
     assert site.active.tolist() == [False, True, False]
     assert site.unstable.tolist() == [False, False, True]
@@ -92,7 +95,7 @@ def sampled_preactivations(model, x):
 @pytest.mark.parametrize("seed,prelu,batchnorm", [(0, False, False), (1, True, False), (2, False, True)])
 def test_soundness_against_sampling_and_nesting(seed, prelu, batchnorm):
     model = random_mlp(seed, prelu=prelu, batchnorm=batchnorm)
-    box = (torch.tensor([-1.0, 0.0]), torch.tensor([1.0, 0.5]))
+    box = linearize.Box(torch.tensor([-1.0, 0.0]), torch.tensor([1.0, 0.5]))
     results = {m: linearize.stable_units(model, box, method=m) for m in BOX_METHODS}
     grid = torch.cartesian_prod(torch.linspace(-1, 1, 201), torch.linspace(0, 0.5, 101))
     pre, out = sampled_preactivations(model, grid)
@@ -129,7 +132,7 @@ def test_conv_network_is_sound():
     ).eval()
     with torch.no_grad():
         model[1].running_mean.copy_(torch.tensor([0.5, -2.0, 0.0]))
-    box = (torch.zeros(1, 5, 5), torch.ones(1, 5, 5))
+    box = linearize.Box(torch.zeros(1, 5, 5), torch.ones(1, 5, 5))
     ibp = linearize.stable_units(model, box, method="ibp")
     crown = linearize.stable_units(model, box, method="crown")
     x = torch.rand(4000, 1, 5, 5)
@@ -158,28 +161,73 @@ def test_data_method_matches_brute_force():
         assert torch.equal(s.active, (z.amin(0) >= 0) & (z.amax(0) > 0))
 
 
+def test_a_pair_of_same_shaped_tensors_is_data_not_a_box():
+    """``(x, y)`` with ``y`` shaped like ``x`` (an autoencoder's batch) is an ``(inputs, targets)`` batch:
+    bounds are the min / max of the pre-activations over ``x``, by hand; ``compress`` reads it the same way.
+    (It was read as an input box: wrong bounds, or "lower > upper" even with method="data".)"""
+    torch.manual_seed(0)
+    model = random_mlp(2, widths=(3, 6, 3))
+    x, y = torch.randn(16, 3), torch.randn(16, 3)
+    with torch.no_grad():
+        z = (x.double() @ model[0].weight.double().T + model[0].bias.double())
+    for method in (None, "data"):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            result = linearize.stable_units(model, (x, y), method=method)
+        assert result.method == "data"
+        assert [issubclass(w.category, FutureWarning) for w in caught] == ([True] if method is None else [])
+        torch.testing.assert_close(result.sites["1"].lower, z.amin(0), rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(result.sites["1"].upper, z.amax(0), rtol=1e-6, atol=1e-6)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        small = linearize.compress(model, (x, y))
+    assert small.compression_report.method == "data"
+    torch.testing.assert_close(small(x), model(x), rtol=1e-5, atol=1e-5)
+
+
+def test_a_box_is_a_box_and_the_old_tuple_form_warns_with_an_explicit_method():
+    box = REF_BOX
+    assert box.lower.dtype == torch.float64 and torch.equal(box.upper, REF_PAIR[1].double())
+    new = linearize.stable_units(reference_net(), box)
+    assert new.method == "crown" and new.sites["1"].lower.tolist() == [-2.0, -3.0]
+    with pytest.warns(FutureWarning, match=r"pass linearize\.Box\(lower, upper\) for method='crown'"):
+        old = linearize.stable_units(reference_net(), REF_PAIR, method="crown")
+    assert torch.equal(old.output_lower, new.output_lower) and torch.equal(old.output_upper, new.output_upper)
+    with pytest.warns(FutureWarning, match="deprecated"):
+        linearize.compress(reference_net(), REF_PAIR, method="ibp", samples=16)
+    with pytest.raises(ValueError, match="needs data .* not a Box"):
+        linearize.stable_units(reference_net(), box, method="data")
+    with pytest.raises(ValueError, match=r"needs an input box: pass domain=linearize\.Box"):
+        linearize.stable_units(reference_net(), torch.randn(4, 2), method="ibp")
+    for lower, upper, words in ((torch.zeros(2), torch.tensor([1.0, float("nan")]), "NaN"),
+                                (torch.tensor(0.0), torch.tensor(1.0), "not scalars"),
+                                (torch.zeros(2), torch.ones(3), "one input's shape")):
+        with pytest.raises(ValueError, match=words):
+            linearize.Box(lower, upper)
+
+
 def test_bad_domains_and_models():
     model = random_mlp(0)
     with pytest.raises(ValueError, match="lower > upper"):
-        linearize.stable_units(model, (torch.tensor([0.0, 1.0]), torch.tensor([1.0, 0.0])))
+        linearize.stable_units(model, linearize.Box(torch.tensor([0.0, 1.0]), torch.tensor([1.0, 0.0])))
     with pytest.raises(ValueError, match="method"):
-        linearize.stable_units(model, (torch.zeros(2), torch.ones(2)), method="lp")
+        linearize.stable_units(model, linearize.Box(torch.zeros(2), torch.ones(2)), method="lp")
     with pytest.raises(ValueError, match="needs data"):
-        linearize.stable_units(model, (torch.zeros(2), torch.ones(2)), method="data")
+        linearize.stable_units(model, linearize.Box(torch.zeros(2), torch.ones(2)), method="data")
     with pytest.raises(ValueError, match="no ReLU"):
-        linearize.stable_units(nn.Sequential(nn.Linear(2, 2)), (torch.zeros(2), torch.ones(2)))
+        linearize.stable_units(nn.Sequential(nn.Linear(2, 2)), linearize.Box(torch.zeros(2), torch.ones(2)))
     with pytest.raises(TypeError, match="MaxPool"):
-        linearize.stable_units(nn.Sequential(nn.MaxPool1d(2), nn.ReLU()), (torch.zeros(1, 4), torch.ones(1, 4)))
+        linearize.stable_units(nn.Sequential(nn.MaxPool1d(2), nn.ReLU()), linearize.Box(torch.zeros(1, 4), torch.ones(1, 4)))
     with pytest.raises(TypeError, match="gelu"):
         linearize.stable_units(nn.Sequential(nn.Linear(2, 2), LinearizableActivation(nn.GELU(), 2, -1)),
-                               (torch.zeros(2), torch.ones(2)))
+                               linearize.Box(torch.zeros(2), torch.ones(2)))
     bn = nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2), nn.ReLU()).train()
     with pytest.raises(ValueError, match="eval"):
-        linearize.stable_units(bn, (torch.zeros(2), torch.ones(2)))
+        linearize.stable_units(bn, linearize.Box(torch.zeros(2), torch.ones(2)))
 
 
 def box_samples(box, n=3000, seed=7):
-    lower, upper = box
+    lower, upper = box.lower.float(), box.upper.float()
     g = torch.Generator().manual_seed(seed)
     return lower + (upper - lower) * torch.rand(n, *lower.shape, generator=g)
 
@@ -187,7 +235,7 @@ def box_samples(box, n=3000, seed=7):
 @pytest.mark.parametrize("seed,prelu,batchnorm", [(0, False, False), (1, True, False), (5, False, True)])
 def test_compress_is_lossless_on_the_box(seed, prelu, batchnorm):
     model = random_mlp(seed, widths=(3, 12, 12, 12, 2), prelu=prelu, batchnorm=batchnorm)
-    box = (torch.full((3,), -0.5), torch.full((3,), 0.5))
+    box = linearize.Box(torch.full((3,), -0.5), torch.full((3,), 0.5))
     small = linearize.compress(model, box)
     rep = small.compression_report
     assert all(isinstance(m, (nn.Linear, nn.ReLU, nn.PReLU)) for m in small)
@@ -208,7 +256,7 @@ def test_compress_one_hidden_layer_counts_match_rank():
     with torch.no_grad():
         model[0].bias.copy_(torch.tensor([-9.0, -9, -9, 9, 9, 9, 9, 9, 0, 0]))
         model[0].weight[8:] = torch.tensor([[1.0, -1.0, 0.0], [0.0, 1.0, -1.0]])  # unstable
-    box = (torch.zeros(3), torch.ones(3))
+    box = linearize.Box(torch.zeros(3), torch.ones(3))
     stab = linearize.stable_units(model, box).sites["1"]
     assert stab.inactive[:3].all() and stab.active[3:8].all()
     small = linearize.compress(model, box)
@@ -226,7 +274,7 @@ def test_compress_folds_a_fully_active_layer_and_a_dead_one():
         model[0].bias.fill_(20.0)  # every unit of layer 1 stably active
         centre = model[0](torch.full((1, 2), 0.5))
         model[2].bias.copy_(-(centre @ model[2].weight.T)[0])  # layer 2 crosses 0 at the centre
-    box = (torch.zeros(2), torch.ones(2))
+    box = linearize.Box(torch.zeros(2), torch.ones(2))
     small = linearize.compress(model, box)
     assert small.compression_report.folded_sites == ["1"]
     assert len([m for m in small if isinstance(m, nn.Linear)]) == 2
@@ -241,7 +289,7 @@ def test_compress_folds_a_fully_active_layer_and_a_dead_one():
 
 def test_compress_milp_removes_at_least_as_much_as_crown():
     model = random_mlp(2, widths=(2, 8, 8, 1))
-    box = (torch.zeros(2), torch.ones(2))
+    box = linearize.Box(torch.zeros(2), torch.ones(2))
     crown = linearize.compress(model, box, method="crown").compression_report
     milp = linearize.compress(model, box, method="milp").compression_report
     assert milp.units_after <= crown.units_after
@@ -272,7 +320,7 @@ def conv_net(head: bool):
 @pytest.mark.parametrize("head", [True, False])
 def test_compress_drops_dead_conv_channels(head):
     model = conv_net(head)
-    box = (torch.zeros(1, 5, 5), torch.ones(1, 5, 5))
+    box = linearize.Box(torch.zeros(1, 5, 5), torch.ones(1, 5, 5))
     small = linearize.compress(model, box)
     rep = small.compression_report
     convs = [m for m in small if isinstance(m, nn.Conv2d)]

@@ -68,7 +68,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     xtr, xte, ytr, yte = data()
-    box = (torch.zeros(64), torch.ones(64))
+    box = linearize.Box(torch.zeros(64), torch.ones(64))
     rows = []
     jobs = [(w, l1, s) for w in args.widths for l1 in DEFAULT_L1.get(w, (1e-3, 2e-4, 0.0))
             for s in range(args.seeds)]
