@@ -100,8 +100,8 @@ def test_apl_plot_keeps_variant_runs_out_of_the_plain_late_series(tmp_path, monk
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    import reproduce as R
-    import reproduce_full as F
+    from reproduce import full as F
+    from reproduce import measure as R
 
     axes = {}
 
@@ -110,7 +110,7 @@ def test_apl_plot_keeps_variant_runs_out_of_the_plain_late_series(tmp_path, monk
         draw(ax)
         axes[Path(path).name] = (fig, ax)
 
-    monkeypatch.setattr(R, "_plot", plot)
+    monkeypatch.setattr(R, "plot", plot)
     run = {"task": "c10", "schedule": "late", "target": 0.1, "apl": {"normalized": 3.0}}
     runs = {"r20_late_10_s0": {**run, "variant": None, "seed": 0, "test_accuracy": 0.90},
             "r20_late_10_kd_s0": {**run, "variant": "kd", "seed": 0, "test_accuracy": 0.80,

@@ -72,7 +72,7 @@ def write_pairs(path: Path, n: int, seed: int = 0) -> Path:
 
 
 def plan(data: Path, runs: Path) -> dict:
-    import reproduce_full
+    from reproduce import full as reproduce_full
 
     return {j.name: j for j in reproduce_full.plan("tiny", str(data), runs)}
 
@@ -88,7 +88,7 @@ def run_job(job, *extra: str) -> dict:
 def machine_a(env, data, tmp_path_factory) -> dict:
     """Machine A: the tiny baseline r20_base_s0 finished and collected, its late run r20_late_10_s0 stopped
     after 2 steps and parked."""
-    import reproduce_full as F
+    from reproduce import full as F
 
     root = tmp_path_factory.mktemp("machine-a")
     runs, results = root / "runs" / "tiny", root / "results"
@@ -101,7 +101,7 @@ def machine_a(env, data, tmp_path_factory) -> dict:
 
 
 def reproduce_main(*args: str) -> int:
-    import reproduce
+    from reproduce import cli as reproduce
 
     return reproduce.main(["--scale", "tiny", "--poll", "0.2", *args])
 
@@ -112,7 +112,7 @@ def reproduce_main(*args: str) -> int:
 def test_fresh_machine_links_collected_runs_and_resumes_the_parked_late_run(machine_a, data, tmp_path, capsys):
     """runs/ empty, the baseline collected in results/ (with a stale parked copy, as a merge can leave):
     the baseline is linked, not trained again; the late run resumes from its parked step 2."""
-    import reproduce_full as F
+    from reproduce import full as F
 
     results = tmp_path / "results"
     shutil.copytree(machine_a["results"], results)
@@ -153,7 +153,7 @@ def test_one_folder_adopted_as_two_runs_is_refused(tmp_path):
 
 
 def test_sweep_never_starts_two_runs_in_one_folder(tmp_path, capsys):
-    import sweep
+    from reproduce import sweep
 
     runs, shared = tmp_path / "runs", tmp_path / "shared"
     runs.mkdir()
@@ -174,7 +174,7 @@ def test_sweep_never_starts_two_runs_in_one_folder(tmp_path, capsys):
 
 
 def test_planned_multi30k_late_runs_build_their_sparsifier(tmp_path):
-    import reproduce
+    from reproduce import small as reproduce
     import wmt14
 
     jobs = reproduce.mt_jobs(reproduce.SCALES["cpu-small"], str(tmp_path), tmp_path / "runs")
@@ -523,8 +523,8 @@ def test_defaults_are_filled_in_after_the_checks(tmp_path):
 
 def test_every_planned_run_parses(tmp_path):
     import cifar
-    import reproduce
-    import reproduce_full
+    from reproduce import small as reproduce
+    from reproduce import full as reproduce_full
     import wmt14
 
     s = reproduce.SCALES["cpu-small"]
@@ -552,7 +552,7 @@ def fake_checkpoint(run: Path, step: int) -> Path:
 
 
 def test_park_goes_on_after_a_failed_copy(tmp_path, monkeypatch, capsys):
-    import reproduce_full as F
+    from reproduce import full as F
 
     runs, results = tmp_path / "runs" / "tiny", tmp_path / "results"
     for name in ("r20_base_s0", "r20_base_s1"):
@@ -579,7 +579,7 @@ def test_park_goes_on_after_a_failed_copy(tmp_path, monkeypatch, capsys):
 
 
 def test_unpark_restores_a_newer_parked_step_and_park_keeps_it(tmp_path):
-    import reproduce_full as F
+    from reproduce import full as F
 
     runs, results, name = tmp_path / "runs", tmp_path / "results", "r20_base_s0"
     fake_checkpoint(tmp_path / "elsewhere" / name, 4)  # parked from another machine: step 4

@@ -1,4 +1,4 @@
-"""The full-scale sweep of ``recipes/reproduce.py`` (issue 19), run as its ``tiny`` miniature: the same
+"""The full-scale sweep of ``recipes/reproduce`` (issue 19), run as its ``tiny`` miniature: the same
 plan, 1-2 epochs on a fake image-folder tree of 8x8 images (no real data, a few minutes of CPU).
 
 Checked against what the test itself sets up or reads from the files: a late run waits for its
@@ -30,7 +30,7 @@ REPO = Path(__file__).resolve().parents[1]
 RECIPES = REPO / "recipes"
 sys.path.insert(0, str(RECIPES))
 
-import sweep  # noqa: E402
+from reproduce import sweep  # noqa: E402
 
 CLASSES = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"]
 SMALL = {"metrics.json", "model/recipe.json", "model/model.safetensors"}
@@ -72,8 +72,8 @@ def tree(tmp_path_factory) -> dict:
 
 
 def reproduce(tree: dict, *args: str, check: bool = True, data: bool = True, results: Path | None = None):
-    """Run ``reproduce.py --scale tiny`` to the end; fail with its output unless ``check`` is False."""
-    cmd = [sys.executable, str(RECIPES / "reproduce.py"), "--scale", "tiny", "--runs-dir", str(tree["root"] / "runs"),
+    """Run ``python recipes/reproduce --scale tiny`` to the end; fail with its output unless ``check`` is False."""
+    cmd = [sys.executable, str(RECIPES / "reproduce"), "--scale", "tiny", "--runs-dir", str(tree["root"] / "runs"),
            "--results-dir", str(results or tree["results"]), "--poll", "0.5", "--latency-reps", "2"]
     cmd += ["--cifar", str(tree["data"])] if data else []
     proc = subprocess.run(cmd + list(args), env=tree["env"], capture_output=True, text=True, timeout=600)
@@ -104,7 +104,7 @@ def swept(tree) -> dict:
     bad = common.checkpoint_dir(tree["runs"] / "r20_late_25_s0", 1)
     bad.mkdir(parents=True)
     (bad / common.STATE_FILE).write_text(json.dumps({"step": 1, "fingerprint": "another model", "recipe": "cifar"}))
-    cmd = [sys.executable, str(RECIPES / "reproduce.py"), "--scale", "tiny", "--stage", "train", "--jobs", "2",
+    cmd = [sys.executable, str(RECIPES / "reproduce"), "--scale", "tiny", "--stage", "train", "--jobs", "2",
            "--only", ",".join(SWEEP), "--cifar", str(tree["data"]), "--runs-dir", str(tree["root"] / "runs"),
            "--results-dir", str(tree["results"]), "--poll", "0.5"]
     runner = subprocess.Popen(cmd, env=tree["env"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
@@ -190,7 +190,7 @@ def test_collect_copies_exactly_the_small_files(tree, swept):
 
 
 def test_adopt_checks_the_arguments_of_finished_and_running_runs(tree, swept, tmp_path):
-    import reproduce
+    from reproduce import cli as reproduce
 
     src = tree["runs"] / "r20_base_s0"
     runs2 = tmp_path / "runs"
@@ -202,7 +202,7 @@ def test_adopt_checks_the_arguments_of_finished_and_running_runs(tree, swept, tm
         reproduce.main(base + ["--adopt", f"r20_base_s1={src}"])
 
     # a run still in progress, started by hand: its command line is checked, and the runner waits for it
-    import reproduce_full
+    from reproduce import full as reproduce_full
 
     job = {j.name: j for j in reproduce_full.plan("tiny", str(tree["data"]), runs2 / "tiny")}["r20_late_2_s0"]
     outside = tmp_path / "by_hand"
@@ -227,7 +227,7 @@ def test_adopt_checks_the_arguments_of_finished_and_running_runs(tree, swept, tm
 
 
 def test_a_finished_run_whose_plan_was_edited_is_not_counted_done(tree, swept, capsys):
-    import reproduce_full
+    from reproduce import full as reproduce_full
 
     job = {j.name: j for j in reproduce_full.plan("tiny", str(tree["data"]), tree["runs"])}["r20_late_10_s0"]
     assert sweep.is_done(tree["runs"] / job.name) and not sweep.plan_changed(job, tree["runs"] / job.name)
@@ -263,7 +263,7 @@ def _accuracy_stats(results: Path, names: list[str]) -> tuple[float, float, floa
 
 
 def analyze(tree: dict, results: Path, data: bool = True) -> None:
-    import reproduce
+    from reproduce import cli as reproduce
 
     args = ["--scale", "tiny", "--stage", "analyze", "--runs-dir", str(tree["root"] / "runs"), "--results-dir",
             str(results), "--latency-reps", "2"]
@@ -359,7 +359,7 @@ def test_class_subset_runs(tree, swept):
 
 def test_late_10_variants_start_from_the_same_baselines_with_their_own_arguments(tmp_path):
     import cifar
-    import reproduce_full as F
+    from reproduce import full as F
 
     jobs = {j.name: j for j in F.plan("full", "data.tar.gz", tmp_path)}
     plain = vars(cifar.parse_args(jobs["r20_late_10_s1"].argv[1:]))
@@ -383,7 +383,7 @@ def test_late_10_variants_start_from_the_same_baselines_with_their_own_arguments
 
 def test_park_and_unpark_carry_an_unfinished_run_to_a_fresh_machine(tree, tmp_path):
     import common
-    import reproduce_full as F
+    from reproduce import full as F
 
     runs, results = tmp_path / "runs", tmp_path / "results"
     job = {j.name: j for j in F.plan("tiny", str(tree["data"]), runs)}["r20_base_s0"]
@@ -412,7 +412,7 @@ def test_park_and_unpark_carry_an_unfinished_run_to_a_fresh_machine(tree, tmp_pa
 def test_interleaved_latency_reports_per_call_times_against_a_sleeping_model():
     """A model that sleeps 3 ms per call: the batch-1 input is timed over 10 calls per repetition, yet
     both inputs report about 3 ms per call (the clock, not the code, is the truth)."""
-    import reproduce
+    from reproduce import measure as reproduce
 
     class Sleeper(torch.nn.Module):
         def forward(self, x):

@@ -1,4 +1,4 @@
-"""The issue 20 sweep of ``recipes/reproduce.py --scale speed``: its plan, its goals as the issue states
+"""The issue 20 sweep of ``python recipes/reproduce --scale speed``: its plan, its goals as the issue states
 them, and the whole sweep run end to end as the ``speed-tiny`` miniature (16x16 images, 1 epoch)."""
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ REPO = Path(__file__).resolve().parents[1]
 RECIPES = REPO / "recipes"
 sys.path.insert(0, str(RECIPES))
 
-import reproduce_full  # noqa: E402
-import reproduce_speed as S  # noqa: E402
+from reproduce import full as reproduce_full  # noqa: E402
+from reproduce import speed as S  # noqa: E402
 
 def test_every_planned_run_parses_and_the_narrower_network_trains_as_long(tmp_path):
     import cifar
@@ -91,7 +91,7 @@ def _round(i: int, base_ms: float, lat_ms: float, load: float | None = 0.5) -> d
 
 
 def _jobs_and_runs():
-    import sweep
+    from reproduce import sweep
 
     jobs = [sweep.Job(n, [], meta=S._meta("mnv2", "mobilenet_v2_x0_5", budget=b)) for n, b in ((BASE, None), (LAT, 0.7))]
     runs = {n: {"test_accuracy": 0.8, "nonlinear_fraction": 0.5, "wall_time_s": 1.0, "model_digest": n, "schedule":
@@ -106,21 +106,21 @@ def test_latency_rounds_give_medians_of_within_round_ratios_and_their_range(monk
     the rounds again; at most LATENCY_ROUNDS are kept; the report says how many and when."""
     import statistics
 
-    import reproduce
+    from reproduce import measure as reproduce
 
     F = reproduce_full
     jobs, runs = _jobs_and_runs()
     times = iter([(5.0, 3.0), (4.4, 2.0)] + [(4.0, 2.0)] * 20)  # (baseline, linearized) ms at batch 1, per round
     monkeypatch.setattr(F, "_data_source", lambda run, data: str(tmp_path))
-    monkeypatch.setattr(reproduce, "_cifar_inputs", lambda *a: (torch.zeros(2, 3, 4, 4),))
-    monkeypatch.setattr(reproduce, "_model", lambda run: torch.nn.Identity())
+    monkeypatch.setattr(reproduce, "cifar_inputs", lambda *a: (torch.zeros(2, 3, 4, 4),))
+    monkeypatch.setattr(reproduce, "run_model", lambda run: torch.nn.Identity())
     monkeypatch.setattr("linearize.fold", lambda model, x, latency: model)
     monkeypatch.setattr(reproduce, "machine_name", lambda: "here")
     monkeypatch.setattr(reproduce, "interleaved_latency", lambda built, inputs, reps: _round(0, *next(times))["ms"])
 
     legacy = {"models": {n: n for n in runs}, "reps": 3, "machine": "here", **_round(0, 4.0, 2.0)}  # no rounds
-    lat = F._latency(tmp_path, list(runs), runs, None, legacy, 3, True, [])
-    lat = F._latency(tmp_path, list(runs), runs, None, lat, 3, True, [])
+    lat = F.measure_latency(tmp_path, list(runs), runs, None, legacy, 3, True, [])
+    lat = F.measure_latency(tmp_path, list(runs), runs, None, lat, 3, True, [])
     assert len(lat["rounds"]) == 3 and lat["rounds"][0]["measured"] == "2026-11-27 22:40"
     for k in lat["ms"]:
         assert lat["ms"][k]["b1"] == statistics.median(r["ms"][k]["b1"] for r in lat["rounds"])
@@ -130,14 +130,14 @@ def test_latency_rounds_give_medians_of_within_round_ratios_and_their_range(monk
     assert row["latency_ms"]["b1"] == 2.0 and row["latency_ms_range"]["b1"] == [2.0, 3.0]
     assert S._speedup(row, "b1") == "2.00x (1.67-2.20)" and S._speedup(row, "b64") == "1.00x"
     assert F.measured(lat).startswith("medians of 3 measurements (each in a fresh process")
-    assert F._latency(tmp_path, list(runs), runs, None, lat, 3, False, []) is lat  # not asked: reused
+    assert F.measure_latency(tmp_path, list(runs), runs, None, lat, 3, False, []) is lat  # not asked: reused
     for _ in range(F.LATENCY_ROUNDS + 2):
-        lat = F._latency(tmp_path, list(runs), runs, None, lat, 3, True, [])
+        lat = F.measure_latency(tmp_path, list(runs), runs, None, lat, 3, True, [])
     assert len(lat["rounds"]) == F.LATENCY_ROUNDS
     # another machine, other models: their rounds are not mixed with the new one
-    assert len(F._latency(tmp_path, list(runs), runs, None, {**lat, "machine": "there"}, 3, True, [])["rounds"]) == 1
+    assert len(F.measure_latency(tmp_path, list(runs), runs, None, {**lat, "machine": "there"}, 3, True, [])["rounds"]) == 1
     other = {**runs, LAT: {**runs[LAT], "model_digest": "retrained"}}
-    assert len(F._latency(tmp_path, list(runs), other, None, lat, 3, True, [])["rounds"]) == 1
+    assert len(F.measure_latency(tmp_path, list(runs), other, None, lat, 3, True, [])["rounds"]) == 1
 
 
 def test_latency_without_data_keeps_only_unchanged_models_in_every_round(monkeypatch, tmp_path):
@@ -150,7 +150,7 @@ def test_latency_without_data_keeps_only_unchanged_models_in_every_round(monkeyp
                 "rounds": [_round(0, 4.0, 2.0), _round(1, 4.0, 3.0)]}
     retrained = {**runs, LAT: {**runs[LAT], "model_digest": "retrained"}}
     skipped: list[str] = []
-    lat = F._latency(tmp_path, list(runs), retrained, None, previous, 3, False, skipped)
+    lat = F.measure_latency(tmp_path, list(runs), retrained, None, previous, 3, False, skipped)
     assert skipped == [f"latency of {LAT}"] and all(f"{LAT}/folded" not in r["ms"] for r in lat["rounds"])
     row = S._table(jobs, retrained, lat)[1]
     assert row["speedup"] == {"b1": None, "b64": None} and row["latency_ms"]["b1"] is None
@@ -180,7 +180,7 @@ def test_sweep_end_to_end(tiny_cifar, tmp_path):
     env = {**os.environ, "LINEARIZE_CACHE": str(tmp_path / "cache"), "TQDM_DISABLE": "1", "LINEARIZE_CIFAR10": str(tiny_cifar),
            "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     only = "mnv2_x0_5_base_s0,mnv2_x0_5_lat_70_s0,mnv2_x0_35_base_s0,mnv2_x0_5_lat_60_sal_s0,mnv2_x0_5_lat_70_sal_kd_s0"
-    cmd = [sys.executable, str(RECIPES / "reproduce.py"), "--scale", "speed-tiny", "--runs-dir", str(tmp_path / "runs"),
+    cmd = [sys.executable, str(RECIPES / "reproduce"), "--scale", "speed-tiny", "--runs-dir", str(tmp_path / "runs"),
            "--results-dir", str(tmp_path / "results"), "--poll", "0.2", "--latency-reps", "3", "--only", only]
     p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]

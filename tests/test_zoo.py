@@ -1,5 +1,5 @@
 """Models nobody tuned for: every torchvision classification family and 17 timm architectures, converted
-with NO example inputs, then checked against independent truths (recipes/zoo_table.py's ``check``:
+with NO example inputs, then checked against independent truths (recipes/reproduce/zoo_table.py's ``check``:
 equal to a deep copy of the original at init, equal to the original with its activations replaced by
 the identity at slope 1, bit-exact save/load into a fresh copy, fold within its tolerance).
 
@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torchvision
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "recipes"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "recipes" / "reproduce"))
 from zoo_table import FOLD_TOL, INIT_TOL, LEFT_OUT, LINEAR_TOL, MODELS, TIMM, TV_NAMES, check  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -14,7 +14,7 @@ Both methods run in float64 on one thread, ``--reps`` times; medians are printed
 
 ``--trained RUN_DIR ...`` instead times only the exact method (CPU time of the process, robust to
 other jobs on a shared machine), for each ``--pieces``, on trained models saved by
-``recipes/cifar.py`` (loaded and fed as ``recipes/reproduce.py`` does): the first ``--part`` of the
+``recipes/cifar.py`` (loaded and fed as ``recipes/reproduce`` does): the first ``--part`` of the
 first segment of the closed translation loop (radius ``--radius`` px) of the run's first test image.
 
     python recipes/benchmarks/regions.py --images 2 --reps 3
@@ -114,17 +114,17 @@ def time_exact(model: nn.Module, x0: torch.Tensor, x1: torch.Tensor, pieces: lis
 def trained(args: argparse.Namespace) -> None:
     """Exact regions/s on trained CIFAR models for every ``--pieces`` (see the module docstring)."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from reproduce import _cifar_inputs, _model
+    from reproduce.measure import cifar_inputs, run_model
 
     print(f"float64, 1 thread, CPU time of this process (the machine may be shared); first {args.part:g} of "
           f"segment 0 of the closed translation loop (8 anchors, radius {args.radius:g} px) of the run's first "
           f"test image; median of {args.reps}")
     print(f"{'run':28} {'regions':>8} " + " ".join(f"{f'P={p} s':>9} {f'P={p} reg/s':>11}" for p in args.pieces))
     for run in args.trained:
-        x = _cifar_inputs(Path(run), None, 1)[0].double()
+        x = cifar_inputs(Path(run), None, 1)[0].double()
         x0, x1 = translation_loops(x, n_anchors=8, radius=args.radius)
         x1 = x0[:1] + args.part * (x1[:1] - x0[:1])
-        times, regions = time_exact(_model(Path(run)), x0[:1], x1, args.pieces, args.reps, args.batch_size,
+        times, regions = time_exact(run_model(Path(run)), x0[:1], x1, args.pieces, args.reps, args.batch_size,
                                     clock=time.process_time)
         print(f"{Path(run).name:28} {regions:8d} " + " ".join(f"{times[p]:9.1f} {regions / times[p]:11.1f}"
                                                              for p in args.pieces), flush=True)

@@ -3,7 +3,7 @@
 repetitions interleaved, and each model's time relative to the first one.
 
 Issue 20 compares a linearized MobileNet-V2 x0.5 with the narrower x0.35 "trained for the same total
-time": ``recipes/reproduce_speed.py`` gives x0.35 as many epochs as the x0.5 pipeline (baseline + late
+time": ``recipes/reproduce/speed.py`` gives x0.35 as many epochs as the x0.5 pipeline (baseline + late
 run) divided by the ratio printed here, so both spend about the same CPU time on their steps::
 
     python recipes/benchmarks/train_step.py                          # x0.5 and x0.35, about a minute

@@ -15,8 +15,8 @@ For each model (float32, random init, its own small input ``x``), :func:`check` 
 
 tests/test_zoo.py asserts these per model; this script prints them as a markdown table by family:
 
-    python recipes/zoo_table.py            # about 2 minutes on one CPU thread
-    python recipes/zoo_table.py --models   # one row per model
+    python recipes/reproduce/zoo_table.py            # about 2 minutes on one CPU thread
+    python recipes/reproduce/zoo_table.py --models   # one row per model
 
 Left out of the torchvision set: the variants whose class a smaller tested variant exercises and that
 take seconds to build or run on one CPU thread (``LEFT_OUT``: left out -> the tested variant).

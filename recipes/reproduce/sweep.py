@@ -1,6 +1,6 @@
-"""The sweep runner of ``recipes/reproduce.py``: runs recipe jobs a few at a time, with dependencies,
+"""The sweep runner of ``recipes/reproduce``: runs recipe jobs a few at a time, with dependencies,
 resuming from checkpoints, and safe to kill and restart at any time (all state comes from the run
-folders; see the docstring of ``reproduce.py``). ``adopt`` links runs started by hand into a sweep.
+folders; see the docstring of ``recipes/reproduce/cli.py``). ``adopt`` links runs started by hand into a sweep.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ class Job:
 
 
 
-def _read(path: Path) -> dict:
+def read_json(path: Path) -> dict:
     """JSON file contents, ``{}`` when absent or (being) half written."""
     try:
         return json.loads(path.read_text())
@@ -37,7 +37,7 @@ def _read(path: Path) -> dict:
         return {}
 
 
-def _write_json(path: Path, obj: Any) -> None:
+def write_json(path: Path, obj: Any) -> None:
     """Write ``obj`` as JSON atomically (temporary file, then rename)."""
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     tmp.write_text(json.dumps(obj, indent=2))
@@ -46,11 +46,11 @@ def _write_json(path: Path, obj: Any) -> None:
 
 def is_done(run: Path) -> bool:
     """A run is done when its ``model/`` and a ``metrics.json`` of the whole schedule are there."""
-    m = _read(run / "metrics.json")
+    m = read_json(run / "metrics.json")
     return bool(m) and m.get("steps", 0) >= m.get("total_steps", 0) and (run / "model" / "recipe.json").is_file()
 
 
-def _has_checkpoint(run: Path) -> bool:
+def has_checkpoint(run: Path) -> bool:
     """Any checkpoint folder: the run is resumed and the recipe judges it (a damaged or foreign one
     fails the run loudly, with the recipe's reasons, instead of silently starting it over)."""
     import common
@@ -99,9 +99,9 @@ def _try_lock(path: Path) -> int | None:
 def _record(runs: Path, name: str, entry: dict) -> None:
     """Merge ``entry`` into ``runs/jobs.json[name]`` (re-read first: other runners may share the file)."""
     path = runs / "jobs.json"
-    done = _read(path)
+    done = read_json(path)
     done[name] = {**done.get(name, {}), **entry}
-    _write_json(path, done)
+    write_json(path, done)
 
 
 def train(jobs: list[Job], runs: Path, n_jobs: int, threads: int, poll_s: float = 10.0,
@@ -224,7 +224,7 @@ def _start(job: Job, runs: Path, env: dict, threads: int, running: dict) -> bool
     if fd is None:
         return False
     try:
-        resume = _has_checkpoint(runs / job.name)
+        resume = has_checkpoint(runs / job.name)
         argv = job.argv + (["--resume_from_checkpoint", "latest"] if resume else [])
         command = f"OMP_NUM_THREADS={threads} " + shlex.join(["python"] + argv)
         with open(runs / f"{job.name}.log", "a") as log:
@@ -235,7 +235,7 @@ def _start(job: Job, runs: Path, env: dict, threads: int, running: dict) -> bool
                                     pass_fds=(fd,))  # the child holds the lock until it exits
     finally:
         os.close(fd)
-    attempts = _read(runs / "jobs.json").get(job.name, {}).get("attempts", 0) + 1
+    attempts = read_json(runs / "jobs.json").get(job.name, {}).get("attempts", 0) + 1
     _record(runs, job.name, {"command": command, "started": time.time(), "resumed": resume, "attempts": attempts,
                              "log": str(runs / f"{job.name}.log"), "returncode": None})
     running[job.name] = (proc, time.time())
@@ -282,7 +282,7 @@ def _differences(job: Job, theirs: dict) -> str:
 def plan_changed(job: Job, run: Path) -> str:
     """Why the finished run in ``run`` is not ``job`` any more (its plan was edited since: another
     ``--target``, ``--epochs``, ...), or "" when its ``metrics.json`` arguments are the planned ones."""
-    theirs = _read(run / "metrics.json").get("args")
+    theirs = read_json(run / "metrics.json").get("args")
     diff = _differences(job, theirs) if isinstance(theirs, dict) else ""
     return (f"{run} finished with other arguments than planned now: {diff}; its result is not this job's. Move "
             "the folder away (or delete it) to run the job as planned, or restore the plan") if diff else ""
@@ -298,7 +298,7 @@ def adopt(job: Job, runs: Path, source: Path) -> None:
     if not source.is_dir():
         raise SystemExit(f"--adopt {job.name}={source}: no such folder")
     recipe = importlib.import_module(Path(job.argv[0]).stem)  # cifar / wmt14: their own parse_args
-    theirs, origin = _read(source / "metrics.json").get("args"), f"{source / 'metrics.json'}"
+    theirs, origin = read_json(source / "metrics.json").get("args"), f"{source / 'metrics.json'}"
     if theirs is None:
         for pid, cmd in recipe_processes().get(str(source), []):
             script = next((i for i, a in enumerate(cmd) if a.endswith(Path(job.argv[0]).name)), None)

@@ -1,7 +1,7 @@
-"""Issue 19 at full scale, for ``recipes/reproduce.py --scale full``: the run plan, the collection of
+"""Issue 19 at full scale, for ``python recipes/reproduce --scale full``: the run plan, the collection of
 each finished run's small results into ``recipes/results/<run>/`` and the analysis of those folders
 (tables and plots in ``recipes/results/full/``). How to start, resume, collect and analyze: see the
-docstring of ``recipes/reproduce.py``.
+docstring of ``recipes/reproduce/cli.py``.
 
 Class subsets (``--classes``): the first 2 and the first 5 classes of CIFAR-10's label order
 (airplane, automobile | + bird, cat, deer). Nested, so every smaller task is part of the bigger one
@@ -19,8 +19,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-import reproduce as R
-import sweep
+from . import measure as M
+from . import sweep
 
 # every run: the full train and test sets, checkpoints every 390 steps (one epoch of batch 128)
 FLAGS = ["--arch", "resnet20", "--cpu", "--checkpointing_steps", "390", "--keep_checkpoints", "2", "--log_every", "390"]
@@ -63,7 +63,7 @@ def plan(scale: str, data: str | None, runs: Path) -> list[sweep.Job]:
 
     def job(task: str, schedule: str, target: float | None, seed: int, variant: str | None = None) -> sweep.Job:
         name = run_name(task, schedule, target, seed, variant)
-        argv = [str(R.HERE / "cifar.py")] + (["--data-dir", data] if data else []) + FLAGS + s["extra"]
+        argv = [str(M.RECIPES / "cifar.py")] + (["--data-dir", data] if data else []) + FLAGS + s["extra"]
         argv += ["--classes", TASKS[task]] if TASKS[task] else []
         deps: tuple[str, ...] = ()
         if schedule == "none":
@@ -173,7 +173,7 @@ def park(runs: Path, results: Path, name: str) -> Path | None:
     import common
 
     run = runs / name
-    if sweep.is_done(run) or not sweep._has_checkpoint(run):
+    if sweep.is_done(run) or not sweep.has_checkpoint(run):
         return None
     try:
         ckpt, _ = common.find_checkpoint("latest", run)
@@ -246,34 +246,34 @@ def _digest(model_dir: Path) -> str:
 
 
 def _data_source(run: Path, data: str | None) -> str | None:
-    src = data or sweep._read(run / "metrics.json").get("args", {}).get("data_dir")
+    src = data or sweep.read_json(run / "metrics.json").get("args", {}).get("data_dir")
     return src if src and Path(src).exists() else None
 
 
-def _measure(run: Path, data: str | None, skipped: list[str]) -> dict:
+def measure_run(run: Path, data: str | None, skipped: list[str]) -> dict:
     """Metrics of a collected run plus its cached measurements: both path lengths and the per-site
     channel counts (no data needed), the fold summary on its first 64 test images (needs data)."""
     import torch
 
-    m = sweep._read(run / "metrics.json")
+    m = sweep.read_json(run / "metrics.json")
     tol = m["args"].get("tol", 1e-3)
     digest = _digest(run / "model")
-    size = sweep._read(run / "model" / "recipe.json")["image_size"]
+    size = sweep.read_json(run / "model" / "recipe.json")["image_size"]
     probe = torch.zeros(2, 3, size, size)  # the path length only needs the shapes of the graph
     info = {k: m.get(k) for k in ("test_accuracy", "nonlinear_fraction", "units_total", "units_nonlinear", "steps",
                                   "total_steps", "train_images", "test_images", "wall_time_s")}
     info["nonlinear_fraction"] = 1.0 if info["nonlinear_fraction"] is None else info["nonlinear_fraction"]
     info["model_digest"] = digest
     info["args"] = {k: m["args"].get(k) for k in ("batch_size", "epochs", "lr", "classes", "target", "schedule")}
-    info["apl"] = R._cached(run, f"apl:{digest}:tol{tol:g}", lambda: R.path_lengths(R._model(run), probe, tol),
+    info["apl"] = M.cached(run, f"apl:{digest}:tol{tol:g}", lambda: M.path_lengths(M.run_model(run), probe, tol),
                             replaces="apl:")
     if m["args"].get("linearize") != "none":
-        info["sites"] = R._cached(run, f"sites:{digest}:tol{tol:g}", lambda: R._site_counts(run, tol),
+        info["sites"] = M.cached(run, f"sites:{digest}:tol{tol:g}", lambda: M.site_counts(run, tol),
                                   replaces="sites:")
     key = f"fold:{digest}:test{FOLD_IMAGES}"
     src = _data_source(run, data)
-    if key in sweep._read(run / "analysis.json") or src:
-        info["fold"] = R._cached(run, key, lambda: _fold(run, src), replaces="fold:")
+    if key in sweep.read_json(run / "analysis.json") or src:
+        info["fold"] = M.cached(run, key, lambda: _fold(run, src), replaces="fold:")
     else:
         skipped.append(f"fold of {run.name}")
     return info
@@ -281,11 +281,11 @@ def _measure(run: Path, data: str | None, skipped: list[str]) -> dict:
 
 def _fold(run: Path, data: str) -> dict:
     """The fold summary of the run's model on its first 64 test images (FLOPs over all of them)."""
-    x = R._cifar_inputs(run, data, FOLD_IMAGES)[0]
-    return {**R._fold_summary(run, x, latency=False), "images": len(x)}
+    x = M.cifar_inputs(run, data, FOLD_IMAGES)[0]
+    return {**M.fold_summary(run, x, latency=False), "images": len(x)}
 
 
-def _latency(results: Path, names: list[str], runs: dict, data: str | None, previous: dict, reps: int,
+def measure_latency(results: Path, names: list[str], runs: dict, data: str | None, previous: dict, reps: int,
              remeasure: bool, skipped: list[str]) -> dict:
     """Interleaved CPU latency at batch 1 and 64 (1 thread) of every run's folded model and of each
     baseline as trained, measured together in one process; reused from ``previous`` for unchanged
@@ -298,7 +298,7 @@ def _latency(results: Path, names: list[str], runs: dict, data: str | None, prev
 
     models = {n: runs[n]["model_digest"] for n in names}
     same = (previous.get("models") == models and previous.get("reps") == reps
-            and previous.get("machine") == R.machine_name())
+            and previous.get("machine") == M.machine_name())
     if not remeasure and same:
         return previous
     src = next((s for n in names if (s := _data_source(results / n, data))), None)
@@ -308,20 +308,20 @@ def _latency(results: Path, names: list[str], runs: dict, data: str | None, prev
         kept = lambda ms: {k: v for k, v in ms.items() if k.split("/")[0] in keep}  # noqa: E731
         return {**previous, "models": {n: models[n] for n in keep}, "ms": kept(previous.get("ms", {})),
                 "rounds": [{**r, "ms": kept(r["ms"])} for r in _latency_rounds(previous)]}
-    x = R._cifar_inputs(results / names[0], src, FOLD_IMAGES)[0]
+    x = M.cifar_inputs(results / names[0], src, FOLD_IMAGES)[0]
     built = {}
     for n in names:
-        model = R._model(results / n)
+        model = M.run_model(results / n)
         built[n + "/folded"] = linearize.fold(model, x, latency=False)
         if runs[n]["schedule"] == "none":
             built[n + "/as trained"] = model
-    now = {"ms": R.interleaved_latency(built, {"b1": x[:1], "b64": x}, reps),
+    now = {"ms": M.interleaved_latency(built, {"b1": x[:1], "b64": x}, reps),
            "measured": time.strftime("%Y-%m-%d %H:%M"),
            "load_average": round(os.getloadavg()[0], 2)}  # other processes on the cores make the ms noisy
     rounds = ((_latency_rounds(previous) if same else []) + [now])[-LATENCY_ROUNDS:]
     ms = {k: {b: statistics.median(r["ms"][k][b] for r in rounds) for b in now["ms"][k]} for k in now["ms"]}
     return {"models": models, "reps": reps, "batch": {"b1": 1, "b64": len(x)}, "ms": ms, "rounds": rounds,
-            **{k: now[k] for k in ("measured", "load_average")}, "machine": R.machine_name()}
+            **{k: now[k] for k in ("measured", "load_average")}, "machine": M.machine_name()}
 
 
 def _latency_rounds(previous: dict) -> list[dict]:
@@ -397,13 +397,13 @@ def _configs(jobs: list[sweep.Job], runs: dict, latency: dict) -> dict:
         b = out.get(("" if c["task"] == "c10" else c["task"] + "_") + "base", {})
         c["vs_baseline_points"] = (100 * (c["accuracy"]["mean"] - b["accuracy"]["mean"])
                                    if c["accuracy"] and b.get("accuracy") else None)
-        c["flops_vs_baseline"] = _ratio(c["mflops_per_image_after_fold"], b.get("mflops_per_image_after_fold"))
-        c["params_vs_baseline"] = _ratio(c["params_after_fold"], b.get("params_after_fold"))
-        c["latency_vs_baseline"] = {k: _ratio(v, b.get("latency_ms", {}).get(k)) for k, v in c["latency_ms"].items()}
+        c["flops_vs_baseline"] = ratio(c["mflops_per_image_after_fold"], b.get("mflops_per_image_after_fold"))
+        c["params_vs_baseline"] = ratio(c["params_after_fold"], b.get("params_after_fold"))
+        c["latency_vs_baseline"] = {k: ratio(v, b.get("latency_ms", {}).get(k)) for k, v in c["latency_ms"].items()}
     return out
 
 
-def _ratio(x: float | None, y: float | None) -> float | None:
+def ratio(x: float | None, y: float | None) -> float | None:
     return x / y if x is not None and y else None
 
 
@@ -474,7 +474,7 @@ def _claims(cfg: dict, runs: dict) -> list[str]:
 # ----------------------------------------------------------------------------- report
 
 
-def _fmt(v: float | None, f: str = ".2f", suffix: str = "") -> str:
+def fmt(v: float | None, f: str = ".2f", suffix: str = "") -> str:
     return "-" if v is None else f"{v:{f}}{suffix}"
 
 
@@ -499,7 +499,7 @@ def analysis_folder(results: Path, scale: str) -> tuple[Path, dict]:
     warnings.filterwarnings("ignore", message="the model has no linearize units")
     out = results / scale
     out.mkdir(parents=True, exist_ok=True)
-    return out, sweep._read(out / "results.json")
+    return out, sweep.read_json(out / "results.json")
 
 
 def analyze(results: Path, scale: str, jobs: list[sweep.Job], data: str | None, reps: int = 15,
@@ -511,8 +511,8 @@ def analyze(results: Path, scale: str, jobs: list[sweep.Job], data: str | None, 
     runs: dict[str, dict] = {}
     for j in jobs:
         if sweep.is_done(results / j.name):
-            runs[j.name] = {**_measure(results / j.name, data, skipped), **j.meta}
-    latency = _latency(results, list(runs), runs, data, previous.get("latency", {}), reps, remeasure_latency,
+            runs[j.name] = {**measure_run(results / j.name, data, skipped), **j.meta}
+    latency = measure_latency(results, list(runs), runs, data, previous.get("latency", {}), reps, remeasure_latency,
                        skipped) if runs else {}
     cfg = _configs(jobs, runs, latency)
     claims = _claims(cfg, runs)
@@ -521,7 +521,7 @@ def analyze(results: Path, scale: str, jobs: list[sweep.Job], data: str | None, 
            "missing": [j.name for j in jobs if j.name not in runs]}
     md = _report(res, jobs)
     _plots(out, cfg, runs)
-    sweep._write_json(out / "results.json", res)
+    sweep.write_json(out / "results.json", res)
     (out / "results.md").write_text("\n".join(md) + "\n")
     if skipped:
         print(f"skipped (no CIFAR data: pass --cifar or set LINEARIZE_CIFAR10): {', '.join(skipped)}")
@@ -557,29 +557,29 @@ def _report(res: dict, jobs: list[sweep.Job]) -> list[str]:
            "|---|---|---|---|---|---|---|---|---|---|---|"]
     for c in cfg.values():
         lv, l_ = c["latency_vs_baseline"], c["latency_ms"]
-        md.append(f"| {_label(c)} | {_acc_cell(c['accuracy'])} | {_fmt(c['vs_baseline_points'], '+.2f')} | "
-                  f"{_fmt(c['nonlinear_fraction'] and 100 * c['nonlinear_fraction'], '.1f', '%')} | "
-                  f"{_fmt(c['apl_normalized'])} | {_fmt(c['apl_unnormalized'])} | "
-                  f"{_fmt(c['params_after_fold'], ',.0f')} ({_fmt(c['params_vs_baseline'], '.3f', 'x')}) | "
-                  f"{_fmt(c['mflops_per_image_after_fold'], '.1f')} ({_fmt(c['flops_vs_baseline'], '.3f', 'x')}) | "
-                  f"{_fmt(l_['b1'])} ({_fmt(lv['b1'], '.2f', 'x')}) | {_fmt(l_['b64'], '.1f')} "
-                  f"({_fmt(lv['b64'], '.2f', 'x')}) | {_fmt(c['fold_max_rel_error'], '.1e')} |")
+        md.append(f"| {_label(c)} | {_acc_cell(c['accuracy'])} | {fmt(c['vs_baseline_points'], '+.2f')} | "
+                  f"{fmt(c['nonlinear_fraction'] and 100 * c['nonlinear_fraction'], '.1f', '%')} | "
+                  f"{fmt(c['apl_normalized'])} | {fmt(c['apl_unnormalized'])} | "
+                  f"{fmt(c['params_after_fold'], ',.0f')} ({fmt(c['params_vs_baseline'], '.3f', 'x')}) | "
+                  f"{fmt(c['mflops_per_image_after_fold'], '.1f')} ({fmt(c['flops_vs_baseline'], '.3f', 'x')}) | "
+                  f"{fmt(l_['b1'])} ({fmt(lv['b1'], '.2f', 'x')}) | {fmt(l_['b64'], '.1f')} "
+                  f"({fmt(lv['b64'], '.2f', 'x')}) | {fmt(c['fold_max_rel_error'], '.1e')} |")
     base = [c for c in cfg.values() if c["schedule"] == "none" and c.get("latency_ms_as_trained", {}).get("b64")]
     md += ["", "Baselines as trained (BN not merged): " + ("; ".join(
-        f"{_label(c)} {_fmt(c['latency_ms_as_trained']['b1'])} ms (b1), {_fmt(c['latency_ms_as_trained']['b64'], '.1f')}"
+        f"{_label(c)} {fmt(c['latency_ms_as_trained']['b1'])} ms (b1), {fmt(c['latency_ms_as_trained']['b64'], '.1f')}"
         " ms (b64)" for c in base) or "not measured") + ".", "",
            "![accuracy vs nonlinear fraction](accuracy_vs_fraction.png) ![APL vs accuracy](path_length_vs_accuracy.png)", ""]
     md += _difficulty_md(runs)
     md += ["## Runs", "", "| run | test acc | nonlinear | APL norm. | steps | wall time of the last session |",
            "|---|---|---|---|---|---|"]
     md += [f"| {n} | {100 * r['test_accuracy']:.2f}% | {100 * r['nonlinear_fraction']:.1f}% | "
-           f"{r['apl']['normalized']:.2f} | {r['steps']} | {_fmt(r['wall_time_s'], '.0f', ' s')} |" for n, r in runs.items()]
+           f"{r['apl']['normalized']:.2f} | {r['steps']} | {fmt(r['wall_time_s'], '.0f', ' s')} |" for n, r in runs.items()]
     if res["missing"]:
         md += ["", "Missing (not run or not collected yet): " + ", ".join(res["missing"]) + "."]
     if res["skipped"]:
         md += ["", "Skipped for want of the CIFAR-10 test images (`--cifar`): " + ", ".join(res["skipped"]) + "."]
     md += ["", "Every run's command and arguments are in its `metrics.json` (`command`, `args`). "
-           "`python recipes/reproduce.py --scale full` reruns all of it; `--stage analyze` rebuilds this page."]
+           "`python recipes/reproduce --scale full` reruns all of it; `--stage analyze` rebuilds this page."]
     return md
 
 
@@ -598,7 +598,7 @@ def _difficulty_md(runs: dict) -> list[str]:
         nl = sum(s["nonlinear"] for s in r["sites"].values())
         share = {st: sum(s["nonlinear"] for n, s in r["sites"].items() if _stage(n) == st) / max(nl, 1)
                  for st in ("stem", "layer1", "layer2", "layer3")}
-        md.append(f"| {k} | {100 * r['test_accuracy']:.2f}% | {_fmt(b and 100 * b['test_accuracy'], '.2f', '%')} | "
+        md.append(f"| {k} | {100 * r['test_accuracy']:.2f}% | {fmt(b and 100 * b['test_accuracy'], '.2f', '%')} | "
                   f"{nl} of {sum(s['total'] for s in r['sites'].values())} | {r['apl']['normalized']:.2f} | "
                   f"{r['apl']['unnormalized']:.2f} | " + " / ".join(f"{100 * v:.0f}%" for v in share.values()) + " |")
     sites = list(next(iter(have.values()))["sites"])
@@ -611,7 +611,7 @@ def _difficulty_md(runs: dict) -> list[str]:
     return md + (["", "Missing: " + ", ".join(missing) + "."] if missing else []) + [""]
 
 
-def _legend(ax: Any) -> None:
+def legend(ax: Any) -> None:
     if ax.get_legend_handles_labels()[0]:
         ax.legend(fontsize=7)
 
@@ -642,7 +642,7 @@ def _plots(out: Path, cfg: dict, runs: dict) -> None:
         ax.set_xlabel("nonlinear fraction of channels")
         ax.set_ylabel("test accuracy")
         ax.set_title("ResNet-20, CIFAR-10: late vs early linearization")
-        _legend(ax)
+        legend(ax)
 
     def draw_apl(ax: Any) -> None:
         for (task, sched), mk in {("c10", "none"): "k*", ("c10", "late"): "o", ("c10", "early"): "s",
@@ -661,7 +661,7 @@ def _plots(out: Path, cfg: dict, runs: dict) -> None:
         ax.set_xlabel("average path length (normalized)")
         ax.set_ylabel("test accuracy")
         ax.set_title("one point per run")
-        _legend(ax)
+        legend(ax)
 
     def draw_sites(ax: Any) -> None:
         have = {k: runs[n] for k, n in DIFFICULTY_RUNS.items() if n in runs}
@@ -676,7 +676,7 @@ def _plots(out: Path, cfg: dict, runs: dict) -> None:
         ax.set_title("late to 5%, seed 0")
         ax.legend(fontsize=7)
 
-    R._plot(out / "accuracy_vs_fraction.png", draw_acc)
-    R._plot(out / "path_length_vs_accuracy.png", draw_apl)
+    M.plot(out / "accuracy_vs_fraction.png", draw_acc)
+    M.plot(out / "path_length_vs_accuracy.png", draw_apl)
     if any(n in runs for n in DIFFICULTY_RUNS.values()):
-        R._plot(out / "nonlinear_sites.png", draw_sites)
+        M.plot(out / "nonlinear_sites.png", draw_sites)

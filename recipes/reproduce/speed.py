@@ -1,4 +1,4 @@
-"""Issue 20 at full scale, for ``recipes/reproduce.py --scale speed``: does linearizing a trained network
+"""Issue 20 at full scale, for ``python recipes/reproduce --scale speed``: does linearizing a trained network
 under a latency budget, then folding it, give a faster model than training a narrower one?
 
 The plan (full CIFAR-10 train and test sets, one seed, every run ``--channels-last``):
@@ -19,7 +19,7 @@ pipeline's measured training time next to its accuracy.
 
 Runs go to ``runs/reproduce/speed/<run>``, the small results of each finished run to
 ``recipes/results/<run>/`` (collected, parked and resumed as the issue 19 runs are:
-``reproduce_full.collect / park / unpark``), tables and plots to ``recipes/results/speed/``: accuracy
+``full.collect / park / unpark``), tables and plots to ``recipes/results/speed/``: accuracy
 against the CPU latency of the folded model at batch 1 and 64 (one thread, interleaved in one process),
 each linearized model next to its baseline and the narrower network.
 """
@@ -31,10 +31,11 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-import reproduce as R
-import reproduce_full as F
-import sweep
 from linearize.checks import FoldVerificationError
+
+from . import full as F
+from . import measure as M
+from . import sweep
 
 FLAGS = ["--cpu", "--checkpointing_steps", "390", "--keep_checkpoints", "2", "--log_every", "390", "--channels-last"]
 SCALES = {
@@ -83,7 +84,7 @@ def plan(scale: str, data: str | None, runs: Path) -> list[sweep.Job]:
 
     def job(name: str, arch: str, argv: list[str], deps: tuple[str, ...] = (), budget: float | None = None,
             narrow: bool = False, select: str = "slope", distill: float = 0.0) -> sweep.Job:
-        argv = [str(R.HERE / "cifar.py")] + (["--data-dir", data] if data else []) + ["--arch", arch] + FLAGS \
+        argv = [str(M.RECIPES / "cifar.py")] + (["--data-dir", data] if data else []) + ["--arch", arch] + FLAGS \
             + s["extra"] + argv + ["--seed", "0", "--output_dir", str(runs / name)]
         return sweep.Job(name, argv, deps, _meta("mnv2", arch, budget, narrow, select, distill))
 
@@ -117,10 +118,10 @@ def analyze(results: Path, scale: str, jobs: list[sweep.Job], data: str | None, 
     for j in jobs:
         if sweep.is_done(results / j.name):
             try:
-                runs[j.name] = {**F._measure(results / j.name, data, skipped), **j.meta}
+                runs[j.name] = {**F.measure_run(results / j.name, data, skipped), **j.meta}
             except FoldVerificationError as e:
                 unverified[j.name] = str(e).split(" Decisions:")[0]
-    latency = F._latency(results, list(runs), runs, data, previous.get("latency", {}), reps, remeasure_latency,
+    latency = F.measure_latency(results, list(runs), runs, data, previous.get("latency", {}), reps, remeasure_latency,
                          skipped) if runs else {}
     table = _table(jobs, runs, latency)
     claims = _claims(table)
@@ -128,8 +129,8 @@ def analyze(results: Path, scale: str, jobs: list[sweep.Job], data: str | None, 
            "unverified": unverified, "missing": [j.name for j in jobs if j.name not in runs and j.name not in unverified]}
     md = _report(res)
     if table:
-        R._plot(out / "accuracy_vs_latency.png", lambda ax: _draw(ax, table, "b1"), lambda ax: _draw(ax, table, "b64"))
-    sweep._write_json(out / "results.json", res)
+        M.plot(out / "accuracy_vs_latency.png", lambda ax: _draw(ax, table, "b1"), lambda ax: _draw(ax, table, "b64"))
+    sweep.write_json(out / "results.json", res)
     (out / "results.md").write_text("\n".join(md) + "\n")
     if skipped:
         print(f"skipped (no CIFAR data: pass --cifar or set LINEARIZE_CIFAR10): {', '.join(skipped)}")
@@ -153,7 +154,7 @@ def _table(jobs: list[sweep.Job], runs: dict, latency: dict) -> list[dict]:
                for k in ("b1", "b64")}
         # the speed-up within each measurement round (both timed in one process), then its median and range
         ups = {k: [u for m in rounds if key in m and ref in m
-                   if (u := F._ratio(m[ref].get(k), m[key].get(k))) is not None and math.isfinite(u)]
+                   if (u := F.ratio(m[ref].get(k), m[key].get(k))) is not None and math.isfinite(u)]
                for k in ("b1", "b64")}
         fold = r.get("fold") or {}
         rows.append({
@@ -211,7 +212,7 @@ def _claims(table: list[dict]) -> list[str]:
 def _report(res: dict) -> list[str]:
     lat = res["latency"]
     md = ["# Issue 20: linearize for speed (full CIFAR-10)", "",
-          "Made by `python recipes/reproduce.py --scale speed --stage analyze` from `recipes/results/<run>/`. "
+          "Made by `python recipes/reproduce --scale speed --stage analyze` from `recipes/results/<run>/`. "
           "Latency: the folded model (baselines also as trained), median of interleaved repetitions on one "
           f"thread, batch 1 and {lat.get('batch', {}).get('b64', 64)} test images"
           + (f", {lat['machine']}, " + F.measured(lat) if lat.get("machine") else "")
@@ -223,13 +224,13 @@ def _report(res: dict) -> list[str]:
           "| MFLOPs | params | fold error (rel.) | training h |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in res["table"]:
         md.append(" | ".join([
-            f"| {r['run']}", F._fmt(r["budget"], ".2f") + (f" ({_method(r)})" if _method(r) not in ("", "slope") else ""),
-            F._fmt(100 * r["accuracy"], ".2f", "%"),
-            F._fmt(r["vs_baseline_points"], "+.2f"), F._fmt(r["nonlinear_fraction"], ".3f"),
-            F._fmt(r["latency_ms"]["b1"], ".3f"), F._fmt(r["latency_ms"]["b64"], ".1f"),
+            f"| {r['run']}", F.fmt(r["budget"], ".2f") + (f" ({_method(r)})" if _method(r) not in ("", "slope") else ""),
+            F.fmt(100 * r["accuracy"], ".2f", "%"),
+            F.fmt(r["vs_baseline_points"], "+.2f"), F.fmt(r["nonlinear_fraction"], ".3f"),
+            F.fmt(r["latency_ms"]["b1"], ".3f"), F.fmt(r["latency_ms"]["b64"], ".1f"),
             _speedup(r, "b1"), _speedup(r, "b64"),
-            F._fmt(r["mflops_per_image"], ".1f"), F._fmt(r["params"], ",.0f"), F._fmt(r["fold_max_rel_error"], ".1e"),
-            F._fmt(r["train_hours"], ".2f")]) + " |")
+            F.fmt(r["mflops_per_image"], ".1f"), F.fmt(r["params"], ",.0f"), F.fmt(r["fold_max_rel_error"], ".1e"),
+            F.fmt(r["train_hours"], ".2f")]) + " |")
     for name, why in res["unverified"].items():
         md += ["", f"**{name}: its fold does not verify** (not in the table): {why}."]
     if res["missing"]:
@@ -243,7 +244,7 @@ def _speedup(row: dict, batch: str) -> str:
     """``1.47x``, or ``1.47x (1.41-1.56)`` over several measurement rounds."""
     lo_hi = (row.get("speedup_range") or {}).get(batch)
     spread = f" ({lo_hi[0]:.2f}-{lo_hi[1]:.2f})" if lo_hi and lo_hi[0] != lo_hi[1] else ""
-    return F._fmt(row["speedup"][batch], ".2f", "x") + spread
+    return F.fmt(row["speedup"][batch], ".2f", "x") + spread
 
 
 def _draw(ax: Any, table: list[dict], batch: str) -> None:
@@ -278,4 +279,4 @@ def _draw(ax: Any, table: list[dict], batch: str) -> None:
     ax.set_xlabel(f"CPU latency of the folded model, ms (batch {'1' if batch == 'b1' else '64'}, 1 thread)")
     ax.set_ylabel("test accuracy")
     ax.set_title(f"batch {'1' if batch == 'b1' else '64'}")
-    F._legend(ax)
+    F.legend(ax)
