@@ -29,7 +29,7 @@ from torch import nn
 
 __all__ = ["DEFAULT_ACTIVATIONS", "GATE_KINDS", "MODULE_KINDS", "HF_KINDS", "TIMM_KINDS", "FUNCTIONAL_SPECS",
            "FUNCTIONS_BY_NAME", "OTHER_ELEMENTWISE", "OTHER_FUNCTIONS", "INPLACE_ARG", "activation_kind", "activation_module",
-           "FunctionalActivation"]
+           "FunctionalActivation", "call_arg", "in_place", "negative_slope"]
 
 DEFAULT_ACTIVATIONS = (
     "relu", "relu6", "leaky_relu", "gelu", "silu", "hardswish", "mish", "elu", "celu", "selu",
@@ -121,25 +121,58 @@ INPLACE_ARG = {"relu": 1, "relu6": 1, "leaky_relu": 2, "elu": 2, "celu": 2, "sel
                 "hardsigmoid": 1, "hardswish": 1, "silu": 1, "mish": 1}
 
 
-def _arg(args: tuple, kwargs: dict, index: int, name: str, default: Any) -> Any:
+def call_arg(args: tuple, kwargs: dict, index: int, name: str, default: Any) -> Any:
+    """The argument ``name`` (at position ``index``) of a call ``func(*args, **kwargs)``, else ``default``.
+
+    Example:
+        >>> call_arg((1.0, 0.2), {}, 1, "negative_slope", 0.01), call_arg((1.0,), {}, 1, "negative_slope", 0.01)
+        (0.2, 0.01)
+    """
     return kwargs.get(name, args[index] if len(args) > index else default)
+
+
+def in_place(func: Callable, args: tuple, kwargs: dict) -> bool:
+    """Whether the call ``func(*args, **kwargs)`` of an activation of :data:`FUNCTIONAL_SPECS` writes into its input.
+
+    Example:
+        >>> in_place(F.relu, (torch.ones(2),), {"inplace": True}), in_place(torch.relu_, (torch.ones(2),), {})
+        (True, True)
+    """
+    kind, always = FUNCTIONAL_SPECS[func]
+    return always or (kind in INPLACE_ARG and bool(call_arg(args, kwargs, INPLACE_ARG[kind], "inplace", False)))
 
 
 def activation_module(func: Callable, args: tuple, kwargs: dict) -> nn.Module:
     """The activation module computing the functional call ``func(*args, **kwargs)`` (never in place)."""
     kind = FUNCTIONAL_SPECS[func][0]
     if kind == "leaky_relu":
-        return nn.LeakyReLU(float(_arg(args, kwargs, 1, "negative_slope", 0.01)))
+        return nn.LeakyReLU(float(call_arg(args, kwargs, 1, "negative_slope", 0.01)))
     if kind == "gelu":
-        return nn.GELU(approximate=str(_arg(args, kwargs, 1, "approximate", "none")))
+        return nn.GELU(approximate=str(call_arg(args, kwargs, 1, "approximate", "none")))
     if kind in ("elu", "celu"):
-        return (nn.ELU if kind == "elu" else nn.CELU)(float(_arg(args, kwargs, 1, "alpha", 1.0)))
+        return (nn.ELU if kind == "elu" else nn.CELU)(float(call_arg(args, kwargs, 1, "alpha", 1.0)))
     if kind == "softplus":
-        return nn.Softplus(float(_arg(args, kwargs, 1, "beta", 1.0)), float(_arg(args, kwargs, 2, "threshold", 20.0)))
+        return nn.Softplus(float(call_arg(args, kwargs, 1, "beta", 1.0)), float(call_arg(args, kwargs, 2, "threshold", 20.0)))
     if kind == "hardtanh":
-        return nn.Hardtanh(float(_arg(args, kwargs, 1, "min_val", -1.0)), float(_arg(args, kwargs, 2, "max_val", 1.0)))
+        return nn.Hardtanh(float(call_arg(args, kwargs, 1, "min_val", -1.0)), float(call_arg(args, kwargs, 2, "max_val", 1.0)))
     return {"relu": nn.ReLU, "relu6": nn.ReLU6, "silu": nn.SiLU, "hardswish": nn.Hardswish, "mish": nn.Mish,
             "selu": nn.SELU, "hardsigmoid": nn.Hardsigmoid, "tanh": nn.Tanh, "sigmoid": nn.Sigmoid}[kind]()
+
+
+def negative_slope(act: object) -> float | None:
+    """The slope on the negative side of a ReLU-family activation (a module, a function or a
+    :class:`FunctionalActivation`): 0 for ReLU and ReLU6, an ``nn.LeakyReLU``'s ``negative_slope``
+    (0.01, ``F.leaky_relu``'s default, for the function); ``None`` for any other activation.
+
+    Example:
+        >>> negative_slope(nn.LeakyReLU(0.2)), negative_slope(F.relu), negative_slope(F.leaky_relu), negative_slope(nn.GELU())
+        (0.2, 0.0, 0.01, None)
+    """
+    if isinstance(act, nn.LeakyReLU):
+        return float(act.negative_slope)
+    if isinstance(act, nn.ReLU):
+        return 0.0
+    return {"relu": 0.0, "relu6": 0.0, "leaky_relu": 0.01}.get(activation_kind(act))
 
 
 class FunctionalActivation(nn.Module):

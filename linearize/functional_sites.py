@@ -28,18 +28,13 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from .activations import FUNCTIONAL_SPECS, INPLACE_ARG, _arg
+from .activations import FUNCTIONAL_SPECS, in_place
 from .dispatch import FunctionalSiteError, Scope, attach_owner, caller_scope, checkpoint_error, refuse_scripting
 from .unit import write_into
 
 __all__ = ["FunctionalSites", "FunctionalSiteError", "ATTR", "install_functional_sites"]
 
 ATTR = "linearize_functional"  # the owner's child that holds its functional units
-
-def _in_place(func: Callable, args: tuple, kwargs: dict) -> bool:
-    kind, always = FUNCTIONAL_SPECS[func]
-    return always or (kind in INPLACE_ARG and bool(_arg(args, kwargs, INPLACE_ARG[kind], "inplace", False)))
-
 
 @dataclass
 class _Calls:
@@ -146,7 +141,7 @@ class FunctionalSites(nn.Module):
         if slot is None:
             return func(*args, **kwargs)
         unit = self._modules[slot]
-        if not _in_place(func, args, kwargs):
+        if not in_place(func, args, kwargs):
             return unit(x)
         return write_into(x, unit, unit.parameters())
 

@@ -62,7 +62,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from tqdm.auto import tqdm
 
-from .activations import activation_kind
+from .activations import activation_kind, negative_slope
 from .blend import convert_blend
 from .config import BlendConfig, GatedConfig, LinearizeConfig
 from .example_inputs import guess_example_inputs
@@ -281,12 +281,6 @@ def _check(model: object, config: GatedConfig) -> None:
         raise ValueError("this model is already a gated split; convert the original model")
 
 
-def _leak(act: nn.Module) -> float:
-    if isinstance(act, nn.LeakyReLU):
-        return float(act.negative_slope)
-    return 0.01 if activation_kind(act) == "leaky_relu" else 0.0  # F.leaky_relu's default
-
-
 def _no_gatable_error(model: nn.Module, config: GatedConfig, functional: dict[str, int]) -> ValueError:
     smooth = [(name, activation_kind(act)) for name, _, _, act in activation_registrations(model)]
     smooth = [(n, k) for n, k in smooth if k not in GATED_KINDS]
@@ -474,7 +468,7 @@ def convert_gated(model: nn.Module, config: GatedConfig, example_inputs: Any = N
     for owner, attr, act, calls in plan:
         owner_name = names[id(owner)]
         feature_owner = feature.get_submodule(owner_name) if owner_name else feature
-        leak = _leak(act)
+        leak = negative_slope(act)  # a GATED_KINDS activation: relu, leaky_relu, relu6
         galus, taps = [], []
         for _ in calls:
             site = next(sites)

@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from ._optional import require
+from .activations import negative_slope
 from .checks import NonFiniteSlopeError
 from .inputs import Batches, record_preactivations, site_channel_dim
 from .unit import LinearizableActivation, check_finite_slopes
@@ -111,10 +112,8 @@ def _negative_slopes(module: nn.Module, name: str) -> torch.Tensor:
             )
         check_finite_slopes([(name, module)], "stable_units")
         w = module.prelu_weight(module.slope.detach().double().cpu())
-    elif isinstance(module, nn.ReLU):
-        w = torch.zeros(1, dtype=torch.float64)
-    elif isinstance(module, nn.LeakyReLU):
-        w = torch.tensor([module.negative_slope], dtype=torch.float64)
+    elif isinstance(module, (nn.ReLU, nn.LeakyReLU)):
+        w = torch.tensor([negative_slope(module)], dtype=torch.float64)
     else:  # nn.PReLU
         w = module.weight.detach().double().cpu()
         if not bool(torch.isfinite(w).all()):

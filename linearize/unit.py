@@ -35,7 +35,7 @@ from torch.overrides import handle_torch_function
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 from torch.utils.weak import WeakIdKeyDictionary
 
-from .activations import FunctionalActivation
+from .activations import FunctionalActivation, negative_slope
 from .checks import NonFiniteSlopeError, check_channel_dim, check_tol
 from .config import GatedConfig
 from .dispatch import compiled_submodules, foreign_torch_function, refuse_scripting
@@ -587,11 +587,10 @@ def _without_inplace(act: nn.Module) -> nn.Module:
 
 
 def _prelu_leak(act: object) -> float | None:
-    if act is F.relu or act is torch.relu or type(act) is nn.ReLU:
-        return 0.0
-    if type(act) is nn.LeakyReLU:
-        return float(act.negative_slope)
-    return None
+    """The negative slope of a unit that computes as a PReLU: an exact ``nn.ReLU`` / ``nn.LeakyReLU``
+    or the relu function (a subclass may change ``forward``); ``None`` for the others."""
+    exact = type(act) in (nn.ReLU, nn.LeakyReLU) or act is F.relu or act is torch.relu
+    return negative_slope(act) if exact else None
 
 
 def _kind_name(act: object) -> str:

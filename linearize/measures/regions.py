@@ -68,6 +68,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from tqdm.auto import tqdm
 
+from ..activations import FUNCTIONAL_SPECS, activation_module, call_arg, in_place, negative_slope
 from ..checks import check_positive, check_positive_int
 from ..inputs import output_tensors
 
@@ -179,7 +180,7 @@ class _Tracer(TorchFunctionMode):
         kwargs = kwargs or {}
         name = getattr(func, "__name__", "")
         if name in _UNITS:
-            return self._unit(name, args, kwargs)
+            return self._unit(func, name, args, kwargs)
         if name not in _LINEAR:
             self._check(name or repr(func), args, kwargs)
         dual = any(_tangent(a) is not None for a in _flat_args(args, kwargs))
@@ -223,17 +224,14 @@ class _Tracer(TorchFunctionMode):
         elif any(dual):
             self._refuse(f"{name}, which is not known to be linear,")
 
-    def _unit(self, name: str, args: Sequence[Any], kwargs: dict) -> torch.Tensor:
+    def _unit(self, func: Any, name: str, args: Sequence[Any], kwargs: dict) -> torch.Tensor:
         x = args[0]
         if name == "prelu":
-            w = args[1] if len(args) > 1 else kwargs["weight"]
-        elif name.startswith("leaky_relu"):
-            w = args[1] if len(args) > 1 else kwargs.get("negative_slope", 0.01)
+            w, inplace = call_arg(args, kwargs, 1, "weight", None), False
+        elif func in FUNCTIONAL_SPECS:  # relu, leaky_relu (and their in-place forms)
+            w, inplace = negative_slope(activation_module(func, args, kwargs)), in_place(func, args, kwargs)
         else:
-            w = 0.0
-        inplace = name.endswith("_") or bool(kwargs.get("inplace", False)) or (
-            name == "leaky_relu" and len(args) > 2 and bool(args[2])
-        )
+            self._refuse(f"{name} called as {func!r} (call it through torch or torch.nn.functional)")
         p, d = fwAD.unpack_dual(x)
         w = torch.as_tensor(w, dtype=p.dtype, device=p.device).detach()
         if w.numel() > 1:  # per-channel weight along dim 1 (dim 0 for a 1-d input)
