@@ -44,6 +44,8 @@ _EXPORTS = {
     "FoldRule": "folding",
     "Objective": "folding",
     "stable_units": "stability",
+    "fit_linear_ends": "calibration",
+    "one_shot": "calibration",
     "Box": "stability",
     "compress": "compression",
     # report

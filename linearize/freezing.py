@@ -6,7 +6,9 @@ optimizer step and its value restored after it, while the other channels keep tr
 ``snap_zero`` the channels with ``a <= tol`` are snapped and frozen at ``0`` (the original
 activation). With ``data``, ReLU/PReLU channels whose pre-activation is ``> 0`` for every sample
 and position of the data are linear there (seed 004: stably active), so they are frozen at 1 too:
-the model's outputs on that data do not change.
+the model's outputs on that data do not change (a unit with affine linear ends gets, in those
+channels, the end ``(1 - a) x + a (alpha x + beta)`` it computed there). A channel at 1 computes its
+linear end: ``x``, or ``alpha * x + beta`` (:meth:`~linearize.unit.LinearizableActivation.set_linear_end`).
 """
 
 from __future__ import annotations
@@ -139,6 +141,10 @@ def freeze(
         for name, unit in relu_like:
             active = (ranges[name][0].to(unit.slope.device) > 0) & ~unit.linear_mask(0.0, name)
             sites[name]["stably_active"] = int(active.sum())
+            end = unit.linear_end
+            if end is not None:  # there the unit computes (1 - a) x + a (alpha x + beta): that affine map is the end
+                a, (alpha, beta) = unit.slope.detach(), end
+                unit.set_linear_end(torch.where(active, 1 - a + a * alpha, alpha), torch.where(active, a * beta, beta))
             unit.freeze_(active, 1.0)
     for (name, unit), linear in zip(found, linear_masks(found, 0.0, "freeze")):
         if snap_zero:

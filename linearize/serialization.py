@@ -7,7 +7,8 @@ activations, so the units cannot live in the base model's own checkpoint. The si
   kind, channels, channel dim), the format version, the name, size and SHA-256 of the tensor file,
   and ``base``: where the model's own weights are (see below);
 - ``linearize_units-<first 16 hex digits of its SHA-256>.safetensors``: in ``"prelu"`` mode the
-  unit tensors (``<site>.slope``, ``<site>.frozen``) and, for a model that is not a Hugging Face
+  unit tensors (``<site>.slope``, ``<site>.frozen``, and ``<site>.alpha``, ``<site>.beta`` for a unit
+  with an affine linear end; saves without them load with the identity end) and, for a model that is not a Hugging Face
   model, all its other weights (``__linearize_model__.<state dict key>``; ``base: {"saved": true}``);
   in gated modes the whole gated model (its feature network is new weights).
 
@@ -77,6 +78,9 @@ class UnitsOnlyWarning(UserWarning):
     right after may filter this category."""
 
 
+END_KEYS = ("alpha", "beta")  # a unit's affine linear end, saved where set (LinearizableActivation.set_linear_end)
+
+
 def weights_name(sha256: str) -> str:
     """File name of the tensor file whose SHA-256 hex digest is ``sha256``."""
     return f"linearize_units-{sha256[:16]}.safetensors"
@@ -100,8 +104,7 @@ def _tensors(model: nn.Module, gated: bool, base: bool = False) -> dict[str, tor
     if gated:
         items = [(_clean(k), t) for k, t in model.state_dict().items()]
     else:
-        items = [(_clean(f"{n}.{k}"), t) for n, u in units(model)
-                 for k, t in (("slope", u.slope), ("frozen", u.frozen))]
+        items = [(_clean(f"{n}.{k}"), t) for n, u in units(model) for k, t in _unit_items(u)]
         clash = next((k for k, _ in items if k.startswith(MODEL_PREFIX)), None)
         if clash is not None:
             raise ValueError(f"cannot save unit tensor {clash!r}: its name starts with {MODEL_PREFIX!r}, the prefix "
@@ -118,10 +121,16 @@ def _tensors(model: nn.Module, gated: bool, base: bool = False) -> dict[str, tor
     return tensors
 
 
+def _unit_items(unit: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """A unit's saved tensors by key: ``slope``, ``frozen`` and, where set, its affine linear end ``alpha``,
+    ``beta`` (a unit without one, and every save before it existed, has the identity end)."""
+    return [("slope", unit.slope), ("frozen", unit.frozen)] + list(zip(END_KEYS, unit.linear_end or ()))
+
+
 def _base_state(model: nn.Module) -> dict[str, torch.Tensor]:
     """The state dict of ``model`` without its units' slopes and frozen values (and without the non-tensor
     entries of ``get_extra_state``): the weights the units act on."""
-    own = {id(t) for _, u in units(model) for t in (u.slope, u.frozen)}
+    own = {id(t) for _, u in units(model) for _, t in _unit_items(u)}
     return {k: t for k, t in model.state_dict(keep_vars=True).items()
             if isinstance(t, torch.Tensor) and id(t) not in own}
 
@@ -133,13 +142,19 @@ def _value_digest(t: torch.Tensor) -> str:
     return _tensor_digest(t.to("cpu", torch.float64) if t.is_floating_point() else t)
 
 
-def _unit_problem(slope: torch.Tensor, frozen: torch.Tensor, num_channels: int) -> str | None:
-    """What is wrong with a unit's ``slope`` and ``frozen`` tensors (None when nothing is).
+def _unit_problem(slope: torch.Tensor, frozen: torch.Tensor, num_channels: int,
+                  end: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)) -> str | None:
+    """What is wrong with a unit's ``slope`` and ``frozen`` tensors and its affine linear ``end`` (``alpha``,
+    ``beta``: both or neither) (None when nothing is).
 
     A unit holds floating ``[C]`` tensors; slopes are finite and in ``[0, 1]``; frozen channels
-    hold 0 or 1 (NaN marks a free channel) and their slope equals the frozen value.
+    hold 0 or 1 (NaN marks a free channel) and their slope equals the frozen value; ``alpha`` and
+    ``beta`` are finite.
     """
-    for what, t in (("slope", slope), ("frozen", frozen)):
+    if (end[0] is None) != (end[1] is None):
+        return f"it has {'alpha' if end[0] is not None else 'beta'} without {'beta' if end[0] is not None else 'alpha'}"
+    named = [("slope", slope), ("frozen", frozen)] + ([] if end[0] is None else [("alpha", end[0]), ("beta", end[1])])
+    for what, t in named:
         if not t.is_floating_point():
             return f"{what} has dtype {t.dtype}, expected a floating-point tensor"
         if tuple(t.shape) != (num_channels,):
@@ -148,6 +163,11 @@ def _unit_problem(slope: torch.Tensor, frozen: torch.Tensor, num_channels: int) 
 
     def first(mask: torch.Tensor) -> int:
         return int(mask.nonzero()[0, 0])
+
+    for what, t in named[2:]:
+        if not bool(torch.isfinite(t.detach()).all()):
+            i = first(~torch.isfinite(t.detach().cpu()))
+            return f"{what} (affine linear end) holds a non-finite value at channel {i}"
 
     bad = ~torch.isfinite(slope)
     if bad.any():
@@ -215,7 +235,7 @@ def save_pretrained(model: nn.Module, directory: str | os.PathLike, *, weights: 
     gated = config.mode != "prelu"
     if not gated:
         for name, unit in units(model):
-            problem = _unit_problem(unit.slope, unit.frozen, unit.num_channels)
+            problem = _unit_problem(unit.slope, unit.frozen, unit.num_channels, unit.linear_end or (None, None))
             if problem:
                 raise ValueError(
                     f"cannot save unit {_clean(name)!r}: {problem}. A saved sidecar must load back: slopes "
@@ -398,7 +418,7 @@ def _changed_tensors(data: bytes, digests: dict[str, str]) -> list[str]:
 
 def _check_unit_tensors(tensors: dict[str, torch.Tensor], sites: list[dict], path: Path) -> None:
     """Refuse (:class:`LoadError`) unit tensors that a saved unit cannot hold."""
-    expected = {f"{s['name']}.{k}" for s in sites for k in ("slope", "frozen")}
+    expected = {f"{s['name']}.{k}" for s in sites for k in ("slope", "frozen") + END_KEYS}
     extra = sorted(set(tensors) - expected)
     if extra:
         raise LoadError(f"{path}: tensors {extra[:5]} belong to no unit of {CONFIG_NAME}; the pair is "
@@ -409,7 +429,8 @@ def _check_unit_tensors(tensors: dict[str, torch.Tensor], sites: list[dict], pat
             if f"{name}.{key}" not in tensors:
                 raise LoadError(f"{path}: unit {name!r} has no {key!r} tensor ({name}.{key}); the file is "
                                 f"incomplete. {_SAVE_AGAIN}")
-        problem = _unit_problem(tensors[f"{name}.slope"], tensors[f"{name}.frozen"], site["num_channels"])
+        problem = _unit_problem(tensors[f"{name}.slope"], tensors[f"{name}.frozen"], site["num_channels"],
+                                (tensors.get(f"{name}.alpha"), tensors.get(f"{name}.beta")))
         if problem:
             raise LoadError(f"{path}: unit {name!r}: {problem}. The file is damaged or was not written by "
                             f"linearize.save_pretrained; refusing to load it. {_SAVE_AGAIN}")
@@ -472,8 +493,8 @@ def _load_hf_checked(directory: Path) -> tuple[dict[str, Any], dict[str, torch.T
     if meta["config"].mode != "prelu":
         raise LoadError(f"{directory / hf.HF_CONFIG}: gated mode {meta['config'].mode!r} is saved with "
                         "linearize.save_pretrained(model, directory) only")
-    keys = [f"{s['name']}.{k}" for s in meta["sites"] for k in ("slope", "frozen")]
-    tensors, path = hf.read_unit_tensors(directory, keys)
+    keys = [f"{s['name']}.{k}" for s in meta["sites"] for k in ("slope", "frozen") + END_KEYS]
+    tensors, path = hf.read_unit_tensors(directory, keys)  # alpha / beta only where saved
     _check_unit_tensors(tensors, meta["sites"], path)
     return meta, tensors, path
 
@@ -539,7 +560,7 @@ def from_pretrained(model: nn.Module | type, directory: str | os.PathLike, examp
         meta, tensors, path = _load_hf_checked(directory)
         state = None
     config = meta["config"]
-    keys = [f"{s['name']}.{k}" for s in meta["sites"] for k in ("slope", "frozen")]
+    keys = [f"{s['name']}.{k}" for s in meta["sites"] for k in ("slope", "frozen") + END_KEYS]
     weights_from_folder = isinstance(model, type) or config.mode != "prelu" or state is not None
     if isinstance(model, type):
         model = hf.load_plain(model, directory, keys, hf_kwargs)
@@ -579,6 +600,7 @@ def from_pretrained(model: nn.Module | type, directory: str | os.PathLike, examp
             if key is not None:
                 unit.slope.copy_(tensors[f"{key}.slope"])
                 unit.frozen.copy_(tensors[f"{key}.frozen"])
+                unit.set_linear_end(tensors.get(f"{key}.alpha"), tensors.get(f"{key}.beta"))  # None: identity
     return model
 
 

@@ -325,17 +325,25 @@ class ChannelPReLU(nn.PReLU):
 
 
 class ChannelBlend(nn.Module):
-    """Fixed per-channel blend ``(1 - a) * act(x) + a * x`` (a frozen smooth unit's plain form).
+    """Fixed per-channel blend ``(1 - a) * act(x) + a * x`` (a frozen smooth unit's plain form), or
+    ``(1 - a) * act(x) + a * (alpha * x + beta)`` with affine linear ends (a unit's plain form after
+    :meth:`LinearizableActivation.set_linear_end`).
 
-    ``slope`` ``[C]`` (a buffer) broadcast along ``channel_dim``.
+    ``slope`` ``[C]`` (a buffer) broadcast along ``channel_dim``; ``alpha`` and ``beta`` ``[C]`` buffers,
+    or ``None`` (the identity end).
     """
 
-    def __init__(self, act: nn.Module, slope: torch.Tensor, channel_dim: int = 1, inplace: bool = False) -> None:
+    def __init__(self, act: nn.Module, slope: torch.Tensor, channel_dim: int = 1, inplace: bool = False,
+                 alpha: torch.Tensor | None = None, beta: torch.Tensor | None = None) -> None:
         super().__init__()
         self.act = act
         self.channel_dim = channel_dim
         self.inplace = inplace  # write the result into the input (the plain form of an in-place unit)
         self.register_buffer("slope", slope.detach().clone().reshape(-1))
+        if (alpha is None) != (beta is None):
+            raise ValueError("ChannelBlend takes both alpha and beta (an affine linear end) or neither")
+        self.register_buffer("alpha", None if alpha is None else alpha.detach().clone().reshape(-1))
+        self.register_buffer("beta", None if beta is None else beta.detach().clone().reshape(-1))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return write_into(x, self._blend, self.act.parameters()) if self.inplace else self._blend(x)
@@ -343,7 +351,9 @@ class ChannelBlend(nn.Module):
     def _blend(self, x: torch.Tensor) -> torch.Tensor:
         shape = [1] * x.ndim
         shape[_channel_axis(x, self.channel_dim, self.slope.numel(), "ChannelBlend")] = self.slope.numel()
-        return exact_lerp(self.act(x), x, self.slope.to(x.dtype).view(shape))
+        alpha, beta = self._buffers.get("alpha"), self._buffers.get("beta")  # absent in older pickles
+        end = x if alpha is None else torch.addcmul(beta.to(x.dtype).view(shape), alpha.to(x.dtype).view(shape), x)
+        return exact_lerp(self.act(x), end, self.slope.to(x.dtype).view(shape))
 
     def extra_repr(self) -> str:
         return (f"channels={self.slope.numel()}, channel_dim={self.channel_dim}"
@@ -403,8 +413,70 @@ class LinearizableActivation(nn.Module):
         # NaN = free channel, 0. or 1. = frozen at that value.
         self.register_buffer("frozen", torch.full((num_channels,), math.nan))
         self._frozen_seen: tuple[int, int, int, torch.Tensor | None] | None = None  # (id, version, data_ptr, mask)
+        # the affine linear end alpha * x + beta ([C] each); None: the identity (set_linear_end)
+        self.register_parameter("alpha", None)
+        self.register_parameter("beta", None)
         _SLOPE_OWNERS[self.slope] = self
         install_optimizer_hooks()
+
+    @property
+    def linear_end(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``(alpha, beta)``, the learnable ``[C]`` parameters of the affine linear end, or ``None`` for the
+        identity end (the default: a unit computes ``(1 - a) * act(x) + a * x``)."""
+        alpha, beta = self._parameters.get("alpha"), self._parameters.get("beta")  # absent in older pickles
+        return None if alpha is None else (alpha, beta)
+
+    @torch.no_grad()
+    def set_linear_end(self, alpha: torch.Tensor | float | None, beta: torch.Tensor | float | None = 0.0) -> None:
+        """Make the unit compute ``(1 - a) * act(x) + a * (alpha * x + beta)`` per channel (an affine linear end).
+
+        ``alpha`` and ``beta``: ``[C]`` tensors or numbers (finite). They become learnable ``nn.Parameter`` s
+        of the unit (``unit.alpha``, ``unit.beta``; existing ones are overwritten in place, so an optimizer
+        holding them keeps them), saved by :func:`linearize.save_pretrained`, frozen into plain modules and
+        folded exactly by :func:`linearize.fold`. ``alpha=None`` removes them: the identity end again.
+        :func:`linearize.fit_linear_ends` fits them on data. A channel at ``a = 0`` ignores its end.
+
+        Example:
+            >>> unit = LinearizableActivation(nn.ReLU(), 2, init_slope=1.0)
+            >>> unit.set_linear_end(torch.tensor([0.5, 0.0]), torch.tensor([0.0, 3.0]))
+            >>> unit(torch.tensor([[-2.0, 5.0]])).tolist()
+            [[-1.0, 3.0]]
+        """
+        if alpha is None:
+            self._parameters["alpha"] = self._parameters["beta"] = None
+            return
+        values = []
+        for what, v in (("alpha", alpha), ("beta", beta)):
+            t = torch.as_tensor(v, dtype=self.slope.dtype).to(self.slope.device)
+            if t.ndim == 0:
+                t = t.expand(self.num_channels)
+            if tuple(t.shape) != (self.num_channels,):
+                raise ValueError(f"{what} must be a number or a [{self.num_channels}] tensor (one per channel of this "
+                                 f"{self.kind} unit), got shape {tuple(t.shape)}")
+            if not bool(torch.isfinite(t).all()):
+                raise ValueError(f"{what} must be finite, got {int((~torch.isfinite(t)).sum())} non-finite value(s)")
+            values.append(t)
+        for name, t in zip(("alpha", "beta"), values):
+            own = self._parameters.get(name)
+            if own is None:
+                self._parameters[name] = nn.Parameter(t.clone())
+            else:
+                own.copy_(t)
+
+    def identity_end_mask(self) -> torch.Tensor:
+        """Bool ``[C]``: channels whose linear end is the identity (``alpha = 1, beta = 0``, or no affine end)."""
+        end = self.linear_end
+        if end is None:
+            return torch.ones(self.num_channels, dtype=torch.bool, device=self.slope.device)
+        return (end[0].detach() == 1) & (end[1].detach() == 0)
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs) -> None:
+        # a saved affine end loads into a unit that has none yet (a freshly converted model)
+        if prefix + "alpha" in state_dict and prefix + "beta" in state_dict and self.linear_end is None:
+            self.set_linear_end(1.0, 0.0)
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
 
     def __setstate__(self, state: dict) -> None:  # deepcopy / pickle
         super().__setstate__(state)
@@ -441,18 +513,23 @@ class LinearizableActivation(nn.Module):
         a = self.slope if slope is None else slope
         return a if self.leak == 0 else a + (1 - a) * self.leak
 
-    def plain_activation(self, slope: torch.Tensor | None = None) -> nn.Module:
+    def plain_activation(self, slope: torch.Tensor | None = None,
+                         end: tuple[torch.Tensor, torch.Tensor] | None = None) -> nn.Module:
         """A new plain module computing this unit at its slopes (or at ``slope``), holding its own copy of them.
 
         ``nn.Identity`` when every slope is 1; the original activation when every slope is 0
         (``nn.ReLU`` / ``nn.LeakyReLU`` for ReLU-family units, else a copy of ``act``, or a
         :class:`~linearize.activations.FunctionalActivation` of ``act_fn``); otherwise a
         :class:`ChannelPReLU` of :meth:`prelu_weight` (ReLU family) or a :class:`ChannelBlend`,
-        with channels at ``channel_dim``. The unit is not modified.
+        with channels at ``channel_dim``. The unit is not modified. Where a channel with ``a > 0`` has an
+        affine linear end (:meth:`set_linear_end`) other than the identity, a :class:`ChannelBlend` holding
+        ``alpha`` and ``beta`` computes it.
 
         Args:
             slope: ``[C']`` slopes to use instead of the unit's own (fold passes snapped slopes, or
                 more channels for a widened layer); the unit's current slopes by default.
+            end: ``(alpha, beta)`` ``[C']`` to use instead of the unit's own linear end (which applies
+                only when ``slope`` has ``C`` channels; another width gets the identity end by default).
 
         Example:
             >>> unit = LinearizableActivation(nn.ReLU(), 3)
@@ -460,6 +537,17 @@ class LinearizableActivation(nn.Module):
             (ReLU(), Identity())
         """
         a = (self.slope if slope is None else slope).detach()
+        if end is None and a.numel() == self.num_channels:
+            end = self.linear_end
+        if end is not None:
+            alpha, beta = (t.detach().to(self.slope.dtype).reshape(-1) for t in end)
+            if alpha.shape != a.shape or beta.shape != a.shape:
+                raise ValueError(f"end must be two [{a.numel()}] tensors, like the slopes, got "
+                                 f"{tuple(alpha.shape)} and {tuple(beta.shape)}")
+            used = a > 0
+            if not bool(((alpha[used] == 1) & (beta[used] == 0)).all()):  # an affine end in use: exact, as a blend
+                return ChannelBlend(self._plain_act(), a.to(self.slope.dtype), self.channel_dim, self.inplace,
+                                    alpha, beta)
         if bool((a >= 1).all()):
             return nn.Identity()
         if bool((a <= 0).all()):
@@ -491,6 +579,11 @@ class LinearizableActivation(nn.Module):
         a = self.slope  # one module attribute lookup: the forward runs at every call site, every step
         if a.dtype != x.dtype:
             a = a.to(x.dtype)
+        alpha = self._parameters.get("alpha")
+        if alpha is not None:  # affine end: (1 - a) act(x) + a (alpha x + beta), exact at a = 0 and 1
+            shape = self.broadcast_shape(x.ndim)
+            end = torch.addcmul(self.beta.to(x.dtype).view(shape), alpha.to(x.dtype).view(shape), x)
+            return _blend(self.activation(x), end, a, dim)
         if self.leak and x.dtype in (torch.float16, torch.bfloat16):
             # the PReLU weight a + (1 - a) * leak would round leak to 8 or 11 bits: leaky_relu keeps it exact
             return _blend(F.leaky_relu(x, self.leak), x, a, dim)

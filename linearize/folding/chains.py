@@ -1,4 +1,5 @@
-"""The ``nn.Sequential`` rule: in every plain ``nn.Sequential`` (nested ones flattened) drop units
+"""The ``nn.Sequential`` rule: in every plain ``nn.Sequential`` (nested ones flattened) move the affine
+linear ends of units into the layer before them (:func:`.layers.absorb_linear_end`), drop units
 whose channels are all linear, fold BatchNorm (eval statistics) into the layer before it, merge runs
 of adjacent linear maps (``Linear o Linear``, ``Conv o Conv``, grouped and depthwise convs, 1x1 convs
 into neighbours) where exact and better under the objective (a small dynamic program over each run),
@@ -15,7 +16,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from ..unit import LinearizableActivation
 from .conv import _border_flops, _ConvDesc, chain_plan, merge_convs, needs_border_correction
 from .ffn import is_transparent, split_in_chain
-from .layers import bn_foldable, dense_shape, dense_wb, fold_bn, is_dense, is_plain_conv, make_linear
+from .layers import CONVS, absorb_linear_end, bn_foldable, dense_shape, dense_wb, fold_bn, is_dense, is_plain_conv, make_linear
 from .rules import Cost, FoldContext
 
 Item = tuple[str, nn.Module]
@@ -88,6 +89,13 @@ def fold_sequential(seq: nn.Sequential, ctx: FoldContext) -> nn.Module:
     changed = False
     kept: list[Item] = []
     for n, m in items:
+        if isinstance(m, LinearizableActivation) and kept and ctx.once(m) and ctx.once(kept[-1][1]):
+            shape = ctx.probe.out_shape.get(id(kept[-1][1]), ())
+            axis = 1 if isinstance(kept[-1][1], CONVS) else len(shape) - 1
+            moved = absorb_linear_end(kept[-1][1], m, bool(shape) and m.channel_dim % len(shape) == axis, ctx.tol)
+            if moved:
+                ctx.merged(f"affine linear ends of {moved} channel(s) folded into {kept[-1][0]}", n)
+                changed = True
         if ctx.is_linear(m) and ctx.once(m) or type(m) is nn.Identity:
             if isinstance(m, LinearizableActivation):
                 ctx.merged("fully linear unit removed (identity)", n)

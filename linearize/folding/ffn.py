@@ -7,7 +7,9 @@ T5 and Marian/BART FFNs and users' own blocks all have this shape.
 The split: ``W2 act(W1 x + b1) + b2`` with ``k`` linear channels ``L`` out of ``m`` is
 ``W2[:, N] act(W1[N] x + b1[N]) + (W2[:, L] W1[L]) x + W2[:, L] b1[L] + b2``: a narrower FFN plus
 one ``d x d_out`` linear path (:class:`LinearWithPassthrough` feeds ``x`` to it), and a fully
-linear FFN is one layer; applied where the objective improves.
+linear FFN is one layer; applied where the objective improves. With affine linear ends
+``alpha * h + beta`` the path is ``W2[:, L] diag(alpha_L) W1[L]`` and the bias gains
+``W2[:, L] (alpha_L b1[L] + beta_L)``.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from torch.nn.modules.dropout import _DropoutNd
 
 from ..unit import LinearizableActivation
 from .layers import dense_wb, get_path, is_dense, is_pointwise_conv, make_linear, set_path
-from .modules import ConvWithPassthrough, LinearWithPassthrough, snapped_slopes, units_of
+from .modules import ConvWithPassthrough, LinearWithPassthrough, linear_end, snapped_slopes, units_of
 from .rules import Cost, FoldContext, FoldRule
 
 # Feed-forward modules whose layers sit in different submodules (not direct children of one
@@ -92,8 +94,11 @@ def split_ffn(
         )
         return None
     b1 = b1 if b1 is not None else w1.new_zeros(m)
-    w_lin = w2[:, lin] @ w1[lin]
-    b_lin = w2[:, lin] @ b1[lin] + (b2 if b2 is not None else 0.0)
+    # a linear channel computes its linear end alpha * h + beta (the identity: 1, 0): alpha scales its
+    # column of the passthrough, beta goes into the bias (a removed channel, alpha = 0, is a constant)
+    alpha, beta = linear_end(unit, w1)
+    w_lin = (w2[:, lin] * alpha[lin]) @ w1[lin]
+    b_lin = w2[:, lin] @ (alpha[lin] * b1[lin] + beta[lin]) + (b2 if b2 is not None else 0.0)
     second_cls, first_cls = (nn.Linear, LinearWithPassthrough) if family == "dense" else (nn.Conv2d, ConvWithPassthrough)
     kind = f"Linear({d}, {d_out})" if family == "dense" else f"1x1 Conv2d({d}, {d_out})"
     if n == 0:
@@ -102,7 +107,9 @@ def split_ffn(
     keep = ~lin
     new_first = make_linear(w1[keep], b1[keep], first, cls=first_cls)
     new_second = make_linear(torch.cat([w2[:, keep], w_lin], 1), b_lin, second, cls=second_cls)
-    new_unit = unit.plain_activation(torch.cat([a[keep], a.new_ones(d)]))  # identity on the d
+    new_unit = unit.plain_activation(  # identity on the d
+        torch.cat([a[keep], a.new_ones(d)]),
+        (torch.cat([alpha[keep], alpha.new_ones(d)]), torch.cat([beta[keep], beta.new_zeros(d)])))
     new_unit.channel_dim = -1 if family == "dense" else 1  # ChannelPReLU / ChannelBlend
     ctx.merged(
         f"{k}/{m} linear channels folded into a parallel {kind}; FFN narrowed to {n} channels "

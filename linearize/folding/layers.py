@@ -104,6 +104,40 @@ def fold_bn(layer: nn.Module, bn: _BatchNorm) -> None:
         layer.bias.copy_(new_b)
 
 
+@torch.no_grad()
+def absorb_linear_end(layer: nn.Module, unit: nn.Module, channel_axis_ok: bool, tol: float) -> int:
+    """Move the affine linear ends ``alpha * x + beta`` of ``unit``'s linear channels into ``layer``, the
+    dense or conv layer whose output (channels on ``channel_axis_ok``'s axis) the unit takes: output
+    channel ``c`` of the layer becomes ``alpha_c (W_c x + b_c) + beta_c`` and the unit's end there the
+    identity, so fold can drop or merge the unit as any linear one. Returns how many channels moved (0:
+    nothing to move, or the layer does not fit)."""
+    end = unit.linear_end
+    if end is None or not channel_axis_ok or not (is_dense(layer) or type(layer) in CONVS):
+        return 0
+    if (layer.out_channels if isinstance(layer, CONVS) else dense_shape(layer)[0]) != unit.num_channels:
+        return 0
+    move = unit.linear_mask(tol) & ~unit.identity_end_mask()
+    if not bool(move.any()):
+        return 0
+    alpha, beta = (t.detach().double() for t in end)
+    scale = torch.where(move, alpha, torch.ones_like(alpha))
+    shift = torch.where(move, beta, torch.zeros_like(beta))
+    w = layer.weight.double()
+    b = layer.bias.double() if layer.bias is not None else torch.zeros_like(shift)
+    if is_hf_conv1d(layer):  # weight [in, out]
+        layer.weight.copy_(w * scale)
+    else:
+        layer.weight.copy_(w * scale.view(-1, *([1] * (w.ndim - 1))))
+    if layer.bias is None:
+        layer.bias = nn.Parameter((b * scale + shift).to(layer.weight.dtype))
+    else:
+        layer.bias.copy_(b * scale + shift)
+    unit.set_linear_end(torch.where(move, torch.ones_like(alpha), alpha), torch.where(move, torch.zeros_like(beta), beta))
+    if bool(unit.identity_end_mask().all()):
+        unit.set_linear_end(None)
+    return int(move.sum())
+
+
 def get_path(root: nn.Module, path: str) -> nn.Module | None:
     """The submodule at dotted ``path`` (``None`` if any part is missing)."""
     m = root

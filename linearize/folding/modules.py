@@ -61,7 +61,16 @@ def units_of(m: nn.Module) -> list[LinearizableActivation]:
 
 
 def linear_unit(u: nn.Module, tol: float) -> bool:
-    return isinstance(u, LinearizableActivation) and bool(u.linear_mask(tol).all())
+    """Whether ``u`` is a unit computing the identity: every channel linear, with the identity linear end."""
+    return isinstance(u, LinearizableActivation) and bool(u.linear_mask(tol).all()) and bool(u.identity_end_mask().all())
+
+
+def linear_end(unit: LinearizableActivation, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(alpha, beta)`` of ``unit``'s linear end in ``like``'s dtype and device (ones and zeros for the identity)."""
+    end = unit.linear_end
+    if end is None:
+        return like.new_ones(unit.num_channels), like.new_zeros(unit.num_channels)
+    return tuple(t.detach().to(like.device, like.dtype) for t in end)
 
 
 def snapped_slopes(unit: LinearizableActivation, tol: float) -> torch.Tensor:

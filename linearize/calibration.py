@@ -1,0 +1,322 @@
+"""Calibration: fit the affine linear ends of the units on data, and the one-shot linearization.
+
+A unit at slope ``a = 1`` computes its channel's *linear end*: the identity ``x`` by default, or the
+affine map ``alpha * x + beta`` set by :meth:`~linearize.unit.LinearizableActivation.set_linear_end`.
+For a mostly inactive channel (``gelu(x) ~ 0`` on the data) the identity is the wrong end: replacing
+``gelu(x)`` by ``x`` changes the next layer's input by ``x - gelu(x)``, where the least-squares fit
+of ``gelu(x)`` by ``alpha * x + beta`` changes it by its residual only.
+
+- :func:`fit_linear_ends`: per channel, the least-squares fit of ``act(x)`` on ``x`` over the
+  calibration data (float64 sufficient statistics), set as every unit's linear end;
+- :func:`one_shot`: choose, per unit, the channels whose replacement by their linear end changes the
+  next layer's output least, and set them to ``a = 1`` (frozen there) with their fitted ends; then
+  fine-tune the model as usual.
+
+Only positions that are data count: when a batch is a mapping with an ``attention_mask`` ``[B, T]``
+and a unit's input is ``[B, T, C]`` (channels last), the padded positions (mask 0) are left out.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Iterator, Mapping
+
+import torch
+from torch import nn
+
+from .folding.layers import CONVS, is_dense, is_hf_conv1d
+from .inputs import Batches, call_model, eval_mode, hooks, model_device, num_rows
+from .unit import LinearizableActivation, require_units
+
+__all__ = ["fit_linear_ends", "one_shot", "LinearEndFit", "OneShotSite"]
+
+_ENDS = ("affine", "identity")
+
+
+@dataclass
+class LinearEndFit:
+    """One unit's calibration statistics (float64 ``[C]`` tensors over ``count`` positions).
+
+    ``alpha``, ``beta``: the least-squares fit ``act(x) ~ alpha * x + beta`` per channel (a constant
+    channel, ``x`` the same at every position, gets ``alpha = 0`` and ``beta = act(x)``: exact);
+    ``residual``: the mean square of ``act(x) - (alpha * x + beta)`` (the error of the affine end);
+    ``identity_residual``: the mean square of ``act(x) - x`` (the error of the identity end);
+    ``outgoing``: the squared norm of each channel's outgoing weights (the column of the layer the unit
+    feeds), ``None`` where :func:`fit_linear_ends` did not look for it.
+    """
+
+    alpha: torch.Tensor
+    beta: torch.Tensor
+    residual: torch.Tensor
+    identity_residual: torch.Tensor
+    count: int
+    outgoing: torch.Tensor | None = None
+
+
+class _Stats:
+    """Sums of ``x, x^2, y, x * y, y^2`` per channel in float64 (``y = act(x)``) and their count."""
+
+    def __init__(self) -> None:
+        self.sums: torch.Tensor | None = None  # [6, C]
+        self.count = 0
+
+    def add(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        x, y = x.double(), y.double()
+        s = torch.stack([x.sum(0), (x * x).sum(0), y.sum(0), (x * y).sum(0), (y * y).sum(0)])
+        self.sums = s if self.sums is None else self.sums + s
+        self.count += x.shape[0]
+
+    def fit(self, name: str) -> LinearEndFit:
+        if self.sums is None or self.count == 0:
+            raise ValueError(f"unit {name!r} saw no data position (it was never called, or every position was "
+                             "padding): calibrate on data that runs through it")
+        n = float(self.count)
+        sx, sxx, sy, sxy, syy = self.sums
+        mx, my = sx / n, sy / n
+        # centred sums, each a sum of squares or products of deviations (clamped at 0 against rounding)
+        cxx = (sxx - sx * mx).clamp(min=0)
+        cxy = sxy - sx * my
+        cyy = (syy - sy * my).clamp(min=0)
+        # a constant channel (x the same at every position, up to float64 rounding of the sums) has no slope
+        constant = cxx <= 1e-12 * sxx.clamp(min=torch.finfo(torch.float64).tiny)
+        alpha = torch.where(constant, torch.zeros_like(cxx), cxy / torch.where(constant, torch.ones_like(cxx), cxx))
+        beta = my - alpha * mx
+        residual = torch.where(constant, cyy, (cyy - alpha * cxy)).clamp(min=0) / n
+        identity = ((syy - 2 * sxy + sxx) / n).clamp(min=0)
+        return LinearEndFit(alpha, beta, residual, identity, self.count)
+
+
+def _outgoing_norms(layer: nn.Module, unit: LinearizableActivation, ndim: int) -> torch.Tensor | None:
+    """Squared norm ``[C]`` of the weights of each of ``unit``'s channels in ``layer`` (a Linear, HF Conv1D or
+    conv whose input, of ``ndim`` dims, is the unit's output), or None when the layer mixes other axes."""
+    w, channels, dim = layer.weight.detach().double(), unit.num_channels, unit.channel_dim % ndim
+    if dim != (1 if isinstance(layer, CONVS) else ndim - 1):
+        return None
+    if is_hf_conv1d(layer):
+        return (w * w).sum(1) if w.shape[0] == channels else None
+    if type(layer) is nn.Linear:
+        return (w * w).sum(0) if w.shape[1] == channels else None
+    if isinstance(layer, CONVS) and layer.in_channels == channels:
+        groups = layer.groups
+        per_group = (w * w).flatten(2).sum(2)  # [out, in / groups]
+        out_per_group = layer.out_channels // groups
+        return torch.cat([per_group[g * out_per_group:(g + 1) * out_per_group].sum(0) for g in range(groups)])
+    return None
+
+
+@contextmanager
+def _recording(model: nn.Module, named: list[tuple[str, LinearizableActivation]], consumers: set[str]
+               ) -> Iterator[tuple[dict[str, _Stats], dict[str, list[tuple[nn.Module, int]]], dict[str, Any]]]:
+    """Hooks that add every unit's input statistics to ``stats`` and, for the units named in ``consumers``,
+    record which layers (Linear, HF Conv1D, conv) take the unit's output as their input (``fed``).
+    ``state["mask"]``: the padding mask of the batch being run; ``state["outputs"]``: cleared per batch."""
+    stats = {name: _Stats() for name, _ in named}
+    fed: dict[str, list[tuple[nn.Module, int]]] = {name: [] for name in consumers}
+    state: dict[str, Any] = {"mask": None, "outputs": {}}
+
+    def stats_hook(name: str, unit: LinearizableActivation):
+        def hook(mod, args):  # before the call: an in-place unit overwrites its input
+            x = args[0].detach()
+            dim = unit.channel_dim % x.ndim
+            mask = state["mask"]
+            if mask is not None and x.ndim == 3 and dim == 2 and tuple(x.shape[:2]) == tuple(mask.shape):
+                rows = x[mask.to(x.device).bool()]
+            else:
+                rows = x.movedim(dim, -1).reshape(-1, x.shape[dim])
+            stats[name].add(rows, unit.activation(rows))
+        return hook
+
+    def output_hook(name: str):
+        def hook(mod, args, out):
+            state["outputs"][id(out)] = (name, out)  # the tensor is held, so its id is not reused
+        return hook
+
+    def layer_hook(layer: nn.Module, args):
+        seen = state["outputs"].get(id(args[0])) if args else None
+        if seen is not None and seen[1] is args[0] and all(m is not layer for m, _ in fed[seen[0]]):
+            fed[seen[0]].append((layer, args[0].ndim))
+
+    with hooks() as handles:
+        handles += [u.register_forward_pre_hook(stats_hook(n, u)) for n, u in named]
+        handles += [u.register_forward_hook(output_hook(n)) for n, u in named if n in consumers]
+        if consumers:
+            handles += [m.register_forward_pre_hook(layer_hook) for m in model.modules()
+                        if is_dense(m) or isinstance(m, CONVS)]
+        yield stats, fed, state
+
+
+def _calibrate(model: nn.Module, data: Any, named: list[tuple[str, LinearizableActivation]],
+               consumers: set[str] = frozenset()) -> dict[str, LinearEndFit]:
+    """:class:`LinearEndFit` per unit over ``data`` (eval mode, no grad), with the outgoing norms of the units
+    named in ``consumers`` (the layer their output feeds is found on the data)."""
+    batches = Batches.of(data)
+    with _recording(model, named, set(consumers)) as (stats, fed, state), eval_mode(model), torch.no_grad():
+        for inputs in batches.to(model_device(model)):
+            if not num_rows(inputs):
+                continue
+            state["mask"] = inputs.get("attention_mask") if isinstance(inputs, Mapping) else None
+            call_model(model, inputs)
+            state["outputs"].clear()
+    fits = {name: stats[name].fit(name) for name, _ in named}
+    for name, unit in named:
+        if name in consumers:
+            layers = fed[name]
+            norms = _outgoing_norms(layers[0][0], unit, layers[0][1]) if len(layers) == 1 else None
+            if norms is None:
+                what = (f"feeds {len(layers)} layers ({', '.join(type(m).__name__ for m, _ in layers)})"
+                        if len(layers) > 1 else f"feeds {type(layers[0][0]).__name__}, whose input channels are not "
+                        "the unit's"
+                        if layers else "feeds no Linear / Conv1D / conv layer directly")
+                raise ValueError(
+                    f"one_shot: the output of unit {name!r} {what}, so the outgoing weights of its channels are not "
+                    f"known. Fix: pass outgoing={{{name!r}: <[{unit.num_channels}] squared norms of each channel's "
+                    "outgoing weights>}, or leave the unit out (units=[...])")
+            fits[name].outgoing = norms.cpu()
+    return fits
+
+
+def _selected(model: nn.Module, units: Any, what: str) -> list[tuple[str, LinearizableActivation]]:
+    found = require_units(model, what=what)
+    if units is None:
+        return found
+    wanted = list(units)
+    by_name = dict(found)
+    missing = [n for n in wanted if n not in by_name]
+    if missing:
+        raise ValueError(f"{what}: no unit named {missing[:3]} in the model; its units are "
+                         f"{[n for n, _ in found][:5]}{' ...' if len(found) > 5 else ''}")
+    return [(n, by_name[n]) for n in dict.fromkeys(wanted)]
+
+
+def fit_linear_ends(model: nn.Module, data: Any, units: list[str] | None = None) -> dict[str, LinearEndFit]:
+    """Set every unit's linear end to the least-squares affine fit of its activation on ``data``.
+
+    Per channel, ``alpha`` and ``beta`` minimise the mean of ``(act(x) - alpha * x - beta)^2`` over every
+    sample and position of the unit's input ``x`` on ``data`` (padding excluded, see the module
+    docstring): ``alpha = cov(x, act(x)) / var(x)``, ``beta = mean(act(x)) - alpha * mean(x)``, from sums of
+    ``x, x^2, act(x), x * act(x)`` accumulated in float64. A constant channel gets ``alpha = 0`` and
+    ``beta`` its constant activation. The model runs in eval mode without gradients; slopes do not change:
+    a channel at ``a = 1`` now computes its fit, one at ``a = 0`` still its activation.
+
+    Args:
+        model: a converted model (``linearize.convert``).
+        data: calibration data: a tensor batch, a mapping of keyword arguments, an ``(inputs, *targets)``
+            pair or an iterable of such batches (:mod:`linearize.inputs`).
+        units: names of the units to fit (default: all).
+
+    Returns: ``{unit name: LinearEndFit}`` (the fit, its residual and the identity's, in float64).
+
+    Example:
+        >>> net = linearize.convert(nn.Sequential(nn.Linear(4, 8), nn.GELU(), nn.Linear(8, 2)),
+        ...                         example_inputs=torch.randn(2, 4))
+        >>> fits = linearize.fit_linear_ends(net, torch.randn(256, 4))
+        >>> bool((fits["1"].residual <= fits["1"].identity_residual).all())
+        True
+    """
+    named = _selected(model, units, "fit_linear_ends")
+    fits = _calibrate(model, data, named)
+    for name, unit in named:
+        unit.set_linear_end(fits[name].alpha, fits[name].beta)
+    return fits
+
+
+@dataclass
+class OneShotSite:
+    """What :func:`one_shot` did to one unit: ``linear`` (bool ``[C]``, the channels set to ``a = 1``),
+    ``score`` (float64 ``[C]``, each channel's predicted output error, see :func:`one_shot`) and ``fit``."""
+
+    linear: torch.Tensor
+    score: torch.Tensor
+    fit: LinearEndFit
+
+    @property
+    def nonlinear(self) -> int:
+        return int((~self.linear).sum())
+
+
+@torch.no_grad()
+def one_shot(
+    model: nn.Module,
+    data: Any,
+    target: float = 0.25,
+    end: str = "affine",
+    units: list[str] | None = None,
+    outgoing: Mapping[str, torch.Tensor] | None = None,
+    freeze: bool = True,
+) -> dict[str, OneShotSite]:
+    """Linearize a converted model in one step from calibration data: per unit, keep the ``target``
+    fraction of channels whose replacement would change the model most, and set the rest to ``a = 1``.
+
+    The score of channel ``c`` of a unit that feeds the layer ``W`` (a Linear, HF Conv1D or conv; found
+    by running ``data``) is the mean square error its replacement puts on that layer's output:
+    ``score_c = E[(act(x_c) - end(x_c))^2] * ||W[:, c]||^2`` (the squared norm of the channel's outgoing
+    weights, over every output and kernel tap), with ``E`` the mean over the calibration positions and
+    ``end`` the channel's least-squares affine fit (``end="affine"``: :func:`fit_linear_ends`, and every
+    unit gets the fitted ends) or the identity (``end="identity"``: today's linear end, ends left as they
+    are). For a dense layer this is exactly the expected squared change of its output from that channel
+    alone; channels are scored one at a time (their errors' correlations are ignored), and for a conv
+    the residual is taken as uncorrelated across positions.
+
+    The fraction is **per unit**: each unit keeps ``round(target * C)`` channels nonlinear (at least one
+    where ``target > 0``). Scores of different units are errors at different layers, which the rest of
+    the network amplifies differently, so ranking them against each other would not rank their effect on
+    the model's output; a per-unit fraction also gives every FFN the same width, as the FLOP count of a
+    fraction assumes. The nonlinear channels keep their slopes (0 after ``convert``).
+
+    Args:
+        model: a converted model (``linearize.convert``); changed in place.
+        data: calibration data (the forms of :func:`fit_linear_ends`).
+        target: fraction of each unit's channels left nonlinear, in ``[0, 1]``.
+        end: ``"affine"`` (default) or ``"identity"``.
+        units: names of the units to linearize (default: all).
+        outgoing: ``{unit name: [C] squared outgoing-weight norms}`` for units whose output does not feed
+            one Linear / Conv1D / conv layer directly (then they are not looked up).
+        freeze: freeze the linearized channels at ``a = 1`` (:meth:`~linearize.unit.LinearizableActivation.freeze_`),
+            so that a fine-tune trains the weights and the linear ends but keeps the fraction; ``False``
+            leaves the slopes free.
+
+    Returns: ``{unit name: OneShotSite}``.
+
+    Example:
+        >>> net = linearize.convert(nn.Sequential(nn.Linear(4, 8), nn.GELU(), nn.Linear(8, 2)),
+        ...                         example_inputs=torch.randn(2, 4))
+        >>> sites = linearize.one_shot(net, torch.randn(256, 4), target=0.25)
+        >>> sites["1"].nonlinear, linearize.nonlinear_fraction(net)
+        (2, 0.25)
+    """
+    if end not in _ENDS:
+        raise ValueError(f"end must be one of {_ENDS}, got {end!r}")
+    if isinstance(target, bool) or not isinstance(target, (int, float)) or not 0.0 <= target <= 1.0:
+        raise ValueError(f"target must be a fraction in [0, 1] (of each unit's channels kept nonlinear), got {target!r}")
+    named = _selected(model, units, "one_shot")
+    given = dict(outgoing or {})
+    unknown = sorted(set(given) - {n for n, _ in named})
+    if unknown:
+        raise ValueError(f"one_shot: outgoing names {unknown[:3]}, which are not units being linearized")
+    fits = _calibrate(model, data, named, consumers={n for n, _ in named if n not in given})
+    result: dict[str, OneShotSite] = {}
+    for name, unit in named:
+        fit = fits[name]
+        if name in given:
+            norms = torch.as_tensor(given[name], dtype=torch.float64).cpu()
+            if tuple(norms.shape) != (unit.num_channels,):
+                raise ValueError(f"one_shot: outgoing[{name!r}] must have shape [{unit.num_channels}], "
+                                 f"got {tuple(norms.shape)}")
+            fit.outgoing = norms
+        residual = fit.residual if end == "affine" else fit.identity_residual
+        score = residual * fit.outgoing
+        keep = 0 if target == 0 else max(1, round(target * unit.num_channels))
+        linear = torch.ones(unit.num_channels, dtype=torch.bool)
+        # stable order: equal scores keep the lower channel index nonlinear first
+        order = torch.sort(score, descending=True, stable=True).indices
+        linear[order[:keep]] = False
+        if end == "affine":
+            unit.set_linear_end(fit.alpha, fit.beta)
+        mask = linear.to(unit.slope.device)
+        if freeze:
+            unit.freeze_(mask, 1.0)
+        else:
+            unit.slope[mask] = 1.0
+        result[name] = OneShotSite(linear, score, fit)
+    return result
