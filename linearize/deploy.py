@@ -411,7 +411,7 @@ def _probe(model: nn.Module, example_inputs: Any) -> tuple[dict[str, torch.Tenso
     copy of ``model`` on it) and ``""``; or no tensors and why (no input to guess, inputs that are not all
     tensors, a guessed input the model refused). Raises ``ValueError`` when given ``example_inputs`` fail."""
     from .example_inputs import guess_example_inputs
-    from .inputs import _slice, as_call, float_outputs, map_tensors, num_rows
+    from .inputs import slice_rows, as_call, float_outputs, map_tensors, num_rows
 
     try:
         inputs = guess_example_inputs(model) if example_inputs is None else example_inputs
@@ -425,7 +425,7 @@ def _probe(model: nn.Module, example_inputs: Any) -> tuple[dict[str, torch.Tenso
         twin, failed = _float32_twin(model), None
     except Exception as err:  # noqa: BLE001 -- a model holding something copy.deepcopy refuses
         return {}, f"the model cannot be copied ({type(err).__name__}: {str(err).strip()[:200]})"
-    for candidate in ((_slice(inputs, 0, 1), inputs) if num_rows(inputs) > 1 else (inputs,)):
+    for candidate in ((slice_rows(inputs, 0, 1), inputs) if num_rows(inputs) > 1 else (inputs,)):
         args, kwargs = as_call(candidate)  # one row, else the whole input (a batch not along dim 0 everywhere)
         try:
             with torch.no_grad():  # on copies: a forward that writes into its input changes no saved input
@@ -522,7 +522,7 @@ def save_folded(model: nn.Module, directory: str | os.PathLike, *, builder: str 
 
         linearize.save_folded(linearize.fold(model, x), "deploy/")
     """
-    from .serialization import _tensors, unwrap_model
+    from .serialization import saved_tensors, unwrap_model
 
     model = unwrap_model(model)
     modules = []
@@ -537,7 +537,7 @@ def save_folded(model: nn.Module, directory: str | os.PathLike, *, builder: str 
         elif isinstance(module.__dict__.get(ORIGIN), str) and module.__dict__[ORIGIN] != name:
             entry["origin"] = module.__dict__[ORIGIN]  # where the base has it: fold moved it
         modules.append(entry)
-    tensors = _tensors(model, gated=True)
+    tensors = saved_tensors(model, gated=True)
     clash = next((k for k in tensors if k.startswith(_PROBE)), None)
     if clash is not None:
         raise ValueError(f"save_folded: the state key {clash!r} uses the prefix {_PROBE!r} of the saved probe; "

@@ -220,7 +220,7 @@ def num_rows(inputs: Any) -> int:
     return first.shape[0] if first.ndim else 1
 
 
-def _slice(inputs: Any, start: int, stop: int) -> Any:
+def slice_rows(inputs: Any, start: int, stop: int) -> Any:
     """Rows ``start:stop`` of a batch: tensors with the batch's row count are sliced, others kept."""
     n = num_rows(inputs)
 
@@ -362,7 +362,7 @@ class Batches:
             for i, inputs in enumerate(it, 1):  # stops without reading a batch beyond the limit
                 n = num_rows(inputs)
                 if left is not None and n > left:
-                    inputs, n = _slice(inputs, 0, left), left
+                    inputs, n = slice_rows(inputs, 0, left), left
                 yield inputs
                 if left is not None:
                     left -= n
@@ -380,7 +380,7 @@ class Batches:
                 if n <= batch_size:
                     yield inputs
                 else:
-                    yield from (_slice(inputs, i, i + batch_size) for i in range(0, n, batch_size))
+                    yield from (slice_rows(inputs, i, i + batch_size) for i in range(0, n, batch_size))
 
         return self._derive(chunks)
 

@@ -97,7 +97,7 @@ def unwrap_model(model: nn.Module) -> nn.Module:
             return model
 
 
-def _tensors(model: nn.Module, gated: bool, base: bool = False) -> dict[str, torch.Tensor]:
+def saved_tensors(model: nn.Module, gated: bool, base: bool = False) -> dict[str, torch.Tensor]:
     """The CPU tensors a save writes: gated modes the whole state dict; ``"prelu"`` mode the units'
     (``<site>.slope``, ``<site>.frozen``) and with ``base`` the model's other weights
     (``MODEL_PREFIX + <state dict key>``)."""
@@ -142,7 +142,7 @@ def _value_digest(t: torch.Tensor) -> str:
     return _tensor_digest(t.to("cpu", torch.float64) if t.is_floating_point() else t)
 
 
-def _unit_problem(slope: torch.Tensor, frozen: torch.Tensor, num_channels: int,
+def unit_problem(slope: torch.Tensor, frozen: torch.Tensor, num_channels: int,
                   end: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)) -> str | None:
     """What is wrong with a unit's ``slope`` and ``frozen`` tensors and its affine linear ``end`` (``alpha``,
     ``beta``: both or neither) (None when nothing is).
@@ -235,7 +235,7 @@ def save_pretrained(model: nn.Module, directory: str | os.PathLike, *, weights: 
     gated = config.mode != "prelu"
     if not gated:
         for name, unit in units(model):
-            problem = _unit_problem(unit.slope, unit.frozen, unit.num_channels, unit.linear_end or (None, None))
+            problem = unit_problem(unit.slope, unit.frozen, unit.num_channels, unit.linear_end or (None, None))
             if problem:
                 raise ValueError(
                     f"cannot save unit {_clean(name)!r}: {problem}. A saved sidecar must load back: slopes "
@@ -248,7 +248,7 @@ def save_pretrained(model: nn.Module, directory: str | os.PathLike, *, weights: 
         raise TypeError(f"save_pretrained: weights must be True or False, got {weights!r}")
     # the weights saved elsewhere (model.save_pretrained's files, or the caller's own): only their digests here
     elsewhere = not gated and (hf.is_hf_model(model) or not weights)
-    tensors = _tensors(model, gated, base=not elsewhere)
+    tensors = saved_tensors(model, gated, base=not elsewhere)
     data = safetensors.torch.save(tensors, {"format": "pt"})
     digest = hashlib.sha256(data).hexdigest()
     name = weights_name(digest)
@@ -429,7 +429,7 @@ def _check_unit_tensors(tensors: dict[str, torch.Tensor], sites: list[dict], pat
             if f"{name}.{key}" not in tensors:
                 raise LoadError(f"{path}: unit {name!r} has no {key!r} tensor ({name}.{key}); the file is "
                                 f"incomplete. {_SAVE_AGAIN}")
-        problem = _unit_problem(tensors[f"{name}.slope"], tensors[f"{name}.frozen"], site["num_channels"],
+        problem = unit_problem(tensors[f"{name}.slope"], tensors[f"{name}.frozen"], site["num_channels"],
                                 (tensors.get(f"{name}.alpha"), tensors.get(f"{name}.beta")))
         if problem:
             raise LoadError(f"{path}: unit {name!r}: {problem}. The file is damaged or was not written by "

@@ -58,10 +58,10 @@ def load_model_and_data(args: argparse.Namespace) -> tuple[nn.Module, Any]:
         model, converted = linearize.convert(model, example_inputs=example), True
     if state is not None:
         model.load_state_dict(state)
-        from ..serialization import _unit_problem
+        from ..serialization import unit_problem
 
         for name, unit in units(model):  # the checks of linearize.from_pretrained, on the loaded slopes
-            problem = _unit_problem(unit.slope, unit.frozen, unit.num_channels)
+            problem = unit_problem(unit.slope, unit.frozen, unit.num_channels)
             if problem:
                 raise LoadError(f"--checkpoint {args.checkpoint}: unit {name!r}: {problem}; refusing to report "
                                 "on it (slopes must be finite in [0, 1], frozen channels at their value)")
