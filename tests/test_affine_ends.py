@@ -308,19 +308,25 @@ def _check_fold(model: nn.Module, x, dtype=None):
     return folded, float((out - ref).abs().max()), float(ref.abs().max())
 
 
+def _fold_mixed_then_fully_linear(net: nn.Module, x: torch.Tensor, dtype: torch.dtype) -> nn.Module:
+    """Fold ``net`` with random affine ends at mixed slopes, then with every slope 1, checking both against
+    ``net``; returns the fully linear fold."""
+    _set_random_ends(net)
+    for step in ("mixed", "linear"):
+        if step == "linear":
+            for _, u in linearize.units(net):
+                u.slope.data.fill_(1.0)
+        folded, err, scale = _check_fold(net, x)
+        assert err <= (1e-5 if dtype == torch.float32 else 1e-12) * scale, step
+    return folded
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_fold_of_an_mlp_with_affine_ends_is_exact(dtype):
     net = nn.Sequential(nn.Linear(6, 16), nn.GELU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 3)).to(dtype)
     net = linearize.convert(net, example_inputs=torch.randn(2, 6, dtype=dtype))
-    _set_random_ends(net)
-    x = torch.randn(64, 6, dtype=dtype)
-    _, err, scale = _check_fold(net, x)
-    assert err <= (1e-5 if dtype == torch.float32 else 1e-12) * scale
+    folded = _fold_mixed_then_fully_linear(net, torch.randn(64, 6, dtype=dtype), dtype)
     # fully linear with affine ends (and removed channels): the whole MLP is one affine layer
-    for _, u in linearize.units(net):
-        u.slope.data.fill_(1.0)
-    folded, err, scale = _check_fold(net, x)
-    assert err <= (1e-5 if dtype == torch.float32 else 1e-12) * scale
     assert [type(m) for m in folded.modules() if not isinstance(m, nn.Sequential)] == [nn.Linear]
 
 
@@ -335,14 +341,7 @@ def test_fold_of_a_conv_net_with_batchnorm_and_affine_ends_is_exact(dtype):
                 m.running_mean.uniform_(-1, 1)
                 m.running_var.uniform_(0.5, 2)
     net = linearize.convert(net.eval(), example_inputs=torch.randn(2, 3, 8, 8, dtype=dtype))
-    _set_random_ends(net)
-    x = torch.randn(8, 3, 8, 8, dtype=dtype)
-    _, err, scale = _check_fold(net, x)
-    assert err <= (1e-5 if dtype == torch.float32 else 1e-12) * scale
-    for _, u in linearize.units(net):
-        u.slope.data.fill_(1.0)
-    folded, err, scale = _check_fold(net, x)
-    assert err <= (1e-5 if dtype == torch.float32 else 1e-12) * scale
+    folded = _fold_mixed_then_fully_linear(net, torch.randn(8, 3, 8, 8, dtype=dtype), dtype)
     convs = [m for m in folded.modules() if isinstance(m, nn.Conv2d)]
     assert len(convs) < 3  # the affine ends moved into the convs, so they merged
 
