@@ -89,12 +89,14 @@ def _fold_classes() -> dict[str, type]:
     from .injection import CallSites
 
     classes = [modules.ChannelPReLU, modules.ChannelBlend, modules.LinearWithPassthrough, modules.ConvWithPassthrough,
-               modules._Residual, conv.BorderBiasConv, conv.BorderExactConv]
+               modules.Residual, conv.BorderBiasConv, conv.BorderExactConv]
     found = {f"{c.__module__}.{c.__qualname__}": c for c in classes}
     # files written before fold became a package name the classes linearize.folding.<name>
     found.update({f"linearize.folding.{c.__qualname__}": c for c in classes})
     # files written before the plain forms of units moved into linearize.unit
     found.update({f"linearize.folding.modules.{c.__qualname__}": c for c in (modules.ChannelPReLU, modules.ChannelBlend)})
+    # files written while the residual block of fold was private
+    found.update({f"linearize.folding{path}._Residual": modules.Residual for path in ("", ".modules")})
     found["linearize.activations.FunctionalActivation"] = FunctionalActivation
     found["linearize.injection.CallSites"] = CallSites  # one plain module per call of a reused site
     found["linearize.functional_sites.FunctionalSites"] = FunctionalSites  # F.relu(...) calls in a forward
@@ -237,7 +239,7 @@ def _spec(module: nn.Module) -> dict[str, Any]:
     if isinstance(module, conv.BorderExactConv):
         return {"shapes": _shapes(module), "first_geometry": _jsonable(module.first_geometry),
                 "second_geometry": _jsonable(module.second_geometry), "geometry": _jsonable(module.geometry)}
-    if type(module).__name__ in ("_Residual", "CallSites"):
+    if type(module).__name__ in ("Residual", "CallSites"):
         return {}
     if isinstance(module, FunctionalSites):
         return {"owner_name": module.owner_name, "kinds": list(module.kinds), "slots": list(module.slots),
@@ -292,7 +294,7 @@ def _build(cls: type, args: dict[str, Any]) -> nn.Module:
         for k in ("first_geometry", "second_geometry", "geometry"):
             setattr(m, k, _tupled(args[k]))
         return m
-    if cls.__name__ == "_Residual":
+    if cls.__name__ == "Residual":
         return cls(nn.Identity(), None)
     if cls.__name__ == "CallSites":
         return cls([])

@@ -484,3 +484,19 @@ def test_builder_plain_saves_a_changed_torchvision_model_for_a_base_given_at_loa
     loaded = linearize.load_folded(tmp_path / "b", base=build())
     with torch.no_grad():
         assert torch.allclose(loaded(x), model(x), atol=1e-5)
+
+
+def test_a_residual_block_saved_under_its_old_private_name_loads(tmp_path):
+    """fold's residual block was ``linearize.folding.modules._Residual``: files that name it so still load."""
+    from linearize.folding.modules import Residual
+
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 8, 8)
+    seq = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), Residual(nn.Conv2d(4, 4, 3, padding=1), None),
+                        nn.Flatten(), nn.Linear(256, 3)).eval()
+    linearize.save_folded(seq, tmp_path, example_inputs=x)
+    config = tmp_path / "folded.json"
+    text = config.read_text()
+    assert "linearize.folding.modules.Residual" in text
+    config.write_text(text.replace("linearize.folding.modules.Residual", "linearize.folding.modules._Residual"))
+    assert torch.equal(_call(linearize.load_folded(tmp_path), x), _call(seq, x))

@@ -15,7 +15,7 @@ from torch import nn
 
 import linearize
 from linearize.folding import BorderExactConv, FoldVerificationError, count_flops
-from linearize.folding.conv import _border_flops, _ConvDesc
+from linearize.folding.conv import border_flops, ConvDesc
 from zoo import randomize_batchnorm  # tests/ is on sys.path under pytest
 
 CONV = {1: nn.Conv1d, 2: nn.Conv2d, 3: nn.Conv3d}
@@ -106,7 +106,7 @@ def test_correction_is_computed_on_strips_and_planned_flops_match():
     x = torch.randn(3, 4, 64, 61, dtype=torch.float64)
     out = merged(x)
     corr = count_flops(merged, x) - 2 * out.numel() * 4 * 7 * 7
-    assert corr == _border_flops((64, 61), 3, _ConvDesc.of(c1), _ConvDesc.of(c2))
+    assert corr == border_flops((64, 61), 3, ConvDesc.of(c1), ConvDesc.of(c2))
     assert 0 < corr < 0.2 * count_flops(nn.Sequential(c1, c2), x)  # thin strips, not a second full pass
 
 

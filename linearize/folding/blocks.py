@@ -18,7 +18,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from .chains import chain_layers, is_map, merge_segment, plan_run, segment_cost
 from .conv import BorderBiasConv, BorderExactConv, merge_convs
 from .layers import CONVS, bn_foldable, fold_bn, is_plain_conv
-from .modules import _Residual, units_of
+from .modules import Residual, units_of
 from .rules import FoldContext, FoldRule
 
 
@@ -94,12 +94,12 @@ def centre_tap_reason(conv: nn.Module, shortcut: nn.Module | None) -> str:
 
 def fold_skip(conv: nn.Module, shortcut: nn.Module | None, ctx: FoldContext, what: str) -> nn.Module:
     """``conv(x) + shortcut(x)`` as one conv (the skip added into the centre tap) if shapes allow,
-    else a ``_Residual`` (reported)."""
+    else a ``Residual`` (reported)."""
     inner = conv.conv if isinstance(conv, (BorderBiasConv, BorderExactConv)) else conv
     reason = centre_tap_reason(inner, shortcut)
     if reason:
         ctx.skipped(f"skip of the {what} not folded ({reason})")
-        return _Residual(conv, shortcut)
+        return Residual(conv, shortcut)
     centre = tuple(k // 2 for k in inner.kernel_size)
     with torch.no_grad():
         g, co = inner.groups, inner.out_channels

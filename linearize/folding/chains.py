@@ -14,7 +14,7 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from ..unit import LinearizableActivation
-from .conv import _border_flops, _ConvDesc, chain_plan, merge_convs, needs_border_correction
+from .conv import border_flops, ConvDesc, chain_plan, merge_convs, needs_border_correction
 from .ffn import is_transparent, split_in_chain
 from .layers import CONVS, absorb_linear_end, bn_foldable, dense_shape, dense_wb, fold_bn, is_dense, is_plain_conv, make_linear
 from .rules import Cost, FoldContext
@@ -179,7 +179,7 @@ def segment_cost(maps: list[nn.Module], ctx: FoldContext) -> tuple[Cost | None, 
         first_in, last_out = dense_shape(maps[0])[1], dense_shape(last)[0]
         rows = math.prod(out) // last_out
         return Cost(2.0 * first_in * last_out * rows, 1, first_in * last_out + has_bias * last_out), ""
-    descs = [_ConvDesc.of(m) for m in maps]
+    descs = [ConvDesc.of(m) for m in maps]
     plan, reason = chain_plan(descs, border_exact=ctx.objective.border_exact)
     if plan is None:
         return None, reason
@@ -189,7 +189,7 @@ def segment_cost(maps: list[nn.Module], ctx: FoldContext) -> tuple[Cost | None, 
         inp = ctx.probe.in_shape.get(id(maps[0]))
         if inp is None:
             return None, "no shape recorded"
-        border = _border_flops(tuple(inp[2:]), inp[0], *descs)
+        border = border_flops(tuple(inp[2:]), inp[0], *descs)
         two = sum(ctx.flops(m) for m in maps)
         if border >= two:  # the strips' first -> second path would be the whole pair again
             return None, (

@@ -23,7 +23,8 @@ from torch import nn
 
 from .layers import CONV_BY_DIM, is_plain_conv
 
-__all__ = ["BorderBiasConv", "BorderExactConv", "merge_convs", "chain_plan", "needs_border_correction"]
+__all__ = ["BorderBiasConv", "BorderExactConv", "ConvDesc", "border_flops", "merge_convs", "chain_plan",
+           "needs_border_correction"]
 
 _CONV_FN = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
 
@@ -123,7 +124,7 @@ class BorderExactConv(nn.Module):
     def merge(cls, first: nn.Module, second: nn.Module) -> "BorderExactConv":
         """Build the merged conv of ``second o first`` (float64 algebra) and wrap it."""
         cls._check(first, second)
-        desc, _ = _compose_convs(_ConvDesc.of(first), _ConvDesc.of(second), extended=True)
+        desc, _ = _compose_convs(ConvDesc.of(first), ConvDesc.of(second), extended=True)
         return cls(_build_conv(desc, second), first, second)
 
     def correction(self, x: torch.Tensor) -> list[tuple[tuple[slice, ...], torch.Tensor]]:
@@ -239,7 +240,7 @@ def _border_bands(
     return tuple(tuple(g) for g in groups.values())
 
 
-def _border_flops(spatial: tuple[int, ...], batch: int, first: _ConvDesc, second: _ConvDesc) -> int:
+def border_flops(spatial: tuple[int, ...], batch: int, first: ConvDesc, second: ConvDesc) -> int:
     """FLOPs of the :class:`BorderExactConv` correction on one input (both strip convs)."""
     geometry = tuple(
         zip(first.kernel, first.stride, first.padding, first.dilation,
@@ -255,7 +256,7 @@ def _border_flops(spatial: tuple[int, ...], batch: int, first: _ConvDesc, second
     return total
 
 @dataclass
-class _ConvDesc:
+class ConvDesc:
     """A conv as tensors (float64): weight ``[C_out, C_in / groups, *k]``, bias, geometry."""
 
     weight: torch.Tensor
@@ -266,7 +267,7 @@ class _ConvDesc:
     groups: int
 
     @classmethod
-    def of(cls, conv: nn.Module) -> "_ConvDesc":
+    def of(cls, conv: nn.Module) -> "ConvDesc":
         return cls(
             conv.weight.detach().double(),
             None if conv.bias is None else conv.bias.detach().double(),
@@ -307,7 +308,7 @@ class _ConvDesc:
         return self.weight.reshape(g, co // g, ci_g, *self.kernel)
 
 
-def _conv_geometry(first: _ConvDesc, second: _ConvDesc) -> tuple[tuple[int, ...], tuple, tuple, int]:
+def _conv_geometry(first: ConvDesc, second: ConvDesc) -> tuple[tuple[int, ...], tuple, tuple, int]:
     """Kernel, stride, padding and groups of ``second o first`` (dilation 1)."""
     kernel = tuple(
         s1 * d2 * (k2 - 1) + d1 * (k1 - 1) + 1
@@ -320,8 +321,8 @@ def _conv_geometry(first: _ConvDesc, second: _ConvDesc) -> tuple[tuple[int, ...]
 
 
 def _compose_convs(
-    first: _ConvDesc, second: _ConvDesc, extended: bool = False
-) -> tuple[_ConvDesc, torch.Tensor | None]:
+    first: ConvDesc, second: ConvDesc, extended: bool = False
+) -> tuple[ConvDesc, torch.Tensor | None]:
     """``second o first`` as one conv, exact in the interior.
 
     Returns the merged conv and, when ``second`` zero-pads the intermediate map and ``first``
@@ -358,16 +359,16 @@ def _compose_convs(
         else:
             through = taps.flatten(1).sum(1)
             bias = through if bias is None else bias + through
-    merged = _ConvDesc(weight, bias, stride, padding, (1,) * len(kernel), g)
+    merged = ConvDesc(weight, bias, stride, padding, (1,) * len(kernel), g)
     return merged, tap_bias
 
 
-def needs_border_correction(convs: list[_ConvDesc]) -> bool:
+def needs_border_correction(convs: list[ConvDesc]) -> bool:
     """Two convs whose merge crosses zero padding after a non-pointwise conv (:class:`BorderExactConv`)."""
     return len(convs) == 2 and any(convs[1].padding) and not convs[0].pointwise
 
 
-def chain_plan(convs: list[_ConvDesc], border_exact: bool = False) -> tuple[_ConvDesc | None, str]:
+def chain_plan(convs: list[ConvDesc], border_exact: bool = False) -> tuple[ConvDesc | None, str]:
     """Geometry-only check that ``convs`` (applied in order) merge exactly into one conv.
 
     Composes right to left; a step across zero padding is exact only when the left conv is
@@ -394,11 +395,11 @@ def chain_plan(convs: list[_ConvDesc], border_exact: bool = False) -> tuple[_Con
                 return None, "a biased 1x1 conv before zero padding is exact only as the first conv"
         kernel, stride, padding, g = _conv_geometry(left, right)
         shape = (right.out_channels, left.in_channels // g, *kernel)
-        right = _ConvDesc(torch.empty(shape, device="meta"), right.bias, stride, padding, (1,) * len(kernel), g)
+        right = ConvDesc(torch.empty(shape, device="meta"), right.bias, stride, padding, (1,) * len(kernel), g)
     return right, ""
 
 
-def _build_conv(desc: _ConvDesc, like: nn.Module) -> nn.Module:
+def _build_conv(desc: ConvDesc, like: nn.Module) -> nn.Module:
     dim = desc.weight.ndim - 2
     conv = CONV_BY_DIM[dim](
         desc.in_channels, desc.out_channels, desc.kernel, stride=desc.stride, padding=desc.padding,
@@ -419,7 +420,7 @@ def merge_convs(convs: list[nn.Module], in_shape: tuple | None) -> tuple[nn.Modu
     precomputed for ``in_shape``, a one-time cost kept out of the FLOP count); or a
     :class:`BorderExactConv` for two convs across zero padding.
     """
-    descs = [_ConvDesc.of(c) for c in convs]
+    descs = [ConvDesc.of(c) for c in convs]
     if needs_border_correction(descs):
         new = BorderExactConv.merge(*convs)
         kernel = "x".join(map(str, new.conv.kernel_size))

@@ -22,7 +22,7 @@ from .blocks import fold_skip, imported, is_block
 from .chains import chain_layers, fold_sequential
 from .conv import BorderBiasConv, BorderExactConv
 from .layers import CONVS
-from .modules import _Residual
+from .modules import Residual
 from .rules import FoldContext, FoldRule
 
 TORCHVISION = (("torchvision.models.mobilenetv2", "InvertedResidual", "conv"),
@@ -91,7 +91,7 @@ def fold_timm_block(block: nn.Module, ctx: FoldContext) -> nn.Module | None:
     conv = _one_conv(body)
     if conv is not None:
         return fold_skip(conv, None, ctx, type(block).__name__)
-    return _Residual(body, None)
+    return Residual(body, None)
 
 
 TORCHVISION_INVERTED_RESIDUAL = FoldRule(

@@ -1,6 +1,6 @@
 """The plain modules a folded model is made of (besides ``torch.nn`` layers and the border-exact
 convs of :mod:`.conv`): the first layer of a split FFN (:class:`LinearWithPassthrough`,
-:class:`ConvWithPassthrough`) and ``_Residual``; a unit becomes ``nn.ReLU``-style activations (slopes
+:class:`ConvWithPassthrough`) and ``Residual``; a unit becomes ``nn.ReLU``-style activations (slopes
 all 0), :class:`~linearize.unit.ChannelPReLU` (mixed ReLU family) or :class:`~linearize.unit.ChannelBlend`
 (mixed smooth units) by :func:`plain_unit` (``LinearizableActivation.plain_activation``)."""
 
@@ -12,7 +12,7 @@ from torch import nn
 from ..injection import CallSites
 from ..unit import ChannelBlend, ChannelPReLU, LinearizableActivation
 
-__all__ = ["ChannelPReLU", "ChannelBlend", "LinearWithPassthrough", "ConvWithPassthrough", "plain_unit"]
+__all__ = ["ChannelPReLU", "ChannelBlend", "LinearWithPassthrough", "ConvWithPassthrough", "Residual", "plain_unit"]
 
 
 class LinearWithPassthrough(nn.Linear):
@@ -39,7 +39,7 @@ class ConvWithPassthrough(nn.Conv2d):
         return super().extra_repr() + ", passthrough=True"
 
 
-class _Residual(nn.Module):
+class Residual(nn.Module):
     """``body(x) + shortcut(x)`` (identity shortcut when ``shortcut`` is ``None``)."""
 
     def __init__(self, body: nn.Module, shortcut: nn.Module | None) -> None:
