@@ -51,6 +51,7 @@ from torch import nn
 
 from ._files import LoadError, atomic_write, remove_stale, save_lock
 from ._optional import require
+from .distributed import refuse_sharded
 from .activations import FUNCTIONAL_SPECS, FUNCTIONS_BY_NAME
 from .folding.layers import ORIGIN
 from .functional_sites import ATTR as FUNCTIONAL_ATTR, FunctionalSites, install_functional_sites
@@ -527,6 +528,7 @@ def save_folded(model: nn.Module, directory: str | os.PathLike, *, builder: str 
     from .serialization import saved_tensors, unwrap_model
 
     model = unwrap_model(model)
+    refuse_sharded(model, "save_folded")
     modules = []
     for name, module in model.named_modules():
         cls = _class_name(module)

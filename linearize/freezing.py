@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from .checks import check_tol
+from .distributed import full_value, global_min
 from .inputs import Batches, record_preactivations
 from .unit import exact_threshold, linear_masks, require_units
 
@@ -101,6 +102,8 @@ def freeze(
             iterable of such batches (a ``DataLoader``). ReLU-like channels whose pre-activation
             is ``> 0`` on every sample and position are frozen at 1.
             The pass runs in eval mode without gradients; training flags are restored after.
+            A model sharded by FSDP2: every rank calls ``freeze`` (with the same number of batches, its
+            own data) and the test holds over all ranks' data; every rank freezes the same channels.
         snap_zero: also snap ``a <= tol`` to 0.
         progress: tqdm bar over the data.
 
@@ -139,7 +142,8 @@ def freeze(
     if data is not None and relu_like:
         ranges = record_preactivations(model, data, relu_like, per_channel=True, progress=progress)
         for name, unit in relu_like:
-            active = (ranges[name][0].to(unit.slope.device) > 0) & ~unit.linear_mask(0.0, name)
+            lowest = global_min(ranges[name][0], unit.slope)  # FSDP2: over every rank's data
+            active = (lowest.to(unit.frozen.device) > 0) & ~unit.linear_mask(0.0, name)
             sites[name]["stably_active"] = int(active.sum())
             end = unit.linear_end
             if end is not None:  # there the unit computes (1 - a) x + a (alpha x + beta): that affine map is the end
@@ -148,7 +152,7 @@ def freeze(
             unit.freeze_(active, 1.0)
     for (name, unit), linear in zip(found, linear_masks(found, 0.0, "freeze")):
         if snap_zero:
-            a = unit.slope.detach()
+            a = full_value(unit.slope.detach())
             zero = (a <= exact_threshold(tol, a.dtype, above=False)) & (unit.frozen != 0).to(a.device)
             sites[name]["snapped_zero"] = int(zero.sum())
             unit.freeze_(zero, 0.0)

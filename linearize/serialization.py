@@ -57,6 +57,7 @@ from torch import nn
 
 from ._files import LoadError, atomic_write, remove_stale, save_lock
 from .config import LinearizeConfig
+from .distributed import refuse_sharded
 from .manifest import FORMAT_VERSION, clean_name as _clean, site_records as _sites
 from .unit import units
 
@@ -232,6 +233,7 @@ def save_pretrained(model: nn.Module, directory: str | os.PathLike, *, weights: 
     config = getattr(model, "linearize_config", None)
     if not isinstance(config, LinearizeConfig):
         raise ValueError("save_pretrained needs a model converted with linearize.convert")
+    refuse_sharded(model, "save_pretrained")  # FSDP2: a rank holds a shard of each weight
     gated = config.mode != "prelu"
     if not gated:
         for name, unit in units(model):

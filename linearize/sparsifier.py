@@ -123,6 +123,7 @@ from torch import nn
 
 from . import schedules as _schedules
 from .checks import check_positive, check_positive_int, finite_nonnegative, is_real
+from .distributed import full_value, refuse_sharded, write_full
 from .folding.blocks import residual_block_types
 from .folding.core import fold
 from .folding.flops import module_flops
@@ -250,6 +251,8 @@ class Sparsifier:
         if cost is not None and granularity == "channel":
             raise ValueError(f"a cost target (target({cost}=...)) makes whole sites linear, the only linearity "
                              "fold removes: pass granularity='site' or granularity='block'")
+        if cost is not None:
+            refuse_sharded(model, f"a cost target (target({cost}=...)) folds copies of the model to plan, so it")
         if cost is not None and example_inputs is None:
             raise ValueError(f"a cost target (target({cost}=...)) folds the model to measure its cost: pass "
                              "example_inputs= (one small batch shaped like the real inputs)")
@@ -512,7 +515,7 @@ class Sparsifier:
                             f"near 1 ({torch.finfo(low).eps / 4:.3g}) and rounds away, so the pressure does nothing; "
                             "keep the slopes in float32 (for _, u in linearize.units(model): u.slope.data = "
                             "u.slope.data.float(); the units take inputs of any dtype)")
-        before = torch.cat([u.slope.detach().float() for _, u in self._units]) if target else None
+        before = torch.cat([full_value(u.slope.detach()).float() for _, u in self._units]) if target else None
         lam_t = self.lam_at()
         if self.mode == "proximal" and lam_t > 0 and self.select == "slope":
             self._proximal(lam_t)
@@ -545,7 +548,7 @@ class Sparsifier:
         """Fold this step's slope gradients into the running saliency. Units without a gradient
         this step (unused, frozen) keep theirs; a step with a NaN/inf gradient anywhere (one a loss
         scaler skipped), or with all gradients exactly 0 (zeroed already), is left out."""
-        grads = [u.slope.grad for _, u in self._units]
+        grads = [None if u.slope.grad is None else full_value(u.slope.grad) for _, u in self._units]
         self._had_grad |= any(g is not None for g in grads)
         if any(g is not None and not torch.isfinite(g).all() for g in grads):
             return
@@ -618,8 +621,9 @@ class Sparsifier:
         """The group proximal step of ``||1 - a||_2`` over the free channels of ``members`` (one site,
         or a block's sites), scaled by ``sqrt(C)``: a group whose channels sit at the same slope moves
         by the channel-weighted mean of ``steps`` and reaches 1 all at once."""
-        frees = [torch.isnan(u.frozen).to(u.slope.device) for u in members]
-        gaps = [(1.0 - u.slope.detach().double()) * free for u, free in zip(members, frees)]
+        slopes = [full_value(u.slope.detach()) for u in members]  # FSDP2: the global slopes
+        frees = [torch.isnan(u.frozen).to(a.device) for u, a in zip(members, slopes)]
+        gaps = [(1.0 - a.double()) * free for a, free in zip(slopes, frees)]
         counts = [int(free.sum()) for free in frees]
         n = sum(counts)
         norm = math.sqrt(sum(float(gap.square().sum()) for gap in gaps))
@@ -627,8 +631,8 @@ class Sparsifier:
             return
         step = sum(s * c for s, c in zip(steps, counts)) / n
         shrink = max(0.0, 1.0 - step * math.sqrt(n) / norm)
-        for unit, free, gap in zip(members, frees, gaps):
-            unit.slope.copy_(torch.where(free, 1.0 - gap * shrink, unit.slope.double()).to(unit.slope.dtype))
+        for unit, a, free, gap in zip(members, slopes, frees, gaps):
+            write_full(unit.slope, torch.where(free, 1.0 - gap * shrink, a.double()).to(a.dtype))
 
     def _project_budget(self, wanted: float, before: torch.Tensor) -> None:
         """Glide the selected channels to 1 so that ``round(wanted * C)`` stay nonlinear, or for a cost
@@ -637,7 +641,7 @@ class Sparsifier:
         ``wanted``: the path's value ``G`` steps ahead; ``before``: the slopes before the
         proximal step (a slope rises by at most :attr:`max_step` from there).
         """
-        slopes = torch.cat([u.slope.detach().float() for _, u in self._units])
+        slopes = torch.cat([full_value(u.slope.detach()).float() for _, u in self._units])
         frozen = torch.cat([u.frozen for _, u in self._units]).to(slopes.device)
         before = before.to(slopes.device)
         free = torch.isnan(frozen)
@@ -689,7 +693,7 @@ class Sparsifier:
             outside = free & ~torch.isin(self._channel_group.to(slopes.device), planned.to(slopes.device))
             new[outside] = 0.0 if at_target else torch.clamp(before[outside] - delta, min=0.0)
         for (_, unit), part in zip(self._units, self._per_unit(new)):
-            unit.slope.copy_(part.to(unit.slope))
+            write_full(unit.slope, part.to(unit.slope.dtype))
         self._project()
         self._selected = torch.zeros(total, dtype=torch.bool)
         self._selected[chosen.cpu()] = True
@@ -921,7 +925,7 @@ class Sparsifier:
         how it differs from the proximal step.
         """
         lam_t = self.lam_at()
-        gaps = [(1.0 - unit.slope) * torch.isnan(unit.frozen) for _, unit in self._units]
+        gaps = [(1.0 - full_value(unit.slope)) * torch.isnan(unit.frozen) for _, unit in self._units]
         if self.granularity == "channel":
             return lam_t * torch.stack([w * gap.sum() for gap, w in zip(gaps, self._weights)]).sum()
         terms = []

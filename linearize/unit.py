@@ -33,12 +33,12 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import handle_torch_function
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
-from torch.utils.weak import WeakIdKeyDictionary
 
 from .activations import FunctionalActivation, negative_slope
 from .checks import NonFiniteSlopeError, check_channel_dim, check_tol
 from .config import GatedConfig
 from .dispatch import compiled_submodules, foreign_torch_function, refuse_scripting
+from .distributed import full_value, local, refuse_unsupported, shard_of
 from .kernels import cpu_blend, cpu_prelu
 
 __all__ = [
@@ -57,9 +57,9 @@ __all__ = [
     "require_units",
 ]
 
-# slope Parameter -> owning unit, for the global optimizer hooks (survives deepcopy/pickle
-# through ``__setstate__``; load_state_dict and ``.to()`` keep the same Parameter object).
-_SLOPE_OWNERS: WeakIdKeyDictionary = WeakIdKeyDictionary()
+# every unit alive, for the global optimizer hooks to find the owners of the slopes an optimizer holds (by the
+# unit's current slope: FSDP2's fully_shard and user code may put a new Parameter there)
+_UNITS: weakref.WeakSet = weakref.WeakSet()
 # optimizer -> (ids of its parameters, the units among their owners)
 _OWNED_BY_OPTIMIZER: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _HOOKS_INSTALLED = False
@@ -416,7 +416,7 @@ class LinearizableActivation(nn.Module):
         # the affine linear end alpha * x + beta ([C] each); None: the identity (set_linear_end)
         self.register_parameter("alpha", None)
         self.register_parameter("beta", None)
-        _SLOPE_OWNERS[self.slope] = self
+        _UNITS.add(self)
         install_optimizer_hooks()
 
     @property
@@ -480,7 +480,7 @@ class LinearizableActivation(nn.Module):
 
     def __setstate__(self, state: dict) -> None:  # deepcopy / pickle
         super().__setstate__(state)
-        _SLOPE_OWNERS[self.slope] = self
+        _UNITS.add(self)
 
     @property
     def is_prelu(self) -> bool:
@@ -626,8 +626,9 @@ class LinearizableActivation(nn.Module):
 
     def _restore_frozen(self) -> None:  # callers hold no_grad (a decorator here costs more than the check)
         mask = self.frozen_mask()
-        if mask is not None:
-            self.slope[mask] = self.frozen[mask].to(self.slope.dtype)
+        if mask is not None:  # FSDP2: this rank's shard of the slopes (linearize.distributed)
+            mask, frozen = shard_of(mask, self.slope), shard_of(self.frozen, self.slope)
+            local(self.slope)[mask] = frozen[mask].to(self.slope.dtype)
 
     @torch.no_grad()
     def freeze_(self, mask: torch.Tensor, value: float) -> None:
@@ -727,6 +728,7 @@ def require_units(model: nn.Module, why: str = "", what: str = "this") -> list[t
         raise gated_error(model, what) or ValueError(
             f"the model has no linearizable units{', so ' + why if why else ''}: call linearize.convert(model) first"
         )
+    refuse_unsupported(model, [u.slope for _, u in found])  # FSDP1, DeepSpeed ZeRO-3
     return found
 
 
@@ -743,7 +745,7 @@ def check_finite_slopes(named_units: Iterable[tuple[str, LinearizableActivation]
     groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
     for i, (_, unit) in enumerate(named):
         groups.setdefault((unit.slope.device, unit.slope.dtype), []).append(i)
-    slope = lambda i: named[i][1].slope.detach()  # noqa: E731
+    slope = lambda i: full_value(named[i][1].slope.detach())  # noqa: E731  (FSDP2: the global slopes)
     bad: list[int] = []
     for idx in groups.values():
         if not bool(torch.isfinite(torch.cat([slope(i) for i in idx])).all()):
@@ -752,7 +754,7 @@ def check_finite_slopes(named_units: Iterable[tuple[str, LinearizableActivation]
         sites = []
         for i in sorted(bad)[:5]:
             name, unit = named[i]
-            a = unit.slope.detach()
+            a = full_value(unit.slope.detach())
             sites.append(f"{name!r} ({int(torch.isnan(a).sum())} NaN, {int(torch.isinf(a).sum())} inf "
                          f"of {unit.num_channels} channels)")
         more = f" and {len(bad) - 5} more" if len(bad) > 5 else ""
@@ -776,7 +778,7 @@ def linear_masks(
     named = list(named_units)
     tol = check_tol(tol)
     check_finite_slopes(named, where)
-    return [unit.slope.detach() >= exact_threshold(1.0 - tol, unit.slope.dtype) for _, unit in named]
+    return [full_value(unit.slope.detach()) >= exact_threshold(1.0 - tol, unit.slope.dtype) for _, unit in named]
 
 
 @functools.lru_cache(maxsize=64)
@@ -860,7 +862,7 @@ def project_slopes(model_or_units: nn.Module | Iterable[LinearizableActivation])
         else list(model_or_units)
     )
     if mods:  # one kernel per operation for all units
-        slopes = [unit.slope for unit in mods]
+        slopes = [local(unit.slope) for unit in mods]  # elementwise: each rank its own shard (FSDP2)
         torch._foreach_lerp_(slopes, slopes, 0.0)  # inf -> NaN, finite unchanged
         torch._foreach_clamp_min_(slopes, 0.0)
         torch._foreach_clamp_max_(slopes, 1.0)
@@ -873,8 +875,8 @@ def _owned_units(optimizer: torch.optim.Optimizer) -> list[LinearizableActivatio
     ids = tuple(id(p) for group in optimizer.param_groups for p in group["params"])
     cached = _OWNED_BY_OPTIMIZER.get(optimizer)
     if cached is None or cached[0] != ids:  # the held parameters are alive, so equal ids are the same ones
-        found = [_SLOPE_OWNERS.get(p) for group in optimizer.param_groups for p in group["params"]]
-        cached = _OWNED_BY_OPTIMIZER[optimizer] = (ids, [u for u in found if u is not None])
+        held = set(ids)
+        cached = _OWNED_BY_OPTIMIZER[optimizer] = (ids, [u for u in list(_UNITS) if id(u.slope) in held])
     return cached[1]
 
 
@@ -882,7 +884,7 @@ def _mask_frozen_grads(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
     for unit in _owned_units(optimizer):
         grad, mask = unit.slope.grad, unit.frozen_mask()
         if grad is not None and mask is not None:
-            grad.masked_fill_(mask, 0.0)
+            local(grad).masked_fill_(shard_of(mask, grad), 0.0)
 
 
 def _project_after_step(optimizer: torch.optim.Optimizer, args, kwargs) -> None:

@@ -16,6 +16,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from ..checks import check_positive, check_tol
 from ..dispatch import compiled_submodules, detach_owner
+from ..distributed import refuse_sharded
 from ..functional_sites import FunctionalSites
 from ..injection import CallSites, settle_placed_modules
 from ..hf import mark_folded
@@ -161,6 +162,7 @@ def fold(
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"fold expects an nn.Module, got {type(model).__name__}")
+    refuse_sharded(model, "fold")  # FSDP2: gather first (the error names how)
     gated = gated_error(model, "fold")  # a gate is a product of two networks' signals: no linear part to fold
     if gated is not None:
         raise gated
