@@ -33,7 +33,7 @@ from .html_pages import img, page
 from .inputs import Batches, call_model, eval_mode, hooks, model_device
 from .report_measures import (MEASURES, PLOTS, REGIONS_MAX_REGIONS, REGIONS_SECONDS, Measure, MeasureContext,
                               SkipMeasure, register_measure)
-from .unit import LinearizableActivation, check_finite_slopes, units
+from .unit import check_finite_slopes, sites as unit_sites, units
 
 __all__ = ["Report", "report", "load_history", "MEASURES", "Measure", "MeasureContext",
            "SkipMeasure", "register_measure", "PLOTS", "REGIONS_MAX_REGIONS", "REGIONS_SECONDS"]
@@ -294,7 +294,7 @@ def _checked(name: str, value: Any) -> Any:
 @torch.no_grad()
 def _check_finite(model: nn.Module, batches: Batches) -> None:
     """One forward over the inputs; raise naming the first site with NaN/inf input or output."""
-    sites = [(name, m) for name, m in model.named_modules() if isinstance(m, (LinearizableActivation, GaLU))]
+    sites = unit_sites(model, also=lambda m: isinstance(m, GaLU))
 
     def hook_for(name: str):
         def hook(module: nn.Module, args: tuple, out: torch.Tensor) -> None:

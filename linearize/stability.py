@@ -36,7 +36,7 @@ from ._optional import require
 from .activations import negative_slope
 from .checks import NonFiniteSlopeError
 from .inputs import Batches, record_preactivations, site_channel_dim
-from .unit import LinearizableActivation, check_finite_slopes
+from .unit import LinearizableActivation, check_finite_slopes, sites as unit_sites
 
 __all__ = ["stable_units", "Box", "StabilityResult", "SiteStability", "record_preactivations"]
 
@@ -50,20 +50,6 @@ MLP_TYPES = (nn.Linear, nn.BatchNorm1d, nn.Flatten, nn.Identity, nn.Dropout)
 _SITE_TYPES = (LinearizableActivation, nn.ReLU, nn.LeakyReLU, nn.PReLU)
 _MAX_DENSE = 20_000_000  # entries of one dense affine block (160 MB in float64)
 _MILP_SLACK = 1e-7  # relative widening of MILP bounds, above HiGHS feasibility tolerances
-
-
-# ----------------------------------------------------------------------------- sites
-
-
-def _site_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """Units and ReLU-like modules, except the activation held inside a unit."""
-    found, inside = [], ()
-    for name, m in model.named_modules():
-        if isinstance(m, _SITE_TYPES) and not (inside and name.startswith(inside)):
-            found.append((name, m))
-            if isinstance(m, LinearizableActivation):
-                inside = inside + (f"{name}.",)
-    return found
 
 
 # ----------------------------------------------------------------------------- the network
@@ -111,6 +97,11 @@ def _negative_slopes(module: nn.Module, name: str) -> torch.Tensor:
                 "(use method='data' for other activations)"
             )
         check_finite_slopes([(name, module)], "stable_units")
+        if not bool(module.identity_end_mask().all()):
+            raise ValueError(
+                f"site {name!r} has affine linear ends (alpha * x + beta at a = 1, set by fit_linear_ends / one_shot): "
+                "bound propagation and compress model a unit as a PReLU. Fold it instead (linearize.fold), or use "
+                "stable_units(..., method='data')")
         w = module.prelu_weight(module.slope.detach().double().cpu())
     elif isinstance(module, (nn.ReLU, nn.LeakyReLU)):
         w = torch.tensor([negative_slope(module)], dtype=torch.float64)
@@ -547,7 +538,7 @@ def stable_units(
         if box is not None:
             raise ValueError("method='data' needs data (a tensor batch or a loader), not a Box: pass a box "
                              f"method {BOX_METHODS} for it")
-        sites = _site_modules(model)
+        sites = unit_sites(model, also=lambda m: isinstance(m, _SITE_TYPES))
         if not sites:
             raise ValueError("the model has no units or ReLU modules: call linearize.convert(model) first")
         check_finite_slopes([(n, m) for n, m in sites if isinstance(m, LinearizableActivation)], "stable_units")

@@ -46,6 +46,7 @@ __all__ = [
     "ChannelPReLU",
     "ChannelBlend",
     "units",
+    "sites",
     "count_units",
     "nonlinear_fraction",
     "linear_masks",
@@ -697,6 +698,28 @@ def units(model: nn.Module) -> list[tuple[str, LinearizableActivation]]:
     if not isinstance(model, nn.Module):
         raise TypeError(f"expected an nn.Module, got {type(model).__name__}")
     return [(n, m) for n, m in model.named_modules() if isinstance(m, LinearizableActivation)]
+
+
+def sites(model: nn.Module, also: Callable[[nn.Module], bool] = lambda m: False) -> list[tuple[str, nn.Module]]:
+    """The activation sites of ``model`` as ``(qualified_name, module)``, in registration order: its units,
+    and the modules for which ``also(module)`` holds that are not inside a unit (a unit's own activation).
+
+    Example:
+        >>> net = nn.Sequential(nn.Linear(2, 2), LinearizableActivation(nn.ReLU(), 2, -1), nn.ReLU())
+        >>> [(n, type(m).__name__) for n, m in sites(net, also=lambda m: isinstance(m, nn.ReLU))]
+        [('1', 'LinearizableActivation'), ('2', 'ReLU')]
+    """
+    found: list[tuple[str, nn.Module]] = []
+    inside: tuple[str, ...] = ()
+    for name, module in model.named_modules():
+        if inside and name.startswith(inside):
+            continue
+        if isinstance(module, LinearizableActivation):
+            found.append((name, module))
+            inside += (f"{name}.",)
+        elif also(module):
+            found.append((name, module))
+    return found
 
 
 def gated_mode(model: nn.Module) -> str | None:

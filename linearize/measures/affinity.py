@@ -68,7 +68,7 @@ from tqdm.auto import tqdm
 
 from ..activations import MODULE_KINDS, OTHER_ELEMENTWISE
 from ..inputs import Batches, call_model, eval_mode, model_device
-from ..unit import LinearizableActivation
+from ..unit import LinearizableActivation, sites as unit_sites
 
 __all__ = ["affinity_score", "affinity_signature"]
 
@@ -466,17 +466,7 @@ def _score_sites(
 
 def activation_sites(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """Modules measured by :func:`affinity_signature`: units, and standard activations outside units."""
-    found: list[tuple[str, nn.Module]] = []
-    inside_unit: list[str] = []
-    for name, module in model.named_modules():
-        if any(name.startswith(prefix) for prefix in inside_unit):
-            continue
-        if isinstance(module, LinearizableActivation):
-            found.append((name, module))
-            inside_unit.append(name + ".")
-        elif _is_standard_activation(module):
-            found.append((name, module))
-    return found
+    return unit_sites(model, also=_is_standard_activation)
 
 
 def _is_standard_activation(module: nn.Module) -> bool:
