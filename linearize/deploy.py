@@ -232,7 +232,8 @@ def _spec(module: nn.Module) -> dict[str, Any]:
                 **({"inplace": True} if module.inplace else {})}
     if isinstance(module, modules.ChannelBlend):
         return {"channels": module.slope.numel(), "channel_dim": module.channel_dim,
-                **({"inplace": True} if module.inplace else {})}
+                **({"inplace": True} if module.inplace else {}),
+                **({"affine": True} if module._buffers.get("alpha") is not None else {})}  # alpha / beta buffers
     if isinstance(module, conv.BorderBiasConv):
         return {"tap_bias": list(module.tap_bias.shape), "inner_stride": _jsonable(module.inner_stride),
                 "stride": _jsonable(module.stride), "padding": _jsonable(module.padding),
@@ -278,8 +279,10 @@ def _build(cls: type, args: dict[str, Any]) -> nn.Module:
     if cls is modules.ChannelPReLU:
         return cls(torch.zeros(int(args["num_parameters"])), int(args["channel_dim"]), args.get("inplace") is True)
     if cls is modules.ChannelBlend:
+        ends = (torch.ones(int(args["channels"])), torch.zeros(int(args["channels"]))) if args.get("affine") is True \
+            else (None, None)
         return cls(nn.Identity(), torch.zeros(int(args["channels"])), int(args["channel_dim"]),
-                   args.get("inplace") is True)
+                   args.get("inplace") is True, *ends)
     if cls is conv.BorderBiasConv:
         shape = [int(s) for s in args["tap_bias"]]
         return cls(nn.Identity(), torch.zeros([shape[0], *shape[2:]]), *(_tupled(args[k]) for k in

@@ -373,3 +373,28 @@ def test_doctests_of_the_affine_end_functions():
     for obj in (calibration.fit_linear_ends, calibration.one_shot, unit.LinearizableActivation.set_linear_end):
         for test in doctest.DocTestFinder().find(obj, globs=globs):
             assert test.examples and runner.run(test).failed == 0, obj.__name__
+
+
+def test_save_folded_keeps_a_blend_with_affine_ends(tmp_path):
+    net = linearize.convert(nn.Sequential(nn.Linear(4, 8), nn.GELU(), nn.Linear(8, 2)), example_inputs=torch.randn(2, 4))
+    x = torch.randn(64, 4)
+    net[1].slope.data.copy_(torch.tensor([0.0, 0.5, 1.0, 1.0, 0.25, 0.0, 1.0, 0.0]))
+    linearize.fit_linear_ends(net, x)
+    folded = linearize.fold(net.eval(), x, latency=False)
+    blend = next(m for m in folded.modules() if isinstance(m, linearize.folding.ChannelBlend))
+    assert blend.alpha is not None  # channels at 0.5 and 0.25 use their fitted ends
+    linearize.save_folded(folded, tmp_path)
+    loaded = linearize.load_folded(tmp_path)
+    with torch.no_grad():
+        assert torch.equal(loaded(x), folded(x)) and (folded(x) - net(x)).abs().max() < 1e-5
+
+
+def test_bound_propagation_refuses_affine_ends_with_the_fix():
+    net = linearize.convert(nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)), example_inputs=torch.randn(2, 4))
+    box = linearize.Box(-torch.ones(4), torch.ones(4))
+    linearize.stable_units(net, box)  # the identity end: a PReLU
+    net[1].set_linear_end(torch.full((8,), 0.5), 0.0)
+    with pytest.raises(ValueError, match="affine linear ends.*linearize.fold"):
+        linearize.stable_units(net, box)
+    with pytest.raises(ValueError, match="affine linear ends"):
+        linearize.compress(net, box)
