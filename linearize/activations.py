@@ -142,21 +142,57 @@ def in_place(func: Callable, args: tuple, kwargs: dict) -> bool:
     return always or (kind in INPLACE_ARG and bool(call_arg(args, kwargs, INPLACE_ARG[kind], "inplace", False)))
 
 
+# the arguments after the input of a kind's functional form, in order, with their defaults: the same names as
+# the attributes of the kind's module (``F.leaky_relu(x, 0.2)`` <-> ``nn.LeakyReLU(0.2).negative_slope``)
+CALL_ARGUMENTS: dict[str, tuple[tuple[str, Any], ...]] = {
+    "leaky_relu": (("negative_slope", 0.01),), "gelu": (("approximate", "none"),), "elu": (("alpha", 1.0),),
+    "celu": (("alpha", 1.0),), "softplus": (("beta", 1.0), ("threshold", 20.0)),
+    "hardtanh": (("min_val", -1.0), ("max_val", 1.0)),
+}
+_MODULES = {"relu": nn.ReLU, "relu6": nn.ReLU6, "silu": nn.SiLU, "hardswish": nn.Hardswish, "mish": nn.Mish,
+            "selu": nn.SELU, "hardsigmoid": nn.Hardsigmoid, "tanh": nn.Tanh, "sigmoid": nn.Sigmoid,
+            "leaky_relu": nn.LeakyReLU, "gelu": nn.GELU, "elu": nn.ELU, "celu": nn.CELU, "softplus": nn.Softplus,
+            "hardtanh": nn.Hardtanh}
+
+
+def call_arguments(func: Callable, args: tuple, kwargs: dict) -> tuple:
+    """The arguments after the input of the functional activation call ``func(*args, **kwargs)`` that change what
+    it computes (not ``inplace``), as ``(name, value)`` pairs with defaults filled in: two calls compute the
+    same function exactly when these are equal.
+
+    Example:
+        >>> call_arguments(F.leaky_relu, (torch.ones(2), 0.2), {}), call_arguments(F.relu, (torch.ones(2),), {})
+        ((('negative_slope', 0.2),), ())
+    """
+    spec = CALL_ARGUMENTS.get(FUNCTIONAL_SPECS[func][0], ())
+    return tuple((name, _plain(call_arg(args, kwargs, i + 1, name, default))) for i, (name, default) in enumerate(spec))
+
+
+def module_arguments(act: nn.Module) -> tuple:
+    """:func:`call_arguments` of the functional call that the activation module ``act`` computes.
+
+    Example:
+        >>> module_arguments(nn.LeakyReLU(0.2)) == call_arguments(F.leaky_relu, (torch.ones(2), 0.2), {})
+        True
+    """
+    return tuple((name, _plain(getattr(act, name))) for name, _ in CALL_ARGUMENTS.get(activation_kind(act), ()))
+
+
+def _plain(value: Any) -> Any:
+    """A call argument as a plain Python value (a number held in a 0-d tensor becomes that number)."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        return value.item()
+    return value if isinstance(value, str) else float(value)
+
+
 def activation_module(func: Callable, args: tuple, kwargs: dict) -> nn.Module:
-    """The activation module computing the functional call ``func(*args, **kwargs)`` (never in place)."""
-    kind = FUNCTIONAL_SPECS[func][0]
-    if kind == "leaky_relu":
-        return nn.LeakyReLU(float(call_arg(args, kwargs, 1, "negative_slope", 0.01)))
-    if kind == "gelu":
-        return nn.GELU(approximate=str(call_arg(args, kwargs, 1, "approximate", "none")))
-    if kind in ("elu", "celu"):
-        return (nn.ELU if kind == "elu" else nn.CELU)(float(call_arg(args, kwargs, 1, "alpha", 1.0)))
-    if kind == "softplus":
-        return nn.Softplus(float(call_arg(args, kwargs, 1, "beta", 1.0)), float(call_arg(args, kwargs, 2, "threshold", 20.0)))
-    if kind == "hardtanh":
-        return nn.Hardtanh(float(call_arg(args, kwargs, 1, "min_val", -1.0)), float(call_arg(args, kwargs, 2, "max_val", 1.0)))
-    return {"relu": nn.ReLU, "relu6": nn.ReLU6, "silu": nn.SiLU, "hardswish": nn.Hardswish, "mish": nn.Mish,
-            "selu": nn.SELU, "hardsigmoid": nn.Hardsigmoid, "tanh": nn.Tanh, "sigmoid": nn.Sigmoid}[kind]()
+    """The activation module computing the functional call ``func(*args, **kwargs)`` (never in place).
+
+    Example:
+        >>> activation_module(F.leaky_relu, (torch.ones(2), 0.2), {})
+        LeakyReLU(negative_slope=0.2)
+    """
+    return _MODULES[FUNCTIONAL_SPECS[func][0]](**dict(call_arguments(func, args, kwargs)))
 
 
 def negative_slope(act: object) -> float | None:

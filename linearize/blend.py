@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .activations import FunctionalActivation, activation_kind
+from .activations import FunctionalActivation, activation_kind, module_arguments
 from .config import BlendConfig
 from .example_inputs import guess_example_inputs
 from .functional_sites import FunctionalSites, install_functional_sites
@@ -71,7 +71,8 @@ def convert_blend(model: nn.Module, config: BlendConfig, example_inputs: Any) ->
         }
         if param is not None:
             made = {k: u.to(param.device, dtype) for k, u in made.items()}
-        sites = FunctionalSites(p.name, [c.kind for c in p.calls], [call_channels(c) for c in p.calls], made)
+        sites = FunctionalSites(p.name, [c.kind for c in p.calls], [call_channels(c) for c in p.calls], made,
+                                [module_arguments(c.act) if c.act is not None else None for c in p.calls])
         install_functional_sites(p.owner, sites)
     settle_placed_modules(model)
     if inplace_sites:

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from .activations import FUNCTIONAL_SPECS, in_place
+from .activations import FUNCTIONAL_SPECS, call_arguments, in_place
 from .dispatch import FunctionalSiteError, Scope, attach_owner, caller_scope, checkpoint_error, refuse_scripting
 from .unit import write_into
 
@@ -45,7 +45,8 @@ class _Calls:
     position: int = 0
     seen: list[str] = field(default_factory=list)  # kinds of this forward's calls, kept only after a mismatch
     mismatch: bool = False
-    width: str = ""
+    width: str = ""  # a call of the probe's kind whose input width is not its unit's
+    arguments: str = ""  # a call of the probe's kind made with other arguments than the probe's
 
 
 class _SiteMode(TorchFunctionMode):
@@ -78,6 +79,9 @@ class FunctionalSites(nn.Module):
         channels: ``(channel_dim, width)`` of every call's input as the probe saw it (None: a scalar).
         modules: ``{position: unit}`` for the converted calls; the others (gates, calls excluded
             by the config) run their original function.
+        arguments: the probe's :func:`~linearize.activations.call_arguments` of every call (None: not checked).
+            A converted call made with other arguments (``F.leaky_relu(x, 0.2 if self.training else 0.01)``)
+            would run a unit of another function: the end of the forward raises :class:`FunctionalSiteError`.
 
     Call ``k`` runs the module registered as ``f"{kinds[k]}_{k}"`` (a unit, or the plain module
     :func:`linearize.fold` put in its place). An in-place call (``F.relu(x, inplace=True)``,
@@ -85,11 +89,12 @@ class FunctionalSites(nn.Module):
     """
 
     def __init__(self, owner_name: str, kinds: list[str], channels: list[tuple[int, int] | None],
-                 modules: dict[int, nn.Module]) -> None:
+                 modules: dict[int, nn.Module], arguments: list[tuple] | None = None) -> None:
         super().__init__()
         self.owner_name = owner_name
         self.kinds = list(kinds)
         self.channels = list(channels)
+        self.arguments = list(arguments) if arguments is not None else [None] * len(kinds)
         self.slots: list[str | None] = [f"{k}_{i}" if i in modules else None for i, k in enumerate(kinds)]
         for i, module in modules.items():
             self.add_module(self.slots[i], module)
@@ -134,6 +139,8 @@ class FunctionalSites(nn.Module):
                 dim, width = self.channels[k]
                 calls.width = (f"call {k} ({kind}) has input shape {tuple(getattr(x, 'shape', ()))}, its unit "
                                f"{width} channels at dim {dim}")
+        if not calls.mismatch and self.slots[k] is not None and (args_now := self._changed(k, func, args, kwargs)):
+            calls.mismatch, calls.seen, calls.arguments = True, self.kinds[:k], args_now
         if calls.mismatch:
             calls.seen.append(kind)
             return func(*args, **kwargs)
@@ -141,9 +148,24 @@ class FunctionalSites(nn.Module):
         if slot is None:
             return func(*args, **kwargs)
         unit = self._modules[slot]
+        if (out := kwargs.get("out")) is not None:  # torch.tanh(x, out=y): the result goes into y
+            y = unit(x)
+            return out.resize_(y.shape).copy_(y)
         if not in_place(func, args, kwargs):
             return unit(x)
         return write_into(x, unit, unit.parameters())
+
+    def _changed(self, k: int, func: Callable, args: tuple, kwargs: dict) -> str:
+        """Why call ``k`` cannot run its unit because its arguments are not the probe's ("" when they are)."""
+        expected = self.arguments[k]
+        if expected is None or not isinstance(args[0] if args else kwargs.get("input"), torch.Tensor):
+            return ""  # not checked, or a proxy (tracing)
+        now = call_arguments(func, args, kwargs)
+        if now == expected:
+            return ""
+        show = lambda a: ", ".join(f"{n}={v!r}" for n, v in a)  # noqa: E731
+        return (f"call {k} ({self.kinds[k]}) was made with {show(now)}, the probe forward of linearize.convert "
+                f"saw {show(expected)}, and its unit computes the probe's function")
 
     def _expected(self, k: int, kind: str, x: Any) -> bool:
         if k >= len(self.kinds) or self.kinds[k] != kind:
@@ -164,6 +186,12 @@ class FunctionalSites(nn.Module):
             seen = calls.seen if calls.mismatch else self.kinds[: calls.position]
             name = self.owner_name or "<root>"
             pattern = self.owner_name or f"{ATTR}.*"  # the root's units (exclude_modules cannot be empty)
+            if calls.arguments:
+                raise FunctionalSiteError(
+                    f"linearize: in module {name!r}, {calls.arguments}. Fix: give the call the same arguments in "
+                    "every forward (e.g. one activation module per setting, each converted to its own unit), or "
+                    f"convert with exclude_modules=[{pattern!r}] to keep this module's functional calls as they are."
+                )
             if calls.width:  # the probe's calls, but one is wider or narrower along its unit's channel dim
                 raise FunctionalSiteError(
                     f"linearize: in module {name!r}, {calls.width}: the probe forward of linearize.convert took "

@@ -399,3 +399,86 @@ def test_calls_inside_a_custom_autograd_function_are_listed_not_converted():
     assert torch.equal(model(x), original(x))
     model(x).sum().backward()
     assert x.grad is not None and torch.isfinite(x.grad).all()
+
+
+class ArgumentsByMode(nn.Module):
+    """A functional call whose arguments change with the mode (a unit can hold only one function)."""
+
+    def __init__(self, by_keyword: bool = False) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(6, 8), nn.Linear(8, 3)
+        self.by_keyword = by_keyword
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc1(x)
+        if self.by_keyword:  # the probe's argument, given another way
+            h = F.leaky_relu(h, negative_slope=0.2)
+        else:
+            h = F.leaky_relu(h, 0.2 if self.training else 0.01)
+        return self.fc2(h)
+
+
+def test_a_functional_call_with_other_arguments_than_the_probe_is_refused_with_the_fix():
+    torch.manual_seed(0)
+    model = ArgumentsByMode()
+    x = torch.randn(5, 6)
+    reference = model.eval()(x)
+    linearize.convert(model.train(), example_inputs=x)  # its probe forward runs in eval mode
+    torch.testing.assert_close(model.eval()(x), reference, rtol=0, atol=0)  # the probe's arguments: the original
+    with pytest.raises(FunctionalSiteError, match=r"negative_slope=0\.2.*negative_slope=0\.01.*exclude_modules"):
+        model.train()(x)
+    torch.testing.assert_close(model.eval()(x), reference, rtol=0, atol=0)  # nothing stale after the refusal
+
+
+def test_the_same_arguments_given_by_keyword_match_the_probe():
+    torch.manual_seed(0)
+    model = ArgumentsByMode(by_keyword=True)
+    x = torch.randn(5, 6)
+    reference = F.leaky_relu(model.fc1(x), 0.2) @ model.fc2.weight.T + model.fc2.bias
+    linearize.convert(model, example_inputs=x)
+    assert len(linearize.units(model)) == 1
+    torch.testing.assert_close(model.eval()(x), reference)
+
+
+class ClipsBy(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.bound = 1.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.hardtanh(self.fc(x), -self.bound, self.bound)
+
+
+def test_a_changed_clipping_bound_is_refused_not_silently_kept():
+    model = ClipsBy()
+    x = torch.randn(3, 4) * 4
+    linearize.convert(model, example_inputs=x)
+    model.bound = 2.0
+    with pytest.raises(FunctionalSiteError, match=r"max_val=2\.0.*max_val=1\.0"):
+        model(x)
+
+
+class TanhInto(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.empty(0)
+        y = torch.tanh(self.fc(x), out=out)
+        assert y is out
+        return out * 2
+
+
+def test_a_call_with_out_writes_the_units_result_into_out():
+    torch.manual_seed(0)
+    model = TanhInto()
+    x = torch.randn(3, 4)
+    with torch.no_grad():
+        reference = model(x)
+        linearize.convert(model, example_inputs=x)
+        torch.testing.assert_close(model(x), reference, rtol=0, atol=0)
+        (_, unit), = linearize.units(model)
+        unit.slope.fill_(1.0)  # exactly linear: out holds fc(x)
+        torch.testing.assert_close(model(x), 2 * model.fc(x))
