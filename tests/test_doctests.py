@@ -22,6 +22,7 @@ ENTRY_POINTS = [  # (module, object): each must carry at least one doctest examp
     ("linearize.measures.affinity", "affinity_score"),
     ("linearize.measures.regions", "linear_regions"),
     ("linearize.measures.regions", "absolute_deviation"),
+    ("linearize.measures.relus", "count_relus"),
     ("linearize.stability", "stable_units"),
     ("linearize.compression", "compress"),
     ("linearize.serialization", "save_pretrained"),

@@ -3,7 +3,9 @@
 - :func:`average_path_length` (seed 000), in :mod:`linearize.measures.paths`;
 - :func:`affinity_score`, :func:`affinity_signature` (seed 002), in :mod:`linearize.measures.affinity`;
 - :func:`linear_regions`, :func:`absolute_deviation`, :func:`translation_loops` (seed 001),
-  in :mod:`linearize.measures.regions`.
+  in :mod:`linearize.measures.regions`;
+- :func:`count_relus` (nonlinear activations per sample, the private-inference literature's count), in
+  :mod:`linearize.measures.relus`.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ _EXPORTS = {
     "absolute_deviation": "regions",
     "translation_loops": "regions",
     "RegionsResult": "regions",
+    "count_relus": "relus",
 }
 
 __all__ = sorted(_EXPORTS)
