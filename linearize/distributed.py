@@ -118,9 +118,9 @@ def refuse_unsupported(model: nn.Module, slopes: list[torch.Tensor]) -> None:
             f"module {fsdp1 or '<root>'!r} is wrapped by FSDP1 (FullyShardedDataParallel), whose flat parameters "
             "split the unit slopes at arbitrary offsets: linearize supports FSDP2. Fix: shard with "
             "torch.distributed.fsdp.fully_shard(module) instead (Accelerate: fsdp_version: 2 in the FSDP config, "
-            "see recipes/fsdp.yaml), or use DDP")
+            "see docs/distributed.md), or use DDP")
     if any(hasattr(s, "ds_id") for s in slopes):
         raise TypeError(
             "the unit slopes are partitioned by DeepSpeed ZeRO-3, which linearize cannot read or write: use ZeRO "
             "stage 1 or 2 (slopes whole on every rank), or FSDP2 (torch.distributed.fsdp.fully_shard; Accelerate: "
-            "recipes/fsdp.yaml)")
+            "docs/distributed.md)")
