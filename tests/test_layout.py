@@ -71,14 +71,14 @@ def test_the_package_has_no_import_cycle():
     assert _cycle(graph) is None, " -> ".join(_cycle(graph))
 
 
-def test_readme_layout_names_every_module_and_no_missing_one():
-    """README's "Layout" table matches the tree: every module of the package is named there (a
+def test_docs_layout_names_every_module_and_no_missing_one():
+    """The "Layout" table of docs/layout.md matches the tree: every module of the package is named there (a
     top-level one by its path, one in a subpackage by its file name in that subpackage's row), and
     every ``*.py`` the table names exists."""
     import re
 
-    readme = (PACKAGE.parent / "README.md").read_text(encoding="utf-8")
-    layout = readme.split("## Layout", 1)[1].split("\n## ", 1)[0]
+    page = (PACKAGE.parent / "docs" / "layout.md").read_text(encoding="utf-8")
+    layout = page.split("## Layout", 1)[1].split("\n## ", 1)[0]
     rows = {m.group(1): m.group(0) for m in re.finditer(r"^\| `linearize/([\w/]+?)/?`.*$", layout, re.M)}
     missing = []
     for path in sorted(PACKAGE.rglob("*.py")):
@@ -88,9 +88,9 @@ def test_readme_layout_names_every_module_and_no_missing_one():
                 missing.append(str(rel))
         elif rel.parts[0] not in rows or (rel.name not in ("__init__.py",) and f"`{rel.name}`" not in rows[rel.parts[0]]):
             missing.append(str(rel))
-    assert not missing, f"README Layout does not name {missing}"
+    assert not missing, f"docs/layout.md does not name {missing}"
     named = set(re.findall(r"`linearize/([\w/]+\.py)`", layout))
     for sub, row in rows.items():
         named |= {f"{sub}/{f}" for f in re.findall(r"`(\w+\.py)`", row)}
     stale = sorted(n for n in named if not (PACKAGE / n).is_file())
-    assert not stale, f"README Layout names files that do not exist: {stale}"
+    assert not stale, f"docs/layout.md names files that do not exist: {stale}"

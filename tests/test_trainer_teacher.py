@@ -163,12 +163,12 @@ def test_distilling_hidden_states_without_labels_warns_that_the_head_does_not_tr
         LinearizeCallback(schedule=S.target(0.5), teacher=original, distill_weight=0.0)
 
 
-def test_the_readme_trainer_example_runs_as_written(tmp_path, monkeypatch):
-    """README's Trainer block, executed verbatim with its two inputs (``path``: a saved tiny BERT, ``ds``: rows
-    with labels): ``original`` was undefined. Its run is cut to 3 steps."""
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
-    section = readme[readme.index("### Hugging Face Trainer"):]
-    start = section.index("```python\n") + len("```python\n")
+def test_the_docs_trainer_example_runs_as_written(tmp_path, monkeypatch):
+    """The Trainer block of docs/sparsity.md, executed verbatim with its two inputs (``path``: a saved tiny BERT,
+    ``ds``: rows with labels): ``original`` was undefined. Its run is cut to 3 steps."""
+    page = (Path(__file__).resolve().parents[1] / "docs" / "sparsity.md").read_text(encoding="utf-8")
+    section = page[page.index("## Hugging Face Trainer"):]
+    start = section.index("```python\nimport copy") + len("```python\n")
     block = section[start:section.index("\n```", start)]
     setup, _, rest = block.partition("\ntrainer.train()")
     assert rest.startswith("   # logs"), "the block should end with trainer.train()"
@@ -177,7 +177,7 @@ def test_the_readme_trainer_example_runs_as_written(tmp_path, monkeypatch):
     names = {"path": str(tmp_path / "checkpoint"), "ds": separable(32, 0)}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        exec(compile(setup, "README.md", "exec"), names)  # noqa: S102
+        exec(compile(setup, "docs/sparsity.md", "exec"), names)  # noqa: S102
         trainer = names["trainer"]
         trainer.args.max_steps = 3
         trainer.train()
