@@ -14,7 +14,7 @@ normalized) to the original's, and the Spearman correlation of all pairwise simi
 teacher, the 499,500 pairs). The affine student is then folded (``linearize.fold``, verified there) and its
 FFN FLOPs counted. ``--steps N`` adds the user loop of issue 37 (AdamW 5e-5, N steps of 32 sentences, cosine
 distillation to the teacher embedding, a ``Sparsifier`` with ``schedules.target(0.25)`` and its defaults)
-from the original model and from each one-shot start.
+from the original model and from each one-shot start (``--starts`` picks them).
 
 Run: ``nice -n 10 python recipes/benchmarks/affine_one_shot.py [--steps 300]`` (about 3 minutes of CPU without
 ``--steps``).
@@ -86,6 +86,9 @@ def user_loop(student, teacher, train: list[dict], test: list[dict], reference: 
         opt.zero_grad()
         loss.backward()
         opt.step()  # the attached Sparsifier steps after it
+        if (step + 1) % 50 == 0:
+            print(f"  step {step + 1}: loss {float(loss):.4f}, nonlinear {linearize.nonlinear_fraction(student):.3f}",
+                  flush=True)
     out = quality(student, test, reference)
     out["nonlinear_fraction"] = linearize.nonlinear_fraction(student)
     return out
@@ -97,6 +100,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--test", type=int, default=1000)
     parser.add_argument("--target", type=float, default=0.25)
     parser.add_argument("--steps", type=int, default=0, help="also run the user loop for this many steps")
+    parser.add_argument("--starts", default="defaults,identity,affine",
+                        help="comma-separated starts of the user loop: defaults (convert only), identity, affine")
     parser.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
     args = parser.parse_args(argv)
     from transformers import AutoModel, AutoTokenizer
@@ -130,8 +135,10 @@ def main(argv: list[str] | None = None) -> dict:
     if args.steps:
         texts = read_texts(DATA / "train.jsonl.gz", "translation.en", args.calibration + 32 * args.steps)
         train = batches(tokenizer, texts[args.calibration:], 32)  # sentences the calibration did not see
-        starts = {"defaults": linearize.convert(copy.deepcopy(teacher), target_modules=FFN_PATTERNS), **students}
-        for name, student in starts.items():
+        starts = {"defaults": lambda: linearize.convert(copy.deepcopy(teacher), target_modules=FFN_PATTERNS),
+                  **{k: (lambda s=s: s) for k, s in students.items()}}
+        for name in args.starts.split(","):
+            student = starts[name]()
             results[f"loop_{name}"] = user_loop(student, teacher, train, test, reference, args.steps)
             print("loop", name, results[f"loop_{name}"], flush=True)
     if args.out:
