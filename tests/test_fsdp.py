@@ -7,7 +7,8 @@ runs of the same models, seeds and global batches (the truth):
 * a small GPT-2 (GELU units) under a target schedule that picks channels by slope, and a small Llama
   (gated MLP: only the gate activation converted) under a target picking by saliency: the same linear
   channels, slopes within 1e-6, the same loss curve, the same global counts on every rank;
-* freeze on the sharded GPT-2 freezes what it freezes on one process;
+* freeze on the sharded GPT-2 freezes what it freezes on one process; the Sparsifier's penalty as a loss
+  term (mode="loss") moves sharded slopes as on one process;
 * a run resumed from a sharded checkpoint (torch.distributed.checkpoint + the Sparsifier's state)
   ends bit-identical to the uninterrupted sharded run;
 * a save made sharded (full state dict gathered) loads unsharded bit-identically, and a single-process
@@ -65,6 +66,26 @@ def sparsifier(arch: str, model: nn.Module) -> linearize.Sparsifier:
         return linearize.Sparsifier(model, linearize.schedules.target(0.5, start=2, end=6), total_steps=STEPS)
     return linearize.Sparsifier(model, linearize.schedules.target(0.5, start=2, end=6), total_steps=STEPS,
                                 select="saliency")
+
+
+def penalty_run(model: nn.Module, rank: int = 0, world: int = 1) -> torch.Tensor:
+    """A small MLP trained with the Sparsifier's penalty in the loss (mode="loss"): its global slopes."""
+    opt = torch.optim.SGD(linearize.param_groups(model), lr=0.1)
+    sp = linearize.Sparsifier(model, linearize.schedules.constant(), total_steps=6, mode="loss", rate=0.05).attach(opt)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(6):
+        x = torch.randn(BATCH, 8, generator=g)[rank * (BATCH // world):(rank + 1) * (BATCH // world)]
+        loss = model(x).square().mean() + sp.penalty()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return slopes(model)
+
+
+def mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return linearize.convert(nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 15), nn.ReLU(), nn.Linear(15, 2)),
+                             example_inputs=torch.randn(1, 8))
 
 
 def batches(rank: int = 0, world: int = 1) -> list[torch.Tensor]:
@@ -192,6 +213,9 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
     single = torch.load(out_dir / "single_state.pt") if rank == 0 else {}
     set_model_state_dict(fresh, single, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
     result["broadcast_slopes"] = slopes(fresh).tolist()
+    from torch.distributed.fsdp import fully_shard
+
+    result["penalty"] = penalty_run(fully_shard(mlp()), rank, WORLD).tolist()
     (out_dir / f"rank{rank}.json").write_text(json.dumps(result))
     torch.distributed.destroy_process_group()
 
@@ -240,6 +264,14 @@ def test_fsdp_run_matches_single_process(runs, arch):
         for r in ranks:
             saliency = torch.tensor(r["saliency"], dtype=torch.float64)
             assert torch.allclose(saliency, torch.cat(list(sp.saliency().values())), rtol=1e-4, atol=1e-12)
+
+
+def test_fsdp_penalty_in_the_loss_matches_single_process(runs):
+    _, _, ranks = runs
+    want = penalty_run(mlp())
+    assert 0 < float(want.min()) < 1  # the penalty moved the slopes
+    for r in ranks:
+        assert torch.allclose(torch.tensor(r["penalty"]), want, rtol=0, atol=1e-6)
 
 
 def test_fsdp_freeze_matches_single_process(runs):
