@@ -9,6 +9,12 @@ Data (``--data-dir``, default ``$LINEARIZE_CIFAR10``): torchvision's CIFAR forma
 decoded once into a uint8 tensor cache (``--cache-dir``) so that epochs never decode JPEGs;
 ``--subset N`` decodes only N training images. Augmentation (4 px pad + random crop, flip) runs on
 uint8 batches in the training loop, on the device.
+
+The calls of linearize, in :func:`main`: ``linearize.convert`` once the model is built (``--linearize``),
+``linearize.Sparsifier(model, linearize.schedules.target(...)).attach(optimizer)`` (``--target``,
+``--schedule``: it steps after every optimizer step), then after training ``linearize.freeze`` (``--freeze``),
+``linearize.fold`` + ``linearize.save_folded`` (``--fold``) and ``linearize.report`` (``--report``).
+``recipes/common.py`` holds the plumbing: flags, the Accelerate loop, checkpoints, ``metrics.json``.
 """
 
 from __future__ import annotations
@@ -686,8 +692,9 @@ def main(argv: list[str] | None = None) -> dict:
             args.teacher_sha256 = common.state_sha256(weights)  # recorded: a resume with another teacher is refused
     elif args.arch in airbench.ARCHS:  # the whitening filters from (normalized) training patches
         airbench.init_whitening(model.whiten, normalize(train["x"][:5000], mean, std))
-    example = torch.zeros(2, 3, args.image_size, args.image_size)
-    model = common.convert_model(model, args, example_inputs=example)
+    if args.linearize != "none":  # every activation becomes a unit with a learnable slope (or a gated split)
+        model = linearize.convert(model, mode=args.linearize,
+                                  example_inputs=torch.zeros(2, 3, args.image_size, args.image_size))
     if args.channels_last:  # convolutions then give channels_last maps, the units keep them (linearize.unit._prelu)
         model = model.to(memory_format=torch.channels_last)
         if teacher is not None:
@@ -711,8 +718,9 @@ def main(argv: list[str] | None = None) -> dict:
         lookahead = airbench.Lookahead(model, optimizer, total_steps)
         optimizer.register_step_post_hook(lambda *_: lookahead.step(scheduler.last_epoch + 1))
     else:
-        optimizer = torch.optim.SGD(common.param_groups(model, args.weight_decay), lr=args.lr, momentum=0.9,
-                                    nesterov=True)
+        # no weight decay on slopes (it would pull them back towards the activation), biases and norms
+        optimizer = torch.optim.SGD(linearize.param_groups(model, weight_decay=args.weight_decay), lr=args.lr,
+                                    momentum=0.9, nesterov=True)
 
         def lr_factor(step: int) -> float:
             if step < warmup:
@@ -720,9 +728,16 @@ def main(argv: list[str] | None = None) -> dict:
             return 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, total_steps - warmup)))
 
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
-    # a cost target folds copies of the model to price its sites: on one test image, the batch-1 latency
-    sparsifier = common.make_sparsifier(model, args, total_steps, optimizer,
-                                        example_inputs=normalize(test["x"][:1], mean, std))
+    sparsifier = None
+    if args.linearize == "prelu" and args.schedule != "none":  # after every optimizer step: slopes towards 1
+        schedule = linearize.schedules.target(args.target, start=common.schedule_start(args, total_steps),
+                                              end=args.ramp_end, flops=args.target_flops, latency=args.target_latency)
+        # a cost target folds copies of the model to price its sites: on one test image, the batch-1 latency
+        priced = args.target_flops is not None or args.target_latency is not None
+        image = normalize(test["x"][:1], mean, std) if priced else None
+        sparsifier = linearize.Sparsifier(model, schedule, total_steps, lam=args.lam, rate=args.rate,
+                                          select=args.select, granularity=args.granularity,
+                                          example_inputs=image).attach(optimizer)
     model, optimizer, train_loader, test_loader = accelerator.prepare(model, optimizer, train_loader, test_loader)
     mean, std = mean.to(accelerator.device), std.to(accelerator.device)
     if teacher is not None:
@@ -750,8 +765,8 @@ def main(argv: list[str] | None = None) -> dict:
     metrics = {"recipe": RECIPE, "arch": args.arch, "dataset": args.dataset, "steps": step,
                "total_steps": total_steps, "train_images": len(train["y"])}
     raw = accelerator.unwrap_model(model)
-    if args.freeze:
-        common.freeze_units(raw, args)  # on every process: the copies stay identical
+    if args.freeze:  # linear channels (slope >= 1 - tol) set to exactly 1 and no longer trained
+        linearize.freeze(raw, tol=args.tol)  # on every process: the copies stay identical
     metrics.update(evaluate(model, test_loader, accelerator, mean, std, args.tta))
     metrics.update(common.unit_stats(raw, args.tol))
     if accelerator.is_main_process:
@@ -759,15 +774,28 @@ def main(argv: list[str] | None = None) -> dict:
         if sparsifier is not None:
             sparsifier.save_history(history)
         probe = normalize(test["x"][:64].to(accelerator.device), mean, std)
-        if common.has_units(raw):
-            apl = common.average_path_length(raw, probe)
-            if apl is not None:
-                metrics["average_path_length"] = apl
+        if linearize.units(raw):
+            try:
+                metrics["average_path_length"] = float(linearize.measures.average_path_length(raw, probe,
+                                                                                              normalized=True))
+            except (TypeError, ValueError, NotImplementedError) as e:
+                warnings.warn(f"average path length not computed: {e}")
         save_final(raw, out_dir / "model", args, classes, mean, std)
         common.write_metrics(out_dir, metrics, args, start_time, n_proc, str(accelerator.device), run.earlier_s)
-        if args.fold or args.report:
+        raw.eval()
+        if args.fold:  # linear parts folded into the layers around them (a plain nn.Module, no units left)
+            folded = linearize.fold(raw, probe)
+            with common.replaced_dir(out_dir / "folded") as stage:  # never a half-written folded/
+                # the recipe builds its models itself: load with linearize.load_folded(dir, base=<its model>)
+                linearize.save_folded(folded, stage, builder="plain", example_inputs=probe)
+            metrics["fold"] = common.fold_metrics(folded, out_dir / "folded")
+        if args.report:
             data = (normalize(test["x"][:128].to(accelerator.device), mean, std), test["y"][:128])
-            metrics.update(common.fold_and_report(raw, args, probe, data, out_dir, history))
+            linearize.report(raw, data, tol=args.tol, max_samples=args.report_samples,
+                             skip=[m for m in args.report_skip.split(",") if m],
+                             history=history if history.exists() else None).save(out_dir / "report")
+            metrics["report"] = str(out_dir / "report")
+        if args.fold or args.report:
             common.write_metrics(out_dir, metrics, args, start_time, n_proc, str(accelerator.device), run.earlier_s)
         accelerator.print(json.dumps({k: v for k, v in metrics.items() if not isinstance(v, dict)}))
     if args.with_tracking:

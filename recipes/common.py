@@ -1,14 +1,15 @@
-"""Shared pieces of the Accelerate recipes (``recipes/cifar.py``, ``recipes/wmt14.py``).
+"""Plumbing shared by the Accelerate recipes (``recipes/cifar.py``, ``recipes/wmt14.py``); the calls of
+linearize itself (convert, Sparsifier, freeze, fold, report) are in the recipes.
 
-- argument groups: linearization flags and run flags (output, checkpoints, tracking);
-- linearization: convert, sparsity schedule, the optional end-of-run steps (freeze, fold, report);
-- the training loop (:func:`train`), which checks every step's loss for inf/NaN;
+- argument groups: linearization flags (checked, defaults filled in) and run flags (output, checkpoints,
+  tracking);
+- the ``Accelerator`` and the training loop (:func:`train`), which checks every step's loss for inf/NaN;
 - checkpoints written by the recipes themselves (safetensors, ``torch.load(weights_only=True)`` and
   JSON, so that loading one executes no code), atomically, verified by size and sha256 before use,
   with a fingerprint of the model so a checkpoint directory of another model is refused;
 - per-step seeding, so that augmentation and dropout depend only on (seed, step, process),
   which makes a resumed run repeat the uninterrupted one;
-- ``metrics.json`` writing (final metrics, command, versions, wall time).
+- ``metrics.json`` writing (final metrics, unit counts, fold summary, command, versions, wall time).
 
 Everything here is plain Python around ``accelerate.Accelerator``; the recipes stay runnable with
 ``python recipes/x.py`` (one process) and ``accelerate launch recipes/x.py`` (N processes).
@@ -235,6 +236,19 @@ def check_linearize_args(args: argparse.Namespace, default_select: str = "slope"
         _check_report_args(args)
 
 
+def schedule_start(args: argparse.Namespace, total_steps: int) -> int | float:
+    """``start`` of ``linearize.schedules.target`` from ``--schedule`` / ``--late-start``: a fraction of
+    training (float) or an optimizer step (int); refuses a start at or after ``--ramp-end``."""
+    if args.schedule == "early":
+        return 0
+    start = int(args.late_start) if args.late_start >= 1 else float(args.late_start)
+    start_step = start if isinstance(start, int) else round(start * total_steps)
+    if start_step >= round(args.ramp_end * total_steps):
+        raise ValueError(f"--late-start {args.late_start} (step {start_step} of {total_steps}) must come "
+                         f"before --ramp-end {args.ramp_end} (step {round(args.ramp_end * total_steps)})")
+    return start
+
+
 def _check_report_args(args: argparse.Namespace) -> None:
     """``--report-skip`` names only known report measures; ``--report-samples`` >= 2."""
     from linearize.reporting import MEASURES
@@ -301,141 +315,6 @@ class EpochSampler(torch.utils.data.Sampler[int]):
 
     def __len__(self) -> int:
         return self.n
-
-
-# ----------------------------------------------------------------------------- linearization
-
-
-def convert_model(model: nn.Module, args: argparse.Namespace, example_inputs: Any = None, **overrides: Any) -> nn.Module:
-    """``linearize.convert`` for ``--linearize prelu|dgn|dlgn``; the model itself for ``none``."""
-    if args.linearize == "none":
-        return model
-    return linearize.convert(model, mode=args.linearize, example_inputs=example_inputs, **overrides)
-
-
-def has_units(model: nn.Module) -> bool:
-    return bool(linearize.units(model))
-
-
-def schedule_start(args: argparse.Namespace, total_steps: int) -> int | float:
-    """Start of the sparsity pressure: a fraction of training (float) or an optimizer step (int)."""
-    if args.schedule == "early":
-        return 0
-    start = int(args.late_start) if args.late_start >= 1 else float(args.late_start)
-    start_step = start if isinstance(start, int) else round(start * total_steps)
-    if start_step >= round(args.ramp_end * total_steps):
-        raise ValueError(f"--late-start {args.late_start} (step {start_step} of {total_steps}) must come "
-                         f"before --ramp-end {args.ramp_end} (step {round(args.ramp_end * total_steps)})")
-    return start
-
-
-def make_sparsifier(model: nn.Module, args: argparse.Namespace, total_steps: int,
-                    optimizer: torch.optim.Optimizer, example_inputs: Any = None):
-    """A ``linearize.Sparsifier`` steering the nonlinear fraction to ``--target`` (or the folded
-    model's cost to ``--target-flops`` / ``--target-latency``, measured on ``example_inputs``),
-    attached to ``optimizer`` (it steps after every optimizer step), or ``None`` without pressure."""
-    if args.linearize == "none" or args.schedule == "none":
-        return None
-    if not has_units(model):
-        raise ValueError(f"--linearize {args.linearize} produced no slope units to sparsify; use --schedule none")
-    cost = {k: v for k in ("flops", "latency") if (v := getattr(args, f"target_{k}", None)) is not None}
-    schedule = linearize.schedules.target(None if cost else args.target, start=schedule_start(args, total_steps),
-                                          end=float(args.ramp_end), **cost)
-    from accelerate.optimizer import AcceleratedOptimizer
-
-    if isinstance(optimizer, AcceleratedOptimizer):  # hook the torch optimizer inside the wrapper
-        optimizer = optimizer.optimizer
-    return linearize.Sparsifier(model, schedule=schedule, total_steps=total_steps, lam=args.lam,
-                               rate=getattr(args, "rate", None),
-                               select=getattr(args, "select", "slope"),
-                               granularity=getattr(args, "granularity", "channel"),
-                               example_inputs=example_inputs if cost else None).attach(optimizer)
-
-
-def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    """Optimizer groups: weight decay on weights, none on biases, norms and slopes."""
-    if has_units(model):
-        return linearize.param_groups(model, weight_decay=weight_decay)
-    decay, no_decay = [], []
-    for p in model.parameters():
-        if p.requires_grad:
-            (decay if p.ndim > 1 else no_decay).append(p)
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-
-
-def unit_stats(model: nn.Module, tol: float) -> dict:
-    """``{"nonlinear_fraction", "units_total", "units_nonlinear"}`` or ``{}`` without units."""
-    if not has_units(model):
-        return {}
-    c = linearize.count_units(model, tol)
-    return {"nonlinear_fraction": c["nonlinear"] / c["total"], "units_total": c["total"],
-            "units_nonlinear": c["nonlinear"]}
-
-
-def slopes_state(model: nn.Module) -> dict[str, torch.Tensor]:
-    """``{unit name: slope}`` (CPU copies), for comparisons and reports."""
-    return {n: u.slope.detach().cpu().clone() for n, u in linearize.units(model)}
-
-
-def _feature(name: str) -> Any:
-    """A ``linearize`` feature by name, or a clear error if this install lacks it."""
-    try:
-        return getattr(linearize, name)
-    except (AttributeError, ImportError) as e:
-        raise RuntimeError(f"linearize.{name} is not available in this install ({e}); "
-                           f"drop the flag that needs it") from e
-
-
-def average_path_length(model: nn.Module, example_inputs: Any) -> float | None:
-    """``linearize.measures.average_path_length`` when that measure is installed and applies."""
-    try:
-        fn = linearize.measures.average_path_length
-    except (AttributeError, ImportError):
-        return None
-    try:
-        return float(fn(model, example_inputs, normalized=True))
-    except (TypeError, ValueError, NotImplementedError) as e:
-        warnings.warn(f"average path length not computed: {e}")
-        return None
-
-
-def freeze_units(model: nn.Module, args: argparse.Namespace) -> None:
-    """``--freeze``: set channels with slope >= 1 - tol to exactly 1 and stop their training."""
-    _feature("freeze")(model, tol=args.tol)
-
-
-def fold_and_report(model: nn.Module, args: argparse.Namespace, example_inputs: Any, report_data: Any,
-                    output_dir: Path, history: Path | None = None,
-                    fold_counts: dict[str, Callable[[nn.Module], int]] | None = None) -> dict:
-    """``--fold`` (the folded model in ``folded/``, :func:`linearize.save_folded`: safetensors + JSON, no
-    pickle; read it with ``linearize.load_folded(dir)``) and ``--report`` (``report/``).
-
-    ``history``: the sparsifier history JSON, for the report's fraction-over-time plot.
-    ``fold_counts``: recipe-specific counts (name -> function of a model), stored in the fold entry as
-    ``{"before": count(model), "after": count(folded)}``.
-    Returns the entries for ``metrics.json``.
-    """
-    out: dict = {}
-    model.eval()
-    if args.fold:
-        folded = _feature("fold")(model, example_inputs)
-        path = output_dir / "folded"
-        with replaced_dir(path) as stage:  # never a half-written folded/ beside an older metrics.json
-            # the recipes build their models themselves: load_folded(dir, base=<the recipe's model>)
-            _feature("save_folded")(folded, stage, builder="plain", example_inputs=example_inputs)
-        summary = folded.linearize_fold_summary
-        out["fold"] = {"path": str(path), "params_before": summary.params_before, "params_after": summary.params_after,
-                       "flops_before": summary.flops_before, "flops_after": summary.flops_after,
-                       "max_abs_error": summary.max_abs_error, "output_scale": summary.output_scale}
-        for name, count in (fold_counts or {}).items():
-            out["fold"][name] = {"before": count(model), "after": count(folded)}
-    if args.report:
-        skip = [m for m in args.report_skip.split(",") if m]
-        rep = _feature("report")(model, report_data, tol=args.tol, max_samples=args.report_samples, skip=skip,
-                                 history=history if history and history.exists() else None)
-        rep.save(output_dir / "report")
-        out["report"] = str(output_dir / "report")
-    return out
 
 
 # ----------------------------------------------------------------------------- training
@@ -1140,6 +1019,26 @@ def replaced_dir(directory: str | Path):
 
 
 # ----------------------------------------------------------------------------- metrics
+
+
+def unit_stats(model: nn.Module, tol: float) -> dict:
+    """``{"nonlinear_fraction", "units_total", "units_nonlinear"}`` (``linearize.count_units``), or ``{}``
+    for a model without units (``--linearize none``)."""
+    if not linearize.units(model):
+        return {}
+    c = linearize.count_units(model, tol)
+    return {"nonlinear_fraction": c["nonlinear"] / c["total"], "units_total": c["total"],
+            "units_nonlinear": c["nonlinear"]}
+
+
+FOLD_METRICS = ("params_before", "params_after", "flops_before", "flops_after", "max_abs_error", "output_scale")
+
+
+def fold_metrics(folded: nn.Module, path: Path) -> dict:
+    """The ``fold`` entry of ``metrics.json``: where the folded model was saved, and its
+    ``linearize_fold_summary`` (parameters and FLOPs before and after, the largest error of the check)."""
+    summary = folded.linearize_fold_summary
+    return {"path": str(path), **{k: getattr(summary, k) for k in FOLD_METRICS}}
 
 
 def versions() -> dict:

@@ -13,6 +13,10 @@ Evaluation: detokenized sacreBLEU on the test split (beam 4, length penalty 0.6)
 signature printed and saved in ``metrics.json``; with ``--validation-file`` as well, the validation
 split's BLEU beside it (``validation_bleu``: for choices made without looking at the test split),
 and on the validation split alone when there is no test split.
+
+The calls of linearize are in :func:`main`, as in ``recipes/cifar.py``: ``linearize.convert``,
+``linearize.Sparsifier(...).attach(optimizer)``, ``linearize.freeze``, ``linearize.fold`` +
+``linearize.save_folded``, ``linearize.report``; ``recipes/common.py`` holds the plumbing.
 """
 
 from __future__ import annotations
@@ -447,14 +451,16 @@ def main(argv: list[str] | None = None) -> dict:
 
     torch.manual_seed(args.seed)
     model = build_model(args.model_size, len(tokenizer), max_positions=max(512, 2 * args.max_length + 16))
-    model = common.convert_model(model, args, example_inputs=example_inputs())
+    if args.linearize != "none":  # every activation becomes a unit with a learnable slope (or a gated split)
+        model = linearize.convert(model, mode=args.linearize, example_inputs=example_inputs())
     vocab_hash = hashlib.sha256(json.dumps(sorted(tokenizer.get_vocab().items())).encode()).hexdigest()[:8]
     fingerprint = f"{common.model_fingerprint(model)}-{vocab_hash}"
 
     sampler = TokenBatchSampler([max(len(s), len(t)) for s, t in train], args.max_tokens, args.seed)
     train_loader = torch.utils.data.DataLoader(train, batch_sampler=sampler, collate_fn=collate)
-    optimizer = torch.optim.AdamW(common.param_groups(model, args.weight_decay), lr=args.lr, betas=(0.9, 0.98),
-                                  eps=1e-9)
+    # no weight decay on slopes (it would pull them back towards the activation), biases and norms
+    optimizer = torch.optim.AdamW(linearize.param_groups(model, weight_decay=args.weight_decay), lr=args.lr,
+                                  betas=(0.9, 0.98), eps=1e-9)
     model, optimizer, train_loader = accelerator.prepare(model, optimizer, train_loader)
     steps_per_epoch = len(train_loader)
     if steps_per_epoch == 0:
@@ -464,7 +470,14 @@ def main(argv: list[str] | None = None) -> dict:
     warmup = max(1, args.warmup_steps)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer.optimizer, lambda s: min((s + 1) / warmup, math.sqrt(warmup / (s + 1))))
-    sparsifier = common.make_sparsifier(accelerator.unwrap_model(model), args, total_steps, optimizer)
+    sparsifier = None
+    if args.linearize == "prelu" and args.schedule != "none":  # after every optimizer step: slopes towards 1
+        schedule = linearize.schedules.target(args.target, start=common.schedule_start(args, total_steps),
+                                              end=args.ramp_end, flops=args.target_flops, latency=args.target_latency)
+        priced = args.target_flops is not None or args.target_latency is not None  # a cost target prices the sites
+        sparsifier = linearize.Sparsifier(accelerator.unwrap_model(model), schedule, total_steps, lam=args.lam,
+                                          rate=args.rate, select=args.select, granularity=args.granularity,
+                                          example_inputs=example_inputs() if priced else None).attach(optimizer)
     run = common.Run(accelerator, args, model, optimizer, scheduler, sparsifier, out_dir, fingerprint, RECIPE,
                      started=start_time)
     step, last_step = common.start(run, total_steps)
@@ -482,8 +495,8 @@ def main(argv: list[str] | None = None) -> dict:
                         clip_grad=args.clip_grad)
 
     raw = accelerator.unwrap_model(model)
-    if args.freeze:
-        common.freeze_units(raw, args)
+    if args.freeze:  # linear channels (slope >= 1 - tol) set to exactly 1 and no longer trained
+        linearize.freeze(raw, tol=args.tol)
     encoded = {s: encode(tokenizer, pairs[s], args.max_length) for s in eval_splits}
     hyps = {s: translate(model, tokenizer, encoded[s], accelerator, args) for s in eval_splits}
     evaluated = encoded[eval_split]
@@ -504,10 +517,20 @@ def main(argv: list[str] | None = None) -> dict:
             (out_dir / f"{s}_hypotheses.txt").write_text("\n".join(hyps[s]) + "\n")
         save_final(raw, tokenizer, out_dir / "model", args)
         common.write_metrics(out_dir, metrics, args, start_time, accelerator.num_processes, str(accelerator.device), run.earlier_s)
+        probe = {k: v.to(accelerator.device) for k, v in collate(evaluated[:16]).items() if k != "labels"}
+        raw.eval()
+        if args.fold:  # linear parts folded into the layers around them (a plain nn.Module, no units left)
+            folded = linearize.fold(raw, probe)
+            with common.replaced_dir(out_dir / "folded") as stage:  # never a half-written folded/
+                linearize.save_folded(folded, stage, builder="plain", example_inputs=probe)
+            metrics["fold"] = {**common.fold_metrics(folded, out_dir / "folded"), "ffn_macs_per_token": {
+                "before": ffn_macs_per_token(raw), "after": ffn_macs_per_token(folded)}}
+        if args.report:
+            linearize.report(raw, probe, tol=args.tol, max_samples=args.report_samples,
+                             skip=[m for m in args.report_skip.split(",") if m],
+                             history=history if history.exists() else None).save(out_dir / "report")
+            metrics["report"] = str(out_dir / "report")
         if args.fold or args.report:
-            probe = {k: v.to(accelerator.device) for k, v in collate(evaluated[:16]).items() if k != "labels"}
-            metrics.update(common.fold_and_report(raw, args, probe, probe, out_dir, history,
-                                                  fold_counts={"ffn_macs_per_token": ffn_macs_per_token}))
             common.write_metrics(out_dir, metrics, args, start_time, accelerator.num_processes, str(accelerator.device), run.earlier_s)
         accelerator.print(json.dumps({k: v for k, v in metrics.items() if not isinstance(v, dict)}))
     if args.with_tracking:

@@ -185,7 +185,10 @@ def test_planned_multi30k_late_runs_build_their_sparsifier(tmp_path):
         assert (args.select, args.lam, args.rate) == ("slope", 0.001, None)
         model = linearize.convert(torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2)))
         opt = torch.optim.AdamW(linearize.param_groups(model), lr=1e-3)
-        assert common.make_sparsifier(model, args, 100, opt) is not None  # refused (saliency + lam) before
+        schedule = linearize.schedules.target(args.target, start=common.schedule_start(args, 100), end=args.ramp_end)
+        sparsifier = linearize.Sparsifier(model, schedule, 100, lam=args.lam, rate=args.rate, select=args.select,
+                                          granularity=args.granularity)  # as wmt14.main builds it
+        assert sparsifier.attach(opt) is sparsifier  # refused (saliency + lam) before
 
 
 @pytest.mark.parametrize("push", [["--lam", "0.001"], ["--rate", "0.01"]])

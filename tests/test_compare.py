@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -16,7 +17,9 @@ import torch
 
 import linearize
 from test_report import _chromium, _dump_dom
-from test_resume import CIFAR_CLASSES, write_images  # also puts recipes/ on sys.path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "recipes"))  # tests/recipes/
+from test_resume import CIFAR_CLASSES, write_images  # noqa: E402  (also puts recipes/ on sys.path)
 
 pytest.importorskip("matplotlib")
 

@@ -32,7 +32,7 @@ from safetensors.torch import load_file, save_file
 
 import linearize
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 RECIPES = REPO / "recipes"
 sys.path.insert(0, str(RECIPES))
 
@@ -290,7 +290,7 @@ def write_accelerate_layout(ckpt: Path, dest: Path, num_classes: int) -> Path:
     model = linearize.convert(cifar.build_model("resnet20", num_classes), mode="prelu",
                               example_inputs=torch.zeros(2, 3, 8, 8))
     model.load_state_dict(state.model)
-    optimizer = torch.optim.SGD(common.param_groups(model, 5e-4), lr=0.05, momentum=0.9, nesterov=True)
+    optimizer = torch.optim.SGD(linearize.param_groups(model, weight_decay=5e-4), lr=0.05, momentum=0.9, nesterov=True)
     optimizer.load_state_dict(state.optimizer)
     accelerator = Accelerator(cpu=True)
     model, optimizer = accelerator.prepare(model, optimizer)

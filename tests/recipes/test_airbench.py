@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "recipes"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "recipes"))
 
 import airbench  # noqa: E402
 

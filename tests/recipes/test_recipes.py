@@ -4,7 +4,7 @@ Each recipe runs as a subprocess, with plain ``python`` and with ``accelerate la
 --num_processes 2`` (real DDP over gloo on the CPU). Checked: metrics.json contents, the saved model loads
 back, an interrupted + resumed run ends with the same slopes (and weights) as an uninterrupted
 one (also under 2 processes), 1 and 2 processes reach the same nonlinear fraction, and bad input fails
-with a clear error. Kill -9 and resume across epochs, and damaged checkpoints: ``tests/test_resume.py``.
+with a clear error. Kill -9 and resume across epochs, and damaged checkpoints: ``tests/recipes/test_resume.py``.
 """
 
 from __future__ import annotations
@@ -24,11 +24,11 @@ import linearize
 
 from linearize.serialization import load_unit_tensors
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 RECIPES = REPO / "recipes"
 sys.path.insert(0, str(RECIPES))
 
-SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"  # ../shared beside the checkout
+SHARED_DATA = Path(__file__).resolve().parents[3] / "shared" / "data"  # ../shared beside the checkout
 CIFAR = Path(os.environ.get("LINEARIZE_CIFAR10", SHARED_DATA / "cifar10-jpeg.tar.gz"))
 MULTI30K = Path(os.environ.get("LINEARIZE_MULTI30K", SHARED_DATA / "multi30k"))
 needs_cifar = pytest.mark.skipif(not CIFAR.exists(), reason=f"real CIFAR-10 images not found at {CIFAR} "
