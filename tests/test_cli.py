@@ -14,6 +14,7 @@ from torch import nn
 import linearize
 from linearize.cli import main
 from linearize.models import load_model
+import argparse
 
 
 def test_help_lists_every_subcommand():
@@ -125,3 +126,35 @@ def test_the_demo_runs_on_the_threads_asked_and_restores_torchs(monkeypatch):
     main(["demo", "--epochs", "1"])
     main(["demo", "--epochs", "1", "--threads", "2"])
     assert seen == [1, 2] and torch.get_num_threads() == before
+
+
+@pytest.mark.parametrize("bad", ["slope 3", "slope -1", "frozen 0.5", "frozen off its slope"])
+def test_report_checkpoint_with_invalid_unit_state_is_refused(tmp_path, bad):
+    """``linearize report MODEL --checkpoint FILE`` loads a state_dict a user passes: slopes outside
+    [0, 1] (counted as linear: a >= 1 - tol) or a broken frozen buffer must be refused like
+    linearize.from_pretrained refuses them, not reported on."""
+    from linearize.cli import report as cli_report
+
+    model = torch.nn.Sequential(torch.nn.Linear(64, 20), torch.nn.ReLU(), torch.nn.Linear(20, 10))
+    torch.save(model, tmp_path / "mlp.pt")
+    linearize.convert(model, example_inputs=torch.randn(2, 64))
+    state = model.state_dict()
+    (slope,) = [k for k in state if k.endswith(".slope")]
+    frozen = slope[: -len("slope")] + "frozen"
+    if bad == "slope 3":
+        state[slope][0] = 3.0
+    elif bad == "slope -1":
+        state[slope][1] = -1.0
+    elif bad == "frozen 0.5":
+        state[frozen][2] = 0.5
+    else:
+        state[frozen][3], state[slope][3] = 1.0, 0.2
+    torch.save(state, tmp_path / "ckpt.pt")
+    parser = argparse.ArgumentParser(prog="linearize")
+    cli_report.register_cli(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["report", str(tmp_path / "mlp.pt"), "--trust-pickle", "--checkpoint",
+                              str(tmp_path / "ckpt.pt"), "--data", "digits", "--num-samples", "16", "--segments",
+                              "0", "--output-dir", str(tmp_path / "out"), "--no-progress"])
+    with pytest.raises(linearize.LoadError, match=r"--checkpoint .*ckpt.pt: unit '1'"):
+        args.func(args)
+    assert not (tmp_path / "out").exists()

@@ -171,3 +171,38 @@ def test_a_subclass_of_a_method_config_uses_that_method_and_others_are_refused()
 
     with pytest.raises(TypeError, match="no conversion method for Unhandled"):
         linearize.convert(mlp(), Unhandled(), example_inputs=X)
+
+
+def test_replace_mode_takes_the_new_modes_default_beta():
+    """Truth (GatedConfig docs): ``beta=None`` takes the mode's default, 4 for DGN and 10 for DLGN; a
+    config built as DGN with no beta given, switched to DLGN with ``replace``, must equal
+    ``LinearizeConfig(mode="dlgn")`` (beta 10). Observed: beta 4.0 carried over (it was filled in
+    ``__post_init__``, not given by the user)."""
+    switched = linearize.LinearizeConfig(mode="dgn").replace(mode="dlgn")
+    assert switched.beta == linearize.LinearizeConfig(mode="dlgn").beta == 10.0
+
+
+def test_subclass_from_dict_of_another_modes_dict_names_the_right_fix():
+    """Truth: ``from_dict`` reads ``d["mode"]``; ``BlendConfig.from_dict`` of a DGN dict must either
+    return that mode's config or say the dict is of mode 'dgn' and point at ``LinearizeConfig.from_dict``.
+    Observed: "'beta' is an option of mode 'dgn'/'dlgn' (GatedConfig), not of mode 'dgn' (BlendConfig)"
+    (the config names the wrong class for its own mode, and the suggested fix, convert with mode='dgn',
+    is what the dict already says)."""
+    from linearize.config import BlendConfig, GatedConfig
+
+    d = GatedConfig(mode="dgn").to_dict()
+    try:
+        cfg = BlendConfig.from_dict(d)
+    except (TypeError, ValueError) as err:
+        assert "not of mode 'dgn'" not in str(err)
+        assert "LinearizeConfig.from_dict" in str(err)
+    else:
+        assert cfg == GatedConfig(mode="dgn")
+
+
+def test_gated_bool_options_refuse_strings():
+    """Truth: ``hard_gates`` and ``freeze_feature`` are booleans. A hand-edited or crafted config dict with
+    ``"hard_gates": "false"`` must be refused (TypeError/ValueError naming the option), not read as the
+    truthy string, which turns hard gates *on*. Observed: accepted, ``cfg.hard_gates == "false"``."""
+    with pytest.raises((TypeError, ValueError), match="hard_gates"):
+        linearize.LinearizeConfig.from_dict({"mode": "dgn", "hard_gates": "false"})

@@ -13,6 +13,7 @@ import linearize
 from linearize.injection import CallSites
 from linearize.example_inputs import guess_example_inputs
 from linearize.inputs import call_model
+from linearize.functional_sites import FunctionalSiteError
 
 # independent list of the activation module types the zoo uses, to count calls with hooks
 ACT_TYPES = (nn.ReLU, nn.ReLU6, nn.GELU, nn.SiLU, nn.Hardswish, nn.Hardsigmoid, nn.Sigmoid, nn.Tanh)
@@ -507,3 +508,39 @@ def test_a_layer_width_counts_only_for_its_own_output_and_its_views(build, dims)
     assert {n: (u.channel_dim, u.num_channels) for n, u in linearize.units(model)} == dims
     with torch.no_grad():
         model(torch.randn(1, 3, 20, 20))  # another size runs on the feature axis
+
+
+class _Loop(nn.Module):
+    """One activation module called ``steps`` times (weight-tied recurrence)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.act = nn.Linear(4, 4), nn.ReLU()
+        self.steps = 2
+
+    def forward(self, x):
+        for _ in range(self.steps):
+            x = self.act(self.lin(x))
+        return x
+
+
+def test_a_reused_module_called_more_often_than_in_the_probe_is_refused():
+    model = linearize.convert(_Loop(), example_inputs=torch.randn(2, 4))
+    model(torch.randn(2, 4))
+    model.steps = 1  # fewer calls: each still runs its own call's unit
+    model(torch.randn(2, 4))
+    model.steps = 3
+    with pytest.raises(FunctionalSiteError, match="more than 2 times.*example_inputs="):
+        model(torch.randn(2, 4))
+
+
+def test_second_model_from_the_same_config_object_converts():
+    """Truth: ``GPT2Model(cfg)`` is a fresh plain model; converting it works whatever another model built
+    from ``cfg`` went through. Observed: after ``convert(GPT2Model(cfg))`` the config object (shared, not
+    copied, by transformers) is marked, and ``convert(GPT2Model(cfg))`` raises LoadError 'was saved after
+    linearize.convert ... loaded by a plain from_pretrained' (neither happened)."""
+    hf = pytest.importorskip("transformers")
+    cfg = hf.GPT2Config(vocab_size=60, n_embd=16, n_layer=1, n_head=2, n_positions=32)
+    linearize.convert(hf.GPT2Model(cfg))
+    second = linearize.convert(hf.GPT2Model(cfg))
+    assert len(linearize.units(second)) == 1

@@ -745,3 +745,90 @@ def test_a_planned_site_frozen_nonlinear_after_the_plan_is_made_is_named_in_a_wa
         for _ in range(9):
             sp.step()
     assert sum("frozen nonlinear" in str(w.message) for w in seen) == 1  # once, not every step
+
+
+def _mlp_of_width_32() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4))
+
+
+def _train(model: nn.Module, opt: torch.optim.Optimizer, steps: int, dtype=torch.float32) -> None:
+    for i in range(steps):
+        x = torch.randn(16, 8, generator=torch.Generator().manual_seed(i)).to(dtype)
+        opt.zero_grad()
+        model(x).square().mean().backward()
+        opt.step()
+
+
+def test_cost_target_plan_survives_moving_the_model_after_construction():
+    # recipes/cifar.py builds the Sparsifier (example_inputs: a CPU image) and then lets
+    # accelerator.prepare move the model to the GPU; the plan is made at the target's start, by
+    # folding a deepcopy of the moved model with the CPU inputs. On a CPU-only machine the same
+    # path is taken by a dtype move (.double()), which is what this test does.
+    model = _mlp_of_width_32()
+    x = torch.randn(1, 8)
+    linearize.convert(model, example_inputs=x)
+    opt = torch.optim.SGD(linearize.param_groups(model), lr=0.01)
+    sp = linearize.Sparsifier(model, linearize.schedules.target(flops=0.3, start=2, end=6), total_steps=8,
+                              granularity="site", example_inputs=x).attach(opt)
+    model.double()  # as accelerator.prepare's model.to(device)
+    _train(model, opt, 8, torch.float64)
+    assert sp.cost_plan is not None and sp.cost_plan[-1]["cost"] <= 0.3
+
+
+def test_resume_with_latency_weights_is_exact():
+    """Truth (Sparsifier resume contract): a Sparsifier rebuilt the same way and given ``state_dict()``
+    continues exactly as the uninterrupted one. With ``weights="latency"`` the per-unit weights are
+    timings measured in ``__init__`` and not saved, so the rebuilt Sparsifier pushes each site by a
+    different (noisy) amount: the slopes after one more step differ."""
+    import copy
+    import warnings
+
+    torch.manual_seed(0)
+    x = torch.randn(4, 16)
+    model = linearize.convert(nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 8), nn.ReLU(),
+                                            nn.Linear(8, 64), nn.ReLU(), nn.Linear(64, 2)), example_inputs=x)
+
+    def build(m):
+        return linearize.Sparsifier(m, S.constant(), total_steps=10, weights="latency", example_inputs=x)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # no optimizer: the slopes move by the pressure alone
+        sp = build(model)
+        sp.step()
+        model2 = copy.deepcopy(model)
+        sp2 = build(model2)
+        sp2.load_state_dict(sp.state_dict())
+        sp.step()
+        sp2.step()
+    for (_, a), (_, b) in zip(linearize.units(model), linearize.units(model2)):
+        assert torch.equal(a.slope, b.slope)
+
+
+def test_load_state_dict_checks_the_cost_plan():
+    """Truth (load_state_dict docs: "Everything is checked before anything changes"): a state whose cost
+    plan names a group this Sparsifier does not have (``plan: [7]`` with 2 sites), or whose
+    ``plan_costs`` do not match the plan, must be refused with a ValueError at load. Observed: accepted;
+    the next ``step()`` raises a bare ``IndexError: list index out of range`` (or ``StopIteration``
+    for a short ``plan_costs``)."""
+    import json
+    import warnings
+
+    torch.manual_seed(0)
+    x = torch.randn(4, 16)
+
+    def build():
+        model = linearize.convert(nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(),
+                                                nn.Linear(32, 4)), example_inputs=x)
+        return linearize.Sparsifier(model, S.target(flops=0.6, end=4), total_steps=8, granularity="site",
+                                    example_inputs=x)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        sp = build()
+        sp.step()
+        state = json.loads(json.dumps(sp.state_dict()))
+        assert state["plan"] is not None  # the plan was made at the target's start
+        for bad in ({"plan": [7], "plan_costs": [1.0, 0.5]}, {"plan": [0], "plan_costs": [1.0]}):
+            with pytest.raises(ValueError):
+                build().load_state_dict({**state, **bad})

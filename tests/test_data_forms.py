@@ -17,6 +17,7 @@ import linearize
 from linearize.gated import gate_statistics
 from linearize.inputs import Batches, call_model, eval_mode, hooks
 from linearize.measures import affinity_score, affinity_signature, average_path_length
+from linearize.inputs import max_difference
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -292,3 +293,11 @@ def test_limit_reads_no_batch_beyond_it():
 
     assert Batches.of(gen()).limit(samples=7).num_samples == 7 and read == [0]
     assert len(Batches.of(gen()).limit(batches=2)) == 2 and read == [0, 0, 7]
+
+
+@pytest.mark.parametrize("ref,new", [(torch.zeros(3), torch.zeros(1)), (torch.zeros(0), torch.ones(2)),
+                                     (torch.zeros(2, 1), torch.ones(2))], ids=["broadcast", "empty-ref", "2d-1d"])
+def test_max_difference_refuses_tensors_of_other_shapes(ref, new):
+    """max_difference broadcast tensors of other shapes (or skipped an empty ref) and reported a small or zero error."""
+    with pytest.raises(ValueError, match="one shape"):
+        max_difference([ref], [new])

@@ -249,3 +249,19 @@ def test_inspect_a_timm_model_by_name(capsys):
     assert main(["inspect", "resnet10t"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("11 sites") and "conv1.5" in out  # deep stem: conv1.2, conv1.5, act1; 4 BasicBlocks x 2
+
+
+def test_a_wrong_guessed_input_names_the_guess_and_the_fix():
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(8, 2)  # registered first, called last
+            self.conv = nn.Conv2d(3, 8, 3)
+            self.act = nn.ReLU()
+
+        def forward(self, x):
+            return self.fc(self.act(self.conv(x)).mean((2, 3)))
+
+    with pytest.raises(ValueError, match=r"guessed the input of Net as a tensor of shape \(2, 8\).*example_inputs="):
+        linearize.convert(Net())
+    assert len(list(linearize.units(linearize.convert(Net(), example_inputs=torch.randn(2, 3, 8, 8))))) == 1

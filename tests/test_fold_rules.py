@@ -392,3 +392,21 @@ def test_folded_files_naming_the_old_module_still_load(tmp_path):
     (tmp_path / "folded.json").write_text(json.dumps(meta))
     loaded = linearize.load_folded(tmp_path)
     torch.testing.assert_close(loaded(x), model(x), rtol=0, atol=1e-6)
+
+
+def test_fold_of_a_timm_condconv_block_equals_its_source():
+    """Truth: fold returns a model computing the source's function (or leaves a block it cannot fold as
+    it is). timm's ``CondConvResidual`` subclasses ``InvertedResidual`` but its forward computes
+    routing weights and calls ``conv_pw(x, routing_weights)``; the timm inverted-residual rule matches it
+    by ``isinstance`` and lays its layers out as a plain chain. Observed: ``TypeError: CondConv2d.forward()
+    missing 1 required positional argument: 'routing_weights'`` from deep inside torch."""
+    timm_blocks = pytest.importorskip("timm.models._efficientnet_blocks")
+    torch.manual_seed(0)
+    block = timm_blocks.CondConvResidual(8, 8, exp_ratio=2.0, num_experts=2)
+    model = nn.Sequential(nn.Conv2d(3, 8, 1), block, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 2)).eval()
+    x = torch.randn(2, 3, 6, 6)
+    model = linearize.convert(model, example_inputs=x)
+    folded = linearize.fold(model, x, latency=False)
+    with torch.no_grad():
+        ref = model(x)
+        assert (folded(x) - ref).abs().max() <= 1e-4 * ref.abs().max()

@@ -550,3 +550,28 @@ def test_an_activation_module_made_during_forward_is_left_as_it_is_and_named():
     model = linearize.convert(_MadeInForward().eval(), example_inputs=x, channel_dim=1)
     with torch.no_grad():
         assert model(torch.randn(2, 7, 6)).shape == (2, 7, 6)
+
+
+@pytest.mark.parametrize("call", [torch.selu_, torch.selu, lambda h: torch.celu_(h, 0.5), lambda h: torch.celu(h, 0.5)],
+                         ids=["selu_", "selu", "celu_", "celu"])
+def test_torch_namespace_selu_and_celu_calls_become_units(call):
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(4, 8), nn.Linear(8, 2)
+
+        def forward(self, x):
+            return self.b(call(self.a(x)))
+
+    torch.manual_seed(0)
+    net, x = Net().double(), torch.randn(8, 4, dtype=torch.float64)
+    with torch.no_grad():
+        ref = net(x.clone())
+        model = linearize.convert(net, example_inputs=x.clone())
+        assert len(list(linearize.units(model))) == 1
+        torch.testing.assert_close(model(x.clone()), ref, rtol=0, atol=0)
+        for _, unit in linearize.units(model):
+            unit.slope.fill_(1.0)
+        # all slopes 1: an affine map, so f(2x) - 2 f(x) + f(0) = 0
+        zero = torch.zeros_like(x)
+        assert float((model(2 * x) - 2 * model(x.clone()) + model(zero)).abs().max()) < 1e-12

@@ -15,6 +15,7 @@ from torchvision.models.resnet import Bottleneck, ResNet
 import linearize
 from linearize.config import LinearizeConfig
 from linearize.gated import FeatureTap, GatedNetwork, convert_gated, gate_statistics
+from linearize.config import GatedConfig
 
 
 def small_vgg(batch_norm: bool) -> nn.Module:
@@ -372,3 +373,32 @@ def test_count_units_counts_every_gate_channel_as_nonlinear():
     assert len(counts["sites"]) == 17
     assert counts["total"] == counts["nonlinear"] == sum(g.num_channels for _, g in gated.gates())
     assert linearize.nonlinear_fraction(gated) == 1.0
+
+
+class _InputInPlace(nn.Module):
+    """An in-place LeakyReLU of the model input itself, then ``head(act(h) + h)`` (an input read again)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.act0 = nn.LeakyReLU(0.1, inplace=True)
+        self.lin, self.act, self.head = nn.Linear(4, 4), nn.LeakyReLU(0.1, inplace=True), nn.Linear(4, 2)
+
+    def forward(self, x):
+        x = self.act0(x)
+        h = self.lin(x)
+        return self.head(self.act(h) + h)
+
+
+def test_dgn_in_place_tap_on_the_model_input_does_not_change_the_value_networks_input():
+    """DGN: the feature network's in-place tap wrote into the caller's input, so the value network applied the leaky ReLU twice."""
+    torch.manual_seed(0)
+    model = _InputInPlace().double().eval()
+    x = torch.randn(16, 4, dtype=torch.float64)
+    x_orig = x.clone()
+    ref = model(x_orig)  # the original writes leaky_relu(x) into x_orig
+    gated = convert_gated(model, GatedConfig(mode="dgn", init="copy", hard_gates=True), x.clone()).eval()
+    assert all(g.inplace for _, g in gated.gates())
+    xg = x.clone()
+    out = gated(xg)
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-12)
+    torch.testing.assert_close(xg, x_orig, rtol=0, atol=0)  # the caller's input is written once, as by the original

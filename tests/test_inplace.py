@@ -16,6 +16,8 @@ from linearize.config import GatedConfig
 from linearize.gated import convert_gated, gate_statistics
 from linearize.inputs import max_difference
 from linearize.unit import ChannelBlend, ChannelPReLU
+from linearize.unit import LinearizableActivation
+from zoo import random_slopes
 
 
 class _Aliased(nn.Module):
@@ -113,3 +115,95 @@ def test_max_difference_against_its_definition():
     assert max_difference([big], [-big]) == (2e300, 1e300)
     with pytest.raises(ValueError):
         max_difference([a], [])
+
+
+class _Learnable(nn.Module):
+    """A learnable activation ``tanh(w x)``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.tensor(0.7, dtype=torch.float64))
+
+    def forward(self, x):
+        return torch.tanh(self.w * x)
+
+
+def test_in_place_unit_with_a_learnable_act_and_fixed_slopes_has_the_acts_gradient():
+    """unit.inplace with frozen slopes and an act module holding parameters: write_into skipped the copy, the backward crashed."""
+    torch.manual_seed(0)
+    unit = LinearizableActivation(_Learnable(), 3, kind="learnable").double()
+    with torch.no_grad():
+        unit.slope.fill_(0.3)
+    unit.slope.requires_grad_(False)
+    x = torch.randn(2, 3, dtype=torch.float64)
+    a = torch.tensor(0.3, dtype=torch.float64)
+    want = (1 - a) * torch.tanh(unit.act.w * x) + a * x  # the definition, out of place
+    g_want, = torch.autograd.grad(want.sum(), unit.act.w)
+    unit.inplace = True
+    xi = x.clone()
+    out = unit(xi)
+    assert out is xi
+    torch.testing.assert_close(out, want.detach(), rtol=0, atol=1e-12)
+    g, = torch.autograd.grad(out.sum(), unit.act.w)
+    torch.testing.assert_close(g, g_want, rtol=0, atol=1e-12)
+
+
+def test_in_place_activation_read_again_keeps_its_function_through_training_fold_and_save(tmp_path):
+    torch.manual_seed(0)
+    original = _Aliased()
+    x = torch.randn(16, 8, requires_grad=True)
+    model = linearize.convert(copy.deepcopy(original), example_inputs=x.detach())
+    # the truth at init: the original module, forward and input gradient (2 relu(h) feeds the head)
+    ref = original(x)
+    gx_ref, = torch.autograd.grad(ref.sum(), x)
+    out = model(x)
+    gx, = torch.autograd.grad(out.sum(), x)
+    torch.testing.assert_close(out, ref, rtol=0, atol=0)
+    torch.testing.assert_close(gx, gx_ref, rtol=1e-6, atol=1e-6)
+    # partly linear: the definition (2 * blend(h)) in float64, and the folded model and its save
+    random_slopes(model)
+    a = next(u for _, u in linearize.units(model)).slope.detach().double()
+    with torch.no_grad():
+        h = model.lin.double()(x.detach().double())
+        want = model.head.double()(2 * ((1 - a) * h.relu() + a * h))
+        model.float()
+        torch.testing.assert_close(model(x.detach()).double(), want, rtol=1e-5, atol=1e-5)
+        folded = linearize.fold(model, x.detach())
+        torch.testing.assert_close(folded(x.detach()).double(), want, rtol=1e-5, atol=1e-5)
+        linearize.save_folded(folded, tmp_path)
+        loaded = linearize.load_folded(tmp_path, base=_Aliased())
+        torch.testing.assert_close(loaded(x.detach()).double(), want, rtol=1e-5, atol=1e-5)
+
+
+def test_in_place_activations_not_read_again_stay_out_of_place():
+    """torchvision's ReLU(inplace=True) everywhere, no input read again: the units keep the cheaper
+    out-of-place forward (no copy per call)."""
+    torchvision = pytest.importorskip("torchvision")
+    model = linearize.convert(torchvision.models.resnet18(num_classes=4), example_inputs=torch.randn(2, 3, 32, 32))
+    assert not any(u.inplace for _, u in linearize.units(model))
+
+
+def test_in_place_check_with_init_slope_the_model_input_and_integer_outputs():
+    class OnInput(nn.Module):  # the activation works in place on the model's own input
+        def __init__(self, argmax=False):
+            super().__init__()
+            self.act, self.fc, self.argmax = nn.ReLU(inplace=True), nn.Linear(4, 3), argmax
+
+        def forward(self, x):
+            out = self.fc(self.act(x) + x)
+            return out.argmax(1) if self.argmax else out
+
+    torch.manual_seed(0)
+    x = torch.randn(64, 4)
+    for argmax, init_slope in ((False, 0.0), (False, 0.5), (True, 0.0)):
+        original = OnInput(argmax)
+        given = x.clone()
+        model = linearize.convert(copy.deepcopy(original), example_inputs=given, init_slope=init_slope)
+        assert torch.equal(given, x)  # convert leaves the caller's inputs as they were
+        assert all(u.inplace for _, u in linearize.units(model))
+        assert all(bool((u.slope == init_slope).all()) for _, u in linearize.units(model))
+        for _, unit in linearize.units(model):
+            with torch.no_grad():
+                unit.slope.zero_()
+        with torch.no_grad():
+            assert torch.equal(model(x.clone()), original(x.clone()))

@@ -258,3 +258,22 @@ def test_a_first_build_says_so_on_stderr_once_with_its_time(fresh, monkeypatch, 
     monkeypatch.delitem(kernels._state, "prelu")  # a later process: loads the finished build silently
     assert kernels.cpu_prelu() is F.prelu
     assert capfd.readouterr().err == ""
+
+
+@pytest.mark.parametrize("value", ["nan", "-1", "-inf", "soon"])
+def test_kernel_wait_bound_refuses_values_that_wait_forever(monkeypatch, value):
+    """filelock waits forever for a negative timeout and never times out for NaN: such a
+    LINEARIZE_CPU_KERNEL_WAIT must be refused (the units then use PyTorch ops), not obeyed."""
+    import linearize.kernels as kernels
+
+    monkeypatch.setenv(kernels.ENV_WAIT, value)
+    with pytest.raises(kernels.KernelUnavailable, match="LINEARIZE_CPU_KERNEL_WAIT"):
+        kernels._wait_bound()
+
+
+def test_kernel_wait_bound_accepts_plain_seconds(monkeypatch):
+    import linearize.kernels as kernels
+
+    for value, seconds in (("0", 0.0), ("2.5", 2.5), ("", kernels.DEFAULT_WAIT_S)):
+        monkeypatch.setenv(kernels.ENV_WAIT, value)
+        assert kernels._wait_bound() == seconds

@@ -258,3 +258,67 @@ def test_gpt2_reshaped_token_ids_start_paths() -> None:
 
     with pytest.raises(ValueError, match="derives from the source"):
         average_path_length(MaskOnly(), torch.randint(1, 50, (2, 3)), method="record")
+
+
+class _Ids(nn.Module):
+    """ids -> embedding -> linear -> ReLU (width 4) -> linear; ``prep`` turns the ids into the embedding
+    input, ``mask`` (optional) gives a mask multiplied into the hidden state."""
+
+    def __init__(self, prep, mask=None) -> None:
+        super().__init__()
+        self.prep, self.mask = prep, mask
+        self.emb, self.f, self.act, self.o = nn.Embedding(10, 4), nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.act(self.f(self.emb(self.prep(ids))))
+        if self.mask is not None:
+            h = h * self.mask(ids).unsqueeze(-1)
+        return self.o(h)
+
+
+def test_apl_record_follows_ids_cast_with_long():
+    """Truth: one all-nonlinear unit (initial slope 0) on the only path: APL 1.0 (as fx gives, and as
+    ``record`` gives for ``ids.to(torch.long)``). Observed: ``ids.long()`` (and ``F.pad``, ``flip``,
+    ``type``, ``index_select`` of the ids) drops the tag: ValueError 'no output tensor derives'."""
+    ids = torch.randint(0, 10, (2, 5), dtype=torch.int32)
+    model = linearize.convert(_Ids(lambda i: i.long()), example_inputs=ids)
+    assert average_path_length(model, ids, method="fx") == 1.0  # the truth the other method gives
+    assert average_path_length(model, ids, method="record") == 1.0
+
+
+def test_apl_mask_from_ids_to_bool_is_a_constant():
+    """Truth (module docstring: masks are constants): ``h * mask`` with a mask of the ids keeps the one
+    path through the all-nonlinear unit, APL 1.0, as ``ids != 0`` and ``ids.bool()`` give. Observed:
+    ``ids.to(torch.bool)`` is tagged as a layout op, the product merges with a 0-unit path: 0.5."""
+    ids = torch.randint(0, 10, (2, 5))
+    for mask in (lambda i: i != 0, lambda i: i.bool()):  # the same mask: a constant
+        model = linearize.convert(_Ids(lambda i: i, mask), example_inputs=ids)
+        assert average_path_length(model, ids, method="record") == 1.0
+    model = linearize.convert(_Ids(lambda i: i, lambda i: i.to(torch.bool)), example_inputs=ids)
+    assert average_path_length(model, ids, method="record") == 1.0
+
+
+def test_apl_mask_shaped_like_the_ids_is_a_constant():
+    """Truth: ``(ids != 0)`` is a constant mask (APL 1.0, as without the shape call); ``expand_as(ids)``,
+    ``view_as(ids)``, ``to(ids)`` take only the shape/dtype of ``ids``, not its values. Observed: the
+    layout op tags the mask with the ids' node, ``h * mask`` merges with a 0-unit path: 0.5."""
+    ids = torch.randint(0, 10, (2, 5))
+    for shaped in (lambda i: (i != 0).expand_as(i), lambda i: (i != 0).view_as(i), lambda i: (i != 0).to(i)):
+        model = linearize.convert(_Ids(lambda i: i, shaped), example_inputs=ids)
+        assert average_path_length(model, ids, method="record") == 1.0
+
+
+def _shift_right(ids: torch.Tensor) -> torch.Tensor:
+    """BART's ``shift_tokens_right``: the ids moved one place into a fresh buffer (decoder inputs)."""
+    shifted = ids.new_zeros(ids.shape)
+    shifted[:, 1:] = ids[:, :-1].clone()
+    return shifted
+
+
+def test_apl_record_follows_ids_shifted_right():
+    """Truth: the shifted ids feed the only path, through one all-nonlinear unit: APL 1.0. ``__setitem__``
+    only moves the ids (BART/T5 build decoder inputs this way). Observed: the integer result of
+    ``__setitem__`` is not tagged: ValueError 'no output tensor of the model derives from the source'."""
+    ids = torch.randint(0, 10, (2, 5))
+    model = linearize.convert(_Ids(_shift_right), example_inputs=ids)
+    assert average_path_length(model, ids, method="record") == 1.0

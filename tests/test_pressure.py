@@ -370,3 +370,14 @@ def test_distill_logits_at_a_temperature_match_the_definition():
     got.backward()
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-7)
     torch.testing.assert_close(s.grad.double(), temp * (ps - pt) / len(s), rtol=1e-4, atol=1e-7)
+
+
+def test_target_schedule_after_the_end_of_training_is_refused():
+    model = linearize.convert(nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1)))
+    with pytest.raises(ValueError):
+        linearize.Sparsifier(model, linearize.schedules.target(0.25, start=100, end=200), total_steps=50)
+
+
+def test_target_power_nan_is_refused_at_construction():
+    with pytest.raises(ValueError, match="power"):
+        linearize.schedules.target(0.25, power=float("nan"))

@@ -649,3 +649,43 @@ def test_linear_layout_ops_pass_the_tracer():
     h = torch.cat([h[:, :3], -h[:, 3:] / 2.0], 1) > 0
     changes = int((h[1:] != h[:-1]).any(1).sum())
     assert int(linear_regions(net, x0, x1).count.reshape(-1)[0]) == changes + 1
+
+
+@pytest.mark.parametrize("op", [lambda t: t.detach(), lambda t: t.data, lambda t: t.to(torch.long).to(t.dtype),
+                                lambda t: t.new_tensor(t), lambda t: t * t.to(torch.bool)],
+                         ids=["detach", "data", "to_long", "new_tensor", "to_bool"])
+def test_regions_refuse_ops_that_cut_or_quantize_the_input(op):
+    from linearize.measures.regions import linear_regions
+
+    net = nn.Sequential(nn.Linear(1, 1)).double()
+    with torch.no_grad():
+        net[0].weight.fill_(3.0)
+
+    class Net(nn.Module):
+        def forward(self, x):
+            return torch.relu(op(net(x)) - 1.0) + net(x)  # a kink (or steps) the tracer would not see
+
+    with pytest.raises(ValueError, match="cuts the output's dependence|into torch"):
+        linear_regions(Net(), torch.tensor([[-1.0]], dtype=torch.float64), torch.tensor([[2.0]], dtype=torch.float64))
+
+
+def test_regions_accept_where_with_a_constant_mask_and_addcmul_with_one_input_factor():
+    from linearize.measures.regions import linear_regions
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(1, 3)
+
+        def forward(self, x):
+            h = self.lin(x)
+            mask = torch.tensor([True, False, True])
+            return torch.where(mask, torch.relu(h), 0.0).addcmul(h, torch.full((3,), 2.0)).sum(1, keepdim=True)
+
+    torch.manual_seed(0)
+    net = Net().double()
+    x0, x1 = torch.tensor([[-3.0]], dtype=torch.float64), torch.tensor([[3.0]], dtype=torch.float64)
+    ts = torch.linspace(0, 1, 100001, dtype=torch.float64)[:, None]
+    with torch.no_grad():
+        h = net.lin(x0 + ts * (x1 - x0)) > 0  # regions: activation patterns of the ReLU (seed 001), all 3 channels
+    assert int(linear_regions(net, x0, x1).count.reshape(-1)[0]) == int((h[1:] != h[:-1]).any(1).sum()) + 1

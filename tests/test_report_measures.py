@@ -136,3 +136,57 @@ def test_the_command_line_knows_registered_measures(registry, capsys, tmp_path):
     with pytest.raises(SystemExit):
         build_parser().parse_args(["report", "m.pt", "--data", "digits", "--skip", "nothing"])
     assert "invalid choice: 'nothing'" in capsys.readouterr().err
+
+
+def test_register_measure_refuses_a_plot_file_outside_the_report_folder(tmp_path):
+    """Truth: ``Report.save(out_dir)`` writes every plot into ``out_dir``; a measure's ``plot_file`` is
+    "a file name" (register_measure docs), so ``"../escape.png"`` or an absolute path must be refused
+    with a ValueError at registration. Observed: accepted, and ``save`` would write it outside."""
+    from linearize.report_measures import MEASURES, register_measure
+
+    try:
+        with pytest.raises(ValueError):
+            register_measure("hostile_escape", lambda ctx: 1.0, plot=lambda v: b"png",
+                             plot_file=str(tmp_path / ".." / "escape.png"))
+    finally:
+        MEASURES.pop("hostile_escape", None)
+
+
+def test_report_refuses_a_non_finite_measure_value_by_name():
+    """Truth: ``report()`` checks every measure value against what ``report.json`` can hold (``_checked``)
+    and names the measure otherwise; ``report.json`` is written with ``allow_nan=False``. A measure
+    returning NaN must therefore either be refused by ``report()`` naming the measure, or be written.
+    Observed: ``report()`` accepts NaN (its check uses ``json.dumps`` with NaN allowed) and
+    ``to_json()`` / ``save()`` then raise a bare "Out of range float values" naming nothing."""
+    from linearize.report_measures import MEASURES, register_measure
+
+    register_measure("hostile_nan", lambda ctx: {"score": float("nan")})
+    try:
+        model = linearize.convert(nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)),
+                                  example_inputs=torch.randn(2, 4))
+        skip = [k for k in MEASURES if k not in ("hostile_nan", "units")]
+        try:
+            rep = linearize.report(model, torch.randn(8, 4), skip=skip, progress=False)
+        except (TypeError, ValueError) as err:
+            assert "hostile_nan" in str(err)
+        else:
+            rep.to_json()
+    finally:
+        MEASURES.pop("hostile_nan", None)
+
+
+def test_register_measure_refuses_non_callable_parts():
+    """Truth (register_measure docs): a measure is a ``compute(ctx)`` function, its ``plot`` a function
+    ``plot(value) -> bytes``; a function given bare is checked (``TypeError``), so a ``Measure`` whose
+    ``compute`` is ``5`` or whose ``plot`` is a string must be refused too. Observed: both registered;
+    the report fails later, after the measures before it ran, with "'int' object is not callable"."""
+    from linearize.report_measures import MEASURES, Measure, register_measure
+
+    try:
+        with pytest.raises(TypeError):
+            register_measure("hostile_compute", Measure(compute=5))
+        with pytest.raises(TypeError):
+            register_measure("hostile_plot", lambda ctx: 1.0, plot="fraction.png")
+    finally:
+        MEASURES.pop("hostile_compute", None)
+        MEASURES.pop("hostile_plot", None)

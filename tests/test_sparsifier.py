@@ -14,6 +14,7 @@ from torch import nn
 import linearize
 from linearize import LinearizableActivation
 from linearize import schedules as S
+import copy
 
 BATCH = 64
 EPOCHS = 12
@@ -508,3 +509,26 @@ def test_blocks_given_as_one_string_is_refused_not_read_per_character():
         linearize.Sparsifier(model, S.constant(0.1), total_steps=10, granularity="block", blocks=[model.block])
     assert linearize.sparsifier.site_groups(model, ["block"]) == {names[0]: [names[0]], "block": names[1:]}
     linearize.Sparsifier(model, S.constant(0.1), total_steps=10, granularity="block", blocks=["block"])
+
+
+def test_shallow_copy_of_attached_sparsifier():
+    """Truth: ``copy.copy`` of an object does not raise; the original stays the one attached (it still
+    runs once per optimizer step). Observed: __setstate__ re-attaches the copy to the same optimizer and
+    attach raises 'another Sparsifier is already attached'."""
+    model = linearize.convert(nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2)))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    sparsifier = linearize.Sparsifier(model, total_steps=10).attach(optimizer)
+    clone = copy.copy(sparsifier)
+    assert clone is not sparsifier and sparsifier._hook is not None
+
+
+def test_sparsifier_weights_survive_huge_values():
+    """Only the ratios of unit weights matter (normalized to mean 1 over channels): weights of 1e308
+    overflowed the sum and became 0 for every unit (no pressure at all), silently."""
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.ReLU(), torch.nn.Linear(4, 4), torch.nn.ReLU())
+    linearize.convert(model, example_inputs=torch.randn(2, 3))
+    a, b = (n for n, _ in linearize.units(model))
+    equal = linearize.Sparsifier(model, total_steps=10, weights={a: 1e308, b: 1e308}).weights
+    assert equal == {a: 1.0, b: 1.0}
+    ratio = linearize.Sparsifier(model, total_steps=10, weights={a: 1e308, b: 0.5e308}).weights
+    assert ratio[a] == pytest.approx(4 / 3) and ratio[b] == pytest.approx(2 / 3)  # 4 channels each

@@ -87,3 +87,21 @@ def test_granularity_is_checked_and_must_match_on_resume():
     state = linearize.Sparsifier(model, S.target(0.5), total_steps=10, granularity="site").state_dict()
     with pytest.raises(ValueError, match="granularity"):
         linearize.Sparsifier(model, S.target(0.5), total_steps=10).load_state_dict(state)
+
+
+def test_group_penalty_gradient_is_finite_at_a_linear_site():
+    """Truth: ``||1 - a||_2`` has a subgradient of 0 where the gap is 0 (torch.linalg.norm backward gives
+    0 there, as the penalty's earlier ``gap.norm()`` did). With ``granularity="site"`` and
+    ``mode="loss"``, a site whose slopes all reached 1 must not give NaN slope gradients. Observed: all
+    NaN; in the documented loop (``target(0.5, end=10)``, ``mode="loss"``, ``granularity="site"``, SGD,
+    loss + penalty) the first site the projection snaps to 1 turns NaN and step 1 raises
+    ``NonFiniteSlopeError: ... Training diverged``."""
+    torch.manual_seed(0)
+    model = linearize.convert(nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 1)))
+    sp = linearize.Sparsifier(model, S.constant(0.1), total_steps=10, mode="loss", granularity="site")
+    first, second = (u for _, u in linearize.units(model))
+    with torch.no_grad():
+        first.slope.fill_(1.0)  # this site is exactly linear (its channels are free, not frozen)
+    sp.penalty().backward()
+    assert torch.isfinite(second.slope.grad).all()
+    assert torch.isfinite(first.slope.grad).all()  # observed: all NaN

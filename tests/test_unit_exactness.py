@@ -206,3 +206,41 @@ def test_fp16_autocast_training_with_an_overflowing_pre_activation_steps_as_the_
         assert scaler.get_scale() == 2.0**8  # no inf/NaN gradient: the step was taken
     for i in (0, 2):
         assert torch.equal(converted[i].weight, original[i].weight) and torch.equal(converted[i].bias, original[i].bias)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("leak", [0.01, 0.2])
+def test_leaky_relu_units_are_exact_at_both_ends_in_low_precision(dtype, leak):
+    x = torch.randn(64, 16, generator=torch.Generator().manual_seed(1)).to(dtype)
+    unit = linearize.LinearizableActivation(nn.LeakyReLU(leak), 16)
+    assert torch.equal(unit(x), F.leaky_relu(x, leak))
+    with torch.no_grad():
+        unit.slope.fill_(1.0)
+    assert torch.equal(unit(x), x)
+    with torch.no_grad():
+        unit.slope.fill_(0.5)
+    want = 0.5 * F.leaky_relu(x.double(), leak) + 0.5 * x.double()  # the blend's definition in float64
+    torch.testing.assert_close(unit(x).double(), want, rtol=2 ** -7, atol=1e-3)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64])
+def test_linear_masks_are_exact_in_low_precision(dtype):
+    """``a >= 1 - tol`` decided in exact arithmetic (the Python float of each slope against the
+    Python float ``1 - tol``), for the 40 values of ``dtype`` just below 1 and tolerances that fall
+    between them: comparing in ``dtype`` rounded ``1 - tol`` onto a slope below it."""
+    from linearize.unit import count_channels, linear_masks
+
+    values = [torch.tensor(1.0, dtype=dtype)]
+    for _ in range(40):
+        values.append(torch.nextafter(values[-1], torch.tensor(0.0, dtype=dtype)))
+    slopes = torch.stack(values)
+    unit = linearize.LinearizableActivation("relu", len(slopes), -1).to(dtype)
+    with torch.no_grad():
+        unit.slope.copy_(slopes)
+    floats = [float(v) for v in slopes]
+    tols = [0.0] + [1 - (a + b) / 2 for a, b in zip(floats, floats[1:])] + [1 - (0.3 * a + 0.7 * b)
+                                                                             for a, b in zip(floats, floats[1:])]
+    for tol in tols:
+        truth = [f >= 1.0 - tol for f in floats]
+        assert linear_masks([("u", unit)], tol)[0].tolist() == truth, (dtype, tol)
+        assert count_channels([("u", unit)], tol)["linear"] == sum(truth)

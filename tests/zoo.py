@@ -34,6 +34,16 @@ def randomize_batchnorm(model: nn.Module, seed: int = 1) -> nn.Module:
     return model
 
 
+def random_slopes(model: nn.Module, seed: int = 0) -> None:
+    """Every unit's slopes drawn uniformly from [0, 1) (a generator of its own: the global seed stays)."""
+    import linearize
+
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for _, unit in linearize.units(model):
+            unit.slope.copy_(torch.rand(unit.slope.shape, generator=g))
+
+
 def tiny_bert() -> nn.Module:
     """``BertModel`` of 2 layers, hidden 16, vocabulary 60 (GELU FFNs)."""
     from transformers import BertConfig, BertModel

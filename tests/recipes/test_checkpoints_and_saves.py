@@ -1,6 +1,8 @@
-"""Hostile tests of the reliability claims of issue 16: checkpoint pruning and tampered checkpoint
-state (recipes/common.py), atomic final saves and validated loads of recipes/cifar.py, the decode
-cache, metrics.json. Small models and synthetic files only; each test states its own truth."""
+"""The recipes' files survive crashes and tampering: checkpoint pruning and tampered checkpoint state
+(recipes/common.py), atomic final saves and validated loads of recipes/cifar.py and wmt14.py, folder
+saves killed between their renames (the aside copy restored, never another folder's), recipe.json
+reads, the decode cache, metrics.json and wall time over resumes. Small models and synthetic files
+only; each test states its own truth."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "recipes"))
 
 import common  # noqa: E402
@@ -307,99 +309,13 @@ def test_a_damaged_cifar_cache_is_decoded_again(tmp_path, kind):
 # ----------------------------------------------------------------------------- the linear threshold
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64])
-def test_linear_masks_are_exact_in_low_precision(dtype):
-    """``a >= 1 - tol`` decided in exact arithmetic (the Python float of each slope against the
-    Python float ``1 - tol``), for the 40 values of ``dtype`` just below 1 and tolerances that fall
-    between them: comparing in ``dtype`` rounded ``1 - tol`` onto a slope below it."""
-    from linearize.unit import count_channels, linear_masks
-
-    values = [torch.tensor(1.0, dtype=dtype)]
-    for _ in range(40):
-        values.append(torch.nextafter(values[-1], torch.tensor(0.0, dtype=dtype)))
-    slopes = torch.stack(values)
-    unit = linearize.LinearizableActivation("relu", len(slopes), -1).to(dtype)
-    with torch.no_grad():
-        unit.slope.copy_(slopes)
-    floats = [float(v) for v in slopes]
-    tols = [0.0] + [1 - (a + b) / 2 for a, b in zip(floats, floats[1:])] + [1 - (0.3 * a + 0.7 * b)
-                                                                             for a, b in zip(floats, floats[1:])]
-    for tol in tols:
-        truth = [f >= 1.0 - tol for f in floats]
-        assert linear_masks([("u", unit)], tol)[0].tolist() == truth, (dtype, tol)
-        assert count_channels([("u", unit)], tol)["linear"] == sum(truth)
-
-
 # ----------------------------------------------------------------------------- kernel build lock
-
-
-@pytest.mark.parametrize("value", ["nan", "-1", "-inf", "soon"])
-def test_kernel_wait_bound_refuses_values_that_wait_forever(monkeypatch, value):
-    """filelock waits forever for a negative timeout and never times out for NaN: such a
-    LINEARIZE_CPU_KERNEL_WAIT must be refused (the units then use PyTorch ops), not obeyed."""
-    import linearize.kernels as kernels
-
-    monkeypatch.setenv(kernels.ENV_WAIT, value)
-    with pytest.raises(kernels.KernelUnavailable, match="LINEARIZE_CPU_KERNEL_WAIT"):
-        kernels._wait_bound()
-
-
-def test_kernel_wait_bound_accepts_plain_seconds(monkeypatch):
-    import linearize.kernels as kernels
-
-    for value, seconds in (("0", 0.0), ("2.5", 2.5), ("", kernels.DEFAULT_WAIT_S)):
-        monkeypatch.setenv(kernels.ENV_WAIT, value)
-        assert kernels._wait_bound() == seconds
 
 
 # ----------------------------------------------------------------------------- report --checkpoint
 
 
-@pytest.mark.parametrize("bad", ["slope 3", "slope -1", "frozen 0.5", "frozen off its slope"])
-def test_report_checkpoint_with_invalid_unit_state_is_refused(tmp_path, bad):
-    """``linearize report MODEL --checkpoint FILE`` loads a state_dict a user passes: slopes outside
-    [0, 1] (counted as linear: a >= 1 - tol) or a broken frozen buffer must be refused like
-    linearize.from_pretrained refuses them, not reported on."""
-    from linearize.cli import report as cli_report
-
-    model = torch.nn.Sequential(torch.nn.Linear(64, 20), torch.nn.ReLU(), torch.nn.Linear(20, 10))
-    torch.save(model, tmp_path / "mlp.pt")
-    linearize.convert(model, example_inputs=torch.randn(2, 64))
-    state = model.state_dict()
-    (slope,) = [k for k in state if k.endswith(".slope")]
-    frozen = slope[: -len("slope")] + "frozen"
-    if bad == "slope 3":
-        state[slope][0] = 3.0
-    elif bad == "slope -1":
-        state[slope][1] = -1.0
-    elif bad == "frozen 0.5":
-        state[frozen][2] = 0.5
-    else:
-        state[frozen][3], state[slope][3] = 1.0, 0.2
-    torch.save(state, tmp_path / "ckpt.pt")
-    parser = argparse.ArgumentParser(prog="linearize")
-    cli_report.register_cli(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(["report", str(tmp_path / "mlp.pt"), "--trust-pickle", "--checkpoint",
-                              str(tmp_path / "ckpt.pt"), "--data", "digits", "--num-samples", "16", "--segments",
-                              "0", "--output-dir", str(tmp_path / "out"), "--no-progress"])
-    with pytest.raises(linearize.LoadError, match=r"--checkpoint .*ckpt.pt: unit '1'"):
-        args.func(args)
-    assert not (tmp_path / "out").exists()
-
-
 # ----------------------------------------------------------------------------- sparsifier weights
-
-
-def test_sparsifier_weights_survive_huge_values():
-    """Only the ratios of unit weights matter (normalized to mean 1 over channels): weights of 1e308
-    overflowed the sum and became 0 for every unit (no pressure at all), silently."""
-    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.ReLU(), torch.nn.Linear(4, 4), torch.nn.ReLU())
-    linearize.convert(model, example_inputs=torch.randn(2, 3))
-    a, b = (n for n, _ in linearize.units(model))
-    equal = linearize.Sparsifier(model, total_steps=10, weights={a: 1e308, b: 1e308}).weights
-    assert equal == {a: 1.0, b: 1.0}
-    ratio = linearize.Sparsifier(model, total_steps=10, weights={a: 1e308, b: 0.5e308}).weights
-    assert ratio[a] == pytest.approx(4 / 3) and ratio[b] == pytest.approx(2 / 3)  # 4 channels each
 
 
 # ----------------------------------------------------------------------------- wmt14 final model
@@ -576,3 +492,97 @@ def test_wall_time_adds_up_over_resumes(tmp_path):
     for bad in (-1.0, "10", float("nan")):
         assert "elapsed_s" in common._state_problem({**state, "elapsed_s": bad}, path)
     assert common._state_problem(state, path) is None
+
+
+def test_save_of_one_folder_keeps_the_aside_copy_of_a_sibling(tmp_path, dead_pid):
+    """Truth (replaced_dir docs: "never a lost folder"): a save of ``model`` killed between its renames
+    leaves ``.tmp-model-best-old-<pid>`` for the sibling ``model-best``; writing the *other* folder
+    ``model`` must not delete it, and ``restore_aside(model-best)`` must bring it back. Observed: the
+    leftover glob ``.tmp-model-*`` of ``model`` matches and removes it, so ``model-best`` is lost."""
+    aside = tmp_path / f"{common.TMP_PREFIX}model-best-old-{dead_pid}"
+    aside.mkdir()
+    (aside / "recipe.json").write_text('{"v": 1}')
+    with common.replaced_dir(tmp_path / "model") as stage:
+        (stage / "recipe.json").write_text('{"v": 2}')
+    assert common.read_recipe_json(tmp_path / "model-best") == {"v": 1}
+
+
+def test_restore_aside_never_restores_another_folders_copy(tmp_path, dead_pid):
+    """Truth: ``restore_aside(dir)`` puts back ``dir``'s own aside copy (``.tmp-<dir>-old-<pid>``) only.
+    With ``model`` missing and only ``.tmp-model-old-old-7`` present (the aside copy of the sibling
+    folder ``model-old``), nothing must be restored into ``model``. Observed: the glob
+    ``.tmp-model-old-*`` matches it, and ``model-old``'s content becomes ``model``."""
+    other = tmp_path / f"{common.TMP_PREFIX}model-old-old-{dead_pid}"
+    other.mkdir()
+    assert common.restore_aside(tmp_path / "model") is None
+    assert other.exists()
+
+
+def test_restore_aside_with_glob_characters_in_the_name(tmp_path, dead_pid):
+    """Truth: a folder ``run[a]`` set aside as ``.tmp-run[a]-old-5`` by a killed replaced_dir is put
+    back. Observed: ``glob('.tmp-run[a]-*')`` reads ``[a]`` as a character class: None, folder lost."""
+    aside = tmp_path / f"{common.TMP_PREFIX}run[a]-old-{dead_pid}"
+    aside.mkdir()
+    (aside / "recipe.json").write_text("{}")
+    assert common.restore_aside(tmp_path / "run[a]") == tmp_path / "run[a]"
+    assert (tmp_path / "run[a]" / "recipe.json").is_file()
+
+
+def test_read_recipe_json_through_a_symlink_after_a_kill(tmp_path, dead_pid):
+    """Truth: replaced_dir(link) writes the link's target; killed between its two renames it leaves the
+    target aside as ``.tmp-real-old-<pid>``; read_recipe_json(link) puts it back and reads it. Observed:
+    the link is dangling, restore_aside(link) returns at ``is_symlink()``: FileNotFoundError."""
+    real, link = tmp_path / "real", tmp_path / "model"
+    real.mkdir()
+    (real / "recipe.json").write_text('{"old": 1}')
+    link.symlink_to(real)
+    with common.replaced_dir(link) as stage:  # the resolved target is what gets replaced
+        assert stage.name.startswith(f"{common.TMP_PREFIX}real-")
+    (link / "recipe.json").write_text('{"old": 1}')
+    real.rename(tmp_path / f"{common.TMP_PREFIX}real-old-{dead_pid}")  # the state a SIGKILL between the renames leaves
+    assert common.read_recipe_json(link) == {"old": 1}
+
+
+def test_checkpoint_written_after_a_clock_step_back_is_readable(tmp_path):
+    """Truth: save_checkpoint writes an intact checkpoint that read_checkpoint accepts, whatever the wall
+    clock did (time.time() steps back under NTP; here by 30 s after the process began, before its first
+    checkpoint). Observed: elapsed_s = earlier_s + time.time() - started is -30 s, written as is, and the
+    reader refuses it as 'damaged or was edited': no intact checkpoint to resume from."""
+    run = tiny_run(tmp_path, keep=2)
+    run.started += 30  # the same as time.time() now reading 30 s less than when the process began
+    path = common.save_checkpoint(run, 10)
+    assert common.read_checkpoint(path).elapsed_s >= 0
+
+
+def test_reader_between_the_renames_of_a_live_save(tmp_path, monkeypatch):
+    """Truth: a reader (read_recipe_json, e.g. an evaluation process) that looks while a save is between its
+    two renames does not break that save: the new folder lands. ``.tmp-model-old-<pid>`` of a *running*
+    process is not a leftover. Observed: the reader renames it back to ``model``, the writer's second
+    rename fails, its fallback rename of the (gone) old folder raises, and the new model is deleted."""
+    directory = tmp_path / "model"
+    directory.mkdir()
+    (directory / "recipe.json").write_text('{"v": "old"}')
+    rename = Path.rename
+
+    def rename_then_read(self, target):
+        out = rename(self, target)
+        if Path(target).name.startswith(f"{common.TMP_PREFIX}model-old-"):  # between the two renames
+            with pytest.raises(FileNotFoundError):  # the reader finds no model for that instant, and says so
+                common.read_recipe_json(directory)
+        return out
+
+    monkeypatch.setattr(Path, "rename", rename_then_read)
+    with common.replaced_dir(directory) as stage:
+        (stage / "recipe.json").write_text('{"v": "new"}')
+    assert json.loads((directory / "recipe.json").read_text()) == {"v": "new"}
+
+
+def test_recipe_json_missing_keys_named(tmp_path):
+    """Truth (read_recipe_json: 'a clear error' naming the folder for a damaged save): a recipe.json that
+    parses but lacks ``arch`` is refused with an error naming the file and the key. Observed: cifar's
+    load_model raises ``KeyError: 'arch'``."""
+    import cifar
+
+    (tmp_path / "recipe.json").write_text('{"linearize": "none"}')
+    with pytest.raises(ValueError, match="recipe.json"):
+        cifar.load_model(tmp_path)
