@@ -1,6 +1,6 @@
-"""Fourth hostile review of ``recipes/`` (14 defects): the sweep on a fresh machine, adoption of one
-folder twice, the planned Multi30k runs, validated loads of saved models, the tokenizer of the
-translation recipe, resumes with other flags, flags refused at parse time, park and unpark.
+"""The recipes' sweeps, resumes and loads (14 defects a review of ``recipes/`` found): the sweep on a
+fresh machine, adoption of one folder twice, the planned Multi30k runs, validated loads of saved
+models, the tokenizer of the translation recipe, resumes with other flags, flags refused at parse time, park and unpark.
 
 Tiny synthetic data only (8x8 images, a toy en-de corpus); the units run as PyTorch ops (no kernel
 build). Each test states its own truth: what it set up, or files it wrote itself.
@@ -25,7 +25,7 @@ from safetensors.torch import load_file, save_file
 
 import linearize
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 RECIPES = REPO / "recipes"
 sys.path.insert(0, str(RECIPES))
 
