@@ -87,7 +87,7 @@ def user_loop(student, teacher, train: list[dict], test: list[dict], reference: 
         loss.backward()
         opt.step()  # the attached Sparsifier steps after it
         if (step + 1) % 50 == 0:
-            print(f"  step {step + 1}: loss {float(loss):.4f}, nonlinear {linearize.nonlinear_fraction(student):.3f}",
+            print(f"  step {step + 1}: loss {loss.item():.4f}, nonlinear {linearize.nonlinear_fraction(student):.3f}",
                   flush=True)
     out = quality(student, test, reference)
     out["nonlinear_fraction"] = linearize.nonlinear_fraction(student)
