@@ -38,7 +38,7 @@ from transformers import TrainerCallback
 from transformers.trainer_callback import ExportableState
 
 from .distill import KINDS, distill_loss
-from .sparsifier import Sparsifier, _torch_optimizer
+from .sparsifier import Sparsifier, torch_optimizer
 from .unit import units
 
 __all__ = ["LinearizeCallback", "LinearizeTrainerMixin"]
@@ -161,7 +161,7 @@ class LinearizeCallback(TrainerCallback, ExportableState):
                              "already and this train() starts from step 0: pass schedule=... (a new Sparsifier per "
                              "run) or a fresh Sparsifier")
         if optimizer is not None:
-            self.sparsifier.optimizer = _torch_optimizer(optimizer)
+            self.sparsifier.optimizer = torch_optimizer(optimizer)
         elif self.sparsifier.optimizer is None:
             self._find_optimizer()
         if self.sparsifier.optimizer is not None:

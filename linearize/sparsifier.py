@@ -150,7 +150,7 @@ LATENCY_CONFIRM_S = 1.5
 _ATTACHED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def _torch_optimizer(optimizer) -> torch.optim.Optimizer:
+def torch_optimizer(optimizer) -> torch.optim.Optimizer:
     """The ``torch.optim.Optimizer`` inside wrappers such as accelerate's ``AcceleratedOptimizer``."""
     inner = optimizer
     while hasattr(inner, "optimizer"):  # AcceleratedOptimizer subclasses Optimizer but wraps one
@@ -301,7 +301,7 @@ class Sparsifier:
         self.lr = None if lr is None else check_positive(lr, "lr")
         self.release = release
         self.log_every = max(1, total_steps // 500) if log_every is None else check_positive_int(log_every, "log_every")
-        self.optimizer = _torch_optimizer(optimizer) if optimizer is not None else None
+        self.optimizer = torch_optimizer(optimizer) if optimizer is not None else None
         self._weights = self._build_weights(model, weights, example_inputs)
         self.step_count = 0
         self.initial_fraction: float | None = None  # measured at a target's start (a cost target: the cost ratio)
@@ -386,7 +386,7 @@ class Sparsifier:
             RuntimeError: this Sparsifier is attached already, or another one is attached to
                 ``optimizer`` (each would apply the pressure once per step): :meth:`detach` first.
         """
-        inner = _torch_optimizer(optimizer)
+        inner = torch_optimizer(optimizer)
         if self._hook is not None:
             raise RuntimeError(
                 "this Sparsifier is already attached to an optimizer: a second hook would apply the "
