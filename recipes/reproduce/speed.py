@@ -40,7 +40,7 @@ from . import sweep
 FLAGS = ["--cpu", "--checkpointing_steps", "390", "--keep_checkpoints", "2", "--log_every", "390", "--channels-last"]
 SCALES = {
     "speed": dict(base_epochs=15, late_epochs=6, extra=[]),
-    # test only (tests/test_reproduce_speed.py): the same plan, 1 epoch of a few images (32x32: at 16x16 the
+    # test only (tests/recipes/test_reproduce_speed.py): the same plan, 1 epoch of a few images (32x32: at 16x16 the
     # model folded with every block linear timed 0.83 of the original on a busy CPU, above budget 0.6)
     "speed-tiny": dict(base_epochs=1, late_epochs=1, extra=["--batch-size", "4", "--eval-batch-size", "10"]),
 }
