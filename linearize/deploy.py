@@ -245,7 +245,8 @@ def _spec(module: nn.Module) -> dict[str, Any]:
         return {}
     if isinstance(module, FunctionalSites):
         return {"owner_name": module.owner_name, "kinds": list(module.kinds), "slots": list(module.slots),
-                "channels": [None if c is None else list(c) for c in module.channels]}
+                "channels": [None if c is None else list(c) for c in module.channels],
+                "arguments": [None if a is None else [list(pair) for pair in a] for a in module.arguments]}
     return _generic_args(module)
 
 
@@ -262,7 +263,14 @@ def _functional_sites(args: dict[str, Any]) -> FunctionalSites:
     if not all(c is None or (isinstance(c, list) and len(c) == 2 and all(type(v) is int for v in c)) for c in channels):
         raise ValueError("each channels entry must be null or [channel_dim, width] (two integers)")
     chans = [None if c is None else (c[0], c[1]) for c in channels]
-    sites = FunctionalSites(str(args["owner_name"]), kinds, chans, {})
+    arguments = args.get("arguments", [None] * len(kinds))  # files written before arguments were recorded
+    if not (isinstance(arguments, list) and len(arguments) == len(kinds) and all(
+            a is None or (isinstance(a, list) and all(isinstance(p, list) and len(p) == 2 and isinstance(p[0], str)
+                                                      and isinstance(p[1], (str, int, float)) for p in a))
+            for a in arguments)):
+        raise ValueError("arguments must be a list, one entry per call: null or [[name, value], ...]")
+    sites = FunctionalSites(str(args["owner_name"]), kinds, chans, {},
+                            [None if a is None else tuple((n, v) for n, v in a) for a in arguments])
     sites.slots = list(slots)
     return sites
 

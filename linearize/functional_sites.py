@@ -161,7 +161,7 @@ class FunctionalSites(nn.Module):
         if expected is None or not isinstance(args[0] if args else kwargs.get("input"), torch.Tensor):
             return ""  # not checked, or a proxy (tracing)
         now = call_arguments(func, args, kwargs)
-        if now == expected:
+        if all(a == b and (v == w or v != v and w != w) for (a, v), (b, w) in zip(now, expected)):  # NaN == NaN
             return ""
         show = lambda a: ", ".join(f"{n}={v!r}" for n, v in a)  # noqa: E731
         return (f"call {k} ({self.kinds[k]}) was made with {show(now)}, the probe forward of linearize.convert "

@@ -482,3 +482,36 @@ def test_a_call_with_out_writes_the_units_result_into_out():
         (_, unit), = linearize.units(model)
         unit.slope.fill_(1.0)  # exactly linear: out holds fc(x)
         torch.testing.assert_close(model(x), 2 * model.fc(x))
+
+
+def test_a_folded_model_loaded_from_disk_still_refuses_other_arguments_than_the_probe(tmp_path):
+    torch.manual_seed(0)
+    model = ArgumentsByMode()
+    x = torch.randn(5, 6)
+    linearize.convert(model, example_inputs=x)
+    with torch.no_grad():
+        linearize.units(model)[0][1].slope.fill_(0.5)
+    folded = linearize.fold(model.eval(), x)
+    linearize.save_folded(folded, tmp_path)
+    loaded = linearize.load_folded(tmp_path, base=ArgumentsByMode())
+    torch.testing.assert_close(loaded.eval()(x), folded(x), rtol=0, atol=0)
+    with pytest.raises(FunctionalSiteError, match=r"negative_slope=0\.2.*negative_slope=0\.01"):
+        loaded.train()(x)
+
+
+class LeaksByNaN(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.leaky_relu(self.fc(x), float("nan"))
+
+
+def test_a_call_with_the_probes_nan_argument_is_not_refused():
+    torch.manual_seed(0)
+    model = LeaksByNaN()
+    x = torch.randn(3, 4)
+    reference = model(x)
+    linearize.convert(model, example_inputs=x)
+    torch.testing.assert_close(model(x), reference, rtol=0, atol=0, equal_nan=True)
