@@ -80,3 +80,9 @@ def test_refusals_name_the_input_and_the_fix():
     linearize.convert(branchy["a"])
     with pytest.raises(ValueError, match="not called"):
         count_relus(branchy, torch.zeros(2, 4))
+
+
+def test_a_gated_network_is_refused_naming_its_mode():
+    gated = linearize.convert(nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2)), mode="dgn")
+    with pytest.raises(ValueError, match="count_relus.*DGN"):
+        count_relus(gated, torch.zeros(2, 4))

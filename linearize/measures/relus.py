@@ -44,7 +44,7 @@ def count_relus(model: nn.Module, example_inputs: Any, tol: float = 0.0) -> dict
         >>> c["total"], c["nonlinear"]  # 4 x 8 x 8 elements per image, 3 x 8 x 8 of them nonlinear
         (256, 192)
     """
-    named = require_units(model, why="count_relus counts the elements of unit channels")
+    named = require_units(model, why="count_relus counts the elements of unit channels", what="count_relus")
     masks = linear_masks(named, tol, "count_relus")
     rows = num_rows(example_inputs)
     if rows < 1:
