@@ -139,7 +139,7 @@ class FunctionalSites(nn.Module):
                 dim, width = self.channels[k]
                 calls.width = (f"call {k} ({kind}) has input shape {tuple(getattr(x, 'shape', ()))}, its unit "
                                f"{width} channels at dim {dim}")
-        if not calls.mismatch and self.slots[k] is not None and (args_now := self._changed(k, func, args, kwargs)):
+        if not calls.mismatch and self.slots[k] is not None and (args_now := self._changed(k, func, x, args, kwargs)):
             calls.mismatch, calls.seen, calls.arguments = True, self.kinds[:k], args_now
         if calls.mismatch:
             calls.seen.append(kind)
@@ -155,10 +155,11 @@ class FunctionalSites(nn.Module):
             return unit(x)
         return write_into(x, unit, unit.parameters())
 
-    def _changed(self, k: int, func: Callable, args: tuple, kwargs: dict) -> str:
-        """Why call ``k`` cannot run its unit because its arguments are not the probe's ("" when they are)."""
+    def _changed(self, k: int, func: Callable, x: Any, args: tuple, kwargs: dict) -> str:
+        """Why call ``k`` (input ``x``) cannot run its unit because its arguments are not the probe's ("" when
+        they are)."""
         expected = self.arguments[k]
-        if expected is None or not isinstance(args[0] if args else kwargs.get("input"), torch.Tensor):
+        if expected is None or not isinstance(x, torch.Tensor):
             return ""  # not checked, or a proxy (tracing)
         now = call_arguments(func, args, kwargs)
         if all(a == b and (v == w or v != v and w != w) for (a, v), (b, w) in zip(now, expected)):  # NaN == NaN
