@@ -46,6 +46,7 @@ _EXPORTS = {
     "stable_units": "stability",
     "fit_linear_ends": "calibration",
     "one_shot": "calibration",
+    "RunningFit": "calibration",
     "Box": "stability",
     "compress": "compression",
     # report

@@ -18,6 +18,7 @@ and a unit's input is ``[B, T, C]`` (channels last), the padded positions (mask 
 
 from __future__ import annotations
 
+import math
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Iterator, Mapping
@@ -27,9 +28,10 @@ from torch import nn
 
 from .folding.layers import CONVS, is_dense, is_hf_conv1d
 from .inputs import Batches, call_model, eval_mode, hooks, model_device, num_rows
+from .checks import is_real
 from .unit import LinearizableActivation, require_units
 
-__all__ = ["fit_linear_ends", "one_shot", "LinearEndFit", "OneShotSite"]
+__all__ = ["fit_linear_ends", "one_shot", "LinearEndFit", "OneShotSite", "RunningFit"]
 
 _ENDS = ("affine", "identity")
 
@@ -42,6 +44,7 @@ class LinearEndFit:
     channel, ``x`` the same at every position, gets ``alpha = 0`` and ``beta = act(x)``: exact);
     ``residual``: the mean square of ``act(x) - (alpha * x + beta)`` (the error of the affine end);
     ``identity_residual``: the mean square of ``act(x) - x`` (the error of the identity end);
+    ``count``: the positions seen (a :class:`RunningFit`'s decayed, so effective, count);
     ``outgoing``: the squared norm of each channel's outgoing weights (the column of the layer the unit
     feeds), ``None`` where :func:`fit_linear_ends` did not look for it.
     """
@@ -50,21 +53,22 @@ class LinearEndFit:
     beta: torch.Tensor
     residual: torch.Tensor
     identity_residual: torch.Tensor
-    count: int
+    count: float
     outgoing: torch.Tensor | None = None
 
 
 class _Stats:
-    """Sums of ``x, x^2, y, x * y, y^2`` per channel in float64 (``y = act(x)``) and their count."""
+    """Sums of ``x, x^2, y, x * y, y^2`` per channel in float64 (``y = act(x)``) and their count (a float: a
+    :class:`RunningFit` decays both)."""
 
     def __init__(self) -> None:
-        self.sums: torch.Tensor | None = None  # [6, C]
-        self.count = 0
+        self.sums: torch.Tensor | None = None  # [5, C]
+        self.count = 0.0
 
     def add(self, x: torch.Tensor, y: torch.Tensor) -> None:
         x, y = x.double(), y.double()
         s = torch.stack([x.sum(0), (x * x).sum(0), y.sum(0), (x * y).sum(0), (y * y).sum(0)])
-        self.sums = s if self.sums is None else self.sums + s
+        self.sums = s if self.sums is None else self.sums + s.to(self.sums.device)
         self.count += x.shape[0]
 
     def fit(self, name: str) -> LinearEndFit:
@@ -72,7 +76,7 @@ class _Stats:
             raise ValueError(f"unit {name!r} saw no data position (it was never called, or every position was "
                              "padding): calibrate on data that runs through it")
         n = float(self.count)
-        sx, sxx, sy, sxy, syy = self.sums
+        sx, sxx, sy, sxy, syy = self.sums.cpu()
         mx, my = sx / n, sy / n
         # centred sums, each a sum of squares or products of deviations (clamped at 0 against rounding)
         cxx = (sxx - sx * mx).clamp(min=0)
@@ -84,7 +88,7 @@ class _Stats:
         beta = my - alpha * mx
         residual = torch.where(constant, cyy, (cyy - alpha * cxy)).clamp(min=0) / n
         identity = ((syy - 2 * sxy + sxx) / n).clamp(min=0)
-        return LinearEndFit(alpha, beta, residual, identity, self.count)
+        return LinearEndFit(alpha, beta, residual, identity, n)
 
 
 def _outgoing_norms(layer: nn.Module, unit: LinearizableActivation, ndim: int) -> torch.Tensor | None:
@@ -105,45 +109,88 @@ def _outgoing_norms(layer: nn.Module, unit: LinearizableActivation, ndim: int) -
     return None
 
 
-@contextmanager
-def _recording(model: nn.Module, named: list[tuple[str, LinearizableActivation]], consumers: set[str]
-               ) -> Iterator[tuple[dict[str, _Stats], dict[str, list[tuple[nn.Module, int]]], dict[str, Any]]]:
+class _Recorder:
     """Hooks that add every unit's input statistics to ``stats`` and, for the units named in ``consumers``,
     record which layers (Linear, HF Conv1D, conv) take the unit's output as their input (``fed``).
-    ``state["mask"]``: the padding mask of the batch being run; ``state["outputs"]``: cleared per batch."""
-    stats = {name: _Stats() for name, _ in named}
-    fed: dict[str, list[tuple[nn.Module, int]]] = {name: [] for name in consumers}
-    state: dict[str, Any] = {"mask": None, "outputs": {}}
+    ``mask``: the padding mask of the batch being run; ``outputs``: unit outputs of the batch, cleared per
+    batch (:meth:`clear`). ``training_only``: record only calls made in training mode."""
 
-    def stats_hook(name: str, unit: LinearizableActivation):
+    def __init__(self, model: nn.Module, named: list[tuple[str, LinearizableActivation]], consumers: set[str],
+                 training_only: bool = False) -> None:
+        self.stats = {name: _Stats() for name, _ in named}
+        self.fed: dict[str, list[tuple[nn.Module, int]]] = {name: [] for name in consumers}
+        self.mask: torch.Tensor | None = None
+        self.outputs: dict[int, tuple[str, torch.Tensor]] = {}
+        self.training_only = training_only
+        # hooks are closures, not bound methods: a deep copy of the model (a teacher copied from the student)
+        # shares them, and deep-copies a bound method's recorder with the tensors it holds
+        self.handles = [u.register_forward_pre_hook(self._stats_hook(n, u)) for n, u in named]
+        self.layer_handles = [u.register_forward_hook(self._output_hook(n, u)) for n, u in named if n in consumers]
+        if consumers:
+            layers = [m for m in model.modules() if is_dense(m) or isinstance(m, CONVS)]
+            self.layer_handles += [m.register_forward_pre_hook(self._layer_hook(m)) for m in layers]
+
+    def _stats_hook(self, name: str, unit: LinearizableActivation):
         def hook(mod, args):  # before the call: an in-place unit overwrites its input
+            if mod is not unit or (self.training_only and not mod.training):  # a deep copy shares the hook
+                return
             x = args[0].detach()
             dim = unit.channel_dim % x.ndim
-            mask = state["mask"]
+            if x.shape[dim] != unit.num_channels:  # the unit's own call raises the clear error
+                return
+            mask = self.mask
             if mask is not None and x.ndim == 3 and dim == 2 and tuple(x.shape[:2]) == tuple(mask.shape):
                 rows = x[mask.to(x.device).bool()]
             else:
                 rows = x.movedim(dim, -1).reshape(-1, x.shape[dim])
-            stats[name].add(rows, unit.activation(rows))
+            with torch.no_grad():
+                self.stats[name].add(rows, unit.activation(rows))
         return hook
 
-    def output_hook(name: str):
+    def _output_hook(self, name: str, unit: LinearizableActivation):
         def hook(mod, args, out):
-            state["outputs"][id(out)] = (name, out)  # the tensor is held, so its id is not reused
+            if mod is unit:
+                self.outputs[id(out)] = (name, out)  # the tensor is held, so its id is not reused
         return hook
 
-    def layer_hook(layer: nn.Module, args):
-        seen = state["outputs"].get(id(args[0])) if args else None
-        if seen is not None and seen[1] is args[0] and all(m is not layer for m, _ in fed[seen[0]]):
-            fed[seen[0]].append((layer, args[0].ndim))
+    def _layer_hook(self, layer: nn.Module):
+        def hook(mod, args) -> None:
+            seen = self.outputs.get(id(args[0])) if args and mod is layer else None
+            if seen is not None and seen[1] is args[0] and all(m is not layer for m, _ in self.fed[seen[0]]):
+                self.fed[seen[0]].append((layer, args[0].ndim))
+        return hook
 
-    with hooks() as handles:
-        handles += [u.register_forward_pre_hook(stats_hook(n, u)) for n, u in named]
-        handles += [u.register_forward_hook(output_hook(n)) for n, u in named if n in consumers]
-        if consumers:
-            handles += [m.register_forward_pre_hook(layer_hook) for m in model.modules()
-                        if is_dense(m) or isinstance(m, CONVS)]
-        yield stats, fed, state
+    def clear(self) -> None:
+        self.outputs.clear()
+
+    def stop_finding_layers(self) -> None:
+        for h in self.layer_handles:
+            h.remove()
+        self.layer_handles = []
+        self.outputs.clear()
+
+    def close(self) -> None:
+        self.stop_finding_layers()
+        for h in self.handles:
+            h.remove()
+        self.handles = []
+
+
+@contextmanager
+def _recording(model: nn.Module, named: list[tuple[str, LinearizableActivation]], consumers: set[str]
+               ) -> Iterator[_Recorder]:
+    """A :class:`_Recorder` for the block; its hooks are removed on exit, on an exception too."""
+    recorder = _Recorder(model, named, consumers)
+    try:
+        yield recorder
+    finally:
+        recorder.close()
+
+
+def _outgoing(unit: LinearizableActivation, layers: list[tuple[nn.Module, int]]) -> torch.Tensor | None:
+    """Squared outgoing-weight norms ``[C]`` of a unit that feeds exactly one Linear / Conv1D / conv layer whose
+    input channels are the unit's; else ``None``."""
+    return _outgoing_norms(layers[0][0], unit, layers[0][1]) if len(layers) == 1 else None
 
 
 def _calibrate(model: nn.Module, data: Any, named: list[tuple[str, LinearizableActivation]],
@@ -151,18 +198,18 @@ def _calibrate(model: nn.Module, data: Any, named: list[tuple[str, LinearizableA
     """:class:`LinearEndFit` per unit over ``data`` (eval mode, no grad), with the outgoing norms of the units
     named in ``consumers`` (the layer their output feeds is found on the data)."""
     batches = Batches.of(data)
-    with _recording(model, named, set(consumers)) as (stats, fed, state), eval_mode(model), torch.no_grad():
+    with _recording(model, named, set(consumers)) as rec, eval_mode(model), torch.no_grad():
         for inputs in batches.to(model_device(model)):
             if not num_rows(inputs):
                 continue
-            state["mask"] = inputs.get("attention_mask") if isinstance(inputs, Mapping) else None
+            rec.mask = inputs.get("attention_mask") if isinstance(inputs, Mapping) else None
             call_model(model, inputs)
-            state["outputs"].clear()
-    fits = {name: stats[name].fit(name) for name, _ in named}
+            rec.clear()
+    fits = {name: rec.stats[name].fit(name) for name, _ in named}
     for name, unit in named:
         if name in consumers:
-            layers = fed[name]
-            norms = _outgoing_norms(layers[0][0], unit, layers[0][1]) if len(layers) == 1 else None
+            layers = rec.fed[name]
+            norms = _outgoing(unit, layers)
             if norms is None:
                 what = (f"feeds {len(layers)} layers ({', '.join(type(m).__name__ for m, _ in layers)})"
                         if len(layers) > 1 else f"feeds {type(layers[0][0]).__name__}, whose input channels are not "
@@ -219,6 +266,111 @@ def fit_linear_ends(model: nn.Module, data: Any, units: list[str] | None = None)
     for name, unit in named:
         unit.set_linear_end(fits[name].alpha, fits[name].beta)
     return fits
+
+
+class RunningFit:
+    """The least-squares affine fit of every unit's activation on the batches a model *trains* on.
+
+    What :func:`fit_linear_ends` computes on calibration data, kept up to date during training without any:
+    forward pre-hooks add the statistics of every training-mode call of a unit (``x, x^2, act(x), ...`` per
+    channel, float64) to the sums of the current step; :meth:`step` (once per optimizer step) folds them into
+    running sums that decay by ``decay`` per step, a moving window of about ``1 / (1 - decay)`` steps (as
+    BatchNorm's running statistics), summed over all processes first when ``torch.distributed`` is
+    initialized (every process then holds the same fits). Every position counts (padding too: the hooks do
+    not see the batch's mask). The first training forward also finds the layer each unit's output feeds, for
+    the outgoing weight norms of :meth:`fits` (``outgoing`` stays ``None`` for a unit that feeds no single
+    Linear / Conv1D / conv layer). Eval-mode calls are not recorded. The :class:`~linearize.Sparsifier` uses
+    one for ``select="fit"`` and ``linear_end="affine"``.
+
+    Example:
+        >>> net = linearize.convert(nn.Sequential(nn.Linear(4, 8), nn.GELU(), nn.Linear(8, 2)),
+        ...                         example_inputs=torch.randn(2, 4))
+        >>> tracker = linearize.RunningFit(net)
+        >>> for _ in range(3):
+        ...     _ = net(torch.randn(64, 4)); tracker.step()
+        >>> fit = tracker.fits()["1"]
+        >>> fit.alpha.shape, fit.outgoing.shape, bool((fit.residual <= fit.identity_residual).all())
+        (torch.Size([8]), torch.Size([8]), True)
+        >>> tracker.close()
+    """
+
+    def __init__(self, model: nn.Module, units: list[str] | None = None, decay: float = 0.95) -> None:
+        if isinstance(decay, bool) or not isinstance(decay, (int, float)) or not 0.0 <= decay < 1.0:
+            raise ValueError(f"decay must lie in [0, 1) (the running sums' factor per step), got {decay!r}")
+        self.decay = float(decay)
+        self._named = _selected(model, units, "RunningFit")
+        self._recorder = _Recorder(model, self._named, {n for n, _ in self._named}, training_only=True)
+        self._running: dict[str, _Stats] = {name: _Stats() for name, _ in self._named}
+        self._outgoing: dict[str, torch.Tensor | None] | None = None  # found at the first step with data
+        self.steps = 0
+
+    def step(self) -> None:
+        """Fold this step's statistics into the running sums (all processes' summed under ``torch.distributed``)."""
+        pending = self._recorder.stats
+        if self._outgoing is None and any(s.count for s in pending.values()):
+            self._outgoing = {n: (_outgoing(u, self._recorder.fed[n]) if self._recorder.fed[n] else None)
+                              for n, u in self._named}
+            self._outgoing = {n: None if v is None else v.cpu() for n, v in self._outgoing.items()}
+            self._recorder.stop_finding_layers()
+        self._recorder.clear()
+        distributed = torch.distributed.is_available() and torch.distributed.is_initialized() and \
+            torch.distributed.get_world_size() > 1
+        for name, unit in self._named:
+            new, run = pending[name], self._running[name]
+            sums = new.sums if new.sums is not None else torch.zeros(5, unit.num_channels, dtype=torch.float64,
+                                                                      device=unit.slope.device)
+            count = torch.tensor([new.count], dtype=torch.float64, device=sums.device)
+            if distributed:
+                torch.distributed.all_reduce(sums)
+                torch.distributed.all_reduce(count)
+            run.count = run.count * self.decay + float(count)
+            sums = sums.cpu()
+            run.sums = sums if run.sums is None else run.sums * self.decay + sums
+            pending[name] = _Stats()
+        self.steps += 1
+
+    def fits(self) -> dict[str, LinearEndFit]:
+        """``{unit name: LinearEndFit}`` of the running sums, for every unit that has seen a position."""
+        out = {}
+        for name, _ in self._named:
+            run = self._running[name]
+            if run.sums is not None and run.count > 0:
+                out[name] = run.fit(name)
+                out[name].outgoing = None if self._outgoing is None else self._outgoing.get(name)
+        return out
+
+    def state_dict(self) -> dict:
+        """The running sums (float64, CPU), for an exact resume."""
+        return {"decay": self.decay, "steps": self.steps,
+                "units": {n: {"count": s.count, "sums": None if s.sums is None else s.sums.clone()}
+                          for n, s in self._running.items()}}
+
+    def load_state_dict(self, state: Mapping) -> None:
+        """Restore :meth:`state_dict` (the same units; the sums checked finite and shaped ``[5, C]``)."""
+        units = state.get("units") if isinstance(state, Mapping) else None
+        if not isinstance(units, Mapping) or set(units) != set(self._running):
+            raise ValueError(f"RunningFit state must hold the units {sorted(self._running)[:3]}..., got "
+                             f"{sorted(units)[:3] if isinstance(units, Mapping) else type(units).__name__}")
+        restored = {}
+        for name, unit in self._named:
+            entry, stats = units[name], _Stats()
+            sums = entry.get("sums")
+            count = entry.get("count")
+            if not is_real(count) or not math.isfinite(count) or count < 0:
+                raise ValueError(f"RunningFit state of unit {name!r}: count must be a finite number >= 0, got {count!r}")
+            if sums is not None:
+                sums = torch.as_tensor(sums, dtype=torch.float64)
+                if tuple(sums.shape) != (5, unit.num_channels) or not torch.isfinite(sums).all():
+                    raise ValueError(f"RunningFit state of unit {name!r}: sums must be finite, shaped "
+                                     f"[5, {unit.num_channels}], got {tuple(sums.shape)}")
+            stats.sums, stats.count = sums, float(count)
+            restored[name] = stats
+        self._running = restored
+        self.steps = int(state.get("steps", 0))
+
+    def close(self) -> None:
+        """Remove the hooks (the fits stay readable)."""
+        self._recorder.close()
 
 
 @dataclass

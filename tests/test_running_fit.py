@@ -1,0 +1,154 @@
+"""The running least-squares fit of the units' activations during training (``linearize.RunningFit``),
+against brute force: float64 weighted least squares (numpy) over the exact positions and weights the
+decayed window means, the outgoing weights read off the layer, and a two-process run against one process
+seeing both batches."""
+
+from __future__ import annotations
+
+import copy
+import socket
+import sys
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import linearize
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _net(act: nn.Module | None = None) -> nn.Module:
+    torch.manual_seed(0)
+    return linearize.convert(nn.Sequential(nn.Linear(4, 6), act or nn.GELU(), nn.Linear(6, 3)),
+                             example_inputs=torch.randn(2, 4))
+
+
+def _pre_activations(net: nn.Module, x: torch.Tensor) -> np.ndarray:
+    with torch.no_grad():
+        return net[0](x).double().numpy()
+
+
+def _weighted_lstsq(h: np.ndarray, y: np.ndarray, w: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per channel: argmin sum w (y - alpha h - beta)^2 by numpy's lstsq, and the weighted mean residual."""
+    alphas, betas, residuals = [], [], []
+    sw = np.sqrt(w)
+    for c in range(h.shape[1]):
+        design = np.stack([h[:, c], np.ones(len(h))], 1) * sw[:, None]
+        (alpha, beta), *_ = np.linalg.lstsq(design, y[:, c] * sw, rcond=None)
+        alphas.append(alpha)
+        betas.append(beta)
+        residuals.append(float((w * (y[:, c] - alpha * h[:, c] - beta) ** 2).sum() / w.sum()))
+    return np.array(alphas), np.array(betas), np.array(residuals)
+
+
+def test_decayed_window_is_the_weighted_least_squares_fit_of_all_batches_seen():
+    net = _net()
+    tracker = linearize.RunningFit(net, decay=0.5)
+    xs = [torch.randn(40, 4) * (k + 1) + k for k in range(3)]  # shifting batches: the weights matter
+    for x in xs:
+        net(x)
+        tracker.step()
+    h = np.concatenate([_pre_activations(net, x) for x in xs])
+    y = torch.nn.functional.gelu(torch.from_numpy(h).float()).double().numpy()  # the unit computes in float32
+    w = np.concatenate([np.full(40, 0.5 ** (len(xs) - 1 - k)) for k in range(len(xs))])
+    alpha, beta, residual = _weighted_lstsq(h, y, w)
+    fit = tracker.fits()["1"]
+    np.testing.assert_allclose(fit.alpha.numpy(), alpha, rtol=1e-9, atol=1e-12)
+    np.testing.assert_allclose(fit.beta.numpy(), beta, rtol=1e-9, atol=1e-12)
+    np.testing.assert_allclose(fit.residual.numpy(), residual, rtol=1e-7, atol=1e-12)
+    assert fit.count == pytest.approx(40 * (0.25 + 0.5 + 1))
+    w_out = net[2].weight.detach().double()
+    np.testing.assert_allclose(fit.outgoing.numpy(), (w_out ** 2).sum(0).numpy(), rtol=1e-12)
+    tracker.close()
+
+
+def test_two_forwards_in_one_step_count_alike_and_eval_and_copies_are_not_recorded():
+    net = _net(nn.ReLU())
+    tracker = linearize.RunningFit(net, decay=0.9)
+    a, b = torch.randn(30, 4), torch.randn(20, 4)
+    net(a)
+    net(b)  # gradient accumulation: two forwards before one step
+    net.eval()
+    net(torch.randn(50, 4) * 100)  # an evaluation pass: not training data
+    net.train()
+    twin = copy.deepcopy(net)  # e.g. a teacher copied from the student: shares the hook closures
+    twin(torch.randn(50, 4) * 100)
+    tracker.step()
+    h = np.concatenate([_pre_activations(net, a), _pre_activations(net, b)])
+    alpha, beta, _ = _weighted_lstsq(h, np.maximum(h, 0), np.ones(len(h)))
+    fit = tracker.fits()["1"]
+    np.testing.assert_allclose(fit.alpha.numpy(), alpha, rtol=1e-9, atol=1e-12)
+    np.testing.assert_allclose(fit.beta.numpy(), beta, rtol=1e-9, atol=1e-12)
+    assert fit.count == 50
+    tracker.close()
+    assert not any(len(m._forward_pre_hooks) or len(m._forward_hooks) for m in net.modules())
+
+
+def test_state_dict_restores_the_fits_and_crafted_states_are_refused():
+    net = _net()
+    tracker = linearize.RunningFit(net)
+    for _ in range(2):
+        net(torch.randn(16, 4))
+        tracker.step()
+    state = tracker.state_dict()
+    other = linearize.RunningFit(net)
+    assert other.fits() == {}  # nothing seen yet
+    other.load_state_dict(state)
+    assert torch.equal(other.fits()["1"].alpha, tracker.fits()["1"].alpha)
+    bad = copy.deepcopy(state)
+    bad["units"]["1"]["sums"][0, 0] = float("nan")
+    with pytest.raises(ValueError, match="finite"):
+        other.load_state_dict(bad)
+    bad = copy.deepcopy(state)
+    bad["units"]["1"]["sums"] = torch.zeros(5, 2)
+    with pytest.raises(ValueError, match=r"\[5, 6\]"):
+        other.load_state_dict(bad)
+    with pytest.raises(ValueError, match="must hold the units"):
+        other.load_state_dict({"units": {"x": {}}})
+    with pytest.raises(ValueError, match="decay"):
+        linearize.RunningFit(net, decay=1.0)
+    with pytest.raises(ValueError, match="no unit named"):
+        linearize.RunningFit(net, units=["nope"])
+    tracker.close()
+    other.close()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank(rank: int, port: int, out: str) -> None:
+    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    net = _net()
+    tracker = linearize.RunningFit(net)
+    torch.manual_seed(10 + rank)
+    net(torch.randn(24 + 8 * rank, 4))  # different batch sizes per rank
+    tracker.step()
+    fit = tracker.fits()["1"]
+    torch.save({"alpha": fit.alpha, "beta": fit.beta, "count": fit.count}, f"{out}/rank{rank}.pt")
+    torch.distributed.destroy_process_group()
+
+
+def test_processes_share_one_fit_over_all_their_batches(tmp_path):
+    torch.multiprocessing.spawn(_rank, args=(_free_port(), str(tmp_path)), nprocs=2)
+    net = _net()
+    batches = []
+    for rank in range(2):
+        torch.manual_seed(10 + rank)
+        batches.append(torch.randn(24 + 8 * rank, 4))
+    h = np.concatenate([_pre_activations(net, x) for x in batches])
+    y = torch.nn.functional.gelu(torch.from_numpy(h).float()).double().numpy()
+    alpha, beta, _ = _weighted_lstsq(h, y, np.ones(len(h)))
+    for rank in range(2):
+        got = torch.load(tmp_path / f"rank{rank}.pt")
+        assert got["count"] == 56
+        np.testing.assert_allclose(got["alpha"].numpy(), alpha, rtol=1e-9, atol=1e-12)
+        np.testing.assert_allclose(got["beta"].numpy(), beta, rtol=1e-9, atol=1e-12)
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-q"]))
