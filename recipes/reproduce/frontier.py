@@ -1,0 +1,128 @@
+"""The frontier: test accuracy against nonlinear ReLUs per image, our runs beside the published curves.
+
+Reads every committed CIFAR-10 run in ``recipes/results/<run>/`` (``metrics.json`` and ``model/``) of the
+ResNet-20 and airbench94 studies (runs named ``r20_*`` and ``ab94_*``), counts each model's nonlinear
+activation elements per 32x32 image with :func:`linearize.measures.count_relus` (an element of a channel
+is nonlinear while the channel's slope is below 1, as the private-inference literature counts ReLUs), and
+writes ``recipes/results/frontier/{frontier.md, frontier.json, frontier.png}``: the table and one plot
+(log x) with the published points of SNL and AutoReP, each cited in :data:`PUBLISHED`.
+
+Run: ``python recipes/reproduce/frontier.py`` (about 10 s per model on one CPU thread; no data needed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+
+import torch
+
+RECIPES = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(RECIPES))
+import cifar  # noqa: E402
+import linearize  # noqa: E402
+
+RUN = re.compile(r"^(r20|ab94)_(base|late|early)(?:_(\d+))?(?:_(\w+?))?_s(\d+)$")
+NETWORK = {"r20": "ResNet-20", "ab94": "airbench94"}
+# Published CIFAR-10 points, (network, nonlinear ReLUs per image, test accuracy %, source). Only numbers
+# stated in the sources; ResNet-18 in both papers (SNL: the standard CIFAR ResNet-18, 557K ReLUs;
+# AutoReP-dev: a ResNet-18 variant with ResNet-20's 188,416 ReLUs, pixel-level masks).
+PUBLISHED = [
+    ("SNL ResNet-18", 49_400, 92.27, "Cho et al., Selective Network Linearization, ICML 2022, CIFAR-10 ResNet-18"),
+    ("SNL ResNet-18", 12_900, 88.23, "Cho et al., Selective Network Linearization, ICML 2022, CIFAR-10 ResNet-18"),
+    ("AutoReP-dev ResNet-18", 188_416, 93.84, "AutoReP development README (github.com/harveyp123/AutoReP)"),
+    ("AutoReP-dev ResNet-18", 18_842, 89.40, "AutoReP development README (github.com/harveyp123/AutoReP), 10% of 188,416"),
+    ("AutoReP-dev ResNet-18", 9_421, 88.29, "AutoReP development README (github.com/harveyp123/AutoReP), 5% of 188,416"),
+]
+
+
+def runs(results: Path) -> list[dict]:
+    """One row per committed run of the two studies: accuracy, channel fraction, nonlinear ReLUs per image."""
+    rows = []
+    for folder in sorted(results.iterdir()):
+        m = RUN.match(folder.name)
+        if not m or not (folder / "metrics.json").is_file() or not (folder / "model").is_dir():
+            continue
+        net, kind, pct, variant, seed = m.groups()
+        if variant:  # distillation, saliency, class subsets, longer runs: other studies
+            continue
+        metrics = json.loads((folder / "metrics.json").read_text())
+        model = cifar.load_model(folder / "model")
+        if kind == "base":  # a plain model: every activation element nonlinear
+            model = linearize.convert(model, example_inputs=torch.zeros(1, 3, 32, 32))
+        counts = linearize.measures.count_relus(model, torch.zeros(1, 3, 32, 32))
+        fraction = metrics.get("nonlinear_fraction", 1.0)
+        rows.append({"run": folder.name, "network": NETWORK[net], "kind": kind, "seed": int(seed),
+                     "target": None if pct is None else int(pct) / 100, "nonlinear_fraction": fraction,
+                     "relus_total": counts["total"], "relus_nonlinear": counts["nonlinear"],
+                     "accuracy": 100 * metrics["test_accuracy"],
+                     "accuracy_tta": None if metrics.get("test_accuracy_tta") is None else
+                     100 * metrics["test_accuracy_tta"]})
+    return rows
+
+
+def table(rows: list[dict]) -> list[str]:
+    md = ["| run | network | schedule | nonlinear channels | nonlinear ReLUs / image | test accuracy | with TTA |",
+          "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        tta = "" if r["accuracy_tta"] is None else f"{r['accuracy_tta']:.2f}%"
+        md.append(f"| [{r['run']}](../{r['run']}/metrics.json) | {r['network']} | {r['kind']} | "
+                  f"{100 * r['nonlinear_fraction']:.1f}% | {r['relus_nonlinear']:,} of {r['relus_total']:,} | "
+                  f"{r['accuracy']:.2f}% | {tta} |")
+    md += ["", "Published points (CIFAR-10):", "", "| method | nonlinear ReLUs / image | test accuracy | source |",
+           "|---|---|---|---|"]
+    md += [f"| {name} | {relus:,} | {acc:.2f}% | {src} |" for name, relus, acc, src in PUBLISHED]
+    return md
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7.5, 4.8))
+    styles = {("ResNet-20", "base"): ("s", "tab:blue"), ("ResNet-20", "late"): ("o", "tab:blue"),
+              ("ResNet-20", "early"): ("^", "tab:blue"), ("airbench94", "base"): ("s", "tab:red"),
+              ("airbench94", "late"): ("o", "tab:red"), ("airbench94", "early"): ("^", "tab:red")}
+    for (net, kind), (marker, color) in styles.items():
+        pts = [r for r in rows if r["network"] == net and r["kind"] == kind]
+        if pts:
+            ax.scatter([r["relus_nonlinear"] for r in pts], [r["accuracy"] for r in pts], marker=marker,
+                       color=color, label=f"ours: {net}, {kind} (channels)", zorder=3)
+    for name, marker in (("SNL ResNet-18", "D"), ("AutoReP-dev ResNet-18", "P")):
+        pts = sorted((relus, acc) for n, relus, acc, _ in PUBLISHED if n == name)
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=marker, color="gray", linestyle=":",
+                label=f"{name} (published, elements)")
+    ax.set_xscale("log")
+    ax.set_xlabel("nonlinear ReLUs (activation elements) per image")
+    ax.set_ylabel("CIFAR-10 test accuracy (%)")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--results-dir", type=Path, default=RECIPES / "results")
+    args = p.parse_args(argv)
+    torch.set_num_threads(1)
+    rows = runs(args.results_dir)
+    if not rows:
+        sys.exit(f"no r20_* / ab94_* runs with metrics.json and model/ in {args.results_dir}")
+    out = args.results_dir / "frontier"
+    out.mkdir(exist_ok=True)
+    (out / "frontier.json").write_text(json.dumps({"runs": rows, "published": PUBLISHED}, indent=1) + "\n")
+    (out / "frontier.md").write_text("\n".join(["# Accuracy against nonlinear ReLUs per image", "",
+                                                "![frontier](frontier.png)", "", *table(rows)]) + "\n")
+    plot(rows, out / "frontier.png")
+    print(f"{len(rows)} runs -> {out}/frontier.md, frontier.json, frontier.png")
+
+
+if __name__ == "__main__":
+    main()
