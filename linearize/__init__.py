@@ -49,6 +49,7 @@ _EXPORTS = {
     "RunningFit": "calibration",
     "Box": "stability",
     "compress": "compression",
+    "prune": "pruning",
     # report
     "report": "reporting",
     "register_measure": "reporting",

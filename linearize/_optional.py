@@ -33,6 +33,7 @@ EXTRAS: dict[str, tuple[str, str]] = {
     "tokenizers": ("tokenizers", "recipes"),
     "tensorboard": ("tensorboard", "recipes"),
     "ot": ("pot", "dev"),
+    "torch_pruning": ("torch-pruning", "prune"),
 }
 
 

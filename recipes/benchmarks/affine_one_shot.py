@@ -72,12 +72,14 @@ def quality(student, test: list[dict], reference: torch.Tensor) -> dict:
     return {"cosine": float((emb * reference).sum(-1).mean()), "spearman": spearman_pairs(emb, reference)}
 
 
-def user_loop(student, teacher, train: list[dict], test: list[dict], reference: torch.Tensor, steps: int) -> dict:
+def user_loop(student, teacher, train: list[dict], test: list[dict], reference: torch.Tensor, steps: int,
+              sparsify: bool = True) -> dict:
     """Issue 37's obvious loop: AdamW 5e-5, ``steps`` batches of 32, cosine to the teacher embedding, and a
-    Sparsifier to 25% nonlinear with the library's defaults."""
+    Sparsifier to 25% nonlinear with the library's defaults (``sparsify=False``: none, for a pruned model)."""
     student.train()
     opt = torch.optim.AdamW(student.parameters(), lr=5e-5)
-    linearize.Sparsifier(student, schedule=linearize.schedules.target(0.25), total_steps=steps).attach(opt)
+    if sparsify:
+        linearize.Sparsifier(student, schedule=linearize.schedules.target(0.25), total_steps=steps).attach(opt)
     for step in range(steps):
         b = train[step % len(train)]
         with torch.no_grad():
@@ -87,10 +89,11 @@ def user_loop(student, teacher, train: list[dict], test: list[dict], reference: 
         loss.backward()
         opt.step()  # the attached Sparsifier steps after it
         if (step + 1) % 50 == 0:
-            print(f"  step {step + 1}: loss {loss.item():.4f}, nonlinear {linearize.nonlinear_fraction(student):.3f}",
-                  flush=True)
+            fraction = f", nonlinear {linearize.nonlinear_fraction(student):.3f}" if sparsify else ""
+            print(f"  step {step + 1}: loss {loss.item():.4f}{fraction}", flush=True)
     out = quality(student, test, reference)
-    out["nonlinear_fraction"] = linearize.nonlinear_fraction(student)
+    if sparsify:
+        out["nonlinear_fraction"] = linearize.nonlinear_fraction(student)
     return out
 
 
