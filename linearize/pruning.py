@@ -29,6 +29,7 @@ from typing import Any, Callable, Mapping
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from ._optional import require
 from .activations import activation_kind
@@ -42,6 +43,9 @@ __all__ = ["prune", "PruneSite", "PruneSummary", "IMPORTANCES"]
 IMPORTANCES = ("magnitude", "taylor", "residual")
 _PASSTHROUGH = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.Identity)
 _NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
+# tensor functions that read no values (a shape, a dtype): not a use of a site's channels
+_METADATA = {"size", "dim", "__get__", "numel", "stride", "is_floating_point", "is_contiguous", "__len__",
+             "ndimension", "data_ptr", "element_size", "get_device"}
 
 
 @dataclass
@@ -95,17 +99,41 @@ def _is_activation(m: nn.Module) -> bool:
     return isinstance(m, LinearizableActivation) or activation_kind(m) is not None
 
 
-def _trace(model: nn.Module, example_inputs: Any) -> list[_Call]:
+class _FreeUses(TorchFunctionMode):
+    """Records the tensors that torch functions take outside the hooked modules (``depth == 0``): a
+    functional use of a site's channels (``h * x``, a reshape) that no module hook sees."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.depth = 0
+        self.uses: list[tuple[str, torch.Tensor]] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", repr(func))
+        if self.depth == 0 and name not in _METADATA:
+            for a in [*args, *kwargs.values()]:
+                for t in (a if isinstance(a, (list, tuple)) else [a]):
+                    if isinstance(t, torch.Tensor):
+                        self.uses.append((name, t))
+        return func(*args, **kwargs)
+
+
+def _trace(model: nn.Module, example_inputs: Any) -> tuple[list[_Call], list[tuple[str, torch.Tensor]]]:
     """Every call of a leaf module or activation on ``example_inputs`` whose first argument and output are
-    tensors, in order; the tensors are held, so ``is`` identifies them."""
+    tensors, in order, and the tensors torch functions outside those calls took (:class:`_FreeUses`); the
+    tensors are held, so ``is`` identifies them."""
     calls: list[_Call] = []
     versions: list[int] = []  # of the first argument, before each call that is running
+    free = _FreeUses()
 
     def before(mod, args):
+        free.depth += 1
         versions.append(args[0]._version if args and isinstance(args[0], torch.Tensor) else -1)
 
     def hook(name: str):
         def record(mod, args, out):
+            free.depth -= 1
             version = versions.pop()
             if args and isinstance(args[0], torch.Tensor) and isinstance(out, torch.Tensor):
                 calls.append(_Call(len(calls), name, mod, args[0], out, version, out._version))
@@ -116,8 +144,9 @@ def _trace(model: nn.Module, example_inputs: Any) -> list[_Call]:
             if name and (not any(True for _ in m.children()) or _is_activation(m)):
                 handles.append(m.register_forward_pre_hook(before))
                 handles.append(m.register_forward_hook(hook(name)))
-        call_model(model, example_inputs)
-    return calls
+        with free:
+            call_model(model, example_inputs)
+    return calls, free.uses
 
 
 def _layer_channels(m: nn.Module, side: str) -> int | None:
@@ -131,8 +160,10 @@ def _layer_channels(m: nn.Module, side: str) -> int | None:
     return None
 
 
-def _find_sites(calls: list[_Call]) -> tuple[dict[str, PruneSite], dict[str, nn.Module], dict[str, str]]:
-    """``(sites, modules by name, why each other layer before an activation is no site)``."""
+def _find_sites(calls: list[_Call], free: list[tuple[str, torch.Tensor]]
+                ) -> tuple[dict[str, PruneSite], dict[str, nn.Module], dict[str, str]]:
+    """``(sites, modules by name, why each other layer before an activation is no site)`` from
+    :func:`_trace`'s calls and free uses."""
     modules = {c.name: c.module for c in calls}
     sites: dict[str, PruneSite] = {}
     skipped: dict[str, str] = {}
@@ -170,14 +201,15 @@ def _find_sites(calls: list[_Call]) -> tuple[dict[str, PruneSite], dict[str, nn.
                     frontier.append(c)
                 else:
                     ends.append(c)
-        outside = [c for link in [src, *chain] for c in consumers_of(link)
+        outside = [f"{c.name} ({type(c.module).__name__})" for link in [src, *chain] for c in consumers_of(link)
                    if all(c is not seen for seen in [src, *chain, *ends])]
+        outside += [f"torch function {op}" for op, t in free if any(t is link.output for link in [src, *chain])]
         layers = [e for e in ends if _layer_channels(e.module, "in") == channels]
         if not ends:
             skipped[src.name] = (f"{type(src.module).__name__} -> {type(act.module).__name__} ({act.name}) has no "
                                  "following layer: the activation's output goes to no Linear / conv module")
         elif len(ends) > 1 or len(layers) != 1 or outside:
-            what = ", ".join(f"{c.name} ({type(c.module).__name__})" for c in [*ends, *outside])
+            what = ", ".join([*(f"{c.name} ({type(c.module).__name__})" for c in ends), *outside])
             skipped[src.name] = (f"the channels of {type(src.module).__name__} -> {type(act.module).__name__} "
                                  f"({act.name}) reach {what}, not exactly one following layer taking all "
                                  f"{channels} of them")
@@ -428,8 +460,7 @@ def prune(
         if data is None:
             raise ValueError("prune needs example_inputs (one batch to find the sites on) or data")
         example_inputs = next(iter(Batches.of(data)))
-    calls = _trace(model, example_inputs)
-    found, modules, skipped = _find_sites(calls)
+    found, modules, skipped = _find_sites(*_trace(model, example_inputs))
     if sites is not None:
         wanted = list(dict.fromkeys(sites))
         for n in wanted:
