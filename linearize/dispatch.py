@@ -18,6 +18,12 @@ thread; its forward hook (always called, first of the owner's hooks) closes it. 
   (whose backward is its own) is left as it is, as the probe of ``convert`` left and listed it; a checkpoint
   the probe did not see is refused with the fix (:func:`checkpoint_error`). Checkpointing a module, as
   Hugging Face's gradient checkpointing does, works: its hooks run again.
+- ``torch.fx.symbolic_trace`` runs every module but the root through its hooks, so the calls of a traced
+  owner reach their units, and each unit is recorded as a ``call_module`` node (:func:`fx_leaf_call`): the
+  GraphModule runs the units. The root's own forward runs without hooks, where no call can reach a unit:
+  tracing an owner as the root is refused with the fix (:func:`refuse_fx_root`).
+- ``torch.compile`` runs the dispatch eagerly between graphs; ``fullgraph=True`` cannot, and its error
+  carries :data:`COMPILE_REASON` (the fix).
 """
 
 from __future__ import annotations
@@ -35,9 +41,15 @@ from torch.overrides import has_torch_function_variadic
 
 __all__ = ["Scope", "attach_owner", "detach_owner", "caller_scope", "called_from_hook",
            "compiled_submodules", "refuse_scripting", "unreachable_call", "checkpoint_error", "foreign_torch_function",
-           "SITE_MODE", "FunctionalSiteError"]
+           "SITE_MODE", "FunctionalSiteError", "COMPILE_REASON", "fx_leaf_call", "fx_tracer", "refuse_fx_root"]
 
 _CALL_IMPL: CodeType = nn.Module._call_impl.__code__
+_FX_TRACE: CodeType = torch.fx.Tracer.trace.__code__
+COMPILE_REASON = (
+    "linearize's call-site dispatch (one unit per call of a reused activation module or per functional "
+    "activation call, matched by call order) runs eagerly, between compiled graphs, so torch.compile with "
+    "fullgraph=True cannot compile this model. Fix: torch.compile(model) without fullgraph=True, or "
+    "linearize.fold(model, example_inputs) for a plain model that compiles whole")
 _CHECKPOINT_FILE = torch.utils.checkpoint.__file__
 _FUNCTION_FORWARDS: dict[CodeType, bool] = {}  # code -> whether it is a custom autograd.Function's forward
 
@@ -231,7 +243,7 @@ def checkpoint_error(scope: Scope) -> FunctionalSiteError:
         "(the call is then left as it is and listed)")
 
 
-@torch.compiler.disable
+@torch.compiler.disable(reason=COMPILE_REASON)
 def _open(owner: nn.Module, args: Any) -> None:
     scopes = _scopes()
     frame = _call_impl_frame(owner)
@@ -253,7 +265,7 @@ def _close(scope: Scope) -> None:
             end(scope)
 
 
-@torch.compiler.disable
+@torch.compiler.disable(reason=COMPILE_REASON)
 def _shut(owner: nn.Module, args: Any, output: Any) -> None:
     """Close this forward's scope; its sites check their calls unless the forward raised."""
     scopes = _scopes()
@@ -290,6 +302,47 @@ def detach_owner(owner: nn.Module) -> None:
             del hooks[key]
     for key in ids:
         owner._forward_hooks_always_called.pop(key, None)
+
+
+def fx_leaf_call(module: nn.Module, x: Any) -> Any:
+    """Under ``torch.fx.symbolic_trace`` (``x`` a ``torch.fx.Proxy``): record the call of ``module`` on ``x`` as
+    one ``call_module`` node, so that the GraphModule runs the module itself (a unit's forward holds checks on
+    the input that a proxy cannot answer). None when ``x`` is no proxy.
+
+    Example:
+        >>> fx_leaf_call(nn.ReLU(), torch.zeros(1)) is None
+        True
+    """
+    if not isinstance(x, torch.fx.Proxy):
+        return None
+    return x.tracer.create_proxy("call_module", x.tracer.path_of_module(module), (x,), {})
+
+
+def fx_tracer() -> torch.fx.Tracer | None:
+    """The ``torch.fx.Tracer`` whose ``trace`` is running on this thread's stack (None when none is)."""
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_code is not _FX_TRACE:
+        frame = frame.f_back
+    return frame.f_locals.get("self") if frame is not None else None
+
+
+def refuse_fx_root(sites: nn.Module, prefix: str) -> None:
+    """Raise when ``torch.fx.symbolic_trace`` (any ``torch.fx.Tracer``) traces the owner of the call-site
+    dispatcher ``sites`` as its root (``sites`` is then the root's child ``prefix``): the tracer runs the root's
+    forward without its hooks, so its activation calls would be recorded as the original functions, not as
+    their units. Called from the dispatchers' ``named_modules``, which ``Tracer.trace`` walks first."""
+    if not prefix or "." in prefix:
+        return
+    root = getattr(fx_tracer(), "root", None)
+    if not isinstance(root, nn.Module) or root._modules.get(prefix) is not sites:
+        return
+    name = type(root).__name__
+    raise FunctionalSiteError(
+        f"linearize: torch.fx.symbolic_trace of {name} itself would record the original activation functions: "
+        f"the tracer runs the root module's forward without its hooks, and {name}'s own forward makes activation "
+        f"calls that linearize sends to their units ({type(sites).__name__} {prefix!r}) only through them. Fix: "
+        f"trace a wrapper, torch.fx.symbolic_trace(torch.nn.Sequential(model)) (each unit becomes a call_module "
+        "node of the GraphModule), or linearize.fold(model, example_inputs) for a plain model")
 
 
 def refuse_scripting(module: nn.Module) -> None:

@@ -29,7 +29,8 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from .activations import FUNCTIONAL_SPECS, call_arguments, in_place
-from .dispatch import FunctionalSiteError, Scope, attach_owner, caller_scope, checkpoint_error, refuse_scripting
+from .dispatch import (COMPILE_REASON, FunctionalSiteError, Scope, attach_owner, caller_scope, checkpoint_error,
+                       fx_tracer, refuse_fx_root, refuse_scripting)
 from .unit import write_into
 
 __all__ = ["FunctionalSites", "FunctionalSiteError", "ATTR", "install_functional_sites"]
@@ -64,7 +65,7 @@ class _SiteMode(TorchFunctionMode):
             return self.sites.call(self.scope, func, args, kwargs)
         return func(*args, **kwargs)
 
-    @torch.compiler.disable
+    @torch.compiler.disable(reason=COMPILE_REASON)
     def _own(self, func: Callable) -> bool:
         return caller_scope(lambda: f"the functional call {getattr(func, '__name__', func)} of "
                                     f"{self.sites.owner_name or '<root>'!r}") is self.scope
@@ -105,6 +106,10 @@ class FunctionalSites(nn.Module):
     def __prepare_scriptable__(self) -> nn.Module:
         refuse_scripting(self)
 
+    def named_modules(self, memo: set | None = None, prefix: str = "", remove_duplicate: bool = True):
+        refuse_fx_root(self, prefix)  # torch.fx.symbolic_trace of the owner itself would skip these units
+        return super().named_modules(memo, prefix, remove_duplicate)
+
     def begin_forward(self, scope: Scope) -> None:
         """An owner forward begins: its calls go to this forward's mode (on this thread)."""
         n = torch._C._len_torch_function_stack()
@@ -124,7 +129,7 @@ class FunctionalSites(nn.Module):
         if calls.suspended is not None:
             torch._C._push_on_torch_function_stack(calls.suspended)
 
-    @torch.compiler.disable  # eager under torch.compile: the call counter is state, not a graph input
+    @torch.compiler.disable(reason=COMPILE_REASON)  # eager under torch.compile: the counter is state, not an input
     def call(self, scope: Scope, func: Callable, args: tuple, kwargs: dict) -> Any:
         """Run the owner's next functional activation call (in the forward of ``scope``) through its unit."""
         calls: _Calls = scope.data
@@ -148,6 +153,9 @@ class FunctionalSites(nn.Module):
         if slot is None:
             return func(*args, **kwargs)
         unit = self._modules[slot]
+        if isinstance(x, torch.fx.Proxy):  # symbolic_trace: the unit (a call_module node) and the write-back
+            y = unit(x)
+            return x.copy_(y) if in_place(func, args, kwargs) else y
         if (out := kwargs.get("out")) is not None:  # torch.tanh(x, out=y): the result goes into y
             y = unit(x)
             return out.resize_(y.shape).copy_(y)
@@ -187,6 +195,14 @@ class FunctionalSites(nn.Module):
             seen = calls.seen if calls.mismatch else self.kinds[: calls.position]
             name = self.owner_name or "<root>"
             pattern = self.owner_name or f"{ATTR}.*"  # the root's units (exclude_modules cannot be empty)
+            if fx_tracer() is not None:
+                raise FunctionalSiteError(
+                    f"linearize: torch.fx.symbolic_trace of module {name!r} saw {len(seen)} of its "
+                    f"{len(self.kinds)} functional activation calls ({', '.join(self.kinds)}): a Tensor method "
+                    "call on a tracing proxy (x.relu(), x.relu_(), x.sigmoid()) is recorded without passing "
+                    "through linearize, so it would run the original function, not its unit. Fix: call the "
+                    "function form in the forward (F.relu(x), torch.relu_(x)), or use torch.export.export / "
+                    "torch.jit.trace, which see every call, or linearize.fold(model, example_inputs)")
             if calls.arguments:
                 raise FunctionalSiteError(
                     f"linearize: in module {name!r}, {calls.arguments}. Fix: give the call the same arguments in "

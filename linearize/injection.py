@@ -37,11 +37,13 @@ from .checks import as_patterns, check_channel_dim
 from .config import LinearizeConfig
 from .example_inputs import guess_example_inputs, guessed_input_error
 from .dispatch import (
+    COMPILE_REASON,
     FunctionalSiteError,
     attach_owner,
     called_from_hook,
     caller_scope,
     compiled_submodules,
+    refuse_fx_root,
     refuse_scripting,
     unreachable_call,
 )
@@ -87,17 +89,18 @@ class CallSites(nn.Module):
         self.calls = nn.ModuleList(calls)
         self.where = where  # "<owner class>.<attribute>", for errors
 
-    @torch.compiler.disable  # the position is per-forward state, not a graph input
+    @torch.compiler.disable(reason=COMPILE_REASON)  # the position is per-forward state, not a graph input
     def _position(self) -> int:
         where = self.where or "of this site"
         scope = caller_scope(lambda: f"a call of the activation module {where}", skip=1)
         if scope is None:
             raise FunctionalSiteError(
                 f"linearize: the activation module {where} holds one unit per call of its owner's forward, "
-                "matched by call order, and was called from elsewhere: a hook, another module, a function run by "
-                "torch.utils.checkpoint (recomputed outside the owner's forward) or a custom autograd.Function. "
-                "Fix: call it only from its owner's own forward code (checkpoint the owner module itself), or "
-                "give the other caller its own activation module.")
+                "matched by call order, and was called from elsewhere: a hook, another module, a thread that the "
+                "owner's forward started, a function run by torch.utils.checkpoint (recomputed outside the owner's "
+                "forward) or a custom autograd.Function. Fix: call it only from its owner's own forward code, on "
+                "the thread that runs that forward (checkpoint the owner module itself), or give the other caller "
+                "its own activation module.")
         k = scope.next_position(self)
         if k >= len(self.calls):
             raise FunctionalSiteError(
@@ -113,6 +116,10 @@ class CallSites(nn.Module):
 
     def __prepare_scriptable__(self) -> nn.Module:
         refuse_scripting(self)
+
+    def named_modules(self, memo: set | None = None, prefix: str = "", remove_duplicate: bool = True):
+        refuse_fx_root(self, prefix)  # torch.fx.symbolic_trace of the owner itself cannot count its calls
+        return super().named_modules(memo, prefix, remove_duplicate)
 
     def extra_repr(self) -> str:
         return f"calls={len(self.calls)}"

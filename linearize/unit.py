@@ -37,7 +37,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 from .activations import FunctionalActivation, negative_slope
 from .checks import NonFiniteSlopeError, check_channel_dim, check_tol
 from .config import GatedConfig
-from .dispatch import compiled_submodules, foreign_torch_function, refuse_scripting
+from .dispatch import compiled_submodules, foreign_torch_function, fx_leaf_call, refuse_scripting
 from .distributed import full_value, local, refuse_unsupported, shard_of
 from .kernels import cpu_blend, cpu_prelu
 
@@ -572,6 +572,8 @@ class LinearizableActivation(nn.Module):
     inplace = False  # write the result into the input, as the replaced in-place activation did
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if (traced := fx_leaf_call(self, x)) is not None:  # torch.fx.symbolic_trace: one call_module node
+            return traced
         # every parameter: an act module may hold its own (a learnable activation), beside the slopes
         return write_into(x, self._blend, self.parameters()) if self.inplace else self._blend(x)
 

@@ -44,7 +44,7 @@ class Reused(nn.Module):
         return self.c(self.act(self.b(self.act(self.a(x)))))
 
 
-def _random_slopes(model: nn.Module, seed: int = 0) -> None:
+def random_slopes(model: nn.Module, seed: int = 0) -> None:
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for _, u in linearize.units(model):
@@ -55,7 +55,7 @@ def _slopes(model: nn.Module) -> list[torch.Tensor]:
     return [u.slope.detach() for _, u in linearize.units(model)]
 
 
-def _by_hand(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+def by_hand(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """Functional / Reused with units, written out: PReLU unit then GELU blend (or two PReLU units)."""
     a1, a2 = _slopes(model)
     h = model.a(x)
@@ -85,19 +85,19 @@ def _run_threads(model: nn.Module, x: torch.Tensor, reference: torch.Tensor, thr
     return wrong[0], errors
 
 
-def _converted(cls: type[nn.Module]) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
+def converted(cls: type[nn.Module]) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
     """A converted ``cls`` with random slopes, an input, and its output written out by hand."""
     torch.manual_seed(0)
     x = torch.randn(5, 6)
     model = linearize.convert(cls().eval(), example_inputs=x)
-    _random_slopes(model)
+    random_slopes(model)
     with torch.no_grad():
-        return model, x, _by_hand(model, x)
+        return model, x, by_hand(model, x)
 
 
 @pytest.mark.parametrize("cls", [Functional, Reused])
 def test_threads_dispatch_each_forward_on_its_own(cls):
-    model, x, reference = _converted(cls)
+    model, x, reference = converted(cls)
     assert torch.allclose(model(x), reference, atol=1e-6)
     with torch.no_grad():
         reference = model(x)
@@ -112,7 +112,7 @@ def test_threads_on_a_converted_resnet18_give_the_original_outputs():
     with torch.no_grad():
         reference = original(x)
     assert torch.allclose(model(x), reference, atol=1e-5)
-    _random_slopes(model)
+    random_slopes(model)
     with torch.no_grad():
         reference = model(x)
     assert _run_threads(model, x, reference, threads=3, reps=3) == (0, [])
@@ -140,14 +140,19 @@ class FailsAfterRelu(Functional):
         return self.c(F.gelu(self.b(self.fail(F.relu(self.a(x))))))
 
 
-@pytest.mark.parametrize("error", [RuntimeError, KeyboardInterrupt])
-def test_an_exception_or_interrupt_inside_a_forward_leaves_no_interception_behind(error):
+def failing(error: type[BaseException]) -> tuple[FailsAfterRelu, torch.Tensor, torch.Tensor]:
+    """A converted FailsAfterRelu with random slopes, an input, and its output (unarmed) written out by hand."""
     torch.manual_seed(0)
     x = torch.randn(5, 6)
     model = linearize.convert(FailsAfterRelu(error).eval(), example_inputs=x)
-    _random_slopes(model)
+    random_slopes(model)
     with torch.no_grad():
-        reference = _by_hand(model, x)
+        return model, x, by_hand(model, x)
+
+
+@pytest.mark.parametrize("error", [RuntimeError, KeyboardInterrupt])
+def test_an_exception_or_interrupt_inside_a_forward_leaves_no_interception_behind(error):
+    model, x, reference = failing(error)
     model.fail.armed = True
     with pytest.raises(error):
         model(x)
@@ -183,9 +188,9 @@ def test_user_hooks_that_call_activations_are_not_counted(cls, when):
     if when == "after":
         handles = [model.register_forward_hook(monitor), model.register_forward_pre_hook(pre),
                    model.b.register_forward_hook(monitor)]
-    _random_slopes(model)
+    random_slopes(model)
     with torch.no_grad():
-        expected = _by_hand(model, x)
+        expected = by_hand(model, x)
         for _ in range(3):
             assert torch.allclose(model(x), expected, atol=1e-6)
     assert len(seen) >= 9
@@ -239,7 +244,7 @@ def test_checkpointing_an_owner_gives_the_gradients_of_the_plain_run(cls, reentr
     torch.manual_seed(0)
     x = torch.randn(5, 6, requires_grad=True)
     plain = linearize.convert(Outer(cls, False, reentrant), example_inputs=x.detach())
-    _random_slopes(plain)
+    random_slopes(plain)
     ckpt = copy.deepcopy(plain)
     ckpt.use = True
     grads = []
@@ -280,7 +285,7 @@ def test_a_scripted_submodule_is_listed_and_never_counted_as_linear():
 
 @pytest.mark.parametrize("cls", [Functional, Reused])
 def test_trace_and_export_compute_the_converted_function_and_script_is_refused_with_the_fix(cls):
-    model, x, expected = _converted(cls)
+    model, x, expected = converted(cls)
     with torch.no_grad():
         traced = torch.jit.trace(model, x, check_trace=False)
         assert torch.allclose(traced(x), expected, atol=1e-6)

@@ -17,7 +17,7 @@ from zoo import randomize_batchnorm
 W = 6  # width of every layer of AllCalls
 
 
-def _calls():
+def calls():
     """(name, function of x) for every listed functional form, in place ones included."""
     return [
         ("F.relu", lambda x: F.relu(x)),
@@ -43,8 +43,8 @@ class AllCalls(nn.Module):
 
     def __init__(self):
         super().__init__()
-        self.lins = nn.ModuleList(nn.Linear(W, W) for _ in _calls())
-        self.fns = [fn for _, fn in _calls()]
+        self.lins = nn.ModuleList(nn.Linear(W, W) for _ in calls())
+        self.fns = [fn for _, fn in calls()]
 
     def forward(self, x):
         for lin, fn in zip(self.lins, self.fns):

@@ -1,0 +1,154 @@
+"""Call-site dispatch under torch.fx tracing, torch.compile (with an exception inside the forward) and threads a
+forward starts: each gives the converted model's numbers or a clear error naming the situation and the fix.
+
+Truths: the converted layers written out by hand (PReLU and GELU blends of the same weights and slopes), the
+network with every activation replaced by the identity (slope 1), and the plain activations of torch.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+import torch.nn.functional as F
+from test_call_sites import Functional, Reused, by_hand, converted, random_slopes, failing
+from test_functional_units import W, AllCalls, calls
+from torch import nn
+
+import linearize
+from linearize.functional_sites import FunctionalSiteError
+
+
+def _plain_activations_are_untouched() -> None:
+    assert F.relu(torch.tensor(-2.0)).item() == 0.0
+    assert torch.relu(torch.tensor([-3.0, 1.0])).tolist() == [0.0, 1.0]
+    assert F.gelu(torch.tensor(-1.0)).item() == pytest.approx(-0.15865525, abs=1e-6)
+
+
+@pytest.mark.parametrize("cls", [Functional, Reused])
+def test_fx_trace_of_a_wrapper_records_every_unit_as_a_module_call(cls):
+    model, x, expected = converted(cls)
+    traced = torch.fx.symbolic_trace(nn.Sequential(model))
+    targets = [n.target for n in traced.graph.nodes if n.op == "call_module"]
+    assert [t for t in targets if t.startswith("0.linearize_functional.") or t.startswith("0.act.calls.")] == (
+        ["0.linearize_functional.relu_0", "0.linearize_functional.gelu_1"] if cls is Functional
+        else ["0.act.calls.0", "0.act.calls.1"])
+    assert not [n for n in traced.graph.nodes if n.op == "call_function" and n.target in (F.relu, F.gelu)]
+    with torch.no_grad():
+        assert torch.allclose(traced(x), expected, atol=1e-6)
+        random_slopes(model, seed=1)  # the GraphModule runs the model's own units
+        assert torch.allclose(traced(x), by_hand(model, x), atol=1e-6)
+
+
+class FunctionForms(AllCalls):
+    """AllCalls without its Tensor method calls (x.relu(), x.relu_()): every call a function, in place ones too."""
+
+    def __init__(self):
+        super().__init__()
+        forms = [(name, fn) for name, fn in calls() if not name.startswith("Tensor.")]
+        self.lins = nn.ModuleList(nn.Linear(W, W) for _ in forms)
+        self.fns = [fn for _, fn in forms]
+
+
+def test_fx_trace_keeps_in_place_functional_calls_in_place():
+    torch.manual_seed(0)
+    x = torch.randn(4, W)
+    model = linearize.convert(FunctionForms().eval(), example_inputs=x)
+    traced = torch.fx.symbolic_trace(nn.Sequential(model))
+    with torch.no_grad():
+        for _, u in linearize.units(model):
+            u.slope.fill_(1.0)
+        assert torch.allclose(traced(x), model.linear(x), atol=1e-5)  # every call its unit, at slope 1: linear
+        random_slopes(model)
+        assert torch.allclose(traced(x), model(x), atol=1e-6)
+
+
+def test_fx_trace_of_tensor_method_calls_is_refused_naming_them_and_the_fix():
+    torch.manual_seed(0)
+    x = torch.randn(4, W)
+    model = linearize.convert(AllCalls().eval(), example_inputs=x)
+    with pytest.raises(FunctionalSiteError, match=r"symbolic_trace of module '<root>' saw 13 of its 15 functional "
+                                                  r"activation calls.*Tensor method.*Fix: call the function form"):
+        torch.fx.symbolic_trace(nn.Sequential(model))
+    _plain_activations_are_untouched()
+
+
+def test_fx_trace_of_module_units_runs_the_units():
+    torch.manual_seed(0)
+    model = linearize.convert(nn.Sequential(nn.Linear(4, 5), nn.ReLU(), nn.Linear(5, 5), nn.GELU()),
+                              example_inputs=torch.randn(2, 4))
+    random_slopes(model)
+    a1, a2 = (u.slope.detach() for _, u in linearize.units(model))
+    x = torch.randn(3, 4)
+    h = model[2](torch.where(model[0](x) >= 0, model[0](x), a1 * model[0](x)))
+    with torch.no_grad():
+        assert torch.allclose(torch.fx.symbolic_trace(model)(x), (1 - a2) * F.gelu(h) + a2 * h, atol=1e-6)
+
+
+@pytest.mark.parametrize("cls", [Functional, Reused])
+def test_fx_trace_of_an_owner_itself_is_refused_with_the_wrapper_fix(cls):
+    model, x, expected = converted(cls)
+    with pytest.raises(FunctionalSiteError, match=r"symbolic_trace of .* itself would record the original "
+                                                  r"activation.*Fix: trace a wrapper, .*nn.Sequential\(model\)"):
+        torch.fx.symbolic_trace(model)
+    _plain_activations_are_untouched()
+    assert torch.allclose(model(x), expected, atol=1e-6)
+
+
+@pytest.mark.parametrize("cls", [Functional, Reused])
+def test_compile_fullgraph_says_why_and_the_fix_and_leaves_nothing_behind(cls):
+    model, x, expected = converted(cls)
+    with pytest.raises(Exception, match=r"fullgraph=True cannot compile this model. Fix: torch.compile\(model\) "
+                                        r"without fullgraph=True"):
+        torch.compile(model, fullgraph=True, backend="eager")(x)
+    _plain_activations_are_untouched()
+    assert torch.allclose(model(x), expected, atol=1e-6)
+    assert torch.allclose(torch.compile(model, backend="eager")(x), expected, atol=1e-6)
+
+
+@pytest.mark.parametrize("error", [RuntimeError, KeyboardInterrupt])
+@pytest.mark.parametrize("fullgraph", [False, True])
+def test_an_exception_inside_a_compiled_forward_leaves_no_interception_behind(error, fullgraph):
+    model, x, expected = failing(error)
+    compiled = torch.compile(model, backend="eager", fullgraph=fullgraph)
+    model.fail.armed = True
+    with pytest.raises((error, RuntimeError)):  # fullgraph: the compile error comes first
+        compiled(x)
+    _plain_activations_are_untouched()
+    model.fail.armed = False
+    with torch.no_grad():
+        assert torch.allclose(model(x), expected, atol=1e-6)
+        if not fullgraph:
+            assert torch.allclose(compiled(x), expected, atol=1e-6)
+    _plain_activations_are_untouched()
+    assert torch._C._len_torch_function_stack() == 0
+
+
+class SpawnsReused(Reused):
+    """Runs its second activation call on a thread of its own."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h, out = self.act(self.a(x)), {}
+
+        def work() -> None:
+            try:
+                out["h"] = self.act(self.b(h))
+            except FunctionalSiteError as e:
+                out["error"] = e
+
+        worker = threading.Thread(target=work)
+        worker.start()
+        worker.join()
+        if "error" in out:
+            raise out["error"]
+        return self.c(out["h"])
+
+
+def test_a_reused_activation_called_on_a_thread_the_forward_started_is_refused_naming_it():
+    torch.manual_seed(0)
+    x = torch.randn(5, 6)
+    model = linearize.convert(SpawnsReused().eval(), example_inputs=x)
+    with pytest.raises(FunctionalSiteError, match=r"a thread that the owner's forward started.*Fix: .*on the "
+                                                  r"thread that runs that forward"):
+        model(x)
