@@ -53,6 +53,9 @@ __all__ = [
     "target",
     "resolve_step",
     "from_dict",
+    "as_schedule",
+    "check_lam",
+    "Function",
 ]
 
 StepSpec = Union[int, float]
@@ -82,7 +85,8 @@ def _check_step(name: str, value: StepSpec | None) -> None:
         raise ValueError(f"{name} must be >= 0, got {value}")
 
 
-def _check_lam(lam: float | None) -> None:
+def check_lam(lam: float | None) -> None:
+    """``ValueError`` unless ``lam`` is ``None`` or a finite number >= 0 (a legacy pressure)."""
     if lam is None:
         return
     if not isinstance(lam, (int, float)) or isinstance(lam, bool) or not math.isfinite(lam):
@@ -92,9 +96,16 @@ def _check_lam(lam: float | None) -> None:
 
 
 class Schedule:
-    """Base class: ``shape(step, total_steps)`` in ``[0, 1]`` times ``lam``."""
+    """Base class: ``shape(step, total_steps)`` in ``[0, 1]`` times ``lam``.
+
+    What the :class:`~linearize.Sparsifier` asks a schedule at step ``t``: :meth:`pressure` (how hard to
+    push), :attr:`steers` and :meth:`wanted` (a target: which nonlinear fraction or cost is wanted),
+    :meth:`ramp_steps` (over how many steps the pressure acts) and :attr:`cost` (a cost target's measure).
+    """
 
     lam: float | None = None
+    steers = False  # True for a target: the Sparsifier projects the slopes to what it wants
+    cost: str | None = None  # a cost target's measure ("flops", "latency"); None otherwise
 
     def shape(self, step: int, total_steps: int) -> float:
         raise NotImplementedError
@@ -103,6 +114,30 @@ class Schedule:
         """``lam`` at ``step`` (the bare shape when ``lam`` is None)."""
         scale = self.shape(step, total_steps)
         return scale if self.lam is None else self.lam * scale
+
+    @property
+    def legacy(self) -> bool:
+        """Whether the schedule gives the legacy ``lam`` itself (its own ``lam``), not a shape in ``[0, 1]``."""
+        return self.lam is not None
+
+    def pressure(self, step: int, total_steps: int, scale: float) -> float:
+        """The pressure at ``step``: the schedule's own ``lam_t``, or its shape times ``scale`` (the
+        Sparsifier's ``rate`` or legacy ``lam``) when it has none.
+
+        Example:
+            >>> late(start=5).pressure(7, 10, scale=0.5), late(start=5, lam=2.0).pressure(7, 10, scale=0.5)
+            (0.5, 2.0)
+        """
+        value = self(step, total_steps)
+        return value if self.legacy else value * scale
+
+    def ramp_steps(self, total_steps: int) -> int:
+        """Steps over which the pressure acts: ``total_steps`` (a target: its ramp ``end - start``)."""
+        return total_steps
+
+    def wanted(self, step: int, total_steps: int, initial: float) -> float | None:
+        """The nonlinear fraction (or cost ratio) wanted at ``step``: ``None``, no target wants one."""
+        return None
 
     def validate(self, total_steps: int) -> None:
         """Raise ``ValueError`` when the resolved steps are inconsistent for ``total_steps``."""
@@ -129,7 +164,7 @@ class Ramp(Schedule):
     kind: str = "linear"
 
     def __post_init__(self) -> None:
-        _check_lam(self.lam)
+        check_lam(self.lam)
         for name in ("start", "ramp", "end"):
             _check_step(name, getattr(self, name))
         if self.kind not in SHAPES:
@@ -188,6 +223,8 @@ class Target(Schedule):
     Exactly one of ``fraction``, ``flops`` and ``latency`` is given.
     """
 
+    steers = True
+
     fraction: float | None = None
     start: StepSpec = 0
     end: StepSpec = 0.8
@@ -212,7 +249,7 @@ class Target(Schedule):
             what = ("the share of channels kept nonlinear" if name == "fraction" else
                     f"the folded model's {name} over the original model's, folded")
             raise ValueError(f"target {name} must lie in (0, 1] ({what}), got {value}")
-        _check_lam(self.lam)
+        check_lam(self.lam)
         if not 0.0 <= self.hold <= 1.0:
             raise ValueError(f"hold must lie in [0, 1] (a fraction of lam), got {self.hold}")
         _check_step("start", self.start)
@@ -232,8 +269,17 @@ class Target(Schedule):
         """The value the path reaches at ``end``: the fraction, or the cost ratio."""
         return next(v for v in (self.fraction, self.flops, self.latency) if v is not None)
 
+    def span(self, total_steps: int) -> tuple[int, int]:
+        """The target's ``(start, end)`` as absolute steps of a run of ``total_steps``."""
+        return resolve_step(self.start, total_steps), resolve_step(self.end, total_steps)
+
+    def ramp_steps(self, total_steps: int) -> int:
+        """``end - start`` (at least 1): the steps over which the path descends."""
+        start, end = self.span(total_steps)
+        return max(1, end - start)
+
     def validate(self, total_steps: int) -> None:
-        start, end = resolve_step(self.start, total_steps), resolve_step(self.end, total_steps)
+        start, end = self.span(total_steps)
         if start > end:
             raise ValueError(f"start ({self.start}) is after end ({self.end}) for total_steps={total_steps}")
         if start >= total_steps:  # steps run 0 .. total_steps - 1: the target would never act
@@ -246,7 +292,7 @@ class Target(Schedule):
                              "end=0.8, or steps <= total_steps, or pass the run's real total_steps")
 
     def shape(self, step: int, total_steps: int) -> float:
-        start, end = resolve_step(self.start, total_steps), resolve_step(self.end, total_steps)
+        start, end = self.span(total_steps)
         if step < start:
             return 0.0
         return 1.0 if step <= end else self.hold
@@ -256,7 +302,7 @@ class Target(Schedule):
 
         ``None`` before ``start`` (no projection yet).
         """
-        start, end = resolve_step(self.start, total_steps), resolve_step(self.end, total_steps)
+        start, end = self.span(total_steps)
         if step < start:
             return None
         p = 1.0 if end <= start else min(1.0, (step - start + 1) / (end - start))
@@ -312,6 +358,47 @@ def target(
     """
     return Target(fraction=fraction, start=start, end=end, lam=lam, power=power, hold=hold, flops=flops,
                   latency=latency)
+
+
+@dataclass
+class Function(Schedule):
+    """A plain function ``fn(step, total_steps) -> lam`` as a schedule: the legacy ``lr * lam`` pressure
+    (what :func:`as_schedule` makes of a function). It has no :meth:`to_dict` description (``None``).
+    """
+
+    fn: Callable[[int, int], float]
+
+    def __call__(self, step: int, total_steps: int) -> float:
+        return self.fn(step, total_steps)
+
+    @property
+    def legacy(self) -> bool:
+        return True
+
+    def to_dict(self) -> None:  # type: ignore[override]
+        """``None``: a function has no JSON description (saved states and histories record none)."""
+        return None
+
+    def __repr__(self) -> str:
+        return repr(self.fn)
+
+
+def as_schedule(schedule: "ScheduleLike") -> Schedule:
+    """A :class:`Schedule` from what a :class:`~linearize.Sparsifier` accepts: a schedule (itself), a plain
+    function ``(step, total_steps) -> lam`` (:class:`Function`), a number (a constant legacy ``lam``) or
+    ``None`` (constant pressure at the Sparsifier's rate).
+
+    Example:
+        >>> as_schedule(None), as_schedule(0.5).lam
+        (Ramp(lam=None, start=0, ramp=0, end=None, kind='linear'), 0.5)
+    """
+    if schedule is None or isinstance(schedule, (int, float)):
+        return constant(None if schedule is None else float(schedule))
+    if isinstance(schedule, Schedule):
+        return schedule
+    if not callable(schedule):
+        raise TypeError(f"schedule must be a linearize.schedules object, a function or a number, got {schedule!r}")
+    return Function(schedule)
 
 
 def from_dict(d: dict) -> Schedule:

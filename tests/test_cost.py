@@ -18,7 +18,7 @@ from torchvision.models.resnet import BasicBlock
 
 import linearize
 from linearize import schedules as S
-from linearize import sparsifier as sps
+from linearize.sparsity import planning as cost_planning
 from linearize.folding import count_flops
 from linearize.sparsifier import flops_weights, latency_weights, site_groups
 from linearize.unit import ChannelPReLU
@@ -192,7 +192,7 @@ def test_plan_is_within_twice_the_optimum_for_additive_savings(monkeypatch):
         save = torch.where(kind == 2, torch.ones(n), save).tolist()
         total = sum(save) + 1.0
         budget = 1.0 - torch.rand(1, generator=gen).item() * sum(save) / total
-        monkeypatch.setattr(linearize.Sparsifier, "_folded_cost",
+        monkeypatch.setattr(cost_planning.CostPlanner, "folded_cost",
                             lambda self, linear: 1 - sum(save[g] for g in linear or ()) / total)
         with torch.no_grad():
             for _, u in linearize.units(model):  # importance = the slope gap, 0.04 .. 4 per site
@@ -201,7 +201,7 @@ def test_plan_is_within_twice_the_optimum_for_additive_savings(monkeypatch):
         sp = linearize.Sparsifier(model, S.target(flops=budget, end=2), total_steps=3, granularity="site",
                                   example_inputs=torch.randn(1, 4))
         _quiet_steps(sp, 1)
-        chosen = sp._start_groups() + sp._plan
+        chosen = sp.planner.start_groups() + sp.planner.plan
         assert total - sum(save[g] for g in chosen) <= budget * total + 1e-9
         best = min(sum(importance[g] for g in c) for k in range(n + 1) for c in itertools.combinations(range(n), k)
                    if total - sum(save[g] for g in c) <= budget * total)
@@ -300,7 +300,7 @@ def test_cost_target_errors_name_the_fix():
 
 
 def test_latency_target_plans_within_its_own_measure(monkeypatch):
-    monkeypatch.setattr("linearize.sparsifier.LATENCY_BUDGET_S", 0.01)
+    monkeypatch.setattr("linearize.sparsity.planning.LATENCY_BUDGET_S", 0.01)
     model, x = _mlp(), torch.randn(64, 16)
     sp = linearize.Sparsifier(model, S.target(latency=0.95, end=5), total_steps=8, granularity="site",
                               example_inputs=x)
@@ -322,7 +322,7 @@ def test_latency_target_counts_against_the_original_and_leaves_the_rest_at_its_a
     """The budget is a fraction of the *original* model (5 Linears, 4 ReLUs: 54), not of the model with
     partly linear sites (PReLUs: 58); the sites outside the plan end at slope 0 exactly, so the frozen,
     folded model costs what the plan counted, and nothing more."""
-    monkeypatch.setattr("linearize.sparsifier.median_latency_ms",
+    monkeypatch.setattr("linearize.sparsity.planning.median_latency_ms",
                         lambda models, inputs, budget_s: [_fake_latency(m) for m in models])
     original = _mlp()
     for _, u in linearize.units(original):
@@ -421,7 +421,7 @@ def _timed(planning: float, confirming: float):
     def fake(models, inputs, budget_s):
         out = [_fake_latency(m) for m in models]
         if len(models) == 2:
-            out[1] *= planning if budget_s == linearize.sparsifier.LATENCY_BUDGET_S else confirming
+            out[1] *= planning if budget_s == cost_planning.LATENCY_BUDGET_S else confirming
         return out
     return fake
 
@@ -431,7 +431,7 @@ def test_a_latency_plan_is_made_again_until_its_last_set_timed_again_is_within_b
     merging site reads 43 * 0.9 / 54 = 0.717 <= 0.75 but costs 0.796; timed again exactly, each such plan
     is refused, and the plan ends with two sites (two merges: 32 / 54 = 0.593), the folded model costing
     what the plan says."""
-    monkeypatch.setattr("linearize.sparsifier.median_latency_ms", _timed(0.9, 1.0))
+    monkeypatch.setattr("linearize.sparsity.planning.median_latency_ms", _timed(0.9, 1.0))
     model, x = _mlp(), torch.randn(4, 16)
     sp = linearize.Sparsifier(model, S.target(latency=0.75, end=6), total_steps=10, granularity="site",
                               example_inputs=x)
@@ -455,7 +455,7 @@ def test_one_glitch_in_planning_does_not_make_the_plan(monkeypatch):
             out[1] *= 0.5
         return out
 
-    monkeypatch.setattr("linearize.sparsifier.median_latency_ms", fake)
+    monkeypatch.setattr("linearize.sparsity.planning.median_latency_ms", fake)
     model, x = _mlp(), torch.randn(4, 16)
     sp = linearize.Sparsifier(model, S.target(latency=0.75, end=6), total_steps=10, granularity="site",
                               example_inputs=x)
@@ -471,13 +471,13 @@ def test_a_latency_budget_below_its_floor_timed_twice_warns_and_the_plan_takes_e
     refused budget 0.5 at construction: the floor is timed again, and a latency budget still below it
     warns, naming the busy CPU, and the plan makes every site linear (a FLOPs floor, exact, refuses)."""
     model, x = _mlp(), torch.randn(4, 16)
-    monkeypatch.setattr(sps, "median_latency_ms", _timed(5.0, 1.0))
+    monkeypatch.setattr(cost_planning, "median_latency_ms", _timed(5.0, 1.0))
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         linearize.Sparsifier(model, S.target(latency=0.5, end=6), total_steps=10, granularity="site",
                              example_inputs=x)
-    monkeypatch.setattr(sps, "median_latency_ms", _timed(5.0, 5.0))
-    monkeypatch.setattr(sps, "busy_cpu", lambda: "1-minute load average 5.0 on 2 core(s)")
+    monkeypatch.setattr(cost_planning, "median_latency_ms", _timed(5.0, 5.0))
+    monkeypatch.setattr(cost_planning, "busy_cpu", lambda: "1-minute load average 5.0 on 2 core(s)")
     with pytest.warns(UserWarning, match=r"latency=0.5\) is below .*timed twice, on a busy CPU: 1-minute.* at least 0.926"):
         sp = linearize.Sparsifier(model, S.target(latency=0.5, end=6), total_steps=10, granularity="site",
                                   example_inputs=x)
@@ -488,8 +488,8 @@ def test_a_latency_budget_below_its_floor_timed_twice_warns_and_the_plan_takes_e
 def test_a_latency_plan_made_on_a_busy_cpu_says_so(monkeypatch):
     """The plan's times are noisy when other processes preempt them: the plan says so, naming the load
     (``busy_cpu`` is tested against a monkeypatched load in tests/test_timing.py); a FLOPs plan does not."""
-    monkeypatch.setattr(sps, "median_latency_ms", _timed(1.0, 1.0))
-    monkeypatch.setattr(sps, "busy_cpu", lambda: "1-minute load average 5.0 on 2 core(s)")
+    monkeypatch.setattr(cost_planning, "median_latency_ms", _timed(1.0, 1.0))
+    monkeypatch.setattr(cost_planning, "busy_cpu", lambda: "1-minute load average 5.0 on 2 core(s)")
     model, x = _mlp(), torch.randn(4, 16)
     sp = linearize.Sparsifier(model, S.target(latency=0.8, end=6), total_steps=10, granularity="site",
                               example_inputs=x)
@@ -505,7 +505,7 @@ def test_a_latency_plan_made_on_a_busy_cpu_says_so(monkeypatch):
 
 
 def test_a_latency_plan_that_timed_again_misses_the_budget_says_so(monkeypatch):
-    monkeypatch.setattr("linearize.sparsifier.median_latency_ms", _timed(1.0, 5.0))
+    monkeypatch.setattr("linearize.sparsity.planning.median_latency_ms", _timed(1.0, 5.0))
     model, x = _mlp(), torch.randn(4, 16)
     sp = linearize.Sparsifier(model, S.target(latency=0.75, end=6), total_steps=10, granularity="site",
                               example_inputs=x)
@@ -522,7 +522,7 @@ def test_a_latency_budget_of_the_original_makes_nothing_linear_and_its_state_loa
     """target(latency=1.0): the start set (nothing linear) meets it and the plan is empty. Nothing was picked
     among noisy times, so nothing is timed again: a 2% noisy second time of the original against itself
     once made a plan of one site for a no-op budget, and a start cost of 1.02 the run's own state refused."""
-    monkeypatch.setattr(sps, "median_latency_ms", _timed(1.0, 1.02))
+    monkeypatch.setattr(cost_planning, "median_latency_ms", _timed(1.0, 1.02))
     model, x = _mlp(), torch.randn(4, 16)
     sp = linearize.Sparsifier(model, S.target(latency=1.0, end=6), total_steps=10, granularity="site",
                               example_inputs=x)
@@ -552,7 +552,7 @@ def test_a_steady_low_planning_time_is_corrected_and_a_feasible_budget_met(monke
     rnd = random.Random(seed)
     saving = [rnd.uniform(0.01, 0.08) for _ in range(n)]
     budget = round(1 - 0.5 * sum(saving), 3)
-    fold_copy = sps.Sparsifier._fold_copy
+    fold_copy = cost_planning.CostPlanner.fold_copy
 
     def tagged(self, linear):  # the folded copy remembers which groups are linear: the fake timer reads it
         folded = fold_copy(self, linear)
@@ -561,12 +561,12 @@ def test_a_steady_low_planning_time_is_corrected_and_a_feasible_budget_met(monke
 
     def fake(models, inputs, budget_s):
         out = [1.0 if m.linear_groups is None else 1.0 - sum(saving[g] for g in m.linear_groups) for m in models]
-        if len(models) == 2 and budget_s == sps.LATENCY_BUDGET_S:
+        if len(models) == 2 and budget_s == cost_planning.LATENCY_BUDGET_S:
             out[1] *= factor
         return out
 
-    monkeypatch.setattr(sps.Sparsifier, "_fold_copy", tagged)
-    monkeypatch.setattr(sps, "median_latency_ms", fake)
+    monkeypatch.setattr(cost_planning.CostPlanner, "fold_copy", tagged)
+    monkeypatch.setattr(cost_planning, "median_latency_ms", fake)
     model, x = _chain(n), torch.randn(4, 4)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -587,7 +587,7 @@ def test_a_steady_low_planning_time_is_corrected_and_a_feasible_budget_met(monke
 def test_a_latency_plan_with_a_site_partly_frozen_linear_resumes(monkeypatch):
     """One channel of site "1" frozen linear keeps it a PReLU (2, not a ReLU's 1): the start set costs 55 / 54
     of the original, above 1, and the run's own state must load (it was refused as a fraction > 1)."""
-    monkeypatch.setattr(sps, "median_latency_ms", _timed(1.0, 1.0))
+    monkeypatch.setattr(cost_planning, "median_latency_ms", _timed(1.0, 1.0))
 
     def build() -> linearize.Sparsifier:
         model = _mlp()
@@ -620,7 +620,7 @@ def test_plan_ends_at_its_shortest_prefix_within_the_budget(monkeypatch):
     def fake_cost(self, linear):
         return 1.0 if linear is None else table.get(linear, 1.0 - 0.2 * len(linear))
 
-    monkeypatch.setattr(linearize.Sparsifier, "_folded_cost", fake_cost)
+    monkeypatch.setattr(cost_planning.CostPlanner, "folded_cost", fake_cost)
     model, x = _mlp(), torch.randn(4, 16)
     with torch.no_grad():  # importance (slope gap): site "1" < "3" < "5" < "7"
         for (_, u), s in zip(linearize.units(model), [0.9, 0.0, 0.8, 0.7]):

@@ -1,0 +1,719 @@
+"""Sparsity pressure on the slopes of linearizable units, on a schedule.
+
+The penalty is ``sum_c w_c * (1 - a_c)`` over all free channels ``c`` (``w_c = 1`` unless weighted
+by cost). By default it is applied as a **proximal step** after each optimizer step::
+
+    a <- min(1, a + delta_t * w)        then clamp to [0, 1] and restore frozen channels
+
+so that channels become *exactly* linear (``a == 1``), not 0.98, and stay there unless the loss
+gradient pulls harder. The per-step displacement ``delta_t`` is given in **slope units per step**,
+independent of the optimizer's scale::
+
+    delta_t = rate * shape_t * (lr_t / lr_peak)
+
+``shape_t`` is the schedule's multiplier in ``[0, 1]``; ``lr_t / lr_peak`` is the current learning
+rate of the slopes' param group over the largest one seen so far (1 without an optimizer), so the
+push follows the *shape* of the LR schedule but not its scale: the same ``rate`` means the same
+under SGD at lr 0.1 and AdamW at lr 2e-5, from scratch or fine-tuning. The default ``rate=None``
+is ``1 / ramp_steps`` (``end - start`` of a :func:`~linearize.schedules.target` schedule, else
+``total_steps``): a free slope that nothing resists drifts across ``[0, 1]`` once over the ramp.
+
+=====================  ===========================================  ==================================
+argument               a free slope moves per step by               meaning
+=====================  ===========================================  ==================================
+``rate=None`` (auto)   ``shape_t * lr_t/lr_peak / ramp_steps``      crosses [0, 1] once over the ramp
+``rate=r``             ``r * shape_t * lr_t/lr_peak``               r slope units per step at peak LR
+``lam=l`` (legacy)     ``lr_t * l * shape_t``                       depends on the optimizer's scale
+=====================  ===========================================  ==================================
+
+The legacy ``lam`` (also a schedule built with its own ``lam``, a number, or a plain function
+``(step, total_steps) -> lam``) keeps the old ``lr * lam`` step; its strength depends on the
+optimizer (``lam = 1e-3`` under SGD at lr 0.1 is ``1e-4`` per step, the same ``lam`` under AdamW at
+lr 2e-5 is ``2e-8``: nothing).
+
+**Which channels a target makes linear** (``select``). With ``select="slope"`` (default) the
+channels whose slopes the pressure carried highest go first: the loss gradient decides by holding
+important slopes down against the push. That works when the optimizer can move a slope about as
+far per step as the push (SGD at usual rates), but not under Adam fine-tuning, where a slope moves
+about ``lr`` (2e-5) per step against a push of ``1 / ramp_steps`` (1e-3): every slope drifts up
+alike, the choice is arbitrary, and the channels left nonlinear end at ``1 - release``, nearly
+linear. ``select="saliency"`` (a target schedule only) measures instead what each channel costs:
+the running mean of its squared loss gradient ``E[(dL/da_c)^2]`` (the diagonal Fisher of the
+slope, a second-order estimate of the loss increase of moving it; decay ``0.9`` per step,
+optimizer-independent), divided by the channel's ``weights`` (cost per unit of saving), and glides
+the *cheapest* channels to 1; there is no uniform push (``rate``, ``lam`` and ``mode="loss"`` do
+not apply), so the channels kept nonlinear keep their slopes (the loss alone moves them). A
+channel already selected counts at half its cost (hysteresis: the choice does not flicker with
+gradient noise), the selection is fixed once the target is reached, and a channel whose slope has
+never had a gradient (frozen, unused, ``requires_grad=False``) is never chosen before one that has.
+Gradients are read at each :meth:`Sparsifier.step` (after ``optimizer.step()``, before
+``zero_grad()``; :meth:`attach` does); a step with NaN/inf gradients (a step a loss scaler skipped)
+is not counted, and a warning says when the ramp runs without any slope gradient.
+
+A :func:`~linearize.schedules.target` schedule adds a **gentle budget projection** (see
+:meth:`Sparsifier.max_step`): the channels the cubic path wants linear ``G`` steps ahead are
+selected (highest slopes first, a selected channel stays selected), each selected channel moves up
+by ``1 / G`` per step and becomes exactly 1 when it arrives (within ``1 / G`` of 1); unselected
+channels at 1 are released to ``1 - release``. No slope rises by more than ``1 / G`` in one step, so
+no channel is snapped from far away, and the exactly-linear count reaches the target exactly at
+``end`` and holds it. ``G = ceil(glide * (end - start))``; ``glide=0`` is the old instant projection.
+
+:meth:`Sparsifier.penalty` offers the same prior as a differentiable loss term instead
+(``mode="loss"``): its gradient ``-lam_t * w`` goes through the optimizer, so with Adam it is
+rescaled per parameter and momentum carries it past 1; the proximal step is optimizer-agnostic.
+
+**Cost targets** (``target(flops=0.6)`` or ``target(latency=0.7)``, with ``granularity="site"`` or
+``"block"`` and ``example_inputs``) steer the *folded* model's cost instead of the nonlinear
+fraction: the cost of a set of linear groups (sites, or blocks) is measured by folding a copy of the
+model with exactly those groups linear and every other free channel at slope 0
+(:func:`linearize.fold`; FLOPs by fold's own counter, or the median CPU latency of the folded
+model), as a fraction of the **original** model folded (every slope 0, frozen or not: each unit is
+its own activation, BatchNorm merged), so a budget counts only what linearization saves. A site
+left partly linear folds to a PReLU/blend that costs more than its original activation (on a CPU at
+batch 1 a ``ChannelPReLU`` call takes about twice a ReLU's), so a cost target glides the free
+channels of every group outside its plan down to exactly 0 (at ``1 / G`` per step, like the glide
+up) and holds them there: those sites fold back to their original activation (a site with a channel
+frozen linear stays a PReLU/blend, and is counted so) and the folded model costs what the plan
+counted. Latencies are timed interleaved with the original's (the ratio is measured side by side),
+planning folds are not verified (``fold(verify=False)``: only their structure is measured).
+
+At the target's start a plan is made once: a modified greedy for the covering knapsack
+"lose the least importance with cost <= budget" adds groups by importance per unit of *marginal*
+saving (each from a real fold, so interactions between sites count), records every group that
+alone would complete the budget as a candidate instead of adding it, keeps the least important
+candidate, drops every group it can do without, and ends at its shortest prefix within the budget
+(measured costs need not be monotone). A latency plan's last set is then timed again, on its own and
+longer, and the plan made again with that time in place of the first until its last set so timed is
+within the budget: among many noisy times the plan picks those that came in low (on CIFAR
+MobileNet-V2, a single block once timed 0.51 of the original). Once two sets are refused, every
+planning time is divided by the mildest of their planning-over-timed-again ratios (a load that reads
+every time low; one glitch alone moves nothing); when no plan tried meets the budget, the closest is
+kept, with a warning. Importance is the slope gap ``sum (1 - a)``
+of a group's free channels (``select="slope"``) or the sum of their saliencies
+(``select="saliency"``, once every group has had a gradient: start the target after some steps).
+For additive savings this greedy loses at most twice the optimal importance (the bound of the
+modified greedy for min-knapsack); fold's savings interact (merging two layers needs both sites
+linear), where no bound holds, but the budget is always met: the plan's last set is folded and
+counted. The path then descends from the cost at ``start`` to the budget along the cubic path, each
+step making linear the shortest prefix of the plan whose folded cost is within the path's value
+(groups glide to 1 as with a fraction target; the plan's other groups stay below ``1 - release``,
+groups outside the plan glide to 0), and holds it from ``end`` on. Planning folds the model
+``O(groups^2)`` times (once); a budget below the cost with every group linear, a cost target with
+``granularity="channel"`` or without ``example_inputs`` are refused with the fix.
+
+Three added lines in a plain loop::
+
+    sparsifier = linearize.Sparsifier(model, linearize.schedules.target(0.10, end=0.8), total_steps)
+    sparsifier.attach(optimizer)        # or: sparsifier.step() after each optimizer.step()
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import warnings
+import weakref
+from pathlib import Path
+from typing import Mapping, Sequence
+
+import torch
+from torch import nn
+
+from .. import schedules as _schedules
+from ..checks import check_positive, check_positive_int, finite_nonnegative
+from ..distributed import full_value, write_full
+from ..unit import (LinearizableActivation, check_finite_slopes, count_channels, linear_masks, project_slopes,
+                    require_units)
+from .planning import CostPlanner, check_cost_arguments, check_plan, no_plan
+from .projection import by_group, glide, glide_down, glide_steps, max_step, rank
+from .selection import selection
+from .state import check_state_values
+from .weights import site_groups, unit_weights
+
+__all__ = ["Sparsifier", "torch_optimizer", "MODES", "GRANULARITY"]
+
+MODES = ("proximal", "loss")
+GRANULARITY = ("channel", "site", "block")
+# torch optimizer -> weakref to the Sparsifier attached to it (one per optimizer: two would apply the pressure twice)
+_ATTACHED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def torch_optimizer(optimizer) -> torch.optim.Optimizer:
+    """The ``torch.optim.Optimizer`` inside wrappers such as accelerate's ``AcceleratedOptimizer``."""
+    inner = optimizer
+    while hasattr(inner, "optimizer"):  # AcceleratedOptimizer subclasses Optimizer but wraps one
+        inner = inner.optimizer
+    if not isinstance(inner, torch.optim.Optimizer):
+        raise TypeError(f"expected a torch.optim.Optimizer (or a wrapper of one), got {type(optimizer).__name__}")
+    return inner
+
+
+class Sparsifier:
+    """Scheduled sparsity pressure on every unit of ``model`` (see the module docs).
+
+    Args:
+        model: a converted model (raises ``ValueError`` when it has no units).
+        schedule: a :mod:`linearize.schedules` object, a function ``(step, total_steps) -> lam``
+            (legacy ``lam``), a number (constant legacy ``lam``) or ``None`` (constant pressure).
+        total_steps: number of optimizer steps of the run (resolves fractional schedule steps).
+        rate: pressure in slope units per step at the peak LR (see the module docs); ``None``:
+            ``1 / ramp_steps``. Used by schedules built with ``lam=None``.
+        lam: legacy pressure: a free slope moves by ``lr * lam`` per step (depends on the
+            optimizer's scale). Give either ``rate`` or ``lam``, not both.
+        glide: a target schedule's glide time ``G`` as a fraction of its ramp ``end - start``:
+            no slope rises by more than ``1 / G`` per step (:attr:`max_step`); ``0`` = the old
+            instant projection (snaps channels to 1 from wherever they are). ``None``: 0.1 with
+            ``rate``, 0 with a legacy ``lam`` (which then reproduces earlier results exactly).
+        weights: per-unit cost weighting: ``None`` (all 1), ``"flops"`` (multiply-adds of the
+            layers next to the unit, per channel; needs ``example_inputs``, see
+            :func:`flops_weights`), ``"latency"`` (measured CPU time of those layers, per channel,
+            see :func:`latency_weights`) or a dict ``{unit_name: weight}`` (missing names weigh 1).
+            Weights are normalized to mean 1 over channels, so ``rate`` keeps its meaning.
+        mode: ``"proximal"`` (default: the step applies the pressure) or ``"loss"`` (add
+            :meth:`penalty` to the loss yourself; the step then only projects and logs).
+        optimizer: the optimizer, to read the learning rate and detect a missed optimizer step
+            (:meth:`attach` sets it too).
+        lr: learning rate of the slopes when no optimizer is known (legacy ``lam`` only).
+        release: a :func:`~linearize.schedules.target` schedule keeps exactly its budget of
+            linear channels; channels at 1 beyond it are set back to ``1 - release``.
+        log_every: record the per-site fractions every this many steps (default: about 500
+            records per run).
+        example_inputs: inputs for ``weights="flops"`` / ``"latency"`` and for a cost target (one
+            small batch shaped like the real inputs).
+        granularity: ``"channel"`` (each channel on its own) or ``"site"``: the push is a group
+            proximal step per unit (group lasso: the channels of a call site move together and
+            become exactly linear together), and a target makes whole sites linear (the cheapest
+            first; it reaches its fraction to within one site). Whole linear sites are what fold
+            can remove from convolutional networks. ``"block"``: the same with all sites of one
+            residual block as one group (see :func:`site_groups`; fold merges a block's body only
+            when all its inner sites are linear).
+        blocks: with ``granularity="block"``: the module names of the blocks (a site belongs to the
+            innermost one containing it); ``None``: every residual block of a known class
+            (:func:`~linearize.folding.blocks.residual_block_types`). Sites outside any block are
+            groups of their own.
+        select: how a target schedule picks the channels it makes linear: ``"slope"`` (pushed
+            highest first) or ``"saliency"`` (lowest running mean of the squared loss gradient
+            of the slope first, no uniform push; for fine-tuning under Adam, see the module docs).
+
+    Example::
+
+        sp = Sparsifier(model, schedules.target(0.25, start=0.1, end=0.8), total_steps=2000)
+        sp.attach(torch.optim.AdamW(param_groups(model), lr=2e-5))   # rate = 1/1400 per step
+
+    Example:
+        >>> model = linearize.convert(nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1)))
+        >>> opt = torch.optim.SGD(linearize.param_groups(model), lr=0.01)
+        >>> sp = linearize.Sparsifier(model, linearize.schedules.target(0.25, start=0.0, end=1.0), total_steps=20)
+        >>> _ = sp.attach(opt)
+        >>> for _ in range(20):
+        ...     opt.zero_grad(); model(torch.randn(16, 4)).square().mean().backward(); opt.step()
+        >>> linearize.nonlinear_fraction(model)  # 6 of the 8 channels exactly linear
+        0.25
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        schedule: _schedules.ScheduleLike = None,
+        total_steps: int = 1,
+        lam: float | None = None,
+        weights: str | Mapping[str, float] | None = None,
+        mode: str = "proximal",
+        optimizer: torch.optim.Optimizer | None = None,
+        lr: float | None = None,
+        release: float = 0.01,
+        log_every: int | None = None,
+        example_inputs=None,
+        rate: float | None = None,
+        glide: float | None = None,
+        select: str = "slope",
+        granularity: str = "channel",
+        blocks: Sequence[str] | None = None,
+    ) -> None:
+        self._units = require_units(model, "there is nothing to sparsify")
+        schedule = _schedules.as_schedule(schedule)
+        if granularity not in GRANULARITY:
+            raise ValueError(f"granularity must be one of {GRANULARITY}, got {granularity!r}")
+        if blocks is not None and granularity != "block":
+            raise ValueError(f"blocks= names the groups of granularity='block', got granularity={granularity!r}")
+        check_cost_arguments(schedule, model, granularity, example_inputs)
+        kind = selection(select)
+        kind.check(schedule, rate, lam, mode)
+        if isinstance(total_steps, bool) or not isinstance(total_steps, int) or total_steps < 1:
+            raise ValueError(f"total_steps must be a positive int, got {total_steps!r}")
+        _schedules.check_lam(lam)
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        if not 0.0 < release < 1.0:
+            raise ValueError(f"release must lie in (0, 1), got {release}")
+        schedule.validate(total_steps)
+        # legacy lr * lam: an explicit lam, a schedule with its own lam, or a plain function (returns lam)
+        legacy = lam is not None or schedule.legacy
+        if legacy and rate is not None:
+            raise ValueError(
+                "pass either rate= (slope units per step) or a legacy lam (Sparsifier(lam=...), a "
+                "schedule with its own lam, a number or a function), not both"
+            )
+        if rate is not None and (isinstance(rate, bool) or not math.isfinite(rate) or rate < 0):
+            raise ValueError(f"rate must be a finite number >= 0 (slope units per step), got {rate!r}")
+        if glide is None:
+            glide = 0.0 if legacy else 0.1
+        if isinstance(glide, bool) or not isinstance(glide, (int, float)) or not 0.0 <= glide <= 1.0:
+            raise ValueError(f"glide must lie in [0, 1] (a fraction of the target's ramp), got {glide!r}")
+        self.schedule = schedule
+        self.total_steps = total_steps
+        self.legacy = legacy
+        self.lam = None if lam is None else float(lam)
+        self.rate = (1.0 / self.ramp_steps()) if rate is None else float(rate)
+        self.glide = float(glide)
+        self.mode = mode
+        self.lr = None if lr is None else check_positive(lr, "lr")
+        self.release = release
+        self.log_every = max(1, total_steps // 500) if log_every is None else check_positive_int(log_every, "log_every")
+        self.optimizer = torch_optimizer(optimizer) if optimizer is not None else None
+        self._weights = unit_weights(model, self._units, weights, example_inputs)
+        self.step_count = 0
+        self.initial_fraction: float | None = None  # measured at a target's start (a cost target: the cost ratio)
+        self._selected: torch.Tensor | None = None  # bool [C], channels the target glides to 1
+        self.select = select
+        self.granularity = granularity
+        names = [n for n, _ in self._units]
+        self._groups: list[list[int]] = (  # unit indices of each group (a site, or a block's sites)
+            [[i] for i in range(len(names))] if granularity != "block" else
+            [[names.index(n) for n in g] for g in site_groups(model, blocks).values()])
+        unit_group = {i: g for g, group in enumerate(self._groups) for i in group}
+        self._channel_group = torch.cat([torch.full((u.num_channels,), unit_group[i])  # group of each channel
+                                         for i, (_, u) in enumerate(self._units)])
+        self._said: set[str] = set()  # warnings given once
+        # a cost target: measures the model's folded cost and plans which groups go linear (at its start)
+        self.planner = None if schedule.cost is None else CostPlanner(
+            model, schedule, self._units, self._groups, self._channel_group, example_inputs, self._warn_once)
+        self.importance = kind(self._units, self._weights, self._warn_once)
+        self._lr_peak: list[float | None] = [None] * len(self._units)  # largest slope LR seen, per unit
+        self.history: list[dict] = []
+        self._hook = None
+        self._versions = self._slope_versions()
+        self._warned = False
+
+    @property
+    def weights(self) -> dict[str, float]:
+        """Normalized weight of each unit (mean 1 over channels)."""
+        return {n: w for (n, _), w in zip(self._units, self._weights)}
+
+    # ------------------------------------------------------------------ optimizer
+    def attach(self, optimizer) -> "Sparsifier":
+        """Run :meth:`step` after every step of ``optimizer`` (a step post hook); returns self.
+
+        Accepts wrappers such as accelerate's ``AcceleratedOptimizer`` (the hook goes on the
+        torch optimizer inside, so skipped accumulation steps do not count).
+
+        Raises:
+            RuntimeError: this Sparsifier is attached already, or another one is attached to
+                ``optimizer`` (each would apply the pressure once per step): :meth:`detach` first.
+        """
+        inner = torch_optimizer(optimizer)
+        if self._hook is not None:
+            raise RuntimeError(
+                "this Sparsifier is already attached to an optimizer: a second hook would apply the "
+                "pressure twice per step; call sparsifier.detach() before attaching it again"
+            )
+        other = _ATTACHED.get(inner)
+        other = other() if other is not None else None
+        if other is not None and other._hook is not None:
+            raise RuntimeError(
+                f"another Sparsifier is already attached to this {type(inner).__name__}: both would apply "
+                "their pressure after every step; use one Sparsifier, or call detach() on the other first"
+            )
+        if not self._lr_by_slope(inner) and any(u.slope.requires_grad for _, u in self._units):
+            # before any state changes: a warning turned into an error leaves this Sparsifier detached
+            self._warn_once(f"attach(): this {type(inner).__name__} holds none of the unit slopes, so the pressure "
+                            "runs after a step that does not move them: attach the optimizer that trains the slopes "
+                            "(linearize.param_groups(model) puts them in one)")
+        self.optimizer = inner
+        self._hook = inner.register_step_post_hook(lambda opt, args, kwargs: self.step())
+        _ATTACHED[inner] = weakref.ref(self)
+        return self
+
+    def __getstate__(self) -> dict:
+        # a hook handle belongs to one optimizer object: a copy (deepcopy, pickle) re-attaches to its
+        # own copy of the optimizer instead of holding a handle that drives nothing
+        state = dict(self.__dict__, _hook=None)
+        state["_attached"] = self._hook is not None
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        attached = state.pop("_attached", False)
+        self.__dict__.update(state)
+        other = _ATTACHED.get(self.optimizer) if self.optimizer is not None else None
+        other = other() if other is not None else None
+        # a shallow copy shares the optimizer, which its original still drives: the copy stays detached
+        if attached and self.optimizer is not None and (other is None or other._hook is None):
+            self.attach(self.optimizer)
+
+    def detach(self) -> None:
+        """Remove the hook installed by :meth:`attach`."""
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+            ref = _ATTACHED.get(self.optimizer)
+            if ref is not None and ref() is self:
+                del _ATTACHED[self.optimizer]
+
+    def _lr_by_slope(self, optimizer: torch.optim.Optimizer | None = None) -> dict[int, float]:
+        optimizer = optimizer if optimizer is not None else self.optimizer
+        if optimizer is None:
+            return {}
+        slope_ids = {id(u.slope) for _, u in self._units}
+        return {
+            id(p): float(group["lr"])
+            for group in optimizer.param_groups
+            for p in group["params"]
+            if id(p) in slope_ids
+        }
+
+    # ------------------------------------------------------------------ schedule
+    def ramp_steps(self) -> int:
+        """Steps over which the pressure acts: ``end - start`` of a target schedule, else ``total_steps``
+        (at least 1). The auto ``rate`` is ``1 / ramp_steps()``."""
+        return self.schedule.ramp_steps(self.total_steps)
+
+    def glide_steps(self) -> int:
+        """``G``: a selected channel of a target schedule reaches 1 within ``G`` steps (0: instantly)."""
+        return glide_steps(self.glide, self.ramp_steps())
+
+    @property
+    def max_step(self) -> float:
+        """The most a slope rises in one step of a target schedule: ``1 / G`` (``inf`` with ``glide=0``).
+
+        Example: ``Sparsifier(model, target(0.1, start=0, end=1000), 1000).max_step == 0.01``.
+        """
+        return max_step(self.glide_steps())
+
+    def lam_at(self, step: int | None = None) -> float:
+        """Pressure at ``step`` (default: the next step): ``rate * shape_t`` in slope units per step at
+        the peak LR, or the legacy ``lam_t`` (see the module docs)."""
+        step = self.step_count if step is None else step
+        value = float(self.schedule.pressure(step, self.total_steps, self.lam if self.legacy else self.rate))
+        if not math.isfinite(value) or value < 0:
+            raise ValueError(f"the schedule returned lam={value} at step {step}; it must be finite and >= 0")
+        return value
+
+    def _project(self) -> None:
+        """Clamp all slopes to ``[0, 1]`` and restore frozen channels, in one batched call."""
+        project_slopes(u for _, u in self._units)
+
+    def _slope_versions(self) -> list[int]:
+        return [u.slope._version for _, u in self._units]
+
+    # ------------------------------------------------------------------ the step
+    @torch.no_grad()
+    def step(self) -> None:
+        """Apply the schedule once: proximal step, target projection, log. Call after optimizer.step().
+
+        Raises :class:`~linearize.unit.NonFiniteSlopeError` naming the units when a slope is NaN or
+        inf (the training diverged): nothing is projected or logged then (one device sync per step).
+        """
+        check_finite_slopes(self._units, f"Sparsifier.step (step {self.step_count})")
+        if self._slope_versions() == self._versions and not self._warned:
+            warnings.warn(
+                "Sparsifier.step() was called but the slopes did not change since the last call: "
+                "call it after optimizer.step() (or use sparsifier.attach(optimizer)), and check "
+                "that the unit slopes are in the optimizer",
+                UserWarning,
+                stacklevel=2,
+            )
+            self._warned = True
+        self.importance.observe()
+        self._project()
+        target = self.schedule.steers
+        low = next((u.slope.dtype for _, u in self._units if u.slope.dtype in (torch.bfloat16, torch.float16)), None)
+        if low is not None and not target and not self.legacy and 0 < self.rate < torch.finfo(low).eps / 4:
+            self._warn_once(f"the slopes are {low}: a push of {self.rate:.3g} per step is below half a {low} ulp "
+                            f"near 1 ({torch.finfo(low).eps / 4:.3g}) and rounds away, so the pressure does nothing; "
+                            "keep the slopes in float32 (for _, u in linearize.units(model): u.slope.data = "
+                            "u.slope.data.float(); the units take inputs of any dtype)")
+        before = torch.cat([full_value(u.slope.detach()).float() for _, u in self._units]) if target else None
+        lam_t = self.lam_at()
+        if self.mode == "proximal" and lam_t > 0 and self.importance.pushes:
+            self._proximal(lam_t)
+        wanted = None
+        if target:
+            start, _ = self.schedule.span(self.total_steps)
+            if self.initial_fraction is None and self.step_count >= start:
+                if self.planner is not None:  # a cost target: plan which groups go linear, from the cost now
+                    self.initial_fraction = self.planner.make_plan(before, self.importance)
+                else:
+                    self.initial_fraction = self._fraction("Sparsifier target start")
+            if self.initial_fraction is not None:
+                self.importance.warn_if_blind()
+                wanted = self.schedule.wanted(self.step_count, self.total_steps, self.initial_fraction)
+                ahead = self.schedule.wanted(self.step_count + self.glide_steps(), self.total_steps,
+                                             self.initial_fraction)
+                self._project_budget(ahead, before)
+                if self.planner is None and (self.step_count == start or self.step_count % self.log_every == 0):
+                    self._check_reachable()
+        self.step_count += 1
+        if self.step_count % self.log_every == 0 or self.step_count == 1:
+            self._record(lam_t, wanted)
+        self._versions = self._slope_versions()
+
+    def _check_reachable(self) -> None:
+        """Warn (once) when channels frozen nonlinear (slope 0) keep a fraction target out of reach."""
+        total = sum(u.num_channels for _, u in self._units)
+        frozen = sum(int((u.frozen == 0).sum()) for _, u in self._units)
+        if frozen / total > self.schedule.fraction + 0.5 / total:
+            self._warn_once(f"target fraction {self.schedule.fraction} cannot be reached: {frozen} of {total} channels "
+                            f"are frozen nonlinear (slope 0), a floor of {frozen / total:.4f}; unfreeze them "
+                            "(unit.frozen.fill_(float('nan'))) or set a target at or above the floor")
+
+    def _warn_once(self, message: str) -> None:
+        if message not in self._said:
+            warnings.warn(message, UserWarning, stacklevel=3)
+            self._said.add(message)  # after: a warning turned into an error is raised again next time
+
+    def saliency(self) -> dict[str, torch.Tensor]:
+        """Per unit, the running mean of each channel's squared slope gradient (``select="saliency"``)."""
+        return self.importance.saliency_of_units()
+
+    def _proximal(self, lam_t: float) -> None:
+        lrs = self._lr_by_slope()
+        steps = []
+        for i, ((name, unit), w) in enumerate(zip(self._units, self._weights)):
+            lr = lrs.get(id(unit.slope), self.lr)
+            if self.legacy:
+                if lr is None:
+                    raise ValueError(
+                        f"no learning rate for the slopes of {name!r}: attach(optimizer) with the slopes "
+                        "in it, pass optimizer=..., or pass lr=... to the Sparsifier (legacy lam only)"
+                    )
+                steps.append(lr * lam_t * w)
+                continue
+            scale = 1.0
+            if lr is not None and lr > 0:  # follow the LR schedule's shape, not its scale
+                peak = self._lr_peak[i] = max(lr, self._lr_peak[i] or 0.0)
+                scale = lr / peak
+            steps.append(lam_t * scale * w)
+        if self.granularity == "channel":
+            for (_, unit), step in zip(self._units, steps):
+                unit.slope.add_(step)
+        else:
+            for group in self._groups:
+                self._push_group([self._units[i][1] for i in group], [steps[i] for i in group])
+        self._project()
+
+    @staticmethod
+    def _push_group(members: list[LinearizableActivation], steps: list[float]) -> None:
+        """The group proximal step of ``||1 - a||_2`` over the free channels of ``members`` (one site,
+        or a block's sites), scaled by ``sqrt(C)``: a group whose channels sit at the same slope moves
+        by the channel-weighted mean of ``steps`` and reaches 1 all at once."""
+        slopes = [full_value(u.slope.detach()) for u in members]  # FSDP2: the global slopes
+        frees = [torch.isnan(u.frozen).to(a.device) for u, a in zip(members, slopes)]
+        gaps = [(1.0 - a.double()) * free for a, free in zip(slopes, frees)]
+        counts = [int(free.sum()) for free in frees]
+        n = sum(counts)
+        norm = math.sqrt(sum(float(gap.square().sum()) for gap in gaps))
+        if n == 0 or norm == 0:
+            return
+        step = sum(s * c for s, c in zip(steps, counts)) / n
+        shrink = max(0.0, 1.0 - step * math.sqrt(n) / norm)
+        for unit, a, free, gap in zip(members, slopes, frees, gaps):
+            write_full(unit.slope, torch.where(free, 1.0 - gap * shrink, a.double()).to(a.dtype))
+
+    def _project_budget(self, wanted: float, before: torch.Tensor) -> None:
+        """Glide the selected channels to 1 so that ``round(wanted * C)`` stay nonlinear, or for a cost
+        target the groups of the shortest plan prefix whose folded cost is within ``wanted`` (module docs;
+        the glide itself: :mod:`linearize.sparsity.projection`).
+
+        ``wanted``: the path's value ``G`` steps ahead; ``before``: the slopes before the
+        proximal step (a slope rises by at most :attr:`max_step` from there).
+        """
+        slopes = torch.cat([full_value(u.slope.detach()).float() for _, u in self._units])
+        frozen = torch.cat([u.frozen for _, u in self._units]).to(slopes.device)
+        before = before.to(slopes.device)
+        free = torch.isnan(frozen)
+        total = slopes.numel()
+        k = total - int(round(wanted * total))  # linear channels wanted
+        k_free = min(max(k - int((frozen == 1).sum()), 0), int(free.sum()))
+        linear = torch.cat(self._linear_masks()).to(slopes.device)
+        selected = (self._selected.to(slopes.device) if self._selected is not None else linear) & free
+        _, end = self.schedule.span(self.total_steps)
+        ranked = torch.nonzero(free).squeeze(1)
+        if self.planner is not None:  # a cost target: the shortest plan prefix within the wanted cost
+            mine = self.planner.held(wanted, slopes.device)[ranked]
+            ranked = torch.cat([ranked[mine], ranked[~mine]])
+            k_free = int(mine.sum())
+        else:  # rank the free channels (stable sorts, the last key first) by the selection's keys
+            hold = self._selected is not None and self.step_count >= end  # reached: hold the selection
+            ranked = rank(ranked, self.importance.keys(slopes, linear, selected, hold))
+            if self.granularity != "channel":
+                ranked, k_free = by_group(ranked, k_free, self._channel_group, len(self._groups))
+        chosen, beyond = ranked[:k_free], ranked[k_free:]
+        at_target = self.step_count >= end - 1
+        new = glide(slopes, before, chosen, beyond, self.max_step, self.release, at_target)
+        if self.planner is not None:  # outside the plan: glide to 0, the original activation (module docs)
+            glide_down(new, before, free & self.planner.outside(slopes.device), self.max_step, at_target)
+        for (_, unit), part in zip(self._units, torch.split(new, [u.num_channels for _, u in self._units])):
+            write_full(unit.slope, part.to(unit.slope.dtype))
+        self._project()
+        self._selected = torch.zeros(total, dtype=torch.bool)
+        self._selected[chosen.cpu()] = True
+
+    @property
+    def cost_plan(self) -> list[dict] | None:
+        """A cost target's plan (``None`` before its start): for each prefix, the groups linear (their
+        site names) and the folded cost (every other free channel at slope 0, its original activation) as a
+        fraction of the original model folded.
+
+        Example: ``sp.cost_plan[-1]["cost"] <= 0.6`` for ``target(flops=0.6)``.
+        """
+        return None if self.planner is None else self.planner.cost_plan()
+
+    # ------------------------------------------------------------------ penalty and measures
+    def penalty(self) -> torch.Tensor:
+        """Differentiable ``lam_t * sum_c w_c * (1 - a_c)`` over free channels (scalar tensor); with
+        ``granularity="site"`` / ``"block"`` the group lasso ``lam_t * sum_groups w * sqrt(C) * ||1 - a||_2``
+        (``w``: the channel-weighted mean weight of the group's sites).
+
+        For ``mode="loss"``: add it to the loss before ``backward()``. See the module docs for
+        how it differs from the proximal step.
+        """
+        lam_t = self.lam_at()
+        gaps = [(1.0 - full_value(unit.slope)) * torch.isnan(unit.frozen) for _, unit in self._units]
+        if self.granularity == "channel":
+            return lam_t * torch.stack([w * gap.sum() for gap, w in zip(gaps, self._weights)]).sum()
+        terms = []
+        for group in self._groups:  # group lasso: w * sqrt(C) * ||1 - a||_2, w the channel-weighted mean
+            counts = [int(torch.isnan(self._units[i][1].frozen).sum()) for i in group]
+            n = max(sum(counts), 1)
+            w = sum(self._weights[i] * c for i, c in zip(group, counts)) / n
+            # vector_norm's gradient at 0 is 0 (a linear or frozen group), sqrt(sum of squares)'s is NaN
+            norm = torch.linalg.vector_norm(torch.cat([gaps[i].reshape(-1) for i in group]))
+            terms.append(w * math.sqrt(sum(counts)) * norm)
+        return lam_t * torch.stack(terms).sum()
+
+    def _linear_masks(self, where: str = "Sparsifier target projection") -> list[torch.Tensor]:
+        """Linear channels (slope exactly 1) of every unit, by :func:`linearize.unit.linear_masks` with ``tol=0``."""
+        return linear_masks(self._units, 0.0, where)
+
+    def _counts(self, where: str) -> dict:
+        return count_channels(self._units, 0.0, where)
+
+    def _fraction(self, where: str = "Sparsifier.nonlinear_fraction") -> float:
+        counts = self._counts(where)
+        return counts["nonlinear"] / counts["total"]
+
+    def nonlinear_fraction(self) -> float:
+        """Fraction of channels with slope < 1 (now); the same as ``linearize.nonlinear_fraction(model)``.
+
+        Raises :class:`~linearize.unit.NonFiniteSlopeError` on NaN/inf slopes.
+        """
+        return self._fraction()
+
+    def linear_units(self) -> int:
+        """Number of channels with slope exactly 1 (now)."""
+        return self._counts("Sparsifier.linear_units")["linear"]
+
+    def _record(self, lam_t: float, wanted: float | None) -> None:
+        counts = self._counts("Sparsifier history")
+        self.history.append(
+            {
+                "step": self.step_count,
+                "lam": lam_t,
+                "nonlinear_fraction": counts["nonlinear"] / counts["total"],
+                "wanted": wanted,
+                "sites": {name: site["fraction"] for name, site in counts["sites"].items()},
+            }
+        )
+
+    def save_history(self, path: str | Path) -> Path:
+        """Write the per-site nonlinear fraction log as JSON ``{"sites", "total_steps", "history"}``
+        (atomically: an interrupted write leaves the previous file)."""
+        from .._files import atomic_write
+
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        described = self.schedule.to_dict()  # a plain function has none: its repr
+        payload = {
+            "sites": [n for n, _ in self._units],
+            "total_steps": self.total_steps,
+            "schedule": described if described is not None else repr(self.schedule),
+            "history": self.history,
+        }
+        return atomic_write(path, json.dumps(payload))
+
+    # ------------------------------------------------------------------ checkpointing
+    def state_dict(self) -> dict:
+        """JSON-serializable state (works with ``accelerator.register_for_checkpointing``)."""
+        return {
+            "step_count": self.step_count,
+            "initial_fraction": self.initial_fraction,
+            "selected": None if self._selected is None else torch.nonzero(self._selected).squeeze(1).tolist(),
+            "channels": sum(u.num_channels for _, u in self._units),
+            "lam": self.lam,
+            "rate": self.rate,
+            "lr_peak": list(self._lr_peak),
+            "history": list(self.history),
+            "select": self.select,
+            "granularity": self.granularity,
+            **self.importance.state_dict(),  # saliency, seen
+            "groups": len(self._groups),
+            # cost, cost_reference, cost_reference_of ("original": older states measured against the model at
+            # slopes 0.5), plan, plan_start, plan_costs
+            **(no_plan() if self.planner is None else self.planner.state_dict()),
+            "weights": list(self._weights),  # measured ones (weights="latency") would differ on a new measure
+            "sites": [[name, u.num_channels] for name, u in self._units],
+            "total_steps": self.total_steps,
+            "schedule": self.schedule.to_dict(),
+        }
+
+    def load_state_dict(self, state: Mapping) -> None:
+        """Restore :meth:`state_dict` (slopes themselves live in the model's state dict). Everything
+        is checked before anything changes."""
+        channels = sum(u.num_channels for _, u in self._units)
+        check_state_values(state, channels, self._units, self.total_steps)
+        if state["channels"] != channels:
+            raise ValueError(f"state is for {state['channels']} channels, this model has {channels}")
+        if state.get("granularity", "channel") != self.granularity:
+            raise ValueError(f"state was saved with granularity={state.get('granularity', 'channel')!r}, this "
+                             f"Sparsifier has granularity={self.granularity!r}: build it with the same one to resume")
+        if state.get("select", "slope") != self.select:
+            raise ValueError(f"state was saved with select={state.get('select', 'slope')!r}, this Sparsifier "
+                             f"has select={self.select!r}: build it with the same select to resume")
+        if state.get("groups", len(self._groups)) != len(self._groups):
+            raise ValueError(f"state has {state['groups']} groups of sites, this Sparsifier has {len(self._groups)}: "
+                             "build it with the same granularity and blocks to resume")
+        cost = self.schedule.cost
+        if state.get("cost") != cost:
+            raise ValueError(f"state was saved with a cost target of {state.get('cost')!r}, this Sparsifier has "
+                             f"{cost!r} (target(flops=/latency=)): build it with the same schedule to resume")
+        if state.get("cost_reference") is not None and state.get("cost_reference_of") != "original":
+            raise ValueError("state's cost target was measured against the model folded at slopes 0.5 (saved by an "
+                             "older linearize), this one against the original model: restart the cost target")
+        weights = state.get("weights")
+        if weights is not None and not finite_nonnegative(weights, len(self._units)):
+            raise ValueError(f"state's weights must be {len(self._units)} finite numbers >= 0, one per unit")
+        check_plan(state, len(self._groups))
+        mine = self.schedule.to_dict()
+        if state.get("schedule") is not None and mine is not None and state["schedule"] != mine:
+            raise ValueError(f"state was saved with the schedule {state['schedule']!r:.200}, this Sparsifier has "
+                             f"{mine!r:.200}: build it with the same schedule to resume")
+        importance = self.importance.read_state(state, channels)
+        self.step_count = int(state["step_count"])
+        self.initial_fraction = state["initial_fraction"]
+        self._selected = None
+        selected = state.get("selected", state.get("linear"))  # "linear": states saved before the glide
+        if selected is not None:
+            self._selected = torch.zeros(channels, dtype=torch.bool)
+            self._selected[torch.tensor(selected, dtype=torch.long)] = True
+        self.lam = None if state["lam"] is None else float(state["lam"])
+        self.rate = float(state.get("rate", self.rate))
+        peaks = state.get("lr_peak")
+        self._lr_peak = list(peaks) if peaks is not None else [None] * len(self._units)
+        self.history = list(state["history"])
+        self.importance.restore(importance)
+        if self.planner is not None:
+            self.planner.load_state_dict(state)
+        if weights is not None:
+            self._weights = [float(w) for w in weights]
+            self.importance.weights = self._weights
+        self._versions = [-1] * len(self._units)  # the model was loaded: do not warn on the next step
