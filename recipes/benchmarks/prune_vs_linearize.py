@@ -97,7 +97,20 @@ def main(argv: list[str] | None = None) -> dict:
     if len(set(flops.values())) != 1:
         raise AssertionError(f"FFN multiply-adds per token differ: {flops}")
     result: dict = {"args": {k: str(v) for k, v in vars(args).items()}, "ffn_macs_per_token": flops,
-                    "ffn_macs_per_token_original": base, "ffn_flops_ratio": next(iter(flops.values())) / base}
+                    "ffn_macs_per_token_original": base, "ffn_flops_ratio": next(iter(flops.values())) / base,
+                    "rows": rows}
+    # timed before the loop, so that a stopped run keeps them: the loop changes the pruned models' weights, not
+    # their shapes, and keeps the linearize student's linear channels frozen at a = 1 (its folded FFN FLOPs after
+    # the loop are reported with its row)
+    timed = {"original": teacher, **folded, **{f"prune {k}": v for k, v in students.items() if k != "linearize"}}
+    latency: dict = {"busy_cpu": busy_cpu(), "threads": 1}
+    for size in (1, 32):
+        inputs = dict(tokenizer(test_texts[:size], padding=True, truncation=True, max_length=64, return_tensors="pt"))
+        ms = median_latency_ms([m.eval() for m in timed.values()], inputs, budget_s=args.latency_budget, threads=1)
+        latency[f"batch_{size}_ms"] = dict(zip(timed, ms))
+    print("latency", latency, flush=True)
+    result["latency"] = latency
+    save(result, args.out)
 
     if args.steps:
         texts = read_texts(DATA / "train.jsonl.gz", "translation.en", args.calibration + 32 * args.steps)
@@ -118,20 +131,14 @@ def main(argv: list[str] | None = None) -> dict:
                 except Exception as err:  # a student the Sparsifier left off 0/1 slopes does not fold
                     rows[row]["fold_error"] = f"{type(err).__name__}: {str(err)[:200]}"
             print(row, rows[row], flush=True)
-
-    timed = {"original": teacher, **folded,
-             **{f"prune {k}": v for k, v in students.items() if k != "linearize"}}
-    timed = {k: v.eval() for k, v in timed.items()}
-    latency: dict = {"busy_cpu": busy_cpu(), "threads": 1}
-    for size in (1, 32):
-        inputs = dict(tokenizer(test_texts[:size], padding=True, truncation=True, max_length=64, return_tensors="pt"))
-        ms = median_latency_ms(list(timed.values()), inputs, budget_s=args.latency_budget, threads=1)
-        latency[f"batch_{size}_ms"] = dict(zip(timed, ms))
-    print("latency", latency, flush=True)
-    result.update(rows=rows, latency=latency)
-    if args.out:
-        args.out.write_text(json.dumps(result, indent=2))
+            save(result, args.out)
     return result
+
+
+def save(result: dict, out: Path | None) -> None:
+    """Write the results so far (a run stopped in the user loop keeps its one-shot rows and latencies)."""
+    if out:
+        out.write_text(json.dumps(result, indent=2))
 
 
 if __name__ == "__main__":
