@@ -18,7 +18,7 @@ from .example_inputs import guess_example_inputs
 from .functional_sites import FunctionalSites, install_functional_sites
 from .injection import call_channels, install_call_sites, plan_conversion, settle_placed_modules, wrap_function_attributes
 from .inputs import call_model, eval_mode, map_tensors, max_difference, output_tensors
-from .unit import LinearizableActivation, install_optimizer_hooks
+from .unit import LinearizableActivation, install_optimizer_hooks, make_unit
 
 
 def convert_blend(model: nn.Module, config: BlendConfig, example_inputs: Any) -> nn.Module:
@@ -48,13 +48,9 @@ def convert_blend(model: nn.Module, config: BlendConfig, example_inputs: Any) ->
     from_inplace: list[LinearizableActivation] = []
     for owner, attr, act, calls in plan:
         made = [
-            act if call.gate is not None else LinearizableActivation(  # an excluded gate call keeps act
-                act.fn if isinstance(act, FunctionalActivation) else act,
-                num_channels=call.shape[call.channel_dim],
-                channel_dim=call.channel_dim,
-                kind=activation_kind(act),
-                init_slope=config.init_slope,
-            )
+            act if call.gate is not None else make_unit(  # an excluded gate call keeps act
+                act.fn if isinstance(act, FunctionalActivation) else act, call.shape, call.channel_dim,
+                activation_kind(act), config.init_slope, config.granularity, call.where or type(act).__name__)
             for call in calls
         ]
         if param is not None:
@@ -65,8 +61,8 @@ def convert_blend(model: nn.Module, config: BlendConfig, example_inputs: Any) ->
         getattr(owner, attr).train(act.training)  # new units (and dispatcher) take the replaced flag
     for p in owner_plans:
         made = {
-            k: LinearizableActivation(p.calls[k].act, num_channels=site.num_channels, channel_dim=site.channel_dim,
-                                      kind=site.kind, init_slope=config.init_slope)
+            k: make_unit(p.calls[k].act, site.input_shape, site.channel_dim, site.kind, config.init_slope,
+                         config.granularity, site.name)
             for k, site in p.units.items()
         }
         if param is not None:

@@ -4,7 +4,7 @@
   (``activations``, ``target_modules``, ``exclude_modules``, ``channel_dim``, ``gates``) and ``mode``.
   Calling it is the compatible shortcut: ``LinearizeConfig(mode=...)`` returns the config of that
   mode's method, so ``isinstance(cfg, LinearizeConfig)`` holds for every config.
-- :class:`BlendConfig` (``mode="prelu"``): blend units, ``init_slope``.
+- :class:`BlendConfig` (``mode="prelu"``): blend units, ``init_slope``, ``granularity``.
 - :class:`GatedConfig` (``mode="dgn"`` or ``"dlgn"``): gated splits, ``beta``, ``value_input``,
   ``init``, ``hard_gates``, ``freeze_feature``.
 
@@ -34,6 +34,7 @@ __all__ = ["LinearizeConfig", "BlendConfig", "GatedConfig", "MODES", "config_cla
 MODES = ("prelu", "dgn", "dlgn")
 DEFAULT_BETA = {"dgn": 4.0, "dlgn": 10.0}
 GATES = ("exclude", "include")
+GRANULARITIES = ("channel", "element")  # BlendConfig.granularity
 
 
 def config_class(mode: str) -> type["LinearizeConfig"]:
@@ -182,6 +183,11 @@ class BlendConfig(LinearizeConfig):
 
     Attributes (besides the site selection of :class:`LinearizeConfig`):
         init_slope: initial slope ``a`` of every unit, in ``[0, 1]`` (0 keeps the original function exactly).
+        granularity: ``"channel"`` (the default: one slope per channel, broadcast along ``channel_dim``) or
+            ``"element"``: one slope per position of the unit's input map without the batch dim (``C x H x W``
+            per image, the "ReLUs" of the private-inference literature), its shape taken from the probe
+            forward on ``example_inputs``; the converted model then takes inputs of that size only
+            (:class:`~linearize.unit.ElementActivation`).
 
     Example:
         >>> BlendConfig(init_slope=0.5).to_dict()["mode"]
@@ -191,11 +197,15 @@ class BlendConfig(LinearizeConfig):
     modes: ClassVar[tuple[str, ...]] = ("prelu",)
 
     init_slope: float = 0.0
+    granularity: str = "channel"
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if not is_real(self.init_slope) or not 0.0 <= self.init_slope <= 1.0:
             raise ValueError(f"init_slope must be a number in [0, 1], got {self.init_slope!r}")
+        if self.granularity not in GRANULARITIES:
+            raise ValueError(f"granularity must be one of {GRANULARITIES} (one slope per channel, or per position of "
+                             f"the input map), got {self.granularity!r}")
 
 
 @dataclass

@@ -56,6 +56,7 @@ from .activations import FUNCTIONAL_SPECS, FUNCTIONS_BY_NAME
 from .folding.layers import ORIGIN
 from .functional_sites import ATTR as FUNCTIONAL_ATTR, FunctionalSites, install_functional_sites
 from .hf import mark_folded
+from .unit import ElementBlend, ElementPReLU
 
 __all__ = ["save_folded", "load_folded", "FOLDED_CONFIG", "folded_weights_name"]
 
@@ -90,7 +91,7 @@ def _fold_classes() -> dict[str, type]:
     from .injection import CallSites
 
     classes = [modules.ChannelPReLU, modules.ChannelBlend, modules.LinearWithPassthrough, modules.ConvWithPassthrough,
-               modules.Residual, conv.BorderBiasConv, conv.BorderExactConv]
+               modules.Residual, conv.BorderBiasConv, conv.BorderExactConv, ElementPReLU, ElementBlend]
     found = {f"{c.__module__}.{c.__qualname__}": c for c in classes}
     # files written before fold became a package name the classes linearize.folding.<name>
     found.update({f"linearize.folding.{c.__qualname__}": c for c in classes})
@@ -234,6 +235,9 @@ def _spec(module: nn.Module) -> dict[str, Any]:
         return {"channels": module.slope.numel(), "channel_dim": module.channel_dim,
                 **({"inplace": True} if module.inplace else {}),
                 **({"affine": True} if module._buffers.get("alpha") is not None else {})}  # alpha / beta buffers
+    if isinstance(module, (ElementPReLU, ElementBlend)):  # element-level units kept by fold
+        return {"map_shape": list(module.map_shape), **({"inplace": True} if module.inplace else {}),
+                **({"affine": True} if module._buffers.get("alpha") is not None else {})}
     if isinstance(module, conv.BorderBiasConv):
         return {"tap_bias": list(module.tap_bias.shape), "inner_stride": _jsonable(module.inner_stride),
                 "stride": _jsonable(module.stride), "padding": _jsonable(module.padding),
@@ -291,6 +295,14 @@ def _build(cls: type, args: dict[str, Any]) -> nn.Module:
             else (None, None)
         return cls(nn.Identity(), torch.zeros(int(args["channels"])), int(args["channel_dim"]),
                    args.get("inplace") is True, *ends)
+    if cls in (ElementPReLU, ElementBlend):
+        shape = [int(s) for s in args["map_shape"]]
+        if not shape or min(shape) < 1:
+            raise ValueError(f"map_shape must be positive sizes, got {shape}")
+        if cls is ElementPReLU:
+            return cls(torch.zeros(shape), args.get("inplace") is True)
+        ends = (torch.ones(shape), torch.zeros(shape)) if args.get("affine") is True else (None, None)
+        return cls(nn.Identity(), torch.zeros(shape), args.get("inplace") is True, *ends)
     if cls is conv.BorderBiasConv:
         shape = [int(s) for s in args["tap_bias"]]
         return cls(nn.Identity(), torch.zeros([shape[0], *shape[2:]]), *(_tupled(args[k]) for k in

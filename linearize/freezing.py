@@ -100,7 +100,8 @@ def freeze(
         data: optional data (:mod:`linearize.inputs`): a tensor batch, a mapping of keyword
             arguments, an ``(inputs, *targets)`` tuple (only ``inputs`` is fed to the model) or an
             iterable of such batches (a ``DataLoader``). ReLU-like channels whose pre-activation
-            is ``> 0`` on every sample and position are frozen at 1.
+            is ``> 0`` on every sample and position are frozen at 1 (element-level units: each position
+            whose pre-activation is ``> 0`` on every sample).
             The pass runs in eval mode without gradients; training flags are restored after.
             A model sharded by FSDP2: every rank calls ``freeze`` (with the same number of batches, its
             own data) and the test holds over all ranks' data; every rank freezes the same channels.
@@ -140,9 +141,13 @@ def freeze(
     skipped = [name for name, unit in found if not unit.is_prelu]
     relu_like = [(name, unit) for name, unit in found if unit.is_prelu]
     if data is not None and relu_like:
-        ranges = record_preactivations(model, data, relu_like, per_channel=True, progress=progress)
+        ranges = {}  # lowest pre-activation per slope: per channel, or per position for element units
+        for per_channel in (True, False):
+            group = [(n, u) for n, u in relu_like if (u.granularity == "channel") == per_channel]
+            if group:
+                ranges.update(record_preactivations(model, data, group, per_channel=per_channel, progress=progress))
         for name, unit in relu_like:
-            lowest = global_min(ranges[name][0], unit.slope)  # FSDP2: over every rank's data
+            lowest = global_min(ranges[name][0].reshape(-1), unit.slope)  # FSDP2: over every rank's data
             active = (lowest.to(unit.frozen.device) > 0) & ~unit.linear_mask(0.0, name)
             sites[name]["stably_active"] = int(active.sum())
             end = unit.linear_end

@@ -31,8 +31,10 @@ def clean_name(name: str) -> str:
 
 
 def site_records(model: nn.Module) -> list[dict]:
-    """One JSON record per unit of ``model``: name, kind, channels, channel dim."""
+    """One JSON record per unit of ``model``: name, kind, channels, channel dim, and for an element-level unit
+    the shape of its map (``map_shape``; ``num_channels`` is then the number of positions)."""
     return [
-        {"name": clean_name(n), "kind": u.kind, "num_channels": u.num_channels, "channel_dim": u.channel_dim}
+        {"name": clean_name(n), "kind": u.kind, "num_channels": u.num_channels, "channel_dim": u.channel_dim,
+         **({"map_shape": list(u.map_shape)} if u.granularity == "element" else {})}
         for n, u in units(model)
     ]

@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import re
 import warnings
@@ -324,7 +325,7 @@ def _parse_manifest(raw: bytes, path: Path, weights: bool = True) -> dict[str, A
         raise bad(f"invalid 'config' ({err})") from None
     sites = meta["sites"]
     if not isinstance(sites, list) or not all(_valid_site(s) for s in sites):
-        raise bad("'sites' must be a list of {name, kind, num_channels >= 1, channel_dim}")
+        raise bad("'sites' must be a list of {name, kind, num_channels >= 1, channel_dim} (and map_shape, element units)")
     if len({s["name"] for s in sites}) != len(sites):
         raise bad("'sites' names a unit twice")
     if not weights:
@@ -359,9 +360,37 @@ def _read_hf_manifest(directory: Path) -> dict[str, Any]:
 
 
 def _valid_site(site: Any) -> bool:
-    return (isinstance(site, dict) and set(site) == _SITE_KEYS and isinstance(site["name"], str)
-            and isinstance(site["kind"], str) and type(site["num_channels"]) is int and site["num_channels"] >= 1
-            and type(site["channel_dim"]) is int)
+    if not isinstance(site, dict):
+        return False
+    shape = site.get("map_shape")  # element-level units: one slope per position of this map
+    return ((set(site) == _SITE_KEYS or (set(site) == _SITE_KEYS | {"map_shape"} and isinstance(shape, list)
+                                          and all(type(n) is int and n >= 1 for n in shape)
+                                          and math.prod(shape) == site["num_channels"]))
+            and isinstance(site["name"], str) and isinstance(site["kind"], str)
+            and type(site["num_channels"]) is int and site["num_channels"] >= 1 and type(site["channel_dim"]) is int)
+
+
+def _sites_differ(found: list[dict], saved_sites: list[dict], directory: Path) -> ValueError:
+    """The error for a model whose converted sites are not the saved ones."""
+    saved = {s["name"]: s for s in saved_sites}
+    diff = [s["name"] for s in found if saved.get(s["name"]) != s] + sorted(set(saved) - {s["name"] for s in found})
+    return ValueError(f"the model does not match the saved one in {directory}: {len(diff)} site(s) differ, e.g. "
+                      f"{diff[:5]}. Build the same architecture (same config) before loading.")
+
+
+def _map_mismatch(found: list[dict], saved: list[dict], directory: Path) -> ValueError | None:
+    """The error for element-level units converted at another map shape than the saved ones (the probe of
+    :func:`from_pretrained` ran on inputs of another size), naming both shapes and the fix; else ``None``."""
+    shapes = {s["name"]: s.get("map_shape") for s in saved}
+    for site in found:
+        want, got = shapes.get(site["name"]), site.get("map_shape")
+        if want is not None and got is not None and want != got:
+            return ValueError(
+                f"the element-level unit {site['name']!r} in {directory} was saved for a {want} map (one slope per "
+                f"position), but the model converted for loading gives it a {got} map: example_inputs set the map "
+                f"shapes. Pass example_inputs of the size the model was saved at (batch, then the input's "
+                f"shape at conversion) to linearize.from_pretrained")
+    return None
 
 
 def _read_sidecar(directory: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor], Path]:
@@ -578,14 +607,7 @@ def from_pretrained(model: nn.Module | type, directory: str | os.PathLike, examp
     if found != meta["sites"]:
         saved_name = _base_model_names(model, found, meta["sites"], config.mode)
     if saved_name is None:
-        saved = {s["name"]: s for s in meta["sites"]}
-        diff = [s["name"] for s in found if saved.get(s["name"]) != s] + sorted(
-            set(saved) - {s["name"] for s in found}
-        )
-        raise ValueError(
-            f"the model does not match the saved one in {directory}: {len(diff)} site(s) differ, e.g. {diff[:5]}. "
-            "Build the same architecture (same config) before loading."
-        )
+        raise _map_mismatch(found, meta["sites"], directory) or _sites_differ(found, meta["sites"], directory)
     if config.mode != "prelu":
         _check_state_tensors(tensors, model.state_dict(), path)
         model.load_state_dict(_with_versions(tensors, model), strict=True)

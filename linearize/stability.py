@@ -36,7 +36,7 @@ from ._optional import require
 from .activations import negative_slope
 from .checks import NonFiniteSlopeError
 from .inputs import Batches, record_preactivations, site_channel_dim
-from .unit import LinearizableActivation, check_finite_slopes, sites as unit_sites
+from .unit import LinearizableActivation, check_finite_slopes, refuse_element_units, sites as unit_sites
 
 __all__ = ["stable_units", "Box", "StabilityResult", "SiteStability", "record_preactivations"]
 
@@ -97,6 +97,8 @@ def _negative_slopes(module: nn.Module, name: str) -> torch.Tensor:
                 "(use method='data' for other activations)"
             )
         check_finite_slopes([(name, module)], "stable_units")
+        refuse_element_units([(name, module)], "bound propagation (stable_units with a Box, compress)",
+                             "Use stable_units(..., method='data'), or linearize.fold for a plain model")
         if not bool(module.identity_end_mask().all()):
             raise ValueError(
                 f"site {name!r} has affine linear ends (alpha * x + beta at a = 1, set by fit_linear_ends / one_shot): "

@@ -36,15 +36,19 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 
 from .activations import FunctionalActivation, negative_slope
 from .checks import NonFiniteSlopeError, check_channel_dim, check_tol
-from .config import GatedConfig
+from .config import GRANULARITIES, GatedConfig
 from .dispatch import compiled_submodules, foreign_torch_function, fx_leaf_call, refuse_scripting
 from .distributed import full_value, local, refuse_unsupported, shard_of
 from .kernels import cpu_blend, cpu_prelu
 
 __all__ = [
     "LinearizableActivation",
+    "ElementActivation",
     "ChannelPReLU",
     "ChannelBlend",
+    "ElementPReLU",
+    "ElementBlend",
+    "make_unit",
     "units",
     "sites",
     "count_units",
@@ -547,15 +551,23 @@ class LinearizableActivation(nn.Module):
                                  f"{tuple(alpha.shape)} and {tuple(beta.shape)}")
             used = a > 0
             if not bool(((alpha[used] == 1) & (beta[used] == 0)).all()):  # an affine end in use: exact, as a blend
-                return ChannelBlend(self._plain_act(), a.to(self.slope.dtype), self.channel_dim, self.inplace,
-                                    alpha, beta)
+                return self._plain_blend(self._plain_act(), a.to(self.slope.dtype), self.inplace, alpha, beta)
         if bool((a >= 1).all()):
             return nn.Identity()
         if bool((a <= 0).all()):
             return self._plain_act(self.inplace)
         if self.is_prelu:
-            return ChannelPReLU(self.prelu_weight(a).to(self.slope.dtype), self.channel_dim, self.inplace)
-        return ChannelBlend(self._plain_act(), a.to(self.slope.dtype), self.channel_dim, self.inplace)
+            return self._plain_prelu(self.prelu_weight(a).to(self.slope.dtype))
+        return self._plain_blend(self._plain_act(), a.to(self.slope.dtype), self.inplace)
+
+    def _plain_prelu(self, weight: torch.Tensor) -> nn.Module:
+        """The plain PReLU module of negative-side slopes ``weight`` (:meth:`plain_activation`)."""
+        return ChannelPReLU(weight, self.channel_dim, self.inplace)
+
+    def _plain_blend(self, act: nn.Module, slope: torch.Tensor, inplace: bool,
+                     alpha: torch.Tensor | None = None, beta: torch.Tensor | None = None) -> nn.Module:
+        """The plain blend module of ``act`` at ``slope`` (:meth:`plain_activation`)."""
+        return ChannelBlend(act, slope, self.channel_dim, inplace, alpha, beta)
 
     def _plain_act(self, inplace: bool = False) -> nn.Module:
         if self.leak is not None:
@@ -567,9 +579,10 @@ class LinearizableActivation(nn.Module):
             act.inplace = True
             return act
         # no in-place form of its own: the write-back of a blend at slope 0 (exactly act(x))
-        return ChannelBlend(act, torch.zeros(self.num_channels), self.channel_dim, True)
+        return self._plain_blend(act, torch.zeros(self.num_channels), True)
 
     inplace = False  # write the result into the input, as the replaced in-place activation did
+    granularity = "channel"  # one slope per channel; ElementActivation: one per position of the input map
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if (traced := fx_leaf_call(self, x)) is not None:  # torch.fx.symbolic_trace: one call_module node
@@ -659,6 +672,165 @@ class LinearizableActivation(nn.Module):
 
     def __prepare_scriptable__(self) -> nn.Module:
         refuse_scripting(self)
+
+
+def map_view(x: torch.Tensor, map_shape: tuple[int, ...], owner: str) -> torch.Tensor:
+    """``x`` as ``[N, P]``: its batch dim, then the ``P = prod(map_shape)`` positions of its map. ``ValueError``
+    naming ``owner``, the expected and the got shape and the fix unless ``x.shape[1:] == map_shape``."""
+    if tuple(x.shape[1:]) != map_shape:
+        raise ValueError(
+            f"{owner} holds one slope per position of a {list(map_shape)} map (granularity='element', the shape "
+            f"of the probe forward of linearize.convert), but got an input of shape {tuple(x.shape)} (map "
+            f"{list(x.shape[1:])}). Element units need every input of the probe's shape: feed "
+            f"[batch, {', '.join(map(str, map_shape))}] maps (the image size / sequence length the model was "
+            "converted at), or convert with granularity='channel' (one slope per channel) for inputs whose size varies"
+        )
+    return x.reshape(x.shape[0], -1)
+
+
+class ElementPReLU(nn.Module):
+    """PReLU with one negative slope per position of a fixed-shape map: ``weight`` ``[*map_shape]``, input
+    ``[N, *map_shape]``; other maps raise ``ValueError``. An element-level ReLU unit's plain form.
+
+    Example:
+        >>> ElementPReLU(torch.tensor([[0.0, 0.5]]))(torch.tensor([[[-2.0, -2.0]]])).tolist()
+        [[[0.0, -1.0]]]
+    """
+
+    def __init__(self, weight: torch.Tensor, inplace: bool = False) -> None:
+        super().__init__()
+        self.map_shape = tuple(weight.shape)
+        self.weight = nn.Parameter(weight.detach().clone())
+        self.inplace = inplace  # write the result into the input (the plain form of an in-place unit)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return write_into(x, self._prelu, (self.weight,)) if self.inplace else self._prelu(x)
+
+    def _prelu(self, x: torch.Tensor) -> torch.Tensor:
+        flat = map_view(x, self.map_shape, "ElementPReLU")
+        return F.prelu(flat, self.weight.reshape(-1)).view(x.shape)
+
+    def extra_repr(self) -> str:
+        return f"map_shape={list(self.map_shape)}" + (", inplace=True" if self.inplace else "")
+
+
+class ElementBlend(nn.Module):
+    """Fixed blend ``(1 - a) * act(x) + a * x`` (or ``+ a * (alpha * x + beta)``, an affine end) with one ``a``
+    per position of a fixed-shape map: ``slope``, ``alpha``, ``beta`` ``[*map_shape]`` buffers (the last two
+    ``None`` for the identity end), input ``[N, *map_shape]``. An element-level smooth unit's plain form.
+
+    Example:
+        >>> ElementBlend(nn.Tanh(), torch.tensor([0.0, 1.0]))(torch.tensor([[-9.0, -9.0]])).tolist()
+        [[-1.0, -9.0]]
+    """
+
+    def __init__(self, act: nn.Module, slope: torch.Tensor, inplace: bool = False,
+                 alpha: torch.Tensor | None = None, beta: torch.Tensor | None = None) -> None:
+        super().__init__()
+        if (alpha is None) != (beta is None):
+            raise ValueError("ElementBlend takes both alpha and beta (an affine linear end) or neither")
+        self.act = act
+        self.map_shape = tuple(slope.shape)
+        self.inplace = inplace  # write the result into the input (the plain form of an in-place unit)
+        self.register_buffer("slope", slope.detach().clone())
+        self.register_buffer("alpha", None if alpha is None else alpha.detach().clone().reshape(self.map_shape))
+        self.register_buffer("beta", None if beta is None else beta.detach().clone().reshape(self.map_shape))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return write_into(x, self._blend, self.act.parameters()) if self.inplace else self._blend(x)
+
+    def _blend(self, x: torch.Tensor) -> torch.Tensor:
+        flat = map_view(x, self.map_shape, "ElementBlend")
+        end = flat if self.alpha is None else torch.addcmul(
+            self.beta.to(x.dtype).reshape(-1), self.alpha.to(x.dtype).reshape(-1), flat)
+        act = self.act(x).reshape(flat.shape)
+        return exact_lerp(act, end, self.slope.to(x.dtype).reshape(-1)).view(x.shape)
+
+    def extra_repr(self) -> str:
+        return f"map_shape={list(self.map_shape)}" + (", inplace=True" if self.inplace else "")
+
+
+class ElementActivation(LinearizableActivation):
+    """A unit with one slope per *position* of its input map (``granularity="element"``), not per channel.
+
+    ``y = (1 - a) * act(x) + a * x`` with ``a`` of shape ``map_shape`` (the input's shape without the batch
+    dim, e.g. ``[C, H, W]``): one slope per ReLU of the private-inference literature (SNL, AutoReP). The
+    slopes are stored flat, ``slope`` ``[P]`` with ``P = prod(map_shape)`` in row-major order of the map
+    (``slope.view(map_shape)`` is the slope map), and ``num_channels`` is ``P``: counts, fractions, freezing,
+    saving and the :class:`~linearize.Sparsifier` see every position as one channel. The unit runs on the
+    ``[N, P]`` view of its input (channels at dim 1: the PReLU and blend kernels of channel units, unchanged);
+    ``channel_dim`` is 1. Inputs of another map shape raise ``ValueError`` (the size is fixed at conversion).
+
+    Args:
+        act: as for :class:`LinearizableActivation`.
+        map_shape: the input's shape without its batch dim (one or more positive sizes).
+        kind, init_slope: as for :class:`LinearizableActivation`.
+
+    Example:
+        >>> unit = ElementActivation(nn.ReLU(), (1, 2, 2))
+        >>> with torch.no_grad():
+        ...     unit.slope[1:] = 1.0  # 3 of 4 positions linear
+        >>> unit(torch.full((1, 1, 2, 2), -1.0)).tolist()
+        [[[[0.0, -1.0], [-1.0, -1.0]]]]
+    """
+
+    granularity = "element"
+
+    def __init__(self, act: nn.Module | Callable[[torch.Tensor], torch.Tensor] | str, map_shape: Iterable[int],
+                 kind: str | None = None, init_slope: float = 0.0) -> None:
+        shape = tuple(map_shape)
+        if not shape or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in shape):
+            raise ValueError(f"map_shape must be one or more positive ints (the input shape without the batch dim), "
+                             f"got {shape!r}")
+        super().__init__(act, math.prod(shape), 1, kind, init_slope)
+        self.map_shape = shape
+
+    def _blend(self, x: torch.Tensor) -> torch.Tensor:
+        flat = map_view(x, self.map_shape, f"ElementActivation({self.kind})")
+        return LinearizableActivation._blend(self, flat).view(x.shape)
+
+    def _plain_prelu(self, weight: torch.Tensor) -> nn.Module:
+        return ElementPReLU(weight.reshape(self.map_shape), self.inplace)
+
+    def _plain_blend(self, act: nn.Module, slope: torch.Tensor, inplace: bool,
+                     alpha: torch.Tensor | None = None, beta: torch.Tensor | None = None) -> nn.Module:
+        return ElementBlend(act, slope.reshape(self.map_shape), inplace, alpha, beta)
+
+    def extra_repr(self) -> str:
+        return f"{self.kind}, map_shape={list(self.map_shape)}, positions={self.num_channels}"
+
+
+def make_unit(act: nn.Module | Callable[[torch.Tensor], torch.Tensor], shape: Iterable[int], channel_dim: int,
+              kind: str | None, init_slope: float, granularity: str, name: str = "") -> LinearizableActivation:
+    """The unit of ``granularity`` for an activation call whose input has ``shape`` (batch dim first):
+    :class:`LinearizableActivation` with ``shape[channel_dim]`` channels, or :class:`ElementActivation`
+    with one slope per position of ``shape[1:]``. ``ValueError`` naming ``name`` for an input without
+    a batch dim at element granularity.
+
+    Example:
+        >>> make_unit(nn.ReLU(), (8, 3, 4, 4), 1, "relu", 0.0, "element").num_channels
+        48
+    """
+    shape = tuple(shape)
+    if granularity == "channel":
+        return LinearizableActivation(act, shape[channel_dim], channel_dim, kind, init_slope)
+    if granularity != "element":
+        raise ValueError(f"granularity must be one of {GRANULARITIES}, got {granularity!r}")
+    if len(shape) < 2:
+        raise ValueError(f"granularity='element': activation {name!r} runs on an input of shape {list(shape)}, "
+                         "which has no batch dim before its map: exclude it (exclude_modules=[...]) or convert "
+                         "with granularity='channel'")
+    return ElementActivation(act, shape[1:], kind, init_slope)
+
+
+def refuse_element_units(named_units: Iterable[tuple[str, LinearizableActivation]], what: str, fix: str) -> None:
+    """``ValueError`` naming ``what``, the element-level units among ``named_units`` and ``fix``: for functions
+    that read slopes per channel (one slope broadcast along a channel axis)."""
+    element = [name for name, unit in named_units if unit.granularity == "element"]
+    if element:
+        raise ValueError(
+            f"{what} works on channel units (one slope per channel), but {len(element)} unit(s) are element-level "
+            f"(granularity='element', one slope per position), e.g. {element[:3]}. {fix}")
 
 
 def write_into(x: torch.Tensor, fn: Callable[[torch.Tensor], torch.Tensor],

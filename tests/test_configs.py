@@ -39,7 +39,7 @@ def test_the_mode_picks_the_config_class_and_each_class_has_only_its_options():
     assert isinstance(BlendConfig(), LinearizeConfig) and isinstance(GatedConfig(), LinearizeConfig)
     blend = {f.name for f in dataclasses.fields(BlendConfig)}
     gated = {f.name for f in dataclasses.fields(GatedConfig)}
-    assert blend == SHARED | {"mode", "init_slope"}
+    assert blend == SHARED | {"mode", "init_slope", "granularity"}
     assert gated == SHARED | {"mode", "beta", "value_input", "init", "hard_gates", "freeze_feature"}
     assert GatedConfig().mode == "dgn" and GatedConfig().beta == 4.0 and GatedConfig(mode="dlgn").beta == 10.0
     assert "extra" not in LinearizeConfig().to_dict()

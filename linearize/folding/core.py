@@ -21,7 +21,7 @@ from ..functional_sites import FunctionalSites
 from ..injection import CallSites, settle_placed_modules
 from ..hf import mark_folded
 from ..inputs import describe_inputs, eval_mode, float_outputs, is_empty_batch
-from ..unit import LinearizableActivation, check_finite_slopes, gated_error, units
+from ..unit import ElementBlend, ElementPReLU, LinearizableActivation, check_finite_slopes, gated_error, units
 from .flops import FlopCounterError
 from .layers import ORIGIN, set_path
 from .modules import plain_unit
@@ -76,6 +76,12 @@ def _replace_units(model: nn.Module, tol: float, summary: FoldSummary) -> nn.Mod
         set_path(model, name, plain)
         what = "identity (fully linear)" if isinstance(plain, nn.Identity) else type(plain).__name__
         summary.merged.append(f"{name}: unit replaced by {what}")
+        if unit.granularity == "element" and isinstance(plain, (ElementPReLU, ElementBlend)):
+            linear = int(unit.linear_mask(tol).sum())
+            summary.skipped.append(
+                f"{name}: element-level unit kept as {what} ({linear} of {unit.num_channels} positions linear): a "
+                "slope per position cannot merge into the neighbouring layers; only a site whose positions are all "
+                "linear folds")
     for name, m in list(model.named_modules()):
         if name and isinstance(m, CallSites):
             first = m.calls[0]

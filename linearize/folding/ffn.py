@@ -53,8 +53,8 @@ def _family(first: nn.Module, second: nn.Module) -> str | None:
 
 def _unit_fits(unit: nn.Module, family: str, out_shape: tuple[int, ...]) -> bool:
     """Whether ``unit`` acts on the features of ``first``'s output (last dim, or dim 1 of a conv map)."""
-    if not isinstance(unit, LinearizableActivation) or not out_shape:
-        return False
+    if not isinstance(unit, LinearizableActivation) or not out_shape or unit.granularity == "element":
+        return False  # element-level units merge only when the whole site is linear (a chain merge)
     dim = unit.channel_dim % len(out_shape)
     return dim == 1 if family == "conv" else dim == len(out_shape) - 1
 
