@@ -34,7 +34,7 @@ from torch.overrides import TorchFunctionMode
 from ._optional import require
 from .activations import activation_kind
 from .folding import count_flops
-from .folding.layers import CONVS, is_dense, is_hf_conv1d
+from .folding.layers import CONVS, is_hf_conv1d
 from .inputs import Batches, call_model, eval_mode, float_outputs, hooks, model_device, num_rows
 from .unit import LinearizableActivation, units
 
@@ -256,7 +256,6 @@ def _taylor(model: nn.Module, sites: dict[str, PruneSite], modules: dict[str, nn
     loss = loss or _energy_loss
     scores = {n: torch.zeros(s.channels, dtype=torch.float64) for n, s in sites.items()}
     seen: list[tuple[str, torch.Tensor]] = []
-    state: dict[str, Any] = {"mask": None}
 
     def pre(name: str, conv: bool):
         def hook(mod, args):
@@ -370,7 +369,8 @@ def _conv_groups(tp: Any, graph: Any, sites: dict[str, PruneSite], modules: dict
         others = [m for m in outs if m is not modules[name] and id(m) not in producers
                   and not (isinstance(m, CONVS) and m.groups == m.in_channels == m.out_channels)]
         if others:
-            skipped[name] = (f"its channels are coupled to other layers' outputs (a residual stream): "
+            skipped[name] = ("its channels are coupled to other layers' outputs (a residual stream, or a site "
+                             f"coupled through a depthwise conv left out of sites=): "
                              f"{', '.join(type(m).__name__ for m in others[:3])}")
             continue
         linked = [producers[id(m)] for m in outs if id(m) in producers]
