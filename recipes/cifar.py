@@ -736,7 +736,8 @@ def main(argv: list[str] | None = None) -> dict:
         priced = args.target_flops is not None or args.target_latency is not None
         image = normalize(test["x"][:1], mean, std) if priced else None
         sparsifier = linearize.Sparsifier(model, schedule, total_steps, lam=args.lam, rate=args.rate,
-                                          select=args.select, granularity=args.granularity,
+                                          select=args.select, linear_end=args.linear_end,
+                                          granularity=args.granularity,
                                           example_inputs=image).attach(optimizer)
     model, optimizer, train_loader, test_loader = accelerator.prepare(model, optimizer, train_loader, test_loader)
     mean, std = mean.to(accelerator.device), std.to(accelerator.device)

@@ -98,11 +98,12 @@ def check_run_args(args: argparse.Namespace) -> None:
 
 # What a flag left out means, filled in by check_linearize_args after its checks (the flags default to None
 # so that the checks see which ones were given).
-LINEARIZE_DEFAULTS = {"schedule": "late", "late_start": 0.5, "ramp_end": 0.8, "granularity": "channel", "tol": 1e-3,
+LINEARIZE_DEFAULTS = {"schedule": "late", "late_start": 0.5, "ramp_end": 0.8, "granularity": "channel",
+                      "linear_end": "identity", "tol": 1e-3,
                       "report_skip": "regions", "report_samples": 128}
 # the flags that steer the sparsity pressure: no-ops under --linearize none / dgn / dlgn or --schedule none
 PRESSURE_FLAGS = ("target", "target_flops", "target_latency", "late_start", "ramp_end", "rate", "select",
-                  "granularity", "lam")
+                  "granularity", "lam", "linear_end")
 
 
 def add_linearize_args(parser: argparse.ArgumentParser, default_mode: str = "prelu",
@@ -136,10 +137,14 @@ def add_linearize_args(parser: argparse.ArgumentParser, default_mode: str = "pre
                    help="fraction of training by which the target is reached (default 0.8)")
     g.add_argument("--rate", type=float, default=None,
                    help="pressure in slope units per step at the peak LR (default: 1 / ramp steps)")
-    g.add_argument("--select", choices=("slope", "saliency"), default=None,
-                   help="which channels the target makes linear: slope (pushed highest first; SGD) or saliency "
-                        "(cheapest by the running squared slope gradient, no uniform push, so no --rate or --lam; "
-                        f"Adam, see the README) (default {default_select})")
+    g.add_argument("--select", choices=("slope", "saliency", "fit"), default=None,
+                   help="which channels the target makes linear: slope (pushed highest first; SGD), saliency "
+                        "(cheapest by the running squared slope gradient) or fit (least output error of the "
+                        "channel's affine fit on the training batches); saliency and fit apply no uniform push, "
+                        f"so no --rate or --lam (docs/sparsity.md) (default {default_select})")
+    g.add_argument("--linear-end", "--linear_end", dest="linear_end", choices=("identity", "affine"), default=None,
+                   help="what a channel computes at slope 1: identity (x, the paper's) or affine (its least-squares "
+                        "fit alpha * x + beta on the training batches, docs/affine-ends.md) (default identity)")
     g.add_argument("--granularity", choices=("channel", "site", "block"), default=None,
                    help="channel: each channel on its own; site: the channels of a call site move and become "
                         "linear together (group lasso), the target makes whole sites linear; block: all sites of "
@@ -210,9 +215,9 @@ def check_linearize_args(args: argparse.Namespace, default_select: str = "slope"
     if args.lam is not None and not (math.isfinite(args.lam) and args.lam >= 0):
         raise ValueError(f"--lam must be a finite number >= 0, got {args.lam}")
     select = args.select or default_select
-    if off is None and select == "saliency" and (push := "rate" if args.rate is not None else
-                                                  "lam" if args.lam is not None else None):
-        why = "--select saliency" if args.select else "--select saliency (this recipe's default)"
+    if off is None and select in ("saliency", "fit") and (push := "rate" if args.rate is not None else
+                                                           "lam" if args.lam is not None else None):
+        why = f"--select {select}" if args.select else f"--select {select} (this recipe's default)"
         raise ValueError(f"--{push} is a uniform push on every slope, which {why} does not apply (it makes "
                          f"the cheapest channels linear): add --select slope, or drop --{push}")
     if args.linearize != "prelu" and (args.freeze or args.fold):

@@ -476,7 +476,8 @@ def main(argv: list[str] | None = None) -> dict:
                                               end=args.ramp_end, flops=args.target_flops, latency=args.target_latency)
         priced = args.target_flops is not None or args.target_latency is not None  # a cost target prices the sites
         sparsifier = linearize.Sparsifier(accelerator.unwrap_model(model), schedule, total_steps, lam=args.lam,
-                                          rate=args.rate, select=args.select, granularity=args.granularity,
+                                          rate=args.rate, select=args.select, linear_end=args.linear_end,
+                                          granularity=args.granularity,
                                           example_inputs=example_inputs() if priced else None).attach(optimizer)
     run = common.Run(accelerator, args, model, optimizer, scheduler, sparsifier, out_dir, fingerprint, RECIPE,
                      started=start_time)

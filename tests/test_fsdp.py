@@ -63,7 +63,8 @@ def build(arch: str) -> nn.Module:
 
 def sparsifier(arch: str, model: nn.Module) -> linearize.Sparsifier:
     if arch == "gpt2":  # channels chosen by slope, pushed at the auto rate
-        return linearize.Sparsifier(model, linearize.schedules.target(0.5, start=2, end=6), total_steps=STEPS)
+        return linearize.Sparsifier(model, linearize.schedules.target(0.5, start=2, end=6), total_steps=STEPS,
+                                    select="slope")
     return linearize.Sparsifier(model, linearize.schedules.target(0.5, start=2, end=6), total_steps=STEPS,
                                 select="saliency")
 

@@ -223,11 +223,14 @@ def test_select_is_checked():
             linearize.Sparsifier(model, S.target(0.5), total_steps=10, select="saliency", **bad)
     sp = linearize.Sparsifier(model, S.target(0.5), total_steps=10, select="saliency")
     state = sp.state_dict()
-    other = linearize.Sparsifier(model, S.target(0.5), total_steps=10)
+    other = linearize.Sparsifier(model, S.target(0.5), total_steps=10, select="slope")
     other.step_count = 3
     with pytest.raises(ValueError, match="select"):
         other.load_state_dict({**state, "step_count": 7})
     assert other.step_count == 3  # refused before anything changed
+    auto = linearize.Sparsifier(model, S.target(0.5), total_steps=10)  # select="auto" takes the run's choice
+    auto.load_state_dict({**state, "step_count": 7})
+    assert (auto.select, auto.linear_end, auto.step_count) == ("saliency", "identity", 7)
     state["saliency"][0] = float("nan")
     with pytest.raises(ValueError, match="finite"):
         sp.load_state_dict(state)

@@ -29,9 +29,10 @@ counts them, and fold's registry of residual block classes for ``granularity="bl
 The old module :mod:`linearize.sparsifier` re-exports these names.
 """
 
-from .sparsifier import GRANULARITY, MODES, Sparsifier, torch_optimizer
+from .sparsifier import GRANULARITY, LINEAR_ENDS, MODES, Sparsifier, adaptive, torch_optimizer
 from .selection import SELECT, SELECTIONS, Importance
 from .weights import flops_weights, latency_weights, param_groups, site_groups
 
-__all__ = ["Sparsifier", "param_groups", "flops_weights", "latency_weights", "site_groups", "torch_optimizer",
+__all__ = ["Sparsifier", "param_groups", "flops_weights", "latency_weights", "site_groups", "torch_optimizer", "adaptive",
+           "LINEAR_ENDS",
            "Importance", "SELECTIONS", "SELECT", "MODES", "GRANULARITY"]

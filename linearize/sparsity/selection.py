@@ -6,7 +6,11 @@ An importance ranks the free channels of a target's projection and values the gr
   (the loss gradient decides by holding important slopes down); a group's value is its slope gap;
 - :class:`SaliencyImportance` (``select="saliency"``): no uniform push; the running mean of each
   channel's squared slope gradient (the diagonal Fisher of the slope) per unit of weight, the cheapest
-  first, with hysteresis, held once the target is reached.
+  first, with hysteresis, held once the target is reached;
+- :class:`FitImportance` (``select="fit"``): no uniform push; the output error each channel's replacement
+  by its least-squares affine fit puts on the layer it feeds (:func:`linearize.one_shot`'s score, on the
+  training batches through a :class:`~linearize.calibration.RunningFit`), ranked within each unit, the
+  cheapest first, with hysteresis, held once the target is reached.
 
 A new kind is a subclass of :class:`Importance` (its :meth:`~Importance.keys` and
 :meth:`~Importance.values`, and :meth:`~Importance.observe` if it reads something at each step)
@@ -21,11 +25,12 @@ from typing import Callable, Mapping
 import torch
 
 from .. import schedules as _schedules
+from ..calibration import RunningFit
 from ..distributed import full_value
 from ..unit import LinearizableActivation
 
-__all__ = ["Importance", "SlopeImportance", "SaliencyImportance", "SELECTIONS", "SELECT", "SALIENCY_DECAY",
-           "SALIENCY_HYSTERESIS", "selection"]
+__all__ = ["Importance", "SlopeImportance", "SaliencyImportance", "FitImportance", "SELECTIONS", "SELECT",
+           "SALIENCY_DECAY", "SALIENCY_HYSTERESIS", "selection"]
 
 SALIENCY_DECAY = 0.9  # running mean of the squared slope gradients, per step
 SALIENCY_HYSTERESIS = 0.5  # a selected channel's cost counts this much in the ranking
@@ -45,13 +50,24 @@ class Importance:
     name = ""
     pushes = True  # the uniform push (rate, lam, mode="loss") applies alongside this selection
     reads_gradients = False  # ranks by what it measured from the loss gradients (not by the slopes alone)
+    reads_fits = False  # ranks by the units' running affine fits (the Sparsifier keeps a RunningFit for it)
 
-    def __init__(self, units: Units, weights: list[float], warn: Callable[[str], None]) -> None:
-        self.units, self.weights, self.warn = units, weights, warn
+    def __init__(self, units: Units, weights: list[float], warn: Callable[[str], None],
+                 fit: RunningFit | None = None) -> None:
+        self.units, self.weights, self.warn, self.fit = units, weights, warn, fit
 
     @classmethod
     def check(cls, schedule: _schedules.Schedule, rate: float | None, lam: float | None, mode: str) -> None:
-        """``ValueError`` for Sparsifier arguments this selection cannot honour (none here)."""
+        """``ValueError`` for Sparsifier arguments this selection cannot honour: a selection without the
+        uniform push (``pushes = False``) chooses the channels of a target and takes no push arguments."""
+        if cls.pushes:
+            return
+        if not schedule.steers:
+            raise ValueError(f"select={cls.name!r} picks the channels of a target schedule: pass "
+                             "schedule=linearize.schedules.target(...), or select='slope'")
+        if rate is not None or lam is not None or mode != "proximal" or schedule.legacy:
+            raise ValueError(f"select={cls.name!r} applies no uniform push, so rate=, lam= (or a schedule with "
+                             "its own lam) and mode='loss' do not apply: drop them, or use select='slope'")
 
     def per_unit(self, flat: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """``flat`` (one entry per channel, units in order) split into one view per unit."""
@@ -104,21 +120,13 @@ class SaliencyImportance(Importance):
     pushes = False
     reads_gradients = True
 
-    def __init__(self, units: Units, weights: list[float], warn: Callable[[str], None]) -> None:
-        super().__init__(units, weights, warn)
+    def __init__(self, units: Units, weights: list[float], warn: Callable[[str], None],
+                 fit: RunningFit | None = None) -> None:
+        super().__init__(units, weights, warn, fit)
         # float64 [C]: running mean of squared slope gradients
         self.saliency = torch.zeros(sum(u.num_channels for _, u in units), dtype=torch.float64)
         self.seen = torch.zeros(self.saliency.numel(), dtype=torch.bool)  # channels with a gradient seen
         self.had_grad = False  # any slope gradient tensor at a step() so far
-
-    @classmethod
-    def check(cls, schedule: _schedules.Schedule, rate: float | None, lam: float | None, mode: str) -> None:
-        if not schedule.steers:
-            raise ValueError("select='saliency' picks the channels of a target schedule: pass "
-                             "schedule=linearize.schedules.target(...), or select='slope'")
-        if rate is not None or lam is not None or mode != "proximal" or schedule.legacy:
-            raise ValueError("select='saliency' applies no uniform push, so rate=, lam= (or a schedule with "
-                             "its own lam) and mode='loss' do not apply: drop them, or use select='slope'")
 
     def observe(self) -> None:
         """Fold this step's slope gradients into the running saliency. Units without a gradient
@@ -190,7 +198,65 @@ class SaliencyImportance(Importance):
             self.saliency, self.seen = parsed
 
 
-SELECTIONS: dict[str, type[Importance]] = {"slope": SlopeImportance, "saliency": SaliencyImportance}
+class FitImportance(Importance):
+    """``select="fit"``: the cheapest channels first, by the output error of their affine fit.
+
+    A channel's score is ``E[(act(x) - alpha x - beta)^2] * ||W[:, c]||^2`` over the running window of
+    training batches (:class:`~linearize.calibration.RunningFit`; ``W`` the layer the unit feeds, 1 where
+    there is none). Scores are errors at different layers, so they are compared only within a unit (as
+    :func:`linearize.one_shot` does): a channel's cost is its rank quantile in its unit, ``(rank + 0.5) / C``,
+    divided by the unit's weight, halved for the selected (hysteresis); each unit then gives up about the
+    same fraction. It needs no gradient: at the start of a fine-tune the loss is at its minimum and the
+    slope gradients say nothing yet, while the data already shows which channels are nearly affine.
+    """
+
+    name = "fit"
+    pushes = False
+    reads_fits = True
+
+    def __init__(self, units: Units, weights: list[float], warn: Callable[[str], None],
+                 fit: RunningFit | None = None) -> None:
+        if fit is None:
+            raise ValueError("select='fit' ranks by a RunningFit of the units: the Sparsifier passes one")
+        super().__init__(units, weights, warn, fit)
+
+    def cost(self, selected: torch.Tensor) -> torch.Tensor:
+        """Ranking cost per channel: rank quantile of the fit's score within its unit, per unit of weight,
+        halved for the selected, ``inf`` for a unit not seen in training yet."""
+        fits = self.fit.fits()
+        costs = []
+        for (name, unit), w in zip(self.units, self.weights):
+            fit = fits.get(name)
+            if fit is None or w <= 0:
+                costs.append(torch.full((unit.num_channels,), math.inf, dtype=torch.float64))
+                continue
+            score = fit.residual * (fit.outgoing if fit.outgoing is not None else 1.0)
+            order = torch.sort(score, stable=True).indices
+            quantile = torch.empty_like(score)
+            quantile[order] = (torch.arange(len(score), dtype=torch.float64) + 0.5) / len(score)
+            costs.append(quantile / w)
+        cost = torch.cat(costs)
+        return torch.where(selected.cpu(), cost * SALIENCY_HYSTERESIS, cost)
+
+    def warn_if_blind(self) -> None:
+        if not self.fit.fits():
+            self.warn("select='fit' has seen no training-mode forward of the units since the start of the run: "
+                      "call model.train() before the forward passes; until then channels are chosen by slope")
+
+    def keys(self, slopes: torch.Tensor, linear: torch.Tensor, selected: torch.Tensor,
+             hold: bool) -> tuple[torch.Tensor, ...]:
+        if hold:
+            return (slopes, selected)
+        return (slopes, -self.cost(selected).to(slopes.device))
+
+    def values(self, before: torch.Tensor, free: torch.Tensor) -> torch.Tensor:
+        """The rank quantile of each free channel's fit (a cost plan's importance)."""
+        cost = self.cost(torch.zeros(len(free), dtype=torch.bool))
+        return torch.where(torch.isfinite(cost), cost, torch.ones_like(cost)) * free
+
+
+SELECTIONS: dict[str, type[Importance]] = {"slope": SlopeImportance, "saliency": SaliencyImportance,
+                                           "fit": FitImportance}
 SELECT = tuple(SELECTIONS)
 
 

@@ -50,6 +50,23 @@ Gradients are read at each :meth:`Sparsifier.step` (after ``optimizer.step()``, 
 ``zero_grad()``; :meth:`attach` does); a step with NaN/inf gradients (a step a loss scaler skipped)
 is not counted, and a warning says when the ramp runs without any slope gradient.
 
+``select="fit"`` needs no gradient either: each unit's least-squares affine fit ``alpha * x + beta`` of its
+activation is tracked on the training batches (:class:`~linearize.calibration.RunningFit`, a decayed window
+of about 20 steps), and a channel's cost is the output error its replacement by that fit puts on the layer it
+feeds (:func:`linearize.one_shot`'s score), ranked within its unit; with ``linear_end="affine"`` every channel
+on its way to 1 computes that fit at 1 (set at each step; a channel keeps the end it had when it arrived).
+
+**Defaults** (``select="auto"``, ``linear_end="auto"``), settled at :meth:`attach` (or the first
+:meth:`step`, from the optimizer known then): a fraction target without an explicit push (no ``rate``,
+``lam`` or ``mode="loss"``) under an **adaptive optimizer** (:func:`adaptive`: Adam, AdamW, RMSprop,
+Adagrad, ...; the fine-tuning regime, where a slope moves about ``lr`` per step and cannot hold against a
+push) is ``select="fit"`` with ``linear_end="affine"``: in a user's own loop (MiniLM, AdamW 5e-5, 300 steps,
+25% nonlinear) it keeps cosine 0.951 to the original where the push with identity ends fell to 0.52 (the
+measurements: ``docs/sparsity.md``). A sharded model (FSDP2) gets ``select="saliency"`` with identity ends
+instead. Everything else (SGD, no optimizer, a ramp schedule, a cost target, an explicit push) is the
+paper's: ``select="slope"``, identity ends. :attr:`select` and :attr:`linear_end` say what was chosen, and
+the state saves it.
+
 A :func:`~linearize.schedules.target` schedule adds a **gentle budget projection** (see
 :meth:`Sparsifier.max_step`): the channels the cubic path wants linear ``G`` steps ahead are
 selected (highest slopes first, a selected channel stays selected), each selected channel moves up
@@ -121,21 +138,43 @@ from torch import nn
 
 from .. import schedules as _schedules
 from ..checks import check_positive, check_positive_int, finite_nonnegative
-from ..distributed import full_value, write_full
+from ..calibration import RunningFit
+from ..distributed import full_value, is_sharded, refuse_sharded, write_full
 from ..unit import (LinearizableActivation, check_finite_slopes, count_channels, linear_masks, project_slopes,
                     require_units)
 from .planning import CostPlanner, check_cost_arguments, check_plan, no_plan
 from .projection import by_group, glide, glide_down, glide_steps, max_step, rank
-from .selection import selection
+from .selection import SELECT, selection
 from .state import check_state_values
 from .weights import site_groups, unit_weights
 
-__all__ = ["Sparsifier", "torch_optimizer", "MODES", "GRANULARITY"]
+__all__ = ["Sparsifier", "torch_optimizer", "adaptive", "MODES", "GRANULARITY", "LINEAR_ENDS"]
 
 MODES = ("proximal", "loss")
 GRANULARITY = ("channel", "site", "block")
 # torch optimizer -> weakref to the Sparsifier attached to it (one per optimizer: two would apply the pressure twice)
 _ATTACHED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+LINEAR_ENDS = ("identity", "affine")
+# optimizers that normalize each parameter's step (a slope moves about lr per step, whatever its gradient)
+ADAPTIVE = (torch.optim.Adam, torch.optim.AdamW, torch.optim.NAdam, torch.optim.RAdam, torch.optim.Adamax,
+            torch.optim.Adagrad, torch.optim.Adadelta, torch.optim.RMSprop)
+ADAPTIVE_KEYS = ("betas", "beta1", "decay_rate")  # in the param groups of Adam-like optimizers elsewhere
+
+
+def adaptive(optimizer) -> bool:
+    """Whether ``optimizer`` scales each parameter's step by its own gradient statistics (Adam, AdamW, RMSprop,
+    Adagrad, ..., or any optimizer whose param groups hold ``betas`` / ``beta1`` / ``decay_rate``, as
+    bitsandbytes' and transformers' Adam variants and Adafactor do).
+
+    Example:
+        >>> p = [nn.Parameter(torch.zeros(1))]
+        >>> adaptive(torch.optim.AdamW(p)), adaptive(torch.optim.SGD(p, lr=0.1))
+        (True, False)
+    """
+    inner = torch_optimizer(optimizer)
+    return isinstance(inner, ADAPTIVE) or any(k in g for g in inner.param_groups for k in ADAPTIVE_KEYS)
 
 
 def torch_optimizer(optimizer) -> torch.optim.Optimizer:
@@ -192,8 +231,14 @@ class Sparsifier:
             (:func:`~linearize.folding.blocks.residual_block_types`). Sites outside any block are
             groups of their own.
         select: how a target schedule picks the channels it makes linear: ``"slope"`` (pushed
-            highest first) or ``"saliency"`` (lowest running mean of the squared loss gradient
-            of the slope first, no uniform push; for fine-tuning under Adam, see the module docs).
+            highest first), ``"saliency"`` (lowest running mean of the squared loss gradient
+            of the slope first, no uniform push), ``"fit"`` (least output error of the channel's affine
+            fit on the training batches first, no uniform push) or ``"auto"`` (default: by the optimizer,
+            see **Defaults** in the module docs).
+        linear_end: what a channel computes at slope 1: ``"identity"`` (``x``), ``"affine"`` (its
+            least-squares fit ``alpha * x + beta`` on the training batches, tracked by a
+            :class:`~linearize.calibration.RunningFit`; see :mod:`linearize.calibration`) or ``"auto"``
+            (default: ``"affine"`` with ``select="fit"``, else ``"identity"``).
 
     Example::
 
@@ -226,9 +271,10 @@ class Sparsifier:
         example_inputs=None,
         rate: float | None = None,
         glide: float | None = None,
-        select: str = "slope",
+        select: str = "auto",
         granularity: str = "channel",
         blocks: Sequence[str] | None = None,
+        linear_end: str = "auto",
     ) -> None:
         self._units = require_units(model, "there is nothing to sparsify")
         schedule = _schedules.as_schedule(schedule)
@@ -237,8 +283,13 @@ class Sparsifier:
         if blocks is not None and granularity != "block":
             raise ValueError(f"blocks= names the groups of granularity='block', got granularity={granularity!r}")
         check_cost_arguments(schedule, model, granularity, example_inputs)
-        kind = selection(select)
-        kind.check(schedule, rate, lam, mode)
+        if select != "auto":
+            selection(select).check(schedule, rate, lam, mode)
+        if linear_end not in ("auto", *LINEAR_ENDS):
+            raise ValueError(f"linear_end must be 'auto', 'identity' or 'affine', got {linear_end!r}")
+        if select == "fit" or linear_end == "affine":
+            refuse_sharded(model, f"{'select=fit' if select == 'fit' else 'linear_end=affine'} tracks the units' "
+                           "affine fits on the training batches, which")
         if isinstance(total_steps, bool) or not isinstance(total_steps, int) or total_steps < 1:
             raise ValueError(f"total_steps must be a positive int, got {total_steps!r}")
         _schedules.check_lam(lam)
@@ -275,7 +326,13 @@ class Sparsifier:
         self.step_count = 0
         self.initial_fraction: float | None = None  # measured at a target's start (a cost target: the cost ratio)
         self._selected: torch.Tensor | None = None  # bool [C], channels the target glides to 1
-        self.select = select
+        # what was asked ("auto" resolves by the optimizer, see _resolve) and whether it is settled yet
+        self._asked = (select, linear_end)
+        # a fraction target without a push: the selections that need no push can choose its channels
+        self._steerable = schedule.steers and schedule.cost is None and rate is None and not legacy \
+            and mode == "proximal"
+        self._sharded = any(is_sharded(u.slope) for _, u in self._units)
+        self._resolved = False
         self.granularity = granularity
         names = [n for n, _ in self._units]
         self._groups: list[list[int]] = (  # unit indices of each group (a site, or a block's sites)
@@ -288,12 +345,64 @@ class Sparsifier:
         # a cost target: measures the model's folded cost and plans which groups go linear (at its start)
         self.planner = None if schedule.cost is None else CostPlanner(
             model, schedule, self._units, self._groups, self._channel_group, example_inputs, self._warn_once)
-        self.importance = kind(self._units, self._weights, self._warn_once)
+        # the units' affine fits on the training batches (select="fit", linear_end="affine"): hooked from the
+        # start, so the first step already has them; dropped at the first step when neither is chosen
+        could_fit = select == "fit" or linear_end == "affine" or (
+            select == "auto" and self._steerable and not self._sharded)
+        self._fit: RunningFit | None = RunningFit(model, [n for n, _ in self._units]) if could_fit else None
+        self.select, self.linear_end = self._choose()
+        self.importance = selection(self.select)(self._units, self._weights, self._warn_once, self._fit)
+        if self.optimizer is not None:
+            self._resolve()
         self._lr_peak: list[float | None] = [None] * len(self._units)  # largest slope LR seen, per unit
         self.history: list[dict] = []
         self._hook = None
         self._versions = self._slope_versions()
         self._warned = False
+
+    def _choose(self, asked: tuple[str, str] | None = None) -> tuple[str, str]:
+        """``(select, linear_end)`` for what was asked: ``"auto"`` by the optimizer known now (module docs)."""
+        select, end = asked or self._asked
+        fine_tuning = self.optimizer is not None and adaptive(self.optimizer) and self._steerable
+        if select == "auto":
+            select = ("saliency" if self._sharded else "fit") if fine_tuning else "slope"
+        if end == "auto":
+            end = "affine" if select == "fit" else "identity"
+        return select, end
+
+    def _resolve(self, asked: tuple[str, str] | None = None) -> None:
+        """Settle ``select`` and ``linear_end`` (at :meth:`attach`, the first :meth:`step`, or from a loaded
+        state): rebuild the selection when "auto" chose another, drop the fit tracker when nothing needs it."""
+        if self._resolved and asked is None:
+            return
+        select, end = self._choose(asked)
+        if select != self.select:
+            self.importance = selection(select)(self._units, self._weights, self._warn_once, self._fit)
+        self.select, self.linear_end = select, end
+        if self._fit is not None and select != "fit" and end != "affine":
+            self._fit.close()
+            self._fit = None
+        self._resolved = True
+
+    def _set_ends(self) -> None:
+        """``linear_end="affine"``: every free channel below 1 gets its unit's running affine fit as its linear
+        end; a channel keeps the end it had when it arrived at 1 (and a frozen one its own)."""
+        fits = self._fit.fits()
+        for name, unit in self._units:
+            fit = fits.get(name)
+            if fit is None:
+                continue
+            slope = unit.slope.detach()
+            moving = torch.isnan(unit.frozen).to(slope.device) & (slope < 1)
+            alpha, beta = (t.to(slope.device, slope.dtype) for t in (fit.alpha, fit.beta))
+            end = unit.linear_end
+            if end is None:  # new parameters, not in the optimizer: the fit sets them, not the loss
+                unit.set_linear_end(torch.where(moving, alpha, 1.0), torch.where(moving, beta, 0.0))
+                unit.alpha.requires_grad_(False)
+                unit.beta.requires_grad_(False)
+            else:
+                end[0].copy_(torch.where(moving, alpha, end[0]))
+                end[1].copy_(torch.where(moving, beta, end[1]))
 
     @property
     def weights(self) -> dict[str, float]:
@@ -330,6 +439,8 @@ class Sparsifier:
                             "runs after a step that does not move them: attach the optimizer that trains the slopes "
                             "(linearize.param_groups(model) puts them in one)")
         self.optimizer = inner
+        if self.step_count == 0:
+            self._resolve()
         self._hook = inner.register_step_post_hook(lambda opt, args, kwargs: self.step())
         _ATTACHED[inner] = weakref.ref(self)
         return self
@@ -423,6 +534,9 @@ class Sparsifier:
                 stacklevel=2,
             )
             self._warned = True
+        self._resolve()
+        if self._fit is not None:
+            self._fit.step()
         self.importance.observe()
         self._project()
         target = self.schedule.steers
@@ -452,6 +566,11 @@ class Sparsifier:
                 self._project_budget(ahead, before)
                 if self.planner is None and (self.step_count == start or self.step_count % self.log_every == 0):
                     self._check_reachable()
+        if self.linear_end == "affine" and self._fit is not None:
+            self._set_ends()
+        if self._fit is not None and target and self.step_count >= self.schedule.span(self.total_steps)[1]:
+            self._fit.close()  # the selection holds from now on: no hooks, the ends stay as they are
+            self._fit = None
         self.step_count += 1
         if self.step_count % self.log_every == 0 or self.step_count == 1:
             self._record(lam_t, wanted)
@@ -654,6 +773,8 @@ class Sparsifier:
             "lr_peak": list(self._lr_peak),
             "history": list(self.history),
             "select": self.select,
+            "linear_end": self.linear_end,
+            "running_fit": None if self._fit is None else _fit_state(self._fit),
             "granularity": self.granularity,
             **self.importance.state_dict(),  # saliency, seen
             "groups": len(self._groups),
@@ -676,9 +797,21 @@ class Sparsifier:
         if state.get("granularity", "channel") != self.granularity:
             raise ValueError(f"state was saved with granularity={state.get('granularity', 'channel')!r}, this "
                              f"Sparsifier has granularity={self.granularity!r}: build it with the same one to resume")
-        if state.get("select", "slope") != self.select:
-            raise ValueError(f"state was saved with select={state.get('select', 'slope')!r}, this Sparsifier "
-                             f"has select={self.select!r}: build it with the same select to resume")
+        saved = (state.get("select", "slope"), state.get("linear_end", "identity"))
+        valid = (SELECT, LINEAR_ENDS)
+        # "auto" takes what the run chose; what was asked explicitly must match it
+        select, end = self._choose(tuple(theirs if mine == "auto" and theirs in ok else mine
+                                         for mine, theirs, ok in zip(self._asked, saved, valid)))
+        if saved[1] != end:
+            raise ValueError(f"state was saved with linear_end={saved[1]!r}, this Sparsifier has linear_end={end!r}: "
+                             "build it with the same one to resume")
+        if saved[0] != select:
+            raise ValueError(f"state was saved with select={saved[0]!r}, this Sparsifier has select={select!r}: "
+                             "build it with the same select to resume")
+        if (select == "fit" or end == "affine") and self._fit is None and state.get("running_fit") is not None:
+            raise ValueError(f"state was saved with select={select!r}, linear_end={end!r}, which track the units' "
+                             "affine fits; this Sparsifier has none (a sharded model, or other arguments): build it "
+                             "as the run was built to resume")
         if state.get("groups", len(self._groups)) != len(self._groups):
             raise ValueError(f"state has {state['groups']} groups of sites, this Sparsifier has {len(self._groups)}: "
                              "build it with the same granularity and blocks to resume")
@@ -697,7 +830,12 @@ class Sparsifier:
         if state.get("schedule") is not None and mine is not None and state["schedule"] != mine:
             raise ValueError(f"state was saved with the schedule {state['schedule']!r:.200}, this Sparsifier has "
                              f"{mine!r:.200}: build it with the same schedule to resume")
-        importance = self.importance.read_state(state, channels)
+        kind = self.importance if select == self.select else selection(select)(
+            self._units, self._weights, self._warn_once, self._fit)
+        importance = kind.read_state(state, channels)
+        if self._fit is not None and state.get("running_fit") is not None:
+            self._fit.load_state_dict(state["running_fit"])  # checked whole before it changes anything
+        self.importance, self.select, self.linear_end, self._resolved = kind, select, end, True
         self.step_count = int(state["step_count"])
         self.initial_fraction = state["initial_fraction"]
         self._selected = None
@@ -711,9 +849,20 @@ class Sparsifier:
         self._lr_peak = list(peaks) if peaks is not None else [None] * len(self._units)
         self.history = list(state["history"])
         self.importance.restore(importance)
+        if self._fit is not None and (state.get("running_fit") is None or (select != "fit" and end != "affine")):
+            self._fit.close()  # saved past its target's end, or chosen without the fits
+            self._fit = None
         if self.planner is not None:
             self.planner.load_state_dict(state)
         if weights is not None:
             self._weights = [float(w) for w in weights]
             self.importance.weights = self._weights
         self._versions = [-1] * len(self._units)  # the model was loaded: do not warn on the next step
+
+
+def _fit_state(fit: RunningFit) -> dict:
+    """A :class:`RunningFit` state with its sums as nested lists (JSON: float64 round-trips exactly)."""
+    state = fit.state_dict()
+    state["units"] = {n: {"count": u["count"], "sums": None if u["sums"] is None else u["sums"].tolist()}
+                      for n, u in state["units"].items()}
+    return state

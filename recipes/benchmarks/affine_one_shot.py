@@ -73,13 +73,16 @@ def quality(student, test: list[dict], reference: torch.Tensor) -> dict:
 
 
 def user_loop(student, teacher, train: list[dict], test: list[dict], reference: torch.Tensor, steps: int,
-              sparsify: bool = True) -> dict:
+              sparsify: bool = True, settings: dict | None = None) -> dict:
     """Issue 37's obvious loop: AdamW 5e-5, ``steps`` batches of 32, cosine to the teacher embedding, and a
-    Sparsifier to 25% nonlinear with the library's defaults (``sparsify=False``: none, for a pruned model)."""
+    Sparsifier to 25% nonlinear with the library's defaults, or with ``settings`` (``sparsify=False``: none,
+    for a pruned model)."""
     student.train()
     opt = torch.optim.AdamW(student.parameters(), lr=5e-5)
     if sparsify:
-        linearize.Sparsifier(student, schedule=linearize.schedules.target(0.25), total_steps=steps).attach(opt)
+        sp = linearize.Sparsifier(student, schedule=linearize.schedules.target(0.25), total_steps=steps,
+                                  **(settings or {})).attach(opt)
+        print(f"  Sparsifier: select={sp.select!r}, linear_end={sp.linear_end!r}", flush=True)
     for step in range(steps):
         b = train[step % len(train)]
         with torch.no_grad():
@@ -103,8 +106,10 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--test", type=int, default=1000)
     parser.add_argument("--target", type=float, default=0.25)
     parser.add_argument("--steps", type=int, default=0, help="also run the user loop for this many steps")
-    parser.add_argument("--starts", default="defaults,identity,affine",
-                        help="comma-separated starts of the user loop: defaults (convert only), identity, affine")
+    parser.add_argument("--starts", default="defaults,paper,identity,affine",
+                        help="comma-separated starts of the user loop: defaults (convert only), paper (convert only, "
+                             "the Sparsifier with select='slope', linear_end='identity', the defaults before "
+                             "'auto'), identity, affine (the one-shot models)")
     parser.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
     args = parser.parse_args(argv)
     from transformers import AutoModel, AutoTokenizer
@@ -138,11 +143,13 @@ def main(argv: list[str] | None = None) -> dict:
     if args.steps:
         texts = read_texts(DATA / "train.jsonl.gz", "translation.en", args.calibration + 32 * args.steps)
         train = batches(tokenizer, texts[args.calibration:], 32)  # sentences the calibration did not see
-        starts = {"defaults": lambda: linearize.convert(copy.deepcopy(teacher), target_modules=FFN_PATTERNS),
-                  **{k: (lambda s=s: s) for k, s in students.items()}}
+        fresh = lambda: linearize.convert(copy.deepcopy(teacher), target_modules=FFN_PATTERNS)  # noqa: E731
+        starts = {"defaults": fresh, "paper": fresh, **{k: (lambda s=s: s) for k, s in students.items()}}
+        settings = {"paper": {"select": "slope", "linear_end": "identity"}}
         for name in args.starts.split(","):
             student = starts[name]()
-            results[f"loop_{name}"] = user_loop(student, teacher, train, test, reference, args.steps)
+            results[f"loop_{name}"] = user_loop(student, teacher, train, test, reference, args.steps,
+                                                settings=settings.get(name))
             print("loop", name, results[f"loop_{name}"], flush=True)
     if args.out:
         args.out.write_text(json.dumps(results, indent=2))

@@ -1,0 +1,153 @@
+"""The Sparsifier's defaults in a user's own loop: ``select="auto"`` and ``linear_end="auto"`` resolve by the
+optimizer in use (adaptive: the channels whose affine fit loses least, with fitted linear ends; SGD: the
+paper's push and identity ends), and under AdamW at a fine-tune learning rate they keep a pretrained
+model's function where the paper's settings lose it. The truth is the unconverted teacher's output, the
+ends are checked against numpy's least squares on the data, resume against an uninterrupted run."""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import linearize
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+STEPS = 120
+
+
+def _teacher() -> nn.Module:
+    """A small 'pretrained' GELU MLP: trained on a smooth regression task, so its channels differ (some
+    mostly inactive, some mostly linear) as a real pretrained FFN's do."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(8, 64), nn.GELU(), nn.Linear(64, 8))
+    with torch.no_grad():
+        net[0].bias.add_(torch.linspace(-3, 3, 64))  # channels from mostly off to mostly on
+    x = torch.randn(2048, 8)
+    y = torch.sin(x) + x.roll(1, 1) * x
+    opt = torch.optim.Adam(net.parameters(), lr=3e-3)
+    for _ in range(300):
+        i = torch.randint(0, 2048, (128,))
+        opt.zero_grad()
+        nn.functional.mse_loss(net(x[i]), y[i]).backward()
+        opt.step()
+    return net.eval()
+
+
+def _user_loop(teacher: nn.Module, steps: int = STEPS, optimizer=torch.optim.AdamW, lr: float = 1e-4,
+               state: dict | None = None, stop: int | None = None, **kwargs) -> tuple[nn.Module, dict]:
+    """The obvious loop: convert, a 25% target with the defaults, the user's own distillation loss."""
+    torch.manual_seed(1)
+    student = linearize.convert(copy.deepcopy(teacher), example_inputs=torch.randn(2, 8)).train()
+    opt = optimizer(student.parameters(), lr=lr)
+    sp = linearize.Sparsifier(student, linearize.schedules.target(0.25), total_steps=steps, **kwargs)
+    sp.attach(opt)
+    start = 0
+    if state is not None:
+        student.load_state_dict(state["model"])
+        opt.load_state_dict(state["optimizer"])
+        sp.load_state_dict(state["sparsifier"])
+        torch.set_rng_state(state["rng"])
+        start = state["step"]
+    for step in range(start, steps if stop is None else stop):
+        x = torch.randn(64, 8)
+        with torch.no_grad():
+            want = teacher(x)
+        loss = nn.functional.mse_loss(student(x), want)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()  # the attached Sparsifier steps after it
+    saved = {"model": copy.deepcopy(student.state_dict()), "optimizer": copy.deepcopy(opt.state_dict()),
+             "sparsifier": copy.deepcopy(sp.state_dict()), "rng": torch.get_rng_state(),
+             "step": steps if stop is None else stop}
+    return student.eval(), {"sparsifier": sp, "saved": saved}
+
+
+def _error(student: nn.Module, teacher: nn.Module) -> float:
+    torch.manual_seed(5)
+    x = torch.randn(4096, 8)
+    with torch.no_grad():
+        want = teacher(x)
+        return float((student(x) - want).square().mean() / want.square().mean())
+
+
+def test_auto_resolves_by_the_optimizer():
+    teacher = _teacher()
+    cases = {torch.optim.AdamW: ("fit", "affine"), torch.optim.Adam: ("fit", "affine"),
+             torch.optim.RMSprop: ("fit", "affine"), torch.optim.SGD: ("slope", "identity")}
+    for optimizer, expected in cases.items():
+        _, out = _user_loop(teacher, steps=4, optimizer=optimizer, lr=1e-3)
+        sp = out["sparsifier"]
+        assert (sp.select, sp.linear_end) == expected, optimizer.__name__
+    student = linearize.convert(copy.deepcopy(teacher))
+    opt = torch.optim.AdamW(student.parameters(), lr=1e-4)
+    # an explicit push means the paper's selection; explicit choices are kept
+    sp = linearize.Sparsifier(student, linearize.schedules.target(0.25), total_steps=10, rate=0.01)
+    sp.attach(opt)
+    assert (sp.select, sp.linear_end) == ("slope", "identity")
+    sp.detach()
+    sp = linearize.Sparsifier(student, linearize.schedules.target(0.25), total_steps=10, select="saliency",
+                              linear_end="affine")
+    sp.attach(opt)
+    assert (sp.select, sp.linear_end) == ("saliency", "affine")
+    sp.detach()
+    # a ramp (no target) has nothing to select: the push, identity ends
+    sp = linearize.Sparsifier(student, linearize.schedules.late(), total_steps=10)
+    sp.attach(opt)
+    assert (sp.select, sp.linear_end) == ("slope", "identity")
+    with pytest.raises(ValueError, match="linear_end"):
+        linearize.Sparsifier(student, linearize.schedules.target(0.25), total_steps=10, linear_end="affin")
+
+
+def test_defaults_under_adamw_keep_the_function_the_paper_settings_lose():
+    teacher = _teacher()
+    student, out = _user_loop(teacher)
+    assert linearize.nonlinear_fraction(student) == 0.25  # the target, exactly
+    paper, _ = _user_loop(teacher, select="slope", linear_end="identity")
+    assert linearize.nonlinear_fraction(paper) == 0.25
+    # the one-shot linearization with affine ends, chosen on 2,048 calibration samples, before any training
+    one_shot = linearize.convert(copy.deepcopy(teacher), example_inputs=torch.randn(2, 8))
+    torch.manual_seed(3)
+    linearize.one_shot(one_shot, torch.randn(2048, 8), target=0.25)
+    ours, theirs, calibrated = _error(student, teacher), _error(paper, teacher), _error(one_shot.eval(), teacher)
+    assert ours <= calibrated and ours < theirs / 10, (ours, calibrated, theirs)
+    # the kept channels stay nonlinear (no uniform push carried them towards 1)
+    unit = linearize.units(student)[0][1]
+    kept = unit.slope.detach() < 1
+    assert float(unit.slope.detach()[kept].max()) < 0.05
+
+
+def test_linear_channels_end_at_the_least_squares_fit_of_their_data():
+    teacher = _teacher()
+    student, _ = _user_loop(teacher)
+    unit = linearize.units(student)[0][1]
+    linear = (unit.slope.detach() == 1).numpy()
+    alpha, beta = (t.detach().double().numpy() for t in unit.linear_end)
+    torch.manual_seed(7)
+    x = torch.randn(4096, 8)
+    with torch.no_grad():
+        h = student[0](x).double().numpy()
+    y = torch.nn.functional.gelu(torch.from_numpy(h)).numpy()
+    for c in np.flatnonzero(linear):  # the fit of the (drifting) training data, near the fresh data's own
+        design = np.stack([h[:, c], np.ones(len(h))], 1)
+        (a_ls, b_ls), *_ = np.linalg.lstsq(design, y[:, c], rcond=None)
+        err_end = np.mean((y[:, c] - alpha[c] * h[:, c] - beta[c]) ** 2)
+        err_ls = np.mean((y[:, c] - a_ls * h[:, c] - b_ls) ** 2)
+        err_identity = np.mean((y[:, c] - h[:, c]) ** 2)
+        assert err_end <= 1.5 * err_ls + 1e-4 and err_end <= err_identity + 1e-9, (c, err_end, err_ls, err_identity)
+
+
+def test_resume_is_exact():
+    teacher = _teacher()
+    whole, _ = _user_loop(teacher, steps=40)
+    _, first = _user_loop(teacher, steps=40, stop=17)
+    resumed, _ = _user_loop(teacher, steps=40, state=first["saved"])
+    for (name, a), (_, b) in zip(linearize.units(whole), linearize.units(resumed)):
+        assert torch.equal(a.slope, b.slope), name
+        assert torch.equal(a.alpha, b.alpha) and torch.equal(a.beta, b.beta), name
+    for p, q in zip(whole.parameters(), resumed.parameters()):
+        assert torch.equal(p, q)
