@@ -91,9 +91,22 @@ class _Stats:
         return LinearEndFit(alpha, beta, residual, identity, n)
 
 
+@dataclass
+class _Channels:
+    """What :func:`_outgoing_norms` reads of a unit: its channel count and axis (for an element unit's map)."""
+
+    num_channels: int
+    channel_dim: int = 1
+    granularity: str = "channel"
+
+
 def _outgoing_norms(layer: nn.Module, unit: LinearizableActivation, ndim: int) -> torch.Tensor | None:
     """Squared norm ``[C]`` of the weights of each of ``unit``'s channels in ``layer`` (a Linear, HF Conv1D or
     conv whose input, of ``ndim`` dims, is the unit's output), or None when the layer mixes other axes."""
+    if unit.granularity == "element":  # a position of channel c feeds what channel c feeds: its norm, per position
+        shape = unit.map_shape  # [C, *spatial] before a conv, [F] before a Linear
+        per_channel = _outgoing_norms(layer, _Channels(shape[0], 1 if len(shape) > 1 else -1), ndim)
+        return None if per_channel is None else per_channel.repeat_interleave(math.prod(shape[1:]))
     w, channels, dim = layer.weight.detach().double(), unit.num_channels, unit.channel_dim % ndim
     if dim != (1 if isinstance(layer, CONVS) else ndim - 1):
         return None
@@ -136,10 +149,14 @@ class _Recorder:
                 return
             x = args[0].detach()
             dim = unit.channel_dim % x.ndim
-            if x.shape[dim] != unit.num_channels:  # the unit's own call raises the clear error
-                return
             mask = self.mask
-            if mask is not None and x.ndim == 3 and dim == 2 and tuple(x.shape[:2]) == tuple(mask.shape):
+            if unit.granularity == "element":  # one "channel" per position of the map: a row per sample
+                if x.numel() != x.shape[0] * unit.num_channels:  # the unit's own call raises the clear error
+                    return
+                rows = x.reshape(x.shape[0], -1)
+            elif x.shape[dim] != unit.num_channels:
+                return
+            elif mask is not None and x.ndim == 3 and dim == 2 and tuple(x.shape[:2]) == tuple(mask.shape):
                 rows = x[mask.to(x.device).bool()]
             else:
                 rows = x.movedim(dim, -1).reshape(-1, x.shape[dim])

@@ -115,6 +115,28 @@ def test_state_dict_restores_the_fits_and_crafted_states_are_refused():
     other.close()
 
 
+def test_element_units_fit_each_position_and_read_their_channels_outgoing_weights():
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Conv2d(2, 3, 3, padding=1), nn.GELU(), nn.Conv2d(3, 4, 1))
+    x0 = torch.randn(2, 2, 4, 4)
+    net = linearize.convert(net, granularity="element", example_inputs=x0)
+    tracker = linearize.RunningFit(net, decay=0.0)
+    x = torch.randn(64, 2, 4, 4)
+    net(x)
+    tracker.step()
+    fit = tracker.fits()["1"]
+    with torch.no_grad():
+        h = net[0](x).reshape(64, -1).double().numpy()  # one column per position, row-major (c, i, j)
+    y = torch.nn.functional.gelu(torch.from_numpy(h).float()).double().numpy()
+    alpha, beta, _ = _weighted_lstsq(h, y, np.ones(64))
+    np.testing.assert_allclose(fit.alpha.numpy(), alpha, rtol=1e-9, atol=1e-12)
+    np.testing.assert_allclose(fit.beta.numpy(), beta, rtol=1e-9, atol=1e-12)
+    w = net[2].weight.detach().double()
+    per_channel = (w ** 2).sum((0, 2, 3))
+    np.testing.assert_allclose(fit.outgoing.numpy(), per_channel.repeat_interleave(16).numpy(), rtol=1e-12)
+    tracker.close()
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
