@@ -19,6 +19,7 @@ THREADS = 1 if os.environ.get("PYTEST_XDIST_WORKER") else min(2, torch.get_num_t
 # workers take whole files (`--dist loadfile`) in collection order, so these start first and the short files
 # fill in behind them, instead of a long file starting last while the other worker idles.
 LONGEST_FIRST = (
+    "tests/recipes/test_reproduce_speed.py",  # one test of 6 minutes (CI's log, 2 workers): it starts first
     "tests/test_docs.py",
     "tests/test_zoo.py",
     "tests/recipes/test_recipes.py",
