@@ -29,7 +29,7 @@ from ..calibration import RunningFit
 from ..distributed import full_value
 from ..unit import LinearizableActivation
 
-__all__ = ["Importance", "SlopeImportance", "SaliencyImportance", "FitImportance", "SELECTIONS", "SELECT",
+__all__ = ["Importance", "SlopeImportance", "SaliencyImportance", "FitImportance", "CostImportance", "SELECTIONS", "SELECT",
            "SALIENCY_DECAY", "SALIENCY_HYSTERESIS", "selection"]
 
 SALIENCY_DECAY = 0.9  # running mean of the squared slope gradients, per step
@@ -113,11 +113,28 @@ class SlopeImportance(Importance):
     name = "slope"
 
 
-class SaliencyImportance(Importance):
+class CostImportance(Importance):
+    """A selection without the uniform push that ranks the free channels by a per-channel :meth:`cost`: the
+    cheapest first, then by slope; once the target is reached the selection holds."""
+
+    pushes = False
+
+    def cost(self, selected: torch.Tensor) -> torch.Tensor:
+        """Float64 ranking cost per channel (lower goes linear first); ``selected`` gets its hysteresis."""
+        raise NotImplementedError
+
+    def keys(self, slopes: torch.Tensor, linear: torch.Tensor, selected: torch.Tensor,
+             hold: bool) -> tuple[torch.Tensor, ...]:
+        # linear now first, then the cheapest, then by slope; once reached: hold the selection
+        if hold:
+            return (slopes, selected)
+        return (slopes, -self.cost(selected).to(slopes.device))
+
+
+class SaliencyImportance(CostImportance):
     """``select="saliency"``: the cheapest channels first, by their running squared slope gradients."""
 
     name = "saliency"
-    pushes = False
     reads_gradients = True
 
     def __init__(self, units: Units, weights: list[float], warn: Callable[[str], None],
@@ -161,13 +178,6 @@ class SaliencyImportance(Importance):
         cost = torch.where(selected.cpu(), cost * SALIENCY_HYSTERESIS, cost)
         return torch.where(self.seen, cost, torch.tensor(math.inf, dtype=torch.float64))
 
-    def keys(self, slopes: torch.Tensor, linear: torch.Tensor, selected: torch.Tensor,
-             hold: bool) -> tuple[torch.Tensor, ...]:
-        # linear now first, then the cheapest, then by slope; once reached: hold the selection
-        if hold:
-            return (slopes, selected)
-        return (slopes, -self.cost(selected).to(slopes.device))
-
     def values(self, before: torch.Tensor, free: torch.Tensor) -> torch.Tensor:
         """The running squared slope gradients of the free channels, when every one has had a gradient
         (else, with a warning, the slope gap)."""
@@ -198,7 +208,7 @@ class SaliencyImportance(Importance):
             self.saliency, self.seen = parsed
 
 
-class FitImportance(Importance):
+class FitImportance(CostImportance):
     """``select="fit"``: the cheapest channels first, by the output error of their affine fit.
 
     A channel's score is ``E[(act(x) - alpha x - beta)^2] * ||W[:, c]||^2`` over the running window of
@@ -211,7 +221,6 @@ class FitImportance(Importance):
     """
 
     name = "fit"
-    pushes = False
     reads_fits = True
 
     def __init__(self, units: Units, weights: list[float], warn: Callable[[str], None],
@@ -242,12 +251,6 @@ class FitImportance(Importance):
         if not self.fit.fits():
             self.warn("select='fit' has seen no training-mode forward of the units since the start of the run: "
                       "call model.train() before the forward passes; until then channels are chosen by slope")
-
-    def keys(self, slopes: torch.Tensor, linear: torch.Tensor, selected: torch.Tensor,
-             hold: bool) -> tuple[torch.Tensor, ...]:
-        if hold:
-            return (slopes, selected)
-        return (slopes, -self.cost(selected).to(slopes.device))
 
     def values(self, before: torch.Tensor, free: torch.Tensor) -> torch.Tensor:
         """The rank quantile of each free channel's fit (a cost plan's importance)."""
