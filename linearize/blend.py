@@ -17,6 +17,7 @@ from .config import BlendConfig
 from .example_inputs import guess_example_inputs
 from .functional_sites import FunctionalSites, install_functional_sites
 from .injection import call_channels, install_call_sites, plan_conversion, settle_placed_modules, wrap_function_attributes
+from .dispatch import THREAD_CALL
 from .inputs import call_model, eval_mode, map_tensors, max_difference, output_tensors
 from .unit import LinearizableActivation, install_optimizer_hooks, make_unit
 
@@ -35,6 +36,7 @@ def convert_blend(model: nn.Module, config: BlendConfig, example_inputs: Any) ->
                if report.unsupported else "")
             + (f" Left as multiplicative gates: {', '.join(report.gates)} (convert(..., gates='include') converts them)."
                if report.gates else "")
+            + (f" Activation calls {', '.join(map(repr, report.threads))} ran {THREAD_CALL}." if report.threads else "")
         )
     param = next(model.parameters(), None)
     # new units go to the model's device; float64 models get float64 slopes, low precision ones float32

@@ -41,7 +41,8 @@ from torch.overrides import has_torch_function_variadic
 
 __all__ = ["Scope", "attach_owner", "detach_owner", "caller_scope", "called_from_hook",
            "compiled_submodules", "refuse_scripting", "unreachable_call", "checkpoint_error", "foreign_torch_function",
-           "SITE_MODE", "FunctionalSiteError", "COMPILE_REASON", "fx_leaf_call", "fx_tracer", "refuse_fx_root"]
+           "SITE_MODE", "FunctionalSiteError", "COMPILE_REASON", "fx_leaf_call", "fx_tracer", "refuse_fx_root",
+           "ThreadWatch", "THREAD_CALL"]
 
 _CALL_IMPL: CodeType = nn.Module._call_impl.__code__
 _FX_TRACE: CodeType = torch.fx.Tracer.trace.__code__
@@ -50,6 +51,10 @@ COMPILE_REASON = (
     "activation call, matched by call order) runs eagerly, between compiled graphs, so torch.compile with "
     "fullgraph=True cannot compile this model. Fix: torch.compile(model) without fullgraph=True, or "
     "linearize.fold(model, example_inputs) for a plain model that compiles whole")
+THREAD_CALL = (
+    "on a thread the forward started, which convert cannot follow (it sees the forward's own thread): neither "
+    "converted nor counted, so the model is less linear than the counts say. Fix: call the activation on the "
+    "forward's own thread, or through an activation module registered on the model (self.act = nn.ReLU())")
 _CHECKPOINT_FILE = torch.utils.checkpoint.__file__
 _FUNCTION_FORWARDS: dict[CodeType, bool] = {}  # code -> whether it is a custom autograd.Function's forward
 
@@ -352,6 +357,85 @@ def refuse_scripting(module: nn.Module) -> None:
         f"torch.jit.script cannot compile linearize's {type(module).__name__} (its dispatch and its kernels are "
         "Python). Fix: linearize.fold(model, example_inputs) gives a plain PyTorch model that "
         "scripts, or use torch.jit.trace, torch.export or torch.compile on the converted model")
+
+
+class ThreadWatch:
+    """Activation calls made on the threads a forward starts, which convert's probe (a torch-function mode,
+    which is per thread) cannot see, so they are neither converted nor counted.
+
+    Inside ``with ThreadWatch(functions) as watch:`` every thread started meanwhile runs a profile function
+    (:func:`threading.setprofile`) that records calls of ``functions`` (``torch`` builtins, their ``Tensor``
+    methods and Python functions such as ``F.relu``), except those inside the forward of a module whose id is
+    in ``inside`` (activation modules, which module hooks see on every thread), as ``"thread 'Thread-1', in <function that called it>: relu"`` with
+    their count (``watch.calls``), and calls the profile function set before it, if any. Threads already
+    running (a pool made before the forward) are not watched. After the block, a watched thread gets the
+    previous profile function back at its next call.
+
+    Example:
+        >>> import torch.nn.functional as F
+        >>> with ThreadWatch([F.relu, torch.relu]) as watch:
+        ...     def work():
+        ...         return F.relu(torch.ones(1))
+        ...     t = threading.Thread(target=work, name="worker"); t.start(); t.join()
+        >>> watch.calls
+        {"thread 'worker', in work: relu": 1}
+    """
+
+    def __init__(self, functions: Any, inside: set[int] = frozenset()) -> None:
+        functions = list(functions)
+        self._inside = inside  # ids of modules whose forwards' calls are not recorded (activation modules)
+        self._codes = {f.__code__: f.__name__ for f in functions if hasattr(f, "__code__")}
+        self._builtins = {id(f): f.__name__ for f in functions if not hasattr(f, "__code__")}
+        self._methods = {f.__name__ for f in functions if getattr(torch.Tensor, getattr(f, "__name__", ""), None) is f}
+        self.calls: dict[str, int] = {}
+        self._active = False
+        self._previous: Callable | None = None
+        self._lock = threading.Lock()
+
+    def __enter__(self) -> "ThreadWatch":
+        self._previous, self._active = threading.getprofile(), True
+        threading.setprofile(self._profile)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._active = False
+        threading.setprofile(self._previous)
+
+    def _name(self, frame: FrameType, event: str, arg: Any) -> str | None:
+        """The watched function this profile event calls, if any."""
+        if event == "call":
+            return self._codes.get(frame.f_code)
+        if event != "c_call" or frame.f_code in self._codes:  # a watched Python function's own builtin call
+            return None
+        name = self._builtins.get(id(arg))
+        if name is None and isinstance(getattr(arg, "__self__", None), torch.Tensor) and arg.__name__ in self._methods:
+            name = arg.__name__
+        return name
+
+    def _in_skipped_module(self, frame: FrameType | None) -> bool:
+        """Whether ``frame`` runs inside the forward of a module in ``inside`` (within 1000 frames)."""
+        for _ in range(1000):
+            if frame is None:
+                return False
+            if frame.f_code is _CALL_IMPL and id(frame.f_locals.get("self")) in self._inside:
+                return True
+            frame = frame.f_back
+        return False
+
+    def _profile(self, frame: FrameType, event: str, arg: Any) -> None:
+        if self._previous is not None:
+            self._previous(frame, event, arg)
+        if not self._active:
+            sys.setprofile(self._previous)
+            return
+        name = self._name(frame, event, arg)
+        if name is None or self._in_skipped_module(frame):
+            return
+        caller = frame.f_back if event == "call" else frame
+        where = getattr(caller.f_code, "co_qualname", caller.f_code.co_name) if caller is not None else ""
+        key = f"thread {threading.current_thread().name!r}, in {where}: {name}"
+        with self._lock:
+            self.calls[key] = self.calls.get(key, 0) + 1
 
 
 def compiled_submodules(model: nn.Module) -> list[str]:

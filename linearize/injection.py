@@ -38,7 +38,9 @@ from .config import LinearizeConfig
 from .example_inputs import guess_example_inputs, guessed_input_error
 from .dispatch import (
     COMPILE_REASON,
+    THREAD_CALL,
     FunctionalSiteError,
+    ThreadWatch,
     attach_owner,
     called_from_hook,
     caller_scope,
@@ -205,6 +207,8 @@ class ConversionReport:
     gates: dict[str, str] = field(default_factory=dict)
     # nonlinearities no kind of convert covers (PReLU, Softsign, a recurrent layer's kernel): site -> what it is
     unsupported: dict[str, str] = field(default_factory=dict)
+    # activation calls on threads the probe forward started, which convert cannot follow: "thread ...: fn" -> calls
+    threads: dict[str, int] = field(default_factory=dict)
 
     @property
     def num_channels(self) -> int:
@@ -224,6 +228,7 @@ class ConversionReport:
         lines += [f"{n}: never called during the probe forward" for n in self.uncalled]
         lines += [f"{n}: called by a module that does not own it" for n in self.unreachable]
         lines += [f"{n}: {what}, not an activation kind convert swaps" for n, what in self.unsupported.items()]
+        lines += [f"{where} ({n} call(s) per forward): {THREAD_CALL}" for where, n in self.threads.items()]
         return lines
 
     def __str__(self) -> str:
@@ -327,6 +332,7 @@ class _Probe:
         self.unsupported: Counter[str] = Counter()  # functional calls of OTHER_FUNCTIONS ("owner: fn") -> calls
         self.widths: dict[int, tuple[weakref.ref, int]] = {}  # layer outputs (and their views) -> layer width
         self.unsure: list[ActivationCall] = []  # calls whose channel dim the next layer settles (_settle)
+        self.threads: dict[str, int] = {}  # activation calls on threads the forward started (ThreadWatch)
 
     def inside_activation(self) -> bool:
         return any(id(m) in self.activations for m in self.stack)
@@ -470,8 +476,10 @@ class _Probe:
         pre = torch.nn.modules.module.register_module_forward_pre_hook(self.pre_hook)
         post = torch.nn.modules.module.register_module_forward_hook(self.hook)
         try:
-            with eval_mode(model), torch.no_grad(), _FunctionalRecorder(self):
+            with eval_mode(model), torch.no_grad(), _FunctionalRecorder(self), ThreadWatch(
+                    [*FUNCTIONAL_SPECS, *OTHER_FUNCTIONS], self.activations) as watch:
                 call_model(model, inputs)
+            self.threads = watch.calls
         finally:
             pre.remove()
             post.remove()
@@ -644,6 +652,7 @@ def plan_conversion(
         else:
             skipped[where] += 1
     report.functional_calls = dict(skipped)
+    report.threads = probe.threads
 
     plan = []
     owned_calls: Counter[int] = Counter()

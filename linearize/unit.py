@@ -37,7 +37,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 from .activations import FunctionalActivation, negative_slope
 from .checks import NonFiniteSlopeError, check_channel_dim, check_tol
 from .config import GRANULARITIES, GatedConfig
-from .dispatch import compiled_submodules, foreign_torch_function, fx_leaf_call, refuse_scripting
+from .dispatch import THREAD_CALL, compiled_submodules, foreign_torch_function, fx_leaf_call, refuse_scripting
 from .distributed import full_value, local, refuse_unsupported, shard_of
 from .kernels import cpu_blend, cpu_prelu
 
@@ -1032,6 +1032,10 @@ def count_units(model: nn.Module, tol: float = 0.0) -> dict:
             "code that linearize cannot see; activations inside them are in no count, so the model may be less "
             "linear than the counts say. Fix: convert the Python module, then script the result", RuntimeWarning,
             stacklevel=2)
+    threads = getattr(getattr(model, "linearize_report", None), "threads", None)
+    if threads:
+        warnings.warn(f"count_units: activation call(s) {', '.join(map(repr, threads))} ran {THREAD_CALL}",
+                      RuntimeWarning, stacklevel=2)
     if not units(model) and callable(getattr(model, "gates", None)):
         check_tol(tol)
         return _counts([(n, g.kind, g.num_channels, 0) for n, g in model.gates()])

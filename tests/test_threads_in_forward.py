@@ -1,0 +1,162 @@
+"""Activation calls on threads a model's forward starts: convert's probe (a per-thread torch-function mode)
+cannot follow them, so they are listed and warned about, never silently counted as converted or linear."""
+
+from __future__ import annotations
+
+import sys
+import threading
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import linearize
+
+
+class SpawnsActivation(nn.Module):
+    """Linear -> an activation run on a thread the forward starts -> Linear."""
+
+    def __init__(self, call) -> None:
+        super().__init__()
+        self.a, self.b, self.call = nn.Linear(4, 6), nn.Linear(6, 2), call
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h, out = self.a(x), {}
+        worker = threading.Thread(target=lambda: out.update(h=self.call(self, h)), name="side")
+        worker.start()
+        worker.join()
+        return self.b(out["h"])
+
+
+CALLS = {
+    "F.relu": (lambda self, h: F.relu(h), "relu"),
+    "torch.relu": (lambda self, h: torch.relu(h), "relu"),
+    "Tensor.relu": (lambda self, h: h.relu(), "relu"),
+    "F.gelu": (lambda self, h: F.gelu(h), "gelu"),
+}
+
+
+def convert_with_own_relu(model: nn.Module, x: torch.Tensor) -> nn.Module:
+    """Give the model one activation convert can see (on the forward's thread), then convert it."""
+    model.a = nn.Sequential(model.a, nn.ReLU())
+    return linearize.convert(model, example_inputs=x)
+
+
+@pytest.mark.parametrize("name", list(CALLS))
+def test_an_activation_on_a_thread_the_forward_started_is_listed_and_warned(name):
+    torch.manual_seed(0)
+    call, fn = CALLS[name]
+    x = torch.randn(8, 4)
+    with pytest.warns(UserWarning, match=r"thread 'side'.*on a thread the forward started"):
+        model = convert_with_own_relu(SpawnsActivation(call), x)
+    (where, n), = model.linearize_report.threads.items()
+    assert where.endswith(f": {fn}") and n == 1
+    # every unit linear: the counts say linear, but the thread's activation is still there (independent truth:
+    # an affine map satisfies f(x) + f(-x) = 2 f(0))
+    with torch.no_grad():
+        for _, unit in linearize.units(model):
+            unit.slope.fill_(1.0)
+        gap = (model(x) + model(-x) - 2 * model(torch.zeros_like(x))).abs().max().item()
+    assert gap > 1e-3
+    with pytest.warns(RuntimeWarning, match=r"thread 'side'.*less linear than the counts say"):
+        assert linearize.nonlinear_fraction(model) == 0.0
+
+
+def test_a_model_whose_only_activation_runs_on_a_started_thread_is_refused_naming_it():
+    with pytest.raises(ValueError, match=r"no convertible activation.*thread 'side'.*Fix: call the activation on"):
+        linearize.convert(SpawnsActivation(CALLS["F.relu"][0]), example_inputs=torch.randn(2, 4))
+
+
+def test_activations_on_the_forwards_own_thread_are_not_listed():
+    x = torch.randn(8, 4)
+    model = nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.Linear(6, 2))
+    model = linearize.convert(model, example_inputs=x)
+    assert model.linearize_report.threads == {}
+
+
+class SpawnsModule(nn.Module):
+    """A registered activation module called (once per forward) on a thread the forward starts."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.act, self.b = nn.Linear(4, 6), nn.ReLU(), nn.Linear(6, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = {}
+        worker = threading.Thread(target=lambda: out.update(h=self.act(self.a(x))))
+        worker.start()
+        worker.join()
+        return self.b(out["h"])
+
+
+def test_an_activation_module_on_a_started_thread_converts_and_is_linear_at_slope_one():
+    torch.manual_seed(0)
+    x = torch.randn(8, 4)
+    ref = SpawnsModule()
+    with torch.no_grad():
+        want = ref(x)
+    model = linearize.convert(ref, example_inputs=x)
+    assert model.linearize_report.threads == {} and [n for n, _ in linearize.units(model)] == ["act"]
+    with torch.no_grad():
+        assert torch.equal(model(x), want)
+        linearize.units(model)[0][1].slope.fill_(1.0)
+        affine = model.b(model.a(x))  # the truth at slope 1: the two linear layers composed
+        assert torch.allclose(model(x), affine, atol=1e-6)
+
+
+def test_the_watch_keeps_a_users_profiler_and_leaves_later_threads_alone():
+    x = torch.randn(8, 4)
+    events, seen = [], []
+
+    def profiler(frame, event, arg):  # a user's profiler, set for every new thread
+        if threading.current_thread().name == "side":
+            events.append(event)
+
+    threading.setprofile(profiler)
+    try:
+        with pytest.warns(UserWarning, match="thread 'side'"):
+            convert_with_own_relu(SpawnsActivation(CALLS["F.relu"][0]), x)
+        assert threading.getprofile() is profiler and events  # it kept profiling the forward's thread
+    finally:
+        threading.setprofile(None)
+    worker = threading.Thread(target=lambda: seen.append(sys.getprofile()))
+    worker.start()
+    worker.join()
+    assert seen == [None]
+
+
+class LongLived(nn.Module):
+    """Starts a worker thread at its first forward and keeps using it (a lazily made pool)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.act, self.jobs, self.worker = nn.Linear(4, 4), nn.ReLU(), None, None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        import queue
+
+        if self.worker is None:
+            self.jobs, self.results = queue.Queue(), queue.Queue()
+
+            def serve() -> None:
+                for job in iter(self.jobs.get, None):
+                    self.results.put((torch.relu(job), sys.getprofile()))
+
+            self.worker = threading.Thread(target=serve, daemon=True, name="pool")
+            self.worker.start()
+        self.jobs.put(self.act(self.lin(x)))
+        return self.results.get()[0]
+
+
+def test_a_thread_that_outlives_the_probe_drops_the_watch():
+    x = torch.randn(3, 4)
+    model = LongLived()
+    with pytest.warns(UserWarning, match="thread 'pool'"):
+        model = linearize.convert(model, example_inputs=x)
+    assert list(model.linearize_report.threads) == ["thread 'pool', in LongLived.forward.<locals>.serve: relu"]
+    model.jobs.put(x)  # the next call on that thread: the watch removes itself
+    model.results.get()
+    model.jobs.put(x)
+    assert model.results.get()[1] is None
+    model.jobs.put(None)
