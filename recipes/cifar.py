@@ -20,6 +20,7 @@ The calls of linearize, in :func:`main`: ``linearize.convert`` once the model is
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
 import io
 import json
@@ -352,21 +353,29 @@ def _tensors(chosen: list[tuple[str, str]], classes: list[str], read, split: str
     return {"x": x, "y": y, "classes": classes}
 
 
+@functools.lru_cache(maxsize=2)
+def _tar_files(path: Path, size: int, mtime: float) -> dict[str, tarfile.TarInfo]:
+    """The regular files of a tar archive by name (the last of a repeated name wins, as extraction does): one
+    pass over its headers, shared by the splits of one process (``size`` and ``mtime`` key a changed file)."""
+    with tarfile.open(path, "r:*") as tar:
+        return {m.name: m for m in tar if m.isfile()}
+
+
 def _from_tar(path: Path, split: str, subset: int | None, size: int, show: bool, classes: list[str] | None,
               drop_others: bool) -> dict:
-    """Decode only the selected members of a ``.tar.gz`` image-folder tree (two streaming passes)."""
-    with tarfile.open(path, "r:*") as tar:
-        items = [(m.name, c) for m in tar if m.isfile() and (c := _label_of(m.name, split))]
+    """Decode only the selected members of a ``.tar.gz`` image-folder tree: the header pass, then a forward
+    read of the chosen members at their offsets (no header of the others parsed again)."""
+    stat = path.stat()
+    files = _tar_files(path, stat.st_size, stat.st_mtime)
+    items = [(name, c) for name in files if (c := _label_of(name, split))]
     if not items:
         raise FileNotFoundError(f"{path} holds no '{split}/<class>/*.jpg' images; expected the layout "
                                 "train/<class>/*.jpg and test/<class>/*.jpg")
     chosen, classes = _pick(items, split, subset, classes, drop_others)
-    wanted = {p for p, _ in chosen}
     blobs: dict[str, bytes] = {}
     with tarfile.open(path, "r:*") as tar:
-        for m in tar:
-            if m.name in wanted:
-                blobs[m.name] = tar.extractfile(m).read()
+        for name in sorted({p for p, _ in chosen}, key=lambda n: files[n].offset_data):
+            blobs[name] = tar.extractfile(files[name]).read()
     return _tensors(chosen, classes, blobs.__getitem__, split, size, show)
 
 
