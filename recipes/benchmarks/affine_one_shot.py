@@ -27,7 +27,9 @@ import copy
 import json
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -100,6 +102,38 @@ def user_loop(student, teacher, train: list[dict], test: list[dict], reference: 
     return out
 
 
+@dataclass
+class Setup:
+    """The real MiniLM and its data (:func:`load_setup`): the first ``calibration`` training sentences in
+    batches of 32, test batches of 64 and the teacher's embeddings of them."""
+
+    teacher: torch.nn.Module
+    tokenizer: Any
+    calibration: int
+    calib: list[dict]
+    test_texts: list[str]
+    test: list[dict]
+    reference: torch.Tensor
+
+    def train(self, steps: int) -> list[dict]:
+        """``steps`` batches of 32 training sentences the calibration did not see (the user loop's data)."""
+        texts = read_texts(DATA / "train.jsonl.gz", "translation.en", self.calibration + 32 * steps)
+        return batches(self.tokenizer, texts[self.calibration:], 32)
+
+
+def load_setup(calibration: int, test: int) -> Setup:
+    """Load the teacher, its tokenizer and the Multi30k English sentences (seed 0)."""
+    from transformers import AutoModel, AutoTokenizer
+
+    torch.manual_seed(0)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir())
+    teacher = AutoModel.from_pretrained(model_dir()).eval()
+    calib = batches(tokenizer, read_texts(DATA / "train.jsonl.gz", "translation.en", calibration), 32)
+    test_texts = read_texts(DATA / "test.jsonl.gz", "translation.en", test)
+    test_batches = batches(tokenizer, test_texts, 64)
+    return Setup(teacher, tokenizer, calibration, calib, test_texts, test_batches, embed(teacher, test_batches))
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--calibration", type=int, default=256)
@@ -112,14 +146,8 @@ def main(argv: list[str] | None = None) -> dict:
                              "'auto'), identity, affine (the one-shot models)")
     parser.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
     args = parser.parse_args(argv)
-    from transformers import AutoModel, AutoTokenizer
-
-    torch.manual_seed(0)
-    tokenizer = AutoTokenizer.from_pretrained(model_dir())
-    teacher = AutoModel.from_pretrained(model_dir()).eval()
-    calib = batches(tokenizer, read_texts(DATA / "train.jsonl.gz", "translation.en", args.calibration), 32)
-    test = batches(tokenizer, read_texts(DATA / "test.jsonl.gz", "translation.en", args.test), 64)
-    reference = embed(teacher, test)
+    setup = load_setup(args.calibration, args.test)
+    teacher, calib, test, reference = setup.teacher, setup.calib, setup.test, setup.reference
     results: dict = {"target": args.target, "calibration": args.calibration, "test": args.test}
     students = {}
     for end in ("identity", "affine"):
@@ -141,8 +169,7 @@ def main(argv: list[str] | None = None) -> dict:
     results["affine_folded"].update(quality(folded, test, reference))
     print("affine folded", results["affine_folded"], flush=True)
     if args.steps:
-        texts = read_texts(DATA / "train.jsonl.gz", "translation.en", args.calibration + 32 * args.steps)
-        train = batches(tokenizer, texts[args.calibration:], 32)  # sentences the calibration did not see
+        train = setup.train(args.steps)
         fresh = lambda: linearize.convert(copy.deepcopy(teacher), target_modules=FFN_PATTERNS)  # noqa: E731
         starts = {"defaults": fresh, "paper": fresh, **{k: (lambda s=s: s) for k, s in students.items()}}
         settings = {"paper": {"select": "slope", "linear_end": "identity"}}

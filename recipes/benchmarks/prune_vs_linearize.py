@@ -32,8 +32,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import linearize  # noqa: E402
-from affine_one_shot import DATA, batches, embed, ffn_flops, model_dir, quality, user_loop  # noqa: E402
-from distill import FFN_PATTERNS, read_texts  # noqa: E402
+from affine_one_shot import embed, ffn_flops, load_setup, quality, user_loop  # noqa: E402
+from distill import FFN_PATTERNS  # noqa: E402
 from linearize.timing import busy_cpu, median_latency_ms  # noqa: E402
 
 
@@ -67,15 +67,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--latency-budget", type=float, default=4.0, help="seconds of timing per batch size")
     parser.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
     args = parser.parse_args(argv)
-    from transformers import AutoModel, AutoTokenizer
-
-    torch.manual_seed(0)
-    tokenizer = AutoTokenizer.from_pretrained(model_dir())
-    teacher = AutoModel.from_pretrained(model_dir()).eval()
-    calib = batches(tokenizer, read_texts(DATA / "train.jsonl.gz", "translation.en", args.calibration), 32)
-    test_texts = read_texts(DATA / "test.jsonl.gz", "translation.en", args.test)
-    test = batches(tokenizer, test_texts, 64)
-    reference = embed(teacher, test)
+    setup = load_setup(args.calibration, args.test)
+    teacher, calib, test, reference = setup.teacher, setup.calib, setup.test, setup.reference
     rows: dict[str, dict] = {}
     students: dict[str, torch.nn.Module] = {}
 
@@ -105,7 +98,7 @@ def main(argv: list[str] | None = None) -> dict:
     timed = {"original": teacher, **folded, **{f"prune {k}": v for k, v in students.items() if k != "linearize"}}
     latency: dict = {"busy_cpu": busy_cpu(), "threads": 1}
     for size in (1, 32):
-        inputs = dict(tokenizer(test_texts[:size], padding=True, truncation=True, max_length=64, return_tensors="pt"))
+        inputs = dict(setup.tokenizer(setup.test_texts[:size], padding=True, truncation=True, max_length=64, return_tensors="pt"))
         ms = median_latency_ms([m.eval() for m in timed.values()], inputs, budget_s=args.latency_budget, threads=1)
         latency[f"batch_{size}_ms"] = dict(zip(timed, ms))
     print("latency", latency, flush=True)
@@ -113,8 +106,7 @@ def main(argv: list[str] | None = None) -> dict:
     save(result, args.out)
 
     if args.steps:
-        texts = read_texts(DATA / "train.jsonl.gz", "translation.en", args.calibration + 32 * args.steps)
-        train = batches(tokenizer, texts[args.calibration:], 32)  # sentences the calibration did not see
+        train = setup.train(args.steps)
         for name in args.loop.split(","):
             if name == "defaults":
                 student = linearize.convert(copy.deepcopy(teacher), target_modules=FFN_PATTERNS)
