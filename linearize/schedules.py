@@ -6,8 +6,8 @@ A schedule is a small object (or any plain function) evaluated at ``(step, total
 - :func:`early` pressure from step 0, optionally ramped up over ``ramp`` steps;
 - :func:`late` no pressure until ``start``, then on (optionally ramped);
 - :func:`linear` / :func:`cosine` warm-up ramps of ``lam``;
-- :func:`target` steer the *nonlinear fraction* (or the folded model's FLOPs or latency) to a
-  requested value by ``end`` and hold it.
+- :func:`target` steer the *nonlinear fraction* (or the folded model's FLOPs or latency, or the
+  nonlinear ReLUs per sample) to a requested value by ``end`` and hold it.
 
 Step arguments (``start``, ``end``, ``ramp``) are either a **float in [0, 1]**, a fraction of
 ``total_steps``, or an **int**, an absolute optimizer step (so ``1.0`` is the end of training,
@@ -100,12 +100,14 @@ class Schedule:
 
     What the :class:`~linearize.Sparsifier` asks a schedule at step ``t``: :meth:`pressure` (how hard to
     push), :attr:`steers` and :meth:`wanted` (a target: which nonlinear fraction or cost is wanted),
-    :meth:`ramp_steps` (over how many steps the pressure acts) and :attr:`cost` (a cost target's measure).
+    :meth:`ramp_steps` (over how many steps the pressure acts), :attr:`cost` (a cost target's measure) and
+    :attr:`relus` (a ReLU target's budget).
     """
 
     lam: float | None = None
     steers = False  # True for a target: the Sparsifier projects the slopes to what it wants
     cost: str | None = None  # a cost target's measure ("flops", "latency"); None otherwise
+    relus: float | None = None  # a ReLU target's budget (nonlinear ReLUs per sample); None otherwise
 
     def shape(self, step: int, total_steps: int) -> float:
         raise NotImplementedError
@@ -136,7 +138,7 @@ class Schedule:
         return total_steps
 
     def wanted(self, step: int, total_steps: int, initial: float) -> float | None:
-        """The nonlinear fraction (or cost ratio) wanted at ``step``: ``None``, no target wants one."""
+        """The nonlinear fraction (cost ratio, ReLU count) wanted at ``step``: ``None``, no target wants one."""
         return None
 
     def validate(self, total_steps: int) -> None:
@@ -204,8 +206,8 @@ class Ramp(Schedule):
 
 @dataclass
 class Target(Schedule):
-    """Steer the nonlinear fraction, or the folded model's cost, to a goal by ``end``, then hold it
-    (see module docs).
+    """Steer the nonlinear fraction, the folded model's cost or the nonlinear ReLUs per sample to a goal by
+    ``end``, then hold it (see module docs).
 
     Attributes:
         fraction: wanted nonlinear fraction in ``(0, 1]``.
@@ -219,8 +221,11 @@ class Target(Schedule):
             ``count_flops``) as a fraction in ``(0, 1]`` of the original model folded (every
             slope 0; a cost target: see :class:`~linearize.Sparsifier`).
         latency: instead of ``fraction``: the folded model's measured CPU latency, likewise.
+        relus: instead of ``fraction``: at most this many nonlinear activation elements ("ReLUs") per
+            sample, as the private-inference literature counts them (:func:`linearize.measures.count_relus`;
+            a ReLU target: see :class:`~linearize.Sparsifier`).
 
-    Exactly one of ``fraction``, ``flops`` and ``latency`` is given.
+    Exactly one of ``fraction``, ``flops``, ``latency`` and ``relus`` is given.
     """
 
     steers = True
@@ -233,19 +238,25 @@ class Target(Schedule):
     hold: float = 0.0
     flops: float | None = None
     latency: float | None = None
+    relus: float | None = None
 
     def __post_init__(self) -> None:
-        given = [k for k in ("fraction", "flops", "latency") if getattr(self, k) is not None]
+        given = [k for k in ("fraction", "flops", "latency", "relus") if getattr(self, k) is not None]
         if len(given) != 1:
             raise ValueError(
                 "a target needs exactly one goal: fraction= (nonlinear channels), flops= or latency= (the "
-                f"folded model's cost), got {given or 'none'}; e.g. target(0.1) or target(flops=0.6)"
+                "folded model's cost) or relus= (nonlinear ReLUs per sample), got "
+                f"{given or 'none'}; e.g. target(0.1), target(flops=0.6) or target(relus=50_000)"
             )
         name = given[0]
         value = getattr(self, name)
+        relus = name == "relus"
         if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise TypeError(f"target {name} must be a number in (0, 1], got {value!r}")
-        if not 0.0 < value <= 1.0:
+            raise TypeError(f"target {name} must be a number "
+                            f"{'> 0 (nonlinear ReLUs per sample)' if relus else 'in (0, 1]'}, got {value!r}")
+        if relus and not 0.0 < value < math.inf:  # NaN fails too
+            raise ValueError(f"target relus must be a positive finite number (nonlinear ReLUs per sample), got {value}")
+        if not relus and not 0.0 < value <= 1.0:
             what = ("the share of channels kept nonlinear" if name == "fraction" else
                     f"the folded model's {name} over the original model's, folded")
             raise ValueError(f"target {name} must lie in (0, 1] ({what}), got {value}")
@@ -266,8 +277,16 @@ class Target(Schedule):
 
     @property
     def goal(self) -> float:
-        """The value the path reaches at ``end``: the fraction, or the cost ratio."""
-        return next(v for v in (self.fraction, self.flops, self.latency) if v is not None)
+        """The value the path reaches at ``end``: the fraction, the cost ratio or the ReLU count."""
+        return next(v for v in (self.fraction, self.flops, self.latency, self.relus) if v is not None)
+
+    def to_dict(self) -> dict:
+        """JSON-serializable description; ``relus`` only when set (so states and histories saved before
+        ReLU targets existed still describe the same schedule)."""
+        described = super().to_dict()
+        if described["relus"] is None:
+            del described["relus"]
+        return described
 
     def span(self, total_steps: int) -> tuple[int, int]:
         """The target's ``(start, end)`` as absolute steps of a run of ``total_steps``."""
@@ -298,7 +317,7 @@ class Target(Schedule):
         return 1.0 if step <= end else self.hold
 
     def wanted(self, step: int, total_steps: int, initial: float) -> float | None:
-        """Wanted value at ``step`` (nonlinear fraction, or cost ratio) given ``initial`` at ``start``.
+        """Wanted value at ``step`` (nonlinear fraction, cost ratio or ReLU count) given ``initial`` at ``start``.
 
         ``None`` before ``start`` (no projection yet).
         """
@@ -347,17 +366,21 @@ def target(
     *,
     flops: float | None = None,
     latency: float | None = None,
+    relus: float | None = None,
 ) -> Target:
     """Reach the nonlinear ``fraction`` (in (0, 1]) by ``end`` along a cubic path, then hold it; or,
     with ``flops=`` / ``latency=`` instead, the folded model's cost as a fraction of the original
-    model's, folded (every slope 0; needs ``Sparsifier(granularity="site" | "block", example_inputs=...)``).
+    model's, folded (every slope 0; needs ``Sparsifier(granularity="site" | "block", example_inputs=...)``);
+    or, with ``relus=`` instead, at most that many nonlinear ReLUs (activation elements) per sample: a
+    channel counts its elements per sample (``H * W`` of a conv map, a sequence length; needs
+    ``Sparsifier(example_inputs=...)`` unless every unit is element-level), an element unit's position 1.
 
     Example:
-        >>> target(0.1).goal, target(flops=0.6, end=0.9).cost
-        (0.1, 'flops')
+        >>> target(0.1).goal, target(flops=0.6, end=0.9).cost, target(relus=50_000).relus
+        (0.1, 'flops', 50000)
     """
     return Target(fraction=fraction, start=start, end=end, lam=lam, power=power, hold=hold, flops=flops,
-                  latency=latency)
+                  latency=latency, relus=relus)
 
 
 @dataclass

@@ -606,6 +606,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "on the CPU: training steps of ResNet-20 and MobileNet-V2 about 1.4-1.5x); a run resumes "
                         "only with the flag it started with")
     common.add_linearize_args(p)
+    p.add_argument("--target-relus", "--target_relus", dest="target_relus", type=float, default=None, metavar="N",
+                   help="instead of --target: at most N nonlinear ReLUs per image (activation elements, as SNL and "
+                        "AutoReP count them: linearize.schedules.target(relus=N))")
     common.add_run_args(p)
     first = argparse.ArgumentParser(add_help=False)
     first.add_argument("--arch")
@@ -613,7 +616,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.set_defaults(**airbench.DEFAULTS)
     args = p.parse_args(argv)
     common.check_run_args(args)
+    if args.target_relus is not None:  # before check_linearize_args, which fills in --target 0.1
+        other = next((k for k in ("target", "target_flops", "target_latency") if getattr(args, k) is not None), None)
+        if other:
+            p.error(f"give one target: --target-relus or {common.flag(other)}, not both")
+        if not 0 < args.target_relus < math.inf:
+            p.error(f"--target-relus is a number of ReLUs per image, a positive finite number, got {args.target_relus}")
+        if args.linearize != "prelu" or args.schedule == "none":
+            p.error("--target-relus steers the sparsity pressure, which --linearize none / dgn / dlgn and --schedule "
+                    "none turn off: drop it, or use --linearize prelu with a schedule")
     common.check_linearize_args(args)
+    if args.target_relus is not None:
+        args.target = None
     for name in ("subset", "eval_subset", "batch_size", "eval_batch_size", "image_size"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             p.error(f"{common.flag(name)} must be >= 1")
@@ -740,9 +754,11 @@ def main(argv: list[str] | None = None) -> dict:
     sparsifier = None
     if args.linearize == "prelu" and args.schedule != "none":  # after every optimizer step: slopes towards 1
         schedule = linearize.schedules.target(args.target, start=common.schedule_start(args, total_steps),
-                                              end=args.ramp_end, flops=args.target_flops, latency=args.target_latency)
-        # a cost target folds copies of the model to price its sites: on one test image, the batch-1 latency
-        priced = args.target_flops is not None or args.target_latency is not None
+                                              end=args.ramp_end, flops=args.target_flops, latency=args.target_latency,
+                                              relus=args.target_relus)
+        # a cost target folds copies of the model to price its sites: on one test image, the batch-1 latency;
+        # a ReLU target counts the elements of each map on it
+        priced = args.target_flops is not None or args.target_latency is not None or args.target_relus is not None
         image = normalize(test["x"][:1], mean, std) if priced else None
         sparsifier = linearize.Sparsifier(model, schedule, total_steps, lam=args.lam, rate=args.rate,
                                           select=args.select, linear_end=args.linear_end,
@@ -784,7 +800,9 @@ def main(argv: list[str] | None = None) -> dict:
         if sparsifier is not None:
             sparsifier.save_history(history)
         probe = normalize(test["x"][:64].to(accelerator.device), mean, std)
-        if linearize.units(raw):
+        if linearize.units(raw):  # ReLUs per image (activation elements), as the private-inference papers count
+            relus = linearize.measures.count_relus(raw, probe[:1], tol=args.tol)
+            metrics.update(relus_total=relus["total"], relus_nonlinear=relus["nonlinear"])
             try:
                 metrics["average_path_length"] = float(linearize.measures.average_path_length(raw, probe,
                                                                                               normalized=True))

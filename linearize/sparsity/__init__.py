@@ -15,6 +15,8 @@ module              what it holds
                     glide down outside a cost plan
 ``planning``        the cost planner of ``target(flops=...)`` / ``target(latency=...)`` and its saved part;
                     the only module here that folds (imports :func:`linearize.fold`)
+``relus``           the ReLU budget of ``target(relus=N)``: elements per sample of every channel (one forward
+                    on ``example_inputs``), how many ranked channels go linear, its saved part
 ``weights``         cost weights and groups: :func:`flops_weights`, :func:`latency_weights`,
                     :func:`site_groups`, :func:`param_groups`
 ``state``           the checks of a saved state's common keys (each part checks its own)

@@ -118,6 +118,17 @@ groups outside the plan glide to 0), and holds it from ``end`` on. Planning fold
 ``O(groups^2)`` times (once); a budget below the cost with every group linear, a cost target with
 ``granularity="channel"`` or without ``example_inputs`` are refused with the fix.
 
+**ReLU targets** (``target(relus=N)``) steer the nonlinear *activation elements per sample* instead, the count
+the private-inference literature reports (SNL, AutoReP: "ReLUs per image"; :func:`linearize.measures.count_relus`):
+a channel of a channel-level unit counts its elements per sample (``H * W`` of a conv map, the sequence length
+of a transformer), read from one forward on ``example_inputs`` (needed unless every unit is element-level,
+``convert(granularity="element")``, where each position counts 1). The path runs in ReLUs from the count at
+``start`` to ``N``; at each step the usual ranking (``select``) is walked from the top and its shortest prefix
+whose ReLUs, made linear, leave at most the path's value nonlinear goes linear (rounded up to whole groups with
+``granularity="site"`` / ``"block"``). From ``end`` on at most ``N`` ReLUs stay nonlinear, within the ReLUs of
+one channel (one group) of ``N``; on element units ``relus=N`` is ``fraction=N / total``. A goal above the
+model's ReLUs is refused; the history records ``nonlinear_relus``.
+
 Three added lines in a plain loop::
 
     sparsifier = linearize.Sparsifier(model, linearize.schedules.target(0.10, end=0.8), total_steps)
@@ -144,6 +155,7 @@ from ..unit import (LinearizableActivation, check_finite_slopes, count_channels,
                     require_units)
 from .planning import CostPlanner, check_cost_arguments, check_plan, no_plan
 from .projection import by_group, glide, glide_down, glide_steps, max_step, rank
+from .relus import ReluBudget
 from .selection import SELECT, selection
 from .state import check_state_values
 from .weights import site_groups, unit_weights
@@ -217,8 +229,8 @@ class Sparsifier:
             linear channels; channels at 1 beyond it are set back to ``1 - release``.
         log_every: record the per-site fractions every this many steps (default: about 500
             records per run).
-        example_inputs: inputs for ``weights="flops"`` / ``"latency"`` and for a cost target (one
-            small batch shaped like the real inputs).
+        example_inputs: inputs for ``weights="flops"`` / ``"latency"``, for a cost target and for a ReLU
+            target (one small batch shaped like the real inputs; a ReLU target counts per sample of its shape).
         granularity: ``"channel"`` (each channel on its own) or ``"site"``: the push is a group
             proximal step per unit (group lasso: the channels of a call site move together and
             become exactly linear together), and a target makes whole sites linear (the cheapest
@@ -323,6 +335,9 @@ class Sparsifier:
         self.log_every = max(1, total_steps // 500) if log_every is None else check_positive_int(log_every, "log_every")
         self.optimizer = torch_optimizer(optimizer) if optimizer is not None else None
         self._weights = unit_weights(model, self._units, weights, example_inputs)
+        # a ReLU target: the elements per sample of every channel (one forward on example_inputs)
+        self.relus = None if schedule.relus is None else ReluBudget(model, self._units, example_inputs,
+                                                                     schedule.relus)
         self.step_count = 0
         self.initial_fraction: float | None = None  # measured at a target's start (a cost target: the cost ratio)
         self._selected: torch.Tensor | None = None  # bool [C], channels the target glides to 1
@@ -556,13 +571,16 @@ class Sparsifier:
             if self.initial_fraction is None and self.step_count >= start:
                 if self.planner is not None:  # a cost target: plan which groups go linear, from the cost now
                     self.initial_fraction = self.planner.make_plan(before, self.importance)
+                elif self.relus is not None:  # a ReLU target: the nonlinear share of the ReLUs
+                    self.initial_fraction = self.relus.nonlinear(torch.cat(self._linear_masks())) / self.relus.total
                 else:
                     self.initial_fraction = self._fraction("Sparsifier target start")
             if self.initial_fraction is not None:
                 self.importance.warn_if_blind()
-                wanted = self.schedule.wanted(self.step_count, self.total_steps, self.initial_fraction)
-                ahead = self.schedule.wanted(self.step_count + self.glide_steps(), self.total_steps,
-                                             self.initial_fraction)
+                # the path's start in the goal's units (a ReLU target's: ReLUs)
+                initial = self.initial_fraction * (1 if self.relus is None else self.relus.total)
+                wanted = self.schedule.wanted(self.step_count, self.total_steps, initial)
+                ahead = self.schedule.wanted(self.step_count + self.glide_steps(), self.total_steps, initial)
                 self._project_budget(ahead, before)
                 if self.planner is None and (self.step_count == start or self.step_count % self.log_every == 0):
                     self._check_reachable()
@@ -577,7 +595,14 @@ class Sparsifier:
         self._versions = self._slope_versions()
 
     def _check_reachable(self) -> None:
-        """Warn (once) when channels frozen nonlinear (slope 0) keep a fraction target out of reach."""
+        """Warn (once) when channels frozen nonlinear (slope 0) keep a fraction or ReLU target out of reach."""
+        if self.relus is not None:
+            floor = self.relus.floor(torch.cat([u.frozen for _, u in self._units]))
+            if floor > self.relus.goal:
+                self._warn_once(f"target relus={self.relus.goal} cannot be reached: channels frozen nonlinear (slope "
+                                f"0) hold {floor} of the {self.relus.total} ReLUs per sample; unfreeze them "
+                                "(unit.frozen.fill_(float('nan'))) or set a target at or above the floor")
+            return
         total = sum(u.num_channels for _, u in self._units)
         frozen = sum(int((u.frozen == 0).sum()) for _, u in self._units)
         if frozen / total > self.schedule.fraction + 0.5 / total:
@@ -639,19 +664,20 @@ class Sparsifier:
             write_full(unit.slope, torch.where(free, 1.0 - gap * shrink, a.double()).to(a.dtype))
 
     def _project_budget(self, wanted: float, before: torch.Tensor) -> None:
-        """Glide the selected channels to 1 so that ``round(wanted * C)`` stay nonlinear, or for a cost
-        target the groups of the shortest plan prefix whose folded cost is within ``wanted`` (module docs;
-        the glide itself: :mod:`linearize.sparsity.projection`).
+        """Glide the selected channels to 1 so that ``round(wanted * C)`` stay nonlinear (a ReLU target: at most
+        ``wanted`` ReLUs, :meth:`ReluBudget.linear_needed <linearize.sparsity.relus.ReluBudget.linear_needed>`), or
+        for a cost target the groups of the shortest plan prefix whose folded cost is within ``wanted`` (module
+        docs; the glide itself: :mod:`linearize.sparsity.projection`).
 
-        ``wanted``: the path's value ``G`` steps ahead; ``before``: the slopes before the
-        proximal step (a slope rises by at most :attr:`max_step` from there).
+        ``wanted``: the path's value ``G`` steps ahead (a ReLU target's: nonlinear ReLUs); ``before``: the slopes
+        before the proximal step (a slope rises by at most :attr:`max_step` from there).
         """
         slopes = torch.cat([full_value(u.slope.detach()).float() for _, u in self._units])
         frozen = torch.cat([u.frozen for _, u in self._units]).to(slopes.device)
         before = before.to(slopes.device)
         free = torch.isnan(frozen)
         total = slopes.numel()
-        k = total - int(round(wanted * total))  # linear channels wanted
+        k = total - int(round(wanted * total))  # linear channels a fraction target wants
         k_free = min(max(k - int((frozen == 1).sum()), 0), int(free.sum()))
         linear = torch.cat(self._linear_masks()).to(slopes.device)
         selected = (self._selected.to(slopes.device) if self._selected is not None else linear) & free
@@ -664,6 +690,12 @@ class Sparsifier:
         else:  # rank the free channels (stable sorts, the last key first) by the selection's keys
             hold = self._selected is not None and self.step_count >= end  # reached: hold the selection
             ranked = rank(ranked, self.importance.keys(slopes, linear, selected, hold))
+            if self.relus is not None:  # the shortest ranked prefix that leaves at most `wanted` ReLUs nonlinear
+                if self.granularity != "channel":  # in the order of whole groups
+                    ranked, _ = by_group(ranked, 0, self._channel_group, len(self._groups))
+                k_free = self.relus.linear_needed(ranked, wanted, frozen)
+                if hold:  # the selection ranks first: keep all of it (a shorter prefix of it may meet the budget)
+                    k_free = max(k_free, int(selected[ranked].sum()))
             if self.granularity != "channel":
                 ranked, k_free = by_group(ranked, k_free, self._channel_group, len(self._groups))
         chosen, beyond = ranked[:k_free], ranked[k_free:]
@@ -734,11 +766,13 @@ class Sparsifier:
 
     def _record(self, lam_t: float, wanted: float | None) -> None:
         counts = self._counts("Sparsifier history")
+        relus = {} if self.relus is None else {"nonlinear_relus": self.relus.nonlinear(torch.cat(self._linear_masks()))}
         self.history.append(
             {
                 "step": self.step_count,
                 "lam": lam_t,
                 "nonlinear_fraction": counts["nonlinear"] / counts["total"],
+                **relus,  # a ReLU target: nonlinear ReLUs per sample ("wanted" is in ReLUs too)
                 "wanted": wanted,
                 "sites": {name: site["fraction"] for name, site in counts["sites"].items()},
             }
@@ -782,6 +816,7 @@ class Sparsifier:
             # slopes 0.5), plan, plan_start, plan_costs
             **(no_plan() if self.planner is None else self.planner.state_dict()),
             "weights": list(self._weights),  # measured ones (weights="latency") would differ on a new measure
+            "relu_positions": None if self.relus is None else list(self.relus.positions),  # a ReLU target's
             "sites": [[name, u.num_channels] for name, u in self._units],
             "total_steps": self.total_steps,
             "schedule": self.schedule.to_dict(),
@@ -826,6 +861,8 @@ class Sparsifier:
         if weights is not None and not finite_nonnegative(weights, len(self._units)):
             raise ValueError(f"state's weights must be {len(self._units)} finite numbers >= 0, one per unit")
         check_plan(state, len(self._groups))
+        if self.relus is not None:
+            self.relus.check_state(state)
         mine = self.schedule.to_dict()
         if state.get("schedule") is not None and mine is not None and state["schedule"] != mine:
             raise ValueError(f"state was saved with the schedule {state['schedule']!r:.200}, this Sparsifier has "
