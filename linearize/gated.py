@@ -74,6 +74,7 @@ from .injection import (
     wrap_function_attributes,
 )
 from .inputs import Batches, as_call, call_model, eval_mode, map_tensors, model_device
+from .module_stack import ModuleStack
 from .unit import LinearizableActivation, write_into
 
 __all__ = ["GATED_KINDS", "GaLU", "FeatureTap", "GatedNetwork", "convert_gated", "gate_statistics"]
@@ -327,43 +328,32 @@ class _NonlinearityAudit(TorchFunctionMode):
 
     def __init__(self, net: nn.Module) -> None:
         super().__init__()
-        self.names = {id(m): n for n, m in net.named_modules(remove_duplicate=False)}
-        self.stack: list[nn.Module] = []
+        self.running = ModuleStack(net, every_module=True, enter=self.enter)  # module calls made in forward too
         self.max_pools: list[str] = []
         self.events: list[tuple[str, str]] = []  # ("tap" | "nonlinear", where)
 
     def _where(self) -> str:
-        owner = next((m for m in reversed(self.stack) if id(m) in self.names), None)
-        return (self.names.get(id(owner)) or "<root>") if owner is not None else "<outside>"
+        owner = self.running.innermost_registered()
+        return (self.running.names.get(id(owner)) or "<root>") if owner is not None else "<outside>"
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if func in _MAX_POOL_FUNCTIONS:
             self.max_pools.append(f"{self._where()}: {getattr(func, '__name__', func)}")
-        elif activation_kind(func) is not None and not any(isinstance(m, FeatureTap) for m in self.stack) \
-                and not any(activation_kind(m) for m in self.stack):
+        elif activation_kind(func) is not None and not any(isinstance(m, FeatureTap) for m in self.running.stack) \
+                and not any(activation_kind(m) for m in self.running.stack):
             self.events.append(("nonlinear", f"{self._where()}: {getattr(func, '__name__', func)}"))
         return func(*args, **(kwargs or {}))
 
-    def pre_hook(self, module: nn.Module, args: tuple) -> None:
+    def enter(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        """A module call starts: a gate tap, or an activation module outside any other."""
         if isinstance(module, FeatureTap):
             self.events.append(("tap", module.site))
-        elif activation_kind(module) is not None and not any(activation_kind(m) for m in self.stack):
-            self.events.append(("nonlinear", f"{self.names.get(id(module), '?')} ({activation_kind(module)})"))
-        self.stack.append(module)
-
-    def hook(self, module: nn.Module, args: tuple, output: Any) -> None:
-        if self.stack and self.stack[-1] is module:
-            self.stack.pop()
+        elif activation_kind(module) is not None and not any(activation_kind(m) for m in self.running.stack):
+            self.events.append(("nonlinear", f"{self.running.names.get(id(module), '?')} ({activation_kind(module)})"))
 
     def run(self, net: nn.Module, inputs: Any) -> None:
-        pre = torch.nn.modules.module.register_module_forward_pre_hook(self.pre_hook)
-        post = torch.nn.modules.module.register_module_forward_hook(self.hook)
-        try:
-            with torch.no_grad(), self:
-                call_model(net, inputs)
-        finally:
-            pre.remove()
-            post.remove()
+        with self.running, torch.no_grad(), self:
+            call_model(net, inputs)
 
 
 def _audit_dlgn_feature(feature: nn.Module, inputs: Any) -> None:

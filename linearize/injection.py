@@ -51,6 +51,7 @@ from .dispatch import (
 )
 from .functional_sites import ATTR
 from .inputs import call_model, eval_mode
+from .module_stack import ModuleStack
 from .unit import LinearizableActivation
 
 __all__ = ["CallSites", "install_call_sites", "settle_placed_modules", "SiteInfo", "ConversionReport", "ActivationCall",
@@ -307,7 +308,7 @@ class _FunctionalRecorder(TorchFunctionMode):
                 self.probe.follow(args[0], out)
             elif func in _PRODUCTS:
                 self.probe.record_product(func, args, out)
-            elif func in OTHER_FUNCTIONS and not any(isinstance(m, _UNSUPPORTED) for m in self.probe.stack):
+            elif func in OTHER_FUNCTIONS and not any(isinstance(m, _UNSUPPORTED) for m in self.probe.running.stack):
                 self.probe.record_unsupported(func)
         return out
 
@@ -318,11 +319,12 @@ class _Probe:
     def __init__(
         self, model: nn.Module, candidates: set[int], activations: set[int], channel_dim: int | None
     ) -> None:
-        self.names = {id(m): n for n, m in model.named_modules(remove_duplicate=False)}
+        # the modules running (every module call: one made during forward too) and their names in the model
+        self.running = ModuleStack(model, every_module=True, enter=self.enter, leave=self.leave)
+        self.names = self.running.names
         self.candidates = candidates
         self.activations = activations  # candidates and excluded ones: their internals are not "functional"
         self.channel_dim = channel_dim
-        self.stack: list[nn.Module] = []
         self.invocations: Counter[int] = Counter()
         self.calls: dict[int, list[ActivationCall]] = defaultdict(list)
         self.functional: list[tuple[str, ActivationCall]] = []  # ("owner: fn", call) per functional activation call
@@ -335,17 +337,17 @@ class _Probe:
         self.threads: dict[str, int] = {}  # activation calls on threads the forward started (ThreadWatch)
 
     def inside_activation(self) -> bool:
-        return any(id(m) in self.activations for m in self.stack)
+        return any(id(m) in self.activations for m in self.running.stack)
 
     def _where(self, func: Callable) -> tuple[nn.Module | None, str]:
         """The innermost registered module now running and ``"<its name>: <func>"`` for reports."""
-        owner = next((m for m in reversed(self.stack) if id(m) in self.names), None)
+        owner = self.running.innermost_registered()
         where = self.names.get(id(owner), "") if owner is not None else ""
         return owner, f"{where or type(owner).__name__}: {getattr(func, '__name__', str(func))}"
 
     def record_functional(self, func: Callable, args: tuple, kwargs: dict, out: Any) -> None:
         owner, where = self._where(func)
-        inner = self.stack[-1] if self.stack else None
+        inner = self.running.stack[-1] if self.running.stack else None
         if inner is not None and id(inner) not in self.names:  # a module made in forward (HF's ACT2FN[...](x)):
             where = f"{where} (inside a {type(inner).__name__} made during forward, not a registered module)"
             owner = None  # its call hides the owner's calls from the owner's dispatch, so it stays as it is
@@ -406,11 +408,12 @@ class _Probe:
             elif call.kind in GATE_KINDS:
                 call.gate = f"{call.kind} output multiplies a {list(other.shape)} tensor (gate)"
 
-    def pre_hook(self, module: nn.Module, args: tuple) -> None:
+    def enter(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        """A module call starts (``self.running.stack[-1]`` is its caller)."""
         if id(module) in self.candidates:
             x = args[0] if args else None
             if isinstance(x, torch.Tensor):
-                caller = self.stack[-1] if self.stack else None
+                caller = self.running.stack[-1] if self.running.stack else None
                 where = f"activation {self.names.get(id(module), type(module).__name__)!r} (input shape {tuple(x.shape)})"
                 dim, sure = self._channel_dim(where, x)
                 call = ActivationCall(caller, tuple(x.shape), dim, activation_kind(module) or "")
@@ -421,11 +424,9 @@ class _Probe:
         elif self.unsure and next(module.children(), None) is None and (width := _in_width(module)) is not None:
             self._settle(width, args[0] if args else None)
         self.invocations[id(module)] += 1
-        self.stack.append(module)
 
-    def hook(self, module: nn.Module, args: tuple, output: Any) -> None:
-        if self.stack and self.stack[-1] is module:
-            self.stack.pop()
+    def leave(self, module: nn.Module, args: tuple, output: Any, _: None) -> None:
+        """A module call returned ``output``."""
         call = self.pending.pop(id(module), None)
         if call is not None:
             self._tag(output, call)
@@ -473,16 +474,11 @@ class _Probe:
         self.unsure = []
 
     def run(self, model: nn.Module, inputs: Any) -> None:
-        pre = torch.nn.modules.module.register_module_forward_pre_hook(self.pre_hook)
-        post = torch.nn.modules.module.register_module_forward_hook(self.hook)
-        try:
+        with self.running:
             with eval_mode(model), torch.no_grad(), _FunctionalRecorder(self), ThreadWatch(
                     [*FUNCTIONAL_SPECS, *OTHER_FUNCTIONS], self.activations) as watch:
                 call_model(model, inputs)
             self.threads = watch.calls
-        finally:
-            pre.remove()
-            post.remove()
 
 
 def _matches(name: str, patterns: list[str] | None) -> bool:

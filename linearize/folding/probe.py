@@ -16,6 +16,7 @@ from torch.nn.modules.dropout import _DropoutNd
 from torch.utils._pytree import tree_flatten
 
 from ..inputs import call_model
+from ..module_stack import ModuleStack
 from .flops import FlopCounter, counter_failure
 
 # ops that return their input unchanged when ``training`` is off (eval dropout)
@@ -113,10 +114,11 @@ class Probe:
 class _Recorder(FlopCounter):
     """Counts FLOPs and logs every tensor-producing (or in-place) op with the module running it."""
 
-    def __init__(self, probe: Probe) -> None:
+    def __init__(self, probe: Probe, model: nn.Module) -> None:
         super().__init__()
         self.probe = probe
-        self.stack: list[tuple[int, tuple[int, ...]]] = []  # running modules: (id, input value numbers)
+        # the running modules of ``model``, each call's input value numbers kept with it
+        self.running = ModuleStack(model, enter=self.enter, leave=self.leave)
         self._numbers: dict[int, int] = {}
         self._refs: dict[int, weakref.ref] = {}
         self._count = itertools.count(1)
@@ -145,20 +147,24 @@ class _Recorder(FlopCounter):
         position = _DROPOUT_OPS.get(func)
         transparent = position is not None and not kwargs.get("training", kwargs.get("train", (
             args[position] if len(args) > position else True)))
-        parent = self.stack[-1][0] if self.stack else None
-        self.probe.nodes.append(Node(parent, None, func, self.tensors((args, kwargs)), outputs, transparent))
+        self.probe.nodes.append(Node(self.parent(), None, func, self.tensors((args, kwargs)), outputs, transparent))
 
-    def pre_hook(self, m: nn.Module, args: tuple, kwargs: dict) -> None:
+    def parent(self) -> int | None:
+        """The id of the innermost module running (``None``: top level)."""
+        return id(self.running.stack[-1]) if self.running.stack else None
+
+    def enter(self, m: nn.Module, args: tuple, kwargs: dict) -> tuple[int, ...]:
+        """The value numbers of a module call's inputs."""
         with counter_failure(f"the call of {type(m).__name__}"):
-            self.stack.append((id(m), self.tensors((args, kwargs))))
+            return self.tensors((args, kwargs))
 
-    def hook(self, m: nn.Module, args: tuple, kwargs: dict, out: Any) -> None:
+    def leave(self, m: nn.Module, args: tuple, out: Any, inputs: tuple[int, ...]) -> None:
+        """A module call returned ``out``: record it."""
         with counter_failure(f"the return of {type(m).__name__}"):
-            self._record_call(m, args, out)
+            self._record_call(m, args, out, inputs)
 
-    def _record_call(self, m: nn.Module, args: tuple, out: Any) -> None:
+    def _record_call(self, m: nn.Module, args: tuple, out: Any, inputs: tuple[int, ...]) -> None:
         """Count ``m``'s call, record its shapes, callers and data-flow node."""
-        _, inputs = self.stack.pop()
         probe = self.probe
         probe.calls[id(m)] = probe.calls.get(id(m), 0) + 1
         if isinstance(out, torch.Tensor):
@@ -168,7 +174,7 @@ class _Recorder(FlopCounter):
         outputs = self.tensors(out)
         probe.returns[id(m)] = outputs
         transparent = type(m) is nn.Identity or (isinstance(m, _DropoutNd) and not m.training)
-        parent = self.stack[-1][0] if self.stack else None
+        parent = self.parent()
         probe.callers.setdefault(id(m), set()).add(parent)
         probe.nodes.append(Node(parent, m, None, inputs, outputs, transparent))
 
@@ -180,15 +186,7 @@ def run_counting(model: nn.Module, inputs: Any, probe: Probe | None = None) -> t
         with FlopCounter() as counter:
             out = call_model(model, inputs)
         return counter.total, out
-    recorder = _Recorder(probe)
-    handles = []
-    for m in model.modules():
-        handles.append(m.register_forward_pre_hook(recorder.pre_hook, with_kwargs=True))
-        handles.append(m.register_forward_hook(recorder.hook, with_kwargs=True))
-    try:
-        with recorder:
-            out = call_model(model, inputs)
-    finally:
-        for h in handles:
-            h.remove()
+    recorder = _Recorder(probe, model)
+    with recorder.running, recorder:
+        out = call_model(model, inputs)
     return recorder.total, out

@@ -71,6 +71,7 @@ from tqdm.auto import tqdm
 from ..activations import FUNCTIONAL_SPECS, activation_module, call_arg, in_place, negative_slope
 from ..checks import check_positive, check_positive_int
 from ..inputs import output_tensors
+from ..module_stack import ModuleStack
 
 __all__ = [
     "PartialResultWarning",
@@ -144,31 +145,17 @@ class _Tracer(TorchFunctionMode):
     def __init__(self, net: nn.Module, eps: float) -> None:
         super().__init__()
         self.net, self.eps = net, eps
-        self.stack: list[tuple[str, nn.Module]] = []
+        self.running = ModuleStack(net)  # for error messages
         self.step: torch.Tensor | None = None
         self.patterns: list[torch.Tensor] | None = None
         self.output_shape: tuple[int, ...] = ()
 
-    # -- module-name bookkeeping for error messages
-    def _hooks(self) -> list:
-        def enter(name: str, mod: nn.Module) -> None:
-            self.stack.append((name, mod))
-
-        def leave(*_: Any) -> None:
-            self.stack.pop()
-
-        handles = []
-        for name, mod in self.net.named_modules():
-            handles.append(mod.register_forward_pre_hook(lambda m, a, n=name: enter(n, m)))
-            handles.append(mod.register_forward_hook(leave, always_call=True))
-        return handles
-
     def _refuse(self, what: str) -> None:
-        name, mod = self.stack[-1] if self.stack else ("<top level>", self.net)
-        where = f"module '{name or '<root>'}' ({type(mod).__name__})"
-        if self.stack and len(self.stack) > 1 and self.stack[-2][0]:
-            parent = self.stack[-2]
-            where += f" inside '{parent[0]}' ({type(parent[1]).__name__})"
+        stack, names = self.running.stack, self.running.names
+        mod = stack[-1] if stack else self.net
+        where = f"module '{(names[id(mod)] or '<root>') if stack else '<top level>'}' ({type(mod).__name__})"
+        if len(stack) > 1 and names[id(stack[-2])]:
+            where += f" inside '{names[id(stack[-2])]}' ({type(stack[-2]).__name__})"
         raise ValueError(
             f"linear_regions needs a piecewise-linear network, but {what} is called in {where}. "
             "Supported: Linear, Conv, BatchNorm (eval), average pooling, flatten, adds, and "
@@ -259,19 +246,14 @@ class _Tracer(TorchFunctionMode):
     def run(self, x: torch.Tensor, direction: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Output value ``[B, K]``, derivative w.r.t. ``t`` ``[B, K]`` and next step ``[B]``."""
         self.step = torch.full((x.shape[0],), math.inf, dtype=x.dtype, device=x.device)
-        self.stack.clear()
-        handles, grad_mode = self._hooks(), torch.is_grad_enabled()
-        try:
-            # inference_mode turns forward AD off without a word (no tangents: 1 region); leave it here
-            # (grad mode as it was), with the caller's inference tensors copied into normal ones
-            with torch.inference_mode(False), torch.set_grad_enabled(grad_mode), fwAD.dual_level(), self:
-                x, direction = (t.clone() if t.is_inference() else t for t in (x, direction))
-                y = self.net(fwAD.make_dual(x, direction))
-                value, grad = fwAD.unpack_dual(_output_tensor(y))
-                self.output_shape = tuple(value.shape[1:])
-        finally:
-            for h in handles:
-                h.remove()
+        grad_mode = torch.is_grad_enabled()
+        # inference_mode turns forward AD off without a word (no tangents: 1 region); leave it here
+        # (grad mode as it was), with the caller's inference tensors copied into normal ones
+        with self.running, torch.inference_mode(False), torch.set_grad_enabled(grad_mode), fwAD.dual_level(), self:
+            x, direction = (t.clone() if t.is_inference() else t for t in (x, direction))
+            y = self.net(fwAD.make_dual(x, direction))
+            value, grad = fwAD.unpack_dual(_output_tensor(y))
+            self.output_shape = tuple(value.shape[1:])
         if grad is None:
             grad = torch.zeros_like(value)
         return value.reshape(x.shape[0], -1), grad.reshape(x.shape[0], -1), self.step
