@@ -10,7 +10,8 @@ of ``gelu(x)`` by ``alpha * x + beta`` changes it by its residual only.
   calibration data (float64 sufficient statistics), set as every unit's linear end;
 - :func:`one_shot`: choose, per unit, the channels whose replacement by their linear end changes the
   next layer's output least, and set them to ``a = 1`` (frozen there) with their fitted ends; then
-  fine-tune the model as usual.
+  fine-tune the model as usual. ``end="hybrid"`` chooses per FFN, at a FLOP budget, between linear
+  channels (affine ends, one ``d x d`` passthrough) and removed ones (constant ends, no passthrough).
 
 Only positions that are data count: when a batch is a mapping with an ``attention_mask`` ``[B, T]``
 and a unit's input is ``[B, T, C]`` (channels last), the padded positions (mask 0) are left out.
@@ -26,14 +27,14 @@ from typing import Any, Iterator, Mapping
 import torch
 from torch import nn
 
-from .folding.layers import CONVS, is_dense, is_hf_conv1d
+from .folding.layers import CONVS, dense_shape, dense_wb, is_dense, is_hf_conv1d, is_pointwise_conv
 from .inputs import Batches, call_model, eval_mode, hooks, model_device, num_rows
 from .checks import is_real
 from .unit import LinearizableActivation, require_units
 
-__all__ = ["fit_linear_ends", "one_shot", "LinearEndFit", "OneShotSite", "RunningFit"]
+__all__ = ["fit_linear_ends", "one_shot", "LinearEndFit", "OneShotSite", "FFNPlan", "RunningFit"]
 
-_ENDS = ("affine", "identity")
+_ENDS = ("affine", "identity", "hybrid")
 
 
 @dataclass
@@ -46,7 +47,9 @@ class LinearEndFit:
     ``identity_residual``: the mean square of ``act(x) - x`` (the error of the identity end);
     ``count``: the positions seen (a :class:`RunningFit`'s decayed, so effective, count);
     ``outgoing``: the squared norm of each channel's outgoing weights (the column of the layer the unit
-    feeds), ``None`` where :func:`fit_linear_ends` did not look for it.
+    feeds), ``None`` where :func:`fit_linear_ends` did not look for it;
+    ``mean``: the mean of ``act(x)`` (the best constant end, ``alpha = 0``: a removed channel);
+    ``variance``: the mean square of ``act(x) - mean`` (the error of that constant end).
     """
 
     alpha: torch.Tensor
@@ -55,6 +58,8 @@ class LinearEndFit:
     identity_residual: torch.Tensor
     count: float
     outgoing: torch.Tensor | None = None
+    mean: torch.Tensor | None = None
+    variance: torch.Tensor | None = None
 
 
 class _Stats:
@@ -88,7 +93,7 @@ class _Stats:
         beta = my - alpha * mx
         residual = torch.where(constant, cyy, (cyy - alpha * cxy)).clamp(min=0) / n
         identity = ((syy - 2 * sxy + sxx) / n).clamp(min=0)
-        return LinearEndFit(alpha, beta, residual, identity, n)
+        return LinearEndFit(alpha, beta, residual, identity, n, mean=my, variance=cyy / n)
 
 
 @dataclass
@@ -122,18 +127,35 @@ def _outgoing_norms(layer: nn.Module, unit: LinearizableActivation, ndim: int) -
     return None
 
 
+def _unit_rows(unit: LinearizableActivation, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor | None:
+    """A unit's input ``x`` as ``[positions, C]`` rows (padding left out where ``mask`` ``[B, T]`` fits a
+    channels-last ``[B, T, C]`` input; an element unit: a row per sample), or ``None`` when ``x`` does not fit
+    the unit (its own call raises the clear error)."""
+    dim = unit.channel_dim % x.ndim
+    if unit.granularity == "element":  # one "channel" per position of the map: a row per sample
+        return x.reshape(x.shape[0], -1) if x.numel() == x.shape[0] * unit.num_channels else None
+    if x.shape[dim] != unit.num_channels:
+        return None
+    if mask is not None and x.ndim == 3 and dim == 2 and tuple(x.shape[:2]) == tuple(mask.shape):
+        return x[mask.to(x.device).bool()]
+    return x.movedim(dim, -1).reshape(-1, x.shape[dim])
+
+
 class _Recorder:
     """Hooks that add every unit's input statistics to ``stats`` and, for the units named in ``consumers``,
-    record which layers (Linear, HF Conv1D, conv) take the unit's output as their input (``fed``).
-    ``mask``: the padding mask of the batch being run; ``outputs``: unit outputs of the batch, cleared per
-    batch (:meth:`clear`). ``training_only``: record only calls made in training mode."""
+    record which layers (Linear, HF Conv1D, conv) take the unit's output as their input (``fed``) and, with
+    ``producers``, which layers' output is the unit's input (``fed_by``).
+    ``mask``: the padding mask of the batch being run; ``outputs``: unit and layer outputs of the batch,
+    cleared per batch (:meth:`clear`). ``training_only``: record only calls made in training mode."""
 
     def __init__(self, model: nn.Module, named: list[tuple[str, LinearizableActivation]], consumers: set[str],
-                 training_only: bool = False) -> None:
+                 training_only: bool = False, producers: bool = False) -> None:
         self.stats = {name: _Stats() for name, _ in named}
         self.fed: dict[str, list[tuple[nn.Module, int]]] = {name: [] for name in consumers}
+        self.fed_by: dict[str, list[nn.Module]] = {name: [] for name in consumers}
         self.mask: torch.Tensor | None = None
         self.outputs: dict[int, tuple[str, torch.Tensor]] = {}
+        self.layer_outputs: dict[int, tuple[nn.Module, torch.Tensor]] = {}
         self.training_only = training_only
         # hooks are closures, not bound methods: a deep copy of the model (a teacher copied from the student)
         # shares them, and deep-copies a bound method's recorder with the tensors it holds
@@ -142,26 +164,32 @@ class _Recorder:
         if consumers:
             layers = [m for m in model.modules() if is_dense(m) or isinstance(m, CONVS)]
             self.layer_handles += [m.register_forward_pre_hook(self._layer_hook(m)) for m in layers]
+            if producers:
+                self.layer_handles += [m.register_forward_hook(self._layer_output_hook(m)) for m in layers]
+                self.layer_handles += [u.register_forward_pre_hook(self._producer_hook(n, u))
+                                       for n, u in named if n in consumers]
 
     def _stats_hook(self, name: str, unit: LinearizableActivation):
         def hook(mod, args):  # before the call: an in-place unit overwrites its input
             if mod is not unit or (self.training_only and not mod.training):  # a deep copy shares the hook
                 return
-            x = args[0].detach()
-            dim = unit.channel_dim % x.ndim
-            mask = self.mask
-            if unit.granularity == "element":  # one "channel" per position of the map: a row per sample
-                if x.numel() != x.shape[0] * unit.num_channels:  # the unit's own call raises the clear error
-                    return
-                rows = x.reshape(x.shape[0], -1)
-            elif x.shape[dim] != unit.num_channels:
-                return
-            elif mask is not None and x.ndim == 3 and dim == 2 and tuple(x.shape[:2]) == tuple(mask.shape):
-                rows = x[mask.to(x.device).bool()]
-            else:
-                rows = x.movedim(dim, -1).reshape(-1, x.shape[dim])
-            with torch.no_grad():
-                self.stats[name].add(rows, unit.activation(rows))
+            rows = _unit_rows(unit, args[0].detach(), self.mask)
+            if rows is not None:
+                with torch.no_grad():
+                    self.stats[name].add(rows, unit.activation(rows))
+        return hook
+
+    def _layer_output_hook(self, layer: nn.Module):
+        def hook(mod, args, out):
+            if mod is layer and isinstance(out, torch.Tensor):
+                self.layer_outputs[id(out)] = (layer, out)  # the tensor is held, so its id is not reused
+        return hook
+
+    def _producer_hook(self, name: str, unit: LinearizableActivation):
+        def hook(mod, args):
+            seen = self.layer_outputs.get(id(args[0])) if args and mod is unit else None
+            if seen is not None and seen[1] is args[0] and all(m is not seen[0] for m in self.fed_by[name]):
+                self.fed_by[name].append(seen[0])
         return hook
 
     def _output_hook(self, name: str, unit: LinearizableActivation):
@@ -179,12 +207,13 @@ class _Recorder:
 
     def clear(self) -> None:
         self.outputs.clear()
+        self.layer_outputs.clear()
 
     def stop_finding_layers(self) -> None:
         for h in self.layer_handles:
             h.remove()
         self.layer_handles = []
-        self.outputs.clear()
+        self.clear()
 
     def close(self) -> None:
         self.stop_finding_layers()
@@ -194,14 +223,26 @@ class _Recorder:
 
 
 @contextmanager
-def _recording(model: nn.Module, named: list[tuple[str, LinearizableActivation]], consumers: set[str]
-               ) -> Iterator[_Recorder]:
+def _recording(model: nn.Module, named: list[tuple[str, LinearizableActivation]], consumers: set[str],
+               producers: bool = False) -> Iterator[_Recorder]:
     """A :class:`_Recorder` for the block; its hooks are removed on exit, on an exception too."""
-    recorder = _Recorder(model, named, consumers)
+    recorder = _Recorder(model, named, consumers, producers=producers)
     try:
         yield recorder
     finally:
         recorder.close()
+
+
+def _run(model: nn.Module, data: Any, recorder: Any) -> None:
+    """Run ``data`` through ``model`` (eval mode, no grad) for a recorder's hooks: its ``mask`` is set to each
+    batch's ``attention_mask`` (``None`` without one), and ``clear()`` is called after each batch."""
+    with eval_mode(model), torch.no_grad():
+        for inputs in Batches.of(data).to(model_device(model)):
+            if not num_rows(inputs):
+                continue
+            recorder.mask = inputs.get("attention_mask") if isinstance(inputs, Mapping) else None
+            call_model(model, inputs)
+            recorder.clear()
 
 
 def _outgoing(unit: LinearizableActivation, layers: list[tuple[nn.Module, int]]) -> torch.Tensor | None:
@@ -211,22 +252,20 @@ def _outgoing(unit: LinearizableActivation, layers: list[tuple[nn.Module, int]])
 
 
 def _calibrate(model: nn.Module, data: Any, named: list[tuple[str, LinearizableActivation]],
-               consumers: set[str] = frozenset()) -> dict[str, LinearEndFit]:
+               consumers: set[str] = frozenset(), producers: bool = False) -> tuple[dict[str, LinearEndFit], _Recorder]:
     """:class:`LinearEndFit` per unit over ``data`` (eval mode, no grad), with the outgoing norms of the units
-    named in ``consumers`` (the layer their output feeds is found on the data)."""
-    batches = Batches.of(data)
-    with _recording(model, named, set(consumers)) as rec, eval_mode(model), torch.no_grad():
-        for inputs in batches.to(model_device(model)):
-            if not num_rows(inputs):
-                continue
-            rec.mask = inputs.get("attention_mask") if isinstance(inputs, Mapping) else None
-            call_model(model, inputs)
-            rec.clear()
+    named in ``consumers`` (the layer their output feeds is found on the data), and the (closed) recorder,
+    whose ``fed`` / ``fed_by`` (with ``producers``) name the layers around those units. With ``producers``, a
+    consumer without outgoing norms keeps ``outgoing=None`` (the caller raises)."""
+    with _recording(model, named, set(consumers), producers) as rec:
+        _run(model, data, rec)
     fits = {name: rec.stats[name].fit(name) for name, _ in named}
     for name, unit in named:
         if name in consumers:
             layers = rec.fed[name]
             norms = _outgoing(unit, layers)
+            if norms is None and producers:  # an FFN's unit is checked by the caller (_ffn_layers), with its fix
+                continue
             if norms is None:
                 what = (f"feeds {len(layers)} layers ({', '.join(type(m).__name__ for m, _ in layers)})"
                         if len(layers) > 1 else f"feeds {type(layers[0][0]).__name__}, whose input channels are not "
@@ -237,7 +276,7 @@ def _calibrate(model: nn.Module, data: Any, named: list[tuple[str, LinearizableA
                     f"known. Fix: pass outgoing={{{name!r}: <[{unit.num_channels}] squared norms of each channel's "
                     "outgoing weights>}, or leave the unit out (units=[...])")
             fits[name].outgoing = norms.cpu()
-    return fits
+    return fits, rec
 
 
 def _selected(model: nn.Module, units: Any, what: str) -> list[tuple[str, LinearizableActivation]]:
@@ -279,7 +318,7 @@ def fit_linear_ends(model: nn.Module, data: Any, units: list[str] | None = None)
         True
     """
     named = _selected(model, units, "fit_linear_ends")
-    fits = _calibrate(model, data, named)
+    fits, _ = _calibrate(model, data, named)
     for name, unit in named:
         unit.set_linear_end(fits[name].alpha, fits[name].beta)
     return fits
@@ -391,28 +430,69 @@ class RunningFit:
 
 
 @dataclass
+class FFNPlan:
+    """What ``one_shot(end="hybrid")`` chose for one FFN (the unit between two dense / 1x1 conv layers).
+
+    ``mode``: ``"linear"`` (the linear channels keep their affine ends and, folded, share one ``d_in x d_out``
+    passthrough) or ``"removed"`` (the linear channels are constants, ``alpha = 0``: folded, the FFN is just
+    narrower); ``flops``, ``flops_full``: FLOPs per position of the folded FFN and of the dense one (2 per
+    multiply-add, as :func:`~linearize.count_flops`): ``2 (d_in n + n d_out)``, plus ``2 d_in d_out`` in
+    ``"linear"`` mode, against ``2 (d_in m + m d_out)``; ``errors``: each mode's measured calibration error
+    (the mean over positions of the squared change of the second layer's output when that mode's channels
+    all compute their ends, the others unchanged; ``None`` for ``"linear"`` where its passthrough alone is
+    over the budget); ``d_in``, ``d_out``: the FFN's input and output widths.
+    """
+
+    mode: str
+    flops: int
+    flops_full: int
+    errors: dict[str, float | None]
+    d_in: int
+    d_out: int
+
+
+@dataclass
 class OneShotSite:
     """What :func:`one_shot` did to one unit: ``linear`` (bool ``[C]``, the channels set to ``a = 1``),
-    ``score`` (float64 ``[C]``, each channel's predicted output error, see :func:`one_shot`) and ``fit``."""
+    ``score`` (float64 ``[C]``, each channel's predicted output error, see :func:`one_shot`), ``fit`` and,
+    for ``end="hybrid"``, the FFN's ``plan`` (:class:`FFNPlan`)."""
 
     linear: torch.Tensor
     score: torch.Tensor
     fit: LinearEndFit
+    plan: FFNPlan | None = None
 
     @property
     def nonlinear(self) -> int:
         return int((~self.linear).sum())
 
 
+def _linear_channels(score: torch.Tensor, keep: int) -> torch.Tensor:
+    """Bool ``[C]``: every channel but the ``keep`` highest-scored (equal scores keep the lower index first)."""
+    linear = torch.ones(score.numel(), dtype=torch.bool)
+    linear[torch.sort(score, descending=True, stable=True).indices[:keep]] = False
+    return linear
+
+
+def _set_linear(unit: LinearizableActivation, linear: torch.Tensor, freeze: bool) -> None:
+    """Put channels ``linear`` at ``a = 1`` (frozen there with ``freeze``)."""
+    mask = linear.to(unit.slope.device)
+    if freeze:
+        unit.freeze_(mask, 1.0)
+    else:
+        unit.slope[mask] = 1.0
+
+
 @torch.no_grad()
 def one_shot(
     model: nn.Module,
     data: Any,
-    target: float = 0.25,
+    target: float | None = None,
     end: str = "affine",
     units: list[str] | None = None,
     outgoing: Mapping[str, torch.Tensor] | None = None,
     freeze: bool = True,
+    flops: float | None = None,
 ) -> dict[str, OneShotSite]:
     """Linearize a converted model in one step from calibration data: per unit, keep the ``target``
     fraction of channels whose replacement would change the model most, and set the rest to ``a = 1``.
@@ -433,17 +513,32 @@ def one_shot(
     the model's output; a per-unit fraction also gives every FFN the same width, as the FLOP count of a
     fraction assumes. The nonlinear channels keep their slopes (0 after ``convert``).
 
+    ``end="hybrid"`` takes a FLOP budget instead of ``target``: every unit must sit in an FFN (its input
+    the output of one Linear / HF Conv1D / 1x1 conv, its output the input of one more), and each FFN gets at
+    most ``flops`` times its FLOPs once folded (:func:`linearize.fold`). A folded FFN costs ``d_in n + n d_out``
+    multiply-adds per position for ``n`` nonlinear channels, plus ``d_in d_out`` for the passthrough that its
+    linear channels share, unless every linear channel is a constant (``alpha = 0``). So per FFN there are two
+    plans: **linear** (pay the passthrough; the fewest nonlinear channels, the others at their affine fit,
+    scored as ``end="affine"``) and **removed** (no passthrough; the most nonlinear channels, the others at
+    their mean ``alpha = 0, beta = E[act(x)]``, scored by ``Var[act(x_c)] * ||W[:, c]||^2``). A second pass over
+    ``data`` measures each plan's error, the mean squared change of the FFN's output with all of its channels
+    replaced together, and the FFN takes the lower (the removed plan on a tie). A removed FFN's ``alpha`` does
+    not train (``requires_grad=False``), so a fine-tune keeps its channels constants and its FLOPs; the plan is
+    in each site's ``plan`` (:class:`FFNPlan`).
+
     Args:
         model: a converted model (``linearize.convert``); changed in place.
         data: calibration data (the forms of :func:`fit_linear_ends`).
-        target: fraction of each unit's channels left nonlinear, in ``[0, 1]``.
-        end: ``"affine"`` (default) or ``"identity"``.
+        target: fraction of each unit's channels left nonlinear, in ``[0, 1]`` (default 0.25; not with
+            ``end="hybrid"``).
+        end: ``"affine"`` (default), ``"identity"`` or ``"hybrid"``.
         units: names of the units to linearize (default: all).
         outgoing: ``{unit name: [C] squared outgoing-weight norms}`` for units whose output does not feed
-            one Linear / Conv1D / conv layer directly (then they are not looked up).
+            one Linear / Conv1D / conv layer directly (then they are not looked up; not with ``"hybrid"``).
         freeze: freeze the linearized channels at ``a = 1`` (:meth:`~linearize.unit.LinearizableActivation.freeze_`),
             so that a fine-tune trains the weights and the linear ends but keeps the fraction; ``False``
             leaves the slopes free.
+        flops: with ``end="hybrid"`` only: the fraction of each FFN's FLOPs its folded form may cost, in ``[0, 1]``.
 
     Returns: ``{unit name: OneShotSite}``.
 
@@ -453,9 +548,27 @@ def one_shot(
         >>> sites = linearize.one_shot(net, torch.randn(256, 4), target=0.25)
         >>> sites["1"].nonlinear, linearize.nonlinear_fraction(net)
         (2, 0.25)
+        >>> plan = linearize.one_shot(net, torch.randn(256, 4), end="hybrid", flops=0.5)["1"].plan
+        >>> plan.mode in ("linear", "removed"), plan.flops <= 0.5 * plan.flops_full
+        (True, True)
     """
     if end not in _ENDS:
         raise ValueError(f"end must be one of {_ENDS}, got {end!r}")
+    if end == "hybrid":
+        if target is not None:
+            raise ValueError(f"one_shot(end='hybrid') takes a FLOP budget, flops=<fraction of each FFN's FLOPs>, "
+                             f"not target={target!r} (the budget sets each FFN's nonlinear channels)")
+        if outgoing is not None:
+            raise ValueError("one_shot(end='hybrid') measures each FFN's error through its second layer, found on the "
+                             "data: outgoing= is not used, leave it out")
+        if isinstance(flops, bool) or not isinstance(flops, (int, float)) or not 0.0 <= flops <= 1.0:
+            raise ValueError(f"flops must be a fraction in [0, 1] (of each FFN's FLOPs, its folded form's budget), "
+                             f"got {flops!r}")
+        return _hybrid(model, data, float(flops), _selected(model, units, "one_shot"), freeze)
+    if flops is not None:
+        raise ValueError(f"flops={flops!r} is the budget of end='hybrid'; end={end!r} takes target= (the fraction of "
+                         "each unit's channels kept nonlinear)")
+    target = 0.25 if target is None else target
     if isinstance(target, bool) or not isinstance(target, (int, float)) or not 0.0 <= target <= 1.0:
         raise ValueError(f"target must be a fraction in [0, 1] (of each unit's channels kept nonlinear), got {target!r}")
     named = _selected(model, units, "one_shot")
@@ -463,7 +576,7 @@ def one_shot(
     unknown = sorted(set(given) - {n for n, _ in named})
     if unknown:
         raise ValueError(f"one_shot: outgoing names {unknown[:3]}, which are not units being linearized")
-    fits = _calibrate(model, data, named, consumers={n for n, _ in named if n not in given})
+    fits, _ = _calibrate(model, data, named, consumers={n for n, _ in named if n not in given})
     result: dict[str, OneShotSite] = {}
     for name, unit in named:
         fit = fits[name]
@@ -476,16 +589,118 @@ def one_shot(
         residual = fit.residual if end == "affine" else fit.identity_residual
         score = residual * fit.outgoing
         keep = 0 if target == 0 else max(1, round(target * unit.num_channels))
-        linear = torch.ones(unit.num_channels, dtype=torch.bool)
-        # stable order: equal scores keep the lower channel index nonlinear first
-        order = torch.sort(score, descending=True, stable=True).indices
-        linear[order[:keep]] = False
+        linear = _linear_channels(score, keep)
         if end == "affine":
             unit.set_linear_end(fit.alpha, fit.beta)
-        mask = linear.to(unit.slope.device)
-        if freeze:
-            unit.freeze_(mask, 1.0)
-        else:
-            unit.slope[mask] = 1.0
+        _set_linear(unit, linear, freeze)
         result[name] = OneShotSite(linear, score, fit)
+    return result
+
+
+def _is_ffn_layer(m: nn.Module) -> bool:
+    return is_dense(m) or (type(m) is nn.Conv2d and is_pointwise_conv(m))
+
+
+def _ffn_layers(name: str, unit: LinearizableActivation, rec: _Recorder, fit: LinearEndFit
+                ) -> tuple[nn.Module, nn.Module]:
+    """The (first, second) layers of the FFN around ``unit``, found on the data, or a ``ValueError``."""
+    before, after = rec.fed_by[name], [m for m, _ in rec.fed[name]]
+    if len(before) == 1 and len(after) == 1 and _is_ffn_layer(before[0]) and _is_ffn_layer(after[0]) and \
+            is_dense(before[0]) == is_dense(after[0]) and fit.outgoing is not None and \
+            dense_shape(before[0])[0] == unit.num_channels == dense_shape(after[0])[1]:
+        return before[0], after[0]
+    names = lambda ms: ", ".join(type(m).__name__ for m in ms) or "no layer"  # noqa: E731
+    raise ValueError(
+        f"one_shot(end='hybrid'): unit {name!r} is not the middle of an FFN (one Linear / HF Conv1D / 1x1 Conv2d "
+        f"with {unit.num_channels} outputs into it, one with {unit.num_channels} inputs out of it, on the unit's "
+        f"channel axis): it "
+        f"is fed by {names(before)} and feeds {names(after)}, so its FLOPs are not an FFN's. Fix: leave it out "
+        "(units=[...]), or use end='affine' with target=")
+
+
+def _plans(d_in: int, channels: int, d_out: int, flops: float) -> dict[str, int]:
+    """``{mode: nonlinear channels}`` of the plans within ``flops`` of an FFN's multiply-adds (``"linear"``
+    only where its passthrough fits); a fraction's float rounding is forgiven (1e-9 of a channel)."""
+    budget = flops * (d_in + d_out) * channels
+    plans = {"removed": min(channels, math.floor(budget / (d_in + d_out) + 1e-9))}
+    linear = math.floor((budget - d_in * d_out) / (d_in + d_out) + 1e-9)
+    if linear >= 0:
+        plans["linear"] = min(channels, linear)
+    return plans
+
+
+def _ends(fit: LinearEndFit, mode: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(alpha, beta)`` of a mode's linear channels: the affine fit, or the constant mean (``alpha = 0``)."""
+    return (fit.alpha, fit.beta) if mode == "linear" else (torch.zeros_like(fit.mean), fit.mean)
+
+
+class _ModeErrors:
+    """Hooks summing, per unit and mode, the squared change of the second layer's output (float64) when the
+    mode's linear channels compute their ends and the others their activation, over the data's positions
+    (padding left out: ``mask``, set per batch by :func:`_run`)."""
+
+    def __init__(self, weights: dict[str, torch.Tensor],
+                 modes: dict[str, dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]]) -> None:
+        self.weights, self.modes = weights, modes  # weights: [d_out, C]; modes: {mode: (linear, alpha, beta)}
+        self.sums = {name: {mode: 0.0 for mode in by_mode} for name, by_mode in modes.items()}
+        self.count = {name: 0 for name in modes}
+        self.mask: torch.Tensor | None = None
+
+    def hook(self, name: str, unit: LinearizableActivation):
+        def pre(mod, args):
+            rows = _unit_rows(unit, args[0].detach(), self.mask) if mod is unit else None
+            if rows is None:
+                return
+            y = unit.activation(rows).double()
+            x = rows.double()
+            w = self.weights[name].to(x.device)
+            for mode, (linear, alpha, beta) in self.modes[name].items():
+                lin = linear.to(x.device)
+                change = (alpha.to(x.device)[lin] * x[:, lin] + beta.to(x.device)[lin] - y[:, lin]) @ w[:, lin].T
+                self.sums[name][mode] += float((change * change).sum())
+            self.count[name] += rows.shape[0]
+        return pre
+
+    def clear(self) -> None:
+        """Nothing is held across a batch (the sums are totals)."""
+
+    def errors(self) -> dict[str, dict[str, float]]:
+        return {name: {mode: total / max(self.count[name], 1) for mode, total in by_mode.items()}
+                for name, by_mode in self.sums.items()}
+
+
+def _hybrid(model: nn.Module, data: Any, flops: float, named: list[tuple[str, LinearizableActivation]],
+            freeze: bool) -> dict[str, OneShotSite]:
+    """``one_shot(end="hybrid")``: per FFN, the linear or the removed plan, whichever errs less on ``data``."""
+    fits, rec = _calibrate(model, data, named, consumers={n for n, _ in named}, producers=True)
+    weights, modes, scores, shapes = {}, {}, {}, {}
+    for name, unit in named:
+        fit = fits[name]
+        first, second = _ffn_layers(name, unit, rec, fit)
+        d_in, d_out = dense_shape(first)[1], dense_shape(second)[0]
+        shapes[name] = (d_in, d_out)
+        weights[name] = dense_wb(second)[0]
+        modes[name], scores[name] = {}, {}
+        for mode, keep in _plans(d_in, unit.num_channels, d_out, flops).items():
+            scores[name][mode] = (fit.residual if mode == "linear" else fit.variance) * fit.outgoing
+            modes[name][mode] = (_linear_channels(scores[name][mode], keep), *_ends(fit, mode))
+    measured = _ModeErrors(weights, modes)
+    with hooks() as handles:
+        handles += [unit.register_forward_pre_hook(measured.hook(name, unit)) for name, unit in named]
+        _run(model, data, measured)
+    errors = measured.errors()
+    result: dict[str, OneShotSite] = {}
+    for name, unit in named:
+        err = errors[name]
+        mode = "linear" if "linear" in err and err["linear"] < err["removed"] else "removed"
+        linear, alpha, beta = modes[name][mode]
+        unit.set_linear_end(alpha, beta)
+        unit.alpha.requires_grad_(mode == "linear")  # a removed FFN's constants stay constants in a fine-tune
+        _set_linear(unit, linear, freeze)
+        d_in, d_out = shapes[name]
+        n = int((~linear).sum())
+        plan = FFNPlan(mode, 2 * (n * (d_in + d_out) + (d_in * d_out if mode == "linear" else 0)),
+                       2 * unit.num_channels * (d_in + d_out), {"linear": err.get("linear"), "removed": err["removed"]},
+                       d_in, d_out)
+        result[name] = OneShotSite(linear, scores[name][mode], fits[name], plan)
     return result

@@ -9,12 +9,15 @@ The split: ``W2 act(W1 x + b1) + b2`` with ``k`` linear channels ``L`` out of ``
 one ``d x d_out`` linear path (:class:`LinearWithPassthrough` feeds ``x`` to it), and a fully
 linear FFN is one layer; applied where the objective improves. With affine linear ends
 ``alpha * h + beta`` the path is ``W2[:, L] diag(alpha_L) W1[L]`` and the bias gains
-``W2[:, L] (alpha_L b1[L] + beta_L)``.
+``W2[:, L] (alpha_L b1[L] + beta_L)``. When every linear channel is a constant (``alpha_L = 0``: removed
+channels) the path is zero and is not emitted: the FFN is narrowed to its ``n`` nonlinear channels
+(``2 * d * n`` multiply-adds per position for ``d_out = d``) and the constants go into the bias.
 """
 
 from __future__ import annotations
 
 import math
+import warnings
 
 import torch
 from torch import nn
@@ -82,11 +85,19 @@ def split_ffn(
     if k == 0:
         return None
     n = m - k
+    # a linear channel computes its linear end alpha * h + beta (the identity: 1, 0): alpha scales its
+    # column of the passthrough, beta goes into the bias (a removed channel, alpha = 0, is a constant)
+    alpha, beta = linear_end(unit, w1)
+    # the d x d_out path exists only if a linear channel's input row, through its end, is not exactly zero (a
+    # Sequential's ends may already sit in the rows of ``first``); a zero conv path is kept only for a constant
+    # conv FFN (n = 0: a 1x1 conv cannot have 0 channels)
+    passthrough = bool((alpha[lin, None] * w1[lin] != 0).any()) or (n == 0 and family == "conv")
+    path = d * d_out if passthrough else 0
     rows = math.prod(ctx.probe.out_shape.get(id(first), (1, m))) // m
     before = 2 * rows * (d * m + m * d_out)
-    after = 2 * rows * (d * d_out if n == 0 else d * n + (n + d) * d_out)
+    after = 2 * rows * (d * n + n * d_out + path)
     params_before = d * m + m * d_out + m + d_out
-    params_after = d * d_out + d_out if n == 0 else d * n + n + (n + d) * d_out + d_out
+    params_after = path + d_out if n == 0 else d * n + n + n * d_out + path + d_out
     if not ctx.better(Cost(after, 1 if n == 0 else 2, params_after), Cost(before, 2, params_before)):
         ctx.skipped(
             f"{k}/{m} linear channels not folded (FLOPs {before:,} -> {after:,} would not lower the {ctx.objective})",
@@ -94,17 +105,27 @@ def split_ffn(
         )
         return None
     b1 = b1 if b1 is not None else w1.new_zeros(m)
-    # a linear channel computes its linear end alpha * h + beta (the identity: 1, 0): alpha scales its
-    # column of the passthrough, beta goes into the bias (a removed channel, alpha = 0, is a constant)
-    alpha, beta = linear_end(unit, w1)
     w_lin = (w2[:, lin] * alpha[lin]) @ w1[lin]
     b_lin = w2[:, lin] @ (alpha[lin] * b1[lin] + beta[lin]) + (b2 if b2 is not None else 0.0)
     second_cls, first_cls = (nn.Linear, LinearWithPassthrough) if family == "dense" else (nn.Conv2d, ConvWithPassthrough)
     kind = f"Linear({d}, {d_out})" if family == "dense" else f"1x1 Conv2d({d}, {d_out})"
+    keep = ~lin
+    if not passthrough:  # removed channels only: a narrower FFN, no d x d_out path (n = 0: a constant, 0 FLOPs)
+        with warnings.catch_warnings():  # n = 0: torch warns that initializing its zero-element weights is a no-op
+            warnings.filterwarnings("ignore", "Initializing zero-element tensors", UserWarning)
+            new_first = make_linear(w1[keep], b1[keep], first, cls=second_cls)
+            new_second = make_linear(w2[:, keep], b_lin, second, cls=second_cls)
+        # the narrowed input keeps its rank and channel axis: the unit's channel_dim holds
+        new_unit = nn.Identity() if n == 0 else unit.plain_activation(a[keep], (alpha[keep], beta[keep]))
+        ctx.merged(
+            f"{k}/{m} linear channels are constants (alpha = 0), removed into the bias; FFN narrowed to {n} channels, "
+            f"no passthrough (FLOPs {before:,} -> {after:,})",
+            site,
+        )
+        return new_first, new_unit, new_second
     if n == 0:
         ctx.merged(f"fully linear FFN merged into one {kind} (FLOPs {before:,} -> {after:,})", site)
         return nn.Identity(), nn.Identity(), make_linear(w_lin, b_lin, second, cls=second_cls)
-    keep = ~lin
     new_first = make_linear(w1[keep], b1[keep], first, cls=first_cls)
     new_second = make_linear(torch.cat([w2[:, keep], w_lin], 1), b_lin, second, cls=second_cls)
     new_unit = unit.plain_activation(  # identity on the d
