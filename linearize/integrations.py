@@ -38,6 +38,7 @@ from transformers import TrainerCallback
 from transformers.trainer_callback import ExportableState
 
 from .distill import KINDS, distill_loss
+from .distributed import is_sharded
 from .sparsifier import Sparsifier, torch_optimizer
 from .unit import units
 
@@ -139,6 +140,10 @@ class LinearizeCallback(TrainerCallback, ExportableState):
         saved = self.sparsifier.state_dict() if self.sparsifier is not None else None
         return {"args": {}, "attributes": {"sparsifier_state": saved}}
 
+    def on_init_end(self, args, state, control, model=None, **kwargs):
+        if model is not None:  # before the Trainer wraps the model (DDP would fail on a sharded one)
+            _check_sharding(args, model, prepared=False)
+
     def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
         if self.teacher is not None:
             if model is not None:
@@ -160,6 +165,8 @@ class LinearizeCallback(TrainerCallback, ExportableState):
             raise ValueError(f"the Sparsifier given to LinearizeCallback has run {self.sparsifier.step_count} steps "
                              "already and this train() starts from step 0: pass schedule=... (a new Sparsifier per "
                              "run) or a fresh Sparsifier")
+        if model is not None:
+            _check_sharding(args, model, prepared=True)
         if optimizer is not None:
             self.sparsifier.optimizer = torch_optimizer(optimizer)
         elif self.sparsifier.optimizer is None:
@@ -236,6 +243,27 @@ class LinearizeCallback(TrainerCallback, ExportableState):
         # Trainer.log appended a copy of ``logs`` to the history just before calling us
         if state.log_history and state.log_history[-1].get("step") == state.global_step:
             state.log_history[-1].update(values)
+
+
+def _check_sharding(args, model: nn.Module, prepared: bool) -> None:
+    """Refuse (``ValueError``) a model sharded with ``fully_shard`` outside the Trainer, which the Trainer then
+    runs as unsharded processes (each with all the data, every one saving) or fails to wrap in DDP; once the
+    Trainer has ``prepared`` the model, warn when ``TrainingArguments(fsdp=...)`` asked for FSDP and the Trainer
+    did not shard: Accelerate shards only on accelerator devices, and on a CPU trains DDP instead (correct,
+    but every process holds the whole model)."""
+    sharded = any(is_sharded(u.slope) for _, u in units(model))
+    if sharded and not args.fsdp:
+        raise ValueError(
+            "the model given to the Trainer was sharded with fully_shard beforehand, which the Trainer does not "
+            "manage: it would run every process unsharded (all the data on each, every one saving). Fix: pass the "
+            "model unsharded with TrainingArguments(fsdp=True, fsdp_config={'fsdp_version': 2}) on GPUs (the "
+            "Trainer shards it), or train the sharded model in your own loop (docs/distributed.md)")
+    if prepared and args.fsdp and not sharded:
+        warnings.warn(
+            "linearize: TrainingArguments(fsdp=...) asks for FSDP but the Trainer did not shard the model: "
+            "Accelerate runs FSDP on GPUs (and other accelerators) only, and on a CPU trains DDP instead (every "
+            "process holds the whole model; the run is otherwise correct). To shard on a CPU, use fully_shard in "
+            "your own loop under torchrun (docs/distributed.md)", UserWarning, stacklevel=3)
 
 
 class LinearizeTrainerMixin:

@@ -12,7 +12,9 @@ linearize itself (convert, Sparsifier, freeze, fold, report) are in the recipes.
 - ``metrics.json`` writing (final metrics, unit counts, fold summary, command, versions, wall time).
 
 Everything here is plain Python around ``accelerate.Accelerator``; the recipes stay runnable with
-``python recipes/x.py`` (one process) and ``accelerate launch recipes/x.py`` (N processes).
+``python recipes/x.py`` (one process) and ``accelerate launch recipes/x.py`` (N processes); with
+``--fsdp`` (``recipes/wmt14.py``, ``recipes/distill.py``) :func:`shard` shards the model across the
+processes with FSDP2 and the checkpoints gather it onto the main process.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 import linearize
+from linearize import distributed as sharding
 from linearize._files import atomic_write, fsync_path
 
 if TYPE_CHECKING:
@@ -268,6 +271,13 @@ def _check_report_args(args: argparse.Namespace) -> None:
 # ----------------------------------------------------------------------------- accelerator
 
 
+def has_device() -> bool:
+    """Whether an accelerator device (CUDA, MPS, XPU) is present. Without one, ``Accelerator(cpu=False)`` under
+    torchrun gives N independent rank-0 processes (accelerate 1.x); ``cpu=True`` gives real DDP over gloo."""
+    return torch.cuda.is_available() or torch.backends.mps.is_available() or (
+        hasattr(torch, "xpu") and torch.xpu.is_available())
+
+
 def make_accelerator(args: argparse.Namespace, split_batches: bool) -> "Accelerator":
     """``Accelerator`` with TensorBoard under ``output_dir`` when ``--with_tracking``."""
     from accelerate import Accelerator
@@ -277,17 +287,98 @@ def make_accelerator(args: argparse.Namespace, split_batches: bool) -> "Accelera
     kwargs = {}
     if args.mixed_precision is not None:
         kwargs["mixed_precision"] = args.mixed_precision
-    # Without an accelerator device, Accelerator(cpu=False) under torchrun gives N independent
-    # rank-0 processes (accelerate 1.x); cpu=True gives real DDP over gloo.
-    has_device = torch.cuda.is_available() or torch.backends.mps.is_available() or (
-        hasattr(torch, "xpu") and torch.xpu.is_available())
     return Accelerator(
-        cpu=args.cpu or not has_device,
+        cpu=args.cpu or not has_device(),
         log_with="tensorboard" if args.with_tracking else None,
         project_config=ProjectConfiguration(project_dir=args.output_dir, logging_dir=str(Path(args.output_dir) / "logs")),
         dataloader_config=DataLoaderConfiguration(split_batches=split_batches),
         **kwargs,
     )
+
+
+# ----------------------------------------------------------------------------- FSDP2 (--fsdp)
+#
+# Accelerate 1.15 runs FSDP only on accelerator devices (on a CPU an FSDP config gives independent single
+# processes, or DDP with cpu=True), so under --fsdp the recipes shard the model themselves with
+# torch.distributed.fsdp.fully_shard and let the Accelerator (DDP type, gloo or NCCL) handle the processes,
+# the data and the optimizer only. Checkpoints hold the whole model and optimizer state, gathered onto the
+# main process; evaluation and the final saves use the whole model, gathered onto every process.
+
+FSDP_HELP = ("shard the model across the processes with FSDP2 (torch.distributed.fsdp.fully_shard: each block, "
+             "then the rest); launch with torchrun --nproc_per_node N (gloo on a CPU, NCCL on GPUs), "
+             "docs/distributed.md")
+
+
+def check_fsdp(accelerator: "Accelerator", args: argparse.Namespace) -> None:
+    """Refuse, with the fix, an Accelerate FSDP launch (``--use_fsdp`` or an FSDP config: on GPUs Accelerate
+    would shard the model itself, which the recipes' checkpoints do not read; on a CPU it silently trains DDP),
+    ``--fsdp`` on one process, and
+    ``--fsdp`` with ``--select fit`` or ``--linear-end affine`` (affine fits of every unit's inputs, kept
+    on the whole model: not on a sharded one)."""
+    if accelerator.distributed_type == "FSDP" or os.environ.get("ACCELERATE_USE_FSDP", "").lower() == "true":
+        raise ValueError("this run was launched with Accelerate's FSDP (accelerate launch --use_fsdp or an FSDP "
+                         "config), which the recipes do not use: launch with torchrun --nproc_per_node N (or "
+                         "accelerate launch --multi_gpu --num_processes N) and add --fsdp: the recipe then shards "
+                         "the model itself with fully_shard")
+    if args.fsdp and accelerator.num_processes < 2:
+        raise ValueError("--fsdp shards the model across processes, but this run has one process: launch it with "
+                         "torchrun --nproc_per_node N (N >= 2; gloo on a CPU, NCCL on GPUs), or drop --fsdp")
+    fits = [f for f, on in (("--select fit", getattr(args, "select", None) == "fit"),
+                            ("--linear-end affine", getattr(args, "linear_end", None) == "affine")) if on]
+    if args.fsdp and fits:
+        raise ValueError(f"{fits[0]} tracks affine fits of the units' inputs on the whole model, which --fsdp "
+                         "shards: drop --fsdp (DDP: the whole model on every process), or use --select saliency or slope "
+                         "with --linear-end identity")
+
+
+def shard(model: nn.Module, blocks: Iterable[nn.Module], device: torch.device) -> None:
+    """FSDP2 over all processes: ``fully_shard`` each of ``blocks`` (a group gathered for its forward), then
+    the root (embeddings, head, what is left). After :func:`linearize.convert`, before the optimizer."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh(device.type, (torch.distributed.get_world_size(),))
+    for block in blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+
+
+def is_sharded(model: nn.Module) -> bool:
+    """Whether ``model`` holds parameters sharded by FSDP2 (``--fsdp``)."""
+    return any(sharding.is_sharded(p) for p in model.parameters())
+
+
+def _state_dict_options(**kwargs):
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(full_state_dict=True, **kwargs)
+
+
+def gathered(model: nn.Module, build: Callable[[], nn.Module]) -> nn.Module:
+    """The whole of the sharded ``model`` on every process (a collective): ``build()`` makes the same model
+    unsharded (converted alike), which gets the gathered weights, units included, on ``model``'s device."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    state = get_model_state_dict(model, options=_state_dict_options())
+    plain = build().to(sharding.local(next(model.parameters())).device)
+    plain.load_state_dict(state)
+    return plain
+
+
+def prepare(accelerator: "Accelerator", model: nn.Module, *others: Any) -> tuple:
+    """``accelerator.prepare(model, *others)`` (the optimizer, data loaders); a model sharded by :func:`shard`
+    is returned as it is (preparing it would wrap it in DDP)."""
+    if not is_sharded(model):
+        return accelerator.prepare(model, *others)
+    prepared = accelerator.prepare(*others)
+    return (model, *(prepared if len(others) > 1 else (prepared,)))
+
+
+def blocks(model: nn.Module) -> list[nn.Module]:
+    """The blocks of a Hugging Face model to shard one by one: its modules of the classes its
+    ``_no_split_modules`` names (its layers), as Accelerate's ``TRANSFORMER_BASED_WRAP`` picks them."""
+    names = set(getattr(model, "_no_split_modules", None) or ())
+    return [m for m in model.modules() if m is not model and type(m).__name__ in names]
 
 
 def init_tracking(accelerator, args: argparse.Namespace, name: str) -> None:
@@ -492,7 +583,9 @@ def end_of_step(run: Run, watch: LossWatch, bar, loss: torch.Tensor, step: int, 
 #                      (recorded_args: a resume with others is refused), the LR scheduler's, sparsifier's
 #                      and grad scaler's state, and size + sha256 of the two files above.
 # Only the main process writes, into .tmp-step_XXXXXXXX-<pid> beside it, renamed into place when
-# complete; every process reads. No file of a checkpoint is unpickled with code execution.
+# complete; every process reads. No file of a checkpoint is unpickled with code execution. Under --fsdp
+# both states are gathered whole onto the main process (the optimizer's keyed by parameter names, so such a
+# checkpoint resumes only a --fsdp run: --fsdp is a recorded argument) and every process loads its shards.
 
 CHECKPOINT_FORMAT = 2
 # Arguments that do not change what a run computes (where it reads and writes, how it checkpoints and logs,
@@ -608,13 +701,23 @@ def file_sha256(path: Path) -> str:
 def save_checkpoint(run: Run, step: int) -> Path:
     """Write the checkpoint of ``step`` (main process; atomically) and prune old ones to
     ``--keep_checkpoints``. Raises ``FloatingPointError`` instead of writing non-finite tensors."""
-    from safetensors.torch import save_model
+    from safetensors.torch import save_file, save_model
 
     acc = run.accelerator
     path = checkpoint_dir(run.out_dir, step)
     raw = acc.unwrap_model(run.model)
-    optimizer_state = run.optimizer.state_dict()
-    bad = first_nonfinite(chain(raw.state_dict().items(), _optimizer_tensors(optimizer_state)))
+    if is_sharded(raw):  # --fsdp: the whole state gathered onto the main process ({} on the others)
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model_state, optimizer_state = get_state_dict(raw, run.optimizer.optimizer,
+                                                      options=_state_dict_options(cpu_offload=True))
+    else:
+        model_state, optimizer_state = raw.state_dict(), run.optimizer.state_dict()
+    bad = first_nonfinite(chain(model_state.items(), _optimizer_tensors(optimizer_state)))
+    if is_sharded(raw):  # the main process found it: every process stops
+        from accelerate.utils import broadcast_object_list
+
+        bad = broadcast_object_list([bad])[0]
     if bad is not None:
         raise FloatingPointError(f"{bad} holds inf or NaN after optimizer step {step}: not writing checkpoint "
                                  f"{path}. {NONFINITE_ADVICE}")
@@ -628,7 +731,10 @@ def save_checkpoint(run: Run, step: int) -> Path:
         tmp = path.parent / f"{TMP_PREFIX}{path.name}-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-        save_model(raw, str(tmp / MODEL_FILE))
+        if is_sharded(raw):
+            save_file(model_state, str(tmp / MODEL_FILE))
+        else:
+            save_model(raw, str(tmp / MODEL_FILE))
         torch.save(optimizer_state, tmp / OPTIMIZER_FILE)
         state["files"] = {}
         for name in (MODEL_FILE, OPTIMIZER_FILE):
@@ -875,8 +981,15 @@ def load_checkpoint(run: Run, ckpt: Checkpoint) -> None:
         raise ValueError(f"checkpoint {ckpt.path} belongs to a run with other settings: {'; '.join(changed)}; "
                          f"resume with the flags the run was started with ({STATE_FILE} records them), or start "
                          "a fresh --output_dir")
-    _load_model_state(run.accelerator.unwrap_model(run.model), ckpt.model, ckpt.path)
-    run.optimizer.load_state_dict(ckpt.optimizer)
+    raw = run.accelerator.unwrap_model(run.model)
+    if is_sharded(raw):  # --fsdp: every process takes its shards of the whole state
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        set_state_dict(raw, run.optimizer.optimizer, model_state_dict=ckpt.model, optim_state_dict=ckpt.optimizer,
+                       options=_state_dict_options())
+    else:
+        _load_model_state(raw, ckpt.model, ckpt.path)
+        run.optimizer.load_state_dict(ckpt.optimizer)
     run.scheduler.load_state_dict(ckpt.scheduler)
     if run.sparsifier is not None:
         run.sparsifier.load_state_dict(ckpt.sparsifier)

@@ -13,6 +13,9 @@ goes to ``--output-dir`` (no weights unless ``--save-model``)::
 
     python recipes/distill.py --model-dir <dir> --train-file train.jsonl.gz --eval-file test.jsonl.gz \\
         --text-field translation.en --target 0.25 --output-dir runs/distill_25
+
+Several processes (``accelerate launch --multi_gpu --num_processes N``, gloo on a CPU) split every batch;
+``--fsdp`` shards the student across them (FSDP2, docs/distributed.md).
 """
 
 from __future__ import annotations
@@ -31,6 +34,9 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
+
 import linearize  # noqa: E402
 from linearize.distill import KINDS, distill_loss, mean_pool  # noqa: E402
 from linearize.sparsifier import SELECT  # noqa: E402
@@ -81,7 +87,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "push: for Adam fine-tuning) or slope (pushed highest first)")
     p.add_argument("--kind", choices=KINDS, default="hidden", help="what the student matches")
     p.add_argument("--steps", type=int, default=1000, help="optimizer steps")
-    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--batch-size", type=int, default=16, help="texts per step, split evenly across the processes")
     p.add_argument("--max-length", type=int, default=64)
     p.add_argument("--lr", type=float, default=5e-4, help="AdamW peak learning rate (linear decay)")
     p.add_argument("--warmup", type=float, default=0.05, help="LR warm-up, fraction of --steps")
@@ -93,6 +99,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="also save the student to OUTPUT_DIR/model (weights, units, tokenizer; load it with "
                         "linearize.from_pretrained(AutoModel, dir))")
     p.add_argument("--log-every", type=int, default=50)
+    p.add_argument("--fsdp", action="store_true", help=common.FSDP_HELP)
     args = p.parse_args(argv)
     if not 0.0 < args.target <= 1.0:
         raise ValueError(f"--target must lie in (0, 1], got {args.target}")
@@ -125,28 +132,41 @@ def ffn_flops_per_token(model) -> int:
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     from accelerate import Accelerator
+    from accelerate.utils import DistributedDataParallelKwargs
     from transformers import AutoModel, AutoTokenizer, get_linear_schedule_with_warmup
 
     t0, cpu0 = time.time(), resource.getrusage(resource.RUSAGE_SELF)
     random.seed(args.seed)
     torch.manual_seed(args.seed)
-    accelerator = Accelerator()
+    # several CPU processes: gloo (DDP), not N runs; parameters outside the compared outputs (a pooler) get no
+    # gradient, which DDP must be told
+    accelerator = Accelerator(cpu=not common.has_device(),
+                              kwargs_handlers=[DistributedDataParallelKwargs(find_unused_parameters=True)])
+    common.check_fsdp(accelerator, args)
+    rank, world = accelerator.process_index, accelerator.num_processes
+    if args.batch_size % world:
+        raise ValueError(f"--batch-size {args.batch_size} must be a multiple of the {world} processes (each takes "
+                         "an equal part of every batch)")
     device = accelerator.device
     tokenizer = AutoTokenizer.from_pretrained(args.model_dir)
     teacher = AutoModel.from_pretrained(args.model_dir).eval().to(device)
     for p_ in teacher.parameters():
         p_.requires_grad_(False)
-    student = linearize.convert(copy.deepcopy(teacher), target_modules=FFN_PATTERNS)
-    for p_ in student.parameters():
-        p_.requires_grad_(True)
+
+    def build():  # the student before training: the teacher converted
+        return linearize.convert(copy.deepcopy(teacher), target_modules=FFN_PATTERNS).requires_grad_(True)
+
+    student = build()
     student.eval()  # no dropout: the student matches the deterministic teacher (loss 0 at step 0)
     channels = sum(u.num_channels for _, u in linearize.units(student))
+    if args.fsdp:  # FSDP2: each layer sharded across the processes, then the rest; the teacher stays whole
+        common.shard(student, common.blocks(student), device)
     train_texts = read_texts(args.train_file, args.text_field, args.max_train)
     eval_texts = read_texts(args.eval_file, args.text_field, args.max_eval)
 
     optimizer = torch.optim.AdamW(linearize.param_groups(student, weight_decay=args.weight_decay), lr=args.lr)
     scheduler = get_linear_schedule_with_warmup(optimizer, int(args.warmup * args.steps), args.steps)
-    student, optimizer = accelerator.prepare(student, optimizer)
+    student, optimizer = common.prepare(accelerator, student, optimizer)
     schedule = linearize.schedules.target(args.target, start=args.start, end=args.end)
     sparsifier = linearize.Sparsifier(accelerator.unwrap_model(student), schedule, args.steps,
                                       lam=args.lam, rate=args.rate, select=args.select).attach(optimizer)
@@ -158,7 +178,7 @@ def main(argv: list[str] | None = None) -> dict:
         if len(order) < args.batch_size:
             order += rng.sample(range(len(train_texts)), len(train_texts))
         idx, order = order[: args.batch_size], order[args.batch_size :]
-        batch = tokenizer([train_texts[i] for i in idx], padding=True, truncation=True,
+        batch = tokenizer([train_texts[i] for i in idx[rank::world]], padding=True, truncation=True,
                           max_length=args.max_length, return_tensors="pt").to(device)
         with torch.no_grad():
             t_out = teacher(**batch)
@@ -175,6 +195,8 @@ def main(argv: list[str] | None = None) -> dict:
             accelerator.print(json.dumps(rec))
 
     student = accelerator.unwrap_model(student)
+    if args.fsdp:  # evaluation, fold and the save need the whole student: gathered onto every process
+        student = common.gathered(student, build)
     train_minutes = (time.time() - t0) / 60
     te, se = embed(teacher, tokenizer, eval_texts, args, device), embed(student, tokenizer, eval_texts, args, device)
     cosine = (te * se).sum(-1).mean().item()
@@ -212,17 +234,20 @@ def main(argv: list[str] | None = None) -> dict:
         "minutes_wall": round((time.time() - t0) / 60, 2),
         "minutes_cpu": round((cpu1.ru_utime + cpu1.ru_stime - cpu0.ru_utime - cpu0.ru_stime) / 60, 2),
         "torch_threads": torch.get_num_threads(),
+        "num_processes": world,
         "log": log,
         "command": "python " + " ".join(sys.argv) if argv is None else "main(" + repr(argv) + ")",
         "args": vars(args),
     }
     out = Path(args.output_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "metrics.json").write_text(json.dumps(metrics, indent=2))
-    if args.save_model:  # the HF save carries the fine-tuned weights and the units (config.linearize)
-        student.save_pretrained(out / "model")
-        tokenizer.save_pretrained(out / "model")
+    if accelerator.is_main_process:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "metrics.json").write_text(json.dumps(metrics, indent=2))
+        if args.save_model:  # the HF save carries the fine-tuned weights and the units (config.linearize)
+            student.save_pretrained(out / "model")
+            tokenizer.save_pretrained(out / "model")
     accelerator.print(json.dumps({k: v for k, v in metrics.items() if k not in ("log", "args")}, indent=1))
+    accelerator.wait_for_everyone()
     return metrics
 
 

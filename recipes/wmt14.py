@@ -3,6 +3,7 @@
     python recipes/wmt14.py --train-file train.jsonl.gz --validation-file validation.jsonl.gz \\
         --test-file test.jsonl.gz --model-size small --output_dir runs/mt
     accelerate launch recipes/wmt14.py --dataset wmt14 --dataset-config de-en --model-size base ...
+    torchrun --nproc_per_node 8 recipes/wmt14.py --fsdp ...   # the model sharded (FSDP2, docs/distributed.md)
 
 The model is Transformer-base of Vaswani et al. (6+6 layers, d_model 512, 8 heads, FFN 2048,
 ReLU, shared embeddings, dropout 0.1, label smoothing 0.1, inverse-sqrt LR with warm-up) built
@@ -389,6 +390,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     m.add_argument("--clip-grad", "--clip_grad", dest="clip_grad", type=float, default=1.0)
     m.add_argument("--num-beams", "--num_beams", dest="num_beams", type=int, default=4)
     m.add_argument("--length-penalty", "--length_penalty", dest="length_penalty", type=float, default=0.6)
+    m.add_argument("--fsdp", action="store_true", help=common.FSDP_HELP)
     common.add_linearize_args(p, default_select=SELECT_DEFAULT)
     common.add_run_args(p)
     args = p.parse_args(argv)
@@ -432,6 +434,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     start_time = time.time()
     accelerator = common.make_accelerator(args, split_batches=False)
+    common.check_fsdp(accelerator, args)
     show = accelerator.is_local_main_process
     out_dir = Path(args.output_dir)
 
@@ -449,19 +452,25 @@ def main(argv: list[str] | None = None) -> dict:
         raise ValueError("no test or validation split to evaluate on: pass --test-file")
     eval_split = eval_splits[0]
 
+    def build() -> nn.Module:
+        model = build_model(args.model_size, len(tokenizer), max_positions=max(512, 2 * args.max_length + 16))
+        if args.linearize != "none":  # every activation becomes a unit with a learnable slope (or a gated split)
+            model = linearize.convert(model, mode=args.linearize, example_inputs=example_inputs())
+        return model
+
     torch.manual_seed(args.seed)
-    model = build_model(args.model_size, len(tokenizer), max_positions=max(512, 2 * args.max_length + 16))
-    if args.linearize != "none":  # every activation becomes a unit with a learnable slope (or a gated split)
-        model = linearize.convert(model, mode=args.linearize, example_inputs=example_inputs())
+    model = build()
     vocab_hash = hashlib.sha256(json.dumps(sorted(tokenizer.get_vocab().items())).encode()).hexdigest()[:8]
     fingerprint = f"{common.model_fingerprint(model)}-{vocab_hash}"
+    if args.fsdp:  # FSDP2: each encoder and decoder layer sharded across the processes, then the rest
+        common.shard(model, [*model.model.encoder.layers, *model.model.decoder.layers], accelerator.device)
 
     sampler = TokenBatchSampler([max(len(s), len(t)) for s, t in train], args.max_tokens, args.seed)
     train_loader = torch.utils.data.DataLoader(train, batch_sampler=sampler, collate_fn=collate)
     # no weight decay on slopes (it would pull them back towards the activation), biases and norms
     optimizer = torch.optim.AdamW(linearize.param_groups(model, weight_decay=args.weight_decay), lr=args.lr,
                                   betas=(0.9, 0.98), eps=1e-9)
-    model, optimizer, train_loader = accelerator.prepare(model, optimizer, train_loader)
+    model, optimizer, train_loader = common.prepare(accelerator, model, optimizer, train_loader)
     steps_per_epoch = len(train_loader)
     if steps_per_epoch == 0:
         raise ValueError(f"{len(train)} training pairs give no batch per process: lower the number of processes "
@@ -496,6 +505,8 @@ def main(argv: list[str] | None = None) -> dict:
                         clip_grad=args.clip_grad)
 
     raw = accelerator.unwrap_model(model)
+    if args.fsdp:  # evaluation and saves need the whole model: gathered onto every process
+        model = raw = common.gathered(raw, build)
     if args.freeze:  # linear channels (slope >= 1 - tol) set to exactly 1 and no longer trained
         linearize.freeze(raw, tol=args.tol)
     encoded = {s: encode(tokenizer, pairs[s], args.max_length) for s in eval_splits}
