@@ -23,6 +23,7 @@ LONGEST_FIRST = (
     "tests/test_docs.py",
     "tests/test_zoo.py",
     "tests/recipes/test_recipes.py",
+    "tests/recipes/test_recipes_fsdp.py",
     "tests/recipes/test_resume.py",
     "tests/test_fsdp.py",
     "tests/recipes/test_sweeps_resumes_and_loads.py",
