@@ -28,6 +28,7 @@ thread; its forward hook (always called, first of the owner's hooks) closes it. 
 
 from __future__ import annotations
 
+import functools
 import inspect
 import sys
 import threading
@@ -42,7 +43,7 @@ from torch.overrides import has_torch_function_variadic
 __all__ = ["Scope", "attach_owner", "detach_owner", "caller_scope", "called_from_hook",
            "compiled_submodules", "refuse_scripting", "unreachable_call", "checkpoint_error", "foreign_torch_function",
            "SITE_MODE", "FunctionalSiteError", "COMPILE_REASON", "fx_leaf_call", "fx_tracer", "refuse_fx_root",
-           "ThreadWatch", "THREAD_CALL"]
+           "ThreadWatch", "THREAD_CALL", "eager", "prime_eager"]
 
 _CALL_IMPL: CodeType = nn.Module._call_impl.__code__
 _FX_TRACE: CodeType = torch.fx.Tracer.trace.__code__
@@ -57,6 +58,39 @@ THREAD_CALL = (
     "forward's own thread, or through an activation module registered on the model (self.act = nn.ReLU())")
 _CHECKPOINT_FILE = torch.utils.checkpoint.__file__
 _FUNCTION_FORWARDS: dict[CodeType, bool] = {}  # code -> whether it is a custom autograd.Function's forward
+
+
+_EAGER: list[list] = []  # [function, its torch.compiler.disable'd version once made]
+
+
+def eager(fn: Callable) -> Callable:
+    """``fn`` run eagerly under ``torch.compile``: ``torch.compiler.disable(fn, reason=COMPILE_REASON)``, made by
+    :func:`prime_eager` (or at the first call) instead of at import, since importing ``torch._dynamo`` costs
+    about 2 s per process that a model without call-site dispatch never needs.
+
+    Example:
+        >>> double = eager(lambda x: 2 * x)
+        >>> double(torch.ones(1))
+        tensor([2.])
+    """
+    entry = [fn, None]
+    _EAGER.append(entry)
+
+    @functools.wraps(fn)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        if entry[1] is None:
+            prime_eager()
+        return entry[1](*args, **kwargs)
+
+    return run
+
+
+def prime_eager() -> None:
+    """Make the disabled version of every :func:`eager` function: called by whatever installs call-site
+    dispatch, so that under ``torch.compile`` every dispatch call is a disabled function already."""
+    for entry in _EAGER:
+        if entry[1] is None:
+            entry[1] = torch.compiler.disable(entry[0], reason=COMPILE_REASON)
 
 
 def _function_forward(frame: FrameType) -> bool:
@@ -248,7 +282,7 @@ def checkpoint_error(scope: Scope) -> FunctionalSiteError:
         "(the call is then left as it is and listed)")
 
 
-@torch.compiler.disable(reason=COMPILE_REASON)
+@eager
 def _open(owner: nn.Module, args: Any) -> None:
     scopes = _scopes()
     frame = _call_impl_frame(owner)
@@ -270,7 +304,7 @@ def _close(scope: Scope) -> None:
             end(scope)
 
 
-@torch.compiler.disable(reason=COMPILE_REASON)
+@eager
 def _shut(owner: nn.Module, args: Any, output: Any) -> None:
     """Close this forward's scope; its sites check their calls unless the forward raised."""
     scopes = _scopes()
@@ -294,6 +328,7 @@ def attach_owner(owner: nn.Module) -> None:
     """
     if _MARK in owner.__dict__:  # attached already (the mark survives copy.deepcopy)
         return
+    prime_eager()
     handles = (owner.register_forward_pre_hook(_open, prepend=True),
                owner.register_forward_hook(_shut, prepend=True, always_call=True))
     owner.__dict__[_MARK] = tuple(h.id for h in handles)

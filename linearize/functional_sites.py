@@ -29,8 +29,8 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from .activations import FUNCTIONAL_SPECS, call_arguments, in_place
-from .dispatch import (COMPILE_REASON, FunctionalSiteError, Scope, attach_owner, caller_scope, checkpoint_error,
-                       fx_tracer, refuse_fx_root, refuse_scripting)
+from .dispatch import (FunctionalSiteError, Scope, attach_owner, caller_scope, checkpoint_error, eager, fx_tracer,
+                       prime_eager, refuse_fx_root, refuse_scripting)
 from .unit import write_into
 
 __all__ = ["FunctionalSites", "FunctionalSiteError", "ATTR", "install_functional_sites"]
@@ -65,7 +65,7 @@ class _SiteMode(TorchFunctionMode):
             return self.sites.call(self.scope, func, args, kwargs)
         return func(*args, **kwargs)
 
-    @torch.compiler.disable(reason=COMPILE_REASON)
+    @eager
     def _own(self, func: Callable) -> bool:
         return caller_scope(lambda: f"the functional call {getattr(func, '__name__', func)} of "
                                     f"{self.sites.owner_name or '<root>'!r}") is self.scope
@@ -92,6 +92,7 @@ class FunctionalSites(nn.Module):
     def __init__(self, owner_name: str, kinds: list[str], channels: list[tuple[int, int] | None],
                  modules: dict[int, nn.Module], arguments: list[tuple] | None = None) -> None:
         super().__init__()
+        prime_eager()
         self.owner_name = owner_name
         self.kinds = list(kinds)
         self.channels = list(channels)
@@ -129,7 +130,7 @@ class FunctionalSites(nn.Module):
         if calls.suspended is not None:
             torch._C._push_on_torch_function_stack(calls.suspended)
 
-    @torch.compiler.disable(reason=COMPILE_REASON)  # eager under torch.compile: the counter is state, not an input
+    @eager  # eager under torch.compile: the counter is state, not an input
     def call(self, scope: Scope, func: Callable, args: tuple, kwargs: dict) -> Any:
         """Run the owner's next functional activation call (in the forward of ``scope``) through its unit."""
         calls: _Calls = scope.data

@@ -37,10 +37,11 @@ from .checks import as_patterns, check_channel_dim
 from .config import LinearizeConfig
 from .example_inputs import guess_example_inputs, guessed_input_error
 from .dispatch import (
-    COMPILE_REASON,
     THREAD_CALL,
     FunctionalSiteError,
     ThreadWatch,
+    eager,
+    prime_eager,
     attach_owner,
     called_from_hook,
     caller_scope,
@@ -89,10 +90,11 @@ class CallSites(nn.Module):
 
     def __init__(self, calls: list[LinearizableActivation], where: str = "") -> None:
         super().__init__()
+        prime_eager()
         self.calls = nn.ModuleList(calls)
         self.where = where  # "<owner class>.<attribute>", for errors
 
-    @torch.compiler.disable(reason=COMPILE_REASON)  # the position is per-forward state, not a graph input
+    @eager  # the position is per-forward state, not a graph input
     def _position(self) -> int:
         where = self.where or "of this site"
         scope = caller_scope(lambda: f"a call of the activation module {where}", skip=1)
