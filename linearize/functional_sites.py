@@ -101,6 +101,10 @@ class FunctionalSites(nn.Module):
         for i, module in modules.items():
             self.add_module(self.slots[i], module)
 
+    def __setstate__(self, state: dict) -> None:  # unpickled (torch.load of a whole model, spawn): no __init__
+        prime_eager()
+        super().__setstate__(state)
+
     def extra_repr(self) -> str:
         return f"owner={self.owner_name or '<root>'!r}, calls={len(self.kinds)}"
 

@@ -94,6 +94,10 @@ class CallSites(nn.Module):
         self.calls = nn.ModuleList(calls)
         self.where = where  # "<owner class>.<attribute>", for errors
 
+    def __setstate__(self, state: dict) -> None:  # unpickled (torch.load of a whole model, spawn): no __init__
+        prime_eager()
+        super().__setstate__(state)
+
     @eager  # the position is per-forward state, not a graph input
     def _position(self) -> int:
         where = self.where or "of this site"

@@ -354,9 +354,10 @@ def _tensors(chosen: list[tuple[str, str]], classes: list[str], read, split: str
 
 
 @functools.lru_cache(maxsize=2)
-def _tar_files(path: Path, size: int, mtime: float) -> dict[str, tarfile.TarInfo]:
+def _tar_files(path: Path, stamp: tuple) -> dict[str, tarfile.TarInfo]:
     """The regular files of a tar archive by name (the last of a repeated name wins, as extraction does): one
-    pass over its headers, shared by the splits of one process (``size`` and ``mtime`` key a changed file)."""
+    pass over its headers, shared by the splits of one process. ``stamp`` keys a changed file: its inode, size,
+    mtime and ctime (a rewrite that keeps size and mtime, as ``cp -p`` does, still changes the ctime)."""
     with tarfile.open(path, "r:*") as tar:
         return {m.name: m for m in tar if m.isfile()}
 
@@ -365,8 +366,8 @@ def _from_tar(path: Path, split: str, subset: int | None, size: int, show: bool,
               drop_others: bool) -> dict:
     """Decode only the selected members of a ``.tar.gz`` image-folder tree: the header pass, then a forward
     read of the chosen members at their offsets (no header of the others parsed again)."""
-    stat = path.stat()
-    files = _tar_files(path, stat.st_size, stat.st_mtime)
+    st = path.stat()
+    files = _tar_files(path, (st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns))
     items = [(name, c) for name in files if (c := _label_of(name, split))]
     if not items:
         raise FileNotFoundError(f"{path} holds no '{split}/<class>/*.jpg' images; expected the layout "

@@ -8,6 +8,7 @@ network with every activation replaced by the identity (slope 1), and the plain 
 from __future__ import annotations
 
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -152,3 +153,36 @@ def test_a_reused_activation_called_on_a_thread_the_forward_started_is_refused_n
     with pytest.raises(FunctionalSiteError, match=r"a thread that the owner's forward started.*Fix: .*on the "
                                                   r"thread that runs that forward"):
         model(x)
+
+
+
+def test_compile_fullgraph_of_models_unpickled_in_a_fresh_process_says_why(tmp_path):
+    """Whole converted models (reused module, functional calls) saved with torch.save and loaded in a new
+    process (no __init__ runs there) still get the refusal with the fix under fullgraph=True, and run compiled
+    without it."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "check.py"
+    script.write_text(f"""
+import sys, torch
+sys.path.insert(0, {str(Path(__file__).parent)!r})
+from test_call_sites import Functional, Reused, converted
+if sys.argv[1] == "save":
+    torch.save([converted(cls)[:2] for cls in (Reused, Functional)], sys.argv[2])
+else:
+    for m, x in torch.load(sys.argv[2], weights_only=False):
+        try:
+            torch.compile(m, fullgraph=True, backend="eager")(x)
+            print("compiled")
+        except Exception as e:
+            print("fullgraph=True cannot compile this model. Fix:" in str(e))
+        print(torch.allclose(torch.compile(m, backend="eager")(x), m(x), atol=1e-6))
+""")
+    path = tmp_path / "models.pt"
+    run = lambda *a: subprocess.run([sys.executable, str(script), *a], capture_output=True, text=True,  # noqa: E731
+                                    timeout=300)
+    saved = run("save", str(path))
+    assert saved.returncode == 0, saved.stderr[-3000:]
+    done = run("load", str(path))
+    assert done.stdout.split() == ["True"] * 4, done.stdout + done.stderr[-3000:]

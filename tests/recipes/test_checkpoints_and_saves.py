@@ -586,3 +586,38 @@ def test_recipe_json_missing_keys_named(tmp_path):
     (tmp_path / "recipe.json").write_text('{"linearize": "none"}')
     with pytest.raises(ValueError, match="recipe.json"):
         cifar.load_model(tmp_path)
+
+
+def test_a_tar_rewritten_with_the_same_size_and_mtime_is_read_again(tmp_path):
+    """The header pass over a tar archive is cached per process; an archive rewritten in place with the same size
+    and modification time (members in another order, as cp -p or rsync -t of another build leave it) must be
+    read again, not at the old offsets (the truth: each image decoded from its own PNG file)."""
+    import os
+    import tarfile
+
+    import cifar
+    from torchvision.io import decode_image, write_png
+
+    images = {}
+    for i, c in enumerate(("cat", "dog")):
+        (tmp_path / "src" / "test" / c).mkdir(parents=True)
+        images[c] = torch.full((3, 8, 8), 40 * (i + 1), dtype=torch.uint8)
+        write_png(images[c], str(tmp_path / "src" / "test" / c / "0.png"))
+    archive = tmp_path / "data.tar"  # uncompressed: the rewrite keeps the size exactly
+
+    def pack(order: list[str]) -> None:
+        with tarfile.open(archive, "w") as tar:
+            for c in order:
+                tar.add(tmp_path / "src" / "test" / c / "0.png", f"test/{c}/0.png")
+
+    pack(["cat", "dog"])
+    first = cifar._from_tar(archive, "test", None, 8, False, None, False)
+    stat = archive.stat()
+    pack(["dog", "cat"])
+    os.utime(archive, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert (archive.stat().st_size, archive.stat().st_mtime_ns) == (stat.st_size, stat.st_mtime_ns)
+    again = cifar._from_tar(archive, "test", None, 8, False, None, False)
+    for got in (first, again):
+        assert got["classes"] == ["cat", "dog"]
+        for x, label in zip(got["x"], got["y"]):
+            assert torch.equal(x, decode_image(str(tmp_path / "src" / "test" / got["classes"][label] / "0.png")))
