@@ -524,7 +524,9 @@ def one_shot(
     ``data`` measures each plan's error, the mean squared change of the FFN's output with all of its channels
     replaced together, and the FFN takes the lower (the removed plan on a tie). A removed FFN's ``alpha`` does
     not train (``requires_grad=False``), so a fine-tune keeps its channels constants and its FLOPs; the plan is
-    in each site's ``plan`` (:class:`FFNPlan`).
+    in each site's ``plan`` (:class:`FFNPlan`). That flag is not saved: after :func:`linearize.from_pretrained`
+    set it again (``unit.alpha.requires_grad_(False)`` on the units whose ``alpha`` is all 0) before a
+    fine-tune, or ``fold`` puts the passthrough back once ``alpha`` moves.
 
     Args:
         model: a converted model (``linearize.convert``); changed in place.
