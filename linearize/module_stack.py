@@ -32,8 +32,9 @@ class ModuleStack:
     what it returns is kept with the entry; ``leave(module, args, output, kept)`` runs after the entry is
     popped, for a call that returned (not for a forward that raised).
 
-    The stack is right after a forward raises (its entries are popped, even when the model catches the
-    error), for a module called inside its own call, and per thread: the thread that opened the tracker
+    The stack is right after a forward raises an ``Exception`` (its entries are popped, even when the model
+    catches the error; torch runs no hook for a ``KeyboardInterrupt`` the model catches itself, whose entries
+    stay until their caller returns), for a module called inside its own call, and per thread: the thread that opened the tracker
     keeps its own, and another thread's starts from that thread's modules as they are at its outermost call
     (a thread a forward starts runs inside that forward's modules) and changes no other thread's. Hooks are
     removed on exit, on an exception too.
