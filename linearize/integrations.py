@@ -252,7 +252,7 @@ def _check_sharding(args, model: nn.Module, prepared: bool) -> None:
     did not shard: Accelerate shards only on accelerator devices, and on a CPU trains DDP instead (correct,
     but every process holds the whole model)."""
     sharded = any(is_sharded(u.slope) for _, u in units(model))
-    if sharded and not args.fsdp:
+    if sharded and (not prepared or not args.fsdp):  # before the Trainer prepared it, or it shards none
         raise ValueError(
             "the model given to the Trainer was sharded with fully_shard beforehand, which the Trainer does not "
             "manage: it would run every process unsharded (all the data on each, every one saving). Fix: pass the "

@@ -146,11 +146,13 @@ def trainer_scenarios(out: Path) -> None:
     for block in sharded.transformer.h:
         fully_shard(block)
     fully_shard(sharded)
-    try:
-        train(sharded)
-        seen["presharded_error"] = None
-    except ValueError as e:
-        seen["presharded_error"] = str(e)
+    asked = {"fsdp": True, "fsdp_config": {"fsdp_version": 2}}
+    for key, fsdp in (("presharded_error", {}), ("presharded_fsdp_error", asked)):
+        try:  # with fsdp= too: Accelerate would shard it again (a deep DTensor error)
+            train(sharded, **fsdp)
+            seen[key] = None
+        except ValueError as e:
+            seen[key] = str(e)
     (out / f"rank{dist.get_rank()}.json").write_text(json.dumps(seen))
 
 
@@ -166,6 +168,7 @@ def test_trainer_callback_under_fsdp_on_a_cpu(tmp_path):
         assert seen["asked_wrapper"] == "DistributedDataParallel"  # asked for FSDP, the Trainer ran DDP
         assert len(seen["asked_warnings"]) == 1 and "on a CPU trains DDP" in seen["asked_warnings"][0]
         assert "sharded with fully_shard beforehand" in seen["presharded_error"]
+        assert "sharded with fully_shard beforehand" in seen["presharded_fsdp_error"]
 
 
 @needs_multi30k
