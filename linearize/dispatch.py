@@ -403,8 +403,9 @@ class ThreadWatch:
     methods and Python functions such as ``F.relu``), except those inside the forward of a module whose id is
     in ``inside`` (activation modules, which module hooks see on every thread), as ``"thread 'Thread-1', in <function that called it>: relu"`` with
     their count (``watch.calls``), and calls the profile function set before it, if any. Threads already
-    running (a pool made before the forward) are not watched. After the block, a watched thread gets the
-    previous profile function back at its next call.
+    running (a pool made before the forward) are not watched. Watches may overlap (converts on several threads):
+    a new thread reports to every watch open then. Once the last block ends, a watched thread gets the previous
+    profile function back at its next call.
 
     Example:
         >>> import torch.nn.functional as F
@@ -423,18 +424,25 @@ class ThreadWatch:
         self._builtins = {id(f): f.__name__ for f in functions if not hasattr(f, "__code__")}
         self._methods = {f.__name__ for f in functions if getattr(torch.Tensor, getattr(f, "__name__", ""), None) is f}
         self.calls: dict[str, int] = {}
-        self._active = False
-        self._previous: Callable | None = None
-        self._lock = threading.Lock()
+
+    # one profile function for the process: several converts may watch at once (threads, nested converts)
+    _watches: list["ThreadWatch"] = []
+    _previous: Callable | None = None
+    _lock = threading.Lock()
 
     def __enter__(self) -> "ThreadWatch":
-        self._previous, self._active = threading.getprofile(), True
-        threading.setprofile(self._profile)
+        with ThreadWatch._lock:
+            if not ThreadWatch._watches:
+                ThreadWatch._previous = threading.getprofile()
+                threading.setprofile(ThreadWatch._profile)
+            ThreadWatch._watches.append(self)
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        self._active = False
-        threading.setprofile(self._previous)
+        with ThreadWatch._lock:
+            ThreadWatch._watches.remove(self)
+            if not ThreadWatch._watches:
+                threading.setprofile(ThreadWatch._previous)
 
     def _name(self, frame: FrameType, event: str, arg: Any) -> str | None:
         """The watched function this profile event calls, if any."""
@@ -457,19 +465,25 @@ class ThreadWatch:
             frame = frame.f_back
         return False
 
-    def _profile(self, frame: FrameType, event: str, arg: Any) -> None:
-        if self._previous is not None:
-            self._previous(frame, event, arg)
-        if not self._active:
-            sys.setprofile(self._previous)
+    @staticmethod
+    def _profile(frame: FrameType, event: str, arg: Any) -> None:
+        previous, watches = ThreadWatch._previous, ThreadWatch._watches
+        if previous is not None:
+            previous(frame, event, arg)
+        if not watches:  # every watch has ended: this thread gets the previous profile function back
+            sys.setprofile(previous)
             return
+        for watch in list(watches):
+            watch._record(frame, event, arg)
+
+    def _record(self, frame: FrameType, event: str, arg: Any) -> None:
         name = self._name(frame, event, arg)
         if name is None or self._in_skipped_module(frame):
             return
         caller = frame.f_back if event == "call" else frame
         where = getattr(caller.f_code, "co_qualname", caller.f_code.co_name) if caller is not None else ""
         key = f"thread {threading.current_thread().name!r}, in {where}: {name}"
-        with self._lock:
+        with ThreadWatch._lock:
             self.calls[key] = self.calls.get(key, 0) + 1
 
 

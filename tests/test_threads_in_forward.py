@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import sys
 import threading
+import warnings
 
 import pytest
 import torch
@@ -160,3 +161,52 @@ def test_a_thread_that_outlives_the_probe_drops_the_watch():
     model.jobs.put(x)
     assert model.results.get()[1] is None
     model.jobs.put(None)
+
+
+class Waits(nn.Module):
+    """Linear -> ReLU, whose forward runs ``hold()`` first (to order two converts on two threads)."""
+
+    def __init__(self, hold) -> None:
+        super().__init__()
+        self.lin, self.act, self.hold = nn.Linear(4, 4), nn.ReLU(), hold
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.hold()
+        return self.act(self.lin(x))
+
+
+def test_a_convert_that_ends_while_another_runs_leaves_the_other_watching():
+    """Convert A's probe starts, then convert B's; A ends before B's forward starts its thread: B still lists
+    that thread's activation (each watch lasts until its own convert ends)."""
+    in_a, in_b, a_may_return, b_may_start = (threading.Event() for _ in range(4))
+    x, reports = torch.randn(2, 4), {}
+
+    def hold_a() -> None:
+        in_a.set()
+        assert a_may_return.wait(30)
+
+    class SpawnsLate(SpawnsActivation):
+        def forward(self, x):
+            in_b.set()
+            assert b_may_start.wait(30)
+            return super().forward(x)
+
+    def convert(name: str, model: nn.Module) -> None:
+        with pytest.warns(UserWarning) if name == "b" else warnings.catch_warnings():
+            reports[name] = linearize.convert(model, example_inputs=x).linearize_report
+
+    a = threading.Thread(target=convert, args=("a", Waits(hold_a)))
+    a.start()
+    assert in_a.wait(30)
+    model_b = SpawnsLate(CALLS["F.relu"][0])
+    model_b.a = nn.Sequential(model_b.a, nn.ReLU())
+    b = threading.Thread(target=convert, args=("b", model_b))
+    b.start()
+    assert in_b.wait(30)
+    a_may_return.set()
+    a.join(30)
+    b_may_start.set()
+    b.join(30)
+    assert reports["a"].threads == {}
+    assert list(reports["b"].threads) == ["thread 'side', in <lambda>: relu"], reports["b"].threads
+    assert threading.getprofile() is None
