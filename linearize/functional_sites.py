@@ -92,7 +92,6 @@ class FunctionalSites(nn.Module):
     def __init__(self, owner_name: str, kinds: list[str], channels: list[tuple[int, int] | None],
                  modules: dict[int, nn.Module], arguments: list[tuple] | None = None) -> None:
         super().__init__()
-        prime_eager()
         self.owner_name = owner_name
         self.kinds = list(kinds)
         self.channels = list(channels)

@@ -90,7 +90,6 @@ class CallSites(nn.Module):
 
     def __init__(self, calls: list[LinearizableActivation], where: str = "") -> None:
         super().__init__()
-        prime_eager()
         self.calls = nn.ModuleList(calls)
         self.where = where  # "<owner class>.<attribute>", for errors
 
