@@ -13,23 +13,24 @@ unchanged, so single-process and DDP code pays one ``isinstance`` check.
 What stays refused, with the fix (:func:`refuse_unsupported`): FSDP1
 (``FullyShardedDataParallel``, flat parameters that split a unit's slopes at arbitrary
 offsets) and DeepSpeed ZeRO-3 (partitioned parameters). Folding and saving a sharded model
-directly are refused too (:func:`refuse_sharded`): gather a full state dict first.
+directly are refused too (:func:`refuse_sharded`): :func:`full_copy` gathers it first.
 """
 
 from __future__ import annotations
 
+import copy
 import sys
 
 import torch
 from torch import nn
 
-__all__ = ["is_sharded", "full_value", "local", "shard_of", "write_full", "global_min", "refuse_sharded",
+__all__ = ["is_sharded", "full_value", "local", "shard_of", "write_full", "global_min", "refuse_sharded", "full_copy",
            "refuse_unsupported", "GATHER_FIX"]
 
 GATHER_FIX = (
-    "gather the full state dict first (every rank calls it): sd = torch.distributed.checkpoint.state_dict."
-    "get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)); then on "
-    "rank 0 build the same model unsharded (linearize.convert it alike), plain.load_state_dict(sd), and use plain")
+    "every rank calls plain = linearize.distributed.full_copy(model) (a collective: it gathers the weights into "
+    "a copy that no process shares), then one rank uses plain (if rank == 0: ...); a model too large for each "
+    "process's memory: gather a full state dict with cpu_offload=True and load it on rank 0 (docs/distributed.md)")
 
 
 def is_sharded(t: object) -> bool:
@@ -97,6 +98,55 @@ def global_min(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     for dim in range(like.device_mesh.ndim):
         torch.distributed.all_reduce(out, torch.distributed.ReduceOp.MIN, group=like.device_mesh.get_group(dim))
     return out.to(t.device)
+
+
+def full_copy(model: nn.Module) -> nn.Module:
+    """A deep copy of ``model`` that no process shares: every FSDP2 ``DTensor`` parameter becomes a plain
+    parameter holding its global value (a collective: every rank calls it, at the same point), and FSDP's
+    wrapper classes, hooks and per-module state are left out. A model without sharded parameters is simply
+    ``copy.deepcopy``-ed. The copy runs (and folds, and saves) on this process alone.
+
+    Example:
+        >>> m = nn.Sequential(nn.Linear(2, 2), nn.ReLU())
+        >>> c = full_copy(m); c[0].weight is m[0].weight, torch.equal(c[0].weight, m[0].weight)
+        (False, True)
+    """
+    sharded = [p for p in model.parameters() if is_sharded(p)]
+    if not sharded:
+        return copy.deepcopy(model)
+    drop = object()  # what FSDP's hooks and state become in the copy, then removed
+    memo: dict[int, object] = {id(p): nn.Parameter(full_value(p.detach()).clone(), requires_grad=p.requires_grad)
+                               for p in sharded}  # (in model.parameters() order: the same on every rank)
+    for m in model.modules():
+        for key, value in vars(m).items():
+            if key.startswith(_STATE_KEY):  # fully_shard's state and registry (torch's composable API)
+                memo[id(value)] = drop
+            elif key.endswith("hooks") and isinstance(value, dict):
+                memo.update((id(h), drop) for h in value.values() if _is_fsdp(getattr(h, "hook", h)))
+    classes = {m: type(m) for m in model.modules() if _is_fsdp(type(m))}
+    try:
+        for m, cls in classes.items():  # FSDP's class refuses deepcopy: copy as the module's own class
+            m.__class__ = next(c for c in cls.__mro__ if not _is_fsdp(c))
+        out = copy.deepcopy(model, memo)
+    finally:
+        for m, cls in classes.items():
+            m.__class__ = cls
+    for m in out.modules():
+        for key, value in list(vars(m).items()):
+            if value is drop:
+                delattr(m, key)
+            elif key.endswith("hooks") and isinstance(value, dict):
+                for k in [k for k, h in value.items() if h is drop]:
+                    del value[k]
+    return out
+
+
+_STATE_KEY = "__composable_api_state_key"  # the prefix of the keys under which fully_shard keeps its state
+
+
+def _is_fsdp(obj: object) -> bool:
+    """Whether ``obj`` (a class or a hook function) comes from ``torch.distributed.fsdp``."""
+    return (getattr(obj, "__module__", None) or "").startswith("torch.distributed.fsdp")
 
 
 def refuse_sharded(model: nn.Module, what: str) -> None:

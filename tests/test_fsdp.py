@@ -13,8 +13,11 @@ runs of the same models, seeds and global batches (the truth):
   ends bit-identical to the uninterrupted sharded run;
 * a save made sharded (full state dict gathered) loads unsharded bit-identically, and a single-process
   save loads into a sharded model bit-identically;
-* what stays unsupported is refused with the fix: fold / save_pretrained / a cost target on a sharded
-  model, FSDP1 wrappers and DeepSpeed ZeRO-3 slopes (these two marked by hand: neither runs on this CPU).
+* a cost target (``target(flops=...)``) plans on whole copies of the sharded model: the same plan, linear
+  sites and slopes as on one process; a latency target gives every rank the same plan (rank 0's timings);
+* ``full_copy`` of the sharded model computes what the unsharded one does, with no FSDP left in it;
+* what stays unsupported is refused with the fix: fold / save_pretrained on a sharded model, FSDP1
+  wrappers and DeepSpeed ZeRO-3 slopes (these two marked by hand: neither runs on this CPU).
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ from torch import nn
 
 import linearize
 
-from linearize.distributed import full_value
+from linearize.distributed import full_copy, full_value
 
 transformers = pytest.importorskip("transformers")
 
@@ -67,6 +70,12 @@ def sparsifier(arch: str, model: nn.Module) -> linearize.Sparsifier:
                                     select="slope")
     return linearize.Sparsifier(model, linearize.schedules.target(0.5, start=2, end=6), total_steps=STEPS,
                                 select="saliency")
+
+
+def cost_sparsifier(model: nn.Module, **cost: float) -> linearize.Sparsifier:
+    """A cost target over the two MLP sites of the GPT-2, ranked by saliency (read from global gradients)."""
+    return linearize.Sparsifier(model, linearize.schedules.target(**cost, start=2, end=6), total_steps=STEPS,
+                                granularity="site", select="saliency", example_inputs=EXAMPLE)
 
 
 def penalty_run(model: nn.Module, rank: int = 0, world: int = 1) -> torch.Tensor:
@@ -137,9 +146,6 @@ def _refusals(out: dict, model: nn.Module) -> None:
     calls = {
         "fold": lambda: linearize.fold(model, EXAMPLE),
         "save_pretrained": lambda: linearize.save_pretrained(model, "unused"),
-        "cost_target": lambda: linearize.Sparsifier(model, linearize.schedules.target(flops=0.9), 10,
-                                                    granularity="site",
-                                                    example_inputs=torch.zeros(1, SEQ, dtype=torch.long)),
     }
     for name, call in calls.items():
         try:
@@ -174,12 +180,27 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
                 plain.save_pretrained(out_dir / "sharded_save")
                 linearize.save_pretrained(plain, out_dir / "sharded_save")
                 torch.save(state, out_dir / "sharded_state.pt")
+            copied = full_copy(model)  # every rank: the whole model, on this process alone
+            result["full_copy"] = {
+                "fsdp": sorted({type(m).__name__ for m in copied.modules()} - {type(m).__name__ for m in build(arch).modules()}),
+                "logits": copied(batches()[0]).logits.tolist(),
+                "differs": [] if rank else [k for k, v in copied.state_dict().items() if k not in state or not
+                                            torch.allclose(v, state[k], rtol=0, atol=0, equal_nan=True)]}
             summary = linearize.freeze(model, tol=0.05)  # (after the save: it writes the buffers state holds)
             result["freeze"] = {"linear_after": summary.linear_after, "snapped": summary.snapped_one,
                                 "slopes": slopes(model).tolist()}
             _refusals(result, model)
         else:
             result["saliency"] = torch.cat(list(sp.saliency().values())).tolist()
+
+    # cost targets: planned on whole copies of the sharded model
+    for cost in ({"flops": 0.8}, {"latency": 0.9}):
+        model = _shard(build("gpt2"), "gpt2")
+        opt = optimizer_of(model)
+        sp = cost_sparsifier(model, **cost).attach(opt)
+        losses = train(model, opt, range(STEPS), batches(rank, WORLD), WORLD)
+        result[next(iter(cost))] = {"losses": losses, "slopes": slopes(model).tolist(), "plan": sp.cost_plan,
+                                    "counts": linearize.count_units(model)}
 
     # resume: 4 steps, a sharded checkpoint (DCP) and the Sparsifier's state, then a new process state
     arch, data = "gpt2", batches(rank, WORLD)
@@ -275,6 +296,41 @@ def test_fsdp_penalty_in_the_loss_matches_single_process(runs):
         assert torch.allclose(torch.tensor(r["penalty"]), want, rtol=0, atol=1e-6)
 
 
+def test_fsdp_flops_target_matches_single_process(runs):
+    _, _, ranks = runs
+    model = build("gpt2")
+    opt = optimizer_of(model)
+    sp = cost_sparsifier(model, flops=0.8).attach(opt)
+    losses = train(model, opt, range(STEPS), batches(), 1)
+    want = slopes(model)
+    linear = {n for n, c in linearize.count_units(model)["sites"].items() if c["nonlinear"] == 0}
+    assert len(linear) == 1 and sp.cost_plan[-1]["cost"] <= 0.8  # one of the two sites linear meets the goal
+    for r in ranks:
+        assert r["flops"]["plan"] == sp.cost_plan
+        assert torch.allclose(torch.tensor(r["flops"]["slopes"]), want, rtol=0, atol=1e-6)
+        assert r["flops"]["losses"] == pytest.approx(losses, rel=1e-5)
+
+
+def test_fsdp_latency_target_is_one_plan_on_every_rank(runs):
+    _, _, ranks = runs
+    plan = ranks[0]["latency"]["plan"]
+    assert plan and all(r["latency"]["plan"] == plan for r in ranks)  # rank 0's timings decide for all
+    assert ranks[0]["latency"]["slopes"] == ranks[1]["latency"]["slopes"]
+    held = next(p for k, p in enumerate(plan) if p["cost"] <= 0.9 or k == len(plan) - 1)
+    linear = {n for n, c in ranks[0]["latency"]["counts"]["sites"].items() if c["nonlinear"] == 0}
+    assert linear == set(held["sites"])  # the target ends at the plan's prefix within the goal
+
+
+def test_full_copy_of_a_sharded_model_is_the_model_on_one_process(runs):
+    _, single, ranks = runs
+    model = single["gpt2"][0]
+    want = model(batches()[0]).logits
+    for r in ranks:
+        assert r["full_copy"]["fsdp"] == []  # no FSDP class left
+        assert r["full_copy"]["differs"] == []  # bit-identical to the gathered full state dict
+        assert torch.allclose(torch.tensor(r["full_copy"]["logits"]), want, rtol=0, atol=1e-5)
+
+
 def test_fsdp_freeze_matches_single_process(runs):
     _, single, ranks = runs
     model = copy.deepcopy(single["gpt2"][0])
@@ -316,8 +372,8 @@ def test_fsdp_sharded_save_loads_unsharded_bit_identically(runs):
 def test_fsdp_unsupported_uses_are_refused_with_the_fix(runs):
     _, _, ranks = runs
     for r in ranks:
-        for what in ("fold", "save_pretrained", "cost_target"):
-            assert "get_model_state_dict" in r[what] and "sharded" in r[what], r[what]
+        for what in ("fold", "save_pretrained"):
+            assert "full_copy(model)" in r[what] and "sharded" in r[what], r[what]
 
 
 def test_fsdp1_wrapper_is_refused_with_the_fix():

@@ -11,14 +11,15 @@ from __future__ import annotations
 
 import copy
 import math
-from typing import Callable, Mapping
+from contextlib import contextmanager
+from typing import Callable, Iterator, Mapping
 
 import torch
 from torch import nn
 
 from .. import schedules as _schedules
 from ..checks import finite_nonnegative
-from ..distributed import refuse_sharded
+from ..distributed import full_copy, is_sharded
 from ..folding.core import fold
 from ..inputs import map_tensors
 from ..timing import busy_cpu, median_latency_ms
@@ -44,14 +45,13 @@ def no_plan() -> dict:
 
 
 def check_cost_arguments(schedule: _schedules.Schedule, model: nn.Module, granularity: str, example_inputs) -> None:
-    """Refuse a cost target the planner cannot measure: per channel, on a sharded model, without inputs."""
+    """Refuse a cost target the planner cannot measure: per channel, or without inputs."""
     cost = schedule.cost
     if cost is None:
         return
     if granularity == "channel":
         raise ValueError(f"a cost target (target({cost}=...)) makes whole sites linear, the only linearity "
                          "fold removes: pass granularity='site' or granularity='block'")
-    refuse_sharded(model, f"a cost target (target({cost}=...)) folds copies of the model to plan, so it")
     if example_inputs is None:
         raise ValueError(f"a cost target (target({cost}=...)) folds the model to measure its cost: pass "
                          "example_inputs= (one small batch shaped like the real inputs)")
@@ -79,6 +79,10 @@ def check_plan(state: Mapping, groups: int) -> None:
 class CostPlanner:
     """Plans and holds a cost target (the schedule's ``cost`` and ``goal``) over groups of units.
 
+    A model sharded by FSDP2 is planned alike on every rank: each folds whole copies of it
+    (:func:`~linearize.distributed.full_copy`, gathered once per plan) and the plan of rank 0 (where
+    latencies, timed on each rank, could differ) is every rank's.
+
     Args:
         model: the converted model (folded as a float32 CPU copy for every measure).
         schedule: a cost target.
@@ -105,6 +109,8 @@ class CostPlanner:
         self.plan_costs: list[float] | None = None  # cost ratio of each plan prefix (len(plan) + 1)
         self.reference: float | None = None  # the original's folded cost (FLOPs or ms)
         self.frozen_measured: torch.Tensor | None = None  # frozen values when the costs were measured
+        self.base: nn.Module | None = None  # a float32 CPU copy of the model while a plan is measured
+        self.sharded = any(is_sharded(u.slope) for _, u in units)
         self.check_budget()
 
     # ------------------------------------------------------------------ measures
@@ -146,7 +152,7 @@ class CostPlanner:
         at 0 (frozen ones keep their value; ``None``: all at 0, unfrozen). Not verified: this measures the
         folded structure; a float32 model whose own rounding exceeds fold's 1e-4 (badly conditioned
         BatchNorm) must not stop planning."""
-        probe = copy.deepcopy(self.model).eval().cpu().float()
+        probe = copy.deepcopy(self.base)
         units_ = require_units(probe)
         on = {i for g in linear or () for i in self.groups[g]}
         with torch.no_grad():
@@ -157,34 +163,48 @@ class CostPlanner:
         project_slopes(u for _, u in units_)
         return fold(probe, self.inputs, latency=False, verify=False)
 
+    @contextmanager
+    def copied(self) -> Iterator[None]:
+        """Hold :attr:`base`, the float32 CPU copy every measure folds, for the time of a measure (gathered
+        once under FSDP2: a collective that every rank reaches at the same step)."""
+        outer = self.base is None
+        if outer:
+            self.base = full_copy(self.model).eval().cpu().float()
+        try:
+            yield
+        finally:
+            if outer:
+                self.base = None
+
     def check_budget(self) -> None:
         """Measure the original model's cost and refuse a goal below the fully linear cost (again at the
         plan's start if channels were frozen since: the cached costs and the floor depend on them)."""
-        self.costs.clear()
-        self.frozen_measured = self.frozen_now()
-        _, never = self.group_frozen()
-        self.original = self.fold_copy(None)
-        self.reference = (float(self.original.linearize_fold_summary.flops_after) if self.schedule.cost == "flops"
-                          else median_latency_ms([self.original], self.inputs, LATENCY_BUDGET_S)[0])
-        self.costs[None] = 1.0
-        if not any(u.has_frozen() for _, u in self.units):
-            self.costs[frozenset()] = 1.0  # the same model: one measure (a second would differ by its noise)
-        every = frozenset(g for g in range(len(self.groups)) if not never[g])
-        floor = self.folded_cost(every)
-        cost, goal = self.schedule.cost, self.schedule.goal
-        if goal < floor and cost == "latency":  # a time is noisy: time it again, longer, and warn, not refuse
-            floor = self.costs[every] = self.latency_ratio(self.fold_copy(every), LATENCY_CONFIRM_S)
-            busy = busy_cpu()
-            if goal < floor:
-                self.warn(
-                    f"target(latency={goal}) is below the time of this model folded with every site linear "
-                    f"({floor:.4f} of the original, timed twice{', on a busy CPU: ' + busy if busy else ''}), so the "
-                    f"plan will make every site it can linear and may still miss it: pass latency= of at least "
-                    f"{math.ceil(floor * 1e4) / 1e4:.4f}, or plan on a quieter machine")
-        elif goal < floor:
-            raise ValueError(f"target({cost}={goal}) is below the cost of this model folded with every site linear "
-                             f"({floor:.4f} of the original model folded; sites frozen nonlinear stay so): pass "
-                             f"{cost}= of at least {math.ceil(floor * 1e4) / 1e4:.4f}")
+        with self.copied():
+            self.costs.clear()
+            self.frozen_measured = self.frozen_now()
+            _, never = self.group_frozen()
+            self.original = self.fold_copy(None)
+            self.reference = (float(self.original.linearize_fold_summary.flops_after) if self.schedule.cost == "flops"
+                              else median_latency_ms([self.original], self.inputs, LATENCY_BUDGET_S)[0])
+            self.costs[None] = 1.0
+            if not any(u.has_frozen() for _, u in self.units):
+                self.costs[frozenset()] = 1.0  # the same model: one measure (a second would differ by its noise)
+            every = frozenset(g for g in range(len(self.groups)) if not never[g])
+            floor = self.folded_cost(every)
+            cost, goal = self.schedule.cost, self.schedule.goal
+            if goal < floor and cost == "latency":  # a time is noisy: time it again, longer, and warn, not refuse
+                floor = self.costs[every] = self.latency_ratio(self.fold_copy(every), LATENCY_CONFIRM_S)
+                busy = busy_cpu()
+                if goal < floor:
+                    self.warn(
+                        f"target(latency={goal}) is below the time of this model folded with every site linear "
+                        f"({floor:.4f} of the original, timed twice{', on a busy CPU: ' + busy if busy else ''}), so the "
+                        f"plan will make every site it can linear and may still miss it: pass latency= of at least "
+                        f"{math.ceil(floor * 1e4) / 1e4:.4f}, or plan on a quieter machine")
+            elif goal < floor:
+                raise ValueError(f"target({cost}={goal}) is below the cost of this model folded with every site linear "
+                                 f"({floor:.4f} of the original model folded; sites frozen nonlinear stay so): pass "
+                                 f"{cost}= of at least {math.ceil(floor * 1e4) / 1e4:.4f}")
 
     def frozen_now(self) -> torch.Tensor:
         """Every channel's frozen value, free ones as -1 (NaN would never compare equal)."""
@@ -200,58 +220,69 @@ class CostPlanner:
         one group alone would reach the budget, record that completion as a candidate instead of
         adding it; keep the least important candidate, then drop every group it can do without.
         """
-        busy = busy_cpu() if self.schedule.cost == "latency" else None
-        if busy:
-            self.warn(f"latency target: the CPU is busy while the plan times folded models ({busy}), so their "
-                      "times are noisy, up to 2x either way, and the plan may miss the budget: plan on a quieter "
-                      "machine (start the target when other jobs are done), or target flops= instead")
-        if not torch.equal(self.frozen_now(), self.frozen_measured):
-            self.check_budget()
-        always, never = self.group_frozen()
-        linear_before = before.cpu() == 1  # linear before this step's push: kept
-        start = {g for g in range(len(self.groups))
-                 if always[g] or bool(linear_before[self.channel_group == g].all())}
-        self.plan_start = start
-        free = torch.cat([torch.isnan(u.frozen).cpu() for _, u in self.units])
-        importance_ = torch.zeros(len(self.groups), dtype=torch.float64).index_add_(
-            0, self.channel_group, importance.values(before, free)).tolist()
-        budget = self.schedule.goal
-        rest = [g for g in range(len(self.groups)) if g not in start and not never[g]]
-        ranked = before.cpu()[torch.isin(self.channel_group, torch.tensor(rest, dtype=torch.long))]
-        if not importance.reads_gradients and len(rest) > 1 and float(ranked.max() - ranked.min()) < SLOPE_SPREAD:
-            self.warn(
-                f"the cost target plans by slope gap sum(1 - a), and every slope it can choose from lies in "
-                f"[{ranked.min().item():.3g}, {ranked.max().item():.3g}]: the groups are ranked by channel count "
-                "alone, which says nothing about what each costs the model "
-                "(on a trained CIFAR MobileNet-V2, channel count ranked the blocks against the accuracy each costs). "
-                "Pass select='saliency' (--select saliency) and start the target after some steps (e.g. start=0.05) "
-                "so that each group is ranked by its loss gradients")
-        timed: dict[frozenset, float] = {}  # latency: the sets timed again, on their own
-        bias = 1.0  # planning time over time again, of the sets refused so far (the mildest, once two are)
-        tried: list[tuple[list[int], list[float]]] = []
+        with self.copied():
+            busy = busy_cpu() if self.schedule.cost == "latency" else None
+            if busy:
+                self.warn(f"latency target: the CPU is busy while the plan times folded models ({busy}), so their "
+                          "times are noisy, up to 2x either way, and the plan may miss the budget: plan on a quieter "
+                          "machine (start the target when other jobs are done), or target flops= instead")
+            if not torch.equal(self.frozen_now(), self.frozen_measured):
+                self.check_budget()
+            always, never = self.group_frozen()
+            linear_before = before.cpu() == 1  # linear before this step's push: kept
+            start = {g for g in range(len(self.groups))
+                     if always[g] or bool(linear_before[self.channel_group == g].all())}
+            self.plan_start = start
+            free = torch.cat([torch.isnan(u.frozen).cpu() for _, u in self.units])
+            importance_ = torch.zeros(len(self.groups), dtype=torch.float64).index_add_(
+                0, self.channel_group, importance.values(before, free)).tolist()
+            budget = self.schedule.goal
+            rest = [g for g in range(len(self.groups)) if g not in start and not never[g]]
+            ranked = before.cpu()[torch.isin(self.channel_group, torch.tensor(rest, dtype=torch.long))]
+            if not importance.reads_gradients and len(rest) > 1 and float(ranked.max() - ranked.min()) < SLOPE_SPREAD:
+                self.warn(
+                    f"the cost target plans by slope gap sum(1 - a), and every slope it can choose from lies in "
+                    f"[{ranked.min().item():.3g}, {ranked.max().item():.3g}]: the groups are ranked by channel count "
+                    "alone, which says nothing about what each costs the model "
+                    "(on a trained CIFAR MobileNet-V2, channel count ranked the blocks against the accuracy each costs). "
+                    "Pass select='saliency' (--select saliency) and start the target after some steps (e.g. start=0.05) "
+                    "so that each group is ranked by its loss gradients")
+            timed: dict[frozenset, float] = {}  # latency: the sets timed again, on their own
+            bias = 1.0  # planning time over time again, of the sets refused so far (the mildest, once two are)
+            tried: list[tuple[list[int], list[float]]] = []
 
-        def cost(groups: set[int]) -> float:  # timed again if it was, else as planned, corrected for the bias
-            key = frozenset(groups)
-            return timed[key] if key in timed else self.folded_cost(key) / bias
+            def cost(groups: set[int]) -> float:  # timed again if it was, else as planned, corrected for the bias
+                key = frozenset(groups)
+                return timed[key] if key in timed else self.folded_cost(key) / bias
 
-        for _ in range(2 * len(rest) + 2):  # latency: plan again until its last set, timed again, is within budget
-            plan, costs = greedy(start, list(rest), importance_, budget, cost)
-            linear = frozenset(start | set(plan))
-            if self.schedule.cost != "latency" or not plan or linear in timed:
-                break  # (no group chosen: nothing was picked among noisy times)
-            timed[linear] = costs[-1] = self.latency_ratio(self.fold_copy(linear), LATENCY_CONFIRM_S)
-            tried.append((plan, costs))
-            if costs[-1] <= budget:
-                break
-            if len(timed) >= 2:  # a steady low reading (load): correct every planning time; one glitch alone does not
-                bias = min(1.0, max(self.folded_cost(key) / t for key, t in timed.items()))
-        if tried and costs[-1] > budget:
-            plan, costs = min(tried, key=lambda t: t[1][-1])
-            self.warn(f"latency target {budget}: no plan tried met it when timed again (the closest costs "
-                      f"{costs[-1]:.3f} of the original): set a higher budget, or plan with less load on the "
-                      "CPU (latencies are noisy under load)")
-        self.plan, self.plan_costs = plan, costs
-        return costs[0]
+            for _ in range(2 * len(rest) + 2):  # latency: plan again until its last set, timed again, is within budget
+                plan, costs = greedy(start, list(rest), importance_, budget, cost)
+                linear = frozenset(start | set(plan))
+                if self.schedule.cost != "latency" or not plan or linear in timed:
+                    break  # (no group chosen: nothing was picked among noisy times)
+                timed[linear] = costs[-1] = self.latency_ratio(self.fold_copy(linear), LATENCY_CONFIRM_S)
+                tried.append((plan, costs))
+                if costs[-1] <= budget:
+                    break
+                if len(timed) >= 2:  # a steady low reading (load): correct every planning time; one glitch alone does not
+                    bias = min(1.0, max(self.folded_cost(key) / t for key, t in timed.items()))
+            if tried and costs[-1] > budget:
+                plan, costs = min(tried, key=lambda t: t[1][-1])
+                self.warn(f"latency target {budget}: no plan tried met it when timed again (the closest costs "
+                          f"{costs[-1]:.3f} of the original): set a higher budget, or plan with less load on the "
+                          "CPU (latencies are noisy under load)")
+            self.plan, self.plan_costs = plan, costs
+        if self.sharded:
+            self.agree()
+        return self.plan_costs[0]
+
+    def agree(self) -> None:
+        """Every rank of a sharded run takes rank 0's plan and reference (one broadcast): FLOPs plans agree by
+        themselves, but each rank times latencies on its own."""
+        shared = [(self.plan, self.plan_costs, sorted(self.plan_start), self.reference)]
+        torch.distributed.broadcast_object_list(shared, src=0)
+        plan, costs, start, self.reference = shared[0]
+        self.plan, self.plan_costs, self.plan_start = plan, costs, set(start)
 
     def held(self, wanted: float, device: torch.device) -> torch.Tensor:
         """Bool per channel: in a group of the shortest plan prefix whose cost is within ``wanted`` (or
