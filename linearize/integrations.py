@@ -38,7 +38,7 @@ from transformers import TrainerCallback
 from transformers.trainer_callback import ExportableState
 
 from .distill import KINDS, distill_loss
-from .distributed import is_sharded
+from .distributed import is_sharded, refuse_unsupported
 from .sparsifier import Sparsifier, torch_optimizer
 from .unit import units
 
@@ -251,7 +251,9 @@ def _check_sharding(args, model: nn.Module, prepared: bool) -> None:
     Trainer has ``prepared`` the model, warn when ``TrainingArguments(fsdp=...)`` asked for FSDP and the Trainer
     did not shard: Accelerate shards only on accelerator devices, and on a CPU trains DDP instead (correct,
     but every process holds the whole model)."""
-    sharded = any(is_sharded(u.slope) for _, u in units(model))
+    found = units(model)
+    refuse_unsupported(model, [u.slope for _, u in found])  # FSDP1 (the Trainer's default fsdp_version), ZeRO-3
+    sharded = any(is_sharded(u.slope) for _, u in found)
     if sharded and (not prepared or not args.fsdp):  # before the Trainer prepared it, or it shards none
         raise ValueError(
             "the model given to the Trainer was sharded with fully_shard beforehand, which the Trainer does not "

@@ -28,6 +28,7 @@ import os
 import socket
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -387,6 +388,28 @@ def test_fsdp1_wrapper_is_refused_with_the_fix():
     wrapper._modules["_fsdp_wrapped_module"] = model  # (add_module reads attributes FSDP1 forwards there)
     with pytest.raises(TypeError, match="FSDP1.*fully_shard.*fsdp_version: 2"):
         linearize.Sparsifier(wrapper, linearize.schedules.target(0.5), 10)
+
+
+def test_trainer_fsdp1_is_refused_with_the_fix_not_told_it_did_not_shard():
+    # TrainingArguments(fsdp=...) defaults to FSDP1: the callback, given a Sparsifier built before the Trainer
+    # wrapped the model, refuses the FSDP1 wrapper (it must not warn that the Trainer did not shard)
+    from types import SimpleNamespace
+
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    from linearize.integrations import LinearizeCallback
+
+    model = linearize.convert(nn.Sequential(nn.Linear(4, 8), nn.ReLU()), example_inputs=torch.randn(1, 4))
+    callback = LinearizeCallback(sparsifier=linearize.Sparsifier(model, linearize.schedules.target(0.5), 10))
+    wrapper = FullyShardedDataParallel.__new__(FullyShardedDataParallel)
+    nn.Module.__init__(wrapper)
+    wrapper._modules["_fsdp_wrapped_module"] = model
+    args = SimpleNamespace(fsdp=["full_shard"])
+    state = SimpleNamespace(global_step=0, max_steps=10, stateful_callbacks={})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "did not shard" warning first
+        with pytest.raises(TypeError, match="FSDP1.*fsdp_version: 2"):
+            callback.on_train_begin(args, state, None, model=wrapper)
 
 
 def test_deepspeed_zero3_slopes_are_refused_with_the_fix():
