@@ -1,7 +1,8 @@
 """FSDP2 on GPUs (NCCL) against one process: the comparison of ``tests/test_fsdp.py``, for a GPU machine.
 
 Each rank trains a small GPT-2 (GELU units, a target that picks channels by slope) and a small Llama (gated
-MLP: only the gate activation converted, a target that picks by saliency), sharded with
+MLP: only the gate activation converted, a target that picks by saliency), and the GPT-2 under a FLOPs target
+(``gpt2+flops``: whole sites, planned on gathered copies), sharded with
 ``torch.distributed.fsdp.fully_shard`` on its own GPU, for 8 steps on the same global batches (each rank its
 rows); then rank 0 trains the same models unsharded on its GPU on the whole batches and compares: the same
 linear channels, slopes within ``--atol`` (1e-6 by default; TF32 is switched off), the loss curves within a
@@ -38,7 +39,7 @@ STEPS, HALF, BATCH, SEQ, VOCAB = 8, 4, 4, 16, 64
 
 def build(arch: str, device: torch.device) -> torch.nn.Module:
     torch.manual_seed(0)
-    if arch == "gpt2":
+    if arch.startswith("gpt2"):
         model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
             n_layer=2, n_embd=32, n_head=2, vocab_size=VOCAB, n_positions=32, resid_pdrop=0.0, embd_pdrop=0.0,
             attn_pdrop=0.0, bos_token_id=0, eos_token_id=0))
@@ -51,7 +52,7 @@ def build(arch: str, device: torch.device) -> torch.nn.Module:
 
 
 def shard(model: torch.nn.Module, arch: str) -> torch.nn.Module:
-    for block in (model.transformer.h if arch == "gpt2" else model.model.layers):
+    for block in (model.transformer.h if arch.startswith("gpt2") else model.model.layers):
         fully_shard(block)
     return fully_shard(model)
 
@@ -60,8 +61,13 @@ def run(arch: str, model, steps: range, rank: int, world: int, device, state: di
     """Train ``steps`` (a Sparsifier attached); ``state``: a checkpoint to resume from first. The global
     losses, the Sparsifier and the optimizer."""
     opt = torch.optim.AdamW(linearize.param_groups(model, weight_decay=0.01), lr=1e-2)
-    target = linearize.schedules.target(0.5, start=2, end=6)
-    sp = linearize.Sparsifier(model, target, STEPS, **({"select": "saliency"} if arch == "llama" else {}))
+    if arch == "gpt2+flops":  # a cost target: whole sites, chosen by saliency, planned on gathered copies
+        sp = linearize.Sparsifier(model, linearize.schedules.target(flops=0.8, start=2, end=6), STEPS,
+                                  granularity="site", select="saliency",
+                                  example_inputs={"input_ids": torch.zeros(1, SEQ, dtype=torch.long)})
+    else:
+        target = linearize.schedules.target(0.5, start=2, end=6)
+        sp = linearize.Sparsifier(model, target, STEPS, select="saliency" if arch == "llama" else "slope")
     sp.attach(opt)
     if state is not None:
         msd, osd = get_state_dict(model, opt)
@@ -115,7 +121,7 @@ def main() -> int:
         if rank == 0:
             print(json.dumps({"check": check, "ok": ok, "device": str(device), "world": world, **values}), flush=True)
 
-    for arch in ("gpt2", "llama"):
+    for arch in ("gpt2", "llama", "gpt2+flops"):
         model = shard(build(arch, device), arch)
         losses, sp, _ = run(arch, model, range(STEPS), rank, world, device)
         got, counts, fraction = slopes(model), linearize.count_units(model), sp.nonlinear_fraction()  # collectives
@@ -141,6 +147,8 @@ def main() -> int:
                    sharded=losses, single=want_losses)
             report("global_counts", counts == linearize.count_units(single)
                    and fraction == want_sp.nonlinear_fraction(), arch=arch)
+            if arch == "gpt2+flops":
+                report("same_cost_plan", sp.cost_plan == want_sp.cost_plan, arch=arch, plan=want_sp.cost_plan)
         dist.barrier()
     box = [failed]
     dist.broadcast_object_list(box)
