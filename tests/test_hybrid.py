@@ -171,6 +171,20 @@ def test_fold_of_a_wholly_constant_ffn_costs_nothing_and_of_a_conv_ffn_narrows_i
     assert linearize.count_flops(folded, images[:1]) == 2 * 25 * _macs(6, 3, 6, False)
 
 
+def test_fold_of_a_model_that_became_a_constant_names_the_unit_and_folds_unverified_on_request():
+    # flops=0 removes the FFN: without a residual the model is a constant, which no fold can be checked against
+    x = torch.randn(64, 4, dtype=torch.float64)
+    net = linearize.convert(nn.Sequential(nn.Linear(4, 8), nn.GELU(), nn.Linear(8, 2)).double(), example_inputs=x[:2])
+    linearize.one_shot(net, x, end="hybrid", flops=0.0)
+    with pytest.raises(linearize.FoldVerificationError, match=r"constant.*units \['1'\].*alpha = 0.*verify=False"):
+        linearize.fold(copy.deepcopy(net).eval(), x[:4], latency=False)
+    folded = linearize.fold(copy.deepcopy(net).eval(), x[:4], latency=False, verify=False)
+    with torch.no_grad():
+        want = net.eval()(x)
+        assert torch.allclose(want, want[:1].expand_as(want), rtol=0, atol=1e-12)  # the model is a constant
+        assert torch.allclose(folded(x), want, rtol=0, atol=1e-12)
+
+
 def test_a_fine_tune_keeps_a_removed_ffn_removed():
     x = torch.randn(300, 8, dtype=torch.float64)
     net = linearize.convert(_two_blocks(), example_inputs=x[:2])
