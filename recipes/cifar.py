@@ -607,6 +607,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "on the CPU: training steps of ResNet-20 and MobileNet-V2 about 1.4-1.5x); a run resumes "
                         "only with the flag it started with")
     common.add_linearize_args(p)
+    p.add_argument("--units", choices=("channel", "element"), default="channel",
+                   help="--linearize prelu: one slope per channel (default), or per activation element, every "
+                        "position of every map (C x H x W per image, as SNL and AutoReP linearize ReLUs); element "
+                        "units take images of --image-size only")
     p.add_argument("--target-relus", "--target_relus", dest="target_relus", type=float, default=None, metavar="N",
                    help="instead of --target: at most N nonlinear ReLUs per image (activation elements, as SNL and "
                         "AutoReP count them: linearize.schedules.target(relus=N))")
@@ -626,6 +630,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         if args.linearize != "prelu" or args.schedule == "none":
             p.error("--target-relus steers the sparsity pressure, which --linearize none / dgn / dlgn and --schedule "
                     "none turn off: drop it, or use --linearize prelu with a schedule")
+    if args.units == "element" and args.linearize != "prelu":
+        p.error(f"--units element makes blend units (--linearize prelu), got --linearize {args.linearize}")
     common.check_linearize_args(args)
     if args.target_relus is not None:
         args.target = None
@@ -718,7 +724,8 @@ def main(argv: list[str] | None = None) -> dict:
         airbench.init_whitening(model.whiten, normalize(train["x"][:5000], mean, std))
     if args.linearize != "none":  # every activation becomes a unit with a learnable slope (or a gated split)
         model = linearize.convert(model, mode=args.linearize,
-                                  example_inputs=torch.zeros(2, 3, args.image_size, args.image_size))
+                                  example_inputs=torch.zeros(2, 3, args.image_size, args.image_size),
+                                  **({"granularity": "element"} if args.units == "element" else {}))
     if args.channels_last:  # convolutions then give channels_last maps, the units keep them (linearize.unit._prelu)
         model = model.to(memory_format=torch.channels_last)
         if teacher is not None:

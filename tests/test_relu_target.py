@@ -213,7 +213,9 @@ CIFAR = Path(os.environ.get("LINEARIZE_CIFAR10", Path(__file__).resolve().parent
                                          "give one target"),
                                         (["--target-relus", "0"], "positive finite"),
                                         (["--target-relus", "nan"], "positive finite"),
-                                        (["--target-relus", "100", "--schedule", "none"], "steers the sparsity")])
+                                        (["--target-relus", "100", "--schedule", "none"], "steers the sparsity"),
+                                        (["--units", "element", "--linearize", "dgn", "--schedule", "none"],
+                                         "makes blend units")])
 def test_the_cifar_recipe_refuses_a_bad_relu_budget(bad, match, tmp_path, capsys):
     sys.path.insert(0, str(RECIPES))
     import cifar
@@ -225,17 +227,28 @@ def test_the_cifar_recipe_refuses_a_bad_relu_budget(bad, match, tmp_path, capsys
 
 
 @pytest.mark.skipif(not CIFAR.exists(), reason=f"real CIFAR-10 images not found at {CIFAR}")
-def test_the_cifar_recipe_reaches_its_relu_budget_and_reports_relus_per_image(tmp_path):
+@pytest.mark.parametrize("units", ["channel", "element"])
+def test_the_cifar_recipe_reaches_its_relu_budget_and_reports_relus_per_image(units, tmp_path):
     args = ["--data-dir", str(CIFAR), "--cache-dir", str(tmp_path / "cache"), "--subset", "256", "--eval-subset", "64",
             "--image-size", "16", "--arch", "resnet20", "--batch-size", "32", "--eval-batch-size", "64",
             "--epochs", "1", "--lr", "0.05", "--schedule", "early", "--target-relus", "20000", "--ramp-end", "0.75",
-            "--output_dir", str(tmp_path / "run")]
+            "--units", units, "--freeze", "--output_dir", str(tmp_path / "run")]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TQDM_DISABLE": "1"}
     proc = subprocess.run([sys.executable, str(RECIPES / "cifar.py"), *args], env=env, capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     metrics = json.loads((tmp_path / "run" / "metrics.json").read_text())
     assert metrics["relus_total"] == 188_416 // 4  # ResNet-20's published count, on 16x16 images
-    assert 20_000 - 16 * 16 < metrics["relus_nonlinear"] <= 20_000  # the largest maps: 16 x 16
+    # a channel target leaves whole channels (the largest maps: 16 x 16 elements); an element target, elements
+    assert 20_000 - (16 * 16 if units == "channel" else 1) < metrics["relus_nonlinear"] <= 20_000
     history = json.loads((tmp_path / "run" / "sparsifier_history.json").read_text())["history"]
     assert history[-1]["nonlinear_relus"] == metrics["relus_nonlinear"]
+    sys.path.insert(0, str(RECIPES))
+    import cifar
+
+    model = cifar.load_model(tmp_path / "run" / "model")  # the saved units come back as they trained
+    found = linearize.units(model)
+    assert {u.granularity for _, u in found} == {units}
+    assert count_relus(model, torch.zeros(1, 3, 16, 16))["nonlinear"] == metrics["relus_nonlinear"]
+    if units == "element":  # one unit call per site: each nonlinear slope is one nonlinear ReLU per image
+        assert sum(int((~u.linear_mask()).sum()) for _, u in found) == metrics["relus_nonlinear"]
