@@ -25,7 +25,10 @@ sys.path.insert(0, str(RECIPES))
 import cifar  # noqa: E402
 import linearize  # noqa: E402
 
-RUN = re.compile(r"^(r20|ab94)_(base|late|early)(?:_(\d+))?(?:_(\w+?))?_s(\d+)$")
+# <network>_<schedule>[_<target>][_<variant>]_s<seed>: target 10 = 10% of channels, r12900 = 12,900 ReLUs
+RUN = re.compile(r"^(r20|ab94)_(base|late|early)(?:_(\d+|r\d+))?(?:_(\w+?))?_s(\d+)$")
+# the variants on the frontier (others, e.g. distillation or class subsets, belong to other studies)
+VARIANTS = {None: "", "elem": "element units", "fit": "affine ends"}
 NETWORK = {"r20": "ResNet-20", "ab94": "airbench94"}
 # Published CIFAR-10 points, (network, nonlinear ReLUs per image, test accuracy %, source). Only numbers
 # stated in the sources; ResNet-18 in both papers (SNL: the standard CIFAR ResNet-18, 557K ReLUs;
@@ -46,8 +49,8 @@ def runs(results: Path) -> list[dict]:
         m = RUN.match(folder.name)
         if not m or not (folder / "metrics.json").is_file() or not (folder / "model").is_dir():
             continue
-        net, kind, pct, variant, seed = m.groups()
-        if variant:  # distillation, saliency, class subsets, longer runs: other studies
+        net, kind, target, variant, seed = m.groups()
+        if variant not in VARIANTS:
             continue
         metrics = json.loads((folder / "metrics.json").read_text())
         model = cifar.load_model(folder / "model")
@@ -55,8 +58,10 @@ def runs(results: Path) -> list[dict]:
             model = linearize.convert(model, example_inputs=torch.zeros(1, 3, 32, 32))
         counts = linearize.measures.count_relus(model, torch.zeros(1, 3, 32, 32))
         fraction = metrics.get("nonlinear_fraction", 1.0)
-        rows.append({"run": folder.name, "network": NETWORK[net], "kind": kind, "seed": int(seed),
-                     "target": None if pct is None else int(pct) / 100, "nonlinear_fraction": fraction,
+        rows.append({"run": folder.name, "network": NETWORK[net], "kind": kind, "variant": VARIANTS[variant],
+                     "seed": int(seed), "target": None if target is None or target[0] == "r" else int(target) / 100,
+                     "target_relus": int(target[1:]) if target and target[0] == "r" else None,
+                     "nonlinear_fraction": fraction,
                      "relus_total": counts["total"], "relus_nonlinear": counts["nonlinear"],
                      "accuracy": 100 * metrics["test_accuracy"],
                      "accuracy_tta": None if metrics.get("test_accuracy_tta") is None else
@@ -65,11 +70,12 @@ def runs(results: Path) -> list[dict]:
 
 
 def table(rows: list[dict]) -> list[str]:
-    md = ["| run | network | schedule | nonlinear channels | nonlinear ReLUs / image | test accuracy | with TTA |",
+    md = ["| run | network | schedule | nonlinear units | nonlinear ReLUs / image | test accuracy | with TTA |",
           "|---|---|---|---|---|---|---|"]
     for r in rows:
         tta = "" if r["accuracy_tta"] is None else f"{r['accuracy_tta']:.2f}%"
-        md.append(f"| [{r['run']}](../{r['run']}/metrics.json) | {r['network']} | {r['kind']} | "
+        kind = r["kind"] + (f", {r['variant']}" if r["variant"] else "")
+        md.append(f"| [{r['run']}](../{r['run']}/metrics.json) | {r['network']} | {kind} | "
                   f"{100 * r['nonlinear_fraction']:.1f}% | {r['relus_nonlinear']:,} of {r['relus_total']:,} | "
                   f"{r['accuracy']:.2f}% | {tta} |")
     md += ["", "Published points (CIFAR-10):", "", "| method | nonlinear ReLUs / image | test accuracy | source |",
@@ -89,10 +95,12 @@ def plot(rows: list[dict], path: Path) -> None:
               ("ResNet-20", "early"): ("^", "tab:blue"), ("airbench94", "base"): ("s", "tab:red"),
               ("airbench94", "late"): ("o", "tab:red"), ("airbench94", "early"): ("^", "tab:red")}
     for (net, kind), (marker, color) in styles.items():
-        pts = [r for r in rows if r["network"] == net and r["kind"] == kind]
-        if pts:
-            ax.scatter([r["relus_nonlinear"] for r in pts], [r["accuracy"] for r in pts], marker=marker,
-                       color=color, label=f"ours: {net}, {kind} (channels)", zorder=3)
+        for variant, fill in (("", color), ("affine ends", "none"), ("element units", "gold")):
+            pts = [r for r in rows if r["network"] == net and r["kind"] == kind and r["variant"] == variant]
+            if pts:
+                ax.scatter([r["relus_nonlinear"] for r in pts], [r["accuracy"] for r in pts], marker=marker,
+                           facecolors=fill, edgecolors=color, zorder=3,
+                           label=f"ours: {net}, {kind} ({variant or 'channels'})")
     for name, marker in (("SNL ResNet-18", "D"), ("AutoReP-dev ResNet-18", "P")):
         pts = sorted((relus, acc) for n, relus, acc, _ in PUBLISHED if n == name)
         ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=marker, color="gray", linestyle=":",

@@ -1,0 +1,72 @@
+"""``recipes/reproduce/frontier.py``: which committed runs it puts on the frontier, and their nonlinear ReLUs
+per image against a brute-force count (every unit's input map, position by position, over its channels whose
+slope is below 1), on two committed airbench94 models."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import linearize
+
+REPO = Path(__file__).resolve().parents[2]
+RESULTS = REPO / "recipes" / "results"
+sys.path.insert(0, str(REPO / "recipes"))
+
+from reproduce import frontier  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.mark.parametrize("name, groups", [
+    ("ab94_late_10_s0", ("ab94", "late", "10", None, "0")),
+    ("ab94_late_r12900_elem_s1", ("ab94", "late", "r12900", "elem", "1")),
+    ("r20_base_s0", ("r20", "base", None, None, "0")),
+    ("ab94_late_10_fit_s0", ("ab94", "late", "10", "fit", "0")),
+])
+def test_run_names_parse_into_network_schedule_target_variant_seed(name, groups):
+    assert frontier.RUN.match(name).groups() == groups
+
+
+def brute_force_nonlinear_relus(model: torch.nn.Module, image: torch.Tensor) -> int:
+    """Per unit call: the positions of its input map times its channels with slope < 1 (element units:
+    the positions whose own slope is < 1)."""
+    total, handles = [0], []
+    for _, unit in linearize.units(model):
+        def hook(m, args, out, unit=unit):
+            x = args[0][0]  # one image: [C, H, W]
+            slope = unit.slope.detach()
+            if unit.granularity == "element":
+                total[0] += int((slope < 1).sum())
+            else:
+                total[0] += int((slope < 1).sum()) * x[0].numel()
+        handles.append(unit.register_forward_hook(hook))
+    with torch.no_grad():
+        model(image)
+    for h in handles:
+        h.remove()
+    return total[0]
+
+
+def test_frontier_rows_count_nonlinear_relus_as_brute_force_and_skip_other_studies(tmp_path):
+    import cifar
+
+    for run in ("ab94_base_s0", "ab94_late_2_s0"):
+        (tmp_path / run).symlink_to(RESULTS / run)
+    (tmp_path / "ab94_late_2_distill_s0").symlink_to(RESULTS / "ab94_late_2_s0")  # another study: left out
+    frontier.main(["--results-dir", str(tmp_path)])
+    rows = {r["run"]: r for r in json.loads((tmp_path / "frontier" / "frontier.json").read_text())["runs"]}
+    assert set(rows) == {"ab94_base_s0", "ab94_late_2_s0"}
+    base, late = rows["ab94_base_s0"], rows["ab94_late_2_s0"]
+    assert base["relus_total"] == base["relus_nonlinear"] == late["relus_total"] == 81_560  # airbench94's GELUs
+    model = cifar.load_model(RESULTS / "ab94_late_2_s0" / "model")
+    assert late["relus_nonlinear"] == brute_force_nonlinear_relus(model, torch.zeros(1, 3, 32, 32))
+    metrics = json.loads((RESULTS / "ab94_late_2_s0" / "metrics.json").read_text())
+    assert late["accuracy"] == pytest.approx(100 * metrics["test_accuracy"]) and late["target"] == 0.02
+    md = (tmp_path / "frontier" / "frontier.md").read_text()
+    assert "| [ab94_late_2_s0](../ab94_late_2_s0/metrics.json) | airbench94 | late | 2.0% | 9,984 of 81,560" in md
+    assert (tmp_path / "frontier" / "frontier.png").stat().st_size > 10_000
