@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 __all__ = ["is_sharded", "full_value", "local", "shard_of", "write_full", "global_min", "refuse_sharded", "full_copy",
-           "refuse_unsupported", "GATHER_FIX"]
+           "fsdp2_modules", "refuse_unsupported", "GATHER_FIX"]
 
 GATHER_FIX = (
     "every rank calls plain = linearize.distributed.full_copy(model) (a collective: it gathers the weights into "
@@ -100,30 +100,41 @@ def global_min(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return out.to(t.device)
 
 
-def full_copy(model: nn.Module) -> nn.Module:
+def full_copy(model: nn.Module, device: torch.device | str | None = None) -> nn.Module:
     """A deep copy of ``model`` that no process shares: every FSDP2 ``DTensor`` parameter becomes a plain
     parameter holding its global value (a collective: every rank calls it, at the same point), and FSDP's
-    wrapper classes, hooks and per-module state are left out. A model without sharded parameters is simply
+    wrapper classes, hooks and per-module state are left out. A model without FSDP2 modules is simply
     ``copy.deepcopy``-ed. The copy runs (and folds, and saves) on this process alone.
+
+    FSDP2 modules are resharded first (``reshard()``: after a forward without backward, or with
+    ``reshard_after_forward=False``, they hold unsharded compute copies, in the mixed-precision
+    ``param_dtype`` if one is set), so the copy always holds the sharded master weights.
+    ``device``: where the copy lives (each parameter is gathered and moved there one at a time, so
+    ``"cpu"`` never holds the whole model on an accelerator); ``None`` keeps the model's devices.
 
     Example:
         >>> m = nn.Sequential(nn.Linear(2, 2), nn.ReLU())
         >>> c = full_copy(m); c[0].weight is m[0].weight, torch.equal(c[0].weight, m[0].weight)
         (False, True)
     """
+    refuse_unsupported(model, [])  # FSDP1: flat parameters, no copy of the model's own layout
+    classes = {m: type(m) for m in fsdp2_modules(model)}
+    if not classes:
+        out = copy.deepcopy(model)
+        return out if device is None else out.to(device)
+    for m in classes:
+        m.reshard()  # the sharded master parameters registered again (no communication)
     sharded = [p for p in model.parameters() if is_sharded(p)]
-    if not sharded:
-        return copy.deepcopy(model)
+    memo: dict[int, object] = {
+        id(p): nn.Parameter(_moved(full_value(p.detach()), device).clone(), requires_grad=p.requires_grad)
+        for p in sharded}  # (in model.parameters() order: the same on every rank)
     drop = object()  # what FSDP's hooks and state become in the copy, then removed
-    memo: dict[int, object] = {id(p): nn.Parameter(full_value(p.detach()).clone(), requires_grad=p.requires_grad)
-                               for p in sharded}  # (in model.parameters() order: the same on every rank)
     for m in model.modules():
         for key, value in vars(m).items():
             if key.startswith(_STATE_KEY):  # fully_shard's state and registry (torch's composable API)
                 memo[id(value)] = drop
             elif key.endswith("hooks") and isinstance(value, dict):
                 memo.update((id(h), drop) for h in value.values() if _is_fsdp(getattr(h, "hook", h)))
-    classes = {m: type(m) for m in model.modules() if _is_fsdp(type(m))}
     try:
         for m, cls in classes.items():  # FSDP's class refuses deepcopy: copy as the module's own class
             m.__class__ = next(c for c in cls.__mro__ if not _is_fsdp(c))
@@ -138,7 +149,11 @@ def full_copy(model: nn.Module) -> nn.Module:
             elif key.endswith("hooks") and isinstance(value, dict):
                 for k in [k for k, h in value.items() if h is drop]:
                     del value[k]
-    return out
+    return out if device is None else out.to(device)
+
+
+def _moved(t: torch.Tensor, device: torch.device | str | None) -> torch.Tensor:
+    return t if device is None else t.to(device)
 
 
 _STATE_KEY = "__composable_api_state_key"  # the prefix of the keys under which fully_shard keeps its state
@@ -149,10 +164,15 @@ def _is_fsdp(obj: object) -> bool:
     return (getattr(obj, "__module__", None) or "").startswith("torch.distributed.fsdp")
 
 
+def fsdp2_modules(model: nn.Module) -> list[nn.Module]:
+    """The modules of ``model`` that ``fully_shard`` wrapped (their class derives from ``FSDPModule``)."""
+    return [m for m in model.modules() if any(c.__name__ == "FSDPModule" and _is_fsdp(c) for c in type(m).__mro__)]
+
+
 def refuse_sharded(model: nn.Module, what: str) -> None:
     """``ValueError`` naming the fix when ``model`` holds sharded (FSDP2) parameters, for ``what`` (a function
     that needs the whole model on one process: fold, save_pretrained, save_folded)."""
-    if any(is_sharded(p) for p in model.parameters()):
+    if fsdp2_modules(model) or any(is_sharded(p) for p in model.parameters()):
         raise ValueError(f"{what} needs the whole model on one process, but its parameters are sharded across "
                          f"processes (FSDP2 fully_shard: DTensor parameters). Fix: {GATHER_FIX}")
 
@@ -167,8 +187,9 @@ def refuse_unsupported(model: nn.Module, slopes: list[torch.Tensor]) -> None:
         raise TypeError(
             f"module {fsdp1 or '<root>'!r} is wrapped by FSDP1 (FullyShardedDataParallel), whose flat parameters "
             "split the unit slopes at arbitrary offsets: linearize supports FSDP2. Fix: shard with "
-            "torch.distributed.fsdp.fully_shard(module) instead (Accelerate: fsdp_version: 2 in the FSDP config, "
-            "see docs/distributed.md), or use DDP")
+            "torch.distributed.fsdp.fully_shard(module) instead (Accelerate: fsdp_version: 2 in the FSDP config; "
+            "the Trainer: TrainingArguments(fsdp=..., fsdp_config={'fsdp_version': 2}); see docs/distributed.md), "
+            "or use DDP")
     if any(hasattr(s, "ds_id") for s in slopes):
         raise TypeError(
             "the unit slopes are partitioned by DeepSpeed ZeRO-3, which linearize cannot read or write: use ZeRO "

@@ -239,6 +239,27 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
     from torch.distributed.fsdp import fully_shard
 
     result["penalty"] = penalty_run(fully_shard(mlp()), rank, WORLD).tolist()
+
+    # full_copy after a forward without backward: the root holds unsharded compute copies (bfloat16 here)
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    net = mlp()
+    want = {k: v.clone() for k, v in net.state_dict().items()}
+    fully_shard(net, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+    with torch.no_grad():
+        net(torch.randn(2, 8))
+    copied = full_copy(net, device="cpu")
+    result["copy_after_forward"] = [k for k, v in copied.state_dict().items()
+                                    if not torch.allclose(v, want[k], rtol=0, atol=0, equal_nan=True)]
+    # DDP-style replicas (nothing sharded) under a latency target: each rank times, rank 0's plan is everyone's
+    net = mlp()
+    sp = linearize.Sparsifier(net, linearize.schedules.target(latency=0.8, start=0, end=2), total_steps=3,
+                              granularity="site", select="slope", example_inputs=torch.randn(1, 8))
+    sp.attach(torch.optim.SGD(linearize.param_groups(net), lr=0.0))
+    for _ in range(3):
+        net(torch.randn(2, 8)).sum().backward()
+        sp.optimizer.step()
+    result["replica_plan"] = sp.cost_plan
     (out_dir / f"rank{rank}.json").write_text(json.dumps(result))
     torch.distributed.destroy_process_group()
 
@@ -320,6 +341,16 @@ def test_fsdp_latency_target_is_one_plan_on_every_rank(runs):
     held = next(p for k, p in enumerate(plan) if p["cost"] <= 0.9 or k == len(plan) - 1)
     linear = {n for n, c in ranks[0]["latency"]["counts"]["sites"].items() if c["nonlinear"] == 0}
     assert linear == set(held["sites"])  # the target ends at the plan's prefix within the goal
+
+
+def test_full_copy_after_a_forward_holds_the_master_weights_not_compute_copies(runs):
+    _, _, ranks = runs
+    assert all(r["copy_after_forward"] == [] for r in ranks)  # float32, bit-identical to the weights sharded
+
+
+def test_a_latency_plan_is_rank_zeros_on_every_replica(runs):
+    _, _, ranks = runs
+    assert ranks[0]["replica_plan"] and ranks[0]["replica_plan"] == ranks[1]["replica_plan"]
 
 
 def test_full_copy_of_a_sharded_model_is_the_model_on_one_process(runs):

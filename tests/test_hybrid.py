@@ -183,6 +183,9 @@ def test_fold_of_a_model_that_became_a_constant_names_the_unit_and_folds_unverif
         want = net.eval()(x)
         assert torch.allclose(want, want[:1].expand_as(want), rtol=0, atol=1e-12)  # the model is a constant
         assert torch.allclose(folded(x), want, rtol=0, atol=1e-12)
+        net[1].beta.zero_(), net[2].bias.zero_()  # a constant zero: the same diagnosis, not "pass other samples"
+    with pytest.raises(linearize.FoldVerificationError, match=r"is zero.*constant.*units \['1'\].*verify=False"):
+        linearize.fold(copy.deepcopy(net).eval(), x[:4], latency=False)
 
 
 def test_a_fine_tune_keeps_a_removed_ffn_removed():

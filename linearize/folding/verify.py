@@ -220,18 +220,19 @@ def _verify_signal(
                 "Decisions:\n" + "\n".join(summary.merged)
             )
         return
-    if why == "zero":
+    constant = [n for n, u in units(model) if bool(u.linear_mask().all()) and u.alpha is not None
+                and not bool(u.alpha.detach().any())]
+    if constant and _samples_differ(inputs):  # the samples differ and nothing of them passes these units
+        fix = (f"The model computes a constant on these samples, which no fold can be checked against: units "
+               f"{constant[:3]} have every channel linear with alpha = 0 (their mean output, as "
+               "one_shot(end='hybrid', flops=0) leaves an FFN), so nothing of the input passes them. If that is "
+               "the model you want, fold(..., verify=False); else give them a budget that passes the input")
+    elif why == "zero":
         fix = ("Pass example_inputs with at least 2 different samples, or give the model a head that is not zero "
                "(e.g. a random one) to verify the fold")
-    else:  # the samples differ and the output does not: the model is a constant on them
-        constant = [n for n, u in units(model) if bool(u.linear_mask().all()) and u.alpha is not None
-                    and not bool(u.alpha.detach().any())]
-        fix = ("The model computes a constant on these samples, which no fold can be checked against: "
-               + (f"units {constant[:3]} have every channel linear with alpha = 0 (their mean output, as "
-                  "one_shot(end='hybrid', flops=0) leaves an FFN), so nothing of the input passes them. "
-                  if constant else "something cuts every path from the input (a zero-weight head?). ")
-               + "If that is the model you want, fold(..., verify=False); else give it a budget or head that "
-               "passes the input")
+    else:
+        fix = ("The model computes a constant on these samples: something cuts every path from the input (a "
+               "zero-weight head?). If that is the model you want, fold(..., verify=False)")
     raise FoldVerificationError(
         f"fold cannot verify the folded model: its output on example_inputs {describe_inputs(inputs)} is {why}, "
         f"and no layer input that fold left untouched varies either. {fix}"

@@ -19,7 +19,7 @@ from torch import nn
 
 from .. import schedules as _schedules
 from ..checks import finite_nonnegative
-from ..distributed import full_copy, is_sharded
+from ..distributed import full_copy
 from ..folding.core import fold
 from ..inputs import map_tensors
 from ..timing import busy_cpu, median_latency_ms
@@ -80,8 +80,9 @@ class CostPlanner:
     """Plans and holds a cost target (the schedule's ``cost`` and ``goal``) over groups of units.
 
     A model sharded by FSDP2 is planned alike on every rank: each folds whole copies of it
-    (:func:`~linearize.distributed.full_copy`, gathered once per plan) and the plan of rank 0 (where
-    latencies, timed on each rank, could differ) is every rank's.
+    (:func:`~linearize.distributed.full_copy`, gathered to the CPU once per plan). Under
+    ``torch.distributed`` (DDP or FSDP2) a latency plan is rank 0's on every process (each times its own
+    latencies); every process must then build the Sparsifier and step it alike.
 
     Args:
         model: the converted model (folded as a float32 CPU copy for every measure).
@@ -110,7 +111,6 @@ class CostPlanner:
         self.reference: float | None = None  # the original's folded cost (FLOPs or ms)
         self.frozen_measured: torch.Tensor | None = None  # frozen values when the costs were measured
         self.base: nn.Module | None = None  # a float32 CPU copy of the model while a plan is measured
-        self.sharded = any(is_sharded(u.slope) for _, u in units)
         self.check_budget()
 
     # ------------------------------------------------------------------ measures
@@ -169,7 +169,7 @@ class CostPlanner:
         once under FSDP2: a collective that every rank reaches at the same step)."""
         outer = self.base is None
         if outer:
-            self.base = full_copy(self.model).eval().cpu().float()
+            self.base = full_copy(self.model, device="cpu").eval().float()
         try:
             yield
         finally:
@@ -272,13 +272,14 @@ class CostPlanner:
                           f"{costs[-1]:.3f} of the original): set a higher budget, or plan with less load on the "
                           "CPU (latencies are noisy under load)")
             self.plan, self.plan_costs = plan, costs
-        if self.sharded:
+        if self.schedule.cost == "latency" and torch.distributed.is_available() and \
+                torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
             self.agree()
         return self.plan_costs[0]
 
     def agree(self) -> None:
-        """Every rank of a sharded run takes rank 0's plan and reference (one broadcast): FLOPs plans agree by
-        themselves, but each rank times latencies on its own."""
+        """Every process takes rank 0's plan and reference (one broadcast; DDP replicas and FSDP2 shards alike):
+        FLOPs plans agree by themselves, but each process times latencies on its own."""
         shared = [(self.plan, self.plan_costs, sorted(self.plan_start), self.reference)]
         torch.distributed.broadcast_object_list(shared, src=0)
         plan, costs, start, self.reference = shared[0]
