@@ -48,6 +48,7 @@ def convert_blend(model: nn.Module, config: BlendConfig, example_inputs: Any) ->
         inputs = example_inputs if example_inputs is not None else guess_example_inputs(model)
         reference = _outputs(model, inputs)
     from_inplace: list[LinearizableActivation] = []
+    hooked: list[nn.Module] = []
     for owner, attr, act, calls in plan:
         made = [
             act if call.gate is not None else make_unit(  # an excluded gate call keeps act
@@ -61,6 +62,11 @@ def convert_blend(model: nn.Module, config: BlendConfig, example_inputs: Any) ->
             from_inplace += [u for u in made if isinstance(u, LinearizableActivation)]
         install_call_sites(owner, attr, made)
         getattr(owner, attr).train(act.training)  # new units (and dispatcher) take the replaced flag
+        if getattr(owner, attr) is not act and carry_hooks(act, getattr(owner, attr)):
+            hooked.append(act)
+    for act in hooked:  # the units call act (GELU, ...): its hooks now run once per call, on the unit
+        for name in HOOK_DICTS:
+            setattr(act, name, type(getattr(act, name))())
     for p in owner_plans:
         made = {
             k: make_unit(p.calls[k].act, site.input_shape, site.channel_dim, site.kind, config.init_slope,
@@ -86,6 +92,23 @@ def convert_blend(model: nn.Module, config: BlendConfig, example_inputs: Any) ->
             stacklevel=3,
         )
     return model
+
+
+# the hook registries of a module that a unit takes over from the activation module it replaces
+HOOK_DICTS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks", "_forward_hooks_with_kwargs",
+              "_forward_hooks_always_called", "_backward_pre_hooks", "_backward_hooks")
+
+
+def carry_hooks(act: nn.Module, new: nn.Module) -> bool:
+    """Give ``new`` (the unit or dispatcher put in place of the activation module ``act``) the hooks a user
+    registered on ``act``: the same registries, so they run on every call of the site and the user's handles
+    still remove them. Returns whether ``act`` had any."""
+    if not any(getattr(act, name) for name in HOOK_DICTS):
+        return False
+    for name in HOOK_DICTS:
+        setattr(new, name, getattr(act, name))
+    new._is_full_backward_hook = act._is_full_backward_hook
+    return True
 
 
 def _outputs(model: nn.Module, inputs: Any) -> list[torch.Tensor]:

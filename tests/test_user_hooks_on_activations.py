@@ -1,0 +1,69 @@
+"""Hooks a user registered on an activation module before ``convert`` keep running on the unit (or the
+dispatcher of a reused module) that replaces it: once per call, changing the output as before, and the
+user's handles still remove them. The truth: the unconverted model with the same hooks."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import linearize
+
+
+class Net(nn.Module):
+    def __init__(self, act: nn.Module, twice: bool) -> None:
+        super().__init__()
+        self.l1, self.act, self.l2, self.twice = nn.Linear(4, 4), act, nn.Linear(4, 4), twice
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.act(self.l1(x))
+        return self.act(self.l2(h)) if self.twice else self.l2(h)
+
+
+@pytest.mark.parametrize("act", [nn.ReLU(), nn.GELU(), nn.SiLU()], ids=lambda a: type(a).__name__)
+@pytest.mark.parametrize("twice", [False, True], ids=["called once", "reused"])
+def test_hooks_on_a_replaced_activation_run_once_per_call_and_their_handles_remove_them(act, twice):
+    net, x = Net(copy.deepcopy(act), twice), torch.randn(3, 4)
+    calls: list[tuple[int, ...]] = []
+    pre = net.act.register_forward_pre_hook(lambda m, args: calls.append(tuple(args[0].shape)))
+    post = net.act.register_forward_hook(lambda m, args, out: out * 2)  # changes the output
+    plain = copy.deepcopy(net)  # the truth, hooks included
+    want = plain(x)
+    expected = list(calls)
+    calls.clear()
+    converted = linearize.convert(net, example_inputs=x)
+    calls.clear()
+    assert torch.equal(converted(x), want)  # slope 0: the original function, hook included
+    assert calls == expected  # once per call of the site
+    with torch.no_grad():  # a linear site now: the hook acts on the unit's output
+        for _, unit in linearize.units(converted):
+            unit.slope.fill_(1.0)
+    calls.clear()
+    h = converted.l1(x) * 2
+    assert torch.allclose(converted(x), (converted.l2(h) * 2) if twice else converted.l2(h))
+    pre.remove(), post.remove()
+    calls.clear()
+    with torch.no_grad():
+        for _, unit in linearize.units(converted):
+            unit.slope.zero_()
+    bare = Net(copy.deepcopy(act), twice)
+    bare.load_state_dict(plain.state_dict())
+    assert torch.equal(converted(x), bare(x)) and calls == []  # removed by the user's own handles
+
+
+def test_a_backward_hook_on_a_replaced_activation_sees_the_same_gradients():
+    torch.manual_seed(0)
+    net, x = Net(nn.GELU(), False), torch.randn(3, 4)
+    grads: list[torch.Tensor] = []
+    net.act.register_full_backward_hook(lambda m, gin, gout: grads.append(gout[0].clone()))
+    plain = copy.deepcopy(net)
+    plain(x).sum().backward()
+    want = list(grads)
+    grads.clear()
+    converted = linearize.convert(net, example_inputs=x)
+    grads.clear()
+    converted(x).sum().backward()
+    assert len(grads) == len(want) == 1 and torch.equal(grads[0], want[0])
