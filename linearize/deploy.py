@@ -610,7 +610,8 @@ def folded_weights_name(sha256: str) -> str:
     return f"folded-{sha256[:16]}.safetensors"
 
 
-def _rebuild(meta: dict[str, Any], base: nn.Module | None, path: Path) -> nn.Module:
+def _rebuild(meta: dict[str, Any], base: nn.Module | None, path: Path,
+             shapes: dict[str, tuple[int, ...]]) -> nn.Module:
     from .folding.layers import get_path
 
     built: dict[str, nn.Module] = {}
@@ -632,9 +633,12 @@ def _rebuild(meta: dict[str, Any], base: nn.Module | None, path: Path) -> nn.Mod
             module = same
         elif cls is not None and "args" in entry:
             try:
-                module = _build(cls, entry["args"])
-            except (TypeError, ValueError, KeyError) as err:
+                with torch.device("meta"):  # sizes first: arguments must not allocate what the weights do not hold
+                    sized = _build(cls, entry["args"])
+            except (TypeError, ValueError, KeyError, RuntimeError) as err:
                 raise LoadError(f"{path}: module {where!r} ({cls_name}): bad arguments ({err})") from None
+            _check_shapes(sized, name, shapes, path)
+            module = _build(cls, entry["args"])
         else:
             module = None if base is None else (base if not name else get_path(base, name))
             origin = entry.get("origin", name)  # none saved: the same path in the model folded (its parent may be new)
@@ -730,8 +734,9 @@ def load_folded(directory: str | os.PathLike, base: nn.Module | None = None, *, 
     directory = Path(directory)
     path = directory / FOLDED_CONFIG
     meta, data, weights = _read_folded(directory)
-    model = _rebuild(meta, _build_base(meta.get("base") or {}, base, path), path)
     tensors = safetensors.torch.load(data)
+    model = _rebuild(meta, _build_base(meta.get("base") or {}, base, path), path,
+                     {k: tuple(t.shape) for k, t in tensors.items()})
     probe = {k: tensors.pop(k) for k in [k for k in tensors if k.startswith(_PROBE)]}
     _fit(model, tensors)
     try:
@@ -744,6 +749,21 @@ def load_folded(directory: str | os.PathLike, base: nn.Module | None = None, *, 
     if check and (probe or (meta.get("probe") or {}).get("saved")):
         _check_probe(model, probe, path)
     return model.eval()
+
+
+def _check_shapes(module: nn.Module, name: str, shapes: dict[str, tuple[int, ...]], path: Path) -> None:
+    """``LoadError`` unless every tensor that ``module`` (built on the meta device from its saved arguments)
+    holds itself is in the weights file with the same shape: the strict load would refuse it anyway, after
+    allocating whatever the arguments ask for."""
+    for key, t in module.state_dict().items():
+        if "." in key:  # a child's: its own entry checks it
+            continue
+        full = f"{name}.{key}" if name else key
+        if shapes.get(full) != tuple(t.shape):
+            held = "no such tensor" if full not in shapes else f"shape {list(shapes[full])}"
+            raise LoadError(f"{path}: module {name or '<root>'!r} ({type(module).__name__}): its arguments make "
+                            f"{key!r} of shape {list(t.shape)}, the weights file has {held}; the save is damaged "
+                            "or was edited: save it again with linearize.save_folded")
 
 
 def _fit(model: nn.Module, tensors: dict[str, torch.Tensor]) -> None:

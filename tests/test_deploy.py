@@ -104,6 +104,24 @@ def test_unknown_classes_and_damage_are_refused(tmp_path):
         linearize.load_folded(tmp_path)
 
 
+@pytest.mark.parametrize("field, value", [("in_features", 10**12), ("out_features", 5)])
+def test_crafted_layer_arguments_are_refused_before_anything_is_allocated(tmp_path, monkeypatch, field, value):
+    x = torch.randn(2, 3, 8, 8)
+    seq = _half_linear(nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Flatten(), nn.Linear(144, 3)), x)
+    linearize.save_folded(seq, tmp_path, example_inputs=x)
+    meta_path = tmp_path / "folded.json"
+    meta = json.loads(meta_path.read_text())
+    entry = next(e for e in meta["modules"] if e["class"].endswith("Linear"))
+    entry["args"][field] = value  # 4 TB of weights at 10**12, or a shape the file does not hold
+    meta_path.write_text(json.dumps(meta))
+    built = []
+    monkeypatch.setattr(nn.Linear, "reset_parameters", lambda self: built.append(self.weight.device.type))
+    with pytest.raises(LoadError, match=rf"folded\.json: module '{entry['name']}' \(Linear\): its arguments make "
+                                        r"'weight' of shape .* the weights file has shape \[3, 144\]"):
+        linearize.load_folded(tmp_path)
+    assert "cpu" not in built  # sized on the meta device only
+
+
 def test_folded_models_export(tmp_path):
     folded, x = _bert()
     ids = x["input_ids"]
