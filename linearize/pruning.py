@@ -101,7 +101,9 @@ def _is_activation(m: nn.Module) -> bool:
 
 class _FreeUses(TorchFunctionMode):
     """Records the tensors that torch functions take outside the hooked modules (``depth == 0``): a
-    functional use of a site's channels (``h * x``, a reshape) that no module hook sees."""
+    functional use of a site's channels (``h * x``, a reshape) that no module hook sees. A function that
+    hands back its first argument unchanged (the same tensor, not written to: an eval-mode ``F.dropout``,
+    as in Marian's and BART's FFNs) is no use."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -111,12 +113,15 @@ class _FreeUses(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         name = getattr(func, "__name__", repr(func))
-        if self.depth == 0 and name not in _METADATA:
+        first = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        version = first._version if first is not None else None
+        out = func(*args, **kwargs)
+        if self.depth == 0 and name not in _METADATA and not (out is first and first._version == version):
             for a in [*args, *kwargs.values()]:
                 for t in (a if isinstance(a, (list, tuple)) else [a]):
                     if isinstance(t, torch.Tensor):
                         self.uses.append((name, t))
-        return func(*args, **kwargs)
+        return out
 
 
 def _trace(model: nn.Module, example_inputs: Any) -> tuple[list[_Call], list[tuple[str, torch.Tensor]]]:

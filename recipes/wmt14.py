@@ -4,6 +4,7 @@
         --test-file test.jsonl.gz --model-size small --output_dir runs/mt
     accelerate launch recipes/wmt14.py --dataset wmt14 --dataset-config de-en --model-size base ...
     torchrun --nproc_per_node 8 recipes/wmt14.py --fsdp ...   # the model sharded (FSDP2, docs/distributed.md)
+    python recipes/wmt14.py ... --linearize none --prune magnitude   # structured pruning instead, same cost
 
 The model is Transformer-base of Vaswani et al. (6+6 layers, d_model 512, 8 heads, FFN 2048,
 ReLU, shared embeddings, dropout 0.1, label smoothing 0.1, inverse-sqrt LR with warm-up) built
@@ -18,6 +19,13 @@ and on the validation split alone when there is no test split.
 The calls of linearize are in :func:`main`, as in ``recipes/cifar.py``: ``linearize.convert``,
 ``linearize.Sparsifier(...).attach(optimizer)``, ``linearize.freeze``, ``linearize.fold`` +
 ``linearize.save_folded``, ``linearize.report``; ``recipes/common.py`` holds the plumbing.
+
+The comparison a user would make instead: ``--linearize none --prune magnitude|taylor`` trains the plain
+model the same way and, at the step where the late schedule would start (``--late-start``), removes FFN
+intermediate channels with ``linearize.prune`` down to the FFN multiply-adds per token of the model
+linearized to ``--target`` and folded (:func:`prune_budget`), then trains on with the optimizer state of the
+kept channels (:func:`prune_ffns`). A checkpoint after that step holds the pruned model; resuming from it
+builds the pruned shapes first.
 """
 
 from __future__ import annotations
@@ -29,6 +37,7 @@ import math
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -51,6 +60,9 @@ PAD, EOS = 0, 1
 SELECT_DEFAULT = "saliency"  # AdamW: channels chosen by saliency (see common.add_linearize_args)
 VOCAB_SIZE = 8000  # of the joint BPE trained here (without --tokenizer)
 PROVENANCE = "provenance.json"  # beside OUTPUT_DIR/tokenizer: what it was trained on
+PRUNE_IMPORTANCES = ("magnitude", "taylor")  # of linearize.prune (its "residual" ranks for linearizing)
+PRUNE_BATCHES = 32  # training batches the Taylor importance sums over
+KEPT_FILE = "pruned_channels.json"  # OUTPUT_DIR/: the indices each pruned FFN kept
 
 
 # ----------------------------------------------------------------------------- data
@@ -260,6 +272,14 @@ def collate(batch: list[tuple[list[int], list[int]]]) -> dict[str, torch.Tensor]
     return {"input_ids": ids, "attention_mask": (ids != PAD).long(), "decoder_input_ids": dec, "labels": labels}
 
 
+def translation_loss(model: nn.Module, batch: dict[str, torch.Tensor], label_smoothing: float) -> torch.Tensor:
+    """The training loss: label-smoothed cross-entropy of the next target token (padding ignored)."""
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                   decoder_input_ids=batch["decoder_input_ids"]).logits
+    return F.cross_entropy(logits.flatten(0, 1).float(), batch["labels"].flatten(), ignore_index=-100,
+                           label_smoothing=label_smoothing)
+
+
 # ----------------------------------------------------------------------------- model
 
 
@@ -311,6 +331,88 @@ def load_model(directory: str | Path) -> nn.Module:
         return MarianMTModel.from_pretrained(str(directory), use_safetensors=True)
     # loads the weights with the unit tensors expected (no UNEXPECTED-keys table), then the units
     return linearize.from_pretrained(MarianMTModel, directory, use_safetensors=True, example_inputs=example_inputs())
+
+
+# ----------------------------------------------------------------------------- pruning
+
+
+class TrainingLoss(nn.Module):
+    """:func:`translation_loss` of a batch as a module call, for ``linearize.prune``'s Taylor importance.
+
+    The source mask is passed as ``source_mask``: prune multiplies an ``attention_mask`` input into every
+    ``[B, S, C]`` activation, and the decoder's are ``[B, T, C]`` (a batch with ``T == S`` would have its
+    decoder positions masked by the source's padding); the loss has no gradient at padding anyway."""
+
+    def __init__(self, model: nn.Module, label_smoothing: float) -> None:
+        super().__init__()
+        self.model, self.label_smoothing = model, label_smoothing
+
+    def forward(self, input_ids, source_mask, decoder_input_ids, labels) -> torch.Tensor:
+        batch = dict(input_ids=input_ids, attention_mask=source_mask, decoder_input_ids=decoder_input_ids,
+                     labels=labels)
+        return translation_loss(self.model, batch, self.label_smoothing)
+
+
+def loss_batch(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A :func:`collate` batch as :class:`TrainingLoss` takes it."""
+    return {("source_mask" if k == "attention_mask" else k): v for k, v in batch.items()}
+
+
+def prune_budget(size: str, target: float) -> tuple[int, int]:
+    """``(channels kept per FFN, the budget)``: the budget is the FFN multiply-adds per token of the model
+    linearized to ``target`` and folded, ``L d^2 + 2 d n`` over its ``L`` FFNs (each folds to its nonlinear
+    channels plus a ``d x d`` passthrough; ``n = round(target * L * ffn)`` nonlinear channels in all); a
+    pruned FFN keeping ``k`` channels costs ``2 d k``, so ``k`` is the budget over ``2 d L``, rounded: within
+    half a channel per FFN.
+
+    Example: ``small`` at 0.1: 6 FFNs, d 256, 614 nonlinear channels: 707,584 MACs; 230 channels (706,560).
+    """
+    p = PRESETS[size]
+    d, ffns = p["d_model"], 2 * p["layers"]
+    budget = ffns * d * d + 2 * d * round(target * ffns * p["ffn"])
+    keep = round(budget / (2 * d * ffns))
+    if not 1 <= keep <= p["ffn"]:
+        raise ValueError(f"--target {target}: the folded budget ({budget} FFN MACs per token) would keep {keep} of "
+                         f"the {p['ffn']} channels per FFN; pruning needs 1 to {p['ffn']}: raise or lower --target")
+    return keep, budget
+
+
+def prune_ffns(run: common.Run, keep: int, importance: str, batches: list[dict[str, torch.Tensor]],
+               rebuild: Callable[[nn.Module], tuple]) -> dict[str, list[int]]:
+    """Keep ``keep`` intermediate channels of every FFN of the run's model (``linearize.prune``, ranked by
+    ``importance`` on ``batches``: the first alone finds the sites), set the config's FFN width to it (the
+    saved model loads back), and replace the run's optimizer and LR scheduler by ``rebuild(model)``'s,
+    loaded with their states: Adam's moments of the kept channels follow them. Returns the kept indices
+    per FFN (its first layer's name)."""
+    raw = run.accelerator.unwrap_model(run.model)
+    names = {id(p): n for n, p in raw.named_parameters()}
+    order = [names[id(p)] for g in run.optimizer.param_groups for p in g["params"]]
+    opt_state, lr_state = run.optimizer.state_dict(), run.scheduler.state_dict()
+    wrapper = TrainingLoss(raw, run.args.label_smoothing)
+    linearize.prune(wrapper, keep, importance, data=[loss_batch(b) for b in batches],
+                    example_inputs=loss_batch(batches[0]), loss=lambda loss: loss)
+    sites = wrapper.linearize_prune_summary.sites
+    raw.config.encoder_ffn_dim = raw.config.decoder_ffn_dim = keep
+    cut = {}  # parameter name -> (dimension, kept indices)
+    for s in sites.values():
+        producer, consumer = (n.removeprefix("model.") for n in (s.producer, s.consumer))
+        cut.update({f"{producer}.weight": (0, s.kept), f"{producer}.bias": (0, s.kept),
+                    f"{consumer}.weight": (1, s.kept)})
+    for i, name in enumerate(order):
+        if name in cut and i in opt_state["state"]:
+            dim, kept = cut[name]
+            opt_state["state"][i] = {k: v.index_select(dim, kept) if v.ndim else v
+                                     for k, v in opt_state["state"][i].items()}
+    run.optimizer, run.scheduler = rebuild(raw)
+    run.optimizer.load_state_dict(opt_state)
+    run.scheduler.load_state_dict(lr_state)
+    return {n.removeprefix("model."): s.kept.tolist() for n, s in sites.items()}
+
+
+def calibration_batches(train: list, sampler: TokenBatchSampler, epoch: int, n: int) -> list[dict[str, torch.Tensor]]:
+    """The first ``n`` training batches of ``epoch``, collated."""
+    sampler.set_epoch(epoch)
+    return [collate([train[i] for i in idx]) for idx in list(sampler)[:n]]
 
 
 # ----------------------------------------------------------------------------- evaluation
@@ -391,6 +493,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     m.add_argument("--num-beams", "--num_beams", dest="num_beams", type=int, default=4)
     m.add_argument("--length-penalty", "--length_penalty", dest="length_penalty", type=float, default=0.6)
     m.add_argument("--fsdp", action="store_true", help=common.FSDP_HELP)
+    m.add_argument("--prune", choices=PRUNE_IMPORTANCES, default=None,
+                   help="with --linearize none: at --late-start remove FFN channels ranked by this importance "
+                        "(linearize.prune) down to the FFN multiply-adds of the model linearized to --target and "
+                        "folded, then train on")
     common.add_linearize_args(p, default_select=SELECT_DEFAULT)
     common.add_run_args(p)
     args = p.parse_args(argv)
@@ -398,7 +504,29 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--target-flops / --target-latency are recipes/cifar.py's (convolutional sites); for the FFN "
                 "channels here, steer the nonlinear fraction with --target")
     common.check_run_args(args)
+    if args.prune:
+        if args.linearize != "none":
+            p.error(f"--prune {args.prune} removes channels of the plain model, and --linearize {args.linearize} "
+                    "(the default is prelu) converts its activations: add --linearize none")
+        if args.fsdp:
+            p.error("--prune slices the FFN layers, which --fsdp shards: drop --fsdp")
+        # --prune reads --target (the budget) and --late-start (when); common's check refuses them without units
+        given = {k: getattr(args, k) for k in ("target", "late_start")}
+        args.target = args.late_start = None
     common.check_linearize_args(args, SELECT_DEFAULT)
+    if args.prune:
+        args.target = args.target if given["target"] is None else given["target"]
+        args.late_start = args.late_start if given["late_start"] is None else given["late_start"]
+        if not 0.0 < args.target <= 1.0:
+            p.error(f"--target {args.target}: with --prune, the nonlinear fraction whose folded FFN cost the pruned "
+                    "FFNs match; give a number in (0, 1]")
+        if not args.late_start >= 0:
+            p.error(f"--late-start {args.late_start}: with --prune, the step (>= 1) or fraction of training (< 1) "
+                    "to prune at; give a number >= 0")
+        try:
+            prune_budget(args.model_size, args.target)
+        except ValueError as e:
+            p.error(str(e))
     files = [common.flag(f"{k}_file") for k in ("train", "validation", "test") if getattr(args, f"{k}_file")]
     if args.dataset and files:
         p.error(f"--dataset {args.dataset} and {', '.join(files)} both name the data: give one or the other")
@@ -435,6 +563,9 @@ def main(argv: list[str] | None = None) -> dict:
     start_time = time.time()
     accelerator = common.make_accelerator(args, split_batches=False)
     common.check_fsdp(accelerator, args)
+    if args.prune and accelerator.num_processes > 1:
+        raise ValueError(f"--prune replaces the FFN parameters, which the {accelerator.num_processes} processes' "
+                         "DDP wrapper holds: run it in one process (python recipes/wmt14.py)")
     show = accelerator.is_local_main_process
     out_dir = Path(args.output_dir)
 
@@ -467,18 +598,28 @@ def main(argv: list[str] | None = None) -> dict:
 
     sampler = TokenBatchSampler([max(len(s), len(t)) for s, t in train], args.max_tokens, args.seed)
     train_loader = torch.utils.data.DataLoader(train, batch_sampler=sampler, collate_fn=collate)
-    # no weight decay on slopes (it would pull them back towards the activation), biases and norms
-    optimizer = torch.optim.AdamW(linearize.param_groups(model, weight_decay=args.weight_decay), lr=args.lr,
-                                  betas=(0.9, 0.98), eps=1e-9)
-    model, optimizer, train_loader = common.prepare(accelerator, model, optimizer, train_loader)
+
+    def new_optimizer(net: nn.Module) -> torch.optim.Optimizer:
+        # no weight decay on slopes (it would pull them back towards the activation), biases and norms
+        return torch.optim.AdamW(linearize.param_groups(net, weight_decay=args.weight_decay), lr=args.lr,
+                                 betas=(0.9, 0.98), eps=1e-9)
+
+    def new_scheduler(opt) -> torch.optim.lr_scheduler.LambdaLR:
+        return torch.optim.lr_scheduler.LambdaLR(
+            opt.optimizer, lambda s: min((s + 1) / warmup, math.sqrt(warmup / (s + 1))))
+
+    def rebuild(net: nn.Module) -> tuple:
+        opt = accelerator.prepare_optimizer(new_optimizer(net))
+        return opt, new_scheduler(opt)
+
+    model, optimizer, train_loader = common.prepare(accelerator, model, new_optimizer(model), train_loader)
     steps_per_epoch = len(train_loader)
     if steps_per_epoch == 0:
         raise ValueError(f"{len(train)} training pairs give no batch per process: lower the number of processes "
                          "or --max-tokens, or use more data")
     total_steps = common.run_length(args, steps_per_epoch)
     warmup = max(1, args.warmup_steps)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer.optimizer, lambda s: min((s + 1) / warmup, math.sqrt(warmup / (s + 1))))
+    scheduler = new_scheduler(optimizer)
     sparsifier = None
     if args.linearize == "prelu" and args.schedule != "none":  # after every optimizer step: slopes towards 1
         schedule = linearize.schedules.target(args.target, start=common.schedule_start(args, total_steps),
@@ -490,17 +631,36 @@ def main(argv: list[str] | None = None) -> dict:
                                           example_inputs=example_inputs() if priced else None).attach(optimizer)
     run = common.Run(accelerator, args, model, optimizer, scheduler, sparsifier, out_dir, fingerprint, RECIPE,
                      started=start_time)
+    if args.prune:  # a checkpoint after step prune_at holds the pruned model (at prune_at, the whole one)
+        keep, budget = prune_budget(args.model_size, args.target)
+        prune_at = int(args.late_start) if args.late_start >= 1 else round(args.late_start * total_steps)
+        if prune_at >= total_steps:
+            raise ValueError(f"--late-start {args.late_start} prunes at step {prune_at}, but the run has "
+                             f"{total_steps} steps: give a fraction of training below 1 or a step below {total_steps}")
+        if args.resume_from_checkpoint:
+            common.remove_partial_checkpoints(out_dir)  # as common.start does: the checkpoint it will load
+            if common.find_checkpoint(args.resume_from_checkpoint, out_dir)[0].step > prune_at:
+                # the pruned shapes (the kept channels do not matter: the checkpoint's weights replace them)
+                prune_ffns(run, keep, "magnitude", calibration_batches(train, sampler, 0, 1), rebuild)
     step, last_step = common.start(run, total_steps)
     accelerator.print(f"{args.model_size} Transformer, {args.source_lang}->{args.target_lang}: {len(train)} pairs, "
                       f"vocab {len(tokenizer)}, {steps_per_epoch} steps/epoch, {total_steps} steps, "
                       f"{accelerator.num_processes} process(es)")
 
     def loss_fn(batch: dict) -> torch.Tensor:
-        labels = batch.pop("labels")
-        logits = model(**batch).logits
-        return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100,
-                               label_smoothing=args.label_smoothing)
+        return translation_loss(model, batch, args.label_smoothing)
 
+    if args.prune and step <= prune_at < last_step:  # train up to the prune step, prune, train on
+        if step < prune_at:
+            step = common.train(run, train_loader, sampler, loss_fn, step, prune_at, steps_per_epoch,
+                                clip_grad=args.clip_grad)
+        batches = calibration_batches(train, sampler, prune_at // steps_per_epoch,
+                                      PRUNE_BATCHES if args.prune == "taylor" else 1)
+        kept = prune_ffns(run, keep, args.prune, batches, rebuild)
+        if accelerator.is_main_process:
+            (out_dir / KEPT_FILE).write_text(json.dumps(kept))
+        accelerator.print(f"pruned at step {prune_at} ({args.prune}): {keep} of {PRESETS[args.model_size]['ffn']} "
+                          f"channels per FFN, {ffn_macs_per_token(accelerator.unwrap_model(model))} FFN MACs per token")
     step = common.train(run, train_loader, sampler, loss_fn, step, last_step, steps_per_epoch,
                         clip_grad=args.clip_grad)
 
@@ -542,7 +702,20 @@ def main(argv: list[str] | None = None) -> dict:
                              skip=[m for m in args.report_skip.split(",") if m],
                              history=history if history.exists() else None).save(out_dir / "report")
             metrics["report"] = str(out_dir / "report")
-        if args.fold or args.report:
+        if args.prune:
+            whole = build().to(accelerator.device).eval()
+            macs = {"before": ffn_macs_per_token(whole), "after": ffn_macs_per_token(raw),
+                    "linearized_folded_at_target": budget}
+            preset = PRESETS[args.model_size]
+            if step > prune_at and abs(macs["after"] - budget) > 2 * preset["layers"] * preset["d_model"]:
+                raise AssertionError(f"pruned FFN MACs per token {macs['after']}: not within half a channel per FFN "
+                                     f"of the budget {budget}")
+            metrics["prune"] = {
+                "importance": args.prune, "step": prune_at, "channels_per_ffn": preset["ffn"],
+                "kept_channels": {n: m.out_features for n, m in raw.named_modules() if n.endswith(".fc1")},
+                "kept_indices": str(out_dir / KEPT_FILE), "ffn_macs_per_token": macs,
+                "flops_before": linearize.count_flops(whole, probe), "flops_after": linearize.count_flops(raw, probe)}
+        if args.fold or args.report or args.prune:
             common.write_metrics(out_dir, metrics, args, start_time, accelerator.num_processes, str(accelerator.device), run.earlier_s)
         accelerator.print(json.dumps({k: v for k, v in metrics.items() if not isinstance(v, dict)}))
     if args.with_tracking:
