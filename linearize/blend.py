@@ -37,6 +37,7 @@ def convert_blend(model: nn.Module, config: BlendConfig, example_inputs: Any) ->
             + (f" Left as multiplicative gates: {', '.join(report.gates)} (convert(..., gates='include') converts them)."
                if report.gates else "")
             + (f" Activation calls {', '.join(map(repr, report.threads))} ran {THREAD_CALL}." if report.threads else "")
+            + "".join(f" {name}: {why}." for name, why in report.unreachable.items())
         )
     param = next(model.parameters(), None)
     # new units go to the model's device; float64 models get float64 slopes, low precision ones float32

@@ -208,9 +208,10 @@ class _Caller:
 
 
 def _calling_module_frame(skip: int) -> _Caller:
-    """Walk up from the caller of this module's public functions to the innermost running module's
-    ``Module._call_impl`` frame, past ``skip`` of them."""
-    frame, codes, checkpointed, in_function = sys._getframe(3), set(), False, False
+    """Walk up from here to the innermost running module's ``Module._call_impl`` frame, past ``skip`` of them
+    (the frames of this module's own functions and their callers count as "between": none is a user hook,
+    a checkpoint or an autograd.Function, so no call depth is assumed)."""
+    frame, codes, checkpointed, in_function = sys._getframe(1), set(), False, False
     while frame is not None:
         code = frame.f_code
         if code is _CALL_IMPL:
@@ -232,12 +233,13 @@ def called_from_hook() -> bool:
     return caller.frame is not None and bool(caller.codes & _hook_codes(caller.frame.f_locals.get("self")))
 
 
-def unreachable_call() -> str:
-    """Why the call this function's caller handles, made within the innermost running module, could not get a
-    unit that trains ("" when it could): inside ``torch.utils.checkpoint`` (recomputed outside the module's
-    forward) or inside a custom ``torch.autograd.Function``'s forward (its own backward gives the gradients).
-    The probe lists such calls unconverted; the dispatch leaves a Function's calls as they are."""
-    caller = _calling_module_frame(0)
+def unreachable_call(skip: int = 0) -> str:
+    """Why the call this function's caller handles, made within the innermost running module (past ``skip``
+    module calls: 1 for an activation module's own call), could not get a unit dispatched by its owner's
+    forward ("" when it could): inside ``torch.utils.checkpoint`` (recomputed outside the owner's forward) or
+    inside a custom ``torch.autograd.Function``'s forward (its own backward gives the gradients). The probe
+    lists such calls unconverted; the dispatch leaves a Function's calls as they are."""
+    caller = _calling_module_frame(skip)
     if caller.checkpointed:
         return "inside torch.utils.checkpoint, recomputed outside its module's forward"
     return "inside a custom autograd.Function's forward, whose backward is its own" if caller.in_function else ""

@@ -206,7 +206,7 @@ class ConversionReport:
     sites: list[SiteInfo] = field(default_factory=list)
     functional_calls: dict[str, int] = field(default_factory=dict)  # "owner: fn" -> calls
     uncalled: list[str] = field(default_factory=list)
-    unreachable: list[str] = field(default_factory=list)
+    unreachable: dict[str, str] = field(default_factory=dict)  # site -> why its owner's forward cannot dispatch it
     excluded: list[str] = field(default_factory=list)
     # multiplicative gates left unconverted (LinearizeConfig.gates="exclude"): site -> why it is a gate
     # (a functional gate call is named "owner: fn", like functional_calls)
@@ -232,7 +232,7 @@ class ConversionReport:
             for where, n in self.functional_calls.items()
         ]
         lines += [f"{n}: never called during the probe forward" for n in self.uncalled]
-        lines += [f"{n}: called by a module that does not own it" for n in self.unreachable]
+        lines += [f"{n}: {why}" for n, why in self.unreachable.items()]
         lines += [f"{n}: {what}, not an activation kind convert swaps" for n, what in self.unsupported.items()]
         lines += [f"{where} ({n} call(s) per forward): {THREAD_CALL}" for where, n in self.threads.items()]
         return lines
@@ -271,6 +271,7 @@ class ActivationCall:
     owner: nn.Module | None = None
     invocation: int = 0
     act: nn.Module | None = None
+    unreachable: str = ""  # a module call its owner's forward cannot dispatch by order (see unreachable_call)
 
 
 def _first_width(layer: nn.Module, attrs: tuple[str, ...]) -> int | None:
@@ -421,7 +422,8 @@ class _Probe:
                 caller = self.running.stack[-1] if self.running.stack else None
                 where = f"activation {self.names.get(id(module), type(module).__name__)!r} (input shape {tuple(x.shape)})"
                 dim, sure = self._channel_dim(where, x)
-                call = ActivationCall(caller, tuple(x.shape), dim, activation_kind(module) or "")
+                call = ActivationCall(caller, tuple(x.shape), dim, activation_kind(module) or "",
+                                      unreachable=unreachable_call(skip=1))
                 self.calls[id(module)].append(call)
                 self.pending[id(module)] = call
                 if not sure:
@@ -666,6 +668,11 @@ def plan_conversion(
             continue
         per_forward = len(calls) // max(1, probe.invocations[id(owner)])
         calls = calls[: max(1, per_forward)]
+        why = next((c.unreachable for c in calls if c.unreachable), "")
+        if len(calls) > 1 and why:  # one unit per call, matched by order: a recomputed call has no position
+            report.unreachable[name] = (f"called {len(calls)} times per forward of its owner, one call {why}; "
+                                        "fix: give that call its own activation module")
+            continue
         for k, call in enumerate(calls):
             unit_name = name if len(calls) == 1 else f"{name}.calls.{k}"
             if call.gate is not None and exclude_gates:
@@ -680,5 +687,5 @@ def plan_conversion(
             plan.append((owner, attr, act, calls))
     for name, owner, attr, act in chosen:
         if probe.calls[id(act)] and owned_calls[id(act)] < len(probe.calls[id(act)]):
-            report.unreachable.append(name)
+            report.unreachable.setdefault(name, "called by a module that does not own it")
     return report, plan, owner_plans

@@ -225,6 +225,41 @@ def test_a_functional_call_inside_checkpoint_is_listed_or_refused_with_the_fix(r
         model(x).sum().backward()
 
 
+class ReusesInsideCheckpoint(nn.Module):
+    """One ReLU module called twice by its owner's forward, once inside torch.utils.checkpoint."""
+
+    def __init__(self, reentrant: bool) -> None:
+        super().__init__()
+        self.a, self.b, self.act, self.out, self.reentrant = nn.Linear(6, 6), nn.Linear(6, 6), nn.ReLU(), nn.GELU(), reentrant
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.act(self.a(x))
+        return self.out(checkpoint(lambda t: self.act(self.b(t)), h, use_reentrant=self.reentrant))
+
+
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_a_reused_module_called_inside_checkpoint_is_left_as_it_is_and_listed(reentrant):
+    """Its units would be matched by call order, and the recomputation has no position: it stays the ReLU."""
+    torch.manual_seed(0)
+    x = torch.randn(5, 6, requires_grad=True)
+    plain = ReusesInsideCheckpoint(reentrant)
+    with pytest.warns(UserWarning, match=r"act: called 2 times .* inside torch.utils.checkpoint.*own activation module"):
+        model = linearize.convert(copy.deepcopy(plain), example_inputs=x.detach())
+    assert [n for n, _ in linearize.units(model)] == ["out"]
+    assert isinstance(model.act, nn.ReLU)
+    for m in (plain, model):  # forward and backward as the unconverted model, every time
+        m(x).square().sum().backward()
+    assert torch.equal(plain.a.weight.grad, model.a.weight.grad)
+    with pytest.raises(ValueError, match=r"no convertible activation.*act: called 2 times"):
+        linearize.convert(_without_gelu(reentrant), example_inputs=x.detach())
+
+
+def _without_gelu(reentrant: bool) -> nn.Module:
+    model = ReusesInsideCheckpoint(reentrant)
+    model.out = nn.Identity()
+    return model
+
+
 class Outer(nn.Module):
     """Checkpoints its child owners (as Hugging Face's gradient checkpointing does with layers)."""
 
