@@ -4,8 +4,9 @@ Reads every committed CIFAR-10 run in ``recipes/results/<run>/`` (``metrics.json
 ResNet-20 and airbench94 studies (runs named ``r20_*`` and ``ab94_*``), counts each model's nonlinear
 activation elements per 32x32 image with :func:`linearize.measures.count_relus` (an element of a channel
 is nonlinear while the channel's slope is below 1, as the private-inference literature counts ReLUs), and
-writes ``recipes/results/frontier/{frontier.md, frontier.json, frontier.png}``: the table and one plot
-(log x) with the published points of SNL and AutoReP, each cited in :data:`PUBLISHED`.
+writes ``recipes/results/frontier/{frontier.md, frontier.json, frontier.png}``: the table, one plot
+(log x) with the published points of SNL and AutoReP, each cited in :data:`PUBLISHED`, and per network the
+core network: where the nonlinear elements of each linearized run sit, unit by unit.
 
 Run: ``python recipes/reproduce/frontier.py`` (about 10 s per model on one CPU thread; no data needed).
 """
@@ -63,6 +64,7 @@ def runs(results: Path) -> list[dict]:
                      "target_relus": int(target[1:]) if target and target[0] == "r" else None,
                      "nonlinear_fraction": fraction,
                      "relus_total": counts["total"], "relus_nonlinear": counts["nonlinear"],
+                     "sites": {n: [c["nonlinear"], c["total"]] for n, c in counts["sites"].items()},
                      "accuracy": 100 * metrics["test_accuracy"],
                      "accuracy_tta": None if metrics.get("test_accuracy_tta") is None else
                      100 * metrics["test_accuracy_tta"]})
@@ -81,6 +83,24 @@ def table(rows: list[dict]) -> list[str]:
     md += ["", "Published points (CIFAR-10):", "", "| method | nonlinear ReLUs / image | test accuracy | source |",
            "|---|---|---|---|"]
     md += [f"| {name} | {relus:,} | {acc:.2f}% | {src} |" for name, relus, acc, src in PUBLISHED]
+    return md
+
+
+def core_network(rows: list[dict]) -> list[str]:
+    """Per network, one table: every linearized run's nonlinear elements per image in each unit (in forward
+    order), and their share of that unit's elements."""
+    md = []
+    for net in NETWORK.values():
+        mine = [r for r in rows if r["network"] == net and r["kind"] != "base"]
+        if not mine:
+            continue
+        sites = list(mine[0]["sites"])
+        md += ["", f"Where the nonlinear elements of the {net} runs sit (per unit: nonlinear elements per image, and "
+               "their share of the unit's elements):", "",
+               "| run | " + " | ".join(f"`{s}`" for s in sites) + " |", "|---" * (len(sites) + 1) + "|"]
+        for r in mine:
+            cells = [f"{k:,} ({100 * k / n:.0f}%)" for k, n in (r["sites"].get(s, [0, 1]) for s in sites)]
+            md.append(f"| {r['run']} | " + " | ".join(cells) + " |")
     return md
 
 
@@ -127,7 +147,8 @@ def main(argv: list[str] | None = None) -> None:
     out.mkdir(exist_ok=True)
     (out / "frontier.json").write_text(json.dumps({"runs": rows, "published": PUBLISHED}, indent=1) + "\n")
     (out / "frontier.md").write_text("\n".join(["# Accuracy against nonlinear ReLUs per image", "",
-                                                "![frontier](frontier.png)", "", *table(rows)]) + "\n")
+                                                "![frontier](frontier.png)", "", *table(rows),
+                                                *core_network(rows)]) + "\n")
     plot(rows, out / "frontier.png")
     print(f"{len(rows)} runs -> {out}/frontier.md, frontier.json, frontier.png")
 

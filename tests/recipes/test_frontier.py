@@ -32,24 +32,24 @@ def test_run_names_parse_into_network_schedule_target_variant_seed(name, groups)
     assert frontier.RUN.match(name).groups() == groups
 
 
-def brute_force_nonlinear_relus(model: torch.nn.Module, image: torch.Tensor) -> int:
-    """Per unit call: the positions of its input map times its channels with slope < 1 (element units:
-    the positions whose own slope is < 1)."""
-    total, handles = [0], []
-    for _, unit in linearize.units(model):
-        def hook(m, args, out, unit=unit):
+def brute_force_nonlinear_relus(model: torch.nn.Module, image: torch.Tensor) -> dict[str, int]:
+    """Per unit: the positions of its input map times its channels with slope < 1 (element units: the
+    positions whose own slope is < 1)."""
+    counts, handles = {}, []
+    for name, unit in linearize.units(model):
+        def hook(m, args, out, unit=unit, name=name):
             x = args[0][0]  # one image: [C, H, W]
             slope = unit.slope.detach()
             if unit.granularity == "element":
-                total[0] += int((slope < 1).sum())
+                counts[name] = int((slope < 1).sum())
             else:
-                total[0] += int((slope < 1).sum()) * x[0].numel()
+                counts[name] = int((slope < 1).sum()) * x[0].numel()
         handles.append(unit.register_forward_hook(hook))
     with torch.no_grad():
         model(image)
     for h in handles:
         h.remove()
-    return total[0]
+    return counts
 
 
 def test_frontier_rows_count_nonlinear_relus_as_brute_force_and_skip_other_studies(tmp_path):
@@ -64,9 +64,13 @@ def test_frontier_rows_count_nonlinear_relus_as_brute_force_and_skip_other_studi
     base, late = rows["ab94_base_s0"], rows["ab94_late_2_s0"]
     assert base["relus_total"] == base["relus_nonlinear"] == late["relus_total"] == 81_560  # airbench94's GELUs
     model = cifar.load_model(RESULTS / "ab94_late_2_s0" / "model")
-    assert late["relus_nonlinear"] == brute_force_nonlinear_relus(model, torch.zeros(1, 3, 32, 32))
+    per_unit = brute_force_nonlinear_relus(model, torch.zeros(1, 3, 32, 32))
+    assert late["relus_nonlinear"] == sum(per_unit.values())
+    assert {n: k for n, (k, _) in late["sites"].items()} == per_unit  # the core-network table's counts
     metrics = json.loads((RESULTS / "ab94_late_2_s0" / "metrics.json").read_text())
     assert late["accuracy"] == pytest.approx(100 * metrics["test_accuracy"]) and late["target"] == 0.02
     md = (tmp_path / "frontier" / "frontier.md").read_text()
     assert "| [ab94_late_2_s0](../ab94_late_2_s0/metrics.json) | airbench94 | late | 2.0% | 9,984 of 81,560" in md
+    core = md.split("Where the nonlinear elements of the airbench94 runs sit")[1]
+    assert "| ab94_late_2_s0 | 6,727 (29%) |" in core and "ab94_base_s0" not in core  # the stem: 7 of 24 x 961
     assert (tmp_path / "frontier" / "frontier.png").stat().st_size > 10_000
