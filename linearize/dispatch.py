@@ -39,6 +39,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 from torch.overrides import has_torch_function_variadic
+from torch.utils._device import DeviceContext
 
 __all__ = ["Scope", "attach_owner", "detach_owner", "caller_scope", "called_from_hook",
            "compiled_submodules", "refuse_scripting", "unreachable_call", "checkpoint_error", "foreign_torch_function",
@@ -116,13 +117,15 @@ SITE_MODE = "linearize_site_mode"  # class attribute of linearize's own torch-fu
 
 def foreign_torch_function(*tensors: torch.Tensor) -> bool:
     """Whether a call on ``tensors`` would be intercepted by someone else than linearize's own site modes: a
-    tensor subclass, or a torch-function mode of another tool (FLOP counting, linear regions, a device context)."""
+    tensor subclass, or a torch-function mode of another tool (FLOP counting, linear regions). A device
+    context (``with torch.device(...)``) only places new tensors: it is not such a tool."""
     if not has_torch_function_variadic(*tensors):
         return False
     if any(type(t) not in (torch.Tensor, nn.Parameter) for t in tensors):
         return True
     stack = torch._C._len_torch_function_stack()
-    return any(not getattr(torch._C._get_function_stack_at(i), SITE_MODE, False) for i in range(stack))
+    return any(not getattr(mode, SITE_MODE, False) and not isinstance(mode, DeviceContext)
+               for mode in map(torch._C._get_function_stack_at, range(stack)))
 
 
 class FunctionalSiteError(RuntimeError):

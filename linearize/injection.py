@@ -180,12 +180,15 @@ def _shadowed_on_copy(m: nn.Module) -> list[str]:
 def install_call_sites(owner: nn.Module, attr: str, modules: list[nn.Module]) -> None:
     """Put one module per call at ``owner.attr``: the module itself, or a :class:`CallSites`
     dispatcher (counted per forward of ``owner``: :func:`~linearize.dispatch.attach_owner`) when the site is
-    called several times (then :func:`settle_placed_modules` on the model)."""
-    if len(modules) == 1:
-        setattr(owner, attr, modules[0])
-        return
-    setattr(owner, attr, CallSites(modules, f"{type(owner).__name__}.{attr}"))
-    attach_owner(owner)
+    called several times (then :func:`settle_placed_modules` on the model). Every other attribute of ``owner``
+    holding the same module (``act`` twice in an ``nn.Sequential``, ``self.a1 = self.a2 = nn.ReLU()``) gets
+    the same replacement: its calls are among those the probe counted."""
+    old = owner._modules[attr]
+    new = modules[0] if len(modules) == 1 else CallSites(modules, f"{type(owner).__name__}.{attr}")
+    for name in [n for n, m in owner._modules.items() if m is old]:
+        setattr(owner, name, new)
+    if len(modules) > 1:
+        attach_owner(owner)
 
 
 @dataclass

@@ -204,10 +204,10 @@ def _with_versions(state: dict[str, torch.Tensor], model: nn.Module) -> dict[str
 def save_pretrained(model: nn.Module, directory: str | os.PathLike, *, weights: bool = True) -> Path:
     """Write the linearize sidecar of a converted ``model`` into ``directory`` (created if needed).
 
-    What it holds gets the model back: the units and, for a model that is not a Hugging Face model, all
-    its other weights (the save is as large as the model). A Hugging Face model's weights go in its own
-    ``model.save_pretrained(directory)``; the sidecar records their digests, so that
-    :func:`from_pretrained` refuses to put the units on other weights. ``weights=False`` records digests
+    What it holds gets the model back: the units and all the model's other weights (the save is as large
+    as the model), except for a Hugging Face model whose own ``model.save_pretrained(directory)`` is in the
+    folder already: then the sidecar records their digests, so that :func:`from_pretrained` refuses to put
+    the units on other weights. ``weights=False`` records digests
     for any model: for a caller that saves the weights itself and loads them into the instance before
     :func:`from_pretrained` (the CIFAR recipe's ``model.safetensors``). Gated modes: the whole model.
 
@@ -249,8 +249,9 @@ def save_pretrained(model: nn.Module, directory: str | os.PathLike, *, weights: 
 
     if not isinstance(weights, bool):
         raise TypeError(f"save_pretrained: weights must be True or False, got {weights!r}")
-    # the weights saved elsewhere (model.save_pretrained's files, or the caller's own): only their digests here
-    elsewhere = not gated and (hf.is_hf_model(model) or not weights)
+    # the weights saved elsewhere (model.save_pretrained's files in this folder, or the caller's own): only
+    # their digests here; an HF model saved into a folder without its own weights keeps them here (the only save)
+    elsewhere = not gated and (not weights or (hf.is_hf_model(model) and hf.has_weights(directory)))
     tensors = saved_tensors(model, gated, base=not elsewhere)
     data = safetensors.torch.save(tensors, {"format": "pt"})
     digest = hashlib.sha256(data).hexdigest()

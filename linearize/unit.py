@@ -20,6 +20,7 @@ momentum or weight decay cannot move them.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import math
@@ -94,7 +95,8 @@ class _PReLU(torch.autograd.Function):
         ctx.save_for_backward(x, weight)
         ctx.save_for_forward(x, weight)
         flat_x, flat_w, _ = _flat(x, weight)
-        y = torch.where(_channels(flat_w == 0, flat_x.ndim), F.relu(flat_x), F.prelu(flat_x, flat_w))
+        with _input_precision(x):
+            y = torch.where(_channels(flat_w == 0, flat_x.ndim), F.relu(flat_x), F.prelu(flat_x, flat_w.to(x.dtype)))
         return y.view(x.shape)
 
     @staticmethod
@@ -139,6 +141,14 @@ def _refuse_functorch(x: torch.Tensor) -> None:
             "model that can; or torch.autograd.functional.jacobian / a batched forward on the converted model")
 
 
+def _input_precision(x: torch.Tensor) -> contextlib.AbstractContextManager:
+    """Autocast off on ``x``'s device while a unit runs ``F.prelu``, which autocast lists as a lower-precision
+    op: the ReLU a unit replaces keeps its input's dtype (an fp32 input after a LayerNorm stays fp32)."""
+    if torch.is_autocast_enabled(x.device.type):
+        return torch.autocast(x.device.type, enabled=False)
+    return contextlib.nullcontext()
+
+
 def _prelu(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``F.prelu(x, weight)``; on the CPU through the compiled kernel of :mod:`linearize.kernels`.
 
@@ -152,7 +162,8 @@ def _prelu(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     counting, graph recording) see the same call as before.
     """
     if foreign_torch_function(x, weight):
-        return handle_torch_function(F.prelu, (x, weight), x, weight)
+        with _input_precision(x):
+            return handle_torch_function(F.prelu, (x, weight), x, weight)
     _refuse_functorch(x)
     if x.device.type != "cpu" or torch.jit.is_tracing():  # the tracer cannot record the kernel's C++ loops
         return _PReLU.apply(x, weight)
@@ -194,14 +205,18 @@ def _channels(v: torch.Tensor, ndim: int) -> torch.Tensor:
 def exact_lerp(act: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``torch.lerp(act, x, weight)``, exact at both ends for every input: ``act`` where ``weight`` is 0
     and ``x`` where it is 1, +-inf, NaN and -0 included (``lerp`` computes ``act + 0 * (x - act)``: NaN
-    wherever ``x - act`` is infinite, e.g. ``tanh`` at ``x = -inf``, and +0 for ``act = -0``).
+    wherever ``x - act`` is infinite, e.g. ``tanh`` at ``x = -inf``, and +0 for ``act = -0``); between the
+    ends, an infinite ``x`` gets the definition ``(1 - weight) * act + weight * x`` (+-inf, where ``lerp``
+    computes inf - inf).
 
     Example:
         >>> x = torch.tensor([-math.inf, -0.0, 2.0])
         >>> exact_lerp(torch.tanh(x), x, torch.tensor(0.0)), exact_lerp(torch.tanh(x), x, torch.tensor(1.0))
         (tensor([-1.0000, -0.0000,  0.9640]), tensor([-inf, -0., 2.]))
     """
-    return torch.where(weight == 0, act, torch.where(weight == 1, x, torch.lerp(act, x, weight)))
+    mixed = torch.lerp(act, x, weight)
+    mixed = torch.where(x.isinf(), torch.addcmul(act * (1 - weight), x, weight), mixed)  # lerp: inf - inf
+    return torch.where(weight == 0, act, torch.where(weight == 1, x, mixed))
 
 
 class _Blend(torch.autograd.Function):

@@ -225,6 +225,36 @@ def test_a_functional_call_inside_checkpoint_is_listed_or_refused_with_the_fix(r
         model(x).sum().backward()
 
 
+@pytest.mark.parametrize("layout", ["sequential", "two_names"])
+def test_a_module_registered_under_two_names_runs_one_unit_per_call(layout):
+    """``act`` twice in an ``nn.Sequential`` (or ``self.a1 = self.a2``): both names dispatch to the units, so
+    the model is the hand-written PReLU network of those slopes, affine at slope 1, and both slopes train."""
+    torch.manual_seed(0)
+    act = nn.ReLU()
+    l0, l1, l2 = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 2)
+    if layout == "sequential":
+        model = nn.Sequential(l0, act, l1, act, l2)
+    else:
+        model = nn.Module()
+        model.l0, model.a1, model.l1, model.a2, model.l2 = l0, act, l1, act, l2
+        model.forward = lambda x: model.l2(model.a2(model.l1(model.a1(model.l0(x)))))
+    model = linearize.convert(model, example_inputs=torch.randn(2, 8))
+    units = dict(linearize.units(model))
+    assert len(units) == 2
+    random_slopes(model)
+    a, b = (u.slope for u in units.values())
+    x = torch.randn(16, 8)
+    want = l2(F.prelu(l1(F.prelu(l0(x), a)), b))
+    assert torch.allclose(model(x), want, atol=1e-6)
+    model(x).square().sum().backward()
+    assert a.grad.abs().sum() > 0 and b.grad.abs().sum() > 0
+    with torch.no_grad():
+        for u in units.values():
+            u.slope.fill_(1.0)
+    assert linearize.nonlinear_fraction(model) == 0.0
+    assert torch.allclose(model(x), l2(l1(l0(x))), atol=1e-6)
+
+
 class ReusesInsideCheckpoint(nn.Module):
     """One ReLU module called twice by its owner's forward, once inside torch.utils.checkpoint."""
 

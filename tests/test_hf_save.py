@@ -312,3 +312,18 @@ def test_mlm_save_loads_into_token_classification(tmp_path):
     tok = linearize.from_pretrained(hf.BertForTokenClassification, tmp_path)
     with torch.no_grad():
         assert torch.equal(tok.eval().bert(input_ids=x).last_hidden_state, ref)
+
+
+def test_a_sidecar_saved_alone_holds_the_weights_and_gets_the_model_back(tmp_path):
+    """``linearize.save_pretrained`` into a folder without the model's own save is the only save: it keeps
+    every weight (it kept only their digests, and the trained weights were lost), and a fresh instance with
+    other weights loads the saved model's logits."""
+    model = _trained(_classifier(0))
+    ids = torch.randint(0, 100, (3, 7), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        truth = model(input_ids=ids).logits
+    linearize.save_pretrained(model, tmp_path)
+    assert not (tmp_path / "config.json").exists()
+    loaded = linearize.from_pretrained(_classifier(1), tmp_path)
+    with torch.no_grad():
+        assert torch.equal(loaded(input_ids=ids).logits, truth)

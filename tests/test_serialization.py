@@ -539,9 +539,10 @@ def _bert(seed: int) -> nn.Module:
 
 
 def test_sidecar_of_a_hf_model_refuses_a_model_with_other_weights(tmp_path):
-    """A Hugging Face model's sidecar holds its units and their weights' digests (the weights go in its own
-    save_pretrained): loaded into a model with other weights (and no HF save in the folder), it is refused,
-    naming the fix; into the model it was saved from (or a float64 copy: same values), it loads exactly."""
+    """A Hugging Face model's sidecar with ``weights=False`` holds its units and their weights' digests (the
+    weights go in its own save_pretrained): loaded into a model with other weights (and no HF save in the
+    folder), it is refused, naming the fix; into the model it was saved from (or a float64 copy: same
+    values), it loads exactly. (The default save keeps the weights: tests/test_hf_save.py.)"""
     model = linearize.convert(_bert(0))
     with torch.no_grad():
         for _, u in linearize.units(model):
@@ -549,7 +550,7 @@ def test_sidecar_of_a_hf_model_refuses_a_model_with_other_weights(tmp_path):
     ids = torch.randint(0, 99, (2, 9), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         truth = model(ids).last_hidden_state
-    linearize.save_pretrained(model, tmp_path)
+    linearize.save_pretrained(model, tmp_path, weights=False)
     with pytest.raises(linearize.LoadError, match=r"the weights of the BertModel given are not those the units were "
                                                   r"saved with \(\d+ of them differ.*model.save_pretrained"):
         linearize.from_pretrained(_bert(1), tmp_path)
@@ -575,7 +576,7 @@ def test_sidecar_of_a_hf_head_model_checks_the_weights_its_base_model_shares(tmp
     ids = torch.randint(0, 99, (2, 9), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         truth = mlm.bert(ids).last_hidden_state
-    linearize.save_pretrained(mlm, tmp_path)
+    linearize.save_pretrained(mlm, tmp_path, weights=False)
     torch.manual_seed(1)
     with pytest.warns(UserWarning, match="saved unit"), pytest.raises(
             linearize.LoadError, match=r"the weights of the BertModel given are not those the units"):

@@ -10,6 +10,7 @@ turned finite logits into NaN.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import importlib
 import math
@@ -151,6 +152,30 @@ def test_mixed_slopes_keep_each_channel_exact_and_the_input_gradient_is_the_acti
     (got_grad,) = torch.autograd.grad(unit(xu), xu, g)
     ok = torch.isfinite(want_grad) & ~torch.isnan(x)  # the derivative at a NaN input is a convention
     assert torch.equal(got_grad[ok], want_grad[ok]), name
+
+
+@pytest.mark.parametrize("name,act", ACTS, ids=[n for n, _ in ACTS])
+def test_between_the_ends_an_infinite_input_gives_the_definitions_value(name, act, path):
+    """At slope 0.25 a unit is ``0.75 * act(x) + 0.25 * x``: at x = +-inf that is +-inf (NaN where act is), as
+    float64 computes it; ``lerp``'s ``x - act`` made it inf - inf = NaN (an fp16 overflow became NaN)."""
+    for dtype, channel_dim in ((d, c) for d in DTYPES for c in (1, -1)):
+        unit, x = unit_and_input(act, dtype, channel_dim, 0.25)
+        inf = x.isinf()
+        with torch.no_grad():
+            got = unit(x)[inf].double()
+            want = (0.75 * act(x.double()) + 0.25 * x.double())[inf]
+        assert_same_bits(got, want, f"{name} {dtype} channel_dim={channel_dim} a=0.25 at +-inf")
+
+
+@pytest.mark.parametrize("mode", [False, True], ids=["plain", "torch-function-mode"])
+def test_under_autocast_a_relu_unit_keeps_its_inputs_dtype_as_the_relu_does(mode, path):
+    """Autocast lists ``prelu`` as a lower-precision op, ReLU not: a unit at slope 0 returns the fp32 input's
+    ReLU in fp32, also when another tool's torch-function mode sends it through ``F.prelu``."""
+    unit, x = unit_and_input(nn.ReLU(), torch.float32, 1, 0.0)
+    x = x.nan_to_num() * 1.001  # values bfloat16 cannot hold
+    with torch.autocast("cpu", dtype=torch.bfloat16), (torch.device("cpu") if mode else contextlib.nullcontext()):
+        got, want = unit(x), F.relu(x)
+    assert_same_bits(got, want, f"autocast, mode={mode}")
 
 
 def test_channel_blend_the_plain_form_is_exact_at_both_ends():
