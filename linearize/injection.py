@@ -690,5 +690,7 @@ def plan_conversion(
             plan.append((owner, attr, act, calls))
     for name, owner, attr, act in chosen:
         if probe.calls[id(act)] and owned_calls[id(act)] < len(probe.calls[id(act)]):
-            report.unreachable.setdefault(name, "called by a module that does not own it")
+            report.unreachable.setdefault(name, "called by a module that does not own it (a parent looping over "
+                                                "a ModuleList, another module); fix: give each caller its own "
+                                                "activation module")
     return report, plan, owner_plans

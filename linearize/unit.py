@@ -38,7 +38,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 from .activations import FunctionalActivation, negative_slope
 from .checks import NonFiniteSlopeError, check_channel_dim, check_tol
 from .config import GRANULARITIES, GatedConfig
-from .dispatch import THREAD_CALL, compiled_submodules, foreign_torch_function, fx_leaf_call, refuse_scripting
+from .dispatch import compiled_submodules, foreign_torch_function, fx_leaf_call, refuse_scripting
 from .distributed import full_value, local, refuse_unsupported, shard_of
 from .kernels import cpu_blend, cpu_prelu
 
@@ -1047,9 +1047,12 @@ def count_units(model: nn.Module, tol: float = 0.0) -> dict:
             "code that linearize cannot see; activations inside them are in no count, so the model may be less "
             "linear than the counts say. Fix: convert the Python module, then script the result", RuntimeWarning,
             stacklevel=2)
-    threads = getattr(getattr(model, "linearize_report", None), "threads", None)
-    if threads:
-        warnings.warn(f"count_units: activation call(s) {', '.join(map(repr, threads))} ran {THREAD_CALL}",
+    report = getattr(model, "linearize_report", None)
+    left = [p for p in report.problems() if not any(p.startswith(f"{n or '<root>'}: ") for n in compiled)] \
+        if callable(getattr(report, "problems", None)) else []
+    if left:  # nonlinearities convert saw and could not convert (a recurrent layer, a thread's call, ...)
+        warnings.warn(f"count_units: {len(left)} activation(s) convert left as they are are in no count, so the "
+                      f"model may be less linear than the counts say (model.linearize_report): {'; '.join(left)}",
                       RuntimeWarning, stacklevel=2)
     if not units(model) and callable(getattr(model, "gates", None)):
         check_tol(tol)

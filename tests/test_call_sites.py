@@ -585,3 +585,43 @@ def test_a_call_with_the_probes_nan_argument_is_not_refused():
     reference = model(x)
     linearize.convert(model, example_inputs=x)
     torch.testing.assert_close(model(x), reference, rtol=0, atol=0, equal_nan=True)
+
+
+class WithLSTM(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.act, self.rnn = nn.Linear(4, 8), nn.ReLU(), nn.LSTM(8, 8, batch_first=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.rnn(self.act(self.a(x)))[0]
+
+
+def test_counts_warn_about_every_nonlinearity_convert_left_as_it_is():
+    """Every unit linear, but the LSTM's gates are still there: the counts say so instead of a silent 0.0."""
+    with pytest.warns(UserWarning, match="rnn"):
+        model = linearize.convert(WithLSTM(), example_inputs=torch.randn(2, 3, 4))
+    with torch.no_grad():
+        for _, u in linearize.units(model):
+            u.slope.fill_(1.0)
+    with pytest.warns(RuntimeWarning, match=r"1 activation\(s\) convert left as they are.*rnn: LSTM"):
+        assert linearize.nonlinear_fraction(model) == 0.0
+
+
+class LoopsOverShared(nn.Module):
+    """A parent looping over a ModuleList that holds one activation module twice."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        act = nn.ReLU()
+        self.layers = nn.ModuleList([nn.Linear(4, 4), act, nn.Linear(4, 4), act])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def test_an_activation_its_holder_does_not_call_is_refused_with_the_reason_and_fix():
+    with pytest.raises(ValueError, match=r"no convertible activation.*layers.1: called by a module that does not "
+                                         r"own it.*fix: give each caller its own activation module"):
+        linearize.convert(LoopsOverShared(), example_inputs=torch.randn(2, 4))
