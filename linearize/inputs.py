@@ -512,6 +512,29 @@ def record_preactivations(
 
 
 MAX_IMAGE_PIXELS = 50_000_000  # what an image file may decode to (PIL warns above 89M pixels, refuses above 179M)
+# the largest image file read: MAX_IMAGE_PIXELS stored raw as 8-bit RGBA, plus 1 MiB of headers and metadata
+MAX_IMAGE_BYTES = 4 * MAX_IMAGE_PIXELS + 2**20
+
+
+def read_tar_image(tar: Any, member: Any, where: str) -> bytes:
+    """The bytes of image ``member`` of the open ``tarfile`` ``tar``; ``ValueError`` naming ``where`` (the
+    archive and member) before reading when the member is larger than an image file can be
+    (:data:`MAX_IMAGE_BYTES`: a small ``.tar.gz`` can hold gigabytes of zeros, a gzip bomb).
+
+    Example:
+        >>> import io, tarfile
+        >>> buf = io.BytesIO()
+        >>> with tarfile.open(fileobj=buf, mode="w") as t:
+        ...     info = tarfile.TarInfo("a.png"); info.size = 3; t.addfile(info, io.BytesIO(b"abc"))
+        >>> with tarfile.open(fileobj=io.BytesIO(buf.getvalue())) as t:
+        ...     read_tar_image(t, t.getmember("a.png"), "x.tar:a.png")
+        b'abc'
+    """
+    if member.size > MAX_IMAGE_BYTES:
+        raise ValueError(f"{where} is {member.size:,} bytes, more than any image file of at most "
+                         f"{MAX_IMAGE_PIXELS:,} pixels can be ({MAX_IMAGE_BYTES:,}): refusing to read it (a gzip "
+                         "bomb, or not the data meant); remove it from the archive or resize it first")
+    return tar.extractfile(member).read()
 
 
 def image_size(data: bytes, where: str, max_pixels: int = MAX_IMAGE_PIXELS) -> tuple[int, int]:

@@ -42,7 +42,7 @@ import airbench  # noqa: E402
 import common  # noqa: E402
 
 import linearize  # noqa: E402
-from linearize.inputs import image_size  # noqa: E402
+from linearize.inputs import image_size, read_tar_image  # noqa: E402
 from linearize.serialization import UnitsOnlyWarning  # noqa: E402
 
 RECIPE = "cifar"
@@ -376,7 +376,7 @@ def _from_tar(path: Path, split: str, subset: int | None, size: int, show: bool,
     blobs: dict[str, bytes] = {}
     with tarfile.open(path, "r:*") as tar:
         for name in sorted({p for p, _ in chosen}, key=lambda n: files[n].offset_data):
-            blobs[name] = tar.extractfile(files[name]).read()
+            blobs[name] = read_tar_image(tar, files[name], f"{path}:{name}")
     return _tensors(chosen, classes, blobs.__getitem__, split, size, show)
 
 

@@ -75,3 +75,36 @@ def test_the_cli_refuses_a_bomb_in_its_data(tmp_path):
     (folder / "bomb.png").write_bytes(bomb_png())
     with pytest.raises(ValueError, match=r"bomb.png is a 12000 x 12000 image"):
         main(["report", "resnet18", "--data", str(folder), "--output-dir", str(tmp_path / "out")])
+
+
+def _gzip_bomb(path: Path, member_bytes: int) -> None:
+    """A .tar.gz of one ordinary PNG and one "PNG" of ``member_bytes`` zeros (gzip shrinks it ~1000x)."""
+    with tarfile.open(path, "w:gz") as tar:
+        for name, data in (("test/cat/0.png", small_png()), ("test/dog/0.png", b"\0" * member_bytes)):
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+
+
+@pytest.mark.parametrize("reader", ["recipe", "cli"])
+def test_a_tar_member_larger_than_any_image_is_refused_before_it_is_read(tmp_path, monkeypatch, reader):
+    """The member's size from its tar header, against the largest file an image of at most MAX_IMAGE_PIXELS
+    can be (lowered here, so the archive stays small): refused naming the member, never read."""
+    import cifar
+    import linearize.inputs
+
+    monkeypatch.setattr(linearize.inputs, "MAX_IMAGE_BYTES", 100_000)
+    archive = tmp_path / "data.tar.gz"
+    _gzip_bomb(archive, 100_001)
+    read = []
+    monkeypatch.setattr(tarfile.TarFile, "extractfile", lambda self, m, _f=tarfile.TarFile.extractfile:
+                        read.append(getattr(m, "name", m)) or _f(self, m))
+    with pytest.raises(ValueError, match=r"data.tar.gz:test/dog/0.png is 100,001 bytes, more than any image file"):
+        if reader == "recipe":
+            cifar.load_split(archive, "cifar10", "test", None, 8, tmp_path / "cache", show=False)
+        else:
+            main(["report", "resnet18", "--data", str(archive), "--output-dir", str(tmp_path / "out")])
+    assert "test/dog/0.png" not in read
+    _gzip_bomb(archive, 100_000)  # at the cap: read (then refused as no image, a different error)
+    with pytest.raises(ValueError, match=r"test/dog/0.png is not an image"):
+        cifar.load_split(archive, "cifar10", "test", None, 8, tmp_path / "cache2", show=False)

@@ -20,7 +20,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from .._optional import require
-from ..inputs import Batches, image_size
+from ..inputs import Batches, image_size, read_tar_image
 from ..unit import units
 
 __all__ = ["load_model_and_data", "load_data"]
@@ -114,7 +114,8 @@ def _tar_images(path: Path, n: int) -> list[tuple[str, bytes]]:
         test = [m for m in members if "/test/" in f"/{m.name}"]
         members = test or members  # the held-out split when there is one
         pick = np.random.default_rng(0).permutation(len(members))[:n]
-        return [(f"{path}:{members[i].name}", tar.extractfile(members[i]).read()) for i in sorted(pick)]
+        return [(where, read_tar_image(tar, members[i], where))
+                for i in sorted(pick) for where in [f"{path}:{members[i].name}"]]
 
 
 def _decode(images: list[tuple[str, bytes]], size: int | None, norm: str) -> torch.Tensor:
