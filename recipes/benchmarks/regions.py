@@ -37,6 +37,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from linearize.inputs import read_tar_image
 from linearize.measures.regions import activation_patterns, linear_regions, translation_loops
 
 CHUNK = 4096
@@ -54,7 +55,7 @@ def load_images(n: int) -> tuple[torch.Tensor, str]:
         with tarfile.open(path) as tar:
             for member in tar:
                 if member.isfile() and member.name.startswith("test/") and member.name.endswith(".jpg"):
-                    data = tar.extractfile(member).read()
+                    data = read_tar_image(tar, member, f"{path}:{member.name}")
                     img = Image.open(io.BytesIO(data)).convert("RGB")
                     images.append(torch.from_numpy(np.asarray(img, dtype=np.float32)))
                     if len(images) == n:
