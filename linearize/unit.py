@@ -1051,8 +1051,8 @@ def count_units(model: nn.Module, tol: float = 0.0) -> dict:
     left = [p for p in report.problems() if not any(p.startswith(f"{n or '<root>'}: ") for n in compiled)] \
         if callable(getattr(report, "problems", None)) else []
     if left:  # nonlinearities convert saw and could not convert (a recurrent layer, a thread's call, ...)
-        warnings.warn(f"count_units: {len(left)} activation(s) convert left as they are are in no count, so the "
-                      f"model may be less linear than the counts say (model.linearize_report): {'; '.join(left)}",
+        warnings.warn(f"count_units: {len(left)} activation(s) that convert left as they are (model.linearize_report) "
+                      f"are in no count, so the model may be less linear than the counts say: {'; '.join(left)}",
                       RuntimeWarning, stacklevel=2)
     if not units(model) and callable(getattr(model, "gates", None)):
         check_tol(tol)

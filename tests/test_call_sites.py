@@ -603,7 +603,7 @@ def test_counts_warn_about_every_nonlinearity_convert_left_as_it_is():
     with torch.no_grad():
         for _, u in linearize.units(model):
             u.slope.fill_(1.0)
-    with pytest.warns(RuntimeWarning, match=r"1 activation\(s\) convert left as they are.*rnn: LSTM"):
+    with pytest.warns(RuntimeWarning, match=r"1 activation\(s\) that convert left as they are.*rnn: LSTM"):
         assert linearize.nonlinear_fraction(model) == 0.0
 
 
