@@ -56,6 +56,13 @@ of about 20 steps), and a channel's cost is the output error its replacement by 
 feeds (:func:`linearize.one_shot`'s score), ranked within its unit; with ``linear_end="affine"`` every channel
 on its way to 1 computes that fit at 1 (set at each step; a channel keeps the end it had when it arrived).
 
+**Channels nonlinear in name only.** The uniform push moves every free slope, the kept ones too; when it
+outruns what the loss gradient can hold (a short ramp, a small slope learning rate), the channels a target
+keeps nonlinear end close to 1. The step warns at the target's end when their mean slope
+(:meth:`nonlinear_mean_slope`, also in :attr:`history`) is above 0.5: on airbench94 (SGD at lr 0.3, a 96-step
+ramp) the kept channels sat at 0.43-0.79 and the element units at 0.96, where ResNet-20's late runs (lr 0.02,
+a 3,900-step ramp) kept theirs at 0.00-0.01 (``recipes/results/frontier/frontier.md``).
+
 **Defaults** (``select="auto"``, ``linear_end="auto"``), settled at :meth:`attach` (or the first
 :meth:`step`, from the optimizer known then): a fraction target without an explicit push (no ``rate``,
 ``lam`` or ``mode="loss"``) under an **adaptive optimizer** (:func:`adaptive`: Adam, AdamW, RMSprop,
@@ -163,6 +170,8 @@ from .weights import site_groups, unit_weights
 __all__ = ["Sparsifier", "torch_optimizer", "adaptive", "MODES", "GRANULARITY", "LINEAR_ENDS"]
 
 MODES = ("proximal", "loss")
+# mean slope of the channels kept nonlinear at a pushed target's end above which they are more linear than not
+KEPT_SLOPE_WARNING = 0.5
 GRANULARITY = ("channel", "site", "block")
 # torch optimizer -> weakref to the Sparsifier attached to it (one per optimizer: two would apply the pressure twice)
 _ATTACHED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -584,6 +593,9 @@ class Sparsifier:
                 self._project_budget(ahead, before)
                 if self.planner is None and (self.step_count == start or self.step_count % self.log_every == 0):
                     self._check_reachable()
+                reached = min(self.schedule.span(self.total_steps)[1], self.total_steps - 1)
+                if self.step_count == reached and self.importance.pushes:
+                    self._check_kept_slopes()
         if self.linear_end == "affine" and self._fit is not None:
             self._set_ends()
         if self._fit is not None and target and self.step_count >= self.schedule.span(self.total_steps)[1]:
@@ -609,6 +621,31 @@ class Sparsifier:
             self._warn_once(f"target fraction {self.schedule.fraction} cannot be reached: {frozen} of {total} channels "
                             f"are frozen nonlinear (slope 0), a floor of {frozen / total:.4f}; unfreeze them "
                             "(unit.frozen.fill_(float('nan'))) or set a target at or above the floor")
+
+    def nonlinear_mean_slope(self) -> float | None:
+        """Mean slope of the free channels now nonlinear (slope < 1; ``None`` when none is): 0 when they are the
+        full activation, near 1 when they are nonlinear in name only (recorded in :attr:`history`).
+
+        Example:
+            >>> model = linearize.convert(nn.Sequential(nn.Linear(4, 8), nn.ReLU()))
+            >>> linearize.Sparsifier(model, linearize.schedules.target(0.5), total_steps=10).nonlinear_mean_slope()
+            0.0
+        """
+        slopes = torch.cat([full_value(u.slope.detach()).float().flatten() for _, u in self._units])
+        frozen = torch.cat([u.frozen.flatten() for _, u in self._units]).to(slopes.device)
+        kept = torch.isnan(frozen) & ~torch.cat(self._linear_masks("Sparsifier.nonlinear_mean_slope")).to(slopes.device)
+        return float(slopes[kept].mean()) if bool(kept.any()) else None
+
+    def _check_kept_slopes(self) -> None:
+        """Warn (once, at the target's end) when the uniform push left the channels kept nonlinear mostly linear."""
+        kept = self.nonlinear_mean_slope()
+        if kept is not None and kept > KEPT_SLOPE_WARNING:
+            self._warn_once(
+                f"at the target's end (step {self.step_count}) the channels kept nonlinear sit at mean slope "
+                f"{kept:.2f} (1 = linear): the uniform push outran what the loss gradient could hold, so the "
+                "channels counted nonlinear are mostly linear and the model has less nonlinearity than its count "
+                "says. To keep them nonlinear, lengthen the ramp (a later end or an earlier start), lower rate=, or "
+                "choose without a uniform push: select='fit' (linear_end='affine') or select='saliency'")
 
     def _warn_once(self, message: str) -> None:
         if message not in self._said:
@@ -774,6 +811,7 @@ class Sparsifier:
                 "nonlinear_fraction": counts["nonlinear"] / counts["total"],
                 **relus,  # a ReLU target: nonlinear ReLUs per sample ("wanted" is in ReLUs too)
                 "wanted": wanted,
+                "nonlinear_mean_slope": self.nonlinear_mean_slope(),
                 "sites": {name: site["fraction"] for name, site in counts["sites"].items()},
             }
         )

@@ -29,7 +29,7 @@ import linearize  # noqa: E402
 # <network>_<schedule>[_<target>][_<variant>]_s<seed>: target 10 = 10% of channels, r12900 = 12,900 ReLUs
 RUN = re.compile(r"^(r20|ab94)_(base|late|early)(?:_(\d+|r\d+))?(?:_(\w+?))?_s(\d+)$")
 # the variants on the frontier (others, e.g. distillation or class subsets, belong to other studies)
-VARIANTS = {None: "", "elem": "element units", "fit": "affine ends"}
+VARIANTS = {None: "", "elem": "element units", "fit": "affine ends", "fitid": "fit selection, identity ends"}
 NETWORK = {"r20": "ResNet-20", "ab94": "airbench94"}
 # Published CIFAR-10 points, (network, nonlinear ReLUs per image, test accuracy %, source). Only numbers
 # stated in the sources; ResNet-18 in both papers (SNL: the standard CIFAR ResNet-18, 557K ReLUs;
@@ -59,11 +59,14 @@ def runs(results: Path) -> list[dict]:
             model = linearize.convert(model, example_inputs=torch.zeros(1, 3, 32, 32))
         counts = linearize.measures.count_relus(model, torch.zeros(1, 3, 32, 32))
         fraction = metrics.get("nonlinear_fraction", 1.0)
+        slopes = torch.cat([u.slope.detach().flatten() for _, u in linearize.units(model)])
+        kept = slopes[slopes < 1]
         rows.append({"run": folder.name, "network": NETWORK[net], "kind": kind, "variant": VARIANTS[variant],
                      "seed": int(seed), "target": None if target is None or target[0] == "r" else int(target) / 100,
                      "target_relus": int(target[1:]) if target and target[0] == "r" else None,
                      "nonlinear_fraction": fraction,
                      "relus_total": counts["total"], "relus_nonlinear": counts["nonlinear"],
+                     "kept_slope": float(kept.mean()) if kept.numel() else None,
                      "sites": {n: [c["nonlinear"], c["total"]] for n, c in counts["sites"].items()},
                      "accuracy": 100 * metrics["test_accuracy"],
                      "accuracy_tta": None if metrics.get("test_accuracy_tta") is None else
@@ -72,13 +75,15 @@ def runs(results: Path) -> list[dict]:
 
 
 def table(rows: list[dict]) -> list[str]:
-    md = ["| run | network | schedule | nonlinear units | nonlinear ReLUs / image | test accuracy | with TTA |",
-          "|---|---|---|---|---|---|---|"]
+    md = ["| run | network | schedule | nonlinear units | mean slope of the nonlinear units | "
+          "nonlinear ReLUs / image | test accuracy | with TTA |", "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         tta = "" if r["accuracy_tta"] is None else f"{r['accuracy_tta']:.2f}%"
+        slope = "" if r["kept_slope"] is None else f"{r['kept_slope']:.2f}"
         kind = r["kind"] + (f", {r['variant']}" if r["variant"] else "")
         md.append(f"| [{r['run']}](../{r['run']}/metrics.json) | {r['network']} | {kind} | "
-                  f"{100 * r['nonlinear_fraction']:.1f}% | {r['relus_nonlinear']:,} of {r['relus_total']:,} | "
+                  f"{100 * r['nonlinear_fraction']:.1f}% | {slope} | "
+                  f"{r['relus_nonlinear']:,} of {r['relus_total']:,} | "
                   f"{r['accuracy']:.2f}% | {tta} |")
     md += ["", "Published points (CIFAR-10):", "", "| method | nonlinear ReLUs / image | test accuracy | source |",
            "|---|---|---|---|"]

@@ -70,7 +70,15 @@ def test_frontier_rows_count_nonlinear_relus_as_brute_force_and_skip_other_studi
     metrics = json.loads((RESULTS / "ab94_late_2_s0" / "metrics.json").read_text())
     assert late["accuracy"] == pytest.approx(100 * metrics["test_accuracy"]) and late["target"] == 0.02
     md = (tmp_path / "frontier" / "frontier.md").read_text()
-    assert "| [ab94_late_2_s0](../ab94_late_2_s0/metrics.json) | airbench94 | late | 2.0% | 9,984 of 81,560" in md
+    # the mean slope of the channels left nonlinear, from the saved tensors themselves (not the loader)
+    from safetensors.torch import load_file
+
+    saved = load_file(next((RESULTS / "ab94_late_2_s0" / "model").glob("linearize_units-*.safetensors")))
+    slopes = torch.cat([t.flatten().double() for k, t in saved.items() if k.endswith("slope")])
+    assert late["kept_slope"] == pytest.approx(float(slopes[slopes < 1].mean()), rel=1e-6)
+    assert base["kept_slope"] == 0.0  # a plain model: every unit a full GELU
+    assert (f"| [ab94_late_2_s0](../ab94_late_2_s0/metrics.json) | airbench94 | late | 2.0% | "
+            f"{late['kept_slope']:.2f} | 9,984 of 81,560") in md
     core = md.split("Where the nonlinear elements of the airbench94 runs sit")[1]
     assert "| ab94_late_2_s0 | 6,727 (29%) |" in core and "ab94_base_s0" not in core  # the stem: 7 of 24 x 961
     assert (tmp_path / "frontier" / "frontier.png").stat().st_size > 10_000
