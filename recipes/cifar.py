@@ -14,7 +14,7 @@ The calls of linearize, in :func:`main`: ``linearize.convert`` once the model is
 ``linearize.Sparsifier(model, linearize.schedules.target(...)).attach(optimizer)`` (``--target``,
 ``--schedule``: it steps after every optimizer step), then after training ``linearize.freeze`` (``--freeze``),
 ``linearize.fold`` + ``linearize.save_folded`` (``--fold``) and ``linearize.report`` (``--report``).
-``recipes/common.py`` holds the plumbing: flags, the Accelerate loop, checkpoints, ``metrics.json``.
+``recipes/common/`` holds the plumbing: flags, the Accelerate loop, checkpoints, ``metrics.json``.
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ and on the validation split alone when there is no test split.
 
 The calls of linearize are in :func:`main`, as in ``recipes/cifar.py``: ``linearize.convert``,
 ``linearize.Sparsifier(...).attach(optimizer)``, ``linearize.freeze``, ``linearize.fold`` +
-``linearize.save_folded``, ``linearize.report``; ``recipes/common.py`` holds the plumbing.
+``linearize.save_folded``, ``linearize.report``; ``recipes/common/`` holds the plumbing.
 
 The comparison a user would make instead: ``--linearize none --prune magnitude|taylor`` trains the plain
 model the same way and, at the step where the late schedule would start (``--late-start``), removes FFN

@@ -1,5 +1,5 @@
 """The recipes' files survive crashes and tampering: checkpoint pruning and tampered checkpoint state
-(recipes/common.py), atomic final saves and validated loads of recipes/cifar.py and wmt14.py, folder
+(recipes/common/), atomic final saves and validated loads of recipes/cifar.py and wmt14.py, folder
 saves killed between their renames (the aside copy restored, never another folder's), recipe.json
 reads, the decode cache, metrics.json and wall time over resumes. Small models and synthetic files
 only; each test states its own truth."""
@@ -490,8 +490,8 @@ def test_wall_time_adds_up_over_resumes(tmp_path):
     state = json.loads((path / common.STATE_FILE).read_text())
     state.pop("state_sha256")
     for bad in (-1.0, "10", float("nan")):
-        assert "elapsed_s" in common._state_problem({**state, "elapsed_s": bad}, path)
-    assert common._state_problem(state, path) is None
+        assert "elapsed_s" in common.state_problem({**state, "elapsed_s": bad}, path)
+    assert common.state_problem(state, path) is None
 
 
 def test_save_of_one_folder_keeps_the_aside_copy_of_a_sibling(tmp_path, dead_pid):

@@ -13,6 +13,7 @@ the subprocess, to keep the file fast.
 
 from __future__ import annotations
 
+import argparse
 import gzip
 import json
 import os
@@ -340,7 +341,7 @@ def test_checkpoint_files_never_execute_code(cifar_runs, cifar_args, tmp_path):
     state = json.loads((new / common.STATE_FILE).read_text())
     state["files"][common.OPTIMIZER_FILE] = {"size": (new / common.OPTIMIZER_FILE).stat().st_size,
                                              "sha256": common.file_sha256(new / common.OPTIMIZER_FILE)}
-    state["state_sha256"] = common._state_digest(state)  # the JSON's own hash too: only the pickle is wrong
+    state["state_sha256"] = common.state_digest(state)  # the JSON's own hash too: only the pickle is wrong
     (new / common.STATE_FILE).write_text(json.dumps(state))
     for folder, bad in ((old, "custom_checkpoint_0.pkl"), (new, common.OPTIMIZER_FILE)):
         with pytest.raises(common.CheckpointError, match=rf"{folder.name}: {bad} .* cannot be read safely"):
@@ -370,7 +371,7 @@ def put_nan(folder: Path) -> None:
     state = json.loads((folder / common.STATE_FILE).read_text())
     state["files"][common.MODEL_FILE] = {"size": (folder / common.MODEL_FILE).stat().st_size,
                                          "sha256": common.file_sha256(folder / common.MODEL_FILE)}
-    state["state_sha256"] = common._state_digest(state)
+    state["state_sha256"] = common.state_digest(state)
     (folder / common.STATE_FILE).write_text(json.dumps(state))
 
 
@@ -467,7 +468,7 @@ def test_no_checkpoint_of_nonfinite_weights(tmp_path):
     model = torch.nn.Sequential(torch.nn.Linear(3, 4), linearize.LinearizableActivation("relu", 4, -1))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
-    args = common.argparse.Namespace(keep_checkpoints=2)
+    args = argparse.Namespace(keep_checkpoints=2)
     run = common.Run(Accelerator(cpu=True), args, model, optimizer, scheduler, None, tmp_path, "f", "test")
     common.save_checkpoint(run, 1)  # the NaN of the unit's `frozen` buffer marks free channels: allowed
     with torch.no_grad():

@@ -431,7 +431,7 @@ def test_resume_with_other_flags_is_refused_old_checkpoints_resume(env, data, tm
     del state["args"]
     for key in ("sites", "total_steps", "schedule"):  # nor did their Sparsifier states record these
         del state["sparsifier"][key]
-    state["state_sha256"] = common._state_digest(state)
+    state["state_sha256"] = common.state_digest(state)
     (ckpt / common.STATE_FILE).write_text(json.dumps(state))
     m = cifar.main(_cifar_argv(data, out, "--target", "0.25", "--resume_from_checkpoint", "latest", "--log_every", "1"))
     assert m["steps"] == m["total_steps"] == 4

@@ -1,0 +1,111 @@
+"""Files and folders written whole: the sha256 of a file, and :func:`replaced_dir`, which replaces a folder
+atomically (temp sibling ``.tmp-<name>-<pid>``, renamed into place; :func:`restore_aside` repairs a
+replacement killed between its two renames)."""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import hashlib
+import os
+import re
+import shutil
+from pathlib import Path
+
+from linearize._files import fsync_path
+
+
+TMP_PREFIX = ".tmp-"
+
+
+def file_sha256(path: Path) -> str:
+    """Hex sha256 of a file's bytes (read in 1 MiB blocks)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _pid_alive(pid: int) -> bool:
+    """Whether a process ``pid`` runs on this machine (signal 0 probes without sending anything)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError):
+        return pid > 0
+    return True
+
+
+def _temp_siblings(directory: Path, old: bool | None) -> list[Path]:
+    """The temp folders that killed runs of :func:`replaced_dir` left for ``directory``:
+    ``.tmp-<name>-<pid>`` (stages) and ``.tmp-<name>-old-<pid>`` (old folders set aside); ``old`` picks
+    one kind (None: both). Exact names only (``.tmp-model-best-old-7`` belongs to ``model-best``, never to
+    ``model``), and only of processes that no longer run: a live writer's folders are its own."""
+    kind = {True: "old-", False: "", None: "(?:old-)?"}[old]
+    pattern = re.compile(rf"{re.escape(TMP_PREFIX + directory.name)}-{kind}(\d+)")
+    found = []
+    for p in directory.parent.glob(glob.escape(f"{TMP_PREFIX}{directory.name}-") + "*"):
+        match = pattern.fullmatch(p.name)
+        if match and not _pid_alive(int(match.group(1))):
+            found.append(p)
+    return found
+
+
+def _link_target(directory: Path) -> Path:
+    """The folder a save of ``directory`` writes: the target of a symlink (dangling or not), else itself."""
+    return directory.resolve() if directory.is_symlink() else directory
+
+
+def restore_aside(directory: str | Path) -> Path | None:
+    """Put back the folder that :func:`replaced_dir` had renamed aside when it was killed between its
+    two renames (``directory``, or the target of the symlink ``directory``, missing;
+    ``.tmp-<name>-old-<pid>`` of a process that no longer runs present: the newest such copy).
+    Returns the folder restored, or ``None`` when there was nothing to do."""
+    directory = _link_target(Path(directory))
+    if directory.exists() or directory.is_symlink():
+        return None
+    aside = sorted(_temp_siblings(directory, old=True), key=lambda p: p.stat().st_mtime)
+    if not aside:
+        return None
+    aside[-1].rename(directory)
+    fsync_path(directory.parent)
+    return directory
+
+
+@contextlib.contextmanager
+def replaced_dir(directory: str | Path):
+    """Write a folder as a whole: yields a fresh temp sibling to fill; on success it replaces
+    ``directory`` (old folder renamed aside, new one renamed into place, old one deleted), on any
+    failure it is deleted and ``directory`` is left as it was. Readers see the old folder or the
+    complete new one (or, killed between the two renames, none until the next write, which puts the
+    old one back first: never a mix of the two, never a lost folder)."""
+    directory = _link_target(Path(directory))  # a link to the real folder: replace that one
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    restore_aside(directory)
+    for leftover in _temp_siblings(directory, old=None):  # of interrupted saves
+        shutil.rmtree(leftover, ignore_errors=True)
+    stage = directory.with_name(f"{TMP_PREFIX}{directory.name}-{os.getpid()}")
+    stage.mkdir()
+    try:
+        yield stage
+        for f in stage.iterdir():
+            if f.is_file():
+                fsync_path(f)
+        if directory.is_dir():
+            old = directory.with_name(f"{TMP_PREFIX}{directory.name}-old-{os.getpid()}")
+            shutil.rmtree(old, ignore_errors=True)
+            directory.rename(old)
+            try:
+                stage.rename(directory)
+            except BaseException:
+                old.rename(directory)  # the earlier folder back in place
+                raise
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(stage, directory)  # raises for a file (or a dangling link) in the way: nothing removed
+        fsync_path(directory.parent)
+    except BaseException:
+        shutil.rmtree(stage, ignore_errors=True)
+        raise

@@ -1,0 +1,138 @@
+"""What a recipe leaves behind: the final model folder (``recipe.json`` with the size and sha256 of its
+files, verified on load) and ``metrics.json`` (final metrics, unit counts, fold summary, command,
+versions, wall time)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+from torch import nn
+
+import linearize
+from linearize._files import atomic_write
+
+from .files import file_sha256, restore_aside
+
+
+def read_recipe_json(directory: str | Path, required: Iterable[str] = ()) -> dict:
+    """``directory/recipe.json`` of a model saved by a recipe (``OUTPUT_DIR/model``), after putting back
+    a folder an interrupted save left aside (:func:`restore_aside`); a clear error when there is none,
+    or when it lacks one of the ``required`` keys."""
+    directory = Path(directory)
+    restore_aside(directory)
+    path = directory / "recipe.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"no recipe.json in {directory}: not a model folder written by a recipe "
+                                "(OUTPUT_DIR/model, with recipe.json and model.safetensors)")
+    try:
+        meta = json.loads(path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path} is not valid JSON ({e}); the save is damaged: train again or restore it") from e
+    if not isinstance(meta, dict):
+        raise ValueError(f"{path} holds {type(meta).__name__}, not a JSON object; the save is damaged")
+    missing = [k for k in required if k not in meta]
+    if missing:
+        raise ValueError(f"{path} lacks {missing}: the save is damaged or not of this recipe; train again or restore it")
+    return meta
+
+
+def file_records(directory: Path, exclude: Iterable[str] = ("recipe.json",)) -> dict[str, dict]:
+    """``{name: {"size", "sha256"}}`` of the files directly in ``directory`` (less ``exclude`` and hidden files,
+    such as the save lock of ``linearize.save_pretrained``): the ``files`` field of a saved model's
+    ``recipe.json``, which :func:`check_files` verifies on load."""
+    return {f.name: {"size": f.stat().st_size, "sha256": file_sha256(f)} for f in sorted(Path(directory).iterdir())
+            if f.is_file() and f.name not in set(exclude) and not f.name.startswith(".")}
+
+
+def check_files(directory: str | Path, meta: dict) -> None:
+    """Verify the files ``recipe.json`` of ``directory`` records (``meta["files"]``: :func:`file_records`)
+    by size and sha256; raise ``linearize.LoadError`` naming the file. Saves from before the field
+    existed have no ``files``: nothing to check."""
+    directory = Path(directory)
+    path = directory / "recipe.json"
+    files = meta.get("files")
+    if files is None:
+        return
+    if not isinstance(files, dict) or not all(
+            Path(n).name == n and isinstance(r, dict) and type(r.get("size")) is int and isinstance(r.get("sha256"), str)
+            for n, r in files.items()):
+        raise linearize.LoadError(f"{path}: field 'files' must map file names of this folder to {{size, sha256}}; "
+                                  "the save is damaged or was edited: train again or restore it")
+    for name, rec in files.items():
+        f = directory / name
+        if not f.is_file() or f.stat().st_size != rec["size"] or file_sha256(f) != rec["sha256"]:
+            raise linearize.LoadError(f"{f}: missing, truncated or modified (its size or sha256 is not the one "
+                                      f"{path} recorded); refusing to load it")
+
+
+def unit_stats(model: nn.Module, tol: float) -> dict:
+    """``{"nonlinear_fraction", "units_total", "units_nonlinear"}`` (``linearize.count_units``), or ``{}``
+    for a model without units (``--linearize none``)."""
+    if not linearize.units(model):
+        return {}
+    c = linearize.count_units(model, tol)
+    return {"nonlinear_fraction": c["nonlinear"] / c["total"], "units_total": c["total"],
+            "units_nonlinear": c["nonlinear"]}
+
+
+FOLD_METRICS = ("params_before", "params_after", "flops_before", "flops_after", "max_abs_error", "output_scale")
+
+
+def fold_metrics(folded: nn.Module, path: Path) -> dict:
+    """The ``fold`` entry of ``metrics.json``: where the folded model was saved, and its
+    ``linearize_fold_summary`` (parameters and FLOPs before and after, the largest error of the check)."""
+    summary = folded.linearize_fold_summary
+    return {"path": str(path), **{k: getattr(summary, k) for k in FOLD_METRICS}}
+
+
+def versions() -> dict:
+    import accelerate
+    import torchvision
+    import transformers
+
+    v = {"python": platform.python_version(), "torch": torch.__version__, "torchvision": torchvision.__version__,
+         "accelerate": accelerate.__version__, "transformers": transformers.__version__,
+         "linearize": linearize.__version__}
+    for name in ("tokenizers", "sacrebleu", "datasets"):
+        try:
+            v[name] = __import__(name).__version__
+        except ImportError:
+            pass
+    return v
+
+
+def command_line(num_processes: int) -> str:
+    """The command that ran this recipe (``accelerate launch`` when under several processes)."""
+    argv = " ".join(sys.argv)
+    if num_processes > 1 or "ACCELERATE_MIXED_PRECISION" in os.environ:
+        return f"accelerate launch --num_processes {num_processes} {argv}"
+    return f"python {argv}"
+
+
+def write_metrics(output_dir: str | Path, metrics: dict, args: argparse.Namespace, start_time: float,
+                  num_processes: int, device: str, earlier_s: float = 0.0) -> Path:
+    """Write ``metrics.json``: metrics, wall time, command, arguments, versions.
+
+    ``wall_time_s`` is the whole run's: ``earlier_s`` (the processes before a resume, up to the
+    checkpoint resumed from: :attr:`Run.earlier_s`) plus this process's since ``start_time``
+    (``wall_time_this_process_s``)."""
+    this = max(0.0, time.time() - start_time)  # a wall clock stepped back (NTP) counts 0, never negative
+    payload = {
+        **metrics,
+        "wall_time_s": round(earlier_s + this, 2),
+        "wall_time_this_process_s": round(this, 2),
+        "num_processes": num_processes,
+        "device": device,
+        "command": command_line(num_processes),
+        "args": {k: v for k, v in vars(args).items()},
+        "versions": versions(),
+    }
+    return atomic_write(Path(output_dir) / "metrics.json", json.dumps(payload, indent=2, default=str))
