@@ -519,7 +519,8 @@ MAX_IMAGE_BYTES = 4 * MAX_IMAGE_PIXELS + 2**20
 def read_tar_image(tar: Any, member: Any, where: str) -> bytes:
     """The bytes of image ``member`` of the open ``tarfile`` ``tar``; ``ValueError`` naming ``where`` (the
     archive and member) before reading when the member is larger than an image file can be
-    (:data:`MAX_IMAGE_BYTES`: a small ``.tar.gz`` can hold gigabytes of zeros, a gzip bomb).
+    (:data:`MAX_IMAGE_BYTES`: a small ``.tar.gz`` can hold gigabytes of zeros, a gzip bomb) or is no regular
+    file (a link would be read through to a member whose size was never checked).
 
     Example:
         >>> import io, tarfile
@@ -530,6 +531,9 @@ def read_tar_image(tar: Any, member: Any, where: str) -> bytes:
         ...     read_tar_image(t, t.getmember("a.png"), "x.tar:a.png")
         b'abc'
     """
+    if not member.isfile():  # extractfile follows a link to its target, whose size this header does not state
+        raise ValueError(f"{where} is a {'link' if member.issym() or member.islnk() else 'member that is no file'}, "
+                         "not an image file: links are not followed; store the image itself in the archive")
     if member.size > MAX_IMAGE_BYTES:
         raise ValueError(f"{where} is {member.size:,} bytes, more than any image file of at most "
                          f"{MAX_IMAGE_PIXELS:,} pixels can be ({MAX_IMAGE_BYTES:,}): refusing to read it (a gzip "

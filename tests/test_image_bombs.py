@@ -108,3 +108,24 @@ def test_a_tar_member_larger_than_any_image_is_refused_before_it_is_read(tmp_pat
     _gzip_bomb(archive, 100_000)  # at the cap: read (then refused as no image, a different error)
     with pytest.raises(ValueError, match=r"test/dog/0.png is not an image"):
         cifar.load_split(archive, "cifar10", "test", None, 8, tmp_path / "cache2", show=False)
+
+
+@pytest.mark.parametrize("kind", [tarfile.SYMTYPE, tarfile.LNKTYPE])
+def test_a_link_member_is_refused_not_read_through_to_its_target(tmp_path, monkeypatch, kind):
+    """A link (declared size 0) to a member larger than any image: tarfile would read the target in full."""
+    import linearize.inputs
+
+    monkeypatch.setattr(linearize.inputs, "MAX_IMAGE_BYTES", 100_000)
+    archive = tmp_path / "data.tar.gz"
+    with tarfile.open(archive, "w:gz") as tar:
+        big = tarfile.TarInfo("blob.bin")
+        big.size = 200_000
+        tar.addfile(big, io.BytesIO(b"\0" * big.size))
+        link = tarfile.TarInfo("test/cat/0.png")
+        link.type, link.linkname = kind, ("../../blob.bin" if kind == tarfile.SYMTYPE else "blob.bin")
+        tar.addfile(link)
+    with tarfile.open(archive) as tar:
+        member = tar.getmember("test/cat/0.png")
+        assert member.size == 0 and len(tar.extractfile(member).read()) == 200_000  # what tarfile itself does
+        with pytest.raises(ValueError, match=r"x.tar.gz:test/cat/0.png is a link, not an image file"):
+            linearize.inputs.read_tar_image(tar, member, "x.tar.gz:test/cat/0.png")
