@@ -344,6 +344,7 @@ class _Probe:
         self.widths: dict[int, tuple[weakref.ref, int]] = {}  # layer outputs (and their views) -> layer width
         self.unsure: list[ActivationCall] = []  # calls whose channel dim the next layer settles (_settle)
         self.threads: dict[str, int] = {}  # activation calls on threads the forward started (ThreadWatch)
+        self.recursive: set[int] = set()  # modules called while already running (a forward that calls itself)
 
     def inside_activation(self) -> bool:
         return any(id(m) in self.activations for m in self.running.stack)
@@ -433,6 +434,8 @@ class _Probe:
                     self.unsure.append(call)
         elif self.unsure and next(module.children(), None) is None and (width := _in_width(module)) is not None:
             self._settle(width, args[0] if args else None)
+        if any(m is module for m in self.running.stack):
+            self.recursive.add(id(module))
         self.invocations[id(module)] += 1
 
     def leave(self, module: nn.Module, args: tuple, output: Any, _: None) -> None:
@@ -650,14 +653,24 @@ def plan_conversion(
     owner_plans, left = _plan_functional(model, owned, config, report, probe.invocations, targets, excludes)
     left_ids = {id(c) for c in left}
     skipped: Counter[str] = Counter()
+    recursive: dict[str, list[ActivationCall]] = defaultdict(list)
     for where, call in probe.functional:
         if functional and call.owner is not None and id(call) not in left_ids:
             continue  # planned above
         if exclude_gates and call.gate is not None:
             report.gates.setdefault(where, f"{call.gate}; functional call")
+        elif functional and call.owner is not None and id(call.owner) in probe.recursive:
+            recursive[where].append(call)
         else:
             skipped[where] += 1
     report.functional_calls = dict(skipped)
+    for where, calls in recursive.items():
+        report.unreachable[f"functional call {where} ({len(calls)} call(s) per forward)"] = (
+            f"its owner {type(calls[0].owner).__name__} calls itself (its forward runs nested inside its own "
+            "forward), and a functional call gets its unit by its order within one invocation "
+            "of its owner, which nested invocations of the same module mix up; fix: call a registered activation "
+            "module instead (self.act = nn.ReLU() in __init__, self.act(x) in forward: one unit shared by every "
+            "depth), or build each depth as its own submodule (a unit per depth)")
     report.threads = probe.threads
 
     plan = []

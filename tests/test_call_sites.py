@@ -625,3 +625,45 @@ def test_an_activation_its_holder_does_not_call_is_refused_with_the_reason_and_f
     with pytest.raises(ValueError, match=r"no convertible activation.*layers.1: called by a module that does not "
                                          r"own it.*fix: give each caller its own activation module"):
         linearize.convert(LoopsOverShared(), example_inputs=torch.randn(2, 4))
+
+
+class Recursive(nn.Module):
+    """A forward that calls the module itself ``depth`` times, then one activation (functional or registered)."""
+
+    def __init__(self, registered: bool = False) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.act = nn.ReLU() if registered else None
+
+    def forward(self, x: torch.Tensor, depth: int = 2) -> torch.Tensor:
+        if depth:
+            x = self(x, depth - 1)
+        return F.relu(self.lin(x)) if self.act is None else self.act(self.lin(x))
+
+
+def test_a_recursive_modules_functional_call_is_left_with_the_reason_and_the_fix_works():
+    """Nested invocations of one owner mix up the order its functional calls are matched by: the call is left
+    as it is (the model computes the original) and the report says why and what to do; the fix it names (a
+    registered activation module) converts, and at slope 1 gives three applications of the layer by hand."""
+    x = torch.randn(3, 4)
+    top = nn.Sequential(Recursive(), nn.ReLU())
+    w, b = top[0].lin.weight.detach(), top[0].lin.bias.detach()
+    with pytest.warns(UserWarning, match=r"functional call 0: relu \(3 call\(s\) per forward\): its owner Recursive "
+                                         r"calls itself.*fix: call a registered activation module"):
+        model = linearize.convert(top, example_inputs=x)
+    assert [n for n, _ in linearize.units(model)] == ["1"]
+    for _, u in linearize.units(model):
+        u.slope.data.fill_(1.0)
+    # the recursive module's ReLUs still run as they were (the outer unit at slope 1 is the identity)
+    torch.testing.assert_close(model(x), ((((x @ w.T + b).relu() @ w.T + b).relu()) @ w.T + b).relu())
+    with pytest.raises(ValueError, match=r"no convertible activation.*Recursive calls itself.*fix:"):
+        linearize.convert(Recursive(), example_inputs=x)
+    fixed = Recursive(registered=True)
+    ref = fixed(x)
+    model = linearize.convert(fixed, example_inputs=x)
+    assert torch.equal(model(x), ref)
+    for _, u in linearize.units(model):
+        u.slope.data.fill_(1.0)
+    w, b = fixed.lin.weight.detach(), fixed.lin.bias.detach()
+    by_hand = ((x @ w.T + b) @ w.T + b) @ w.T + b
+    torch.testing.assert_close(model(x), by_hand)
