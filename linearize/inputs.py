@@ -514,6 +514,9 @@ def record_preactivations(
 MAX_IMAGE_PIXELS = 50_000_000  # what an image file may decode to (PIL warns above 89M pixels, refuses above 179M)
 # the largest image file read: MAX_IMAGE_PIXELS stored raw as 8-bit RGBA, plus 1 MiB of headers and metadata
 MAX_IMAGE_BYTES = 4 * MAX_IMAGE_PIXELS + 2**20
+# what all the images of one data set read at once (the CLI report's --data) may decode to together: 768 MiB as
+# float32 RGB; 512 ImageNet-sized samples (224 x 224) take 38% of it
+MAX_TOTAL_PIXELS = 2**26
 
 
 def read_tar_image(tar: Any, member: Any, where: str) -> bytes:

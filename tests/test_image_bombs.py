@@ -3,7 +3,9 @@ file; ordinary images still load."""
 
 from __future__ import annotations
 
+import argparse
 import io
+import re
 import struct
 import sys
 import tarfile
@@ -129,3 +131,70 @@ def test_a_link_member_is_refused_not_read_through_to_its_target(tmp_path, monke
         assert member.size == 0 and len(tar.extractfile(member).read()) == 200_000  # what tarfile itself does
         with pytest.raises(ValueError, match=r"x.tar.gz:test/cat/0.png is a link, not an image file"):
             linearize.inputs.read_tar_image(tar, member, "x.tar.gz:test/cat/0.png")
+
+
+def test_the_cli_refuses_images_that_decode_to_too_many_pixels_together_before_decoding(tmp_path, monkeypatch):
+    """Three PNG headers of 5000 x 5000 (each under MAX_IMAGE_PIXELS) in a few KB of archive: together
+    3 * 5000 * 5000 = 75,000,000 pixels, over MAX_TOTAL_PIXELS (2**26): refused from the headers, naming the
+    archive, the total, the cap and the flags, before any image is decoded."""
+    from PIL import ImageFile
+
+    archive = tmp_path / "agg.tar.gz"
+    with tarfile.open(archive, "w:gz") as tar:
+        for i in range(3):
+            data = bomb_png(5000, 5000)
+            info = tarfile.TarInfo(f"test/cat/{i}.png")
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    assert archive.stat().st_size < 64_000
+    decoded = []
+    monkeypatch.setattr(ImageFile.ImageFile, "load", lambda self: decoded.append(self) or pytest.fail("decoded"))
+    with pytest.raises(ValueError, match=rf"--data {re.escape(str(archive))}: its 3 images of 5000 x 5000 would decode "
+                                         r"to 75,000,000 pixels together \(0.8 GiB as float32 RGB\), more than the "
+                                         r"67,108,864 .*pass --image-size .*or --num-samples 2 or fewer"):
+        main(["report", "resnet18", "--data", str(archive), "--output-dir", str(tmp_path / "out")])
+    assert not decoded
+
+
+def _png(width: int, height: int, color: tuple[int, int, int]) -> bytes:
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new("RGB", (width, height), color).save(buf, "PNG")
+    return buf.getvalue()
+
+
+def _data_args(*flags: str) -> argparse.Namespace:
+    from linearize.cli import build_parser
+
+    return build_parser().parse_args(["report", "m", *flags])
+
+
+def test_the_total_pixel_cap_counts_the_size_asked_and_what_fits_decodes_exactly(tmp_path, monkeypatch):
+    """With the cap lowered to 1,000 pixels: three 20 x 20 images (1,200) are refused, resized to 16 x 16 (768)
+    they load, to 40 x 40 (4,800) they are refused again; the loaded values are the colours by hand, normalized
+    with the ImageNet statistics in float64. Mixed sizes are refused from the headers, naming two of them."""
+    from linearize.cli import readers
+
+    monkeypatch.setattr(readers, "MAX_TOTAL_PIXELS", 1000)
+    folder = tmp_path / "images"
+    folder.mkdir()
+    colors = [(0, 128, 255), (10, 20, 30), (255, 255, 0)]
+    for i, c in enumerate(colors):
+        (folder / f"{i}.png").write_bytes(_png(20, 20, c))
+    with pytest.raises(ValueError, match=r"its 3 images of 20 x 20 would decode to 1,200 pixels .* more than the 1,000 "
+                                         r".*pass --image-size .*or --num-samples 2 or fewer"):
+        readers.load_data(_data_args("--data", str(folder)), None, None)
+    with pytest.raises(ValueError, match=r"3 images of 40 x 40 would decode to 4,800 pixels .*pass a smaller "
+                                         r"--image-size \(each image is resized as it is decoded; e.g. --image-size 224\)$"):
+        readers.load_data(_data_args("--data", str(folder), "--image-size", "40"), None, None)
+    x = readers.load_data(_data_args("--data", str(folder), "--image-size", "16"), None, None)
+    mean, std = torch.tensor([0.485, 0.456, 0.406], dtype=torch.float64), torch.tensor([0.229, 0.224, 0.225],
+                                                                                       dtype=torch.float64)
+    by_hand = (torch.tensor(colors, dtype=torch.float64) / 255 - mean) / std
+    assert x.shape == (3, 3, 16, 16) and x.dtype == torch.float32
+    torch.testing.assert_close(x.double(), by_hand[:, :, None, None].expand(3, 3, 16, 16), rtol=0, atol=1e-6)
+    (folder / "3.png").write_bytes(_png(9, 8, (0, 0, 0)))
+    with pytest.raises(ValueError, match=r"images have different sizes \(.*0.png is 20 x 20, .*3.png is 9 x 8\): "
+                                         "pass --image-size"):
+        readers.load_data(_data_args("--data", str(folder), "--num-samples", "4"), None, None)

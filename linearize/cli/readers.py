@@ -20,7 +20,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from .._optional import require
-from ..inputs import Batches, image_size, read_tar_image
+from ..inputs import MAX_TOTAL_PIXELS, Batches, image_size, read_tar_image
 from ..unit import units
 
 __all__ = ["load_model_and_data", "load_data"]
@@ -101,7 +101,7 @@ def load_data(args: argparse.Namespace, model: nn.Module, hf_dir: Path | None) -
         images = [(str(files[i]), files[i].read_bytes()) for i in sorted(pick)]
     else:
         raise ValueError(f"--data {src}: expected 'digits', an image folder, a .tar.gz of images or a .jsonl file")
-    return _decode(images, args.image_size, norm)
+    return _decode(images, args.image_size, norm, src)
 
 
 def _tar_images(path: Path, n: int) -> list[tuple[str, bytes]]:
@@ -118,23 +118,36 @@ def _tar_images(path: Path, n: int) -> list[tuple[str, bytes]]:
                 for i in sorted(pick) for where in [f"{path}:{members[i].name}"]]
 
 
-def _decode(images: list[tuple[str, bytes]], size: int | None, norm: str) -> torch.Tensor:
-    """``(where, encoded image)`` pairs as one float batch (resized to ``size``, normalized by ``norm``)."""
+def _decode(images: list[tuple[str, bytes]], size: int | None, norm: str, source: str) -> torch.Tensor:
+    """``(where, encoded image)`` pairs of ``--data source`` as one float batch (resized to ``size``, normalized
+    by ``norm``), decoded into one preallocated tensor; ``ValueError`` from the image headers, before decoding, when
+    one image or all of them together would decode to too many pixels (:data:`~linearize.inputs.MAX_IMAGE_PIXELS`,
+    :data:`~linearize.inputs.MAX_TOTAL_PIXELS`) or their sizes differ without ``size``."""
     from PIL import Image
 
-    out = []
-    for where, raw in tqdm(images, desc="images", leave=False):
-        image_size(raw, where)  # refuses an image that would decode to a huge map
+    sizes = [image_size(raw, where) for where, raw in images]  # from the headers: refuses one huge image
+    if size is None and len(set(sizes)) > 1:
+        (w0, h0), (i, (w, h)) = sizes[0], next((i, s) for i, s in enumerate(sizes) if s != sizes[0])
+        raise ValueError(f"--data {source}: images have different sizes ({images[0][0]} is {w0} x {h0}, "
+                         f"{images[i][0]} is {w} x {h}): pass --image-size to resize each one")
+    width, height = (size, size) if size else sizes[0]
+    total = len(images) * width * height
+    if total > MAX_TOTAL_PIXELS:
+        fits = MAX_TOTAL_PIXELS // (width * height)  # samples of this size that fit
+        raise ValueError(
+            f"--data {source}: its {len(images)} images of {width} x {height} would decode to {total:,} pixels "
+            f"together ({total * 12 / 2**30:.1f} GiB as float32 RGB), more than the {MAX_TOTAL_PIXELS:,} one report "
+            f"reads at once: pass {'a smaller ' if size else ''}--image-size (each image is resized as it is "
+            f"decoded; e.g. --image-size 224){f' or --num-samples {fits} or fewer' if fits >= 2 else ''}")
+    x = torch.empty(len(images), 3, height, width)  # filled in place: no second copy of the batch
+    for i, (where, raw) in enumerate(tqdm(images, desc="images", leave=False)):
         img = Image.open(io.BytesIO(raw)).convert("RGB")
         if size:
             img = img.resize((size, size), Image.BILINEAR)
-        out.append(torch.from_numpy(np.asarray(img, dtype=np.float32) / 255.0).permute(2, 0, 1))
-    if len({tuple(t.shape) for t in out}) > 1:
-        raise ValueError("images have different sizes: pass --image-size")
-    x = torch.stack(out)
+        x[i].copy_(torch.from_numpy(np.array(img)).permute(2, 0, 1)).div_(255.0)
     if norm != "none":
         mean, std = (torch.tensor(v).view(1, 3, 1, 1) for v in _NORMS[norm])
-        x = (x - mean) / std
+        x.sub_(mean).div_(std)
     return x
 
 
