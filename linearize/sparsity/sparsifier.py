@@ -576,7 +576,7 @@ class Sparsifier:
             self._proximal(lam_t)
         wanted = None
         if target:
-            start, _ = self.schedule.span(self.total_steps)
+            start, end = self.schedule.span(self.total_steps)
             if self.initial_fraction is None and self.step_count >= start:
                 if self.planner is not None:  # a cost target: plan which groups go linear, from the cost now
                     self.initial_fraction = self.planner.make_plan(before, self.importance)
@@ -593,8 +593,7 @@ class Sparsifier:
                 self._project_budget(ahead, before)
                 if self.planner is None and (self.step_count == start or self.step_count % self.log_every == 0):
                     self._check_reachable()
-                reached = min(self.schedule.span(self.total_steps)[1], self.total_steps - 1)
-                if self.step_count == reached and self.importance.pushes:
+                if self.step_count == min(end, self.total_steps - 1) and self.importance.pushes:
                     self._check_kept_slopes()
         if self.linear_end == "affine" and self._fit is not None:
             self._set_ends()
