@@ -23,6 +23,7 @@ __all__ = [
     "check_channel_dim",
     "as_patterns",
     "arg_type",
+    "check_fraction",
 ]
 
 
@@ -76,6 +77,14 @@ def check_positive(value: object, name: str) -> float:
     value = _real(value, name)
     if value <= 0:
         raise ValueError(f"{name} must be > 0, got {value}")
+    return value
+
+
+def check_fraction(value: object, name: str) -> float:
+    """``value`` as a float in ``(0, 1]`` (a share of channels, a cost ratio)."""
+    value = _real(value, name)
+    if not 0.0 < value <= 1.0:
+        raise ValueError(f"{name} must lie in (0, 1], got {value}")
     return value
 
 

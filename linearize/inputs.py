@@ -33,6 +33,8 @@ Example:
 from __future__ import annotations
 
 import math
+import os
+import stat
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any, Callable
@@ -542,6 +544,33 @@ def read_tar_image(tar: Any, member: Any, where: str) -> bytes:
                          f"{MAX_IMAGE_PIXELS:,} pixels can be ({MAX_IMAGE_BYTES:,}): refusing to read it (a gzip "
                          "bomb, or not the data meant); remove it from the archive or resize it first")
     return tar.extractfile(member).read()
+
+
+def read_image_file(path: str | os.PathLike) -> bytes:
+    """The bytes of the image file ``path``; ``ValueError`` naming it before reading when it is no regular
+    file (a FIFO or a device would block or never end) or larger than an image file can be
+    (:data:`MAX_IMAGE_BYTES`). A symbolic link is followed and its target checked.
+
+    Example:
+        >>> import tempfile, pathlib
+        >>> p = pathlib.Path(tempfile.mkdtemp()) / "a.png"; _ = p.write_bytes(b"abc")
+        >>> read_image_file(p)
+        b'abc'
+    """
+    # non-blocking: a plain open of a FIFO waits for a writer; checked on the open file, so it cannot be swapped
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0))
+    with os.fdopen(fd, "rb") as f:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise ValueError(f"{path} is not a regular file: it is no image file; remove it from the image folder")
+        if info.st_size > MAX_IMAGE_BYTES:
+            raise ValueError(f"{path} is {info.st_size:,} bytes, more than any image file of at most "
+                             f"{MAX_IMAGE_PIXELS:,} pixels can be ({MAX_IMAGE_BYTES:,}): refusing to read it; "
+                             "remove it from the folder or resize it first")
+        data = f.read(MAX_IMAGE_BYTES + 1)  # a file that grows after the check is still read at most this far
+    if len(data) > MAX_IMAGE_BYTES:
+        raise ValueError(f"{path} grew past {MAX_IMAGE_BYTES:,} bytes while being read: refusing it")
+    return data
 
 
 def image_size(data: bytes, where: str, max_pixels: int = MAX_IMAGE_PIXELS) -> tuple[int, int]:

@@ -42,7 +42,7 @@ import airbench  # noqa: E402
 import common  # noqa: E402
 
 import linearize  # noqa: E402
-from linearize.inputs import image_size, read_tar_image  # noqa: E402
+from linearize.inputs import image_size, read_image_file, read_tar_image  # noqa: E402
 from linearize.serialization import UnitsOnlyWarning  # noqa: E402
 
 RECIPE = "cifar"
@@ -385,7 +385,7 @@ def _from_folder(root: Path, split: str, subset: int | None, size: int, show: bo
     base = root / split
     items = [(str(p.relative_to(root)), p.parent.name) for p in base.glob("*/*") if p.suffix.lower() in IMAGE_EXTS]
     chosen, classes = _pick(items, split, subset, classes, drop_others)
-    return _tensors(chosen, classes, lambda p: (root / p).read_bytes(), split, size, show)
+    return _tensors(chosen, classes, lambda p: read_image_file(root / p), split, size, show)
 
 
 def _from_torchvision(root: Path, dataset: str, split: str, subset: int | None, size: int, download: bool,

@@ -158,3 +158,42 @@ def test_report_checkpoint_with_invalid_unit_state_is_refused(tmp_path, bad):
     with pytest.raises(linearize.LoadError, match=r"--checkpoint .*ckpt.pt: unit '1'"):
         args.func(args)
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("argv, why", [
+    (["demo", "--epochs", "0"], r"--epochs must be an int >= 1, got 0"),
+    (["demo", "--epochs", "-3"], r"--epochs must be an int >= 1, got -3"),
+    (["demo", "--threads", "0"], r"--threads must be an int >= 1, got 0"),
+    (["demo", "--target", "0"], r"--target must lie in \(0, 1\], got 0"),
+    (["demo", "--target", "1.5"], r"--target must lie in \(0, 1\], got 1.5"),
+    (["demo", "--target", "nan"], r"--target must be a finite number"),
+    (["report", "resnet18", "--data", "digits", "--num-classes", "0"], r"--num-classes must be an int >= 1, got 0"),
+])
+def test_numbers_out_of_range_are_usage_errors_before_anything_runs(monkeypatch, capsys, argv, why):
+    import linearize.demo as demo
+
+    monkeypatch.setattr(demo, "_run_demo", lambda *a: pytest.fail("the demo ran"))
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    assert exit_.value.code == 2 and re.search(why, capsys.readouterr().err)
+
+
+@pytest.mark.parametrize("argv, given", [
+    (["inspect", "resnet18", "--input-shape", "1,5,32,32"], r"--input-shape 1,5,32,32, Tensor\(1, 5, 32, 32\)"),
+    (["inspect", "resnet18", "--input-shape", "1,3"], r"--input-shape 1,3, Tensor\(1, 3\)"),
+    (["report", "resnet18", "--data", "digits"], r"--data digits, Tensor\(2, 1, 8, 8\)"),
+])
+def test_a_model_that_fails_on_the_input_of_its_flags_is_named_with_the_flags(tmp_path, capsys, argv, given):
+    """One line naming the model, the flag and the input, with the fix; no traceback, exit status 2."""
+    assert main(argv + (["--output-dir", str(tmp_path)] if argv[0] == "report" else [])) == 2
+    err = capsys.readouterr().err
+    assert re.search(rf"^linearize {argv[0]}: error: the model resnet18 \(ResNet\) fails on the input of {given}: "
+                     r"RuntimeError: .*channels|RuntimeError: .*input", err)
+    assert re.search(given, err) and "Traceback" not in err and len(err.strip().splitlines()) == 1
+    assert not list(tmp_path.iterdir())  # nothing written
+
+
+def test_the_console_script_prints_no_traceback_for_a_bad_input_shape():
+    out = subprocess.run([sys.executable, "-m", "linearize.cli", "inspect", "resnet18", "--input-shape", "2,1,16,16"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2 and "Traceback" not in out.stderr and "--input-shape 2,1,16,16" in out.stderr

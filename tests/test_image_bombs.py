@@ -198,3 +198,50 @@ def test_the_total_pixel_cap_counts_the_size_asked_and_what_fits_decodes_exactly
     with pytest.raises(ValueError, match=r"images have different sizes \(.*0.png is 20 x 20, .*3.png is 9 x 8\): "
                                          "pass --image-size"):
         readers.load_data(_data_args("--data", str(folder), "--num-samples", "4"), None, None)
+
+
+@pytest.mark.parametrize("reader", ["recipe", "cli"])
+@pytest.mark.parametrize("kind", ["large", "link-to-large", "fifo"])
+def test_an_image_folder_file_that_no_image_can_be_is_refused_before_it_is_read(tmp_path, monkeypatch, reader, kind):
+    """The folder twin of the tar checks: a file over MAX_IMAGE_BYTES (lowered here), a symbolic link to one,
+    or a FIFO (a plain read would wait for a writer forever) is refused naming the file, without reading it."""
+    import os
+    import threading
+
+    import cifar
+    import linearize.inputs
+
+    monkeypatch.setattr(linearize.inputs, "MAX_IMAGE_BYTES", 100_000)
+    folder = tmp_path / "tree"
+    (folder / "test/cat").mkdir(parents=True)
+    (folder / "test/cat/0.png").write_bytes(small_png())
+    bad = folder / "test/cat/1.png"
+    if kind == "large":
+        bad.write_bytes(b"\0" * 100_001)
+    elif kind == "link-to-large":
+        (tmp_path / "blob.bin").write_bytes(b"\0" * 100_001)
+        bad.symlink_to(tmp_path / "blob.bin")
+    else:
+        os.mkfifo(bad)
+    expected = r"is not a regular file" if kind == "fifo" else r"is 100,001 bytes, more than any image file"
+    result: list = []
+
+    def run():
+        try:
+            if reader == "recipe":
+                cifar.load_split(folder, "cifar10", "test", None, 8, tmp_path / "cache", show=False)
+            else:
+                main(["report", "resnet18", "--data", str(folder / "test"), "--output-dir", str(tmp_path / "out")])
+        except BaseException as e:  # noqa: BLE001 - handed to the test thread
+            result.append(e)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(60)
+    assert not t.is_alive(), "reading the folder blocked"
+    assert len(result) == 1 and isinstance(result[0], ValueError), result
+    assert re.search(expected, str(result[0])) and "1.png" in str(result[0])
+    if kind == "large":  # at the cap it is read (then refused as no image, a different error)
+        bad.write_bytes(b"\0" * 100_000)
+        with pytest.raises(ValueError, match=r"1.png is not an image"):
+            cifar.load_split(folder, "cifar10", "test", None, 8, tmp_path / "cache2", show=False)

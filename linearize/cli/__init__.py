@@ -11,13 +11,27 @@ import math
 import sys
 from typing import Any
 
+from ..checks import arg_type, check_fraction, check_positive_int
+
+
+class InputMismatch(ValueError):
+    """The model's forward fails on the input a command built from its flags (:func:`main` prints it, no traceback)."""
+
 
 def _inspect(args: argparse.Namespace) -> int:
     from ..conversion import dry_run
     from ..models import load_model
 
     model = load_model(args.model, trust_pickle=args.trust_pickle)
-    print(dry_run(model, example_inputs=example_inputs_from_args(args)))
+    inputs = example_inputs_from_args(args)
+    if inputs is not None:
+        from .readers import check_model_takes
+
+        given = "--input-shape " + ",".join(map(str, args.input_shape)) if args.input_shape else \
+            f"--example-inputs {args.example_inputs}"
+        check_model_takes(model, inputs, args.model, given, "give the input its forward takes, e.g. "
+                          "--input-shape 1,3,224,224 for an image classifier, or its tensors with --example-inputs FILE")
+    print(dry_run(model, example_inputs=inputs))
     return 0
 
 
@@ -91,10 +105,11 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
     demo = sub.add_parser("demo", help="train, linearize, freeze and fold a small net on sklearn digits (no download)")
-    demo.add_argument("--epochs", type=int, default=30, help="training epochs of the baseline (default 30)")
-    demo.add_argument("--target", type=float, default=0.10, help="nonlinear fraction to reach (default 0.10)")
+    demo.add_argument("--epochs", type=arg_type(check_positive_int, "--epochs"), default=30, help="training epochs of the baseline (default 30)")
+    demo.add_argument("--target", type=arg_type(check_fraction, "--target"), default=0.10,
+                      help="nonlinear fraction to reach, in (0, 1] (default 0.10)")
     demo.add_argument("--seed", type=int, default=0)
-    demo.add_argument("--threads", type=int, default=1, help="torch threads (default 1: the demo's ops are small)")
+    demo.add_argument("--threads", type=arg_type(check_positive_int, "--threads"), default=1, help="torch threads (default 1: the demo's ops are small)")
     demo.set_defaults(func=_demo)
 
     inspect = sub.add_parser("inspect", help="list the activation call sites convert would swap (dry run)")
@@ -127,4 +142,7 @@ def main(argv: list[str] | None = None) -> int:
         return int(args.func(args) or 0)
     except MissingExtra as err:  # an optional package this command needs: say which extra, no traceback
         print(err, file=sys.stderr)
+        return 2
+    except InputMismatch as err:  # the model and the input its flags built do not fit: the flags are the fix
+        print(f"linearize {argv[0]}: error: {err}", file=sys.stderr)
         return 2

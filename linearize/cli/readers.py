@@ -20,10 +20,25 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from .._optional import require
-from ..inputs import MAX_TOTAL_PIXELS, Batches, image_size, read_tar_image
+from ..inputs import (MAX_TOTAL_PIXELS, Batches, call_model, describe_inputs, eval_mode, image_size, read_image_file,
+                      read_tar_image)
 from ..unit import units
 
-__all__ = ["load_model_and_data", "load_data"]
+from . import InputMismatch
+
+__all__ = ["load_model_and_data", "load_data", "check_model_takes"]
+
+
+def check_model_takes(model: nn.Module, inputs: Any, model_arg: str, given: str, fix: str) -> None:
+    """Run ``model`` once on ``inputs`` (eval mode, no grad); a failure is an :class:`InputMismatch` naming the
+    model, the input (``given``: the flags it came from) and ``fix``, not a torch traceback from deep inside."""
+    try:
+        with torch.no_grad(), eval_mode(model):
+            call_model(model, inputs)
+    except Exception as err:
+        raise InputMismatch(
+            f"the model {model_arg} ({type(model).__name__}) fails on the input of {given}, "
+            f"{describe_inputs(inputs)}: {type(err).__name__}: {str(err).strip()[:300]}; {fix}") from err
 
 _IMAGE_EXT = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp")
 _NORMS = {
@@ -45,14 +60,16 @@ def load_model_and_data(args: argparse.Namespace) -> tuple[nn.Module, Any]:
     model = load_model(spec, args.num_classes, trust_pickle=trust)
     data = load_data(args, model, spec if hf_dir else None)
     example = Batches.of(data).limit(samples=2).concat()
-    if hf_dir and (spec / "linearize_config.json").is_file():
-        model = linearize.from_pretrained(model, spec, example_inputs=example)
-    elif args.units:
-        model = linearize.from_pretrained(model, args.units, example_inputs=example)
     state = safe_torch_load(args.checkpoint, trust_pickle=trust, what="--checkpoint") if args.checkpoint else None
     if state is not None and not isinstance(state, Mapping):
         raise LoadError(f"--checkpoint {args.checkpoint} holds a {type(state).__name__}, not a state_dict; "
                         "a whole pickled model goes in MODEL (with --trust-pickle)")
+    check_model_takes(model, example, args.model, f"--data {args.data}",
+                      "give data of the kind the model takes (--data; for images --image-size and --normalize)")
+    if hf_dir and (spec / "linearize_config.json").is_file():
+        model = linearize.from_pretrained(model, spec, example_inputs=example)
+    elif args.units:
+        model = linearize.from_pretrained(model, args.units, example_inputs=example)
     converted = bool(units(model)) or getattr(model, "linearize_config", None) is not None
     if not converted and state is not None and any(k.endswith(".slope") for k in state):
         model, converted = linearize.convert(model, example_inputs=example), True
@@ -98,7 +115,7 @@ def load_data(args: argparse.Namespace, model: nn.Module, hf_dir: Path | None) -
         if not files:
             raise ValueError(f"no images ({', '.join(_IMAGE_EXT)}) under {path}")
         pick = np.random.default_rng(0).permutation(len(files))[:n]
-        images = [(str(files[i]), files[i].read_bytes()) for i in sorted(pick)]
+        images = [(str(files[i]), read_image_file(files[i])) for i in sorted(pick)]
     else:
         raise ValueError(f"--data {src}: expected 'digits', an image folder, a .tar.gz of images or a .jsonl file")
     return _decode(images, args.image_size, norm, src)

@@ -153,6 +153,7 @@ from typing import Mapping, Sequence
 
 import torch
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from .. import schedules as _schedules
 from ..checks import check_positive, check_positive_int, finite_nonnegative
@@ -175,6 +176,8 @@ KEPT_SLOPE_WARNING = 0.5
 GRANULARITY = ("channel", "site", "block")
 # torch optimizer -> weakref to the Sparsifier attached to it (one per optimizer: two would apply the pressure twice)
 _ATTACHED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# optimizer steps that move a Sparsifier's slopes, with the Sparsifier never stepped nor attached, before it warns
+UNSTEPPED_STEPS = 2
 
 
 LINEAR_ENDS = ("identity", "affine")
@@ -383,6 +386,38 @@ class Sparsifier:
         self._hook = None
         self._versions = self._slope_versions()
         self._warned = False
+        self._watch_unstepped()
+
+    def _watch_unstepped(self) -> None:
+        """Warn once when optimizers step this Sparsifier's slopes but nothing steps the Sparsifier.
+
+        Without :meth:`step` (or :meth:`attach`) the pressure never applies and the run trains a model that
+        stays as nonlinear as it started, silently. A process-wide optimizer hook counts the steps that
+        move these slopes; it removes itself at the first :meth:`step` or :meth:`attach`, after the
+        warning, or once this Sparsifier is gone. It holds no reference to the Sparsifier or the model.
+        """
+        me = weakref.ref(self)
+        slopes = {id(u.slope) for _, u in self._units}
+        seen = [0]
+
+        def hook(optimizer, args, kwargs) -> None:
+            sparsifier = me()
+            if sparsifier is None or sparsifier.step_count or sparsifier._hook is not None:
+                handle.remove()
+                return
+            if not any(id(p) in slopes for group in optimizer.param_groups for p in group["params"]):
+                return
+            seen[0] += 1
+            if seen[0] >= UNSTEPPED_STEPS:
+                handle.remove()
+                sparsifier._warn_once(
+                    f"{type(optimizer).__name__} stepped the unit slopes {seen[0]} times but this Sparsifier was "
+                    "never stepped: its pressure does not apply and the model stays as nonlinear as it started. "
+                    "Call sparsifier.step() after every optimizer.step(), or sparsifier.attach(optimizer) once "
+                    "(to delay the pressure, give the schedule a later start, e.g. schedules.late(0.5); the Sparsifier "
+                    "is still stepped from the first step)")
+
+        handle = register_optimizer_step_post_hook(hook)
 
     def _choose(self, asked: tuple[str, str] | None = None) -> tuple[str, str]:
         """``(select, linear_end)`` for what was asked: ``"auto"`` by the optimizer known now (module docs)."""
