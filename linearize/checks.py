@@ -88,12 +88,13 @@ def check_fraction(value: object, name: str) -> float:
     return value
 
 
-def check_positive_int(value: object, name: str, minimum: int = 1) -> int:
-    """``value`` as an int ``>= minimum`` (batch sizes, sample counts)."""
+def check_positive_int(value: object, name: str, minimum: int = 1, maximum: int | None = None) -> int:
+    """``value`` as an int ``>= minimum`` and, when given, ``<= maximum`` (batch sizes, sample counts)."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise TypeError(f"{name} must be an int, got {value!r}")
-    if value < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}, got {value}")
+    if value < minimum or (maximum is not None and value > maximum):
+        within = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum:,}]"
+        raise ValueError(f"{name} must be an int {within}, got {value}")
     return int(value)
 
 

@@ -519,6 +519,9 @@ MAX_IMAGE_BYTES = 4 * MAX_IMAGE_PIXELS + 2**20
 # what all the images of one data set read at once (the CLI report's --data) may decode to together: 768 MiB as
 # float32 RGB; 512 ImageNet-sized samples (224 x 224) take 38% of it
 MAX_TOTAL_PIXELS = 2**26
+# what the image files read at once for one data set may hold together: MAX_TOTAL_PIXELS stored raw as RGBA, plus
+# 1 MiB of headers (a file of a few pixels may carry up to MAX_IMAGE_BYTES of metadata, or be sparse on disk)
+MAX_TOTAL_BYTES = 4 * MAX_TOTAL_PIXELS + 2**20
 
 
 def read_tar_image(tar: Any, member: Any, where: str) -> bytes:
@@ -548,8 +551,8 @@ def read_tar_image(tar: Any, member: Any, where: str) -> bytes:
 
 def read_image_file(path: str | os.PathLike) -> bytes:
     """The bytes of the image file ``path``; ``ValueError`` naming it before reading when it is no regular
-    file (a FIFO or a device would block or never end) or larger than an image file can be
-    (:data:`MAX_IMAGE_BYTES`). A symbolic link is followed and its target checked.
+    file (a FIFO, socket or device would block, fail obscurely or never end; a directory) or larger than an
+    image file can be (:data:`MAX_IMAGE_BYTES`). A symbolic link is followed and its target checked.
 
     Example:
         >>> import tempfile, pathlib
@@ -557,20 +560,45 @@ def read_image_file(path: str | os.PathLike) -> bytes:
         >>> read_image_file(p)
         b'abc'
     """
-    # non-blocking: a plain open of a FIFO waits for a writer; checked on the open file, so it cannot be swapped
+    _check_image_file(path, os.stat(path))  # before opening: opening a socket fails, a plain open of a FIFO waits
+    # non-blocking, and checked again on the open file: swapped after the first check, it is still refused
     fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0))
-    with os.fdopen(fd, "rb") as f:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
-            raise ValueError(f"{path} is not a regular file: it is no image file; remove it from the image folder")
-        if info.st_size > MAX_IMAGE_BYTES:
-            raise ValueError(f"{path} is {info.st_size:,} bytes, more than any image file of at most "
-                             f"{MAX_IMAGE_PIXELS:,} pixels can be ({MAX_IMAGE_BYTES:,}): refusing to read it; "
-                             "remove it from the folder or resize it first")
+    try:
+        _check_image_file(path, os.fstat(fd))
+        f = os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+    with f:
         data = f.read(MAX_IMAGE_BYTES + 1)  # a file that grows after the check is still read at most this far
     if len(data) > MAX_IMAGE_BYTES:
         raise ValueError(f"{path} grew past {MAX_IMAGE_BYTES:,} bytes while being read: refusing it")
     return data
+
+
+def _check_image_file(path: str | os.PathLike, info: os.stat_result) -> None:
+    if not stat.S_ISREG(info.st_mode):
+        kind = "a directory" if stat.S_ISDIR(info.st_mode) else "not a regular file"
+        raise ValueError(f"{path} is {kind}: it is no image file; remove it from the image folder")
+    if info.st_size > MAX_IMAGE_BYTES:
+        raise ValueError(f"{path} is {info.st_size:,} bytes, more than any image file of at most "
+                         f"{MAX_IMAGE_PIXELS:,} pixels can be ({MAX_IMAGE_BYTES:,}): refusing to read it; "
+                         "remove it from the folder or resize it first")
+
+
+def check_total_bytes(sizes: Iterable[int], where: str) -> None:
+    """``ValueError`` naming ``where`` when image files of these byte ``sizes``, read together, exceed
+    :data:`MAX_TOTAL_BYTES` (checked from their sizes on disk or in the archive's headers, before any is read).
+
+    Example:
+        >>> check_total_bytes([1000] * 512, "--data images")
+    """
+    sizes = list(sizes)
+    total = sum(sizes)
+    if total > MAX_TOTAL_BYTES:
+        raise ValueError(f"{where}: the {len(sizes)} image files sampled hold {total:,} bytes together, more than "
+                         f"{MAX_TOTAL_BYTES:,} (what images of MAX_TOTAL_PIXELS pixels can take): refusing to read "
+                         "them; sample fewer (--num-samples) or use smaller files")
 
 
 def image_size(data: bytes, where: str, max_pixels: int = MAX_IMAGE_PIXELS) -> tuple[int, int]:

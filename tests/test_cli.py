@@ -161,13 +161,17 @@ def test_report_checkpoint_with_invalid_unit_state_is_refused(tmp_path, bad):
 
 
 @pytest.mark.parametrize("argv, why", [
-    (["demo", "--epochs", "0"], r"--epochs must be an int >= 1, got 0"),
-    (["demo", "--epochs", "-3"], r"--epochs must be an int >= 1, got -3"),
-    (["demo", "--threads", "0"], r"--threads must be an int >= 1, got 0"),
+    (["demo", "--epochs", "0"], r"--epochs must be an int in \[1, 10,000\], got 0"),
+    (["demo", "--epochs", "-3"], r"--epochs must be an int in \[1, 10,000\], got -3"),
+    (["demo", "--threads", "0"], r"--threads must be an int in \[1, 1,024\], got 0"),
     (["demo", "--target", "0"], r"--target must lie in \(0, 1\], got 0"),
     (["demo", "--target", "1.5"], r"--target must lie in \(0, 1\], got 1.5"),
     (["demo", "--target", "nan"], r"--target must be a finite number"),
-    (["report", "resnet18", "--data", "digits", "--num-classes", "0"], r"--num-classes must be an int >= 1, got 0"),
+    (["report", "resnet18", "--data", "digits", "--num-classes", "0"], r"--num-classes must be an int in \[1, 1,000,000\], got 0"),
+    (["report", "resnet18", "--data", "digits", "--num-classes", "100000000000"], r"--num-classes must be an int in"),
+    (["demo", "--threads", "3000000000"], r"--threads must be an int in \[1, 1,024\], got 3000000000"),
+    (["demo", "--seed", "-1"], r"--seed must be an int in \[0, 4,294,967,295\], got -1"),
+    (["demo", "--epochs", "10000000000"], r"--epochs must be an int in \[1, 10,000\]"),
 ])
 def test_numbers_out_of_range_are_usage_errors_before_anything_runs(monkeypatch, capsys, argv, why):
     import linearize.demo as demo
@@ -197,3 +201,30 @@ def test_the_console_script_prints_no_traceback_for_a_bad_input_shape():
     out = subprocess.run([sys.executable, "-m", "linearize.cli", "inspect", "resnet18", "--input-shape", "2,1,16,16"],
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 2 and "Traceback" not in out.stderr and "--input-shape 2,1,16,16" in out.stderr
+
+
+class _Failing(nn.Module):
+    """A model whose forward fails on every input, with the error ``error``."""
+
+    def __init__(self, error: BaseException) -> None:
+        super().__init__()
+        self.fc, self.error = nn.Linear(4, 2), error
+
+    def forward(self, x):
+        raise self.error
+
+
+def test_only_errors_of_the_kind_a_wrong_input_raises_are_blamed_on_the_flags(monkeypatch):
+    """A bug in the model (NameError) or out of memory keeps its own traceback; an input error's message is
+    flattened to the one line the CLI promises."""
+    import linearize.cli as cli
+    from linearize.cli.readers import check_model_takes
+
+    for error in (NameError("name 'scale' is not defined"), torch.OutOfMemoryError("CUDA out of memory"),
+                  MemoryError(), KeyboardInterrupt()):
+        with pytest.raises(type(error)):
+            check_model_takes(_Failing(error), torch.randn(1, 4), "m.pt", "--input-shape 1,4", "fix it")
+    with pytest.raises(cli.InputMismatch) as err:
+        check_model_takes(_Failing(RuntimeError("shapes\n  (1x4)\n and (3x2)")), torch.randn(1, 4), "m.pt",
+                          "--input-shape 1,4", "fix it")
+    assert "\n" not in str(err.value) and "RuntimeError: shapes (1x4) and (3x2); fix it" in str(err.value)

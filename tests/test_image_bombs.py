@@ -245,3 +245,59 @@ def test_an_image_folder_file_that_no_image_can_be_is_refused_before_it_is_read(
         bad.write_bytes(b"\0" * 100_000)
         with pytest.raises(ValueError, match=r"1.png is not an image"):
             cifar.load_split(folder, "cifar10", "test", None, 8, tmp_path / "cache2", show=False)
+
+
+@pytest.mark.parametrize("kind", ["directory", "socket"])
+def test_a_directory_or_socket_named_like_an_image_is_refused_by_name_and_leaks_no_descriptor(tmp_path, kind):
+    import os
+    import socket
+
+    from linearize.inputs import read_image_file
+
+    path = tmp_path / "cats.png"
+    server = None
+    if kind == "directory":
+        path.mkdir()
+    else:
+        server = socket.socket(socket.AF_UNIX)
+        server.bind(str(path))
+    try:
+        fds = len(os.listdir("/proc/self/fd"))
+        for _ in range(20):
+            with pytest.raises(ValueError, match=rf"cats.png is {'a directory' if kind == 'directory' else 'not a regular file'}"):
+                read_image_file(path)
+        assert len(os.listdir("/proc/self/fd")) == fds
+    finally:
+        if server is not None:
+            server.close()
+
+
+@pytest.mark.parametrize("source", ["folder", "archive"])
+def test_the_sampled_files_together_are_capped_in_bytes_before_any_is_read(tmp_path, monkeypatch, source):
+    """Files each under MAX_IMAGE_BYTES but together over MAX_TOTAL_BYTES (both lowered here; sparse files or
+    padded metadata take no pixels): refused from their sizes, naming the data and the fix, nothing read."""
+    import linearize.cli.readers as readers
+    import linearize.inputs
+
+    monkeypatch.setattr(linearize.inputs, "MAX_IMAGE_BYTES", 100_000)
+    monkeypatch.setattr(linearize.inputs, "MAX_TOTAL_BYTES", 250_000)
+    blobs = {f"test/cat/{i}.png": small_png() + b"\0" * 90_000 for i in range(3)}
+    if source == "folder":
+        data = tmp_path / "tree"
+        for name, blob in blobs.items():
+            (data / name).parent.mkdir(parents=True, exist_ok=True)
+            (data / name).write_bytes(blob)
+    else:
+        data = tmp_path / "data.tar.gz"
+        with tarfile.open(data, "w:gz") as tar:
+            for name, blob in blobs.items():
+                info = tarfile.TarInfo(name)
+                info.size = len(blob)
+                tar.addfile(info, io.BytesIO(blob))
+    read = []
+    monkeypatch.setattr(readers, "read_image_file", lambda p: read.append(p))
+    monkeypatch.setattr(readers, "read_tar_image", lambda *a: read.append(a))
+    with pytest.raises(ValueError, match=rf"the 3 image files sampled hold {3 * len(blobs['test/cat/0.png']):,} "
+                       r"bytes together, more than 250,000.*--num-samples"):
+        main(["report", "resnet18", "--data", str(data), "--output-dir", str(tmp_path / "out")])
+    assert not read

@@ -35,6 +35,7 @@ def _inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+MAX_THREADS = 1024  # torch threads a command may ask for (more than any machine's cores; torch overflows far above)
 MAX_INPUT_ELEMENTS = 2**26  # 256 MiB of float32: the probe input of --input-shape is one small batch
 
 
@@ -105,11 +106,11 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
     demo = sub.add_parser("demo", help="train, linearize, freeze and fold a small net on sklearn digits (no download)")
-    demo.add_argument("--epochs", type=arg_type(check_positive_int, "--epochs"), default=30, help="training epochs of the baseline (default 30)")
+    demo.add_argument("--epochs", type=arg_type(check_positive_int, "--epochs", 1, 10_000), default=30, help="training epochs of the baseline (default 30)")
     demo.add_argument("--target", type=arg_type(check_fraction, "--target"), default=0.10,
                       help="nonlinear fraction to reach, in (0, 1] (default 0.10)")
-    demo.add_argument("--seed", type=int, default=0)
-    demo.add_argument("--threads", type=arg_type(check_positive_int, "--threads"), default=1, help="torch threads (default 1: the demo's ops are small)")
+    demo.add_argument("--seed", type=arg_type(check_positive_int, "--seed", 0, 2**32 - 1), default=0)
+    demo.add_argument("--threads", type=arg_type(check_positive_int, "--threads", 1, MAX_THREADS), default=1, help="torch threads (default 1: the demo's ops are small)")
     demo.set_defaults(func=_demo)
 
     inspect = sub.add_parser("inspect", help="list the activation call sites convert would swap (dry run)")

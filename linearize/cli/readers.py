@@ -11,6 +11,7 @@ import argparse
 import gzip
 import io
 import json
+import os
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -20,31 +21,37 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from .._optional import require
-from ..inputs import (MAX_TOTAL_PIXELS, Batches, call_model, describe_inputs, eval_mode, image_size, read_image_file,
-                      read_tar_image)
+from ..inputs import (MAX_TOTAL_PIXELS, Batches, call_model, check_total_bytes, describe_inputs, eval_mode,
+                      image_size, read_image_file, read_tar_image)
 from ..unit import units
 
 from . import InputMismatch
 
 __all__ = ["load_model_and_data", "load_data", "check_model_takes"]
 
-
-def check_model_takes(model: nn.Module, inputs: Any, model_arg: str, given: str, fix: str) -> None:
-    """Run ``model`` once on ``inputs`` (eval mode, no grad); a failure is an :class:`InputMismatch` naming the
-    model, the input (``given``: the flags it came from) and ``fix``, not a torch traceback from deep inside."""
-    try:
-        with torch.no_grad(), eval_mode(model):
-            call_model(model, inputs)
-    except Exception as err:
-        raise InputMismatch(
-            f"the model {model_arg} ({type(model).__name__}) fails on the input of {given}, "
-            f"{describe_inputs(inputs)}: {type(err).__name__}: {str(err).strip()[:300]}; {fix}") from err
-
 _IMAGE_EXT = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp")
 _NORMS = {
     "cifar10": ((0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)),
     "imagenet": ((0.485, 0.456, 0.406), (0.229, 0.224, 0.225)),
 }
+
+
+def check_model_takes(model: nn.Module, inputs: Any, model_arg: str, given: str, fix: str) -> None:
+    """Run ``model`` once on ``inputs`` (eval mode, no grad); an error of the kind a wrong input raises (a
+    ``RuntimeError``, ``ValueError``, ``TypeError`` or ``IndexError``, not out of memory) becomes an
+    :class:`InputMismatch` naming the model, the input (``given``: the flags it came from) and ``fix``, in one line.
+    Anything else (a bug in the model's code, out of memory, Ctrl-C) keeps its own traceback."""
+    try:
+        with torch.no_grad(), eval_mode(model):
+            call_model(model, inputs)
+    except (torch.OutOfMemoryError, MemoryError):
+        raise
+    except (RuntimeError, ValueError, TypeError, IndexError) as err:
+        why = " ".join(str(err).split())  # one line, whatever the message held
+        raise InputMismatch(
+            f"the model {model_arg} ({type(model).__name__}) fails on the input of {given}, "
+            f"{describe_inputs(inputs)}: {type(err).__name__}: {why[:300]}{'...' if len(why) > 300 else ''}; "
+            f"{fix} (if that input is right, the model itself fails: call it in Python to see where)") from err
 
 
 def load_model_and_data(args: argparse.Namespace) -> tuple[nn.Module, Any]:
@@ -115,7 +122,9 @@ def load_data(args: argparse.Namespace, model: nn.Module, hf_dir: Path | None) -
         if not files:
             raise ValueError(f"no images ({', '.join(_IMAGE_EXT)}) under {path}")
         pick = np.random.default_rng(0).permutation(len(files))[:n]
-        images = [(str(files[i]), read_image_file(files[i])) for i in sorted(pick)]
+        chosen = [files[i] for i in sorted(pick)]
+        check_total_bytes((os.stat(f).st_size for f in chosen), f"--data {src}")
+        images = [(str(f), read_image_file(f)) for f in chosen]
     else:
         raise ValueError(f"--data {src}: expected 'digits', an image folder, a .tar.gz of images or a .jsonl file")
     return _decode(images, args.image_size, norm, src)
@@ -131,6 +140,7 @@ def _tar_images(path: Path, n: int) -> list[tuple[str, bytes]]:
         test = [m for m in members if "/test/" in f"/{m.name}"]
         members = test or members  # the held-out split when there is one
         pick = np.random.default_rng(0).permutation(len(members))[:n]
+        check_total_bytes((members[i].size for i in pick), f"--data {path}")
         return [(where, read_tar_image(tar, members[i], where))
                 for i in sorted(pick) for where in [f"{path}:{members[i].name}"]]
 

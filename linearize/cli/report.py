@@ -14,6 +14,9 @@ from ..reporting import report
 from .readers import load_model_and_data
 
 
+MAX_CLASSES = 1_000_000  # --num-classes: a classifier head beyond it is a typo (resnet18's head at 1e11 classes: 200 TB)
+
+
 def register_cli(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Add the ``report`` subcommand to a ``linearize`` argument parser; returns its parser."""
     p = subparsers.add_parser(
@@ -29,7 +32,7 @@ def register_cli(subparsers: argparse._SubParsersAction) -> argparse.ArgumentPar
     p.add_argument("--data", required=True, help="'digits' (sklearn demo data), an image folder, the CIFAR-10 "
                    ".tar.gz of JPEGs, or a JSONL(.gz) text file (Hugging Face models)")
     p.add_argument("--checkpoint", help="state_dict file for a torchvision model (plain or converted)")
-    p.add_argument("--num-classes", type=arg_type(check_positive_int, "--num-classes"), help="output classes of the torchvision model (default: builder's)")
+    p.add_argument("--num-classes", type=arg_type(check_positive_int, "--num-classes", 1, MAX_CLASSES), help="output classes of the torchvision model (default: builder's)")
     p.add_argument("--units", help="directory written by linearize.save_pretrained for a torchvision model")
     p.add_argument("--history", help="sparsifier history JSON (Sparsifier.save_history)")
     p.add_argument("--output-dir", default="linearize-report", help="where to write (default linearize-report)")
