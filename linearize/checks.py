@@ -93,7 +93,7 @@ def check_positive_int(value: object, name: str, minimum: int = 1, maximum: int 
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise TypeError(f"{name} must be an int, got {value!r}")
     if value < minimum or (maximum is not None and value > maximum):
-        within = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum:,}]"
+        within = f">= {minimum}" if maximum is None else f"from {minimum} to {maximum}"
         raise ValueError(f"{name} must be an int {within}, got {value}")
     return int(value)
 

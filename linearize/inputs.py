@@ -519,9 +519,9 @@ MAX_IMAGE_BYTES = 4 * MAX_IMAGE_PIXELS + 2**20
 # what all the images of one data set read at once (the CLI report's --data) may decode to together: 768 MiB as
 # float32 RGB; 512 ImageNet-sized samples (224 x 224) take 38% of it
 MAX_TOTAL_PIXELS = 2**26
-# what the image files read at once for one data set may hold together: MAX_TOTAL_PIXELS stored raw as RGBA, plus
-# 1 MiB of headers (a file of a few pixels may carry up to MAX_IMAGE_BYTES of metadata, or be sparse on disk)
-MAX_TOTAL_BYTES = 4 * MAX_TOTAL_PIXELS + 2**20
+# what the image files read at once for one data set may hold together (a file of a few pixels may carry up to
+# MAX_IMAGE_BYTES of metadata, or be sparse on disk): 512 photos of 2 MB each fit
+MAX_TOTAL_BYTES = 2**30
 
 
 def read_tar_image(tar: Any, member: Any, where: str) -> bytes:
@@ -564,19 +564,22 @@ def read_image_file(path: str | os.PathLike) -> bytes:
     # non-blocking, and checked again on the open file: swapped after the first check, it is still refused
     fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0))
     try:
-        _check_image_file(path, os.fstat(fd))
+        size = _check_image_file(path, os.fstat(fd))
         f = os.fdopen(fd, "rb")
     except BaseException:
         os.close(fd)
         raise
     with f:
-        data = f.read(MAX_IMAGE_BYTES + 1)  # a file that grows after the check is still read at most this far
+        data = f.read(size + 1)  # its size and one byte more, to notice growth (asking for the cap allocates it)
+        if len(data) > size:  # it grew since it was checked: read on, at most to the cap
+            data += f.read(MAX_IMAGE_BYTES + 1 - len(data))
     if len(data) > MAX_IMAGE_BYTES:
         raise ValueError(f"{path} grew past {MAX_IMAGE_BYTES:,} bytes while being read: refusing it")
     return data
 
 
-def _check_image_file(path: str | os.PathLike, info: os.stat_result) -> None:
+def _check_image_file(path: str | os.PathLike, info: os.stat_result) -> int:
+    """The size of the image file ``path`` from its ``stat`` ``info``; ``ValueError`` when no image file can be it."""
     if not stat.S_ISREG(info.st_mode):
         kind = "a directory" if stat.S_ISDIR(info.st_mode) else "not a regular file"
         raise ValueError(f"{path} is {kind}: it is no image file; remove it from the image folder")
@@ -584,6 +587,7 @@ def _check_image_file(path: str | os.PathLike, info: os.stat_result) -> None:
         raise ValueError(f"{path} is {info.st_size:,} bytes, more than any image file of at most "
                          f"{MAX_IMAGE_PIXELS:,} pixels can be ({MAX_IMAGE_BYTES:,}): refusing to read it; "
                          "remove it from the folder or resize it first")
+    return info.st_size
 
 
 def check_total_bytes(sizes: Iterable[int], where: str) -> None:
@@ -597,7 +601,7 @@ def check_total_bytes(sizes: Iterable[int], where: str) -> None:
     total = sum(sizes)
     if total > MAX_TOTAL_BYTES:
         raise ValueError(f"{where}: the {len(sizes)} image files sampled hold {total:,} bytes together, more than "
-                         f"{MAX_TOTAL_BYTES:,} (what images of MAX_TOTAL_PIXELS pixels can take): refusing to read "
+                         f"{MAX_TOTAL_BYTES:,}: refusing to read "
                          "them; sample fewer (--num-samples) or use smaller files")
 
 

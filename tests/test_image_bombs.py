@@ -301,3 +301,21 @@ def test_the_sampled_files_together_are_capped_in_bytes_before_any_is_read(tmp_p
                        r"bytes together, more than 250,000.*--num-samples"):
         main(["report", "resnet18", "--data", str(data), "--output-dir", str(tmp_path / "out")])
     assert not read
+
+
+def test_a_small_image_file_is_read_without_allocating_the_cap(tmp_path):
+    """Asking a buffered file for MAX_IMAGE_BYTES allocates that much first (192 MiB per 3 KB file); the read asks
+    for the file's size and a byte, and a file that grows after its check is still read to the cap at most."""
+    import tracemalloc
+
+    from linearize.inputs import read_image_file
+
+    path = tmp_path / "a.png"
+    path.write_bytes(small_png())
+    tracemalloc.start()
+    try:
+        assert read_image_file(path) == small_png()
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 2**20

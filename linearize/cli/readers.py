@@ -36,17 +36,24 @@ _NORMS = {
 }
 
 
+# RuntimeError messages that are not the input's fault: the CPU allocator's out of memory
+_NOT_THE_INPUT = ("can't allocate memory", "out of memory", "DefaultCPUAllocator")
+
+
 def check_model_takes(model: nn.Module, inputs: Any, model_arg: str, given: str, fix: str) -> None:
     """Run ``model`` once on ``inputs`` (eval mode, no grad); an error of the kind a wrong input raises (a
-    ``RuntimeError``, ``ValueError``, ``TypeError`` or ``IndexError``, not out of memory) becomes an
+    ``RuntimeError``, ``ValueError``, ``TypeError`` or ``IndexError``; not out of memory, recursion or a missing
+    ``forward``) becomes an
     :class:`InputMismatch` naming the model, the input (``given``: the flags it came from) and ``fix``, in one line.
     Anything else (a bug in the model's code, out of memory, Ctrl-C) keeps its own traceback."""
     try:
         with torch.no_grad(), eval_mode(model):
             call_model(model, inputs)
-    except (torch.OutOfMemoryError, MemoryError):
+    except (torch.OutOfMemoryError, MemoryError, RecursionError, NotImplementedError):
         raise
     except (RuntimeError, ValueError, TypeError, IndexError) as err:
+        if isinstance(err, RuntimeError) and any(s in str(err) for s in _NOT_THE_INPUT):
+            raise
         why = " ".join(str(err).split())  # one line, whatever the message held
         raise InputMismatch(
             f"the model {model_arg} ({type(model).__name__}) fails on the input of {given}, "

@@ -146,7 +146,6 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 import warnings
 import weakref
 from pathlib import Path
@@ -154,7 +153,6 @@ from typing import Mapping, Sequence
 
 import torch
 from torch import nn
-from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from .. import schedules as _schedules
 from ..checks import check_positive, check_positive_int, finite_nonnegative
@@ -167,6 +165,7 @@ from .projection import by_group, glide, glide_down, glide_steps, max_step, rank
 from .relus import ReluBudget
 from .selection import SELECT, selection
 from .state import check_state_values
+from . import watch
 from .weights import site_groups, unit_weights
 
 __all__ = ["Sparsifier", "torch_optimizer", "adaptive", "MODES", "GRANULARITY", "LINEAR_ENDS"]
@@ -177,13 +176,6 @@ KEPT_SLOPE_WARNING = 0.5
 GRANULARITY = ("channel", "site", "block")
 # torch optimizer -> weakref to the Sparsifier attached to it (one per optimizer: two would apply the pressure twice)
 _ATTACHED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-# optimizer steps that move a Sparsifier's slopes, with the Sparsifier never stepped nor attached, before it warns
-UNSTEPPED_STEPS = 2
-# Sparsifiers not stepped nor attached since they were built or loaded -> [ids of their slopes, optimizer steps seen]
-_UNSTEPPED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-_UNSTEPPED_HOOK: list = []  # the one process-wide optimizer hook that watches them, once registered
-# frames of these packages are skipped when a warning from an optimizer hook names the line that caused it
-_INTERNAL = (str(Path(torch.__file__).parent), str(Path(__file__).parents[1]))
 
 
 LINEAR_ENDS = ("identity", "affine")
@@ -392,7 +384,7 @@ class Sparsifier:
         self._hook = None
         self._versions = self._slope_versions()
         self._warned = False
-        _watch(self)
+        watch.watch(self)
 
 
     def _choose(self, asked: tuple[str, str] | None = None) -> tuple[str, str]:
@@ -439,6 +431,13 @@ class Sparsifier:
                 end[0].copy_(torch.where(moving, alpha, end[0]))
                 end[1].copy_(torch.where(moving, beta, end[1]))
 
+    def slopes(self) -> list[torch.Tensor]:
+        """The slope parameters of the units this Sparsifier drives, in unit order.
+
+        Example: ``len(Sparsifier(model).slopes()) == len(linearize.units(model))``.
+        """
+        return [u.slope for _, u in self._units]
+
     @property
     def weights(self) -> dict[str, float]:
         """Normalized weight of each unit (mean 1 over channels)."""
@@ -478,7 +477,6 @@ class Sparsifier:
             self._resolve()
         self._hook = inner.register_step_post_hook(lambda opt, args, kwargs: self.step())
         _ATTACHED[inner] = weakref.ref(self)
-        _settle(self)
         return self
 
     def __getstate__(self) -> dict:
@@ -496,8 +494,7 @@ class Sparsifier:
         # a shallow copy shares the optimizer, which its original still drives: the copy stays detached
         if attached and self.optimizer is not None and (other is None or other._hook is None):
             self.attach(self.optimizer)
-        else:
-            _watch(self)  # a copy nothing drives yet
+        watch.watch(self)  # a copy: counted afresh (attached, its hook steps it)
 
     def detach(self) -> None:
         """Remove the hook installed by :meth:`attach`."""
@@ -563,7 +560,7 @@ class Sparsifier:
         inf (the training diverged): nothing is projected or logged then (one device sync per step).
         """
         check_finite_slopes(self._units, f"Sparsifier.step (step {self.step_count})")
-        _settle(self)
+        watch.stepped(self)
         if self._slope_versions() == self._versions and not self._warned:
             warnings.warn(
                 "Sparsifier.step() was called but the slopes did not change since the last call: "
@@ -661,9 +658,9 @@ class Sparsifier:
                 "says. To keep them nonlinear, lengthen the ramp (a later end or an earlier start), lower rate=, or "
                 "choose without a uniform push: select='fit' (linear_end='affine') or select='saliency'")
 
-    def _warn_once(self, message: str, stacklevel: int = 3) -> None:
+    def _warn_once(self, message: str) -> None:
         if message not in self._said:
-            warnings.warn(message, UserWarning, stacklevel=stacklevel)
+            warnings.warn(message, UserWarning, stacklevel=3)
             self._said.add(message)  # after: a warning turned into an error is raised again next time
 
     def saliency(self) -> dict[str, torch.Tensor]:
@@ -947,53 +944,7 @@ class Sparsifier:
             self._weights = [float(w) for w in weights]
             self.importance.weights = self._weights
         self._versions = [-1] * len(self._units)  # the model was loaded: do not warn on the next step
-        if self._hook is None:
-            _watch(self)  # a resumed run must step it again (attach() after load_state_dict)
-
-
-def _watch(sparsifier: Sparsifier) -> None:
-    """Watch ``sparsifier`` until it is stepped or attached: warn once if optimizers move its slopes
-    :data:`UNSTEPPED_STEPS` times first (without a step its pressure never applies, in silence). One
-    process-wide optimizer hook serves every watch; it holds them weakly and never removes itself."""
-    _UNSTEPPED[sparsifier] = [frozenset(id(u.slope) for _, u in sparsifier._units), 0]
-    if not _UNSTEPPED_HOOK:
-        _UNSTEPPED_HOOK.append(register_optimizer_step_post_hook(_count_unstepped))
-
-
-def _settle(sparsifier: Sparsifier) -> None:
-    """``sparsifier`` drives its slopes now: end its watch, and that of every other one over the same slopes
-    (an earlier Sparsifier of the model still alive, e.g. from a notebook cell run twice)."""
-    if _UNSTEPPED:
-        mine = frozenset(id(u.slope) for _, u in sparsifier._units)
-        for other, (slopes, _) in list(_UNSTEPPED.items()):
-            if other is sparsifier or slopes & mine:
-                _UNSTEPPED.pop(other, None)
-
-
-def _count_unstepped(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
-    if not _UNSTEPPED:
-        return
-    params = {id(p) for group in optimizer.param_groups for p in group["params"]}
-    for sparsifier, entry in list(_UNSTEPPED.items()):
-        if not entry[0] & params:
-            continue
-        entry[1] += 1
-        if entry[1] >= UNSTEPPED_STEPS and _UNSTEPPED.pop(sparsifier, None) is not None:
-            sparsifier._warn_once(
-                f"{type(optimizer).__name__} stepped the unit slopes {entry[1]} times but this Sparsifier was not "
-                "stepped since it was built or loaded: its pressure does not apply and the model stays as nonlinear "
-                "as it is. Call sparsifier.step() after every optimizer.step(), or sparsifier.attach(optimizer) "
-                "once (also after load_state_dict; to delay the pressure, give the schedule a later start, e.g. "
-                "schedules.late(0.5): the Sparsifier is still stepped from the first step)", _user_stacklevel())
-
-
-def _user_stacklevel() -> int:
-    """The ``stacklevel`` that makes a warning given by :meth:`Sparsifier._warn_once` from an optimizer hook name
-    the first frame outside torch and linearize (the user's ``optimizer.step()``), not torch's hook loop."""
-    level, frame = 3, sys._getframe(2)  # 1: _warn_once, 2: the hook (this function's caller), 3: the hook's caller
-    while frame is not None and frame.f_code.co_filename.startswith(_INTERNAL):
-        frame, level = frame.f_back, level + 1
-    return level
+        watch.watch(self)  # counted afresh: a resumed run must step it again (attach() after load_state_dict)
 
 
 def _fit_state(fit: RunningFit) -> dict:
