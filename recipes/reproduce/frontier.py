@@ -30,6 +30,8 @@ import linearize  # noqa: E402
 RUN = re.compile(r"^(r20|ab94)_(base|late|early)(?:_(\d+|r\d+))?(?:_(\w+?))?_s(\d+)$")
 # the variants on the frontier (others, e.g. distillation or class subsets, belong to other studies)
 VARIANTS = {None: "", "elem": "element units", "fit": "affine ends", "fitid": "fit selection, identity ends"}
+# the face of each variant's markers in the plot (None: the network's color)
+FILLS = {"": None, "element units": "gold", "affine ends": "none", "fit selection, identity ends": "palegreen"}
 NETWORK = {"r20": "ResNet-20", "ab94": "airbench94"}
 # Published CIFAR-10 points, (network, nonlinear ReLUs per image, test accuracy %, source). Only numbers
 # stated in the sources; ResNet-18 in both papers (SNL: the standard CIFAR ResNet-18, 557K ReLUs;
@@ -120,7 +122,7 @@ def plot(rows: list[dict], path: Path) -> None:
               ("ResNet-20", "early"): ("^", "tab:blue"), ("airbench94", "base"): ("s", "tab:red"),
               ("airbench94", "late"): ("o", "tab:red"), ("airbench94", "early"): ("^", "tab:red")}
     for (net, kind), (marker, color) in styles.items():
-        for variant, fill in (("", color), ("affine ends", "none"), ("element units", "gold")):
+        for variant, fill in ((v, FILLS[v] or color) for v in VARIANTS.values()):
             pts = [r for r in rows if r["network"] == net and r["kind"] == kind and r["variant"] == variant]
             if pts:
                 ax.scatter([r["relus_nonlinear"] for r in pts], [r["accuracy"] for r in pts], marker=marker,
