@@ -29,8 +29,8 @@ def _inspect(args: argparse.Namespace) -> int:
 
         given = "--input-shape " + ",".join(map(str, args.input_shape)) if args.input_shape else \
             f"--example-inputs {args.example_inputs}"
-        check_model_takes(model, inputs, args.model, given, "give the input its forward takes, e.g. "
-                          "--input-shape 1,3,224,224 for an image classifier, or its tensors with --example-inputs FILE")
+        check_model_takes(model, inputs, args.model, given, "give the input its forward takes, e.g. --input-shape "
+                          "1,3,224,224 for an image classifier, or its tensors with --example-inputs FILE")
     print(dry_run(model, example_inputs=inputs))
     return 0
 
@@ -106,11 +106,13 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
     demo = sub.add_parser("demo", help="train, linearize, freeze and fold a small net on sklearn digits (no download)")
-    demo.add_argument("--epochs", type=arg_type(check_positive_int, "--epochs", 1, 10_000), default=30, help="training epochs of the baseline (default 30)")
+    demo.add_argument("--epochs", type=arg_type(check_positive_int, "--epochs", 1, 10_000), default=30,
+                      help="training epochs of the baseline (default 30)")
     demo.add_argument("--target", type=arg_type(check_fraction, "--target"), default=0.10,
                       help="nonlinear fraction to reach, in (0, 1] (default 0.10)")
     demo.add_argument("--seed", type=arg_type(check_positive_int, "--seed", 0, 2**32 - 1), default=0)
-    demo.add_argument("--threads", type=arg_type(check_positive_int, "--threads", 1, MAX_THREADS), default=1, help="torch threads (default 1: the demo's ops are small)")
+    demo.add_argument("--threads", type=arg_type(check_positive_int, "--threads", 1, MAX_THREADS), default=1,
+                      help="torch threads (default 1: the demo's ops are small)")
     demo.set_defaults(func=_demo)
 
     inspect = sub.add_parser("inspect", help="list the activation call sites convert would swap (dry run)")

@@ -32,7 +32,8 @@ def register_cli(subparsers: argparse._SubParsersAction) -> argparse.ArgumentPar
     p.add_argument("--data", required=True, help="'digits' (sklearn demo data), an image folder, the CIFAR-10 "
                    ".tar.gz of JPEGs, or a JSONL(.gz) text file (Hugging Face models)")
     p.add_argument("--checkpoint", help="state_dict file for a torchvision model (plain or converted)")
-    p.add_argument("--num-classes", type=arg_type(check_positive_int, "--num-classes", 1, MAX_CLASSES), help="output classes of the torchvision model (default: builder's)")
+    p.add_argument("--num-classes", type=arg_type(check_positive_int, "--num-classes", 1, MAX_CLASSES),
+                   help="output classes of the torchvision model (default: builder's)")
     p.add_argument("--units", help="directory written by linearize.save_pretrained for a torchvision model")
     p.add_argument("--history", help="sparsifier history JSON (Sparsifier.save_history)")
     p.add_argument("--output-dir", default="linearize-report", help="where to write (default linearize-report)")

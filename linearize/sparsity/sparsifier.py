@@ -386,7 +386,6 @@ class Sparsifier:
         self._warned = False
         watch.watch(self)
 
-
     def _choose(self, asked: tuple[str, str] | None = None) -> tuple[str, str]:
         """``(select, linear_end)`` for what was asked: ``"auto"`` by the optimizer known now (module docs)."""
         select, end = asked or self._asked

@@ -56,15 +56,19 @@ def stepped(sparsifier: Any) -> None:
     (an earlier Sparsifier of the model still alive, e.g. from a notebook cell run twice, stays silent)."""
     with _LOCK:
         entries = list(_ENTRIES.values())
-    mine: set[int] | None = None
+    for entry in _over_same_slopes(entries, sparsifier):
+        entry.counts.clear()
+
+
+def _over_same_slopes(entries: list[_Entry], sparsifier: Any) -> list[_Entry]:
+    """The entries of ``entries`` that watch ``sparsifier`` or another live Sparsifier sharing one of its slopes."""
+    mine = {id(s) for s in sparsifier.slopes()}
+    found = []
     for entry in entries:
         other = entry.ref()
-        if other is sparsifier:
-            entry.counts.clear()
-        elif other is not None:
-            mine = {id(s) for s in sparsifier.slopes()} if mine is None else mine
-            if any(id(s) in mine for s in other.slopes()):
-                entry.counts.clear()
+        if other is sparsifier or (other is not None and any(id(s) in mine for s in other.slopes())):
+            found.append(entry)
+    return found
 
 
 def _count(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
@@ -95,12 +99,9 @@ def _count(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
             continue
         # before warning (a warning turned into an error is not raised again): this one and every other watch over
         # these slopes (an earlier Sparsifier of the model) are told once together
-        mine = {id(s) for s in sparsifier.slopes()}
-        for _, other in entries:
-            alive = other.ref()
-            if other is entry or (alive is not None and any(id(s) in mine for s in alive.slopes())):
-                other.warned = True
-        del sparsifier, alive
+        for other in _over_same_slopes([e for _, e in entries], sparsifier):
+            other.warned = True
+        del sparsifier
         warnings.warn(
             f"{type(optimizer).__name__} stepped the unit slopes {n} times since a Sparsifier over them last "
             "stepped (or was built or loaded): its pressure applies only in Sparsifier.step(), which must follow "
