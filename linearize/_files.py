@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import json
 import os
 import pickle
 import re
@@ -21,14 +22,15 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-__all__ = ["LoadError", "atomic_write", "fsync_path", "remove_stale", "safe_torch_load", "save_lock",
-           "SAVE_LOCK_NAME", "TRUST_PICKLE_FLAG"]
+__all__ = ["LoadError", "atomic_write", "fsync_path", "remove_stale", "safe_torch_load", "save_lock", "read_regular",
+           "read_file", "parse_json", "read_json", "SAVE_LOCK_NAME", "TRUST_PICKLE_FLAG", "MAX_JSON_BYTES"]
 
 TRUST_PICKLE_FLAG = "--trust-pickle"
 SAVE_LOCK_NAME = ".linearize.lock"  # in the folder saved into; empty, and left there
 SAVE_LOCK_WAIT_S = 600.0  # how long a save waits for another save into the same folder
 _TEMP_RE = re.compile(r"\.(.+)\.[0-9a-f]{12}\.tmp")  # temp_name's: .NAME.<12 hex digits>.tmp
 _HELD = threading.local()  # .paths: the real paths of the save locks this thread holds
+MAX_JSON_BYTES = 256 * 2**20  # the largest JSON file (manifest, config, index, metrics) read
 
 
 class LoadError(ValueError):
@@ -48,6 +50,83 @@ def fsync_path(path: str | os.PathLike) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def read_regular(path: str | os.PathLike, check: Callable[[os.stat_result], int], limit: int) -> bytes:
+    """The bytes of ``path``, read only after ``check`` passed on its ``stat`` and again on the opened file's
+    (it raises, or returns the size to read): opened without blocking, so a FIFO swapped in is refused, not
+    waited on; read at its size plus one byte (no ``limit``-sized buffer), and refused with :class:`LoadError`
+    when it grows past ``limit`` while being read. A symbolic link is followed and its target checked."""
+    check(os.stat(path))  # before opening: opening a socket fails, a plain open of a FIFO waits
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0))
+    try:
+        size = check(os.fstat(fd))
+        f = os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+    with f:
+        data = f.read(size + 1)  # its size and one byte more, to notice growth
+        if len(data) > size:  # it grew since it was checked: read on, at most to the limit
+            data += f.read(limit + 1 - len(data))
+    if len(data) > limit:
+        raise LoadError(f"{path} grew past {limit:,} bytes while being read: refusing it")
+    return data
+
+
+def read_file(path: str | os.PathLike, limit: int, what: str = "file") -> bytes:
+    """The bytes of the regular file ``path`` of at most ``limit`` bytes (:func:`read_regular`);
+    :class:`LoadError` naming it and ``what`` it should be when it is a FIFO, device, socket or folder,
+    or larger. ``FileNotFoundError`` when it is missing.
+
+    Example:
+        >>> import tempfile, pathlib
+        >>> p = pathlib.Path(tempfile.mkdtemp()) / "a.json"; _ = p.write_bytes(b"{}")
+        >>> read_file(p, 10, "manifest")
+        b'{}'
+    """
+
+    def check(info: os.stat_result) -> int:
+        if not stat.S_ISREG(info.st_mode):
+            kind = "a folder" if stat.S_ISDIR(info.st_mode) else "not a regular file (a FIFO, device or socket)"
+            raise LoadError(f"{path} is {kind}, where a {what} should be: refusing to read it; put the saved file "
+                            "back, or save again")
+        if info.st_size > limit:
+            raise LoadError(f"{path} is {info.st_size:,} bytes, more than a {what} can be ({limit:,}): refusing to "
+                            "read it; put the saved file back, or save again")
+        return info.st_size
+
+    return read_regular(path, check, limit)
+
+
+def parse_json(raw: bytes | str, path: str | os.PathLike) -> Any:
+    """The JSON value of ``raw`` (the contents of ``path``); :class:`LoadError` naming ``path`` when it is not
+    UTF-8 JSON, or nests too deep for Python to parse.
+
+    Example:
+        >>> parse_json(b'{"a": [1]}', "x.json")
+        {'a': [1]}
+    """
+    try:
+        return json.loads(raw.decode("utf-8") if isinstance(raw, bytes) else raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        problem = "the file is empty" if not raw.strip() else f"not valid JSON ({err})"
+    except RecursionError:
+        problem = "not valid JSON for this reader: it nests deeper than Python can parse"
+    raise LoadError(f"{path}: {problem}; a damaged or partly written file, or not the file it should be")
+
+
+def read_json(path: str | os.PathLike, what: str = "JSON file") -> Any:
+    """:func:`parse_json` of :func:`read_file` (at most :data:`MAX_JSON_BYTES`): the JSON value of ``path``,
+    or :class:`LoadError` naming it (``FileNotFoundError`` when missing).
+
+    Example:
+        >>> import tempfile, pathlib
+        >>> p = pathlib.Path(tempfile.mkdtemp()) / "a.json"; _ = p.write_text("[1, 2]")
+        >>> read_json(p)
+        [1, 2]
+    """
+    return parse_json(read_file(path, MAX_JSON_BYTES, what), path)
 
 
 def temp_name(path: Path) -> Path:

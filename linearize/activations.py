@@ -214,12 +214,21 @@ def negative_slope(act: object) -> float | None:
 class FunctionalActivation(nn.Module):
     """Module wrapper of an activation function held as a plain attribute (``self.act = F.gelu``)."""
 
-    def __init__(self, fn: Callable[[torch.Tensor], torch.Tensor], kind: str) -> None:
+    def __init__(self, fn: Callable[[torch.Tensor], torch.Tensor], kind: str, where: str = "") -> None:
         super().__init__()
         self.fn = fn
         self.kind = kind
+        self.where = where  # "Owner.attribute" it was held as
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if args or kwargs:  # its unit would take the input alone: refuse before anything is swapped
+            name = getattr(self.fn, "__name__", "the function")
+            given = ", ".join([*map(repr, args), *(f"{k}={v!r}" for k, v in kwargs.items())])
+            raise TypeError(
+                f"linearize: the activation function {name} held as the attribute {self.where or 'of a module'} is "
+                f"called with arguments ({given}); linearize converts such an attribute as a module of the input "
+                f"alone. Fix: hold a module with those settings instead (e.g. nn.GELU(approximate='tanh'), "
+                f"nn.LeakyReLU(0.2)), or call {name}(x, {given}) inline in forward, which converts with its arguments")
         return self.fn(x)
 
     def extra_repr(self) -> str:

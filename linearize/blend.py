@@ -16,7 +16,7 @@ from .activations import FunctionalActivation, activation_kind, module_arguments
 from .config import BlendConfig
 from .example_inputs import guess_example_inputs
 from .functional_sites import FunctionalSites, install_functional_sites
-from .injection import call_channels, install_call_sites, plan_conversion, settle_placed_modules, wrap_function_attributes
+from .injection import call_channels, install_call_sites, function_attributes_wrapped, plan_conversion, settle_placed_modules
 from .dispatch import THREAD_CALL
 from .inputs import call_model, eval_mode, map_tensors, max_difference, output_tensors
 from .unit import LinearizableActivation, install_optimizer_hooks, make_unit
@@ -24,21 +24,12 @@ from .unit import LinearizableActivation, install_optimizer_hooks, make_unit
 
 def convert_blend(model: nn.Module, config: BlendConfig, example_inputs: Any) -> nn.Module:
     """Blend units in place of every selected activation call site of ``model`` (in place)."""
-    wrap_function_attributes(model)
     # the probe runs on a copy: a model whose first activation works in place would rewrite the caller's inputs
     probe_inputs = None if example_inputs is None else map_tensors(example_inputs, torch.clone)
-    report, plan, owner_plans = plan_conversion(model, config, probe_inputs, functional=True)
-    if not report.sites:
-        raise ValueError(
-            f"{type(model).__name__} has no convertible activation (kinds {list(config.activations)})."
-            + (f" Functional calls seen: {', '.join(report.functional_calls)}" if report.functional_calls else "")
-            + (f" Nonlinearities no kind covers: {', '.join(f'{n} ({w})' for n, w in report.unsupported.items())}."
-               if report.unsupported else "")
-            + (f" Left as multiplicative gates: {', '.join(report.gates)} (convert(..., gates='include') converts them)."
-               if report.gates else "")
-            + (f" Activation calls {', '.join(map(repr, report.threads))} ran {THREAD_CALL}." if report.threads else "")
-            + "".join(f" {name}: {why}." for name, why in report.unreachable.items())
-        )
+    with function_attributes_wrapped(model):  # given back as they were if the probe or the plan fails
+        report, plan, owner_plans = plan_conversion(model, config, probe_inputs, functional=True)
+        if not report.sites:
+            raise _nothing_to_convert(model, config, report)
     param = next(model.parameters(), None)
     # new units go to the model's device; float64 models get float64 slopes, low precision ones float32
     dtype = param.dtype if param is not None and param.dtype == torch.float64 else None
@@ -155,3 +146,17 @@ def _keep_inplace(model: nn.Module, inputs: Any, reference: list[torch.Tensor],
         with torch.no_grad():
             for u, a in zip(every, slopes):
                 u.slope.copy_(a)
+
+
+def _nothing_to_convert(model: nn.Module, config: BlendConfig, report: Any) -> ValueError:
+    """The error for a model with no activation call site to convert (what the probe saw instead)."""
+    return ValueError(
+        f"{type(model).__name__} has no convertible activation (kinds {list(config.activations)})."
+        + (f" Functional calls seen: {', '.join(report.functional_calls)}" if report.functional_calls else "")
+        + (f" Nonlinearities no kind covers: {', '.join(f'{n} ({w})' for n, w in report.unsupported.items())}."
+           if report.unsupported else "")
+        + (f" Left as multiplicative gates: {', '.join(report.gates)} (convert(..., gates='include') converts them)."
+           if report.gates else "")
+        + (f" Activation calls {', '.join(map(repr, report.threads))} ran {THREAD_CALL}." if report.threads else "")
+        + "".join(f" {name}: {why}." for name, why in report.unreachable.items())
+    )

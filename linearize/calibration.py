@@ -396,8 +396,11 @@ class RunningFit:
         return out
 
     def state_dict(self) -> dict:
-        """The running sums (float64, CPU), for an exact resume."""
-        return {"decay": self.decay, "steps": self.steps,
+        """The running sums (float64, CPU) and the outgoing weight norms measured at the first step, for an
+        exact resume (measured again from the resumed weights, the norms would differ)."""
+        outgoing = None if self._outgoing is None else {
+            n: None if v is None else v.clone() for n, v in self._outgoing.items()}
+        return {"decay": self.decay, "steps": self.steps, "outgoing": outgoing,
                 "units": {n: {"count": s.count, "sums": None if s.sums is None else s.sums.clone()}
                           for n, s in self._running.items()}}
 
@@ -421,8 +424,31 @@ class RunningFit:
                                      f"[5, {unit.num_channels}], got {tuple(sums.shape)}")
             stats.sums, stats.count = sums, float(count)
             restored[name] = stats
+        outgoing = self._checked_outgoing(state.get("outgoing"))
         self._running = restored
         self.steps = int(state.get("steps", 0))
+        if outgoing is not None:  # measured at the first step of the run: not again from the resumed weights
+            self._outgoing = outgoing
+            self._recorder.stop_finding_layers()
+
+    def _checked_outgoing(self, outgoing: Any) -> dict[str, torch.Tensor | None] | None:
+        """The outgoing weight norms of a :meth:`state_dict` (None: not measured yet, or a state saved before
+        they were kept), each None or finite, >= 0, one per channel of its unit; else ``ValueError``."""
+        if outgoing is None:
+            return None
+        if not isinstance(outgoing, Mapping) or set(outgoing) != set(self._running):
+            raise ValueError(f"RunningFit state: outgoing must map the units {sorted(self._running)[:3]}... to "
+                             f"their outgoing weight norms, got {type(outgoing).__name__}")
+        checked: dict[str, torch.Tensor | None] = {}
+        for name, unit in self._named:
+            norms = outgoing[name]
+            if norms is not None:
+                norms = torch.as_tensor(norms, dtype=torch.float64)  # exact for any weights (the fits are float64)
+                if norms.numel() != unit.num_channels or not torch.isfinite(norms).all() or (norms < 0).any():
+                    raise ValueError(f"RunningFit state of unit {name!r}: outgoing norms must be {unit.num_channels} "
+                                     f"finite numbers >= 0, got {tuple(norms.shape)}")
+            checked[name] = norms
+        return checked
 
     def close(self) -> None:
         """Remove the hooks (the fits stay readable)."""

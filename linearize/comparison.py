@@ -22,13 +22,13 @@ from __future__ import annotations
 
 import argparse
 import html
-import json
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from ._files import read_json
 from .html_pages import img, page, table
 from .plots import figure, png, site_axis
 
@@ -49,11 +49,6 @@ class RunSummary:
     skipped: dict[str, str] = field(default_factory=dict)
 
 
-def _read_json(path: Path) -> dict:
-    try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as err:
-        raise ValueError(f"{path} is not valid JSON ({err}): a damaged or partly written file") from None
 
 
 def load_run(path: str | Path, name: str | None = None) -> RunSummary:
@@ -65,10 +60,10 @@ def load_run(path: str | Path, name: str | None = None) -> RunSummary:
     if not (path / "metrics.json").is_file():
         raise FileNotFoundError(f"{path} has no metrics.json: pass the output directory of a run "
                                 "(recipes/cifar.py or recipes/wmt14.py --output_dir)")
-    run = RunSummary(name or path.name, path, _read_json(path / "metrics.json"))
+    run = RunSummary(name or path.name, path, read_json(path / "metrics.json"))
     report_json = path / "report" / "report.json"
     if report_json.is_file():
-        rep = _read_json(report_json)
+        rep = read_json(report_json)
         units = rep.get("units")
         if units:
             run.sites = {site: s["fraction"] for site, s in units["sites"].items()}
@@ -90,7 +85,7 @@ def _sites_from_sidecar(run: RunSummary) -> dict[str, float] | None:
 
     model_dir = run.path / "model"
     if (model_dir / "recipe.json").is_file():
-        meta = _read_json(model_dir / "recipe.json")
+        meta = read_json(model_dir / "recipe.json")
         if meta.get("linearize", "prelu") in (None, "none"):
             run.skipped["units"] = "a baseline without linearizable units (--linearize none)"
             return None

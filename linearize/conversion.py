@@ -39,7 +39,7 @@ from torch import nn
 from .blend import convert_blend
 from .config import BlendConfig, GatedConfig, LinearizeConfig
 from .functional_sites import FunctionalSites
-from .injection import CallSites, ConversionReport, plan_conversion, wrap_function_attributes
+from .injection import CallSites, ConversionReport, function_attributes_wrapped, plan_conversion
 from .unit import LinearizableActivation
 
 __all__ = ["convert", "dry_run"]
@@ -152,6 +152,6 @@ def dry_run(
     _check_model(model)
     config = _resolve_config(config, overrides)
     probe_model = copy.deepcopy(model)
-    wrap_function_attributes(probe_model)
-    return plan_conversion(probe_model, config, example_inputs, functional=True)[0]
+    with function_attributes_wrapped(probe_model):
+        return plan_conversion(probe_model, config, example_inputs, functional=True)[0]
 

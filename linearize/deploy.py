@@ -49,7 +49,7 @@ import safetensors.torch
 import torch
 from torch import nn
 
-from ._files import LoadError, atomic_write, remove_stale, save_lock
+from ._files import MAX_JSON_BYTES, LoadError, atomic_write, parse_json, read_file, remove_stale, save_lock
 from ._optional import require
 from .distributed import refuse_sharded
 from .activations import FUNCTIONAL_SPECS, FUNCTIONS_BY_NAME
@@ -691,14 +691,13 @@ def _read_folded(directory: Path, tries: int = 10) -> tuple[dict, bytes, Path]:
     path = directory / FOLDED_CONFIG
     if not path.is_file():
         raise FileNotFoundError(f"{directory} has no {FOLDED_CONFIG}; write one with linearize.save_folded(model, dir)")
-    attempt = 0
-    while True:
-        text = path.read_text(encoding="utf-8")
+    for attempt in range(tries):
+        text = read_file(path, MAX_JSON_BYTES, FOLDED_CONFIG)
         try:
-            meta = json.loads(text)
+            meta = parse_json(text, path)
             ok = (meta.get("format") == FORMAT_VERSION and isinstance(meta.get("modules"), list) and meta["modules"]
                   and isinstance(meta["modules"][0], dict) and meta["modules"][0].get("name") == "")
-        except (ValueError, AttributeError):
+        except (LoadError, AttributeError):
             ok = False
         if not ok:
             raise LoadError(f"{path}: not a folded-model description of format {FORMAT_VERSION}; save it again with "
@@ -707,15 +706,17 @@ def _read_folded(directory: Path, tries: int = 10) -> tuple[dict, bytes, Path]:
         if not isinstance(w.get("file"), str) or not _WEIGHTS_FILE.fullmatch(w["file"]):
             raise LoadError(f"{path}: names no weights file of the form folded-<checksum>.safetensors; save the "
                             "model again with linearize.save_folded(model, dir)")
-        weights = directory / w["file"]
-        fits = weights.is_file() and weights.stat().st_size == w.get("bytes")  # before reading a file of any size
-        data = weights.read_bytes() if fits else None
-        if data is not None and len(data) == w.get("bytes") and hashlib.sha256(data).hexdigest() == w.get("sha256"):
+        weights, size = directory / w["file"], w.get("bytes")
+        try:  # a regular file of the recorded size, checked before reading; a save may remove it meanwhile
+            data = read_file(weights, size, "folded weights file") if type(size) is int and size >= 0 else None
+        except (FileNotFoundError, LoadError):
+            data = None
+        if data is not None and len(data) == size and hashlib.sha256(data).hexdigest() == w.get("sha256"):
             return meta, data, weights
-        attempt += 1
-        if attempt == tries or path.read_text(encoding="utf-8") == text:  # not a save racing this read
-            raise LoadError(f"{weights}: missing, truncated or modified (size or SHA-256 differ from {FOLDED_CONFIG}); "
-                            "save the model again with linearize.save_folded(model, dir)")
+        if attempt + 1 == tries or read_file(path, MAX_JSON_BYTES, FOLDED_CONFIG) == text:  # no save racing this read
+            break
+    raise LoadError(f"{weights}: missing, truncated or modified (size or SHA-256 differ from {FOLDED_CONFIG}); "
+                    "save the model again with linearize.save_folded(model, dir)")
 
 
 def load_folded(directory: str | os.PathLike, base: nn.Module | None = None, *, check: bool = True) -> nn.Module:

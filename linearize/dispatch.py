@@ -95,7 +95,9 @@ def prime_eager() -> None:
 
 
 def _function_forward(frame: FrameType) -> bool:
-    """Whether ``frame`` runs the ``forward`` of a ``torch.autograd.Function`` subclass (cached per code)."""
+    """Whether ``frame`` runs the ``forward`` of a ``torch.autograd.Function`` subclass (cached per code): its
+    class found by its qualified name, or, for a class that cannot be found so (defined in a function, its name
+    rebound to its ``apply``), its first argument a ``ctx`` (``FunctionCtx``)."""
     code = frame.f_code
     known = _FUNCTION_FORWARDS.get(code)
     if known is None:
@@ -105,7 +107,10 @@ def _function_forward(frame: FrameType) -> bool:
             obj = frame.f_globals
             for part in qualname.split(".")[:-1]:
                 obj = obj.get(part) if isinstance(obj, dict) else getattr(obj, part, None)
-        known = _FUNCTION_FORWARDS[code] = isinstance(obj, type) and issubclass(obj, torch.autograd.Function)
+        known = isinstance(obj, type) and issubclass(obj, torch.autograd.Function)
+        if not known and code.co_name == "forward" and code.co_argcount:
+            known = isinstance(frame.f_locals.get(code.co_varnames[0]), torch.autograd.function.FunctionCtx)
+        _FUNCTION_FORWARDS[code] = known
     return known
 _MODULE_FILE = nn.Module._call_impl.__code__.co_filename  # its nested ``inner`` runs hooks and forward
 _LOCAL = threading.local()  # .scopes: {id(owner's _call_impl frame): Scope} of this thread
@@ -294,7 +299,8 @@ def _open(owner: nn.Module, args: Any) -> None:
     if scopes:  # drop scopes whose forward is no longer running (an interrupt skipped their closing hook)
         live = _live_frames(frame)
         for key in [k for k, s in reversed(scopes.items()) if id(s.frame) not in live]:  # innermost first
-            _close(scopes.pop(key))
+            _close(scopes[key])  # closed, then dropped: an interrupt in between leaves it to close again
+            del scopes[key]
     scope = scopes[id(frame)] = Scope(owner, frame)
     for child in owner._modules.values():
         begin = getattr(child, "begin_forward", None)
@@ -314,10 +320,11 @@ def _shut(owner: nn.Module, args: Any, output: Any) -> None:
     """Close this forward's scope; its sites check their calls unless the forward raised."""
     scopes = _scopes()
     frame = _call_impl_frame(owner)
-    scope = scopes.pop(id(frame), None)
+    scope = scopes.get(id(frame))
     if scope is None or scope.frame is not frame:
         return
-    _close(scope)
+    _close(scope)  # then dropped: an interrupt in between leaves it registered, stale, closed again next forward
+    scopes.pop(id(frame), None)
     if output is not None or sys.exc_info()[1] is None:  # always_call hooks also run when forward raised
         for child in owner._modules.values():
             check = getattr(child, "check_forward", None)

@@ -41,7 +41,7 @@ ATTR = "linearize_functional"  # the owner's child that holds its functional uni
 class _Calls:
     """The functional activation calls of one owner forward (kept in its :class:`~linearize.dispatch.Scope`)."""
 
-    mode: "_SiteMode"
+    mode: "_SiteMode | None"  # None once end_forward took it off the stack
     suspended: TorchFunctionMode | None  # an enclosing owner's mode, off the stack while this forward runs
     position: int = 0
     seen: list[str] = field(default_factory=list)  # kinds of this forward's calls, kept only after a mismatch
@@ -119,19 +119,26 @@ class FunctionalSites(nn.Module):
         n = torch._C._len_torch_function_stack()
         top = torch._C._get_function_stack_at(n - 1) if n else None
         suspended = top if isinstance(top, _SiteMode) else None  # so that a torch op meets one site mode at most
+        mode = _SiteMode(self, scope)
+        scope.data = _Calls(mode, suspended)  # first: an interrupt from here on leaves what end_forward undoes
         if suspended is not None:
             torch._C._pop_torch_function_stack()
-        mode = _SiteMode(self, scope)
-        scope.data = _Calls(mode, suspended)
         torch._C._push_on_torch_function_stack(mode)
 
     def end_forward(self, scope: Scope) -> None:
         """An owner forward ends (or was found interrupted): take its mode off this thread's mode stack and
-        put back the enclosing owner's."""
-        calls: _Calls = scope.data
-        _remove_mode(calls.mode)
+        put back the enclosing owner's. Safe to run again after an interrupt stopped it, or stopped
+        :meth:`begin_forward` anywhere: each step is done once, and only if it is still to do."""
+        calls: _Calls | None = scope.data
+        if calls is None:  # interrupted before begin_forward: nothing to undo
+            return
+        if calls.mode is not None:
+            _remove_mode(calls.mode)
+            calls.mode = None
         if calls.suspended is not None:
-            torch._C._push_on_torch_function_stack(calls.suspended)
+            if not _on_stack(calls.suspended):
+                torch._C._push_on_torch_function_stack(calls.suspended)
+            calls.suspended = None
 
     @eager  # eager under torch.compile: the counter is state, not an input
     def call(self, scope: Scope, func: Callable, args: tuple, kwargs: dict) -> Any:
@@ -232,8 +239,15 @@ class FunctionalSites(nn.Module):
             )
 
 
+def _on_stack(mode: TorchFunctionMode) -> bool:
+    """Whether ``mode`` is on this thread's torch-function mode stack."""
+    return any(torch._C._get_function_stack_at(i) is mode for i in range(torch._C._len_torch_function_stack()))
+
+
 def _remove_mode(mode: TorchFunctionMode) -> None:
     """Take ``mode`` off this thread's torch-function mode stack, wherever it is (normally on top)."""
+    if not _on_stack(mode):
+        return
     above = []
     while torch._C._len_torch_function_stack():
         top = torch._C._pop_torch_function_stack()

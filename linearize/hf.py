@@ -38,7 +38,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ._files import LoadError, safe_torch_load
+from ._files import LoadError, read_json, safe_torch_load
 
 __all__ = ["CONFIG_KEY", "GUARD_KEY", "is_guard", "lift_guard", "is_hf_model", "mark", "unmark", "refuse_stripped", "has_manifest",
            "has_weights", "read_unit_tensors", "load_plain", "load_weights"]
@@ -184,8 +184,8 @@ def has_manifest(directory: str | os.PathLike) -> bool:
     if not path.is_file():
         return False
     try:
-        config = json.loads(path.read_text(encoding="utf-8"))
-    except (ValueError, TypeError):
+        config = read_json(path, "Hugging Face config")
+    except (OSError, LoadError):
         return False
     return isinstance(config, dict) and CONFIG_KEY in config  # a JSON string or list is no HF config
 
@@ -203,8 +203,10 @@ def _weight_files(directory: Path) -> dict[str, Path]:
     for index in (_SAFE_INDEX, _BIN_INDEX):
         if (directory / index).is_file():
             try:
-                weight_map = json.loads((directory / index).read_text(encoding="utf-8"))["weight_map"]
-            except (ValueError, KeyError, TypeError) as err:
+                weight_map = read_json(directory / index, "shard index")["weight_map"]
+                if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+                    raise TypeError("weight_map must map tensor names to file names")
+            except (LoadError, KeyError, TypeError) as err:
                 raise LoadError(f"{directory / index}: not a valid shard index ({err})") from None
             return {k: directory / v for k, v in weight_map.items()}
     return {}
@@ -262,7 +264,7 @@ def _unguarded_view(directory: Path, into: Path) -> Path:
     for f in directory.iterdir():
         if f.name != HF_CONFIG:
             (into / f.name).symlink_to(f.resolve(), target_is_directory=f.is_dir())
-    config = json.loads((directory / HF_CONFIG).read_text(encoding="utf-8"))
+    config = read_json(directory / HF_CONFIG, "Hugging Face config")
     (into / HF_CONFIG).write_text(json.dumps(_drop_guards(config)), encoding="utf-8")
     return into
 

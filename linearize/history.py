@@ -6,11 +6,12 @@ checked (a fraction in ``[0, 1]``, integer steps) and errors name the file.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any, Mapping
 
 import numpy as np
+
+from ._files import read_json
 
 __all__ = ["load_history", "read_history", "summarize_history"]
 
@@ -45,10 +46,7 @@ def read_history(history: str | Path | Mapping) -> list[Record]:
         source = f"sparsifier history {str(path)!r}"
         if not path.is_file():
             raise FileNotFoundError(f"{source} does not exist")
-        try:
-            history = json.loads(path.read_text())
-        except (ValueError, UnicodeDecodeError) as err:  # JSONDecodeError is a ValueError
-            raise ValueError(f"{source} is not valid JSON ({err})") from None
+        history = read_json(path, "sparsifier history")
     if not isinstance(history, Mapping):
         raise TypeError(f"{source} must be a JSON path or a dict, got {type(history).__name__}")
     try:

@@ -17,6 +17,8 @@ import re
 import weakref
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any, Callable
 
 import torch
@@ -57,7 +59,8 @@ from .unit import LinearizableActivation
 
 __all__ = ["CallSites", "install_call_sites", "settle_placed_modules", "SiteInfo", "ConversionReport", "ActivationCall",
            "OwnerPlan", "plan_conversion", "call_channels",
-           "activation_registrations", "wrap_function_attributes"]
+           "activation_registrations", "wrap_function_attributes",
+           "function_attributes_wrapped"]
 
 # products that make an activation's output a multiplicative gate: op -> positions of the factors
 _PRODUCTS: dict[Callable, tuple[int, int]] = {
@@ -509,8 +512,10 @@ def _outside_activations(model: nn.Module, prefix: str = ""):
             yield from _outside_activations(child, f"{prefix}.{attr}" if prefix else attr)
 
 
-def wrap_function_attributes(model: nn.Module) -> None:
-    """Turn activation functions held as plain attributes into FunctionalActivation modules."""
+def wrap_function_attributes(model: nn.Module) -> list[tuple[nn.Module, str, Callable]]:
+    """Turn activation functions held as plain attributes into FunctionalActivation modules; returns
+    ``(module, attribute, function)`` of each, for :func:`function_attributes_wrapped` to put back."""
+    wrapped = []
     for _, module in list(_outside_activations(model)):
         for attr, value in list(vars(module).items()):
             if attr.startswith("_") or isinstance(value, nn.Module):
@@ -518,7 +523,23 @@ def wrap_function_attributes(model: nn.Module) -> None:
             kind = activation_kind(value)
             if kind is not None:
                 delattr(module, attr)
-                setattr(module, attr, FunctionalActivation(value, kind))
+                setattr(module, attr, FunctionalActivation(value, kind, f"{type(module).__name__}.{attr}"))
+                wrapped.append((module, attr, value))
+    return wrapped
+
+
+@contextmanager
+def function_attributes_wrapped(model: nn.Module) -> Iterator[None]:
+    """:func:`wrap_function_attributes` for the body; the functions are put back when the body raises (the
+    model is left as it was given)."""
+    wrapped = wrap_function_attributes(model)
+    try:
+        yield
+    except BaseException:
+        for module, attr, value in wrapped:
+            delattr(module, attr)
+            setattr(module, attr, value)
+        raise
 
 
 def activation_registrations(model: nn.Module) -> list[tuple[str, nn.Module, str, nn.Module]]:

@@ -43,6 +43,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from ._files import read_regular
+
 __all__ = [
     "Batches", "call_model", "as_call", "eval_mode", "float_outputs", "max_difference", "output_tensors", "hooks",
     "model_device", "map_tensors", "to_device", "record_preactivations", "describe_inputs", "is_empty_batch",
@@ -560,22 +562,7 @@ def read_image_file(path: str | os.PathLike) -> bytes:
         >>> read_image_file(p)
         b'abc'
     """
-    _check_image_file(path, os.stat(path))  # before opening: opening a socket fails, a plain open of a FIFO waits
-    # non-blocking, and checked again on the open file: swapped after the first check, it is still refused
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0))
-    try:
-        size = _check_image_file(path, os.fstat(fd))
-        f = os.fdopen(fd, "rb")
-    except BaseException:
-        os.close(fd)
-        raise
-    with f:
-        data = f.read(size + 1)  # its size and one byte more, to notice growth (asking for the cap allocates it)
-        if len(data) > size:  # it grew since it was checked: read on, at most to the cap
-            data += f.read(MAX_IMAGE_BYTES + 1 - len(data))
-    if len(data) > MAX_IMAGE_BYTES:
-        raise ValueError(f"{path} grew past {MAX_IMAGE_BYTES:,} bytes while being read: refusing it")
-    return data
+    return read_regular(path, lambda info: _check_image_file(path, info), MAX_IMAGE_BYTES)
 
 
 def _check_image_file(path: str | os.PathLike, info: os.stat_result) -> int:

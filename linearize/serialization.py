@@ -56,7 +56,7 @@ import safetensors.torch
 import torch
 from torch import nn
 
-from ._files import LoadError, atomic_write, remove_stale, save_lock
+from ._files import MAX_JSON_BYTES, LoadError, atomic_write, parse_json, read_file, read_json, remove_stale, save_lock
 from .config import LinearizeConfig
 from .distributed import refuse_sharded
 from .manifest import FORMAT_VERSION, clean_name as _clean, site_records as _sites
@@ -71,6 +71,7 @@ MODEL_PREFIX = "__linearize_model__."  # the model's own weights in the tensor f
 _WEIGHTS_RE = re.compile(r"linearize_units-([0-9a-f]{16})\.safetensors")
 _SITE_KEYS = {"name", "kind", "num_channels", "channel_dim"}
 _READ_TRIES = 10  # manifest re-reads when concurrent saves swap the pair under a reader
+_MAX_UNITS_BYTES = 2**32  # the largest tensor file of a format-1 sidecar (later formats record its size)
 _SAVE_AGAIN = "Save the model again with linearize.save_pretrained(model, directory)."
 
 
@@ -285,8 +286,8 @@ def save_pretrained(model: nn.Module, directory: str | os.PathLike, *, weights: 
 def _manifest_file(directory: Path) -> str | None:
     """The tensor file named by the manifest in ``directory`` (None when unreadable)."""
     try:
-        return json.loads((directory / CONFIG_NAME).read_text())["weights"]["file"]
-    except (OSError, ValueError, KeyError, TypeError):
+        return read_json(directory / CONFIG_NAME, "sidecar config")["weights"]["file"]
+    except (OSError, ValueError, KeyError, TypeError):  # LoadError is a ValueError
         return None
 
 
@@ -303,9 +304,9 @@ def _parse_manifest(raw: bytes, path: Path, weights: bool = True) -> dict[str, A
         return LoadError(f"{path}: {what}. The sidecar config is damaged or was edited. {_SAVE_AGAIN}")
 
     try:
-        meta = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise bad("the file is empty" if not raw.strip() else f"not valid JSON ({err})") from None
+        meta = parse_json(raw, path)
+    except LoadError as err:
+        raise LoadError(f"{err}. {_SAVE_AGAIN}") from None
     if not isinstance(meta, dict):
         raise bad(f"expected a JSON object, got {type(meta).__name__}")
     fmt = meta.get("format")
@@ -356,7 +357,8 @@ def _read_hf_manifest(directory: Path) -> dict[str, Any]:
     from .hf import CONFIG_KEY, HF_CONFIG
 
     path = directory / HF_CONFIG
-    block = json.loads(path.read_text(encoding="utf-8")).get(CONFIG_KEY)
+    config = read_json(path, "Hugging Face config")
+    block = config.get(CONFIG_KEY) if isinstance(config, dict) else None
     return _parse_manifest(json.dumps(block).encode(), path, weights=False)
 
 
@@ -402,18 +404,14 @@ def _read_sidecar(directory: Path) -> tuple[dict[str, Any], dict[str, torch.Tens
     """
     config_path = directory / CONFIG_NAME
     for attempt in range(_READ_TRIES):
-        raw = config_path.read_bytes()
+        raw = read_file(config_path, MAX_JSON_BYTES, "sidecar config")
         meta = _parse_manifest(raw, config_path)
         w = meta["weights"]
         path = directory / w["file"]
-        try:
-            data: bytes | None = path.read_bytes()
-        except FileNotFoundError:
-            data = None
-        problem = _pair_problem(data, w)
+        data, problem = _read_tensor_file(path, w)
         if problem is None:
             break
-        if attempt + 1 < _READ_TRIES and config_path.read_bytes() != raw:
+        if attempt + 1 < _READ_TRIES and read_file(config_path, MAX_JSON_BYTES, "sidecar config") != raw:
             continue
         raise LoadError(f"{path}: {problem}; refusing to load it. Restore the directory from a backup, or save "
                         "the model again with linearize.save_pretrained(model, directory).")
@@ -425,10 +423,23 @@ def _read_sidecar(directory: Path) -> tuple[dict[str, Any], dict[str, torch.Tens
     return meta, tensors, path
 
 
-def _pair_problem(data: bytes | None, weights: dict[str, Any]) -> str | None:
-    """What is wrong with the tensor file's bytes ``data`` (None: missing) against the manifest's record."""
-    if data is None:
-        return f"is missing, though {CONFIG_NAME} names it"
+def _read_tensor_file(path: Path, weights: dict[str, Any]) -> tuple[bytes | None, str | None]:
+    """``(its bytes, None)`` when the sidecar's tensor file ``path`` matches the manifest's record ``weights``,
+    else ``(None, what is wrong)``. Only a regular file of at most the recorded size is read (not a link to
+    ``/dev/zero``, a FIFO, or a file grown huge)."""
+    limit = _MAX_UNITS_BYTES if weights["bytes"] is None else weights["bytes"]
+    try:
+        data = read_file(path, limit, "sidecar tensor file")
+    except FileNotFoundError:
+        return None, f"is missing, though {CONFIG_NAME} names it"
+    except LoadError as err:  # a folder, FIFO or device, or larger than the manifest recorded: not read
+        return None, f"is not the file {CONFIG_NAME} recorded ({err})"
+    problem = _pair_problem(data, weights)
+    return (data, None) if problem is None else (None, problem)
+
+
+def _pair_problem(data: bytes, weights: dict[str, Any]) -> str | None:
+    """What is wrong with the tensor file's bytes ``data`` against the manifest's record."""
     if weights["bytes"] is not None and len(data) != weights["bytes"]:
         return f"has {len(data)} bytes, {CONFIG_NAME} recorded {weights['bytes']} at save time (truncated?)"
     if weights["sha256"] is not None and hashlib.sha256(data).hexdigest() != weights["sha256"]:
@@ -531,22 +542,25 @@ def _load_hf_checked(directory: Path) -> tuple[dict[str, Any], dict[str, torch.T
     return meta, tensors, path
 
 
-def _check_agree(directory: Path, tensors: dict[str, torch.Tensor]) -> None:
-    """Refuse a directory whose HF weights hold unit tensors other than the sidecar's: one of them
-    was saved later (``model.save_pretrained`` into a folder with an older sidecar)."""
+def _check_agree(directory: Path, tensors: dict[str, torch.Tensor], state: dict[str, torch.Tensor] | None) -> None:
+    """Refuse a directory whose HF weights hold unit tensors, or model weights (``state``: those the sidecar
+    holds, compared by name), other than the sidecar's: one of them was saved later (``model.save_pretrained``
+    into a folder with an older sidecar)."""
     from . import hf
 
     if not hf.has_manifest(directory):
         return
-    found, path = hf.read_unit_tensors(directory, sorted(tensors))
+    ours = {**tensors, **(state or {})}
+    found, path = hf.read_unit_tensors(directory, sorted(ours))
     differ = sorted(k for k, t in found.items()
-                    if t.shape != tensors[k].shape or not torch.equal(t.to(tensors[k].dtype).nan_to_num(-1.0),
-                                                                      tensors[k].nan_to_num(-1.0)))
+                    if t.shape != ours[k].shape or not torch.equal(t.to(ours[k].dtype).nan_to_num(-1.0),
+                                                                   ours[k].nan_to_num(-1.0)))
     if differ:
-        raise LoadError(f"{path} and {directory / CONFIG_NAME} hold different unit tensors (e.g. {differ[:3]}): "
+        what = "unit tensors" if any(k in tensors for k in differ) else "weights"
+        raise LoadError(f"{path} and {directory / CONFIG_NAME} hold different {what} (e.g. {differ[:3]}): "
                         "one of them is stale (saved at another time). Save the model again with both "
                         "model.save_pretrained(directory) and linearize.save_pretrained(model, directory), or "
-                        f"remove {CONFIG_NAME} to load the units of model.save_pretrained.")
+                        f"remove {CONFIG_NAME} to load the model of model.save_pretrained.")
 
 
 def from_pretrained(model: nn.Module | type, directory: str | os.PathLike, example_inputs: Any = None,
@@ -587,7 +601,7 @@ def from_pretrained(model: nn.Module | type, directory: str | os.PathLike, examp
     if (directory / CONFIG_NAME).is_file() or not hf.has_manifest(directory):
         meta, tensors, state, path = _load_checked(directory)
         if meta["config"].mode == "prelu":
-            _check_agree(directory, tensors)
+            _check_agree(directory, tensors, state)
     else:
         meta, tensors, path = _load_hf_checked(directory)
         state = None
@@ -617,8 +631,8 @@ def from_pretrained(model: nn.Module | type, directory: str | os.PathLike, examp
         plain = unwrap_model(model)
         _check_state_tensors(state, _base_state(plain), path, what="model")
         plain.load_state_dict(_with_versions(state, plain), strict=False)  # every key but the units' checked above
-    elif not weights_from_folder:
-        _check_base(unwrap_model(model), meta, directory, cross=found != meta["sites"])
+    elif not weights_from_folder or (meta["base"] or {}).get("saved") is False:  # digests: check any weights
+        _check_base(unwrap_model(model), meta, directory, cross=found != meta["sites"], from_folder=weights_from_folder)
     with torch.no_grad():
         for name, unit in units(model):
             key = saved_name.get(_clean(name))
@@ -629,11 +643,13 @@ def from_pretrained(model: nn.Module | type, directory: str | os.PathLike, examp
     return model
 
 
-def _check_base(model: nn.Module, meta: dict[str, Any], directory: Path, cross: bool) -> None:
+def _check_base(model: nn.Module, meta: dict[str, Any], directory: Path, cross: bool, from_folder: bool) -> None:
     """Refuse (:class:`LoadError`) to put the saved units on weights of ``model`` other than those they were
     saved with (the digests of a format 3 sidecar of a Hugging Face model); warn for a save that recorded
     none (formats 1 and 2). ``cross``: the units of a head model loaded into its base model (or the
-    reverse): only the weights both have are compared, without the ``base_model_prefix``."""
+    reverse): only the weights both have are compared, without the ``base_model_prefix``. ``from_folder``:
+    the weights were loaded from the Hugging Face save in ``directory`` (which may be older than the sidecar);
+    those loaded in half precision are not compared (their digests are of the saved precision)."""
     if meta["base"] is None:
         warnings.warn(f"{directory}: this save holds the units only (written by an older linearize, sidecar format "
                       f"{meta['format']}): they were loaded onto the weights {type(model).__name__} has now. If those "
@@ -648,11 +664,21 @@ def _check_base(model: nn.Module, meta: dict[str, Any], directory: Path, cross: 
 
     saved = {plain(k): d for k, d in meta["base"]["tensors"].items()}
     own = {plain(k): t for k, t in _base_state(model).items()}
+    if from_folder:  # loaded in half precision (torch_dtype=...), a tensor's digest cannot be compared: the others are
+        own = {k: t for k, t in own.items() if t.dtype not in (torch.float16, torch.bfloat16)}
+        saved = {k: d for k, d in saved.items() if k in own}
     common = sorted(set(saved) & set(own))
     other = sorted(set(saved) ^ set(own))
     differ = [k for k in common if _value_digest(own[k]) != saved[k]]
     if differ or (other and not (cross and common)):
         found = f"{len(differ)} of them differ, e.g. {differ[:3]}" if differ else f"other names: {other[:5]}"
+        if from_folder:
+            raise LoadError(
+                f"{directory / CONFIG_NAME}: the Hugging Face weights in {directory} are not those the units were "
+                f"saved with ({found}): the model was trained further after model.save_pretrained(directory), and "
+                "only linearize.save_pretrained(model, directory) ran since. Save both again from the model in "
+                "memory (model.save_pretrained(directory), then linearize.save_pretrained(model, directory)), or "
+                "load an earlier pair.")
         raise LoadError(
             f"{directory / CONFIG_NAME}: the weights of the {type(model).__name__} given are not those the units "
             f"were saved with ({found}); this sidecar holds the units only (a Hugging Face model's weights are in "

@@ -100,3 +100,20 @@ def tiny_cifar(tmp_path_factory):
             for i in range(n):
                 write_png(torch.randint(0, 256, (3, 8, 8), generator=g, dtype=torch.uint8), str(root / split / c / f"{i}.png"))
     return root
+
+
+@pytest.fixture
+def cli_refusal(capsys):
+    """``cli_refusal(argv)``: run the ``linearize`` command line, check that it refused in one line with exit
+    status 2 (no traceback), and return that line."""
+
+    def refused(argv: list[str]) -> str:
+        from linearize.cli import main
+
+        capsys.readouterr()
+        assert main(argv) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and err.startswith(f"linearize {argv[0]}: error: "), err
+        return err
+
+    return refused

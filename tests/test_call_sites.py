@@ -8,7 +8,9 @@ same converted model without threads or checkpointing.
 from __future__ import annotations
 
 import copy
+import sys
 import threading
+from collections import OrderedDict
 
 import pytest
 import torch
@@ -164,6 +166,132 @@ def test_an_exception_or_interrupt_inside_a_forward_leaves_no_interception_behin
     assert torch.allclose(model(x), reference, atol=1e-6)
     assert torch._C._len_torch_function_stack() == 0  # a stale interception is removed by the next forward
     assert torch.allclose(model(x), reference, atol=1e-6)
+
+
+class Nested(Functional):
+    """Functional calls in its own forward around a child that makes functional calls of its own (two owners,
+    one inside the other: the inner forward suspends the outer's interception)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = Functional()
+        self.b = nn.Linear(3, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c(F.gelu(self.b(self.inner(F.relu(x)))))
+
+
+def _interrupted_at(line: int, model: nn.Module, x: torch.Tensor) -> bool:
+    """Run ``model(x)`` with a KeyboardInterrupt raised at the ``line``-th line linearize's dispatch code runs
+    (a Ctrl-C can land on any of them); False when the forward has fewer lines (it ran to the end)."""
+    files = {linearize.dispatch.__file__, linearize.functional_sites.__file__}
+    count = [0]
+
+    def tracer(frame, event, arg):
+        if frame.f_code.co_filename not in files:
+            return None
+        if event == "line":
+            count[0] += 1
+            if count[0] == line:
+                sys.settrace(None)
+                raise KeyboardInterrupt("Ctrl-C")
+        return tracer
+
+    sys.settrace(tracer)
+    try:
+        model(x)
+    except KeyboardInterrupt:
+        return True
+    finally:
+        sys.settrace(None)
+    return False
+
+
+def test_a_ctrl_c_on_any_line_of_the_dispatch_leaves_nothing_behind():
+    """A KeyboardInterrupt on each line the dispatch runs, in turn (hooks that open and close a forward's scope,
+    the interception, nested owners): the next forward of the model and of another converted model computes
+    their functions, no interception stays on the thread, and plain torch calls are untouched."""
+    torch.manual_seed(0)
+    x = torch.randn(5, 6)
+    model = linearize.convert(Nested().eval(), example_inputs=x)
+    other = linearize.convert(Functional().eval(), example_inputs=x)
+    random_slopes(model)
+    random_slopes(other, seed=1)
+    with torch.no_grad():
+        reference, other_reference = model(x), other(x)
+        assert torch.allclose(other_reference, by_hand(other, x), atol=1e-6)
+        line = 1
+        while _interrupted_at(line, model, x):
+            assert F.relu(torch.tensor(-2.0)).item() == 0.0, line
+            assert torch.equal(other(x), other_reference), line
+            assert torch.equal(model(x), reference), line
+            assert torch._C._len_torch_function_stack() == 0, line
+            line += 1
+            assert line < 2000  # bounded: a forward runs a few hundred lines of dispatch
+    assert line > 20  # the interrupts did land inside the dispatch
+
+
+def _swish_function() -> type[torch.autograd.Function]:
+    class Swish(torch.autograd.Function):  # made in a function: its qualified name cannot be looked up
+        @staticmethod
+        def forward(ctx, x):
+            ctx.save_for_backward(x)
+            return F.silu(x)
+
+        @staticmethod
+        def backward(ctx, g):
+            (x,) = ctx.saved_tensors
+            s = torch.sigmoid(x)
+            return g * s * (1 + x * (1 - s))
+
+    return Swish
+
+
+def test_a_call_inside_a_custom_function_defined_in_a_function_is_left_as_it_is():
+    """A unit inside a custom autograd.Function's forward would blend in the forward and differentiate as the
+    Function's own backward says: the call is left as it is (listed), however the class is named or defined."""
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b, self.swish = nn.Linear(6, 6), nn.Linear(6, 2), _swish_function().apply
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.b(F.relu(self.swish(self.a(x))))
+
+    torch.manual_seed(0)
+    net, x = Net(), torch.randn(4, 6, requires_grad=True)
+    model = linearize.convert(copy.deepcopy(net), example_inputs=x.detach())
+    assert len(linearize.units(model)) == 1  # the ReLU; the SiLU inside the Function is listed, not converted
+    assert any("custom autograd.Function" in call for call in model.linearize_report.functional_calls)
+    random_slopes(model)
+    with torch.no_grad():
+        slope = linearize.units(model)[0][1].slope.clone()
+    out = model(x).sum()
+    (grad,) = torch.autograd.grad(out, x)
+    h = F.silu(net.a(x))  # the truth, by hand: the Function computes SiLU, then the ReLU unit
+    want = net.b(torch.where(h >= 0, h, slope * h)).sum()
+    (want_grad,) = torch.autograd.grad(want, x)
+    assert torch.allclose(out, want, atol=1e-6) and torch.allclose(grad, want_grad, atol=1e-6)
+
+
+def test_a_forward_with_functional_units_keeps_nothing_alive_after_it():
+    """Its bookkeeping made a reference cycle that held each forward's input and output until the garbage
+    collector ran (tens of MB per training step on a small CNN)."""
+    import gc
+    import weakref
+
+    model = linearize.convert(Functional(), example_inputs=torch.randn(2, 6))
+    gc.collect()
+    gc.disable()
+    try:
+        x = torch.randn(5, 6)
+        out = model(x)
+        alive = weakref.ref(x), weakref.ref(out)
+        del x, out
+        assert [r() for r in alive] == [None, None]
+    finally:
+        gc.enable()
 
 
 @pytest.mark.parametrize("when", ["before", "after"])
@@ -376,6 +504,18 @@ def test_torch_func_transforms_are_refused_with_the_fix(cls):
     for transform in (lambda: torch.func.vmap(model)(x), lambda: torch.func.jacrev(model)(x[0])):
         with pytest.raises(RuntimeError, match=r"do not run under torch.func transforms.*Fix: linearize.fold"):
             transform()
+
+
+@pytest.mark.parametrize("act", [nn.ReLU(), nn.GELU()])
+@pytest.mark.parametrize("over", ["act.slope", "l.weight"])
+def test_torch_func_over_the_parameters_is_refused_with_the_fix(act, over):
+    """functional_call under torch.func.grad over the slopes, or over other parameters only (the unit's input
+    and slopes are then plain tensors): the same refusal, not an error deep in autograd."""
+    model = linearize.convert(nn.Sequential(OrderedDict(act=act, l=nn.Linear(6, 2))), example_inputs=torch.randn(2, 6))
+    x, params = torch.randn(5, 6), {over: dict(model.named_parameters())[over].detach()}
+    with pytest.raises(RuntimeError, match=r"do not run under torch.func transforms.*Fix: linearize.fold"):
+        torch.func.grad(lambda p: torch.func.functional_call(model, p, (x,)).sum())(params)
+    model(x).sum().backward()  # outside the transform the model still runs
 
 
 def test_script_of_a_model_with_module_units_only_is_refused_with_the_fix():

@@ -30,9 +30,29 @@ def test_inspect_prints_the_sites_of_a_torchvision_model(capsys):
     assert "layer4.1.relu.calls.1" in out
 
 
-def test_inspect_rejects_an_unknown_model():
-    with pytest.raises(ValueError, match="neither a Hugging Face model directory"):
-        main(["inspect", "no_such_model"])
+def test_inspect_rejects_an_unknown_model(cli_refusal):
+    assert "neither a Hugging Face model directory" in cli_refusal(["inspect", "no_such_model"])
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["inspect", "{d}"], r"has no config.json: not a Hugging Face model directory"),
+    (["inspect", "resnet18", "--example-inputs", "{d}/missing.safetensors"], r"missing.safetensors: no such file"),
+    (["inspect", "resnet18", "--example-inputs", "{d}/junk.safetensors"], r"junk.safetensors is not a safetensors"),
+    (["report", "resnet18", "--data", "{d}/nowhere"], r"--data .*nowhere: no such file or directory"),
+    (["report", "resnet18", "--data", "{d}/empty.tar.gz"], r"empty.tar.gz: not a readable tar archive of images"),
+    (["report", "{d}/mlp.pt", "--trust-pickle", "--data", "digits", "--history", "{d}/junk.json"],
+     r"sparsifier history .*junk.json.*not an integer"),
+    (["report", "--compare", "{d}/nowhere"], r"nowhere has no metrics.json"),
+])
+def test_files_that_cannot_be_read_are_one_line_errors_naming_them(tmp_path, cli_refusal, argv, says):
+    """A file or folder the command was given that cannot be read is named in one line, exit status 2."""
+    (tmp_path / "junk.safetensors").write_text("garbage")
+    (tmp_path / "junk.json").write_text('{"bogus": 1}')
+    (tmp_path / "empty.tar.gz").write_bytes(b"")
+    torch.save(nn.Sequential(nn.Flatten(), nn.Linear(64, 8), nn.ReLU(), nn.Linear(8, 10)), tmp_path / "mlp.pt")
+    argv = [a.format(d=tmp_path) for a in argv] + (["--output-dir", str(tmp_path / "out")] if argv[0] == "report"
+                                                      and "--compare" not in argv else [])
+    assert re.search(says, cli_refusal(argv))
 
 
 # ----------------------------------------------------------------------------- no code runs from user files
@@ -61,20 +81,20 @@ def crafted(tmp_path: Path, writer: str) -> tuple[Path, Path]:
 @pytest.mark.filterwarnings("ignore:Detected pickle protocol")
 @pytest.mark.parametrize("writer", ["torch.save", "pickle"])
 @pytest.mark.parametrize("command", ["inspect", "report", "report --checkpoint", "load_model"])
-def test_a_crafted_pickle_runs_no_code(tmp_path, command, writer):
+def test_a_crafted_pickle_runs_no_code(tmp_path, cli_refusal, command, writer):
     path, marker = crafted(tmp_path, writer)
     out = tmp_path / "out"
     label = re.escape(f"--checkpoint {path}" if "checkpoint" in command else str(path))
-    with pytest.raises(ValueError, match=rf"{label}: refused to unpickle it.*pass --trust-pickle") as err:
-        if command == "inspect":
-            main(["inspect", str(path)])
-        elif command == "report":
-            main(["report", str(path), "--data", "digits", "--output-dir", str(out)])
-        elif command == "report --checkpoint":
-            main(["report", "resnet18", "--checkpoint", str(path), "--data", "digits", "--output-dir", str(out)])
-        else:
+    refused = rf"{label}: refused to unpickle it.*pass --trust-pickle"
+    if command == "load_model":
+        with pytest.raises(linearize.LoadError, match=refused):
             load_model(path)
-    assert isinstance(err.value, linearize.LoadError)
+    else:
+        argv = {"inspect": ["inspect", str(path)],
+                "report": ["report", str(path), "--data", "digits", "--output-dir", str(out)],
+                "report --checkpoint": ["report", "resnet18", "--checkpoint", str(path), "--data", "digits",
+                                        "--output-dir", str(out)]}[command]
+        assert re.search(refused, cli_refusal(argv))
     assert not marker.exists() and not out.exists()
 
 
@@ -88,12 +108,11 @@ def test_the_console_script_refuses_a_crafted_pickle(tmp_path):
     assert marker.exists()
 
 
-def test_trust_pickle_loads_a_pickled_module(tmp_path, capsys):
+def test_trust_pickle_loads_a_pickled_module(tmp_path, capsys, cli_refusal):
     path = tmp_path / "mlp.pt"
     torch.save(nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.Linear(6, 2)), path)
     refused = rf"{re.escape(str(path))}: refused to unpickle it.*GLOBAL torch.nn.modules.container.Sequential"
-    with pytest.raises(ValueError, match=refused + ".*pass --trust-pickle"):
-        main(["inspect", str(path)])
+    assert re.search(refused + ".*pass --trust-pickle", cli_refusal(["inspect", str(path)]))
     assert main(["inspect", str(path), "--trust-pickle"]) == 0
     assert capsys.readouterr().out.startswith("1 sites, 6 channels converted")
     assert isinstance(load_model(path, trust_pickle=True), nn.Sequential)

@@ -544,3 +544,24 @@ def test_second_model_from_the_same_config_object_converts():
     linearize.convert(hf.GPT2Model(cfg))
     second = linearize.convert(hf.GPT2Model(cfg))
     assert len(linearize.units(second)) == 1
+
+
+@pytest.mark.parametrize("call", [lambda f, h: f(h, 0.2), lambda f, h: f(h, negative_slope=0.2)])
+def test_an_activation_attribute_called_with_arguments_is_refused_and_the_model_left_as_given(call):
+    """``self.act = F.leaky_relu; self.act(h, 0.2)``: its unit would take the input alone. Refused naming the
+    attribute and the fix; the model keeps its function attribute and computes what it did."""
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc, self.act = nn.Linear(4, 4), nn.functional.leaky_relu
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return call(self.act, self.fc(x))
+
+    torch.manual_seed(0)
+    net, x = Net(), torch.randn(3, 4)
+    before = net(x)
+    with pytest.raises(TypeError, match=r"leaky_relu held as the attribute Net\.act is called with arguments.*Fix"):
+        linearize.convert(net, example_inputs=x)
+    assert net.act is nn.functional.leaky_relu and torch.equal(net(x), before)

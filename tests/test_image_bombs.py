@@ -70,13 +70,13 @@ def test_the_cifar_recipe_refuses_a_bomb_in_its_data(tmp_path):
     assert out["x"].shape == (2, 3, 8, 8) and torch.equal(out["x"][0, :, 0, 0], torch.tensor([10, 20, 30], dtype=torch.uint8))
 
 
-def test_the_cli_refuses_a_bomb_in_its_data(tmp_path):
+def test_the_cli_refuses_a_bomb_in_its_data(tmp_path, cli_refusal):
     folder = tmp_path / "images"
     folder.mkdir()
     (folder / "ok.png").write_bytes(small_png())
     (folder / "bomb.png").write_bytes(bomb_png())
-    with pytest.raises(ValueError, match=r"bomb.png is a 12000 x 12000 image"):
-        main(["report", "resnet18", "--data", str(folder), "--output-dir", str(tmp_path / "out")])
+    refusal = cli_refusal(["report", "resnet18", "--data", str(folder), "--output-dir", str(tmp_path / "out")])
+    assert re.search(r"bomb.png is a 12000 x 12000 image", refusal)
 
 
 def _gzip_bomb(path: Path, member_bytes: int) -> None:
@@ -89,7 +89,8 @@ def _gzip_bomb(path: Path, member_bytes: int) -> None:
 
 
 @pytest.mark.parametrize("reader", ["recipe", "cli"])
-def test_a_tar_member_larger_than_any_image_is_refused_before_it_is_read(tmp_path, monkeypatch, reader):
+def test_a_tar_member_larger_than_any_image_is_refused_before_it_is_read(tmp_path, monkeypatch, cli_refusal,
+                                                                           reader):
     """The member's size from its tar header, against the largest file an image of at most MAX_IMAGE_PIXELS
     can be (lowered here, so the archive stays small): refused naming the member, never read."""
     import cifar
@@ -101,11 +102,13 @@ def test_a_tar_member_larger_than_any_image_is_refused_before_it_is_read(tmp_pat
     read = []
     monkeypatch.setattr(tarfile.TarFile, "extractfile", lambda self, m, _f=tarfile.TarFile.extractfile:
                         read.append(getattr(m, "name", m)) or _f(self, m))
-    with pytest.raises(ValueError, match=r"data.tar.gz:test/dog/0.png is 100,001 bytes, more than any image file"):
-        if reader == "recipe":
+    refused = r"data.tar.gz:test/dog/0.png is 100,001 bytes, more than any image file"
+    if reader == "recipe":
+        with pytest.raises(ValueError, match=refused):
             cifar.load_split(archive, "cifar10", "test", None, 8, tmp_path / "cache", show=False)
-        else:
-            main(["report", "resnet18", "--data", str(archive), "--output-dir", str(tmp_path / "out")])
+    else:
+        assert re.search(refused, cli_refusal(["report", "resnet18", "--data", str(archive), "--output-dir",
+                                               str(tmp_path / "out")]))
     assert "test/dog/0.png" not in read
     _gzip_bomb(archive, 100_000)  # at the cap: read (then refused as no image, a different error)
     with pytest.raises(ValueError, match=r"test/dog/0.png is not an image"):
@@ -133,7 +136,8 @@ def test_a_link_member_is_refused_not_read_through_to_its_target(tmp_path, monke
             linearize.inputs.read_tar_image(tar, member, "x.tar.gz:test/cat/0.png")
 
 
-def test_the_cli_refuses_images_that_decode_to_too_many_pixels_together_before_decoding(tmp_path, monkeypatch):
+def test_the_cli_refuses_images_that_decode_to_too_many_pixels_together_before_decoding(tmp_path, monkeypatch,
+                                                                                      cli_refusal):
     """Three PNG headers of 5000 x 5000 (each under MAX_IMAGE_PIXELS) in a few KB of archive: together
     3 * 5000 * 5000 = 75,000,000 pixels, over MAX_TOTAL_PIXELS (2**26): refused from the headers, naming the
     archive, the total, the cap and the flags, before any image is decoded."""
@@ -149,10 +153,10 @@ def test_the_cli_refuses_images_that_decode_to_too_many_pixels_together_before_d
     assert archive.stat().st_size < 64_000
     decoded = []
     monkeypatch.setattr(ImageFile.ImageFile, "load", lambda self: decoded.append(self) or pytest.fail("decoded"))
-    with pytest.raises(ValueError, match=rf"--data {re.escape(str(archive))}: its 3 images of 5000 x 5000 would decode "
-                                         r"to 75,000,000 pixels together \(0.8 GiB as float32 RGB\), more than the "
-                                         r"67,108,864 .*pass --image-size .*or --num-samples 2 or fewer"):
-        main(["report", "resnet18", "--data", str(archive), "--output-dir", str(tmp_path / "out")])
+    refusal = cli_refusal(["report", "resnet18", "--data", str(archive), "--output-dir", str(tmp_path / "out")])
+    assert re.search(rf"--data {re.escape(str(archive))}: its 3 images of 5000 x 5000 would decode "
+                     r"to 75,000,000 pixels together \(0.8 GiB as float32 RGB\), more than the "
+                     r"67,108,864 .*pass --image-size .*or --num-samples 2 or fewer", refusal)
     assert not decoded
 
 
@@ -202,7 +206,8 @@ def test_the_total_pixel_cap_counts_the_size_asked_and_what_fits_decodes_exactly
 
 @pytest.mark.parametrize("reader", ["recipe", "cli"])
 @pytest.mark.parametrize("kind", ["large", "link-to-large", "fifo"])
-def test_an_image_folder_file_that_no_image_can_be_is_refused_before_it_is_read(tmp_path, monkeypatch, reader, kind):
+def test_an_image_folder_file_that_no_image_can_be_is_refused_before_it_is_read(tmp_path, monkeypatch, capsys, reader,
+                                                                               kind):
     """The folder twin of the tar checks: a file over MAX_IMAGE_BYTES (lowered here), a symbolic link to one,
     or a FIFO (a plain read would wait for a writer forever) is refused naming the file, without reading it."""
     import os
@@ -230,8 +235,9 @@ def test_an_image_folder_file_that_no_image_can_be_is_refused_before_it_is_read(
         try:
             if reader == "recipe":
                 cifar.load_split(folder, "cifar10", "test", None, 8, tmp_path / "cache", show=False)
-            else:
-                main(["report", "resnet18", "--data", str(folder / "test"), "--output-dir", str(tmp_path / "out")])
+            else:  # the command line prints the refusal, exit status 2
+                result.append(main(["report", "resnet18", "--data", str(folder / "test"), "--output-dir",
+                                    str(tmp_path / "out")]))
         except BaseException as e:  # noqa: BLE001 - handed to the test thread
             result.append(e)
 
@@ -239,8 +245,13 @@ def test_an_image_folder_file_that_no_image_can_be_is_refused_before_it_is_read(
     t.start()
     t.join(60)
     assert not t.is_alive(), "reading the folder blocked"
-    assert len(result) == 1 and isinstance(result[0], ValueError), result
-    assert re.search(expected, str(result[0])) and "1.png" in str(result[0])
+    if reader == "cli":
+        assert result == [2]
+        refusal = capsys.readouterr().err
+    else:
+        assert len(result) == 1 and isinstance(result[0], ValueError), result
+        refusal = str(result[0])
+    assert re.search(expected, refusal) and "1.png" in refusal
     if kind == "large":  # at the cap it is read (then refused as no image, a different error)
         bad.write_bytes(b"\0" * 100_000)
         with pytest.raises(ValueError, match=r"1.png is not an image"):
@@ -273,7 +284,8 @@ def test_a_directory_or_socket_named_like_an_image_is_refused_by_name_and_leaks_
 
 
 @pytest.mark.parametrize("source", ["folder", "archive"])
-def test_the_sampled_files_together_are_capped_in_bytes_before_any_is_read(tmp_path, monkeypatch, source):
+def test_the_sampled_files_together_are_capped_in_bytes_before_any_is_read(tmp_path, monkeypatch, cli_refusal,
+                                                                          source):
     """Files each under MAX_IMAGE_BYTES but together over MAX_TOTAL_BYTES (both lowered here; sparse files or
     padded metadata take no pixels): refused from their sizes, naming the data and the fix, nothing read."""
     import linearize.cli.readers as readers
@@ -297,9 +309,9 @@ def test_the_sampled_files_together_are_capped_in_bytes_before_any_is_read(tmp_p
     read = []
     monkeypatch.setattr(readers, "read_image_file", lambda p: read.append(p))
     monkeypatch.setattr(readers, "read_tar_image", lambda *a: read.append(a))
-    with pytest.raises(ValueError, match=rf"the 3 image files sampled hold {3 * len(blobs['test/cat/0.png']):,} "
-                       r"bytes together, more than 250,000.*--num-samples"):
-        main(["report", "resnet18", "--data", str(data), "--output-dir", str(tmp_path / "out")])
+    refusal = cli_refusal(["report", "resnet18", "--data", str(data), "--output-dir", str(tmp_path / "out")])
+    assert re.search(rf"the 3 image files sampled hold {3 * len(blobs['test/cat/0.png']):,} "
+                     r"bytes together, more than 250,000.*--num-samples", refusal)
     assert not read
 
 

@@ -457,6 +457,19 @@ def test_a_state_that_is_not_this_runs_is_refused_naming_the_key(key, value, mat
         sp.load_state_dict({k: v for k, v in state.items() if k != "channels"})
 
 
+@pytest.mark.parametrize("kwargs, match", [
+    ({"rate": "0.01"}, r"rate must be a finite number >= 0 .*got '0.01'"),
+    ({"rate": float("inf")}, r"rate must be a finite number >= 0"),
+    ({"rate": True}, r"rate must be a finite number >= 0"),
+    ({"release": "0.01"}, r"release must be a number in \(0, 1\), got '0.01'"),
+    ({"release": None}, r"release must be a number in \(0, 1\), got None"),
+    ({"release": 1.0}, r"release must be a number in \(0, 1\), got 1.0"),
+])
+def test_arguments_of_the_wrong_type_are_refused_naming_them(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        linearize.Sparsifier(_tiny(), S.target(0.25, end=20), total_steps=40, **kwargs)
+
+
 def test_a_fraction_target_that_frozen_channels_keep_out_of_reach_warns():
     model = _tiny()
     for _, u in linearize.units(model):

@@ -9,6 +9,8 @@ from __future__ import annotations
 import argparse
 import math
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from ..checks import arg_type, check_fraction, check_positive_int
@@ -18,12 +20,47 @@ class InputMismatch(ValueError):
     """The model's forward fails on the input a command built from its flags (:func:`main` prints it, no traceback)."""
 
 
+class InputError(ValueError):
+    """A file, folder or name a command was given cannot be read as what it should be (:func:`main` prints it
+    in one line, no traceback)."""
+
+
+@contextmanager
+def reading(what: str) -> Iterator[None]:
+    """Turn the errors of reading the user's input ``what`` (e.g. ``"--data cifar.tar.gz"``) into :class:`InputError`:
+    a missing or unreadable file, a damaged or crafted one, a name that is no model. Only around reading the
+    input: a failure later (a bug, out of memory) keeps its traceback.
+
+    Example:
+        >>> try:
+        ...     with reading("--history h.json"):
+        ...         raise ValueError("not valid JSON")
+        ... except InputError as err:
+        ...     print(err)
+        --history h.json: not valid JSON
+    """
+    import tarfile
+    import zlib
+
+    try:
+        yield
+    except (OSError, ValueError, EOFError, tarfile.TarError, zlib.error) as err:
+        if isinstance(err, (InputMismatch, InputError)):
+            raise
+        text = str(err) if not isinstance(err, OSError) or err.filename is None else \
+            f"{err.filename}: {err.strerror or err}"
+        named = what.split()[-1] in text  # the message names the input already
+        raise InputError(text if named else f"{what}: {text}") from err
+
+
 def _inspect(args: argparse.Namespace) -> int:
     from ..conversion import dry_run
     from ..models import load_model
 
-    model = load_model(args.model, trust_pickle=args.trust_pickle)
-    inputs = example_inputs_from_args(args)
+    with reading(args.model):
+        model = load_model(args.model, trust_pickle=args.trust_pickle)
+    with reading(f"--example-inputs {args.example_inputs}" if args.example_inputs else "--input-shape"):
+        inputs = example_inputs_from_args(args)
     if inputs is not None:
         from .readers import check_model_takes
 
@@ -140,12 +177,13 @@ def main(argv: list[str] | None = None) -> int:
         if argv[:1] == ["report"] and any(a == "--compare" or a.startswith("--compare=") for a in argv):
             from ..comparison import main as compare_main  # `linearize report --compare RUN_A RUN_B ...`
 
-            return compare_main(argv[1:])
+            with reading("--compare"):  # it reads the runs' files and writes one page
+                return compare_main(argv[1:])
         args = build_parser().parse_args(argv)
         return int(args.func(args) or 0)
     except MissingExtra as err:  # an optional package this command needs: say which extra, no traceback
         print(err, file=sys.stderr)
         return 2
-    except InputMismatch as err:  # the model and the input its flags built do not fit: the flags are the fix
+    except (InputMismatch, InputError) as err:  # the input the flags named: the flags are the fix
         print(f"linearize {argv[0]}: error: {err}", file=sys.stderr)
         return 2

@@ -25,7 +25,7 @@ from ..inputs import (MAX_TOTAL_PIXELS, Batches, call_model, check_total_bytes, 
                       image_size, read_image_file, read_tar_image)
 from ..unit import units
 
-from . import InputMismatch
+from . import InputMismatch, reading
 
 __all__ = ["load_model_and_data", "load_data", "check_model_takes"]
 
@@ -71,19 +71,24 @@ def load_model_and_data(args: argparse.Namespace) -> tuple[nn.Module, Any]:
     spec = Path(args.model)
     hf_dir = spec.is_dir()
     trust = args.trust_pickle
-    model = load_model(spec, args.num_classes, trust_pickle=trust)
-    data = load_data(args, model, spec if hf_dir else None)
+    with reading(args.model):
+        model = load_model(spec, args.num_classes, trust_pickle=trust)
+    with reading(f"--data {args.data}"):
+        data = load_data(args, model, spec if hf_dir else None)
     example = Batches.of(data).limit(samples=2).concat()
-    state = safe_torch_load(args.checkpoint, trust_pickle=trust, what="--checkpoint") if args.checkpoint else None
-    if state is not None and not isinstance(state, Mapping):
-        raise LoadError(f"--checkpoint {args.checkpoint} holds a {type(state).__name__}, not a state_dict; "
-                        "a whole pickled model goes in MODEL (with --trust-pickle)")
+    with reading(f"--checkpoint {args.checkpoint}"):
+        state = safe_torch_load(args.checkpoint, trust_pickle=trust, what="--checkpoint") if args.checkpoint else None
+        if state is not None and not isinstance(state, Mapping):
+            raise LoadError(f"--checkpoint {args.checkpoint} holds a {type(state).__name__}, not a state_dict; "
+                            "a whole pickled model goes in MODEL (with --trust-pickle)")
     check_model_takes(model, example, args.model, f"--data {args.data}",
                       "give data of the kind the model takes (--data; for images --image-size and --normalize)")
     if hf_dir and (spec / "linearize_config.json").is_file():
-        model = linearize.from_pretrained(model, spec, example_inputs=example)
+        with reading(args.model):
+            model = linearize.from_pretrained(model, spec, example_inputs=example)
     elif args.units:
-        model = linearize.from_pretrained(model, args.units, example_inputs=example)
+        with reading(f"--units {args.units}"):
+            model = linearize.from_pretrained(model, args.units, example_inputs=example)
     converted = bool(units(model)) or getattr(model, "linearize_config", None) is not None
     if not converted and state is not None and any(k.endswith(".slope") for k in state):
         model, converted = linearize.convert(model, example_inputs=example), True
@@ -139,9 +144,19 @@ def load_data(args: argparse.Namespace, model: nn.Module, hf_dir: Path | None) -
 
 def _tar_images(path: Path, n: int) -> list[tuple[str, bytes]]:
     import tarfile
+    import zlib
 
-    with tarfile.open(path) as tar:
+    tar = None
+    try:
+        tar = tarfile.open(path)
         members = [m for m in tar.getmembers() if m.isfile() and m.name.lower().endswith(_IMAGE_EXT)]
+    except (tarfile.TarError, EOFError, zlib.error) as err:
+        if tar is not None:
+            tar.close()
+        reason = str(err).splitlines()[-1].strip(" -") if str(err) else type(err).__name__
+        raise ValueError(f"{path}: not a readable tar archive of images ({reason}); is it empty or cut short? "
+                         "Give an image folder, a complete .tar.gz of images, or 'digits'") from None
+    with tar:
         if not members:
             raise ValueError(f"{path} holds no images")
         test = [m for m in members if "/test/" in f"/{m.name}"]

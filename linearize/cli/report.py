@@ -8,9 +8,11 @@ from pathlib import Path
 from typing import Callable
 
 from ..checks import arg_type, check_positive, check_positive_int, check_tol
+from ..history import read_history
 from ..models import add_trust_pickle
 from ..report_measures import MEASURES, REGIONS_MAX_REGIONS, REGIONS_SECONDS
 from ..reporting import report
+from . import reading
 from .readers import load_model_and_data
 
 
@@ -81,6 +83,9 @@ def _or_none(parse: Callable[[str], object]) -> Callable[[str], object]:
 def run_cli(args: argparse.Namespace) -> int:
     """Run the ``report`` subcommand; prints each measure's summary line and where the files went."""
     model, data = load_model_and_data(args)
+    if args.history:
+        with reading(f"--history {args.history}"):  # checked before any measure runs
+            read_history(args.history)
     rep = report(model, data, history=args.history, tol=args.tol, max_samples=args.num_samples,
                  segments=args.segments, paths=args.paths, batch_size=args.batch_size,
                  skip=args.skip, progress=not args.no_progress, max_regions=args.max_regions,

@@ -155,7 +155,7 @@ import torch
 from torch import nn
 
 from .. import schedules as _schedules
-from ..checks import check_positive, check_positive_int, finite_nonnegative
+from ..checks import check_positive, check_positive_int, finite_nonnegative, is_real
 from ..calibration import RunningFit
 from ..distributed import full_value, is_sharded, refuse_sharded, write_full
 from ..unit import (LinearizableActivation, check_finite_slopes, count_channels, linear_masks, project_slopes,
@@ -305,6 +305,10 @@ class Sparsifier:
         if blocks is not None and granularity != "block":
             raise ValueError(f"blocks= names the groups of granularity='block', got granularity={granularity!r}")
         check_cost_arguments(schedule, model, granularity, example_inputs)
+        if rate is not None and not (is_real(rate) and math.isfinite(rate) and rate >= 0):
+            raise ValueError(f"rate must be a finite number >= 0 (slope units per step), got {rate!r}")
+        if not (is_real(release) and 0.0 < release < 1.0):
+            raise ValueError(f"release must be a number in (0, 1), got {release!r}")
         if select != "auto":
             selection(select).check(schedule, rate, lam, mode)
         if linear_end not in ("auto", *LINEAR_ENDS):
@@ -317,8 +321,6 @@ class Sparsifier:
         _schedules.check_lam(lam)
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-        if not 0.0 < release < 1.0:
-            raise ValueError(f"release must lie in (0, 1), got {release}")
         schedule.validate(total_steps)
         # legacy lr * lam: an explicit lam, a schedule with its own lam, or a plain function (returns lam)
         legacy = lam is not None or schedule.legacy
@@ -327,8 +329,6 @@ class Sparsifier:
                 "pass either rate= (slope units per step) or a legacy lam (Sparsifier(lam=...), a "
                 "schedule with its own lam, a number or a function), not both"
             )
-        if rate is not None and (isinstance(rate, bool) or not math.isfinite(rate) or rate < 0):
-            raise ValueError(f"rate must be a finite number >= 0 (slope units per step), got {rate!r}")
         if glide is None:
             glide = 0.0 if legacy else 0.1
         if isinstance(glide, bool) or not isinstance(glide, (int, float)) or not 0.0 <= glide <= 1.0:
@@ -951,4 +951,6 @@ def _fit_state(fit: RunningFit) -> dict:
     state = fit.state_dict()
     state["units"] = {n: {"count": u["count"], "sums": None if u["sums"] is None else u["sums"].tolist()}
                       for n, u in state["units"].items()}
+    if state["outgoing"] is not None:
+        state["outgoing"] = {n: None if v is None else v.tolist() for n, v in state["outgoing"].items()}
     return state

@@ -1,0 +1,171 @@
+"""Loading from a save folder whose files are not what a save wrote: JSON nested too deep, a tensor file that is
+a link to a device, a FIFO or larger than recorded, a Hugging Face save older than the sidecar beside it, and a
+folded save replaced while it is read. Each is refused with a LoadError naming the file, at once, or loads the
+model last saved."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import linearize
+from linearize.deploy import FOLDED_CONFIG
+from linearize.serialization import CONFIG_NAME
+
+DEEP = "[" * 100_000 + "]" * 100_000  # valid JSON that Python's parser cannot nest into
+
+
+def _mlp(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    linearize.convert(model, example_inputs=torch.randn(1, 4))
+    with torch.no_grad():
+        for _, unit in linearize.units(model):
+            unit.slope.fill_(0.5)
+    return model
+
+
+def _fresh() -> nn.Module:
+    return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+
+
+def _tensor_file(directory: Path) -> Path:
+    return directory / json.loads((directory / CONFIG_NAME).read_text())["weights"]["file"]
+
+
+def test_json_nested_too_deep_is_a_load_error_naming_the_file(tmp_path):
+    model = _mlp()
+    linearize.save_pretrained(model, tmp_path / "units")
+    (tmp_path / "units" / CONFIG_NAME).write_text(DEEP)
+    with pytest.raises(linearize.LoadError, match=rf"{CONFIG_NAME}: not valid JSON.*nests deeper"):
+        linearize.from_pretrained(_fresh(), tmp_path / "units", example_inputs=torch.randn(1, 4))
+    linearize.save_folded(linearize.fold(_mlp(), torch.randn(8, 4)), tmp_path / "folded")
+    (tmp_path / "folded" / FOLDED_CONFIG).write_text(DEEP)
+    with pytest.raises(linearize.LoadError, match=rf"{FOLDED_CONFIG}: not a folded-model description"):
+        linearize.load_folded(tmp_path / "folded")
+
+
+def test_an_hf_config_nested_too_deep_is_no_manifest(tmp_path):
+    from linearize import hf
+
+    (tmp_path / "config.json").write_text(DEEP)
+    assert hf.has_manifest(tmp_path) is False
+
+
+_LOAD = """
+import sys, torch, linearize
+from torch import nn
+try:
+    linearize.from_pretrained(nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)), sys.argv[1],
+                              example_inputs=torch.randn(1, 4))
+    print("loaded")
+except linearize.LoadError as err:
+    print("LoadError", err)
+"""
+
+
+@pytest.mark.parametrize("swap", ["link to /dev/zero", "fifo", "grown"])
+def test_a_tensor_file_that_is_no_file_of_the_recorded_size_is_refused_without_reading_it(tmp_path, swap):
+    """Run in a child with a time limit: the tensor file used to be read whole first (a link to /dev/zero read
+    until memory ran out, a FIFO blocked forever)."""
+    directory = tmp_path / "units"
+    linearize.save_pretrained(_mlp(), directory)
+    tensors = _tensor_file(directory)
+    if swap == "grown":
+        with open(tensors, "ab") as f:
+            f.write(b"\0" * 10_000)
+    else:
+        tensors.unlink()
+        os.symlink("/dev/zero", tensors) if swap == "link to /dev/zero" else os.mkfifo(tensors)
+    env = dict(os.environ, LINEARIZE_CPU_KERNEL="0", PYTHONPATH=str(Path(linearize.__file__).parents[1]))
+    out = subprocess.run([sys.executable, "-c", _LOAD, str(directory)], capture_output=True, text=True, timeout=120,
+                         env=env)
+    assert out.stdout.startswith("LoadError"), out.stdout + out.stderr[-2000:]
+    assert tensors.name in out.stdout and "refusing to load it" in out.stdout
+
+
+def test_an_hf_save_older_than_the_sidecar_beside_it_is_refused(tmp_path):
+    """model.save_pretrained(d), further training, then linearize.save_pretrained(model, d) only: the sidecar
+    records the digests of the newer weights, and the folder's model.safetensors holds the older ones. Loading
+    used to give the older weights with the newer units, silently."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.BertConfig(vocab_size=50, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+                                     intermediate_size=32, max_position_embeddings=32)
+    ids = torch.randint(0, 50, (2, 7))
+    torch.manual_seed(0)
+    model = linearize.convert(transformers.BertModel(config).eval(), example_inputs={"input_ids": ids})
+    model.save_pretrained(tmp_path)
+    linearize.save_pretrained(model, tmp_path)  # the same weights: the pair loads
+    expected = model(input_ids=ids).last_hidden_state
+    loaded = linearize.from_pretrained(transformers.BertModel, tmp_path).eval()
+    assert torch.equal(loaded(input_ids=ids).last_hidden_state, expected)
+    half = linearize.from_pretrained(transformers.BertModel, tmp_path, dtype=torch.bfloat16)  # not comparable
+    assert half.embeddings.word_embeddings.weight.dtype == torch.bfloat16
+    with torch.no_grad():
+        model.encoder.layer[0].output.dense.weight.add_(0.1)  # trained further
+    linearize.save_pretrained(model, tmp_path)  # only the sidecar
+    for load in (lambda: linearize.from_pretrained(transformers.BertModel, tmp_path),
+                 lambda: linearize.from_pretrained(transformers.BertModel(config), tmp_path,
+                                                   example_inputs={"input_ids": ids})):
+        with pytest.raises(linearize.LoadError, match=r"Hugging Face weights in .* are not those the units were "
+                                                      r"saved with.*encoder\.layer\.0\.output\.dense\.weight"):
+            load()
+
+
+def test_load_folded_while_another_thread_saves_into_the_folder_gives_a_saved_model(tmp_path):
+    """A save replaces folded.json and removes the weights file it named while a load reads them: the load
+    reads the pair again, and gives one of the saved models (it raised FileNotFoundError in that window)."""
+    x = torch.randn(8, 4)
+    models = [linearize.fold(_mlp(seed), x) for seed in range(3)]
+    truths = [m(x) for m in models]
+    linearize.save_folded(models[0], tmp_path, example_inputs=x[:1])
+    stop = threading.Event()
+    saved: list[int] = []
+
+    def saver() -> None:
+        while not stop.is_set():
+            linearize.save_folded(models[len(saved) % 3], tmp_path, example_inputs=x[:1])
+            saved.append(1)
+
+    thread = threading.Thread(target=saver)
+    thread.start()
+    loads, deadline = 0, time.monotonic() + 6
+    try:
+        while time.monotonic() < deadline:
+            out = linearize.load_folded(tmp_path, check=False)(x)
+            assert any(torch.equal(out, t) for t in truths)
+            loads += 1
+    finally:
+        stop.set()
+        thread.join(timeout=60)
+    assert loads > 5 and len(saved) > 5
+
+
+def test_a_sidecar_older_than_the_hf_save_beside_it_is_refused(tmp_path):
+    """The mirror case: linearize.save_pretrained(model, d) first (it holds every weight), further training,
+    then model.save_pretrained(d) (a Trainer save). The older sidecar's weights used to replace the newer ones."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.BertConfig(vocab_size=50, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+                                     intermediate_size=32, max_position_embeddings=32)
+    ids = torch.randint(0, 50, (2, 7))
+    torch.manual_seed(0)
+    model = linearize.convert(transformers.BertModel(config).eval(), example_inputs={"input_ids": ids})
+    linearize.save_pretrained(model, tmp_path)
+    with torch.no_grad():
+        model.encoder.layer[1].intermediate.dense.bias.add_(0.1)
+    model.save_pretrained(tmp_path)
+    with pytest.raises(linearize.LoadError, match=r"hold different weights .*encoder\.layer\.1\.intermediate\.dense"
+                                                  r"\.bias.*one of them is stale"):
+        linearize.from_pretrained(transformers.BertModel, tmp_path)
+    linearize.save_pretrained(model, tmp_path)  # both saved from the model in memory: the pair loads
+    loaded = linearize.from_pretrained(transformers.BertModel, tmp_path).eval()
+    assert torch.equal(loaded(input_ids=ids).last_hidden_state, model(input_ids=ids).last_hidden_state)
