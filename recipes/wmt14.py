@@ -159,7 +159,7 @@ def prepare_tokenizer(directory: Path, pairs: list[tuple[str, str]], args: argpa
         have = json.loads((directory / PROVENANCE).read_text())
     except FileNotFoundError:  # none yet, or no provenance recorded
         have = "unrecorded" if (directory / "tokenizer.json").is_file() else None
-    except ValueError:  # damaged: unreadable tokenizer files or provenance.json
+    except (ValueError, RecursionError):  # damaged: unreadable tokenizer files or provenance.json (nested too deep)
         have = None
     if have == want:
         return

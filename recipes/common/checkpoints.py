@@ -279,7 +279,7 @@ def read_checkpoint(path: str | Path) -> Checkpoint:
     try:
         state = json.loads(state_file.read_text())
         step = state["step"]
-    except (ValueError, TypeError, KeyError, OSError) as e:
+    except (ValueError, TypeError, KeyError, OSError, RecursionError) as e:  # RecursionError: JSON nested too deep
         raise CheckpointError(path, f"{STATE_FILE} is empty or damaged ({type(e).__name__}: {e})") from e
     problem = state_problem(state, path)
     if problem:

@@ -34,7 +34,7 @@ def read_recipe_json(directory: str | Path, required: Iterable[str] = ()) -> dic
                                 "(OUTPUT_DIR/model, with recipe.json and model.safetensors)")
     try:
         meta = json.loads(path.read_text())
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:  # RecursionError: nested too deep
         raise ValueError(f"{path} is not valid JSON ({e}); the save is damaged: train again or restore it") from e
     if not isinstance(meta, dict):
         raise ValueError(f"{path} holds {type(meta).__name__}, not a JSON object; the save is damaged")

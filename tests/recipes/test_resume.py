@@ -380,6 +380,8 @@ DAMAGE = {
     "optimizer truncated": (lambda d: truncate(d / common.OPTIMIZER_FILE), "truncated"),
     "state JSON empty": (lambda d: (d / common.STATE_FILE).write_text(""), "empty or damaged"),
     "state JSON missing": (lambda d: (d / common.STATE_FILE).unlink(), "no recipe_state.json"),
+    "state JSON nested too deep": (lambda d: (d / common.STATE_FILE).write_text("[" * 100_000 + "]" * 100_000),
+                                   "empty or damaged"),
     "model modified": (lambda d: flip_byte(d / common.MODEL_FILE), "sha256"),
     "model file missing": (lambda d: (d / common.MODEL_FILE).unlink(), "missing"),
     "non-finite weights": (put_nan, "conv1.weight holds inf or NaN"),
