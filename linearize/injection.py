@@ -542,6 +542,17 @@ def function_attributes_wrapped(model: nn.Module) -> Iterator[None]:
         raise
 
 
+def _called_once_by_one_other(probe: "_Probe", act: nn.Module) -> bool:
+    """Whether every call of the activation module ``act`` in the probe came from one module other than its
+    registered owner, once per forward of that caller (``for layer in self.layers: x = layer(x)`` over an
+    ``nn.ModuleList``): such a module is swapped in place for its unit, as any module called once is; no call
+    order is needed."""
+    calls = probe.calls[id(act)]
+    caller = calls[0].caller if calls else None
+    return (caller is not None and all(c.caller is caller for c in calls)
+            and len(calls) == probe.invocations[id(caller)])
+
+
 def activation_registrations(model: nn.Module) -> list[tuple[str, nn.Module, str, nn.Module]]:
     """Every ``(qualified_name, owner, attribute, activation)``, shared modules once per owner."""
     found = []
@@ -697,13 +708,16 @@ def plan_conversion(
     plan = []
     owned_calls: Counter[int] = Counter()
     for name, owner, attr, act in chosen:
+        caller = owner
         calls = [c for c in probe.calls[id(act)] if c.caller is owner]
+        if not calls and _called_once_by_one_other(probe, act):  # a parent looping over a ModuleList
+            calls, caller = probe.calls[id(act)], probe.calls[id(act)][0].caller
         owned_calls[id(act)] += len(calls)
         if not calls:
             if not probe.calls[id(act)]:
                 report.uncalled.append(name)
             continue
-        per_forward = len(calls) // max(1, probe.invocations[id(owner)])
+        per_forward = len(calls) // max(1, probe.invocations[id(caller)])
         calls = calls[: max(1, per_forward)]
         why = next((c.unreachable for c in calls if c.unreachable), "")
         if len(calls) > 1 and why:  # one unit per call, matched by order: a recomputed call has no position

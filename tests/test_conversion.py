@@ -565,3 +565,43 @@ def test_an_activation_attribute_called_with_arguments_is_refused_and_the_model_
     with pytest.raises(TypeError, match=r"leaky_relu held as the attribute Net\.act is called with arguments.*Fix"):
         linearize.convert(net, example_inputs=x)
     assert net.act is nn.functional.leaky_relu and torch.equal(net(x), before)
+
+
+class _ListMLP(nn.Module):
+    """Activations in an nn.ModuleList that the parent's forward loops over: each called once per forward, by a
+    module (the parent) that is not its registered owner (the list)."""
+
+    def __init__(self, twice: bool = False) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.GELU(), nn.Linear(16, 2)])
+        self.twice = twice
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return self.layers[1](x) if self.twice else x
+
+
+def test_activations_of_a_module_list_looped_over_by_its_parent_are_converted(tmp_path):
+    torch.manual_seed(0)
+    net, x = _ListMLP(), torch.randn(5, 8)
+    before = net(x)
+    model = linearize.convert(copy.deepcopy(net), example_inputs=x)
+    assert [n for n, _ in linearize.units(model)] == ["layers.1", "layers.3"]
+    assert torch.equal(model(x), before)
+    with torch.no_grad():
+        a, b = (unit.slope.uniform_() for _, unit in linearize.units(model))
+        h = net.layers[0](x)
+        h = net.layers[2](torch.where(h >= 0, h, a * h))
+        want = net.layers[4]((1 - b) * nn.functional.gelu(h) + b * h)  # by hand
+        assert torch.allclose(model(x), want, atol=1e-6)
+    linearize.save_pretrained(model, tmp_path)
+    loaded = linearize.from_pretrained(_ListMLP(), tmp_path, example_inputs=x)
+    assert torch.equal(loaded(x), model(x))
+
+
+def test_a_module_list_activation_its_parent_calls_twice_is_left_with_the_reason():
+    torch.manual_seed(0)
+    with pytest.warns(UserWarning, match=r"layers\.1: called by a module that does not own it"):
+        model = linearize.convert(_ListMLP(twice=True), example_inputs=torch.randn(2, 8))
+    assert [n for n, _ in linearize.units(model)] == ["layers.3"]
