@@ -414,7 +414,9 @@ class ThreadWatch:
     (:func:`threading.setprofile`) that records calls of ``functions`` (``torch`` builtins, their ``Tensor``
     methods and Python functions such as ``F.relu``), except those inside the forward of a module whose id is
     in ``inside`` (activation modules, which module hooks see on every thread), as ``"thread 'Thread-1', in <function that called it>: relu"`` with
-    their count (``watch.calls``), and calls the profile function set before it, if any. Threads already
+    their count (``watch.calls``), and calls the profile function set before it, if any. Only threads the
+    watching thread starts (or threads they start) are recorded, not those an unrelated thread starts meanwhile
+    (``threading.Thread.start`` tags each thread with its starter while a watch is open). Threads already
     running (a pool made before the forward) are not watched. Watches may overlap (converts on several threads):
     a new thread reports to every watch open then. Once the last block ends, a watched thread gets the previous
     profile function back at its next call.
@@ -431,6 +433,7 @@ class ThreadWatch:
 
     def __init__(self, functions: Any, inside: set[int] = frozenset()) -> None:
         functions = list(functions)
+        self._origin: threading.Thread | None = None  # the thread that opened the watch (the probe forward's)
         self._inside = inside  # ids of modules whose forwards' calls are not recorded (activation modules)
         self._codes = {f.__code__: f.__name__ for f in functions if hasattr(f, "__code__")}
         self._builtins = {id(f): f.__name__ for f in functions if not hasattr(f, "__code__")}
@@ -441,12 +444,17 @@ class ThreadWatch:
     _watches: list["ThreadWatch"] = []
     _previous: Callable | None = None
     _lock = threading.Lock()
+    _start: Callable = threading.Thread.start  # replaced by the one in place when the first watch opens
+    _STARTER = "_linearize_started_by"  # Thread attribute: the thread that started it (while a watch is open)
 
     def __enter__(self) -> "ThreadWatch":
+        self._origin = threading.current_thread()
         with ThreadWatch._lock:
             if not ThreadWatch._watches:
                 ThreadWatch._previous = threading.getprofile()
                 threading.setprofile(ThreadWatch._profile)
+                ThreadWatch._start = threading.Thread.start  # as it is now (another tool may have wrapped it)
+                threading.Thread.start = ThreadWatch._tagged_start  # who starts each thread: see _started_here
             ThreadWatch._watches.append(self)
         return self
 
@@ -455,6 +463,23 @@ class ThreadWatch:
             ThreadWatch._watches.remove(self)
             if not ThreadWatch._watches:
                 threading.setprofile(ThreadWatch._previous)
+                threading.Thread.start = ThreadWatch._start
+
+    @staticmethod
+    def _tagged_start(thread: threading.Thread) -> None:
+        setattr(thread, ThreadWatch._STARTER, threading.current_thread())
+        ThreadWatch._start(thread)
+
+    def _started_here(self, thread: threading.Thread) -> bool:
+        """Whether ``thread`` was started by the watch's thread, or by a thread it started (a pool the forward
+        makes), not by an unrelated thread that happened to start one while the watch was open."""
+        for _ in range(100):
+            thread = getattr(thread, ThreadWatch._STARTER, None)
+            if thread is None:
+                return False
+            if thread is self._origin:
+                return True
+        return False
 
     def _name(self, frame: FrameType, event: str, arg: Any) -> str | None:
         """The watched function this profile event calls, if any."""
@@ -490,7 +515,7 @@ class ThreadWatch:
 
     def _record(self, frame: FrameType, event: str, arg: Any) -> None:
         name = self._name(frame, event, arg)
-        if name is None or self._in_skipped_module(frame):
+        if name is None or self._in_skipped_module(frame) or not self._started_here(threading.current_thread()):
             return
         caller = frame.f_back if event == "call" else frame
         where = getattr(caller.f_code, "co_qualname", caller.f_code.co_name) if caller is not None else ""

@@ -210,3 +210,44 @@ def test_a_convert_that_ends_while_another_runs_leaves_the_other_watching():
     assert reports["a"].threads == {}
     assert list(reports["b"].threads) == ["thread 'side', in <lambda>: relu"], reports["b"].threads
     assert threading.getprofile() is None
+
+
+def test_a_thread_an_unrelated_thread_starts_during_the_probe_is_not_the_models():
+    """While the probe forward runs, another part of the program (a data loader, a service) starts a worker
+    that calls F.relu: that call is not the model's and must not be listed (it made every later count warn).
+    A thread the forward itself starts still is."""
+    in_probe, done = threading.Event(), threading.Event()
+
+    def unrelated_service() -> None:
+        in_probe.wait(30)
+        worker = threading.Thread(target=lambda: F.relu(torch.ones(2)), name="unrelated-worker")
+        worker.start()
+        worker.join()
+        done.set()
+
+    class Net(nn.Module):
+        def __init__(self, starts_one: bool) -> None:
+            super().__init__()
+            self.fc, self.act, self.starts_one = nn.Linear(4, 4), nn.ReLU(), starts_one
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            in_probe.set()
+            done.wait(30)  # the unrelated worker ran while this forward (the probe) did
+            if self.starts_one:
+                t = threading.Thread(target=lambda: F.gelu(x), name="own-worker")
+                t.start()
+                t.join()
+            return self.act(self.fc(x))
+
+    for starts_one, listed in ((False, []), (True, ["own-worker"])):
+        in_probe.clear()
+        done.clear()
+        service = threading.Thread(target=unrelated_service)
+        service.start()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model = linearize.convert(Net(starts_one), example_inputs=torch.randn(2, 4))
+        service.join(30)
+        assert done.is_set()
+        threads = model.linearize_report.threads
+        assert [name for name in ("unrelated-worker", "own-worker") if any(name in k for k in threads)] == listed
