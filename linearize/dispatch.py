@@ -296,16 +296,23 @@ def checkpoint_error(scope: Scope) -> FunctionalSiteError:
 def _open(owner: nn.Module, args: Any) -> None:
     scopes = _scopes()
     frame = _call_impl_frame(owner)
-    if scopes:  # drop scopes whose forward is no longer running (an interrupt skipped their closing hook)
-        live = _live_frames(frame)
-        for key in [k for k, s in reversed(scopes.items()) if id(s.frame) not in live]:  # innermost first
-            _close(scopes[key])  # closed, then dropped: an interrupt in between leaves it to close again
-            del scopes[key]
+    _drop_stale(scopes, frame)
     scope = scopes[id(frame)] = Scope(owner, frame)
     for child in owner._modules.values():
         begin = getattr(child, "begin_forward", None)
         if begin is not None:
             begin(scope)
+
+
+def _drop_stale(scopes: dict[int, Scope], frame: FrameType) -> None:
+    """Close and drop the scopes whose forward no longer runs (an interrupt skipped their closing hook): those
+    whose frame is not on the stack of ``frame``, the running owner's, innermost first."""
+    if len(scopes) <= (id(frame) in scopes):
+        return
+    live = _live_frames(frame)
+    for key in [k for k, s in reversed(scopes.items()) if id(s.frame) not in live]:
+        _close(scopes[key])  # closed, then dropped: an interrupt in between leaves it to close again
+        del scopes[key]
 
 
 def _close(scope: Scope) -> None:
@@ -323,6 +330,7 @@ def _shut(owner: nn.Module, args: Any, output: Any) -> None:
     scope = scopes.get(id(frame))
     if scope is None or scope.frame is not frame:
         return
+    _drop_stale(scopes, frame)  # forwards inside this one that an interrupt ended (caught in this forward)
     _close(scope)  # then dropped: an interrupt in between leaves it registered, stale, closed again next forward
     scopes.pop(id(frame), None)
     if output is not None or sys.exc_info()[1] is None:  # always_call hooks also run when forward raised

@@ -231,6 +231,51 @@ def test_a_ctrl_c_on_any_line_of_the_dispatch_leaves_nothing_behind():
     assert line > 20  # the interrupts did land inside the dispatch
 
 
+def test_an_outer_forward_that_catches_an_inner_ones_interrupt_computes_its_function():
+    """The inner owner's closing hook never runs (a KeyboardInterrupt skips it) and its interception stays on
+    top: the outer forward's own calls must still reach the outer units, and nothing stays behind after it."""
+
+    class Inner(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc, self.stop = nn.Linear(4, 4), False
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = F.relu(self.fc(x))
+            if self.stop:
+                raise KeyboardInterrupt
+            return h
+
+    class Outer(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc, self.inner = nn.Linear(4, 4), Inner()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = F.gelu(self.fc(x))
+            try:
+                h = self.inner(h)
+            except KeyboardInterrupt:
+                pass
+            return F.gelu(h) * 2
+
+    torch.manual_seed(0)
+    net, x = Outer().eval(), torch.randn(3, 4)
+    model = linearize.convert(copy.deepcopy(net), example_inputs=x)
+    with torch.no_grad():
+        for _, unit in linearize.units(model):  # slope 0.5 everywhere: the truth by hand
+            unit.slope.fill_(0.5)
+        blend = lambda h: 0.5 * F.gelu(h) + 0.5 * h  # noqa: E731
+        for stop in (True, False, False):
+            model.inner.stop = stop
+            h = blend(net.fc(x))
+            if not stop:
+                h = net.inner.fc(h)
+                h = torch.where(h >= 0, h, 0.5 * h)
+            assert torch.allclose(model(x), blend(h) * 2, atol=1e-6), stop
+            assert torch._C._len_torch_function_stack() == 0
+
+
 def _swish_function() -> type[torch.autograd.Function]:
     class Swish(torch.autograd.Function):  # made in a function: its qualified name cannot be looked up
         @staticmethod

@@ -249,3 +249,8 @@ def test_only_errors_of_the_kind_a_wrong_input_raises_are_blamed_on_the_flags(mo
         check_model_takes(_Failing(RuntimeError("shapes\n  (1x4)\n and (3x2)")), torch.randn(1, 4), "m.pt",
                           "--input-shape 1,4", "fix it")
     assert "\n" not in str(err.value) and "RuntimeError: shapes (1x4) and (3x2); fix it" in str(err.value)
+
+
+@pytest.mark.parametrize("name", ["", " "])
+def test_a_blank_model_name_is_a_one_line_error(cli_refusal, name):
+    assert repr(name) in cli_refusal(["inspect", name])

@@ -6,6 +6,7 @@ import json
 import math
 import warnings
 
+import numpy as np
 import pytest
 import torch
 from sklearn.datasets import load_digits
@@ -468,6 +469,14 @@ def test_a_state_that_is_not_this_runs_is_refused_naming_the_key(key, value, mat
 def test_arguments_of_the_wrong_type_are_refused_naming_them(kwargs, match):
     with pytest.raises(ValueError, match=match):
         linearize.Sparsifier(_tiny(), S.target(0.25, end=20), total_steps=40, **kwargs)
+
+
+def test_numbers_of_other_types_are_taken_as_floats():
+    from decimal import Decimal
+
+    for rate, release in ((torch.tensor(0.01), torch.tensor(0.05)), (Decimal("0.01"), np.float32(0.05))):
+        sp = linearize.Sparsifier(_tiny(), S.target(0.25, end=20), total_steps=40, rate=rate, release=release)
+        assert sp.state_dict()["rate"] == pytest.approx(0.01)
 
 
 def test_a_fraction_target_that_frozen_channels_keep_out_of_reach_warns():

@@ -49,6 +49,8 @@ def reading(what: str) -> Iterator[None]:
             raise
         text = str(err) if not isinstance(err, OSError) or err.filename is None else \
             f"{err.filename}: {err.strerror or err}"
+        if not what.strip():  # a blank name: shown quoted
+            what = repr(what)
         named = what.split()[-1] in text  # the message names the input already
         raise InputError(text if named else f"{what}: {text}") from err
 

@@ -305,6 +305,7 @@ class Sparsifier:
         if blocks is not None and granularity != "block":
             raise ValueError(f"blocks= names the groups of granularity='block', got granularity={granularity!r}")
         check_cost_arguments(schedule, model, granularity, example_inputs)
+        rate, release = _number(rate), _number(release)  # a 0-d tensor, a Decimal: as a float
         if rate is not None and not (is_real(rate) and math.isfinite(rate) and rate >= 0):
             raise ValueError(f"rate must be a finite number >= 0 (slope units per step), got {rate!r}")
         if not (is_real(release) and 0.0 < release < 1.0):
@@ -944,6 +945,17 @@ class Sparsifier:
             self.importance.weights = self._weights
         self._versions = [-1] * len(self._units)  # the model was loaded: do not warn on the next step
         watch.watch(self)  # counted afresh: a resumed run must step it again (attach() after load_state_dict)
+
+
+def _number(value: object) -> object:
+    """``value`` as a float when it is a number of another type (a one-element tensor, a ``Decimal``);
+    anything else (a string, a bool, None) as it is, for the caller's check to name."""
+    if isinstance(value, (str, bytes, bool)) or value is None or is_real(value):
+        return value
+    try:
+        return float(value)
+    except (TypeError, ValueError, RuntimeError):  # RuntimeError: a tensor of more than one element
+        return value
 
 
 def _fit_state(fit: RunningFit) -> dict:

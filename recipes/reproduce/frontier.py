@@ -29,9 +29,11 @@ import linearize  # noqa: E402
 # <network>_<schedule>[_<target>][_<variant>]_s<seed>: target 10 = 10% of channels, r12900 = 12,900 ReLUs
 RUN = re.compile(r"^(r20|ab94)_(base|late|early)(?:_(\d+|r\d+))?(?:_(\w+?))?_s(\d+)$")
 # the variants on the frontier (others, e.g. distillation or class subsets, belong to other studies)
-VARIANTS = {None: "", "elem": "element units", "fit": "affine ends", "fitid": "fit selection, identity ends"}
+VARIANTS = {None: "", "elem": "element units", "fit": "affine ends", "fitid": "fit selection, identity ends",
+            "elemfit": "element units, fit selection"}
 # the face of each variant's markers in the plot (None: the network's color)
-FILLS = {"": None, "element units": "gold", "affine ends": "none", "fit selection, identity ends": "palegreen"}
+FILLS = {"": None, "element units": "gold", "affine ends": "none", "fit selection, identity ends": "palegreen",
+         "element units, fit selection": "orange"}
 NETWORK = {"r20": "ResNet-20", "ab94": "airbench94"}
 # Published CIFAR-10 points, (network, nonlinear ReLUs per image, test accuracy %, source). Only numbers
 # stated in the sources; ResNet-18 in both papers (SNL: the standard CIFAR ResNet-18, 557K ReLUs;
