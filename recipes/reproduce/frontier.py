@@ -33,7 +33,7 @@ VARIANTS = {None: "", "elem": "element units", "fit": "affine ends", "fitid": "f
             "elemfit": "element units, fit selection"}
 # the face of each variant's markers in the plot (None: the network's color)
 FILLS = {"": None, "element units": "gold", "affine ends": "none", "fit selection, identity ends": "palegreen",
-         "element units, fit selection": "orange"}
+         "element units, fit selection": "black"}
 NETWORK = {"r20": "ResNet-20", "ab94": "airbench94"}
 # Published CIFAR-10 points, (network, nonlinear ReLUs per image, test accuracy %, source). Only numbers
 # stated in the sources; ResNet-18 in both papers (SNL: the standard CIFAR ResNet-18, 557K ReLUs;
