@@ -49,8 +49,6 @@ class RunSummary:
     skipped: dict[str, str] = field(default_factory=dict)
 
 
-
-
 def load_run(path: str | Path, name: str | None = None) -> RunSummary:
     """The :class:`RunSummary` of the run directory ``path`` (it must hold ``metrics.json``).
 

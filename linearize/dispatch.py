@@ -307,12 +307,21 @@ def _open(owner: nn.Module, args: Any) -> None:
 def _drop_stale(scopes: dict[int, Scope], frame: FrameType) -> None:
     """Close and drop the scopes whose forward no longer runs (an interrupt skipped their closing hook): those
     whose frame is not on the stack of ``frame``, the running owner's, innermost first."""
-    if len(scopes) <= (id(frame) in scopes):
+    if not scopes:
         return
     live = _live_frames(frame)
     for key in [k for k, s in reversed(scopes.items()) if id(s.frame) not in live]:
         _close(scopes[key])  # closed, then dropped: an interrupt in between leaves it to close again
         del scopes[key]
+
+
+def _drop_inner(scopes: dict[int, Scope], key: int) -> None:
+    """Close and drop the scopes opened after the scope ``key`` on this thread, innermost first: forwards inside
+    it whose closing hook an interrupt skipped (forwards on one thread nest, so those registered later are
+    inside it; none, normally, and that is one look at the last key)."""
+    while (last := next(reversed(scopes))) != key:
+        _close(scopes[last])  # closed, then dropped: an interrupt in between leaves it to close again
+        del scopes[last]
 
 
 def _close(scope: Scope) -> None:
@@ -330,7 +339,7 @@ def _shut(owner: nn.Module, args: Any, output: Any) -> None:
     scope = scopes.get(id(frame))
     if scope is None or scope.frame is not frame:
         return
-    _drop_stale(scopes, frame)  # forwards inside this one that an interrupt ended (caught in this forward)
+    _drop_inner(scopes, id(frame))  # forwards inside this one that an interrupt ended (caught in this forward)
     _close(scope)  # then dropped: an interrupt in between leaves it registered, stale, closed again next forward
     scopes.pop(id(frame), None)
     if output is not None or sys.exc_info()[1] is None:  # always_call hooks also run when forward raised

@@ -43,7 +43,6 @@ class _Calls:
 
     mode: "_SiteMode | None"  # None once end_forward took it off the stack
     suspended: TorchFunctionMode | None  # an enclosing owner's mode, off the stack while this forward runs
-    sites: "FunctionalSites"  # the owner's units
     position: int = 0
     seen: list[str] = field(default_factory=list)  # kinds of this forward's calls, kept only after a mismatch
     mismatch: bool = False
@@ -65,7 +64,7 @@ class _SiteMode(TorchFunctionMode):
         if func in FUNCTIONAL_SPECS:
             scope = self._scope_of(func)
             if scope is not None:
-                return scope.data.sites.call(scope, func, args, kwargs)
+                return scope.data.mode.sites.call(scope, func, args, kwargs)
         return func(*args, **kwargs)
 
     @eager
@@ -75,9 +74,7 @@ class _SiteMode(TorchFunctionMode):
         on top: its calls still reach their units); None: the call passes through."""
         scope = caller_scope(lambda: f"the functional call {getattr(func, '__name__', func)} of "
                                      f"{self.sites.owner_name or '<root>'!r}")
-        if scope is self.scope or (scope is not None and isinstance(scope.data, _Calls) and scope.data.mode is not None):
-            return scope
-        return None
+        return scope if scope is not None and isinstance(scope.data, _Calls) and scope.data.mode is not None else None
 
 
 class FunctionalSites(nn.Module):
@@ -129,7 +126,7 @@ class FunctionalSites(nn.Module):
         top = torch._C._get_function_stack_at(n - 1) if n else None
         suspended = top if isinstance(top, _SiteMode) else None  # so that a torch op meets one site mode at most
         mode = _SiteMode(self, scope)
-        scope.data = _Calls(mode, suspended, self)  # first: an interrupt from here on leaves what end_forward undoes
+        scope.data = _Calls(mode, suspended)  # first: an interrupt from here on leaves what end_forward undoes
         if suspended is not None:
             torch._C._pop_torch_function_stack()
         torch._C._push_on_torch_function_stack(mode)

@@ -131,14 +131,11 @@ class _PReLU(torch.autograd.Function):
         return torch.zeros_like(x) if out is None else out
 
 
-def _refuse_functorch(*tensors: torch.Tensor) -> None:
-    """``RuntimeError`` with the fix for a unit called under ``torch.func`` transforms (``vmap``, ``grad``,
-    ``jacrev``), over its input or its slopes (``functional_call`` over the parameters): its autograd functions
-    define their own backward, which those transforms cannot take, even over other parameters only."""
-    if torch.compiler.is_compiling():
-        return
-    if (torch._C._functorch.peek_interpreter_stack() is not None
-            or any(torch._C._functorch.is_functorch_wrapped_tensor(t) for t in tensors)):
+def _refuse_functorch() -> None:
+    """``RuntimeError`` with the fix for a unit called under a ``torch.func`` transform (``vmap``, ``grad``,
+    ``jacrev``), whether over its input, its slopes (``functional_call`` over the parameters) or other
+    parameters only: its autograd functions define their own backward, which those transforms cannot take."""
+    if not torch.compiler.is_compiling() and torch._C._functorch.peek_interpreter_stack() is not None:
         raise RuntimeError(
             "linearize units do not run under torch.func transforms (vmap, grad, jacrev, ...): their custom "
             "backward cannot be transformed. Fix: linearize.fold(model, example_inputs) gives a plain PyTorch "
@@ -168,7 +165,7 @@ def _prelu(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     if foreign_torch_function(x, weight):
         with _input_precision(x):
             return handle_torch_function(F.prelu, (x, weight), x, weight)
-    _refuse_functorch(x, weight)
+    _refuse_functorch()
     if x.device.type != "cpu" or torch.jit.is_tracing():  # the tracer cannot record the kernel's C++ loops
         return _PReLU.apply(x, weight)
     if x.ndim == 4 and x.numel() and not x.is_contiguous() and x.is_contiguous(memory_format=torch.channels_last):
@@ -291,7 +288,7 @@ def _blend(act: torch.Tensor, x: torch.Tensor, slope: torch.Tensor, dim: int) ->
     weight = slope.view(shape)
     if foreign_torch_function(act, x, weight):
         return torch.lerp(act, x, weight)
-    _refuse_functorch(x, act, slope)
+    _refuse_functorch()
     if (x.device.type == "cpu" and not torch.jit.is_tracing() and dim in (1, x.ndim - 1) and x.numel() and x.is_contiguous() and act.is_contiguous()
             and act.dtype == x.dtype == slope.dtype and fwAD._current_level < 0 and not torch.compiler.is_compiling()):
         kernel = cpu_blend()

@@ -93,16 +93,21 @@ def test_a_tensor_file_that_is_no_file_of_the_recorded_size_is_refused_without_r
     assert tensors.name in out.stdout and "refusing to load it" in out.stdout
 
 
+def _tiny_bert(transformers) -> tuple[object, torch.Tensor, nn.Module]:
+    """``(config, input ids, converted model)``: a two-layer BERT built from a config, converted."""
+    config = transformers.BertConfig(vocab_size=50, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+                                     intermediate_size=32, max_position_embeddings=32)
+    ids = torch.randint(0, 50, (2, 7))
+    torch.manual_seed(0)
+    return config, ids, linearize.convert(transformers.BertModel(config).eval(), example_inputs={"input_ids": ids})
+
+
 def test_an_hf_save_older_than_the_sidecar_beside_it_is_refused(tmp_path):
     """model.save_pretrained(d), further training, then linearize.save_pretrained(model, d) only: the sidecar
     records the digests of the newer weights, and the folder's model.safetensors holds the older ones. Loading
     used to give the older weights with the newer units, silently."""
     transformers = pytest.importorskip("transformers")
-    config = transformers.BertConfig(vocab_size=50, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
-                                     intermediate_size=32, max_position_embeddings=32)
-    ids = torch.randint(0, 50, (2, 7))
-    torch.manual_seed(0)
-    model = linearize.convert(transformers.BertModel(config).eval(), example_inputs={"input_ids": ids})
+    config, ids, model = _tiny_bert(transformers)
     model.save_pretrained(tmp_path)
     linearize.save_pretrained(model, tmp_path)  # the same weights: the pair loads
     expected = model(input_ids=ids).last_hidden_state
@@ -154,11 +159,7 @@ def test_a_sidecar_older_than_the_hf_save_beside_it_is_refused(tmp_path):
     """The mirror case: linearize.save_pretrained(model, d) first (it holds every weight), further training,
     then model.save_pretrained(d) (a Trainer save). The older sidecar's weights used to replace the newer ones."""
     transformers = pytest.importorskip("transformers")
-    config = transformers.BertConfig(vocab_size=50, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
-                                     intermediate_size=32, max_position_embeddings=32)
-    ids = torch.randint(0, 50, (2, 7))
-    torch.manual_seed(0)
-    model = linearize.convert(transformers.BertModel(config).eval(), example_inputs={"input_ids": ids})
+    config, ids, model = _tiny_bert(transformers)
     linearize.save_pretrained(model, tmp_path)
     with torch.no_grad():
         model.encoder.layer[1].intermediate.dense.bias.add_(0.1)
