@@ -79,11 +79,11 @@ class _PReLU(torch.autograd.Function):
 
     Forward: ``F.prelu``, but ``F.relu`` in the channels with ``a = 0`` (``F.prelu``'s ``0 * x`` is
     ``-0`` for ``x < 0`` and NaN for ``x = -inf``, where ReLU gives 0), so a unit at slope 0 is ReLU
-    bit for bit. Backward: ReLU's ``threshold_backward`` kernel splits the incoming gradient ``g`` into
-    ``pos`` (where ``x > 0``) and ``neg = g - pos``; then, in place, ``grad_x = pos + a * neg`` and
+    bit for bit. Backward: ``grad_x`` is ``g`` where ``x > 0``, else ``a * g`` (0 at ``a = 0``, also for an
+    infinite ``g``: ReLU's gradient bit for bit, :func:`_prelu_grad`); with ``neg``, ``g`` where ``x <= 0``,
     ``grad_a = sum(neg * x)`` over every dim but 1. These are PyTorch's PReLU gradients (at ``x = 0``
     too: slope ``a``), except that an infinite ``x`` adds nothing to ``grad_a`` (:func:`_finite_part`),
-    from vectorized passes and two allocations; PyTorch's CPU PReLU backward broadcasts ``a`` inside
+    from vectorized passes; PyTorch's CPU PReLU backward broadcasts ``a`` inside
     one kernel whose inner loop runs over the (small) spatial dims and takes about 2x as long on
     ResNet-sized maps. Maps of at most 16 elements per channel (4x4, 2x2) run on a flat view
     (:func:`_flat`). ``jvp`` gives the tangent ``where(x > 0, x_t, a x_t) + min(x, 0) a_t`` for
@@ -105,14 +105,11 @@ class _PReLU(torch.autograd.Function):
         # recomputed, not saved from forward: double backward needs repeat_interleave's graph to ``weight``
         flat_x, flat_w, inner = _flat(x, weight)
         grad = grad.reshape(flat_x.shape)
-        pos = torch.ops.aten.threshold_backward(grad, flat_x, 0)
-        neg = grad - pos  # the two buffers this backward owns
-        if torch.is_grad_enabled():  # double backward: keep the graph, no in-place ops
-            grad_x, prod = torch.addcmul(pos, neg, _channels(flat_w, flat_x.ndim)), neg * flat_x
-        else:
-            grad_x, prod = pos.addcmul_(neg, _channels(flat_w, flat_x.ndim)), neg.mul_(flat_x)
+        grad_x = _prelu_grad(grad, flat_x, _channels(flat_w, flat_x.ndim))
         grad_w = None
         if ctx.needs_input_grad[1]:
+            neg = grad.masked_fill(flat_x > 0, 0)
+            prod = neg * flat_x if torch.is_grad_enabled() else neg.mul_(flat_x)  # double backward: no in-place
             prod = _finite_part(prod, flat_x)  # -inf: g * -inf; +inf: 0 * inf
             grad_w = prod.sum([d for d in range(prod.ndim) if d != 1])
             grad_w = grad_w.view(-1, inner).sum(1) if inner > 1 else grad_w
@@ -123,12 +120,23 @@ class _PReLU(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         out = None
         if x_t is not None:
-            pos = torch.ops.aten.threshold_backward(x_t, x, 0)
-            out = torch.addcmul(pos, x_t - pos, _channels(weight, x.ndim))
+            out = _prelu_grad(x_t, x, _channels(weight, x.ndim))
         if weight_t is not None:
             neg, w_t = _finite_part(x.clamp(max=0), x), _channels(weight_t, x.ndim)
             out = neg * w_t if out is None else torch.addcmul(out, neg, w_t)
         return torch.zeros_like(x) if out is None else out
+
+
+def _prelu_grad(g: torch.Tensor, x: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
+    """``g`` where ``x > 0`` (and NaN, as ReLU's ``threshold_backward``), else ``a * g``, 0 where ``a = 0``:
+    ReLU's and LeakyReLU's gradients bit for bit, also for ``g = +-inf`` or NaN (``0 * inf`` is NaN) and -0."""
+    return torch.where(x <= 0, (g * a).masked_fill(a == 0, 0), g)
+
+
+def _times_slope(g: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
+    """``g * a`` with -0 where ``a`` is 0: the gradient a slope-0 branch adds is nothing (-0 is the additive
+    identity of IEEE floats), also where ``g`` is +-inf or NaN (``0 * inf`` is NaN; ReLU's backward gives 0)."""
+    return (g * a).masked_fill(a == 0, -0.0)
 
 
 def _refuse_functorch() -> None:
@@ -246,7 +254,7 @@ class _Blend(torch.autograd.Function):
     def backward(ctx, g: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         act, x, w = ctx.saved_tensors
         need_act, need_x, need_w = ctx.needs_input_grad
-        return (g * (1 - w) if need_act else None, g * w if need_x else None,
+        return (_times_slope(g, 1 - w) if need_act else None, _times_slope(g, w) if need_x else None,
                 _finite_part(g * (x - act), x).sum_to_size(w.shape) if need_w else None)
 
     @staticmethod
@@ -254,9 +262,9 @@ class _Blend(torch.autograd.Function):
         act, x, w = ctx.saved_tensors
         out = torch.zeros_like(act)
         if act_t is not None:
-            out = out + act_t * (1 - w)
+            out = out + _times_slope(act_t, 1 - w)
         if x_t is not None:
-            out = out + x_t * w
+            out = out + _times_slope(x_t, w)
         if w_t is not None:
             out = out + _finite_part(w_t * (x - act), x)
         return out

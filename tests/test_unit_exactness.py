@@ -66,13 +66,14 @@ def special_values(dtype: torch.dtype) -> torch.Tensor:
 def assert_same_bits(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
     """Equal bit for bit (the sign of zero included), NaN where ``want`` is NaN (any NaN)."""
     assert got.dtype == want.dtype and got.shape == want.shape, what
+    got, want = got.flatten(), want.flatten()
     nan = torch.isnan(want)
     assert torch.equal(torch.isnan(got), nan), f"{what}: NaN at {torch.isnan(got).nonzero().flatten().tolist()}, " \
                                                f"want at {nan.nonzero().flatten().tolist()}"
     bits = {2: torch.int16, 4: torch.int32, 8: torch.int64}[got.element_size()]
     same = got.view(bits) == want.view(bits)
     bad = (~same & ~nan).nonzero().flatten().tolist()
-    assert not bad, f"{what}: got {got.flatten()[bad].tolist()}, want {want.flatten()[bad].tolist()} at {bad}"
+    assert not bad, f"{what}: got {got[bad].tolist()}, want {want[bad].tolist()} at {bad}"
 
 
 @pytest.fixture(params=["kernel", "pytorch-ops"])
@@ -269,3 +270,20 @@ def test_linear_masks_are_exact_in_low_precision(dtype):
         truth = [f >= 1.0 - tol for f in floats]
         assert linear_masks([("u", unit)], tol)[0].tolist() == truth, (dtype, tol)
         assert count_channels([("u", unit)], tol)["linear"] == sum(truth)
+
+
+@pytest.mark.parametrize("name,act", ACTS, ids=[n for n, _ in ACTS])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_at_slope_0_a_non_finite_upstream_gradient_reaches_x_as_through_the_activation(name, act, dtype, path):
+    """The gradient a unit at slope 0 passes to x is the activation's, bit for bit, also where the incoming
+    gradient is +-inf or NaN (a loss that overflowed): ``g - pos`` (inf - inf) or ``0 * g`` made NaN where
+    ReLU's backward gives 0 or inf. Truth: the activation's own backward on the same ``g``."""
+    v = special_values(dtype)
+    v = v[torch.isfinite(v)]  # finite inputs: the derivative at +-inf and NaN inputs is a convention
+    x = v.repeat_interleave(6).expand(2, 3, -1).contiguous()
+    g = torch.tensor([math.inf, -math.inf, math.nan, -1.5, -0.0, 2.0], dtype=dtype).repeat(v.numel()).expand_as(x)
+    unit = LinearizableActivation(copy.deepcopy(act) if isinstance(act, nn.Module) else act, 3)
+    xa, xu = x.clone().requires_grad_(), x.clone().requires_grad_()
+    (want,) = torch.autograd.grad(act(xa), xa, g)
+    (got,) = torch.autograd.grad(unit(xu), xu, g)
+    assert_same_bits(got, want, f"{name} {dtype} a=0, upstream +-inf/NaN")

@@ -7,7 +7,7 @@
 //
 //   forward:  y = x > 0 ? x : w * x, and ReLU's 0 where w == 0 and x < 0 (w * x would give -0, and
 //             NaN at x = -inf): a zero slope computes ReLU bit for bit, a slope of 1 the identity
-//   backward: grad_x = x > 0 ? g : w * g                   (one pass that also accumulates ...)
+//   backward: grad_x = x > 0 ? g : w * g (0 where w == 0)  (one pass that also accumulates ...)
 //             grad_w = sum over N and S of g * min(x, 0)   (... per element of K, then summed over S)
 //             where x = -inf adds nothing to grad_w
 //
@@ -68,7 +68,8 @@ void backward_row(const scalar_t* __restrict__ x, const scalar_t* __restrict__ g
                   scalar_t* __restrict__ grad_x, acc_t* __restrict__ acc, int64_t len) {
   for (int64_t k = 0; k < len; ++k) {
     const acc_t xv = x[k], gv = g[k];
-    const acc_t wg = static_cast<acc_t>(w[k]) * gv;
+    const acc_t wv = w[k];
+    const acc_t wg = wv == acc_t(0) ? acc_t(0) : wv * gv;  // ReLU's 0 at w = 0, also for g = +-inf or NaN
     const acc_t neg = std::min(xv, acc_t(0));
     grad_x[k] = xv > acc_t(0) ? gv : wg;
     acc[k] += neg == -std::numeric_limits<acc_t>::infinity() ? acc_t(0) : gv * neg;
@@ -155,8 +156,9 @@ void blend_backward_row(const scalar_t* __restrict__ a, const scalar_t* __restri
                         acc_t* __restrict__ acc, int64_t len) {
   for (int64_t k = 0; k < len; ++k) {
     const acc_t av = a[k], xv = x[k], gv = g[k], wv = w[k];
-    grad_a[k] = gv * (acc_t(1) - wv);
-    grad_x[k] = gv * wv;
+    // -0 (adds nothing) from the branch a slope turns off, also for g = +-inf or NaN (0 * inf is NaN)
+    grad_a[k] = wv == acc_t(1) ? -acc_t(0) : gv * (acc_t(1) - wv);
+    grad_x[k] = wv == acc_t(0) ? -acc_t(0) : gv * wv;
     acc[k] += std::abs(xv) == std::numeric_limits<acc_t>::infinity() ? acc_t(0) : gv * (xv - av);
   }
 }
@@ -207,9 +209,8 @@ struct PReLUFunction : public torch::autograd::Function<PReLUFunction> {
     const Tensor w_rep = repeat_slopes(w, s);
     Tensor grad_x, grad_w;
     if (torch::autograd::GradMode::is_enabled()) {  // double backward: keep the graph
-      const Tensor pos = at::threshold_backward(flat_g, flat_x, 0);
-      const Tensor neg = flat_g - pos;
-      grad_x = at::addcmul(pos, neg, w_rep);
+      const Tensor neg = flat_g.masked_fill(flat_x > 0, 0);
+      grad_x = at::where(flat_x <= 0, (flat_g * w_rep).masked_fill(w_rep == 0, 0), flat_g);  // 0 * inf: NaN
       grad_w = at::where(flat_x.isinf(), 0, neg * flat_x).sum(0);  // neg is 0 at +inf: 0 * inf = NaN
     } else {
       std::tie(grad_x, grad_w) = fused_backward(flat_g.contiguous(), flat_x, w_rep.contiguous());
@@ -236,8 +237,8 @@ struct BlendFunction : public torch::autograd::Function<BlendFunction> {
     const Tensor w_rep = repeat_slopes(w, s);
     Tensor grad_a, grad_x, grad_w;
     if (torch::autograd::GradMode::is_enabled()) {  // double backward: keep the graph
-      grad_a = flat_g * (1 - w_rep);
-      grad_x = flat_g * w_rep;
+      grad_a = (flat_g * (1 - w_rep)).masked_fill(w_rep == 1, -0.0);
+      grad_x = (flat_g * w_rep).masked_fill(w_rep == 0, -0.0);
       grad_w = at::where(flat_x.isinf(), 0, flat_g * (flat_x - flat_a)).sum(0);
     } else {
       std::tie(grad_a, grad_x, grad_w) = fused_blend_backward(flat_g.contiguous(), flat_a, flat_x, w_rep.contiguous());
