@@ -17,7 +17,7 @@ from .config import BlendConfig
 from .example_inputs import guess_example_inputs
 from .functional_sites import FunctionalSites, install_functional_sites
 from .injection import call_channels, install_call_sites, function_attributes_wrapped, plan_conversion, settle_placed_modules
-from .dispatch import THREAD_CALL
+from .dispatch import THREAD_CALL, FunctionalSiteError
 from .inputs import call_model, eval_mode, map_tensors, max_difference, output_tensors
 from .unit import LinearizableActivation, install_optimizer_hooks, make_unit
 
@@ -41,6 +41,7 @@ def convert_blend(model: nn.Module, config: BlendConfig, example_inputs: Any) ->
         reference = _outputs(model, inputs)
     from_inplace: list[LinearizableActivation] = []
     hooked: list[nn.Module] = []
+    placed: list[tuple[nn.Module, nn.Module, nn.Module]] = []  # (owner, the replaced module, what replaced it)
     for owner, attr, act, calls in plan:
         made = [
             act if call.gate is not None else make_unit(  # an excluded gate call keeps act
@@ -54,8 +55,10 @@ def convert_blend(model: nn.Module, config: BlendConfig, example_inputs: Any) ->
             from_inplace += [u for u in made if isinstance(u, LinearizableActivation)]
         install_call_sites(owner, attr, made)
         getattr(owner, attr).train(act.training)  # new units (and dispatcher) take the replaced flag
-        if getattr(owner, attr) is not act and carry_hooks(act, getattr(owner, attr)):
-            hooked.append(act)
+        if getattr(owner, attr) is not act:
+            placed.append((owner, act, getattr(owner, attr)))
+            if carry_hooks(act, getattr(owner, attr)):
+                hooked.append(act)
     for act in hooked:  # the units call act (GELU, ...): its hooks now run once per call, on the unit
         for name in HOOK_DICTS:
             setattr(act, name, type(getattr(act, name))())
@@ -71,6 +74,9 @@ def convert_blend(model: nn.Module, config: BlendConfig, example_inputs: Any) ->
                                 [module_arguments(c.act) if c.act is not None else None for c in p.calls])
         install_functional_sites(p.owner, sites)
     settle_placed_modules(model)
+    _restore_unreached(model, example_inputs, placed, report)
+    if not report.sites:
+        raise _nothing_to_convert(model, config, report)
     if inplace_sites:
         _keep_inplace(model, inputs, reference, from_inplace)
     model.linearize_config = config
@@ -101,6 +107,40 @@ def carry_hooks(act: nn.Module, new: nn.Module) -> bool:
         setattr(new, name, getattr(act, name))
     new._is_full_backward_hook = act._is_full_backward_hook
     return True
+
+
+UNREACHED = ("called through a reference convert cannot replace (a plain list or tuple, a functools.partial, a "
+             "closure): the unit put at its name was not called, so the activation is left as it is. Fix: hold the "
+             "modules in an nn.ModuleList / nn.Sequential, or call the activation by its attribute")
+
+
+def _restore_unreached(model: nn.Module, example_inputs: Any, placed: list[tuple[nn.Module, nn.Module, nn.Module]],
+                       report: Any) -> None:
+    """Put back each replaced activation module whose replacement the model's forward does not call (it reaches
+    the old module another way), and list it in ``report.unreachable``: its slopes would do nothing, and
+    ``nonlinear_fraction`` would call the model linear where it is not. One forward on the probe's inputs."""
+    if not placed:
+        return
+    calls = {id(new): 0 for _, _, new in placed}
+    count = lambda module, args: calls.__setitem__(id(module), calls[id(module)] + 1)  # noqa: E731
+    handles = [new.register_forward_pre_hook(count) for _, _, new in placed]
+    try:
+        _outputs(model, example_inputs if example_inputs is not None else guess_example_inputs(model))
+    except FunctionalSiteError:
+        return  # a dispatch the forward cannot make (a call on another thread): it raises at every forward
+    finally:
+        for h in handles:
+            h.remove()
+    names = {id(m): n for n, m in model.named_modules(remove_duplicate=False)}
+    for owner, act, new in placed:
+        if calls[id(new)]:
+            continue
+        name = names.get(id(new), type(act).__name__)
+        for attr in [a for a, m in owner._modules.items() if m is new]:
+            setattr(owner, attr, act)
+        carry_hooks(new, act)
+        report.sites = [s for s in report.sites if s.name != name and not s.name.startswith(name + ".")]
+        report.unreachable[name] = UNREACHED
 
 
 def _outputs(model: nn.Module, inputs: Any) -> list[torch.Tensor]:

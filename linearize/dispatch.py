@@ -95,23 +95,35 @@ def prime_eager() -> None:
 
 
 def _function_forward(frame: FrameType) -> bool:
-    """Whether ``frame`` runs the ``forward`` of a ``torch.autograd.Function`` subclass (cached per code): its
-    class found by its qualified name, or, for a class that cannot be found so (defined in a function, its name
-    rebound to its ``apply``), its first argument a ``ctx`` (``FunctionCtx``)."""
+    """Whether ``frame`` runs the ``forward`` of a ``torch.autograd.Function`` subclass (cached per code): a
+    subclass that defines a ``forward`` of this code (found among the subclasses, so also one defined in a
+    function or whose name is rebound to its ``apply``, old style or new), or a ``forward`` whose first argument
+    is a ``ctx`` (``FunctionCtx``: one inherited from a mixin)."""
     code = frame.f_code
     known = _FUNCTION_FORWARDS.get(code)
     if known is None:
-        qualname = getattr(code, "co_qualname", "")
-        obj: Any = None
-        if qualname.endswith(".forward") and "<locals>" not in qualname:
-            obj = frame.f_globals
-            for part in qualname.split(".")[:-1]:
-                obj = obj.get(part) if isinstance(obj, dict) else getattr(obj, part, None)
-        known = isinstance(obj, type) and issubclass(obj, torch.autograd.Function)
-        if not known and code.co_name == "forward" and code.co_argcount:
-            known = isinstance(frame.f_locals.get(code.co_varnames[0]), torch.autograd.function.FunctionCtx)
+        known = code.co_name == "forward" and (code in _function_forward_codes() or bool(
+            code.co_argcount and isinstance(frame.f_locals.get(code.co_varnames[0]), torch.autograd.function.FunctionCtx)))
         _FUNCTION_FORWARDS[code] = known
     return known
+
+
+def _function_forward_codes() -> set[CodeType]:
+    """The code objects of the ``forward`` of every ``torch.autograd.Function`` subclass now defined."""
+    codes, todo, seen = set(), [torch.autograd.Function], set()
+    while todo:
+        cls = todo.pop()
+        if cls in seen:
+            continue
+        seen.add(cls)
+        todo += type.__subclasses__(cls)
+        forward = getattr(vars(cls).get("forward"), "__func__", vars(cls).get("forward"))
+        code = getattr(forward, "__code__", None)
+        if code is not None:
+            codes.add(code)
+    return codes
+
+
 _MODULE_FILE = nn.Module._call_impl.__code__.co_filename  # its nested ``inner`` runs hooks and forward
 _LOCAL = threading.local()  # .scopes: {id(owner's _call_impl frame): Scope} of this thread
 _MARK = "_linearize_dispatch"  # owner attribute: the handles of its two hooks

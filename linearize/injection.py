@@ -41,6 +41,7 @@ from .example_inputs import guess_example_inputs, guessed_input_error
 from .dispatch import (
     THREAD_CALL,
     FunctionalSiteError,
+    Scope,
     ThreadWatch,
     eager,
     prime_eager,
@@ -124,6 +125,20 @@ class CallSites(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.calls[self._position()](x)
+
+    def check_forward(self, scope: Scope) -> None:
+        """An owner forward returned: raise :class:`FunctionalSiteError` if it called this module fewer times
+        than the probe did, but not never (a call may have run the unit of another call)."""
+        made = scope.positions.get(id(self.__dict__), 0)
+        if 0 < made < len(self.calls):  # none: no unit ran, nothing went to the wrong one
+            where = self.where or "of this site"
+            raise FunctionalSiteError(
+                f"linearize: the activation module {where} was called {made} times in one forward of its owner, "
+                f"where the probe forward of linearize.convert saw {len(self.calls)} calls and made one unit per "
+                "call, matched by order: with fewer calls (a layer skipped: LayerDrop, stochastic depth, an early "
+                "exit) the later calls ran the units of earlier ones. Fix: give each call its own activation "
+                "module (self.acts = nn.ModuleList(...)), or convert with exclude_modules= naming this owner to "
+                "keep its activation as it is.")
 
     def __prepare_scriptable__(self) -> nn.Module:
         refuse_scripting(self)

@@ -276,8 +276,11 @@ def test_an_outer_forward_that_catches_an_inner_ones_interrupt_computes_its_func
             assert torch._C._len_torch_function_stack() == 0
 
 
-def _swish_function() -> type[torch.autograd.Function]:
-    class Swish(torch.autograd.Function):  # made in a function: its qualified name cannot be looked up
+def _swish_function(style: str = "ctx") -> type[torch.autograd.Function]:
+    """A Swish Function made in a function (its qualified name cannot be looked up): ``forward(ctx, x)``
+    (``style="ctx"``) or the new style, ``forward(x)`` with ``setup_context`` (``"setup_context"``)."""
+
+    class Swish(torch.autograd.Function):
         @staticmethod
         def forward(ctx, x):
             ctx.save_for_backward(x)
@@ -289,17 +292,28 @@ def _swish_function() -> type[torch.autograd.Function]:
             s = torch.sigmoid(x)
             return g * s * (1 + x * (1 - s))
 
-    return Swish
+    class NewSwish(Swish):
+        @staticmethod
+        def forward(x):
+            return F.silu(x)
+
+        @staticmethod
+        def setup_context(ctx, inputs, output):
+            ctx.save_for_backward(inputs[0])
+
+    return Swish if style == "ctx" else NewSwish
 
 
-def test_a_call_inside_a_custom_function_defined_in_a_function_is_left_as_it_is():
+@pytest.mark.parametrize("style", ["ctx", "setup_context"])
+def test_a_call_inside_a_custom_function_defined_in_a_function_is_left_as_it_is(style):
     """A unit inside a custom autograd.Function's forward would blend in the forward and differentiate as the
-    Function's own backward says: the call is left as it is (listed), however the class is named or defined."""
+    Function's own backward says: the call is left as it is (listed), however the class is named, defined or
+    written (old style with ``ctx``, new style with ``setup_context``)."""
 
     class Net(nn.Module):
         def __init__(self) -> None:
             super().__init__()
-            self.a, self.b, self.swish = nn.Linear(6, 6), nn.Linear(6, 2), _swish_function().apply
+            self.a, self.b, self.swish = nn.Linear(6, 6), nn.Linear(6, 2), _swish_function(style).apply
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             return self.b(F.relu(self.swish(self.a(x))))
@@ -852,3 +866,67 @@ def test_a_recursive_modules_functional_call_is_left_with_the_reason_and_the_fix
     w, b = fixed.lin.weight.detach(), fixed.lin.bias.detach()
     by_hand = ((x @ w.T + b) @ w.T + b) @ w.T + b
     torch.testing.assert_close(model(x), by_hand)
+
+
+class SkippedLayers(nn.Module):
+    """Three layers sharing one activation module; ``skip`` leaves one out (LayerDrop, stochastic depth)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(6, 6) for _ in range(3))
+        self.act = nn.GELU()
+        self.skip: int | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for i, layer in enumerate(self.layers):
+            if i != self.skip:
+                x = self.act(layer(x))
+        return x
+
+
+@pytest.mark.parametrize("skip", [0, 2])
+def test_a_reused_module_called_fewer_times_than_the_probe_is_refused_with_the_fix(skip):
+    """With a layer skipped, call k ran the unit of call k (not of its own layer), silently; now the forward
+    raises, naming the module and the fix, as the functional path does. All calls, or none, still run."""
+    torch.manual_seed(0)
+    model = linearize.convert(SkippedLayers(), example_inputs=torch.randn(2, 6))
+    assert isinstance(model.act, linearize.injection.CallSites) and len(model.act.calls) == 3
+    model.skip = skip
+    with pytest.raises(FunctionalSiteError, match=r"SkippedLayers\.act was called 2 times.*saw 3 calls.*Fix"):
+        model(torch.randn(2, 6))
+    model.skip = None
+    random_slopes(model)
+    x = torch.randn(2, 6)
+    want = x
+    for layer, unit in zip(model.layers, model.act.calls):  # the truth by hand: each layer's own unit
+        h = layer(want)
+        want = (1 - unit.slope) * F.gelu(h) + unit.slope * h
+    torch.testing.assert_close(model(x), want)
+
+
+def test_an_activation_called_through_a_plain_list_is_left_as_it_is_and_listed():
+    """A unit put at ``net.act`` that the forward never calls (it loops over a plain list holding the old
+    module) would have slopes that do nothing, and ``nonlinear_fraction`` would call a GELU network linear:
+    the module is put back and listed with the fix; the other activation converts."""
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.act, self.b, self.out = nn.Linear(4, 8), nn.GELU(), nn.Linear(8, 8), nn.ReLU()
+            self.pipeline = [self.a, self.act, self.b]
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for m in self.pipeline:
+                x = m(x)
+            return self.out(x)
+
+    torch.manual_seed(0)
+    net, x = Net(), torch.randn(3, 4)
+    with pytest.warns(UserWarning, match="act: called through a reference convert cannot replace"):
+        model = linearize.convert(copy.deepcopy(net), example_inputs=x)
+    assert type(model.act) is nn.GELU and [n for n, _ in linearize.units(model)] == ["out"]
+    assert "act" in model.linearize_report.unreachable
+    with torch.no_grad():
+        linearize.units(model)[0][1].slope.fill_(1.0)
+    assert linearize.nonlinear_fraction(model) == 0.0  # the ReLU unit is linear; the GELU is not counted as a unit
+    torch.testing.assert_close(model(x), net.b(F.gelu(net.a(x))))  # the GELU still runs, as the report says
