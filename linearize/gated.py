@@ -41,7 +41,10 @@ Every activation *call* gets its own gate: a module called several times per for
 (torchvision ``BasicBlock.relu`` twice, ``Bottleneck.relu`` three times, the last one after the
 residual add) becomes a :class:`~linearize.injection.CallSites` dispatcher in both networks, and
 the ``k``-th call of the value network is gated by the ``k``-th call of the feature network
-(sites are named like ``layer1.0.relu.calls.1``, as units of :func:`linearize.convert`).
+(sites are named like ``layer1.0.relu.calls.1``, as units of :func:`linearize.convert`). A block
+applied several times per forward (weight tying: ALBERT's shared layer, a looped block) has one site
+per activation call of the block, and its ``n``-th application in the value network is gated by the
+``n``-th application in the feature network.
 
 Transformers: in Hugging Face models the FFN activation is a module, so each FFN channel of
 the value network is gated by the same channel of the feature copy's FFN pre-activation. In a
@@ -97,15 +100,45 @@ _MAX_POOL_FUNCTIONS = {
 
 
 class _GateStore:
-    """Pre-activations of the feature network during one forward, shared by taps and GaLUs.
+    """What the taps and GaLUs of one gated network share: the gate-statistics switch, and the
+    :class:`_Pass` of the running forward.
 
     A plain object (not a module): ``deepcopy`` of the gated network copies it once and keeps it
     shared between the copied taps and GaLUs.
     """
 
     def __init__(self) -> None:
-        self.preacts: dict[str, torch.Tensor] = {}
         self.recording = False  # gate statistics on/off
+        self.run: _Pass | None = None
+
+    def current(self) -> "_Pass | None":
+        """The pass of the running :meth:`GatedNetwork.forward`, if any."""
+        return self.run
+
+
+class _Pass:
+    """One forward of a gated network: the feature network's pre-activations of every call site, in call
+    order (a block applied several times per forward calls its sites once per application), and how many
+    of them the value network has taken so far."""
+
+    def __init__(self) -> None:
+        self.preacts: dict[str, list[torch.Tensor]] = {}
+        self.taken: dict[str, int] = {}
+
+    def put(self, site: str, q: torch.Tensor) -> None:
+        self.preacts.setdefault(site, []).append(q)
+
+    def take(self, site: str) -> torch.Tensor:
+        """The pre-activation of the value network's next call of ``site``: that of the feature
+        network's call with the same index."""
+        stored, k = self.preacts.get(site, []), self.taken.get(site, 0)
+        if k >= len(stored):
+            raise RuntimeError(
+                f"gate site {site!r}: the value network calls it {k + 1} time(s) in this forward, the feature "
+                f"network {len(stored)}; both networks must take the same path through the model"
+            )
+        self.taken[site] = k + 1
+        return stored[k]
 
 
 class FeatureTap(nn.Module):
@@ -125,14 +158,12 @@ class FeatureTap(nn.Module):
         self._store = store
 
     def forward(self, q: torch.Tensor) -> torch.Tensor:
+        run = self._store.current()  # None: the feature network called on its own, nothing to gate
+        if run is not None:  # the gate needs q as it was before an in-place write
+            run.put(self.site, q.clone() if self.inplace and not self.linear else q)
         if self.linear:
-            self._store.preacts[self.site] = q
             return q.clone()
-        if self.inplace:
-            self._store.preacts[self.site] = q.clone()  # the gate needs q as it was before the write
-            return write_into(q, self._act)
-        self._store.preacts[self.site] = q
-        return self._act(q)
+        return write_into(q, self._act) if self.inplace else self._act(q)
 
     def _act(self, q: torch.Tensor) -> torch.Tensor:
         if self.kind == "relu6":
@@ -172,12 +203,13 @@ class GaLU(nn.Module):
         return self.leak + (1.0 - self.leak) * g if self.leak else g
 
     def forward(self, z: torch.Tensor) -> torch.Tensor:
-        q = self._store.preacts.get(self.site)
-        if q is None:
+        run = self._store.current()
+        if run is None:
             raise RuntimeError(
                 f"gate site {self.site!r} got no pre-activation from the feature network in this "
                 "forward: call the GatedNetwork itself, not its .value network"
             )
+        q = run.take(self.site)
         if q.shape != z.shape:
             raise RuntimeError(
                 f"gate site {self.site!r}: feature pre-activation {tuple(q.shape)} does not match the "
@@ -222,6 +254,7 @@ class GatedNetwork(nn.Module):
         return [(m.site, m) for m in self.value.modules() if isinstance(m, GaLU)]
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        self._store.run = _Pass()
         try:
             if self._taps_write:
                 # a tap written in place may write into a model input: the value network must see it as given
@@ -232,7 +265,7 @@ class GatedNetwork(nn.Module):
                 args, kwargs = _constant_inputs(args, kwargs)
             return self.value(*args, **kwargs)
         finally:
-            self._store.preacts.clear()
+            self._store.run = None
 
     def train(self, mode: bool = True) -> "GatedNetwork":
         super().train(mode)

@@ -118,6 +118,58 @@ def test_mobilenet_v2_relu6_is_gated_by_its_relu_part():
         torch.testing.assert_close(gated.feature(x), model(x), rtol=0, atol=0)
 
 
+class _TiedBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.act = nn.Linear(16, 16), nn.ReLU()
+
+    def forward(self, x):
+        return self.act(self.lin(x))
+
+
+class _WeightTied(nn.Module):
+    """One block applied three times per forward (weight tying, as ALBERT's shared layer)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp, self.block, self.out = nn.Linear(8, 16), _TiedBlock(), nn.Linear(16, 2)
+
+    def forward(self, x):
+        h = self.inp(x)
+        for _ in range(3):
+            h = self.block(h)
+        return self.out(h)
+
+
+def test_dgn_of_a_block_applied_several_times_gates_each_application_by_its_own_call():
+    """Every application of a weight-tied block was gated by the last application's pre-activation."""
+    torch.manual_seed(0)
+    model = _WeightTied().double().eval()
+    x = torch.randn(32, 8, dtype=torch.float64)
+    gated = convert_gated(model, cfg("dgn", init="copy", hard_gates=True), x).eval()
+    assert [site for site, _ in gated.gates()] == ["block.act"]
+    xm, xg = x.clone().requires_grad_(), x.clone().requires_grad_()
+    expected, out = model(xm), gated(xg)
+    torch.testing.assert_close(out, expected, rtol=0, atol=1e-12)
+    expected.sum().backward()
+    out.sum().backward()
+    torch.testing.assert_close(xg.grad, xm.grad, rtol=0, atol=1e-12)
+
+
+def test_dgn_of_albert_with_its_shared_layer_equals_the_relu_model():
+    from transformers import AlbertConfig, AlbertModel
+
+    torch.manual_seed(0)
+    model = AlbertModel(AlbertConfig(vocab_size=50, embedding_size=8, hidden_size=16, num_hidden_layers=3,
+                                     num_attention_heads=2, intermediate_size=32, hidden_act="relu",
+                                     max_position_embeddings=16, initializer_range=0.5)).eval()
+    ids = torch.randint(0, 50, (2, 7), generator=torch.Generator().manual_seed(0))
+    gated = convert_gated(model, cfg("dgn", init="copy", hard_gates=True), {"input_ids": ids}).eval()
+    assert len(gated.gates()) == 1  # one shared layer, one site, three calls per forward
+    with torch.no_grad():
+        assert torch.equal(gated(input_ids=ids).last_hidden_state, model(input_ids=ids).last_hidden_state)
+
+
 # ----------------------------------------------------------------------------- (2) DLGN is linear
 
 
