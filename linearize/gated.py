@@ -57,6 +57,7 @@ from __future__ import annotations
 import copy
 import math
 import warnings
+from contextvars import ContextVar
 from typing import Any
 
 import torch
@@ -100,8 +101,8 @@ _MAX_POOL_FUNCTIONS = {
 
 
 class _GateStore:
-    """What the taps and GaLUs of one gated network share: the gate-statistics switch, and the
-    :class:`_Pass` of the running forward.
+    """What the taps and GaLUs of one gated network share: the gate-statistics switch, and the key of
+    their forward's :class:`_Pass`.
 
     A plain object (not a module): ``deepcopy`` of the gated network copies it once and keeps it
     shared between the copied taps and GaLUs.
@@ -109,11 +110,10 @@ class _GateStore:
 
     def __init__(self) -> None:
         self.recording = False  # gate statistics on/off
-        self.run: _Pass | None = None
 
     def current(self) -> "_Pass | None":
-        """The pass of the running :meth:`GatedNetwork.forward`, if any."""
-        return self.run
+        """The pass of the :meth:`GatedNetwork.forward` running in this thread (context), if any."""
+        return _PASSES.get().get(self)
 
 
 class _Pass:
@@ -139,6 +139,10 @@ class _Pass:
             )
         self.taken[site] = k + 1
         return stored[k]
+
+
+# the running passes of this thread (context), by store: each thread's forwards keep their own pre-activations
+_PASSES: ContextVar[dict[_GateStore, _Pass]] = ContextVar("linearize_gated_passes", default={})
 
 
 class FeatureTap(nn.Module):
@@ -254,7 +258,7 @@ class GatedNetwork(nn.Module):
         return [(m.site, m) for m in self.value.modules() if isinstance(m, GaLU)]
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        self._store.run = _Pass()
+        token = _PASSES.set({**_PASSES.get(), self._store: _Pass()})  # this thread's own, for this forward
         try:
             if self._taps_write:
                 # a tap written in place may write into a model input: the value network must see it as given
@@ -265,7 +269,7 @@ class GatedNetwork(nn.Module):
                 args, kwargs = _constant_inputs(args, kwargs)
             return self.value(*args, **kwargs)
         finally:
-            self._store.run = None
+            _PASSES.reset(token)
 
     def train(self, mode: bool = True) -> "GatedNetwork":
         super().train(mode)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import math
+import threading
 
 import pytest
 import torch
@@ -168,6 +169,49 @@ def test_dgn_of_albert_with_its_shared_layer_equals_the_relu_model():
     assert len(gated.gates()) == 1  # one shared layer, one site, three calls per forward
     with torch.no_grad():
         assert torch.equal(gated(input_ids=ids).last_hidden_state, model(input_ids=ids).last_hidden_state)
+
+
+class _Rendezvous(nn.Module):
+    """Identity that, while ``barrier`` is set, waits there for the other threads (each forward of a gated
+    split passes it twice: in the feature network, then in the value network)."""
+
+    barrier: threading.Barrier | None = None
+
+    def forward(self, x):
+        if _Rendezvous.barrier is not None:
+            _Rendezvous.barrier.wait()
+        return x
+
+
+def test_threads_running_one_gated_split_each_get_their_own_gates():
+    """Threads shared one store of pre-activations: a thread's value network read another thread's gates."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), _Rendezvous(), nn.Linear(16, 3)).double().eval()
+    xs = [torch.randn(8, 8, dtype=torch.float64) for _ in range(4)]
+    gated = convert_gated(model, cfg("dgn", init="copy", hard_gates=True), xs[0]).eval()
+    outs: dict[int, torch.Tensor | Exception] = {}
+
+    def run(i: int) -> None:
+        try:
+            with torch.no_grad():
+                outs[i] = gated(xs[i])
+        except Exception as e:  # noqa: BLE001 - reported below
+            _Rendezvous.barrier.abort()
+            outs[i] = e
+
+    _Rendezvous.barrier = threading.Barrier(len(xs), timeout=60)  # every feature pass before any value pass
+    try:
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(len(xs))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        _Rendezvous.barrier = None
+    with torch.no_grad():
+        for i, x in enumerate(xs):
+            assert isinstance(outs[i], torch.Tensor), outs[i]
+            torch.testing.assert_close(outs[i], model(x), rtol=0, atol=1e-12)
 
 
 # ----------------------------------------------------------------------------- (2) DLGN is linear
