@@ -56,6 +56,7 @@ from __future__ import annotations
 
 import copy
 import math
+import sys
 import warnings
 from contextvars import ContextVar
 from typing import Any
@@ -143,6 +144,17 @@ class _Pass:
 
 # the running passes of this thread (context), by store: each thread's forwards keep their own pre-activations
 _PASSES: ContextVar[dict[_GateStore, _Pass]] = ContextVar("linearize_gated_passes", default={})
+_CHECKPOINT_FILE = torch.utils.checkpoint.__file__
+
+
+def _in_checkpoint() -> bool:
+    """Whether the caller runs inside ``torch.utils.checkpoint`` (in backward: a recomputation)."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_filename == _CHECKPOINT_FILE:
+            return True
+        frame = frame.f_back
+    return False
 
 
 class FeatureTap(nn.Module):
@@ -208,6 +220,16 @@ class GaLU(nn.Module):
 
     def forward(self, z: torch.Tensor) -> torch.Tensor:
         run = self._store.current()
+        if run is None and _in_checkpoint():
+            raise RuntimeError(
+                f"gate site {self.site!r} is recomputed by gradient checkpointing (torch.utils.checkpoint) in "
+                "backward, after the GatedNetwork's forward has returned and its feature pre-activations are "
+                "gone: a gated split cannot checkpoint its value network. Turn checkpointing off in both "
+                "networks: gated.value.gradient_checkpointing_disable() and the same on gated.feature "
+                "(Hugging Face; activation_checkpointing_disable() in newer versions), "
+                "set_grad_checkpointing(False) (timm), or call the blocks without "
+                "torch.utils.checkpoint"
+            )
         if run is None:
             raise RuntimeError(
                 f"gate site {self.site!r} got no pre-activation from the feature network in this "
