@@ -276,7 +276,9 @@ class LinearizeTrainerMixin:
       Sparsifier has ``mode="loss"``; with ``LinearizeCallback(teacher=...)`` it adds
       ``distill_weight`` times :func:`linearize.distill_loss` to the teacher to the model's own
       loss (the distillation term alone for a batch without labels); the outputs it returns (the
-      predictions of ``evaluate``) are the model's, without the hidden states it asked for;
+      predictions of ``evaluate``) are the model's, without the hidden states it asked for; under gradient
+      accumulation both terms count once per optimizer step, as in one large batch (divided by the
+      accumulation steps where the Trainer takes the model's loss as already divided for them);
     - moves the :class:`LinearizeCallback` first, so reporters log its values.
     """
 
@@ -322,6 +324,7 @@ class LinearizeTrainerMixin:
         with torch.no_grad(), _eval_mode(teacher):
             target = teacher(**features, **hidden)
         loss = cb.distill_weight * distill_loss(outputs, target, cb.distill, features.get("attention_mask"))
+        loss = loss / self._summed_micro_batches(model, kwargs.get("num_items_in_batch"))
         if task is not None:
             loss = task + loss.to(task.dtype)
         if not return_outputs:
@@ -341,6 +344,22 @@ class LinearizeTrainerMixin:
             "does not train. Keep the labels in the dataset (the loss is then the model's own plus the "
             "distillation term), or pass distill='logits'", UserWarning, stacklevel=3)
 
+    def _summed_micro_batches(self, model, num_items_in_batch) -> int:
+        """How many micro-batch losses the Trainer sums as they are into one optimizer step: its gradient
+        accumulation steps when it takes the loss as already divided for them (the model's loss normalized by
+        ``num_items_in_batch``, a ``compute_loss_func``, or ``loss_is_scaled_for_ga = True``; the rule of
+        transformers >= 4.53), else 1 (it divides the whole loss itself; and in evaluation). The distillation
+        term and the penalty are per micro-batch: divided by this, they weigh the same at any accumulation."""
+        if not model.training:
+            return 1
+        scaled = getattr(self, "loss_is_scaled_for_ga", None)
+        if scaled is None:
+            scaled = (getattr(self, "model_accepts_loss_kwargs", False) and num_items_in_batch is not None) \
+                or getattr(self, "compute_loss_func", None) is not None
+        if not scaled:
+            return 1
+        return getattr(self, "current_gradient_accumulation_steps", self.args.gradient_accumulation_steps)
+
     def compute_loss(self, model, inputs, return_outputs=False, **kwargs):
         cb = self._linearize_callback()
         if cb is not None and cb.teacher is not None:
@@ -350,10 +369,10 @@ class LinearizeTrainerMixin:
         sparsifier = cb.sparsifier if cb is not None else None
         if sparsifier is None or sparsifier.mode != "loss":
             return result
-        if return_outputs:
-            loss, outputs = result
-            return loss + sparsifier.penalty().to(loss.device), outputs
-        return result + sparsifier.penalty().to(result.device)
+        loss, outputs = result if return_outputs else (result, None)
+        micro_batches = self._summed_micro_batches(model, kwargs.get("num_items_in_batch"))
+        penalty = sparsifier.penalty().to(loss.device) / micro_batches
+        return (loss + penalty, outputs) if return_outputs else loss + penalty
 
 
 @contextmanager
