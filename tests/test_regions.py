@@ -18,7 +18,7 @@ from torch import nn
 
 from linearize.measures import regions as regions_module
 from linearize.measures.regions import PartialResultWarning, linear_regions, absolute_deviation, translation_loops
-from linearize.unit import LinearizableActivation
+from linearize.unit import ElementActivation, LinearizableActivation
 
 _ACTS = (nn.ReLU, nn.LeakyReLU, nn.PReLU, LinearizableActivation)
 
@@ -221,6 +221,40 @@ def test_one_hidden_layer_closed_form_and_linear_channels():
             torch.testing.assert_close(res.breakpoints[s], roots[s][keep].sort().values)
             assert res.count[s] == keep.sum() + 1
         assert ((roots > 0) & (roots < 1) & linear).any(), "no linear channel would have crossed"
+
+
+def _units_mlp(granularity: str, end: str, slopes: torch.Tensor) -> nn.Module:
+    """3-16-16-2 MLP with a ReLU unit and a LeakyReLU(0.1) unit of ``slopes``, identity or random affine ends."""
+    def unit(act: nn.Module) -> LinearizableActivation:
+        return ElementActivation(act, (16,)) if granularity == "element" else LinearizableActivation(act, 16)
+
+    net = nn.Sequential(nn.Linear(3, 16), unit(nn.ReLU()), nn.Linear(16, 16), unit(nn.LeakyReLU(0.1)), nn.Linear(16, 2))
+    g = torch.Generator().manual_seed(1)
+    for u in (net[1], net[3]):
+        with torch.no_grad():
+            u.slope.copy_(slopes)
+        if end == "affine":
+            u.set_linear_end(torch.rand(16, generator=g) + 0.5, torch.randn(16, generator=g))
+    return net
+
+
+@pytest.mark.parametrize("granularity", ["channel", "element"])
+@pytest.mark.parametrize("end", ["identity", "affine"])
+def test_unit_channels_at_slope_one_have_no_kink_with_identity_or_affine_ends(granularity, end):
+    """A unit's channel at ``a = 1`` computes its linear end alone (``x``, or ``alpha * x + beta``): no breakpoint,
+    while channels at ``a = 0`` and ``0.5`` keep theirs, as the activation patterns of those channels on a dense
+    float64 grid say; with every slope 1 the network is affine: one region, whose map is the plain forward's."""
+    torch.manual_seed(4)
+    net = _units_mlp(granularity, end, torch.tensor([0.0, 0.5, 1.0, 1.0] * 4))
+    x0, x1 = torch.randn(4, 3) * 3, torch.randn(4, 3) * 3
+    _check_against_dense(net, x0, x1)
+    affine = _units_mlp(granularity, end, torch.ones(16))
+    result = linear_regions(affine, x0, x1)
+    assert result.count.tolist() == [1] * 4
+    ts = torch.linspace(0, 1, 101, dtype=torch.float64)
+    for s in range(4):
+        f = _plain(affine, x0[s].double() + ts[:, None] * (x1[s].double() - x0[s].double()))
+        torch.testing.assert_close(result.value[s] + ts[:, None] * result.slope[s], f, rtol=1e-9, atol=1e-9)
 
 
 def test_deviation_matches_quadrature():

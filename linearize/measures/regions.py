@@ -37,7 +37,9 @@ breakpoints closer than ``eps`` to a piece boundary may be resolved differently,
 
 A unit's negative-side slope ``w`` (0 for ReLU, ``negative_slope`` for LeakyReLU, the weight of
 PReLU, ``a + (1 - a) * leak`` for a unit) makes its channel linear when ``w == 1``: such a
-channel has no breakpoint and does not enter the activation pattern.
+channel has no breakpoint and does not enter the activation pattern. So does a unit's channel at
+slope ``a = 1`` with an affine linear end (``alpha * x + beta``, :meth:`set_linear_end`), whose
+activation runs but does not reach the output; channels at ``a < 1`` keep the kink.
 
 Anything else that depends on the input nonlinearly is refused with an error naming the module
 that called it: max pooling, smooth activations (GELU, tanh, a smooth-kind unit...), norms with
@@ -72,6 +74,7 @@ from ..activations import FUNCTIONAL_SPECS, activation_module, call_arg, in_plac
 from ..checks import check_positive, check_positive_int
 from ..inputs import output_tensors
 from ..module_stack import ModuleStack
+from ..unit import LinearizableActivation
 
 __all__ = [
     "PartialResultWarning",
@@ -226,6 +229,10 @@ class _Tracer(TorchFunctionMode):
             shape[1 if p.ndim >= 2 else 0] = w.numel()
             w = w.view(shape)
         kinked = w != 1
+        if name != "prelu":  # a unit's activation (a unit's PReLU has w = 1 at a = 1 already)
+            linear = self._linear_in_unit(p)
+            if linear is not None:
+                kinked = kinked & ~linear
         if d is None:  # does not depend on the input: no breakpoint
             ahead = p > 0
         else:
@@ -242,6 +249,16 @@ class _Tracer(TorchFunctionMode):
             return x.mul_(m) if inplace else x * m
         out = fwAD.make_dual(p * m, d * m)  # cheaper than a dual multiply
         return x.copy_(out) if inplace else out
+
+    def _linear_in_unit(self, p: torch.Tensor) -> torch.Tensor | None:
+        """Bool mask broadcast to ``p``, the input of an activation a unit blends (``(1 - a) * act(x) + a * end``,
+        an affine end ``alpha * x + beta`` included): the unit's channels at slope ``a = 1``, whose output is the
+        linear end alone, without the activation's kink. ``None`` for an activation outside a unit."""
+        unit = next((m for m in reversed(self.running.stack) if isinstance(m, LinearizableActivation)), None)
+        if unit is None:
+            return None
+        # the act sees the unit's input as it comes ([N, P] for an element unit, channel_dim 1)
+        return (unit.slope.detach() == 1).view(unit.broadcast_shape(p.ndim))
 
     def run(self, x: torch.Tensor, direction: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Output value ``[B, K]``, derivative w.r.t. ``t`` ``[B, K]`` and next step ``[B]``."""
