@@ -81,7 +81,8 @@ class UnitsOnlyWarning(UserWarning):
     right after may filter this category."""
 
 
-END_KEYS = ("alpha", "beta")  # a unit's affine linear end, saved where set (LinearizableActivation.set_linear_end)
+# a unit's affine linear end, saved where set, and end_fixed where it is fixed (LinearizableActivation.set_linear_end)
+END_KEYS = ("alpha", "beta", "end_fixed")
 
 
 def weights_name(sha256: str) -> str:
@@ -126,8 +127,11 @@ def saved_tensors(model: nn.Module, gated: bool, base: bool = False) -> dict[str
 
 def _unit_items(unit: nn.Module) -> list[tuple[str, torch.Tensor]]:
     """A unit's saved tensors by key: ``slope``, ``frozen`` and, where set, its affine linear end ``alpha``,
-    ``beta`` (a unit without one, and every save before it existed, has the identity end)."""
-    return [("slope", unit.slope), ("frozen", unit.frozen)] + list(zip(END_KEYS, unit.linear_end or ()))
+    ``beta`` (a unit without one, and every save before it existed, has the identity end), with ``end_fixed``
+    where those are fixed buffers, not parameters."""
+    fixed = getattr(unit, "end_fixed", None)
+    return ([("slope", unit.slope), ("frozen", unit.frozen)] + list(zip(("alpha", "beta"), unit.linear_end or ()))
+            + ([] if fixed is None else [("end_fixed", fixed)]))
 
 
 def _base_state(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -639,7 +643,8 @@ def from_pretrained(model: nn.Module | type, directory: str | os.PathLike, examp
             if key is not None:
                 unit.slope.copy_(tensors[f"{key}.slope"])
                 unit.frozen.copy_(tensors[f"{key}.frozen"])
-                unit.set_linear_end(tensors.get(f"{key}.alpha"), tensors.get(f"{key}.beta"))  # None: identity
+                unit.set_linear_end(tensors.get(f"{key}.alpha"), tensors.get(f"{key}.beta"),  # None: identity
+                                    trainable=f"{key}.end_fixed" not in tensors)
     return model
 
 

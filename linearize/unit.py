@@ -450,20 +450,28 @@ class LinearizableActivation(nn.Module):
 
     @property
     def linear_end(self) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """``(alpha, beta)``, the learnable ``[C]`` parameters of the affine linear end, or ``None`` for the
-        identity end (the default: a unit computes ``(1 - a) * act(x) + a * x``)."""
-        alpha, beta = self._parameters.get("alpha"), self._parameters.get("beta")  # absent in older pickles
+        """``(alpha, beta)``, the ``[C]`` tensors of the affine linear end (learnable parameters, or fixed buffers:
+        :meth:`set_linear_end`), or ``None`` for the identity end (the default: a unit computes
+        ``(1 - a) * act(x) + a * x``)."""
+        ends = self._parameters if self._parameters.get("alpha") is not None else self._buffers
+        alpha, beta = ends.get("alpha"), ends.get("beta")  # absent in older pickles
         return None if alpha is None else (alpha, beta)
 
     @torch.no_grad()
-    def set_linear_end(self, alpha: torch.Tensor | float | None, beta: torch.Tensor | float | None = 0.0) -> None:
+    def set_linear_end(self, alpha: torch.Tensor | float | None, beta: torch.Tensor | float | None = 0.0,
+                       trainable: bool | None = None) -> None:
         """Make the unit compute ``(1 - a) * act(x) + a * (alpha * x + beta)`` per channel (an affine linear end).
 
-        ``alpha`` and ``beta``: ``[C]`` tensors or numbers (finite). They become learnable ``nn.Parameter`` s
-        of the unit (``unit.alpha``, ``unit.beta``; existing ones are overwritten in place, so an optimizer
-        holding them keeps them), saved by :func:`linearize.save_pretrained`, frozen into plain modules and
-        folded exactly by :func:`linearize.fold`. ``alpha=None`` removes them: the identity end again.
-        :func:`linearize.fit_linear_ends` fits them on data. A channel at ``a = 0`` ignores its end.
+        ``alpha`` and ``beta``: ``[C]`` tensors or numbers (finite). They become ``unit.alpha`` and ``unit.beta``
+        (existing ones are overwritten in place, so an optimizer holding them keeps them), saved by
+        :func:`linearize.save_pretrained`, frozen into plain modules and folded exactly by :func:`linearize.fold`.
+        ``alpha=None`` removes them: the identity end again. :func:`linearize.fit_linear_ends` fits them on data.
+        A channel at ``a = 0`` ignores its end.
+
+        ``trainable``: ``True`` makes them learnable ``nn.Parameter`` s, ``False`` fixed buffers, which are in no
+        optimizer (the :class:`~linearize.Sparsifier`'s ends, which its running fit sets), with the 0-d buffer
+        ``end_fixed`` that records it in the state dict: ``load_state_dict`` gives back the kind that was saved.
+        ``None`` (default) keeps the kind of existing ends and makes new ones learnable.
 
         Example:
             >>> unit = LinearizableActivation(nn.ReLU(), 2, init_slope=1.0)
@@ -472,7 +480,7 @@ class LinearizableActivation(nn.Module):
             [[-1.0, 3.0]]
         """
         if alpha is None:
-            self._parameters["alpha"] = self._parameters["beta"] = None
+            self._drop_linear_end()
             return
         values = []
         for what, v in (("alpha", alpha), ("beta", beta)):
@@ -485,12 +493,26 @@ class LinearizableActivation(nn.Module):
             if not bool(torch.isfinite(t).all()):
                 raise ValueError(f"{what} must be finite, got {int((~torch.isfinite(t)).sum())} non-finite value(s)")
             values.append(t)
-        for name, t in zip(("alpha", "beta"), values):
-            own = self._parameters.get(name)
-            if own is None:
-                self._parameters[name] = nn.Parameter(t.clone())
-            else:
+        end = self.linear_end
+        if end is not None and trainable in (None, isinstance(end[0], nn.Parameter)):
+            for own, t in zip(end, values):
                 own.copy_(t)
+            return
+        self._drop_linear_end()
+        for name, t in zip(("alpha", "beta"), values):
+            if trainable is False:
+                del self._parameters[name]  # a name lives in one of the dicts (nn.Module looks in _parameters first)
+                self._buffers[name] = t.clone()
+            else:
+                self._parameters[name] = nn.Parameter(t.clone())
+        if trainable is False:
+            self._buffers["end_fixed"] = torch.ones((), dtype=torch.bool, device=self.slope.device)
+
+    def _drop_linear_end(self) -> None:
+        """The identity end: no ``alpha``, ``beta`` (parameters or buffers), no ``end_fixed``."""
+        for name in ("alpha", "beta", "end_fixed"):
+            self._buffers.pop(name, None)
+        self._parameters["alpha"] = self._parameters["beta"] = None
 
     def identity_end_mask(self) -> torch.Tensor:
         """Bool ``[C]``: channels whose linear end is the identity (``alpha = 1, beta = 0``, or no affine end)."""
@@ -501,9 +523,13 @@ class LinearizableActivation(nn.Module):
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs) -> None:
-        # a saved affine end loads into a unit that has none yet (a freshly converted model)
-        if prefix + "alpha" in state_dict and prefix + "beta" in state_dict and self.linear_end is None:
-            self.set_linear_end(1.0, 0.0)
+        # a saved affine end loads as it was saved, learnable or fixed (end_fixed), also into a unit that has none
+        # yet (a freshly converted model): an optimizer built after the load holds the parameters the saved one did
+        if prefix + "alpha" in state_dict and prefix + "beta" in state_dict:
+            trainable = prefix + "end_fixed" not in state_dict
+            end = self.linear_end
+            if end is None or isinstance(end[0], nn.Parameter) != trainable:
+                self.set_linear_end(1.0, 0.0, trainable)
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                                       error_msgs)
 
@@ -619,11 +645,11 @@ class LinearizableActivation(nn.Module):
         a = self.slope  # one module attribute lookup: the forward runs at every call site, every step
         if a.dtype != x.dtype:
             a = a.to(x.dtype)
-        alpha = self._parameters.get("alpha")
-        if alpha is not None:  # affine end: (1 - a) act(x) + a (alpha x + beta), exact at a = 0 and 1
+        end = self.linear_end
+        if end is not None:  # affine end: (1 - a) act(x) + a (alpha x + beta), exact at a = 0 and 1
             shape = self.broadcast_shape(x.ndim)
-            end = torch.addcmul(self.beta.to(x.dtype).view(shape), alpha.to(x.dtype).view(shape), x)
-            return _blend(self.activation(x), end, a, dim)
+            alpha, beta = (t.to(x.dtype).view(shape) for t in end)
+            return _blend(self.activation(x), torch.addcmul(beta, alpha, x), a, dim)
         if self.leak and x.dtype in (torch.float16, torch.bfloat16):
             # the PReLU weight a + (1 - a) * leak would round leak to 8 or 11 bits: leaky_relu keeps it exact
             return _blend(F.leaky_relu(x, self.leak), x, a, dim)

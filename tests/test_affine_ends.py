@@ -90,6 +90,35 @@ def test_state_dict_of_an_affine_unit_loads_into_a_fresh_unit():
     assert torch.equal(fresh(x), unit(x))
 
 
+@pytest.mark.parametrize("trainable", [True, False])
+def test_ends_load_as_they_were_saved_learnable_or_fixed(tmp_path, trainable):
+    """Learnable ends (one_shot's) load as parameters, fixed ones (``trainable=False``, the Sparsifier's) as
+    buffers that no optimizer holds: through load_state_dict into a fresh unit or one whose ends are of the other
+    kind, and through linearize.save_pretrained / from_pretrained. So an optimizer built after the load holds the
+    parameters the saved one did (fixed ends loaded as parameters: its load_state_dict failed on the count)."""
+    def build():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(4, 6), nn.GELU(), nn.Linear(6, 2))
+
+    x = torch.randn(32, 4)
+    net = linearize.convert(build(), example_inputs=x[:2])
+    linearize.one_shot(net, x, target=0.5)
+    if not trainable:
+        net[1].set_linear_end(*net[1].linear_end, trainable=False)
+    saved = {name for name, _ in net.named_parameters()}
+    assert ("1.alpha" in saved) == trainable
+    fresh = linearize.convert(build(), example_inputs=x[:2])
+    fresh.load_state_dict(net.state_dict())
+    other = linearize.convert(build(), example_inputs=x[:2])
+    other[1].set_linear_end(1.0, 0.0, trainable=not trainable)
+    other.load_state_dict(net.state_dict())
+    linearize.save_pretrained(net, tmp_path)
+    loaded = linearize.from_pretrained(build(), tmp_path, example_inputs=x[:2])
+    for model in (fresh, other, loaded):
+        assert {name for name, _ in model.named_parameters()} == saved
+        assert torch.equal(model(x), net(x)) and torch.equal(model[1].alpha, net[1].alpha)
+
+
 # ----------------------------------------------------------------------------- the fit
 
 

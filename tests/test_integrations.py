@@ -131,6 +131,36 @@ class _Tiny(torch.nn.Module):
         return {"loss": None if labels is None else torch.nn.functional.cross_entropy(out, labels), "logits": out}
 
 
+def test_resume_with_the_default_adamw_and_a_target_is_exact(tmp_path):
+    """The documented defaults: AdamW (the Trainer's) and a fraction target, so the Sparsifier chooses
+    select="fit", linear_end="affine" and makes the ends at its first step, after the optimizer exists. The
+    resumed Trainer builds its optimizer after loading the weights: where the ends came back as parameters,
+    Optimizer.load_state_dict failed on the parameter count. It resumes, and ends where the whole run does."""
+    import safetensors.torch
+
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(64, 6, generator=g), torch.randint(0, 3, (64,), generator=g)
+    data = [{"x": x[i], "labels": y[i]} for i in range(64)]
+
+    def run(out: Path, resume: Path | None = None) -> tuple[torch.nn.Module, LinearizeCallback]:
+        torch.manual_seed(0)
+        model = linearize.convert(_Tiny(), example_inputs=torch.randn(2, 6))
+        callback = LinearizeCallback(schedule=S.target(0.25, start=0.1, end=0.7))
+        args = TrainingArguments(output_dir=str(out), max_steps=20, per_device_train_batch_size=8, learning_rate=1e-2,
+                                 save_steps=8, report_to="none", seed=0, use_cpu=True, disable_tqdm=True,
+                                 dataloader_num_workers=0)
+        LinearizeTrainer(model=model, args=args, train_dataset=data, callbacks=[callback]).train(
+            resume_from_checkpoint=None if resume is None else str(resume))
+        return model, callback
+
+    whole, callback = run(tmp_path / "a")
+    assert (callback.sparsifier.select, callback.sparsifier.linear_end) == ("fit", "affine")
+    assert "net.1.alpha" in safetensors.torch.load_file(tmp_path / "a" / "checkpoint-8" / "model.safetensors")
+    resumed, _ = run(tmp_path / "b", tmp_path / "a" / "checkpoint-8")
+    for (name, a), (_, b) in zip(whole.state_dict().items(), resumed.state_dict().items()):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True, msg=name)  # frozen: NaN where free
+
+
 def test_each_train_with_model_init_gets_its_own_sparsifier(tmp_path):
     """The callback built its Sparsifier once: a second train() (model_init, a search's next trial) kept pressing
     the first model, logged its fraction, and the new model ended fully nonlinear."""

@@ -154,17 +154,22 @@ def test_resume_is_exact():
 
 
 @pytest.mark.parametrize("split", [5, 17])
-def test_resume_is_exact_when_the_weights_moved_since_the_fit_began(split):
+@pytest.mark.parametrize("optimizer_built", ["before the load", "after the load"])
+def test_resume_is_exact_when_the_weights_moved_since_the_fit_began(split, optimizer_built):
     """The fit's selection weighs each channel's residual by its outgoing weight norm, measured at the fit's
     first step. A resumed run (the state through JSON, as checkpoints store it) must use those norms, not the
-    norms of the weights at the resume: at a large learning rate they differ, and so do the channels chosen."""
+    norms of the weights at the resume: at a large learning rate they differ, and so do the channels chosen.
+    The resumed optimizer is built before or after ``model.load_state_dict`` (as the HF Trainer does): the
+    affine ends the Sparsifier made after the first optimizer existed are in neither (after the load they came
+    back as parameters, and ``opt.load_state_dict`` failed on the parameter count)."""
     import json
 
-    def make(attach: bool = True) -> tuple[nn.Module, torch.optim.Optimizer, linearize.Sparsifier]:
+    def make(attach: bool = True, optimizer: bool = True) -> tuple[nn.Module, torch.optim.Optimizer | None,
+                                                                   linearize.Sparsifier]:
         torch.manual_seed(0)
         model = linearize.convert(nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 16), nn.GELU(),
                                                 nn.Linear(16, 1)), example_inputs=torch.randn(2, 4))
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2) if optimizer else None
         sp = linearize.Sparsifier(model, linearize.schedules.target(0.25, start=0.2, end=0.7), total_steps=40)
         return model, opt, sp.attach(opt) if attach else sp
 
@@ -183,8 +188,10 @@ def test_resume_is_exact_when_the_weights_moved_since_the_fit_began(split):
     train(first, opt, range(split))
     saved = copy.deepcopy({"model": first.state_dict(), "optimizer": opt.state_dict(),
                            "sparsifier": json.loads(json.dumps(sp.state_dict()))})
-    resumed, opt, sp = make(attach=False)
+    assert "1.alpha" in saved["model"]  # the Sparsifier made the ends at its first step
+    resumed, opt, sp = make(attach=False, optimizer=optimizer_built == "before the load")
     resumed.load_state_dict(saved["model"])
+    opt = opt or torch.optim.AdamW(resumed.parameters(), lr=1e-2)
     opt.load_state_dict(saved["optimizer"])
     sp.load_state_dict(saved["sparsifier"])
     sp.attach(opt)  # after the load (as documented)

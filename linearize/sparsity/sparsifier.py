@@ -423,10 +423,8 @@ class Sparsifier:
             moving = torch.isnan(unit.frozen).to(slope.device) & (slope < 1)
             alpha, beta = (t.to(slope.device, slope.dtype) for t in (fit.alpha, fit.beta))
             end = unit.linear_end
-            if end is None:  # new parameters, not in the optimizer: the fit sets them, not the loss
-                unit.set_linear_end(torch.where(moving, alpha, 1.0), torch.where(moving, beta, 0.0))
-                unit.alpha.requires_grad_(False)
-                unit.beta.requires_grad_(False)
+            if end is None:  # fixed buffers, in no optimizer (also after a load): the fit sets them, not the loss
+                unit.set_linear_end(torch.where(moving, alpha, 1.0), torch.where(moving, beta, 0.0), trainable=False)
             else:
                 end[0].copy_(torch.where(moving, alpha, end[0]))
                 end[1].copy_(torch.where(moving, beta, end[1]))
