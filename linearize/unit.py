@@ -280,6 +280,47 @@ def _finite_part(slope_term: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return slope_term.masked_fill(x.isinf(), 0)
 
 
+class _AffineEnd(torch.autograd.Function):
+    """A unit's affine linear end ``beta + alpha * x`` (``torch.addcmul``; ``alpha``, ``beta`` broadcast along the
+    channels) whose ``alpha`` and ``beta`` gradients leave out infinite inputs (:func:`_finite_part`), as the
+    slope's do: ``g * x`` would be +-inf or NaN there (``-0 * inf``: also in channels at slope 0, whose blend
+    passes the end -0, and whose output does not depend on the end). ``x`` gets ``g * alpha``, as from
+    ``addcmul``. Forward-mode AD is supported.
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, alpha: torch.Tensor, beta: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x, alpha)
+        ctx.save_for_forward(x, alpha)
+        return torch.addcmul(beta, alpha, x)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        x, alpha = ctx.saved_tensors
+        need_x, need_alpha, need_beta = ctx.needs_input_grad
+        return (g * alpha if need_x else None,
+                _finite_part(g * x, x).sum_to_size(alpha.shape) if need_alpha else None,
+                _finite_part(g, x).sum_to_size(alpha.shape) if need_beta else None)
+
+    @staticmethod
+    def jvp(ctx, x_t: torch.Tensor | None, alpha_t: torch.Tensor | None, beta_t: torch.Tensor | None) -> torch.Tensor:
+        x, alpha = ctx.saved_tensors
+        out = torch.zeros_like(x) if x_t is None else x_t * alpha
+        if alpha_t is not None:
+            out = out + _finite_part(alpha_t * x, x)
+        if beta_t is not None:
+            out = out + _finite_part(beta_t.expand_as(x), x)
+        return out
+
+
+def _affine_end(x: torch.Tensor, alpha: torch.Tensor, beta: torch.Tensor) -> torch.Tensor:
+    """``beta + alpha * x`` with the gradients of :class:`_AffineEnd`; under a torch-function mode or with tensor
+    subclasses the plain ``torch.addcmul``, the call that tools intercepting functions know."""
+    if foreign_torch_function(x, alpha, beta):
+        return torch.addcmul(beta, alpha, x)
+    return _AffineEnd.apply(x, alpha, beta)
+
+
 def _blend(act: torch.Tensor, x: torch.Tensor, slope: torch.Tensor, dim: int) -> torch.Tensor:
     """The blend ``(1 - a) * act + a * x`` of a smooth unit, ``a = slope [C]`` along ``dim`` of ``x``, exact at
     ``a`` 0 and 1 (:func:`exact_lerp`), with the slope gradients of :class:`_Blend`.
@@ -649,7 +690,7 @@ class LinearizableActivation(nn.Module):
         if end is not None:  # affine end: (1 - a) act(x) + a (alpha x + beta), exact at a = 0 and 1
             shape = self.broadcast_shape(x.ndim)
             alpha, beta = (t.to(x.dtype).view(shape) for t in end)
-            return _blend(self.activation(x), torch.addcmul(beta, alpha, x), a, dim)
+            return _blend(self.activation(x), _affine_end(x, alpha, beta), a, dim)
         if self.leak and x.dtype in (torch.float16, torch.bfloat16):
             # the PReLU weight a + (1 - a) * leak would round leak to 8 or 11 bits: leaky_relu keeps it exact
             return _blend(F.leaky_relu(x, self.leak), x, a, dim)

@@ -90,6 +90,25 @@ def test_state_dict_of_an_affine_unit_loads_into_a_fresh_unit():
     assert torch.equal(fresh(x), unit(x))
 
 
+@pytest.mark.parametrize("kind", sorted(ACTS))
+def test_end_gradients_take_nothing_from_infinite_inputs_or_from_channels_at_slope_0(kind):
+    """d/dalpha and d/dbeta of ``a * (alpha * x + beta)`` over the finite inputs only, as the slope's gradient:
+    an infinite input gave alpha a NaN gradient (-0 * inf), also in a channel at slope 0, whose output does not
+    use its end; that channel's end gradients are exactly 0."""
+    unit = LinearizableActivation(ACTS[kind](), 3, channel_dim=-1).double()
+    unit.slope.data.copy_(torch.tensor([0.0, 0.5, 1.0], dtype=torch.float64))
+    unit.set_linear_end(torch.tensor([0.5, 2.0, -1.0]), torch.tensor([0.1, 0.2, 0.3]))
+    x = torch.randn(6, 3, dtype=torch.float64)
+    x[0], x[1] = float("inf"), float("-inf")
+    g = torch.randn(6, 3, dtype=torch.float64)
+    got_alpha, got_beta = torch.autograd.grad(unit(x), [unit.alpha, unit.beta], g)
+    a, finite = unit.slope.detach(), x.isfinite()
+    want_alpha, want_beta = torch.where(finite, g * a * x, 0.0).sum(0), torch.where(finite, g * a, 0.0).sum(0)
+    assert got_alpha[0] == 0 and got_beta[0] == 0
+    torch.testing.assert_close(got_alpha, want_alpha, rtol=1e-12, atol=0)
+    torch.testing.assert_close(got_beta, want_beta, rtol=1e-12, atol=0)
+
+
 @pytest.mark.parametrize("trainable", [True, False])
 def test_ends_load_as_they_were_saved_learnable_or_fixed(tmp_path, trainable):
     """Learnable ends (one_shot's) load as parameters, fixed ones (``trainable=False``, the Sparsifier's) as
