@@ -277,3 +277,31 @@ def test_kernel_wait_bound_accepts_plain_seconds(monkeypatch):
     for value, seconds in (("0", 0.0), ("2.5", 2.5), ("", kernels.DEFAULT_WAIT_S)):
         monkeypatch.setenv(kernels.ENV_WAIT, value)
         assert kernels._wait_bound() == seconds
+
+
+@pytest.mark.parametrize("act", [torch.nn.ReLU(), torch.nn.GELU()], ids=["relu", "gelu"])
+def test_batched_backward_through_the_kernel_gives_the_exact_jacobian(act):
+    """jacobian(vectorize=True) and grad(is_grads_batched=True) vmap the backward only: the kernel's backward got
+    BatchedTensors, which have no storage ("Cannot access data pointer of Tensor that doesn't have storage"). It
+    takes them with ATen ops: the Jacobians over the input and the slopes are those of the blend's formula."""
+    if os.environ.get(kernels.ENV_SWITCH) == "0":
+        pytest.skip(f"the compiled kernel is switched off ({kernels.ENV_SWITCH}=0)")
+    assert kernels.cpu_prelu() is not None and kernels.cpu_blend() is not None, "the kernels did not build"
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 4, 2, 2, generator=gen, dtype=torch.float64)
+    unit = LinearizableActivation(act, 4).double()
+    with torch.no_grad():
+        unit.slope.copy_(torch.tensor([0.0, 0.3, 0.7, 1.0]))
+
+    def formula(x: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
+        a = a.view(1, -1, 1, 1)
+        return (1 - a) * act(x) + a * x
+
+    want_x, want_a = torch.autograd.functional.jacobian(formula, (x, unit.slope.detach()))
+    got_x = torch.autograd.functional.jacobian(unit, x, vectorize=True)
+    xr = x.clone().requires_grad_()
+    y = unit(xr)
+    basis = torch.eye(y.numel(), dtype=y.dtype).view(-1, *y.shape)
+    batched_x, batched_a = torch.autograd.grad(y, (xr, unit.slope), basis, is_grads_batched=True)
+    for got, want in ((got_x, want_x), (batched_x.view(want_x.shape), want_x), (batched_a.view(want_a.shape), want_a)):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-15)

@@ -16,8 +16,8 @@
 // every w > 0, and a non-finite slope gradient at every step would make an fp16 GradScaler skip every
 // step, though ReLU (w = 0) trains on such inputs. The backward is one pass over g and x
 // instead of the five of a composition of ATen ops, and the autograd node is C++, so a training step
-// pays no Python per call. When the backward itself is differentiated (create_graph=True) it
-// uses differentiable ATen ops with the same formulas instead.
+// pays no Python per call. When the backward itself is differentiated (create_graph=True), or gets a batched
+// gradient (vmap: jacobian(vectorize=True), grad(is_grads_batched=True)), it uses ATen ops with the same formulas.
 #include <torch/extension.h>
 
 #include <ATen/OpMathType.h>
@@ -193,6 +193,14 @@ std::tuple<Tensor, Tensor, Tensor> fused_blend_backward(const Tensor& g, const T
   return {grad_a, grad_x, acc};
 }
 
+// The backward runs as differentiable ATen ops (same formulas) instead of the fused loops when it is itself
+// differentiated (create_graph=True: keep the graph) or when the gradient has no storage for the loops to read:
+// a vmap BatchedTensor, which torch.autograd.functional.jacobian(..., vectorize=True) and
+// torch.autograd.grad(..., is_grads_batched=True) pass (the ATen ops take it one batch of gradients at a time).
+bool ops_backward(const Tensor& grad) {
+  return torch::autograd::GradMode::is_enabled() || !grad.has_storage();
+}
+
 struct PReLUFunction : public torch::autograd::Function<PReLUFunction> {
   static Tensor forward(AutogradContext* ctx, const Tensor& x, const Tensor& w) {
     ctx->save_for_backward({x, w});
@@ -208,7 +216,7 @@ struct PReLUFunction : public torch::autograd::Function<PReLUFunction> {
     const Tensor flat_g = grads[0].reshape({n, c * s});
     const Tensor w_rep = repeat_slopes(w, s);
     Tensor grad_x, grad_w;
-    if (torch::autograd::GradMode::is_enabled()) {  // double backward: keep the graph
+    if (ops_backward(grads[0])) {
       const Tensor neg = flat_g.masked_fill(flat_x > 0, 0);
       grad_x = at::where(flat_x <= 0, (flat_g * w_rep).masked_fill(w_rep == 0, 0), flat_g);  // 0 * inf: NaN
       grad_w = at::where(flat_x.isinf(), 0, neg * flat_x).sum(0);  // neg is 0 at +inf: 0 * inf = NaN
@@ -236,7 +244,7 @@ struct BlendFunction : public torch::autograd::Function<BlendFunction> {
     const Tensor flat_g = grads[0].reshape({n, c * s});
     const Tensor w_rep = repeat_slopes(w, s);
     Tensor grad_a, grad_x, grad_w;
-    if (torch::autograd::GradMode::is_enabled()) {  // double backward: keep the graph
+    if (ops_backward(grads[0])) {
       grad_a = (flat_g * (1 - w_rep)).masked_fill(w_rep == 1, -0.0);
       grad_x = (flat_g * w_rep).masked_fill(w_rep == 0, -0.0);
       grad_w = at::where(flat_x.isinf(), 0, flat_g * (flat_x - flat_a)).sum(0);
