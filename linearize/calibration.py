@@ -12,6 +12,8 @@ of ``gelu(x)`` by ``alpha * x + beta`` changes it by its residual only.
   next layer's output least, and set them to ``a = 1`` (frozen there) with their fitted ends; then
   fine-tune the model as usual. ``end="hybrid"`` chooses per FFN, at a FLOP budget, between linear
   channels (affine ends, one ``d x d`` passthrough) and removed ones (constant ends, no passthrough).
+  Then (``refit=True``) the layer each unit feeds is refit by least squares to give, from the unit's new
+  output, what it gave from the old one on the same data: the reconstruction step of post-training pruning.
 
 Only positions that are data count: when a batch is a mapping with an ``attention_mask`` ``[B, T]``
 and a unit's input is ``[B, T, C]`` (channels last), the padded positions (mask 0) are left out.
@@ -480,13 +482,15 @@ class FFNPlan:
 @dataclass
 class OneShotSite:
     """What :func:`one_shot` did to one unit: ``linear`` (bool ``[C]``, the channels set to ``a = 1``),
-    ``score`` (float64 ``[C]``, each channel's predicted output error, see :func:`one_shot`), ``fit`` and,
-    for ``end="hybrid"``, the FFN's ``plan`` (:class:`FFNPlan`)."""
+    ``score`` (float64 ``[C]``, each channel's predicted output error, see :func:`one_shot`), ``fit``,
+    for ``end="hybrid"`` the FFN's ``plan`` (:class:`FFNPlan`), and ``refit``: the name of the layer refit
+    after it, or why none was (``refit=True``; ``None`` with ``refit=False``)."""
 
     linear: torch.Tensor
     score: torch.Tensor
     fit: LinearEndFit
     plan: FFNPlan | None = None
+    refit: str | None = None
 
     @property
     def nonlinear(self) -> int:
@@ -519,6 +523,7 @@ def one_shot(
     outgoing: Mapping[str, torch.Tensor] | None = None,
     freeze: bool = True,
     flops: float | None = None,
+    refit: bool = True,
 ) -> dict[str, OneShotSite]:
     """Linearize a converted model in one step from calibration data: per unit, keep the ``target``
     fraction of channels whose replacement would change the model most, and set the rest to ``a = 1``.
@@ -567,6 +572,21 @@ def one_shot(
             so that a fine-tune trains the weights and the linear ends but keeps the fraction; ``False``
             leaves the slopes free.
         flops: with ``end="hybrid"`` only: the fraction of each FFN's FLOPs its folded form may cost, in ``[0, 1]``.
+        refit: then refit the layer each unit feeds (see below).
+
+    **Refit** (``refit=True``, default): one more pass over ``data`` gathers, per unit whose output is the
+    whole input of one Linear / HF Conv1D / 1x1 conv (and nothing else's), the normal equations of the least
+    squares problem ``min ||u W'^T + c - act(x) W^T||^2 + r ||W' - W||^2`` over every position: ``u`` the
+    unit's new output (nonlinear channels ``act(x)``, linear ones their ends), ``act(x) W^T`` what the layer
+    computed from the original output; then ``W <- W'`` and the bias ``b <- b + c`` (no ``c`` for a layer
+    without bias), solved in float64, ``r`` = ``1e-3`` times the mean of ``u``'s squares (a ridge towards
+    the layer's own weights); a unit with no channel made linear leaves its layer as it is. A linear channel's contribution is affine in
+    the FFN's input, so the refit finds the best passthrough (not only per-channel ends) and re-weights the
+    nonlinear channels to make up for the others; the folded FLOPs do not change. Measured on MiniLM-L6
+    (0.375x FFN FLOPs, no fine-tune): mean cosine to the original 0.90 without, 0.94 with it on 256
+    calibration sentences, 0.96 on 1,024 (:doc:`pruning`). Units feeding anything else, element units and
+    layers wider than 8,192 inputs (the normal equations take ``(C + 1)^2`` float64) are not refit; each site's
+    ``refit`` says which layer was, or why not.
 
     Returns: ``{unit name: OneShotSite}``.
 
@@ -592,7 +612,8 @@ def one_shot(
         if isinstance(flops, bool) or not isinstance(flops, (int, float)) or not 0.0 <= flops <= 1.0:
             raise ValueError(f"flops must be a fraction in [0, 1] (of each FFN's FLOPs, its folded form's budget), "
                              f"got {flops!r}")
-        return _hybrid(model, data, float(flops), _selected(model, units, "one_shot"), freeze)
+        named = _selected(model, units, "one_shot")
+        return _refit(model, data, named, _hybrid(model, data, float(flops), named, freeze), refit)
     if flops is not None:
         raise ValueError(f"flops={flops!r} is the budget of end='hybrid'; end={end!r} takes target= (the fraction of "
                          "each unit's channels kept nonlinear)")
@@ -622,7 +643,7 @@ def one_shot(
             unit.set_linear_end(fit.alpha, fit.beta)
         _set_linear(unit, linear, freeze)
         result[name] = OneShotSite(linear, score, fit)
-    return result
+    return _refit(model, data, named, result, refit)
 
 
 def _is_ffn_layer(m: nn.Module) -> bool:
@@ -722,8 +743,7 @@ def _hybrid(model: nn.Module, data: Any, flops: float, named: list[tuple[str, Li
         err = errors[name]
         mode = "linear" if "linear" in err and err["linear"] < err["removed"] else "removed"
         linear, alpha, beta = modes[name][mode]
-        unit.set_linear_end(alpha, beta)
-        unit.alpha.requires_grad_(mode == "linear")  # a removed FFN's constants stay constants in a fine-tune
+        unit.set_linear_end(alpha, beta, trainable=mode == "linear")  # a removed FFN's constants stay constants
         _set_linear(unit, linear, freeze)
         d_in, d_out = shapes[name]
         n = int((~linear).sum())
@@ -732,3 +752,124 @@ def _hybrid(model: nn.Module, data: Any, flops: float, named: list[tuple[str, Li
                        d_in, d_out)
         result[name] = OneShotSite(linear, scores[name][mode], fits[name], plan)
     return result
+
+
+REFIT_MAX_INPUTS = 8192  # the normal equations of a wider layer ((C + 1)^2 float64) are not gathered
+_RIDGE = 1e-3
+
+
+class _Refit:
+    """Hooks gathering, per unit, the normal equations of its consumer layer's least-squares refit (float64):
+    ``gram`` = ``U1^T U1`` and ``cross`` = ``U1^T (act(x) W^T)``, ``U1`` the unit's new output with a column of
+    ones; ``foreign``: units whose layer also took an input that was not the unit's output (not refit)."""
+
+    def __init__(self, layers: dict[str, nn.Module]) -> None:
+        self.layers = layers
+        self.weights = {name: dense_wb(layer)[0] for name, layer in layers.items()}  # before any change
+        self.gram: dict[str, torch.Tensor] = {}
+        self.cross: dict[str, torch.Tensor] = {}
+        self.outputs: dict[str, torch.Tensor] = {}
+        self.foreign: set[str] = set()
+        self.mask: torch.Tensor | None = None
+
+    def unit_hook(self, name: str, unit: LinearizableActivation):
+        def pre(mod, args):
+            rows = _unit_rows(unit, args[0].detach(), self.mask) if mod is unit else None
+            if rows is None:
+                return
+            # the unit's own forward (no hooks), channels last ([P, C]); a copy for an in-place unit
+            new = unit.forward(rows.clone() if unit.inplace else rows).double()
+            u1 = torch.cat([new, new.new_ones(new.shape[0], 1)], 1)
+            target = unit.activation(rows).double() @ self.weights[name].to(new.device).T
+            self.gram[name] = self.gram.get(name, 0) + u1.T @ u1
+            self.cross[name] = self.cross.get(name, 0) + u1.T @ target
+
+        def post(mod, args, out):
+            if mod is unit:
+                self.outputs[name] = out  # held until the batch ends: its id is not reused
+
+        return pre, post
+
+    def layer_hook(self, name: str):
+        def pre(mod, args):
+            out = self.outputs.get(name)
+            if mod is self.layers[name] and (out is None or not args or args[0] is not out):
+                self.foreign.add(name)
+        return pre
+
+    def clear(self) -> None:
+        self.outputs.clear()
+
+
+def _refit_target(name: str, unit: LinearizableActivation, rec_fed: list[tuple[nn.Module, int]]) -> nn.Module | str:
+    """The layer ``unit`` feeds that a refit may change, or why there is none."""
+    if unit.granularity == "element":
+        return "an element unit (not refit)"
+    if len(rec_fed) != 1:
+        return f"feeds {len(rec_fed)} layers (not refit)"
+    layer, ndim = rec_fed[0]
+    dim = unit.channel_dim % ndim
+    if not (is_dense(layer) and dim == ndim - 1 or type(layer) in CONVS and is_pointwise_conv(layer) and dim == 1):
+        return f"feeds a {type(layer).__name__} that is not a dense map of its channels (not refit)"
+    if dense_shape(layer)[1] != unit.num_channels:
+        return f"feeds a {type(layer).__name__} whose input is not the unit's channels (not refit)"
+    if unit.num_channels > REFIT_MAX_INPUTS:
+        return f"feeds a layer of {unit.num_channels} inputs, more than {REFIT_MAX_INPUTS} (not refit)"
+    return layer
+
+
+@torch.no_grad()
+def _refit(model: nn.Module, data: Any, named: list[tuple[str, LinearizableActivation]],
+           sites: dict[str, OneShotSite], refit: bool) -> dict[str, OneShotSite]:
+    """:func:`one_shot`'s refit of the layer each unit feeds (see its docstring); sets each site's ``refit``."""
+    if not refit:
+        return sites
+    with _recording(model, named, {n for n, _ in named}) as rec:  # which layer each unit's output feeds
+        _run(model, data, rec)
+        fed = dict(rec.fed)
+    layers = {}
+    for name, unit in named:
+        target = _refit_target(name, unit, fed.get(name, [])) if sites[name].linear.any() else \
+            "no channel made linear (not refit)"
+        if isinstance(target, str):
+            sites[name].refit = target
+        else:
+            layers[name] = target
+    refits = _Refit(layers)
+    by_name = dict(named)
+    with hooks() as handles:
+        for name, layer in layers.items():
+            pre, post = refits.unit_hook(name, by_name[name])
+            handles += [by_name[name].register_forward_pre_hook(pre), by_name[name].register_forward_hook(post),
+                        layer.register_forward_pre_hook(refits.layer_hook(name))]
+        _run(model, data, refits)
+    names = {id(m): n for n, m in model.named_modules()}
+    for name, layer in layers.items():
+        unit = by_name[name]
+        if name in refits.foreign or name not in refits.gram:
+            sites[name].refit = "its layer takes other inputs too (not refit)" if name in refits.foreign else \
+                "no data reached it (not refit)"
+            continue
+        gram, cross = refits.gram[name].clone(), refits.cross[name].clone()
+        bias = layer.bias is not None
+        if not bias:  # no intercept: the column of ones is left out
+            gram, cross = gram[:-1, :-1], cross[:-1]
+        k = unit.num_channels
+        ridge = _RIDGE * float(gram.diagonal()[:k].mean())  # towards the layer's own weights
+        gram.diagonal()[:k] += ridge
+        cross[:k] += ridge * refits.weights[name].to(cross.device).T
+        solution = torch.linalg.solve(gram, cross)
+        if not ridge > 0 or not bool(torch.isfinite(solution).all()):
+            sites[name].refit = "its input is 0 on the data (not refit)"
+            continue
+        _write_dense(layer, solution[:k].T, solution[k] if bias else None)
+        sites[name].refit = names.get(id(layer), type(layer).__name__)
+    return sites
+
+
+def _write_dense(layer: nn.Module, w: torch.Tensor, shift: torch.Tensor | None) -> None:
+    """Put ``w [out, in]`` (float64) in a Linear / HF Conv1D / pointwise conv and add ``shift`` to its bias."""
+    weight = w.T if is_hf_conv1d(layer) else w.reshape(layer.weight.shape)
+    layer.weight.copy_(weight.to(layer.weight.dtype))
+    if shift is not None:
+        layer.bias.add_(shift.to(layer.bias.dtype))

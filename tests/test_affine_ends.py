@@ -263,7 +263,7 @@ def test_one_shot_affine_changes_the_output_less_than_identity():
     errors = {}
     for end in ("identity", "affine"):
         net = linearize.convert(copy.deepcopy(base), example_inputs=x[:2])
-        linearize.one_shot(net, x, target=0.25, end=end)
+        linearize.one_shot(net, x, target=0.25, end=end, refit=False)  # the ends alone (the refit evens them out)
         errors[end] = float(((net(x) - ref) ** 2).mean())
     assert errors["affine"] < 0.2 * errors["identity"]
 

@@ -7,7 +7,8 @@ students are brought to ``--flops`` (0.375x) of the FFN FLOPs, one-shot (no fine
 - **hybrid**: ``linearize.one_shot(end="hybrid", flops=0.375)``: per FFN, either 384 nonlinear channels and the
   others at their affine fit (the ``d x d`` passthrough paid) or 576 nonlinear and the others constants
   (``alpha = 0``, no passthrough), whichever changes the FFN's output less on the calibration data;
-- **affine**: ``linearize.one_shot(target=0.25)`` (384 nonlinear, affine ends, passthrough in every FFN);
+- **affine**: ``linearize.one_shot(target=0.25)`` (384 nonlinear, affine ends, passthrough in every FFN), and the
+  same without the refit of each FFN's second layer (``refit=False``);
 - **prune**: ``linearize.prune(keep=576, importance="magnitude")``.
 
 Each student is folded or pruned into a real model whose FFN multiply-adds are counted (``affine_one_shot.ffn_flops``)
@@ -79,6 +80,11 @@ def main(argv: list[str] | None = None) -> dict:
     affine_folded = linearize.fold(affine.eval(), calib[0], latency=False)
     rows["affine one-shot"] = {**quality(affine, test, reference), "ffn_flops_ratio": ffn_flops(affine_folded) / base}
     print("affine", rows["affine one-shot"], flush=True)
+
+    plain = linearize.convert(copy.deepcopy(teacher), target_modules=FFN_PATTERNS)
+    linearize.one_shot(plain, calib, target=args.target, refit=False)
+    rows["affine one-shot, no refit"] = quality(plain, test, reference)
+    print("affine, no refit", rows["affine one-shot, no refit"], flush=True)
 
     pruned = linearize.prune(copy.deepcopy(teacher), keep=args.keep, importance="magnitude", data=calib)
     rows["prune magnitude one-shot"] = {**quality(pruned, test, reference), "ffn_flops_ratio": ffn_flops(pruned) / base}

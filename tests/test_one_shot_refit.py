@@ -1,0 +1,123 @@
+"""``one_shot``'s refit of the layer each unit feeds: the ridge least-squares fit, towards the layer's own weights,
+of what the layer computed from the original activation, given the unit's new output. Truths: the same problem
+solved by brute force (``torch.linalg.lstsq`` on the stacked data and ridge rows, float64), the layer left as it
+was when nothing changed, the error on held-out data, and the unfolded model."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import linearize
+
+
+def _ffn(seed: int = 0, bias: bool = True) -> nn.Sequential:
+    torch.manual_seed(seed)
+    net = nn.Sequential(nn.Linear(6, 24), nn.GELU(), nn.Linear(24, 5, bias=bias)).double()
+    with torch.no_grad():
+        net[0].bias.add_(-0.5)
+    return net
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_the_refit_is_the_ridge_least_squares_solution(bias):
+    base, x = _ffn(bias=bias), torch.randn(400, 6, dtype=torch.float64)
+    net = linearize.convert(copy.deepcopy(base), example_inputs=x[:2])
+    sites = linearize.one_shot(net, x, target=0.25)
+    assert sites["1"].refit == "2"
+    unit = net[1]
+    with torch.no_grad():  # brute force: stacked least squares, the ridge as extra rows
+        h = base[0](x)
+        target = F.gelu(h) @ base[2].weight.T
+        alpha, beta = unit.linear_end
+        u = torch.where(sites["1"].linear, alpha * h + beta, F.gelu(h))
+        cols = [u, torch.ones(len(u), 1, dtype=u.dtype)] if bias else [u]
+        a = torch.cat(cols, 1)
+        r = 1e-3 * float((u * u).sum(0).mean())
+        reg = torch.zeros(24, a.shape[1], dtype=a.dtype)
+        reg[:, :24] = math.sqrt(r) * torch.eye(24, dtype=a.dtype)
+        rhs = torch.cat([target, math.sqrt(r) * base[2].weight.T])
+        sol = torch.linalg.lstsq(torch.cat([a, reg]), rhs).solution
+    torch.testing.assert_close(net[2].weight, sol[:24].T, rtol=1e-8, atol=1e-10)
+    if bias:
+        torch.testing.assert_close(net[2].bias, base[2].bias + sol[24], rtol=1e-8, atol=1e-10)
+    else:
+        assert net[2].bias is None
+
+
+def test_a_unit_left_unchanged_leaves_its_layer_as_it_was():
+    base, x = _ffn(), torch.randn(300, 6, dtype=torch.float64)
+    net = linearize.convert(copy.deepcopy(base), example_inputs=x[:2])
+    assert "no channel made linear" in linearize.one_shot(net, x, target=1.0)["1"].refit
+    assert torch.equal(net[2].weight, base[2].weight) and torch.equal(net[2].bias, base[2].bias)
+
+
+@pytest.mark.parametrize("end", ["affine", "identity"])
+def test_the_refit_lowers_the_error_on_held_out_data_and_folds_exactly(end):
+    base = _ffn(1)
+    x, held_out = torch.randn(1000, 6, dtype=torch.float64), torch.randn(1000, 6, dtype=torch.float64)
+    errors = {}
+    for refit in (False, True):
+        net = linearize.convert(copy.deepcopy(base), example_inputs=x[:2])
+        linearize.one_shot(net, x, target=0.25, end=end, refit=refit)
+        with torch.no_grad():
+            errors[refit] = float(((net(held_out) - base(held_out)) ** 2).mean())
+        folded = linearize.fold(copy.deepcopy(net).eval(), x[:8], latency=False)
+        with torch.no_grad():
+            torch.testing.assert_close(folded(held_out), net(held_out), rtol=1e-9, atol=1e-9)
+    assert errors[True] < errors[False]
+
+
+def test_a_hugging_face_conv1d_layer_is_refit_in_its_own_layout():
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.GPT2Config(vocab_size=50, n_embd=16, n_layer=1, n_head=2, n_positions=16,
+                                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    torch.manual_seed(0)
+    base = transformers.GPT2Model(cfg).eval()
+    ids = torch.randint(0, 50, (16, 12))
+    net = linearize.convert(copy.deepcopy(base), example_inputs={"input_ids": ids[:2]})
+    data = [{"input_ids": ids[i:i + 4]} for i in range(0, 16, 4)]
+    errors = {}
+    for refit in (False, True):
+        student = copy.deepcopy(net)
+        sites = linearize.one_shot(student, data, target=0.25, refit=refit)
+        with torch.no_grad():
+            errors[refit] = float(((student(input_ids=ids).last_hidden_state
+                                    - base(input_ids=ids).last_hidden_state) ** 2).mean())
+    assert list(sites.values())[0].refit == "h.0.mlp.c_proj"
+    assert errors[True] < errors[False]
+
+
+def test_units_whose_layer_cannot_be_refit_say_why_and_keep_it():
+    class TwoConsumers(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.act, self.b, self.c = nn.Linear(4, 8), nn.GELU(), nn.Linear(8, 3), nn.Linear(8, 3)
+
+        def forward(self, x):
+            h = self.act(self.a(x))
+            return self.b(h) + self.c(h)
+
+    class SharedLayer(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.act, self.b = nn.Linear(4, 4), nn.GELU(), nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.b(self.act(self.a(x))) + self.b(x)  # b also takes the raw input
+
+    torch.manual_seed(0)
+    x = torch.randn(64, 4)
+    for cls, why in ((TwoConsumers, "feeds 2 layers"), (SharedLayer, "takes other inputs")):
+        base = cls()
+        net = linearize.convert(copy.deepcopy(base), example_inputs=x[:2])
+        sites = linearize.one_shot(net, x, target=0.5, outgoing={"act": torch.ones(8)} if cls is TwoConsumers else None)
+        assert why in sites["act"].refit
+        for name, p in base.named_parameters():
+            if not name.startswith("a."):
+                assert torch.equal(p, net.get_parameter(name)), name
