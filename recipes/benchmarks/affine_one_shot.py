@@ -144,6 +144,8 @@ def main(argv: list[str] | None = None) -> dict:
                         help="comma-separated starts of the user loop: defaults (convert only), paper (convert only, "
                              "the Sparsifier with select='slope', linear_end='identity', the defaults before "
                              "'auto'), identity, affine (the one-shot models)")
+    parser.add_argument("--no-refit", action="store_true",
+                        help="one_shot(refit=False): no least-squares refit of each FFN's second layer")
     parser.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
     args = parser.parse_args(argv)
     setup = load_setup(args.calibration, args.test)
@@ -153,7 +155,7 @@ def main(argv: list[str] | None = None) -> dict:
     for end in ("identity", "affine"):
         start = time.perf_counter()
         student = linearize.convert(copy.deepcopy(teacher), target_modules=FFN_PATTERNS)
-        sites = linearize.one_shot(student, calib, target=args.target, end=end)
+        sites = linearize.one_shot(student, calib, target=args.target, end=end, refit=not args.no_refit)
         results[end] = quality(student, test, reference)
         results[end]["seconds"] = round(time.perf_counter() - start, 1)
         results[end]["nonlinear_fraction"] = linearize.nonlinear_fraction(student)

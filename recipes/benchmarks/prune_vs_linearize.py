@@ -65,6 +65,8 @@ def main(argv: list[str] | None = None) -> dict:
                         help="which students get the user loop: linearize (one-shot start), defaults (convert "
                              "only), and pruning importances")
     parser.add_argument("--latency-budget", type=float, default=4.0, help="seconds of timing per batch size")
+    parser.add_argument("--no-refit", action="store_true",
+                        help="one_shot(refit=False): no least-squares refit of each FFN's second layer")
     parser.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
     args = parser.parse_args(argv)
     setup = load_setup(args.calibration, args.test)
@@ -73,7 +75,7 @@ def main(argv: list[str] | None = None) -> dict:
     students: dict[str, torch.nn.Module] = {}
 
     linear = linearize.convert(copy.deepcopy(teacher), target_modules=FFN_PATTERNS)
-    linearize.one_shot(linear, calib, target=args.target)
+    linearize.one_shot(linear, calib, target=args.target, refit=not args.no_refit)
     students["linearize"] = linear
     rows["linearize one-shot"] = measure(linear, test, reference)
     for importance in args.importances.split(","):
