@@ -20,10 +20,11 @@ import threading
 from collections.abc import Callable, Collection, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
-__all__ = ["LoadError", "atomic_write", "fsync_path", "remove_stale", "safe_torch_load", "save_lock", "read_regular",
-           "read_file", "parse_json", "read_json", "SAVE_LOCK_NAME", "TRUST_PICKLE_FLAG", "MAX_JSON_BYTES"]
+__all__ = ["LoadError", "atomic_write", "fsync_path", "remove_stale", "safe_torch_load", "save_lock", "open_regular",
+           "read_regular", "read_file", "parse_json", "read_json", "SAVE_LOCK_NAME",
+           "TRUST_PICKLE_FLAG", "MAX_JSON_BYTES"]
 
 TRUST_PICKLE_FLAG = "--trust-pickle"
 SAVE_LOCK_NAME = ".linearize.lock"  # in the folder saved into; empty, and left there
@@ -52,19 +53,26 @@ def fsync_path(path: str | os.PathLike) -> None:
         os.close(fd)
 
 
-def read_regular(path: str | os.PathLike, check: Callable[[os.stat_result], int], limit: int) -> bytes:
-    """The bytes of ``path``, read only after ``check`` passed on its ``stat`` and again on the opened file's
-    (it raises, or returns the size to read): opened without blocking, so a FIFO swapped in is refused, not
-    waited on; read at its size plus one byte (no ``limit``-sized buffer), and refused with :class:`LoadError`
-    when it grows past ``limit`` while being read. A symbolic link is followed and its target checked."""
+def open_regular(path: str | os.PathLike, check: Callable[[os.stat_result], int]) -> tuple[BinaryIO, int]:
+    """``path`` opened for reading bytes, only after ``check`` passed on its ``stat`` and again on the opened
+    file's (it raises, or returns a size), and what ``check`` returned the second time: opened without blocking,
+    so a FIFO (or one swapped in) is refused, not waited on. A symbolic link is followed and its target checked.
+    The caller bounds what it reads (:func:`read_regular` reads it whole)."""
     check(os.stat(path))  # before opening: opening a socket fails, a plain open of a FIFO waits
     fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0))
     try:
         size = check(os.fstat(fd))
-        f = os.fdopen(fd, "rb")
+        return os.fdopen(fd, "rb"), size
     except BaseException:
         os.close(fd)
         raise
+
+
+def read_regular(path: str | os.PathLike, check: Callable[[os.stat_result], int], limit: int) -> bytes:
+    """The bytes of ``path``, read only after ``check`` passed on its ``stat`` and again on the opened file's
+    (it raises, or returns the size to read; :func:`open_regular`): read at its size plus one byte (no
+    ``limit``-sized buffer), and refused with :class:`LoadError` when it grows past ``limit`` while being read."""
+    f, size = open_regular(path, check)
     with f:
         data = f.read(size + 1)  # its size and one byte more, to notice growth
         if len(data) > size:  # it grew since it was checked: read on, at most to the limit

@@ -1,10 +1,13 @@
 """The console script: --help lists the subcommands, inspect prints the conversion plan, and no file a
 user passes runs code unless --trust-pickle says so."""
 
+import os
 import pickle
 import re
 import subprocess
 import sys
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -254,3 +257,96 @@ def test_only_errors_of_the_kind_a_wrong_input_raises_are_blamed_on_the_flags(mo
 @pytest.mark.parametrize("name", ["", " "])
 def test_a_blank_model_name_is_a_one_line_error(cli_refusal, name):
     assert repr(name) in cli_refusal(["inspect", name])
+
+
+# ----------------------------------------------------------------------------- JSONL text data
+
+
+@pytest.fixture(scope="module")
+def text_model(tmp_path_factory) -> Iterator[Path]:
+    """A Hugging Face model directory: a tiny BERT classifier and a word-level tokenizer (lowercase letters)."""
+    transformers = pytest.importorskip("transformers")
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    directory = tmp_path_factory.mktemp("text_model")
+    vocab = {"[PAD]": 0, "[UNK]": 1, **{c: i + 2 for i, c in enumerate("abcdefghijklmnopqrstuvwxyz")}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]",
+                                         pad_token="[PAD]").save_pretrained(directory)
+    torch.manual_seed(0)
+    cfg = transformers.BertConfig(vocab_size=len(vocab), hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                                  intermediate_size=32, max_position_embeddings=32)
+    transformers.BertForSequenceClassification(cfg).save_pretrained(directory)
+    transformers.utils.logging.disable_progress_bar()  # its "Loading weights" bar: stderr holds the refusal alone
+    yield directory
+    transformers.utils.logging.enable_progress_bar()
+
+
+def _report_on(model: Path, data: Path, out: Path, *flags: str) -> list[str]:
+    return ["report", str(model), "--data", str(data), "--output-dir", str(out), "--num-samples", "2",
+            "--no-progress", *flags]
+
+
+def _opens_write_end_once_read(fifo: Path, stop: threading.Event) -> None:
+    """Open the write end of ``fifo`` as soon as a reader waits on it, and close it: a reader blocked in ``open``
+    then reads an empty file, so a test of a reader that waits on FIFOs fails instead of hanging."""
+    while not stop.wait(0.05):
+        try:
+            os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))  # ENXIO while no reader has it open
+            return
+        except OSError:
+            pass
+
+
+@pytest.mark.parametrize("kind", ["fifo", "link to a device", "folder"])
+def test_jsonl_data_that_is_no_regular_file_is_refused_without_waiting(tmp_path, text_model, cli_refusal, kind):
+    """``--data x.jsonl`` that is a FIFO (opening it for reading would wait for a writer forever), a link to a
+    device, or a folder: one line naming it, nothing read, no report written."""
+    path = tmp_path / "texts.jsonl"
+    if kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "folder":
+        path.mkdir()
+    else:
+        path.symlink_to(os.devnull)
+    stop = threading.Event()
+    unblock = threading.Thread(target=_opens_write_end_once_read, args=(path, stop), daemon=True)
+    if kind == "fifo":
+        unblock.start()
+    try:
+        err = cli_refusal(_report_on(text_model, path, tmp_path / "out"))
+    finally:
+        stop.set()
+    what = "a folder" if kind == "folder" else r"not a regular file \(a FIFO, device or socket\)"
+    assert re.search(rf"error: {re.escape(str(path))} is {what}: refusing to read it; --data takes a JSONL", err)
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("name", ["texts.jsonl", "texts.jsonl.gz"])
+def test_jsonl_reading_stops_after_the_records_used_and_at_the_byte_budget(tmp_path, text_model, cli_refusal,
+                                                                             monkeypatch, name):
+    """The first --num-samples records are read, whatever follows them (here a line without end); records that
+    take more than MAX_TEXT_BYTES before that many are read (a line without end, a gzip bomb of newlines) are
+    refused naming the file. The texts read are those written: the tokenizer's own encoding of them."""
+    import gzip
+
+    from transformers import AutoTokenizer
+
+    from linearize.cli import build_parser, readers
+
+    monkeypatch.setattr(readers, "MAX_TEXT_BYTES", 1000)
+    path = tmp_path / name
+    write = gzip.open if name.endswith(".gz") else open
+    with write(path, "wt") as f:
+        f.write('{"text": "a b c"}\n{"sentence": "d e"}\n' + "x" * 5000)
+    args = build_parser().parse_args(_report_on(text_model, path, tmp_path / "out", "--max-length", "8"))
+    batch = readers.load_data(args, None, text_model)
+    expected = AutoTokenizer.from_pretrained(text_model)(["a b c", "d e"], padding="max_length", max_length=8,
+                                                         return_tensors="pt")
+    assert torch.equal(batch["input_ids"], expected["input_ids"])
+    for body in ('{"text": "a b c"}\n' + "x" * 5000, "\n" * 10**6):
+        with write(path, "wt") as f:
+            f.write(body)
+        assert re.search(rf"error: {re.escape(str(path))}: more than 1,000 bytes read before its first 2 records",
+                         cli_refusal(_report_on(text_model, path, tmp_path / "out")))

@@ -12,6 +12,7 @@ import gzip
 import io
 import json
 import os
+import stat
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -20,6 +21,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from .._files import open_regular
 from .._optional import require
 from ..inputs import (MAX_TOTAL_PIXELS, Batches, call_model, check_total_bytes, describe_inputs, eval_mode,
                       image_size, read_image_file, read_tar_image)
@@ -30,6 +32,7 @@ from . import InputMismatch, reading
 __all__ = ["load_model_and_data", "load_data", "check_model_takes"]
 
 _IMAGE_EXT = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp")
+MAX_TEXT_BYTES = 2**28  # what the records a report reads from a JSONL(.gz) file may take, decompressed (256 MiB)
 _NORMS = {
     "cifar10": ((0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)),
     "imagenet": ((0.485, 0.456, 0.406), (0.229, 0.224, 0.225)),
@@ -203,14 +206,7 @@ def _decode(images: list[tuple[str, bytes]], size: int | None, norm: str, source
 def _load_text(path: Path, n: int, text_field: str | None, tokenizer_dir: Path, max_length: int, model: nn.Module) -> dict:
     transformers = require("transformers", what="a text model's report")
 
-    opener = gzip.open if path.name.lower().endswith(".gz") else open
-    texts = []
-    with opener(path, "rt", encoding="utf-8") as f:
-        for line in f:
-            if line.strip():
-                texts.append(_text_of(json.loads(line), text_field))
-                if len(texts) >= n:
-                    break
+    texts = _read_texts(path, n, text_field)
     try:
         tok = transformers.AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)
     except (OSError, ValueError) as err:
@@ -219,6 +215,35 @@ def _load_text(path: Path, n: int, text_field: str | None, tokenizer_dir: Path, 
     if getattr(getattr(model, "config", None), "is_encoder_decoder", False):
         batch["decoder_input_ids"] = batch["input_ids"].clone()
     return batch
+
+
+def _read_texts(path: Path, n: int, text_field: str | None) -> list[str]:
+    """The texts of the first ``n`` records of the JSONL(.gz) file ``path``; ``ValueError`` naming it when it is no
+    regular file (a FIFO or device is refused, never waited on), or when those records take more than
+    :data:`MAX_TEXT_BYTES` (a line without end, a gzip bomb)."""
+    def check(info: os.stat_result) -> int:
+        if not stat.S_ISREG(info.st_mode):
+            kind = "a folder" if stat.S_ISDIR(info.st_mode) else "not a regular file (a FIFO, device or socket)"
+            raise ValueError(f"{path} is {kind}: refusing to read it; --data takes a JSONL(.gz) text file")
+        return info.st_size
+
+    f, _ = open_regular(path, check)
+    with f:
+        lines = gzip.GzipFile(fileobj=f) if path.name.lower().endswith(".gz") else f
+        texts: list[str] = []
+        budget = MAX_TEXT_BYTES
+        while len(texts) < n:
+            line = lines.readline(budget + 1)
+            budget -= len(line)
+            if budget < 0:
+                raise ValueError(f"{path}: more than {MAX_TEXT_BYTES:,} bytes read before its first {n} records "
+                                 "were found (a line without end, or a compressed file that expands without end): "
+                                 "refusing to read on; give a JSONL file of one short record per line")
+            if not line:
+                return texts
+            if line.strip():
+                texts.append(_text_of(json.loads(line), text_field))
+    return texts
 
 
 def _text_of(record: dict, text_field: str | None) -> str:
