@@ -323,6 +323,34 @@ def test_jsonl_data_that_is_no_regular_file_is_refused_without_waiting(tmp_path,
     assert not (tmp_path / "out").exists()
 
 
+DEEP = "[" * 100_000 + "]" * 100_000  # valid JSON that Python's parser cannot nest into
+
+
+@pytest.mark.parametrize("record, flags, problem", [
+    ('{"title": "a b"}', [], r"no text field in the record \(its keys: \['title'\]\): pass --text-field"),
+    ('{"text": "a b"}', ["--text-field", "body.en"], r"no field 'body.en' in the record \(its keys: \['text'\]\)"),
+    ("42", [], r"a JSON int, not an object"),
+    ('["a b"]', [], r"a JSON list, not an object"),
+    ('{"text": 5}', [], r"its field 'text' holds a JSON int, not a string"),
+    ('{"translation": "a b"}', [], r"no text field in the record"),
+    ('{"text": "a b"', [], r"not valid JSON \(Expecting"),
+    (DEEP, [], r"not valid JSON for this reader: it nests deeper than Python can parse"),
+    (b'{"text": "\xff"}', [], r"not valid JSON \('utf-8' codec can't decode"),
+])
+def test_jsonl_records_not_of_the_expected_form_are_one_line_errors_naming_the_line(tmp_path, text_model, cli_refusal,
+                                                                                     record, flags, problem):
+    """A record that is not one JSON object with its text in the expected field: one line naming the file, the
+    line (a blank line counted) and the form a record takes; exit status 2, no report written."""
+    path = tmp_path / "texts.jsonl"
+    first = b'{"text": "a b c", "body": {"en": "c d"}}\n\n'
+    path.write_bytes(first + (record if isinstance(record, bytes) else record.encode()) + b"\n")
+    err = cli_refusal(_report_on(text_model, path, tmp_path / "out", *flags))
+    assert re.search(rf"error: {re.escape(str(path))}, line 3: {problem}.*; a JSONL record is one JSON object per line "
+                     r"with its text in a field: text, sentence or translation.en, or the field --text-field names$",
+                     err), err
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.parametrize("name", ["texts.jsonl", "texts.jsonl.gz"])
 def test_jsonl_reading_stops_after_the_records_used_and_at_the_byte_budget(tmp_path, text_model, cli_refusal,
                                                                              monkeypatch, name):

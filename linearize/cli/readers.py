@@ -219,8 +219,9 @@ def _load_text(path: Path, n: int, text_field: str | None, tokenizer_dir: Path, 
 
 def _read_texts(path: Path, n: int, text_field: str | None) -> list[str]:
     """The texts of the first ``n`` records of the JSONL(.gz) file ``path``; ``ValueError`` naming it when it is no
-    regular file (a FIFO or device is refused, never waited on), or when those records take more than
-    :data:`MAX_TEXT_BYTES` (a line without end, a gzip bomb)."""
+    regular file (a FIFO or device is refused, never waited on), when those records take more than
+    :data:`MAX_TEXT_BYTES` (a line without end, a gzip bomb), and naming the line of a record that is not one JSON
+    object with a text in the field ``text_field`` (default: ``text``, ``sentence`` or ``translation.en``)."""
     def check(info: os.stat_result) -> int:
         if not stat.S_ISREG(info.st_mode):
             kind = "a folder" if stat.S_ISDIR(info.st_mode) else "not a regular file (a FIFO, device or socket)"
@@ -231,7 +232,7 @@ def _read_texts(path: Path, n: int, text_field: str | None) -> list[str]:
     with f:
         lines = gzip.GzipFile(fileobj=f) if path.name.lower().endswith(".gz") else f
         texts: list[str] = []
-        budget = MAX_TEXT_BYTES
+        budget, number = MAX_TEXT_BYTES, 0
         while len(texts) < n:
             line = lines.readline(budget + 1)
             budget -= len(line)
@@ -241,23 +242,54 @@ def _read_texts(path: Path, n: int, text_field: str | None) -> list[str]:
                                  "refusing to read on; give a JSONL file of one short record per line")
             if not line:
                 return texts
+            number += 1
             if line.strip():
-                texts.append(_text_of(json.loads(line), text_field))
+                texts.append(_record_text(line, text_field, f"{path}, line {number}"))
     return texts
 
 
+def _record_text(line: bytes, text_field: str | None, where: str) -> str:
+    """The text of the JSONL record ``line`` (``where``: its file and line); ``ValueError`` naming ``where`` and
+    the form a record takes when it is not one JSON object with a text in ``text_field`` (or the default fields)."""
+    form = ("a JSONL record is one JSON object per line with its text in a field: text, sentence or translation.en, "
+            "or the field --text-field names")
+    try:
+        record = json.loads(line.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        problem = f"not valid JSON ({err})"
+    except RecursionError:
+        problem = "not valid JSON for this reader: it nests deeper than Python can parse"
+    else:
+        if not isinstance(record, dict):
+            problem = f"a JSON {type(record).__name__}, not an object"
+        else:
+            try:
+                return _text_of(record, text_field)
+            except KeyError as err:
+                problem = err.args[0]
+    raise ValueError(f"{where}: {problem}; {form}")
+
+
 def _text_of(record: dict, text_field: str | None) -> str:
+    """The text of a JSONL ``record``; ``KeyError`` with the message when it has none (or, in a default field,
+    one that is not a string)."""
     if text_field is None:
         for key in ("text", "sentence"):
             if key in record:
-                return record[key]
-        if "translation" in record:
-            tr = record["translation"]
-            return tr.get("en", next(iter(tr.values())))
-        raise KeyError(f"no text field in JSONL record with keys {list(record)}: pass --text-field")
+                return _string(record[key], key)
+        tr = record.get("translation")
+        if isinstance(tr, dict) and tr:
+            return _string(tr.get("en", next(iter(tr.values()))), "translation")
+        raise KeyError(f"no text field in the record (its keys: {list(record)[:10]}): pass --text-field")
     value: Any = record
     for key in text_field.split("."):
         if not isinstance(value, dict) or key not in value:
-            raise KeyError(f"JSONL record has no field {text_field!r} (keys {list(record)})")
+            raise KeyError(f"no field {text_field!r} in the record (its keys: {list(record)[:10]})")
         value = value[key]
     return str(value)
+
+
+def _string(value: Any, key: str) -> str:
+    if not isinstance(value, str):
+        raise KeyError(f"its field {key!r} holds a JSON {type(value).__name__}, not a string")
+    return value
