@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 __all__ = ["LoadError", "atomic_write", "fsync_path", "remove_stale", "safe_torch_load", "save_lock", "open_regular",
-           "read_regular", "read_file", "parse_json", "read_json", "SAVE_LOCK_NAME",
+           "read_regular", "read_file", "parse_json", "read_json", "check_folder", "SAVE_LOCK_NAME",
            "TRUST_PICKLE_FLAG", "MAX_JSON_BYTES"]
 
 TRUST_PICKLE_FLAG = "--trust-pickle"
@@ -135,6 +135,36 @@ def read_json(path: str | os.PathLike, what: str = "JSON file") -> Any:
         [1, 2]
     """
     return parse_json(read_file(path, MAX_JSON_BYTES, what), path)
+
+
+def check_folder(path: str | os.PathLike, what: str) -> None:
+    """Check, creating nothing, that files can be written into the folder ``path``: it is a folder, or the
+    nearest of its parents that exists is one (it is created later), and this process may write there.
+    ``NotADirectoryError`` naming ``path`` and ``what`` (e.g. ``"--output-dir"``) when it or a parent is a file,
+    ``PermissionError`` when that folder is read-only; a command calls it before the work whose files go there.
+
+    Example:
+        >>> import tempfile, pathlib
+        >>> file = pathlib.Path(tempfile.mkdtemp()) / "notes.txt"; _ = file.write_text("")
+        >>> check_folder(file.parent / "new" / "report", "report folder")  # created later: fine
+        >>> check_folder(file / "report", "report folder")  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        NotADirectoryError: report folder .../notes.txt/report is under the file .../notes.txt, ...
+    """
+    path = Path(path)
+    for folder in (path, *path.parents):  # the nearest that exists
+        try:
+            mode = os.stat(folder).st_mode
+        except (FileNotFoundError, NotADirectoryError):  # missing, or under a file (found further up)
+            continue
+        if not stat.S_ISDIR(mode):
+            where = "is a file" if folder == path else f"is under the file {folder}"
+            raise NotADirectoryError(f"{what} {path} {where}, not a folder: files are written into a folder; give "
+                                     "the path of a folder (created when missing), or move the file away")
+        if not os.access(folder, os.W_OK | os.X_OK):
+            raise PermissionError(f"{what} {path}: this process cannot write into {folder}: give a folder it "
+                                  "can write into, or fix its permissions")
+        return
 
 
 def temp_name(path: Path) -> Path:

@@ -141,10 +141,12 @@ class Report:
         """Write ``report.json``, the PNG plots and ``report.html`` into ``out_dir`` (created).
 
         Returns ``{file name: path}`` of everything written. Each file is written atomically.
+        ``NotADirectoryError`` naming ``out_dir`` when it (or a parent) is a file.
         """
-        from ._files import atomic_write
+        from ._files import atomic_write, check_folder
 
         out = Path(out_dir)
+        check_folder(out, "report folder")
         out.mkdir(parents=True, exist_ok=True)
         images = self.plots()
         written = {"report.json": atomic_write(out / "report.json", self.to_json())}

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import shutil
 import subprocess
 from html.parser import HTMLParser
@@ -270,6 +271,25 @@ def test_cli_pickled_model_on_digits(tmp_path: Path, capsys) -> None:
     data = json.loads((out / "report.json").read_text())
     assert data["units"]["nonlinear"] == 40 - 4 and data["num_samples"] == 64
     assert (out / "report.html").is_file() and "wrote" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("where", ["a file", "under a file"])
+def test_an_output_dir_that_cannot_be_a_folder_is_refused_before_anything_runs(tmp_path: Path, cli_refusal,
+                                                                                 monkeypatch, where) -> None:
+    """``--output-dir`` that is a file, or a path under one: one line naming it, before the model is loaded or
+    any measure runs (a report measured to be lost), the file left as it was. ``Report.save`` into it: the same."""
+    blocker = tmp_path / "notes.txt"
+    blocker.write_text("mine")
+    out = blocker if where == "a file" else blocker / "report"
+    monkeypatch.setattr(cli_report, "load_model_and_data", lambda args: pytest.fail("the model was loaded"))
+    monkeypatch.setattr(cli_report, "report", lambda *a, **k: pytest.fail("the report was measured"))
+    err = cli_refusal(["report", "resnet18", "--data", "digits", "--output-dir", str(out)])
+    said = "is a file" if where == "a file" else f"is under the file {blocker}"
+    assert f"error: --output-dir {out} {said}, not a folder" in err and "give the path of a folder" in err
+    rep = linearize.report(_mlp(), _digits(16), segments=0, skip=["affinity"], progress=False)
+    with pytest.raises(NotADirectoryError, match=re.escape(f"report folder {out} {said}, not a folder")):
+        rep.save(out)
+    assert blocker.read_text() == "mine"
 
 
 def test_cli_torchvision_checkpoint_of_converted_model(tmp_path: Path) -> None:

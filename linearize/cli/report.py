@@ -7,6 +7,7 @@ import argparse
 from pathlib import Path
 from typing import Callable
 
+from .._files import check_folder
 from ..checks import arg_type, check_positive, check_positive_int, check_tol
 from ..history import read_history
 from ..models import add_trust_pickle
@@ -82,6 +83,8 @@ def _or_none(parse: Callable[[str], object]) -> Callable[[str], object]:
 
 def run_cli(args: argparse.Namespace) -> int:
     """Run the ``report`` subcommand; prints each measure's summary line and where the files went."""
+    with reading(f"--output-dir {args.output_dir}"):  # before anything runs: a report is not measured to be lost
+        check_folder(args.output_dir, "--output-dir")
     model, data = load_model_and_data(args)
     if args.history:
         with reading(f"--history {args.history}"):  # checked before any measure runs
