@@ -140,19 +140,26 @@ class Report:
     def save(self, out_dir: str | Path) -> dict[str, Path]:
         """Write ``report.json``, the PNG plots and ``report.html`` into ``out_dir`` (created).
 
-        Returns ``{file name: path}`` of everything written. Each file is written atomically.
-        ``NotADirectoryError`` naming ``out_dir`` when it (or a parent) is a file.
+        Returns ``{file name: path}`` of everything written. Each file is written atomically; then the files an
+        earlier report wrote there that this one does not (the plots of measures that did not run this time) are
+        removed, so the folder holds this report only. Other files in it are left alone; saves into one folder
+        take turns on its save lock (``.linearize.lock``, left there). ``NotADirectoryError`` naming ``out_dir``
+        when it (or a parent) is a file.
         """
-        from ._files import atomic_write, check_folder
+        from ._files import atomic_write, check_folder, remove_stale, save_lock
 
         out = Path(out_dir)
         check_folder(out, "report folder")
         out.mkdir(parents=True, exist_ok=True)
         images = self.plots()
-        written = {"report.json": atomic_write(out / "report.json", self.to_json())}
-        for name, png in images.items():
-            written[name] = atomic_write(out / name, png)
-        written["report.html"] = atomic_write(out / "report.html", self.to_html(images))
+        ours = {"report.json", "report.html", *(m.plot_file for m in MEASURES.values() if m.plot_file)}
+        with save_lock(out) as outermost:
+            written = {"report.json": atomic_write(out / "report.json", self.to_json())}
+            for name, png in images.items():
+                written[name] = atomic_write(out / name, png)
+            written["report.html"] = atomic_write(out / "report.html", self.to_html(images))
+            if outermost:
+                remove_stale(out, set(written), ours.__contains__)
         return written
 
 

@@ -98,6 +98,29 @@ def test_report_on_digits_matches_measures(trained, tmp_path: Path) -> None:
     assert page.count("data:image/png;base64,") == 4 and "src=\"http" not in page
 
 
+def test_a_report_saved_over_an_earlier_one_leaves_only_its_own_files(trained, tmp_path: Path) -> None:
+    """Saving a report into the folder of an earlier one that ran more measures: the folder then holds what the
+    same report saved into a new folder holds (the earlier plots of the measures that did not run are gone),
+    and the user's own files, plot-like names included, are left alone."""
+    model, history, x = trained
+    first = linearize.report(model, x, history=history, max_samples=64, segments=4, progress=False)
+    second = linearize.report(_mlp(), x, max_samples=64, segments=0, skip=["affinity"], progress=False)
+    out = tmp_path / "out"
+    assert len(first.save(out)) == 6  # report.json, report.html and 4 plots
+    mine = {"notes.txt": b"mine", "plot.png": PNG_MAGIC, "report.txt": b"mine"}
+    for name, data in mine.items():
+        (out / name).write_bytes(data)
+    second.save(out)
+    second.save(tmp_path / "fresh")
+
+    def files(folder: Path) -> dict[str, bytes]:
+        return {p.name: p.read_bytes() for p in folder.iterdir()}
+
+    assert files(out) == {**files(tmp_path / "fresh"), **mine}
+    fresh = {*files(tmp_path / "fresh")} - {".linearize.lock"}
+    assert fresh == {"report.json", "report.html", reporting.PLOTS["fraction"]}
+
+
 def test_smooth_model_skips_regions_with_reason() -> None:
     model = _mlp(nn.GELU)
     rep = linearize.report(model, _digits(64), progress=False)
