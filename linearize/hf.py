@@ -33,7 +33,7 @@ import re
 import weakref
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -212,11 +212,13 @@ def _weight_files(directory: Path) -> dict[str, Path]:
     return {}
 
 
-def read_unit_tensors(directory: Path, keys: list[str]) -> tuple[dict[str, torch.Tensor], Path]:
+def read_unit_tensors(directory: Path, keys: list[str],
+                      each: Callable[[torch.Tensor], Any] | None = None) -> tuple[dict[str, Any], Path]:
     """The tensors ``keys`` of the HF weights in ``directory`` (absent ones left out), and the file read.
 
-    Reads ``model.safetensors`` (or its shards) without touching other tensors, or
-    ``pytorch_model.bin`` with ``torch.load(weights_only=True)``.
+    Reads ``model.safetensors`` (or its shards) without touching other tensors, in their stored dtype, or
+    ``pytorch_model.bin`` with ``torch.load(weights_only=True)``. ``each``: what to keep of each tensor as
+    it is read (a digest: the tensors are then not all held at once).
     """
     import safetensors
 
@@ -227,7 +229,8 @@ def read_unit_tensors(directory: Path, keys: list[str]) -> tuple[dict[str, torch
             raise FileNotFoundError(f"{directory} has a linearize manifest in {HF_CONFIG} but no weights "
                                     f"({_SAFE} or {_BIN}); save the model again with model.save_pretrained(dir)")
         files = dict.fromkeys(keys, single)
-    out: dict[str, torch.Tensor] = {}
+    keep = each or (lambda t: t)
+    out: dict[str, Any] = {}
     by_file: dict[Path, list[str]] = {}
     for k in keys:
         if k in files:
@@ -238,10 +241,10 @@ def read_unit_tensors(directory: Path, keys: list[str]) -> tuple[dict[str, torch
             if path.suffix == ".safetensors":
                 with safetensors.safe_open(str(path), framework="pt") as f:
                     present = set(f.keys())
-                    out.update({k: f.get_tensor(k) for k in names if k in present})
+                    out.update({k: keep(f.get_tensor(k)) for k in names if k in present})
             else:
                 state = safe_torch_load(path)
-                out.update({k: state[k] for k in names if k in state})
+                out.update({k: keep(state[k]) for k in names if k in state})
         except (OSError, LoadError):
             raise
         except Exception as err:  # a decoder of arbitrary bytes

@@ -13,9 +13,12 @@ activations, so the units cannot live in the base model's own checkpoint. The si
   in gated modes the whole gated model (its feature network is new weights).
 
 A Hugging Face model's weights belong in its own ``model.save_pretrained(directory)`` (whose
-``config.json`` carries the units as well, see :mod:`linearize.hf`): its sidecar records only their
-digests (``base: {"saved": false, "tensors": {key: digest}}``). Loading re-converts a freshly built
-model with the saved config and copies the tensors in, so outputs are bit-identical: the weights
+``config.json`` carries the units as well, see :mod:`linearize.hf`): when the folder holds that save of the
+same weights, its sidecar records only their digests (``base: {"saved": false, "tensors": {key: digest}}``);
+beside an older one it keeps the weights itself. Beside a save whose ``config.json`` carries units, the
+manifest's ``supersedes`` records that save's tensors (a SHA-256 of their digests): while the folder
+still holds them, the sidecar is the newer save, and a load takes it over them. Loading re-converts a
+freshly built model with the saved config and copies the tensors in, so outputs are bit-identical: the weights
 come from the sidecar, or from the Hugging Face save in the folder; units are never put on other
 weights without a word (see :func:`from_pretrained`).
 
@@ -142,6 +145,42 @@ def _base_state(model: nn.Module) -> dict[str, torch.Tensor]:
             if isinstance(t, torch.Tensor) and id(t) not in own}
 
 
+def _unit_keys(model: nn.Module) -> list[str]:
+    """The names of the unit tensors a ``"prelu"`` save of ``model`` writes."""
+    return [_clean(f"{n}.{k}") for n, u in units(model) for k, _ in _unit_items(u)]
+
+
+def _exact_digest(t: torch.Tensor) -> str:
+    """A tensor's dtype, shape and :func:`_tensor_digest`: the same for the same stored tensor only."""
+    return f"{t.dtype} {list(t.shape)} {_tensor_digest(t)}"
+
+
+def _fingerprint(exact: dict[str, str]) -> str:
+    """SHA-256 of :func:`_exact_digest` by tensor name: which Hugging Face save a sidecar was written beside."""
+    return hashlib.sha256(json.dumps(sorted(exact.items())).encode()).hexdigest()
+
+
+def _stored_digests(directory: Path, keys: list[str]) -> dict[str, tuple[str, str]]:
+    """``{key: (value digest, exact digest)}`` of the tensors ``keys`` in the Hugging Face weights of
+    ``directory`` as stored (their dtype, not that of a model they were loaded into), absent ones left out; ``{}``
+    when they cannot be read."""
+    from . import hf
+
+    try:
+        return hf.read_unit_tensors(directory, keys, lambda t: (_value_digest(t), _exact_digest(t)))[0]
+    except (OSError, LoadError):  # damaged or missing files: they hold nothing of the model
+        return {}
+
+
+def _holds(stored: dict[str, tuple[str, str]], model: nn.Module, digests: dict[str, str]) -> bool:
+    """Whether the tensors ``stored`` in a Hugging Face save (:func:`_stored_digests`) are the weights of ``model``
+    (their ``digests``): each of them is there with its value, or is tied to one that is (a save keeps one of
+    tied weights)."""
+    state = _base_state(model)
+    there = {id(t) for k, t in state.items() if k in stored and stored[k][0] == digests[k]}
+    return all(id(t) in there and (k not in stored or stored[k][0] == digests[k]) for k, t in state.items())
+
+
 def _value_digest(t: torch.Tensor) -> str:
     """:func:`_tensor_digest` of a tensor's values, floating ones in float64: the same for an exact copy in
     another floating dtype (bfloat16 weights loaded as float32), another for any other value."""
@@ -210,8 +249,9 @@ def save_pretrained(model: nn.Module, directory: str | os.PathLike, *, weights: 
     """Write the linearize sidecar of a converted ``model`` into ``directory`` (created if needed).
 
     What it holds gets the model back: the units and all the model's other weights (the save is as large
-    as the model), except for a Hugging Face model whose own ``model.save_pretrained(directory)`` is in the
-    folder already: then the sidecar records their digests, so that :func:`from_pretrained` refuses to put
+    as the model), except for a Hugging Face model whose own ``model.save_pretrained(directory)`` of the same
+    weights is in the folder already (an older one is not: then they are saved here): then the sidecar
+    records their digests, so that :func:`from_pretrained` refuses to put
     the units on other weights. ``weights=False`` records digests
     for any model: for a caller that saves the weights itself and loads them into the instance before
     :func:`from_pretrained` (the CIFAR recipe's ``model.safetensors``). Gated modes: the whole model.
@@ -254,10 +294,18 @@ def save_pretrained(model: nn.Module, directory: str | os.PathLike, *, weights: 
 
     if not isinstance(weights, bool):
         raise TypeError(f"save_pretrained: weights must be True or False, got {weights!r}")
-    # the weights saved elsewhere (model.save_pretrained's files in this folder, or the caller's own): only
-    # their digests here; an HF model saved into a folder without its own weights keeps them here (the only save)
-    elsewhere = not gated and (not weights or (hf.is_hf_model(model) and hf.has_weights(directory)))
+    # the weights saved elsewhere (model.save_pretrained's files in this folder, when they hold the model's
+    # weights, or the caller's own): only their digests here; an HF model saved into a folder without its own
+    # weights, or beside an older save of them, keeps them here (the only save of them)
+    beside = not gated and hf.is_hf_model(model) and hf.has_weights(directory)
+    digests = {k: _value_digest(t) for k, t in _base_state(model).items()} if beside or not (gated or weights) else {}
+    stored = _stored_digests(Path(directory), [*digests, *_unit_keys(model)]) if beside else {}
+    elsewhere = not gated and (not weights or (beside and _holds(stored, model, digests)))
     tensors = saved_tensors(model, gated, base=not elsewhere)
+    # the HF save this sidecar is written after (the load refuses a folder whose two saves differ, unless the
+    # HF save is still this one: then the sidecar is the newer save)
+    supersedes = _fingerprint({k: stored[k][1] for k in (k.removeprefix(MODEL_PREFIX) for k in tensors)
+                               if k in stored}) if beside and hf.has_manifest(directory) else None
     data = safetensors.torch.save(tensors, {"format": "pt"})
     digest = hashlib.sha256(data).hexdigest()
     name = weights_name(digest)
@@ -267,8 +315,8 @@ def save_pretrained(model: nn.Module, directory: str | os.PathLike, *, weights: 
         "sites": _sites(model),
         "weights": {"file": name, "bytes": len(data), "sha256": digest,
                     "tensors": {k: _tensor_digest(t) for k, t in tensors.items()}},
-        "base": ({"saved": False, "tensors": {k: _value_digest(t) for k, t in _base_state(model).items()}}
-                 if elsewhere else {"saved": True}),
+        "base": {"saved": False, "tensors": digests} if elsewhere else {"saved": True},
+        **({"supersedes": supersedes} if supersedes else {}),
     }
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
@@ -335,9 +383,9 @@ def _parse_manifest(raw: bytes, path: Path, weights: bool = True) -> dict[str, A
     if len({s["name"] for s in sites}) != len(sites):
         raise bad("'sites' names a unit twice")
     if not weights:
-        return {"format": fmt, "config": config, "sites": sites, "weights": None, "base": None}
+        return {"format": fmt, "config": config, "sites": sites, "weights": None, "base": None, "supersedes": None}
     if fmt == 1:
-        return {"format": fmt, "config": config, "sites": sites, "base": None,
+        return {"format": fmt, "config": config, "sites": sites, "base": None, "supersedes": None,
                 "weights": {"file": LEGACY_WEIGHTS_NAME, "bytes": None, "sha256": None}}
     w = meta["weights"]
     if not (isinstance(w, dict) and isinstance(w.get("file"), str) and isinstance(w.get("sha256"), str)
@@ -352,8 +400,11 @@ def _parse_manifest(raw: bytes, path: Path, weights: bool = True) -> dict[str, A
             set(base) == {"saved", "tensors"} and base["saved"] is False and isinstance(base["tensors"], dict)
             and all(isinstance(d, str) for d in base["tensors"].values())))):
         raise bad("'base' must be {saved: true} or {saved: false, tensors: {name: digest}}")
+    supersedes = meta.get("supersedes")
+    if supersedes is not None and not (isinstance(supersedes, str) and re.fullmatch(r"[0-9a-f]{64}", supersedes)):
+        raise bad("'supersedes' must be a SHA-256 (64 hex digits)")
     return {"format": fmt, "config": config, "sites": sites, "weights": w,
-            "base": base if fmt == SIDECAR_FORMAT else None}
+            "base": base if fmt == SIDECAR_FORMAT else None, "supersedes": supersedes}
 
 
 def _read_hf_manifest(directory: Path) -> dict[str, Any]:
@@ -546,16 +597,20 @@ def _load_hf_checked(directory: Path) -> tuple[dict[str, Any], dict[str, torch.T
     return meta, tensors, path
 
 
-def _check_agree(directory: Path, tensors: dict[str, torch.Tensor], state: dict[str, torch.Tensor] | None) -> None:
+def _check_agree(directory: Path, tensors: dict[str, torch.Tensor], state: dict[str, torch.Tensor] | None,
+                 supersedes: str | None) -> None:
     """Refuse a directory whose HF weights hold unit tensors, or model weights (``state``: those the sidecar
     holds, compared by name), other than the sidecar's: one of them was saved later (``model.save_pretrained``
-    into a folder with an older sidecar)."""
+    into a folder with an older sidecar), unless they are still those the sidecar was saved beside
+    (``supersedes``, their :func:`_fingerprint`): then the sidecar is the newer save."""
     from . import hf
 
     if not hf.has_manifest(directory):
         return
     ours = {**tensors, **(state or {})}
     found, path = hf.read_unit_tensors(directory, sorted(ours))
+    if supersedes is not None and _fingerprint({k: _exact_digest(t) for k, t in found.items()}) == supersedes:
+        return
     differ = sorted(k for k, t in found.items()
                     if t.shape != ours[k].shape or not torch.equal(t.to(ours[k].dtype).nan_to_num(-1.0),
                                                                    ours[k].nan_to_num(-1.0)))
@@ -605,7 +660,7 @@ def from_pretrained(model: nn.Module | type, directory: str | os.PathLike, examp
     if (directory / CONFIG_NAME).is_file() or not hf.has_manifest(directory):
         meta, tensors, state, path = _load_checked(directory)
         if meta["config"].mode == "prelu":
-            _check_agree(directory, tensors, state)
+            _check_agree(directory, tensors, state, meta["supersedes"])
     else:
         meta, tensors, path = _load_hf_checked(directory)
         state = None

@@ -455,6 +455,7 @@ TAMPERED_MANIFEST = {  # damage to linearize_config.json -> what the error says
     "future format": (edit_manifest(lambda m: m.update(format=99)), r"unsupported sidecar format 99"),
     "no base": (edit_manifest(lambda m: m.pop("base")), r"'base' must be \{saved: true\}"),
     "bad base": (edit_manifest(lambda m: m.update(base={"saved": "yes"})), r"'base' must be"),
+    "bad supersedes": (edit_manifest(lambda m: m.update(supersedes=["model.safetensors"])), r"'supersedes' must be"),
 }
 
 
