@@ -105,11 +105,12 @@ def unwrap_model(model: nn.Module) -> nn.Module:
 
 
 def saved_tensors(model: nn.Module, gated: bool, base: bool = False) -> dict[str, torch.Tensor]:
-    """The CPU tensors a save writes: gated modes the whole state dict; ``"prelu"`` mode the units'
-    (``<site>.slope``, ``<site>.frozen``) and with ``base`` the model's other weights
-    (``MODEL_PREFIX + <state dict key>``)."""
+    """The CPU tensors a save writes of ``model`` (unwrapped by the caller, :func:`unwrap_model`): gated modes
+    the whole state dict, by its keys (a submodule of the user's named ``module`` keeps its name); ``"prelu"``
+    mode the units' (``<site>.slope``, ``<site>.frozen``, named as their sites) and with ``base`` the model's
+    other weights (``MODEL_PREFIX + <state dict key>``). Raises ``ValueError`` when two tensors get one name."""
     if gated:
-        items = [(_clean(k), t) for k, t in model.state_dict().items()]
+        items = list(model.state_dict().items())
     else:
         items = [(_clean(f"{n}.{k}"), t) for n, u in units(model) for k, t in _unit_items(u)]
         clash = next((k for k, _ in items if k.startswith(MODEL_PREFIX)), None)
@@ -121,6 +122,9 @@ def saved_tensors(model: nn.Module, gated: bool, base: bool = False) -> dict[str
     tensors: dict[str, torch.Tensor] = {}
     seen: set[int] = set()
     for name, t in items:
+        if name in tensors:
+            raise ValueError(f"cannot save tensor {name!r}: two tensors of the model have that name once a wrapper's "
+                             "prefix (module., _orig_mod.) is removed from a unit's; rename one of those modules")
         if t.data_ptr() in seen and t.numel():  # tied weights: safetensors refuses shared storage
             t = t.clone()
         seen.add(t.data_ptr())

@@ -85,6 +85,35 @@ def test_plain_models(tmp_path):
     assert torch.equal(_call(linearize.load_folded(tmp_path / "net", base=Net()), x), _call(net, x))
 
 
+class _Wrapper(nn.Module):
+    """A model whose own child is named ``module`` (a normalising wrapper, timm's ModelEmaV3 layout)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.module = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.module(x)
+
+
+def test_a_submodule_named_module_keeps_its_name_and_wrappers_are_unwrapped(tmp_path):
+    """The saved keys of a child named ``module`` lost that prefix (every load refused the save as damaged); the
+    DataParallel and torch.compile wrappers around a model still save the model inside, file for file."""
+    x = torch.randn(3, 4, generator=torch.Generator().manual_seed(0))
+    torch.manual_seed(0)
+    folded = _half_linear(_Wrapper(), x)
+    truth = _call(folded, x)
+    files = []
+    for name, model in (("plain", folded), ("data parallel", nn.DataParallel(folded)),
+                        ("compiled", torch.compile(folded))):
+        linearize.save_folded(model, tmp_path / name, example_inputs=x)
+        files.append(json.loads((tmp_path / name / "folded.json").read_text())["weights"]["file"])
+        torch.manual_seed(1)  # a fresh base with other weights
+        loaded = linearize.load_folded(tmp_path / name, base=_Wrapper())
+        assert torch.equal(_call(loaded, x), truth), name
+    assert len(set(files)) == 1
+
+
 def test_unknown_classes_and_damage_are_refused(tmp_path):
     x = torch.randn(2, 3, 8, 8)
     seq = _half_linear(nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Flatten(), nn.Linear(144, 3)), x)
