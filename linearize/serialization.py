@@ -712,8 +712,8 @@ def _check_base(model: nn.Module, meta: dict[str, Any], directory: Path, cross: 
     saved with (the digests of a format 3 sidecar of a Hugging Face model); warn for a save that recorded
     none (formats 1 and 2). ``cross``: the units of a head model loaded into its base model (or the
     reverse): only the weights both have are compared, without the ``base_model_prefix``. ``from_folder``:
-    the weights were loaded from the Hugging Face save in ``directory`` (which may be older than the sidecar);
-    those loaded in half precision are not compared (their digests are of the saved precision)."""
+    the weights were loaded from the Hugging Face save in ``directory`` (which may be older than the sidecar):
+    they are compared as stored there, whatever dtype the model holds them in."""
     if meta["base"] is None:
         warnings.warn(f"{directory}: this save holds the units only (written by an older linearize, sidecar format "
                       f"{meta['format']}): they were loaded onto the weights {type(model).__name__} has now. If those "
@@ -728,12 +728,15 @@ def _check_base(model: nn.Module, meta: dict[str, Any], directory: Path, cross: 
 
     saved = {plain(k): d for k, d in meta["base"]["tensors"].items()}
     own = {plain(k): t for k, t in _base_state(model).items()}
-    if from_folder:  # loaded in half precision (torch_dtype=...), a tensor's digest cannot be compared: the others are
-        own = {k: t for k, t in own.items() if t.dtype not in (torch.float16, torch.bfloat16)}
+    stored: dict[str, str] = {}
+    if from_folder:  # the folder's tensors as stored: the model may hold them cast (dtype=torch.bfloat16)
+        stored = {plain(k): d[0] for k, d in _stored_digests(directory, sorted(meta["base"]["tensors"])).items()}
+        # one of tied weights is stored: the others, cast to half precision, have no digest to compare
+        own = {k: t for k, t in own.items() if k in stored or t.dtype not in (torch.float16, torch.bfloat16)}
         saved = {k: d for k, d in saved.items() if k in own}
     common = sorted(set(saved) & set(own))
     other = sorted(set(saved) ^ set(own))
-    differ = [k for k in common if _value_digest(own[k]) != saved[k]]
+    differ = [k for k in common if (stored.get(k) or _value_digest(own[k])) != saved[k]]
     if differ or (other and not (cross and common)):
         found = f"{len(differ)} of them differ, e.g. {differ[:3]}" if differ else f"other names: {other[:5]}"
         if from_folder:

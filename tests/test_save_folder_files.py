@@ -156,6 +156,24 @@ def test_a_sidecar_beside_the_hf_save_of_the_same_weights_holds_their_digests(tm
     assert half.embeddings.word_embeddings.weight.dtype == torch.bfloat16
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_older_hf_weights_under_a_sidecar_of_their_digests_are_refused_in_every_dtype(tmp_path, dtype):
+    """The sidecar records the digests of weights the folder's model.safetensors does not hold (saved with
+    weights=False after more training): the load was refused in float32 but gave the older weights under the
+    newer units in half precision, where the model's cast tensors were left out of the comparison."""
+    transformers = pytest.importorskip("transformers")
+    config, ids, model = _tiny_bert(transformers)
+    model.save_pretrained(tmp_path)
+    _trained_further(model)
+    linearize.save_pretrained(model, tmp_path, weights=False)
+    for load in (lambda: linearize.from_pretrained(transformers.BertModel, tmp_path, dtype=dtype),
+                 lambda: linearize.from_pretrained(transformers.BertModel(config).to(dtype), tmp_path,
+                                                   example_inputs={"input_ids": ids})):
+        with pytest.raises(linearize.LoadError, match=r"Hugging Face weights in .* are not those the units were "
+                                                      r"saved with.*encoder\.layer\.0\.output\.dense\.weight"):
+            load()
+
+
 def test_load_folded_while_another_thread_saves_into_the_folder_gives_a_saved_model(tmp_path):
     """A save replaces folded.json and removes the weights file it named while a load reads them: the load
     reads the pair again, and gives one of the saved models (it raised FileNotFoundError in that window)."""
