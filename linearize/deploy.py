@@ -548,10 +548,11 @@ def save_folded(model: nn.Module, directory: str | os.PathLike, *, builder: str 
 
         linearize.save_folded(linearize.fold(model, x), "deploy/")
     """
-    from .serialization import saved_tensors, unwrap_model
+    from .serialization import extra_states, saved_tensors, unwrap_model
 
     model = unwrap_model(model)
     refuse_sharded(model, "save_folded")
+    extra = extra_states(model)
     modules = []
     for name, module in model.named_modules():
         cls = _class_name(module)
@@ -588,7 +589,7 @@ def save_folded(model: nn.Module, directory: str | os.PathLike, *, builder: str 
     name = folded_weights_name(digest)
     meta = {"format": FORMAT_VERSION, "base": base, "modules": modules,
             "weights": {"file": name, "bytes": len(data), "sha256": digest},
-            "probe": {"saved": bool(probe_tensors), "why_not": no_probe}}
+            "probe": {"saved": bool(probe_tensors), "why_not": no_probe}, **({"extra_state": extra} if extra else {})}
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     with save_lock(directory) as outermost:
@@ -696,7 +697,8 @@ def _read_folded(directory: Path, tries: int = 10) -> tuple[dict, bytes, Path]:
         try:
             meta = parse_json(text, path)
             ok = (meta.get("format") == FORMAT_VERSION and isinstance(meta.get("modules"), list) and meta["modules"]
-                  and isinstance(meta["modules"][0], dict) and meta["modules"][0].get("name") == "")
+                  and isinstance(meta["modules"][0], dict) and meta["modules"][0].get("name") == ""
+                  and isinstance(meta.get("extra_state", {}), dict))
         except (LoadError, AttributeError):
             ok = False
         if not ok:
@@ -740,12 +742,12 @@ def load_folded(directory: str | os.PathLike, base: nn.Module | None = None, *, 
                      {k: tuple(t.shape) for k, t in tensors.items()})
     probe = {k: tensors.pop(k) for k in [k for k in tensors if k.startswith(_PROBE)]}
     _fit(model, tensors)
-    try:
-        model.load_state_dict(tensors, strict=True)
-    except RuntimeError as err:
-        raise LoadError(f"{weights}: does not fit the rebuilt model ({str(err).strip()[:500]}); the base model "
-                        "differs from the one folded: build the original architecture with the arguments it had "
-                        "and pass it, linearize.load_folded(directory, base=...)") from None
+    try:  # the extra states (get_extra_state) saved in folded.json, through the modules' set_extra_state
+        model.load_state_dict(tensors | meta.get("extra_state", {}), strict=True)
+    except Exception as err:  # noqa: BLE001 -- RuntimeError: names, shapes; a set_extra_state refusing a value
+        raise LoadError(f"{weights}: does not fit the rebuilt model ({type(err).__name__}: {str(err).strip()[:500]}); "
+                        "the base model differs from the one folded: build the original architecture with the "
+                        "arguments it had and pass it, linearize.load_folded(directory, base=...)") from None
     mark_folded(model)  # its own save_pretrained would reload as the original layers: guarded
     if check and (probe or (meta.get("probe") or {}).get("saved")):
         _check_probe(model, probe, path)

@@ -5,7 +5,8 @@ activations, so the units cannot live in the base model's own checkpoint. The si
 
 - ``linearize_config.json``, the manifest: the :class:`LinearizeConfig`, the site list (name,
   kind, channels, channel dim), the format version, the name, size and SHA-256 of the tensor file,
-  and ``base``: where the model's own weights are (see below);
+  ``base``: where the model's own weights are (see below), and ``extra_state``: the modules' non-tensor
+  ``get_extra_state`` values (JSON data; given back through ``set_extra_state``), where there are any;
 - ``linearize_units-<first 16 hex digits of its SHA-256>.safetensors``: in ``"prelu"`` mode the
   unit tensors (``<site>.slope``, ``<site>.frozen``, and ``<site>.alpha``, ``<site>.beta`` for a unit
   with an affine linear end; saves without them load with the identity end) and, for a model that is not a Hugging Face
@@ -109,8 +110,8 @@ def saved_tensors(model: nn.Module, gated: bool, base: bool = False) -> dict[str
     the whole state dict, by its keys (a submodule of the user's named ``module`` keeps its name); ``"prelu"``
     mode the units' (``<site>.slope``, ``<site>.frozen``, named as their sites) and with ``base`` the model's
     other weights (``MODEL_PREFIX + <state dict key>``). Raises ``ValueError`` when two tensors get one name."""
-    if gated:
-        items = list(model.state_dict().items())
+    if gated:  # without the non-tensor extra states (extra_states: the manifest keeps them)
+        items = [(k, t) for k, t in model.state_dict().items() if isinstance(t, torch.Tensor)]
     else:
         items = [(_clean(f"{n}.{k}"), t) for n, u in units(model) for k, t in _unit_items(u)]
         clash = next((k for k, _ in items if k.startswith(MODEL_PREFIX)), None)
@@ -147,6 +148,46 @@ def _base_state(model: nn.Module) -> dict[str, torch.Tensor]:
     own = {id(t) for _, u in units(model) for _, t in _unit_items(u)}
     return {k: t for k, t in model.state_dict(keep_vars=True).items()
             if isinstance(t, torch.Tensor) and id(t) not in own}
+
+
+def extra_states(model: nn.Module) -> dict[str, Any]:
+    """The non-tensor entries of ``model.state_dict()`` (what modules return from ``get_extra_state``) by key,
+    for a save to keep as JSON. Raises ``ValueError`` naming the module when one is not plain JSON data that
+    reads back equal (a save runs no code to rebuild other objects)."""
+    out: dict[str, Any] = {}
+    modules = dict(model.named_modules())
+    for key, value in model.state_dict().items():
+        if isinstance(value, torch.Tensor):
+            continue
+        try:
+            same = json.loads(json.dumps(value, allow_nan=False)) == value
+        except (TypeError, ValueError, RecursionError):
+            same = False
+        if not same:
+            name = key.rpartition(".")[0]
+            raise ValueError(
+                f"cannot save the extra state of module {name or '<root>'!r} ({type(modules.get(name)).__name__}): "
+                f"get_extra_state returned a {type(value).__name__} that is not plain JSON data (numbers, strings, "
+                "booleans, None, lists and dicts with string keys, read back equal), and a save runs no code to "
+                "rebuild other objects; return such data (or a tensor) from get_extra_state")
+        out[key] = value
+    return out
+
+
+def load_extra_states(model: nn.Module, extra: dict[str, Any], path: Path) -> None:
+    """Give ``model``'s modules the saved non-tensor extra states ``extra`` (:func:`extra_states`) through their
+    ``set_extra_state``; :class:`LoadError` naming ``path`` when the model's modules hold others, or refuse them."""
+    want = sorted(k for k, v in model.state_dict().items() if not isinstance(v, torch.Tensor))
+    if want != sorted(extra):
+        raise LoadError(f"{path}: the model holds extra state (get_extra_state) {want[:5]}, the save "
+                        f"{sorted(extra)[:5]}: another architecture, or a save by a linearize that dropped it. Build "
+                        "the same architecture, or save the model again.")
+    try:
+        model.load_state_dict(extra, strict=False)
+    except Exception as err:  # noqa: BLE001 -- the module's own set_extra_state refusing a saved value
+        raise LoadError(f"{path}: set_extra_state refused the saved extra state ({type(err).__name__}: "
+                        f"{str(err).strip()[:200]}); the file was edited, or the module changed since the save. "
+                        "Save the model again.") from None
 
 
 def _unit_keys(model: nn.Module) -> list[str]:
@@ -298,6 +339,7 @@ def save_pretrained(model: nn.Module, directory: str | os.PathLike, *, weights: 
 
     if not isinstance(weights, bool):
         raise TypeError(f"save_pretrained: weights must be True or False, got {weights!r}")
+    extra = extra_states(model)
     # the weights saved elsewhere (model.save_pretrained's files in this folder, when they hold the model's
     # weights, or the caller's own): only their digests here; an HF model saved into a folder without its own
     # weights, or beside an older save of them, keeps them here (the only save of them)
@@ -321,6 +363,7 @@ def save_pretrained(model: nn.Module, directory: str | os.PathLike, *, weights: 
                     "tensors": {k: _tensor_digest(t) for k, t in tensors.items()}},
         "base": {"saved": False, "tensors": digests} if elsewhere else {"saved": True},
         **({"supersedes": supersedes} if supersedes else {}),
+        **({"extra_state": extra} if extra else {}),
     }
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
@@ -387,9 +430,10 @@ def _parse_manifest(raw: bytes, path: Path, weights: bool = True) -> dict[str, A
     if len({s["name"] for s in sites}) != len(sites):
         raise bad("'sites' names a unit twice")
     if not weights:
-        return {"format": fmt, "config": config, "sites": sites, "weights": None, "base": None, "supersedes": None}
+        return {"format": fmt, "config": config, "sites": sites, "weights": None, "base": None, "supersedes": None,
+                "extra_state": {}}
     if fmt == 1:
-        return {"format": fmt, "config": config, "sites": sites, "base": None, "supersedes": None,
+        return {"format": fmt, "config": config, "sites": sites, "base": None, "supersedes": None, "extra_state": {},
                 "weights": {"file": LEGACY_WEIGHTS_NAME, "bytes": None, "sha256": None}}
     w = meta["weights"]
     if not (isinstance(w, dict) and isinstance(w.get("file"), str) and isinstance(w.get("sha256"), str)
@@ -407,8 +451,11 @@ def _parse_manifest(raw: bytes, path: Path, weights: bool = True) -> dict[str, A
     supersedes = meta.get("supersedes")
     if supersedes is not None and not (isinstance(supersedes, str) and re.fullmatch(r"[0-9a-f]{64}", supersedes)):
         raise bad("'supersedes' must be a SHA-256 (64 hex digits)")
+    extra = meta.get("extra_state", {})
+    if not isinstance(extra, dict):
+        raise bad("'extra_state' must be {state dict key: value}")
     return {"format": fmt, "config": config, "sites": sites, "weights": w,
-            "base": base if fmt == SIDECAR_FORMAT else None, "supersedes": supersedes}
+            "base": base if fmt == SIDECAR_FORMAT else None, "supersedes": supersedes, "extra_state": extra}
 
 
 def _read_hf_manifest(directory: Path) -> dict[str, Any]:
@@ -687,8 +734,10 @@ def from_pretrained(model: nn.Module | type, directory: str | os.PathLike, examp
     if saved_name is None:
         raise _map_mismatch(found, meta["sites"], directory) or _sites_differ(found, meta["sites"], directory)
     if config.mode != "prelu":
-        _check_state_tensors(tensors, model.state_dict(), path)
-        model.load_state_dict(_with_versions(tensors, model), strict=True)
+        _check_state_tensors(tensors, {k: t for k, t in model.state_dict().items() if isinstance(t, torch.Tensor)},
+                             path)
+        model.load_state_dict(_with_versions(tensors, model), strict=False)  # every tensor checked above
+        load_extra_states(model, meta["extra_state"], directory / CONFIG_NAME)
         return model
     if state is not None:
         plain = unwrap_model(model)
@@ -704,6 +753,8 @@ def from_pretrained(model: nn.Module | type, directory: str | os.PathLike, examp
                 unit.frozen.copy_(tensors[f"{key}.frozen"])
                 unit.set_linear_end(tensors.get(f"{key}.alpha"), tensors.get(f"{key}.beta"),  # None: identity
                                     trainable=f"{key}.end_fixed" not in tensors)
+    load_extra_states(unwrap_model(model), meta["extra_state"],
+                      directory / (CONFIG_NAME if meta["weights"] is not None else hf.HF_CONFIG))
     return model
 
 

@@ -114,6 +114,45 @@ def test_a_submodule_named_module_keeps_its_name_and_wrappers_are_unwrapped(tmp_
     assert len(set(files)) == 1
 
 
+class _Calibrated(nn.Module):
+    """A layer whose calibrated ``scale`` is non-tensor extra state (get_extra_state)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.scale = nn.Linear(4, 8), 1.0
+
+    def get_extra_state(self) -> dict:
+        return {"scale": self.scale}
+
+    def set_extra_state(self, state: dict) -> None:
+        self.scale = state["scale"]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) * self.scale
+
+
+def test_extra_state_of_a_folded_module_loads_back_as_torch_state_dict_does(tmp_path):
+    """save_folded crashed on a module's non-tensor extra state (AttributeError 'dict' object has no attribute
+    'data_ptr'). Truth: torch's own state_dict round trip of the folded model."""
+    x = torch.randn(3, 4, generator=torch.Generator().manual_seed(0))
+    torch.manual_seed(0)
+    model = nn.Sequential(_Calibrated(), nn.ReLU(), nn.Linear(8, 3))
+    model[0].scale = 2.5
+    folded = _half_linear(model, x)
+    torch_copy = copy.deepcopy(folded)
+    torch_copy[0].scale = 1.0
+    torch_copy.load_state_dict(folded.state_dict())
+    linearize.save_folded(folded, tmp_path, builder="plain", example_inputs=x)
+    loaded = linearize.load_folded(tmp_path, base=nn.Sequential(_Calibrated(), nn.ReLU(), nn.Linear(8, 3)))
+    assert loaded[0].scale == torch_copy[0].scale == 2.5
+    assert torch.equal(_call(loaded, x), _call(torch_copy, x))
+    meta = json.loads((tmp_path / "folded.json").read_text())
+    del meta["extra_state"]  # a save without it
+    (tmp_path / "folded.json").write_text(json.dumps(meta))
+    with pytest.raises(LoadError, match=r"(?s)does not fit the rebuilt model .*0\._extra_state"):
+        linearize.load_folded(tmp_path, base=nn.Sequential(_Calibrated(), nn.ReLU(), nn.Linear(8, 3)))
+
+
 def test_unknown_classes_and_damage_are_refused(tmp_path):
     x = torch.randn(2, 3, 8, 8)
     seq = _half_linear(nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Flatten(), nn.Linear(144, 3)), x)

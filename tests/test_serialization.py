@@ -588,3 +588,63 @@ def test_sidecar_of_a_hf_head_model_checks_the_weights_its_base_model_shares(tmp
         loaded = linearize.from_pretrained(base, tmp_path)
     with torch.no_grad():
         assert torch.equal(loaded(ids).last_hidden_state, truth)
+
+
+class Scaled(nn.Module):
+    """A layer whose calibrated ``scale`` is extra state (get_extra_state), not a tensor."""
+
+    def __init__(self, scale=1.0) -> None:
+        super().__init__()
+        self.lin, self.scale = nn.Linear(4, 8), scale
+
+    def get_extra_state(self):
+        return {"scale": self.scale}
+
+    def set_extra_state(self, state) -> None:
+        self.scale = state["scale"]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) * self.scale["factor"] if isinstance(self.scale, dict) else self.lin(x) * self.scale
+
+
+def _scaled(mode: str = "prelu", scale=1.0) -> nn.Module:
+    torch.manual_seed(0)
+    model = nn.Sequential(Scaled(scale), nn.ReLU(), nn.Linear(8, 3))
+    return linearize.convert(model, mode=mode, example_inputs=torch.randn(2, 4))
+
+
+@pytest.mark.parametrize("mode", ["prelu", "dgn"])
+def test_extra_state_of_a_module_loads_back_as_torch_state_dict_does(tmp_path, mode):
+    """A module's non-tensor extra state was left out of the save and the load kept the fresh model's (scale 1.0,
+    outputs 0.67 off, no word; dgn crashed with AttributeError). Truth: torch's own state_dict round trip."""
+    x = torch.randn(5, 4, generator=torch.Generator().manual_seed(1))
+    model = _scaled(mode, {"factor": 3.0})
+    torch_copy = _scaled(mode)
+    torch_copy.load_state_dict(model.state_dict())
+    linearize.save_pretrained(model, tmp_path)
+    loaded = linearize.from_pretrained(nn.Sequential(Scaled(), nn.ReLU(), nn.Linear(8, 3)), tmp_path,
+                                       example_inputs=torch.randn(2, 4))
+    with torch.no_grad():
+        assert torch.equal(loaded(x), torch_copy(x)) and torch.equal(loaded(x), model(x))
+    scales = [[m.scale for m in net.modules() if isinstance(m, Scaled)] for net in (loaded, torch_copy)]
+    assert scales[0] == scales[1] and {"factor": 3.0} in scales[0]
+
+
+def test_extra_state_that_is_not_json_data_is_refused_naming_the_module(tmp_path):
+    for scale in ((1.0, 2.0), {1: 2.0}, object()):  # a tuple and int keys read back as other values
+        model = _scaled()
+        model[0].scale = scale
+        with pytest.raises(ValueError, match=r"extra state of module '0' \(Scaled\).*not plain JSON data"):
+            linearize.save_pretrained(model, tmp_path)
+    assert not list(tmp_path.iterdir())
+
+
+def test_a_save_without_the_extra_state_the_model_holds_is_refused(tmp_path):
+    linearize.save_pretrained(_scaled(scale=3.0), tmp_path)
+    meta = manifest(tmp_path)
+    del meta["extra_state"]  # as a save before the extra state was kept
+    (tmp_path / CONFIG_NAME).write_text(json.dumps(meta))
+    with pytest.raises(linearize.LoadError, match=r"linearize_config.json: the model holds extra state "
+                                                  r"\(get_extra_state\) \['0._extra_state'\], the save \[\]"):
+        linearize.from_pretrained(nn.Sequential(Scaled(), nn.ReLU(), nn.Linear(8, 3)), tmp_path,
+                                  example_inputs=torch.randn(2, 4))
