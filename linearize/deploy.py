@@ -389,8 +389,23 @@ def _jsonable_dict(d: dict) -> dict:
 
 
 def _build_base(base: dict[str, Any], given: nn.Module | None, path: Path) -> nn.Module | None:
+    """The base model ``folded.json`` records (``given`` when passed); :class:`LoadError` naming ``path`` when its
+    builder refuses the recorded name or arguments."""
     if given is not None:
         return given
+    try:
+        return _build_recorded_base(base, path)
+    except (TypeError, ValueError, KeyError, RuntimeError) as err:
+        if isinstance(err, LoadError):
+            raise
+        raise LoadError(f"{path}: base {base.get('kind')} model {base.get('name', base.get('class'))!r} cannot be "
+                        f"built from its recorded arguments ({type(err).__name__}: {str(err).strip()[:200]}); the file "
+                        "was edited, or that library differs: pass the base, linearize.load_folded(directory, "
+                        "base=...)") from None
+
+
+def _build_recorded_base(base: dict[str, Any], path: Path) -> nn.Module | None:
+    """A fresh base model from its record in ``folded.json`` (None for ``"plain"``: the caller passes it)."""
     kind = base.get("kind")
     if kind == "transformers":
         transformers = require("transformers", what="a saved Hugging Face base model")
@@ -687,6 +702,55 @@ def _rebuild(meta: dict[str, Any], base: nn.Module | None, path: Path,
     return built[""]
 
 
+_RESERVED_KWARGS = {"torchvision": ("weights",), "timm": ("pretrained",)}  # set by load_folded: no weights fetched
+
+
+def _check_description(meta: dict[str, Any], path: Path) -> None:
+    """Raise :class:`LoadError` naming ``path`` and the field when ``folded.json``'s modules, base, probe or extra
+    state are not of the structure :func:`save_folded` writes (its top level checked already)."""
+
+    def bad(field: str, what: str) -> LoadError:
+        return LoadError(f"{path}: {field} {what}; the file is damaged or was edited: save the model again with "
+                         "linearize.save_folded(model, dir)")
+
+    names: set[str] = set()
+    for i, entry in enumerate(meta["modules"]):
+        field = f"modules[{i}]"
+        if not isinstance(entry, dict):
+            raise bad(field, f"is a {type(entry).__name__}, not an object")
+        for key, kind in (("name", str), ("class", str), ("children", list)):
+            if not isinstance(entry.get(key), kind):
+                noun = "string" if kind is str else "list"
+                raise bad(f"{field}.{key}", f"must be a {noun}, got {entry.get(key)!r:.80}")
+        if not all(isinstance(c, str) for c in entry["children"]):
+            raise bad(f"{field}.children", "must be a list of names")
+        if "args" in entry and not isinstance(entry["args"], dict):
+            raise bad(f"{field}.args", "must be an object")
+        if "origin" in entry and not isinstance(entry["origin"], str):
+            raise bad(f"{field}.origin", "must be a module path")
+        name = entry["name"]
+        if name in names or (i and name.rpartition(".")[0] not in names):
+            raise bad(f"{field}.name", f"{name!r} is a module named twice, or before its parent")
+        names.add(name)
+    base = meta.get("base")
+    if base is not None:
+        if not isinstance(base, dict):
+            raise bad("base", "must be an object")
+        kind = base.get("kind")
+        if kind in ("torchvision", "timm"):
+            kwargs = base.get("kwargs", {})
+            if not isinstance(base.get("name"), str) or not isinstance(kwargs, dict):
+                raise bad("base", f"of kind {kind} must hold a builder name and kwargs (an object)")
+            reserved = [k for k in _RESERVED_KWARGS[kind] if k in kwargs]
+            if reserved:
+                raise bad("base.kwargs", f"holds {reserved}, which load_folded sets itself (it fetches no weights)")
+        elif kind == "transformers" and not (isinstance(base.get("class"), str)
+                                             and isinstance(base.get("config"), dict)):
+            raise bad("base", "of kind transformers must hold a class name and a config (an object)")
+    if not isinstance(meta.get("probe", {}), (dict, type(None))):
+        raise bad("probe", "must be an object")
+
+
 def _read_folded(directory: Path, tries: int = 10) -> tuple[dict, bytes, Path]:
     """``folded.json``, checked, and the weights bytes it names (re-read when a concurrent save replaced the pair)."""
     path = directory / FOLDED_CONFIG
@@ -704,6 +768,7 @@ def _read_folded(directory: Path, tries: int = 10) -> tuple[dict, bytes, Path]:
         if not ok:
             raise LoadError(f"{path}: not a folded-model description of format {FORMAT_VERSION}; save it again with "
                             "linearize.save_folded(model, dir)")
+        _check_description(meta, path)
         w = meta.get("weights") if isinstance(meta.get("weights"), dict) else {}
         if not isinstance(w.get("file"), str) or not _WEIGHTS_FILE.fullmatch(w["file"]):
             raise LoadError(f"{path}: names no weights file of the form folded-<checksum>.safetensors; save the "

@@ -172,6 +172,46 @@ def test_unknown_classes_and_damage_are_refused(tmp_path):
         linearize.load_folded(tmp_path)
 
 
+@pytest.mark.parametrize("edit, match", [
+    (lambda j: j.__setitem__("base", True), r"base must be an object"),
+    (lambda j: j["modules"][0].__setitem__("class", None), r"modules\[0\]\.class must be a string"),
+    (lambda j: j["modules"][0].pop("class"), r"modules\[0\]\.class must be a string"),
+    (lambda j: j["modules"].__setitem__(1, None), r"modules\[1\] is a NoneType"),
+    (lambda j: j["modules"][1].pop("name"), r"modules\[1\]\.name must be a string"),
+    (lambda j: j["modules"][3].__setitem__("name", "x.y"), r"modules\[3\]\.name 'x\.y' is a module named twice, or "
+                                                            r"before its parent"),
+    (lambda j: j["modules"][0].__setitem__("args", ""), r"modules\[0\]\.args must be an object"),
+    (lambda j: j["modules"][1].pop("children"), r"modules\[1\]\.children must be a list"),
+    (lambda j: j["modules"][1].__setitem__("children", [{"a": [None]}]), r"modules\[1\]\.children must be a list "
+                                                                           r"of names"),
+    (lambda j: j["modules"][1].__setitem__("args", {"in_channels": {"a": [1]}}), r"module '0' .*bad arguments"),
+    (lambda j: j.__setitem__("probe", "yes"), r"probe must be an object"),
+    (lambda j: j.__setitem__("extra_state", []), r"not a folded-model description"),
+    (lambda j: j.__setitem__("base", {"kind": "torchvision", "name": "resnet18", "kwargs": [1]}),
+     r"base of kind torchvision must hold a builder name and kwargs"),
+    (lambda j: j.__setitem__("base", {"kind": "torchvision", "name": "resnet18", "kwargs": {"weights": "x"}}),
+     r"base\.kwargs holds \['weights'\]"),
+    (lambda j: j.__setitem__("base", {"kind": "torchvision", "name": "nosuchnet"}),
+     r"base torchvision model 'nosuchnet' cannot be built"),
+    (lambda j: j.__setitem__("base", {"kind": "timm", "name": "resnet18", "kwargs": {"pretrained": True}}),
+     r"base\.kwargs holds \['pretrained'\]"),
+    (lambda j: j.__setitem__("base", {"kind": "transformers", "class": "BertModel", "config": []}),
+     r"base of kind transformers must hold a class name and a config"),
+])
+def test_an_edited_folded_json_is_a_load_error_naming_the_file_and_field(tmp_path, edit, match):
+    """Each edit (the weights' checksum intact) raised a bare AttributeError, TypeError, KeyError or ValueError
+    that named no file."""
+    x = torch.randn(2, 3, 8, 8, generator=torch.Generator().manual_seed(0))
+    seq = _half_linear(nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(),
+                                     nn.Linear(4 * 6 * 6, 5)), x)
+    linearize.save_folded(seq, tmp_path, example_inputs=x)
+    meta = json.loads((tmp_path / "folded.json").read_text())
+    edit(meta)
+    (tmp_path / "folded.json").write_text(json.dumps(meta))
+    with pytest.raises(LoadError, match=r"folded\.json: " + match):
+        linearize.load_folded(tmp_path)
+
+
 @pytest.mark.parametrize("field, value", [("in_features", 10**12), ("out_features", 5)])
 def test_crafted_layer_arguments_are_refused_before_anything_is_allocated(tmp_path, monkeypatch, field, value):
     x = torch.randn(2, 3, 8, 8)
