@@ -49,7 +49,8 @@ import safetensors.torch
 import torch
 from torch import nn
 
-from ._files import MAX_JSON_BYTES, LoadError, atomic_write, parse_json, read_file, remove_stale, save_lock
+from ._files import (MAX_JSON_BYTES, LoadError, atomic_write, check_folder, parse_json, read_file, remove_stale,
+                     save_lock)
 from ._optional import require
 from .distributed import refuse_sharded
 from .activations import FUNCTIONAL_SPECS, FUNCTIONS_BY_NAME
@@ -606,6 +607,7 @@ def save_folded(model: nn.Module, directory: str | os.PathLike, *, builder: str 
             "weights": {"file": name, "bytes": len(data), "sha256": digest},
             "probe": {"saved": bool(probe_tensors), "why_not": no_probe}, **({"extra_state": extra} if extra else {})}
     directory = Path(directory)
+    check_folder(directory, "save_folded: directory")
     directory.mkdir(parents=True, exist_ok=True)
     with save_lock(directory) as outermost:
         atomic_write(directory / name, data)
@@ -755,6 +757,9 @@ def _read_folded(directory: Path, tries: int = 10) -> tuple[dict, bytes, Path]:
     """``folded.json``, checked, and the weights bytes it names (re-read when a concurrent save replaced the pair)."""
     path = directory / FOLDED_CONFIG
     if not path.is_file():
+        if (directory / "linearize_config.json").is_file():
+            raise FileNotFoundError(f"{directory} holds a linearize sidecar (linearize_config.json), not a folded save: "
+                                    "load it with linearize.from_pretrained(model, directory)")
         raise FileNotFoundError(f"{directory} has no {FOLDED_CONFIG}; write one with linearize.save_folded(model, dir)")
     for attempt in range(tries):
         text = read_file(path, MAX_JSON_BYTES, FOLDED_CONFIG)

@@ -266,7 +266,8 @@ def _unguarded_view(directory: Path, into: Path) -> Path:
     without load guards, so that transformers loads it the usual way (all its keyword arguments)."""
     for f in directory.iterdir():
         if f.name != HF_CONFIG:
-            (into / f.name).symlink_to(f.resolve(), target_is_directory=f.is_dir())
+            # not resolved: a link loop (or a broken link) among the files is read only if transformers asks for it
+            (into / f.name).symlink_to(f.absolute(), target_is_directory=f.is_dir())
     config = read_json(directory / HF_CONFIG, "Hugging Face config")
     (into / HF_CONFIG).write_text(json.dumps(_drop_guards(config)), encoding="utf-8")
     return into
@@ -282,7 +283,8 @@ def load_plain(cls: type, directory: Path, keys: list[str], kwargs: dict[str, An
     the load guard (links to the weights); a ``config=`` object is copied before its guard is lifted.
     """
     if not callable(getattr(cls, "from_pretrained", None)):
-        raise TypeError(f"linearize.from_pretrained got the class {cls.__name__}, which has no from_pretrained")
+        raise TypeError(f"linearize.from_pretrained got the class {cls.__name__}, which has no from_pretrained: "
+                        f"pass a freshly built instance, e.g. {cls.__name__}(), or a Hugging Face model class")
     if kwargs.get("config") is not None and not isinstance(kwargs["config"], (str, os.PathLike)):
         config = copy.deepcopy(kwargs["config"])  # the caller's object keeps its guard
         lift_guard(config)

@@ -60,7 +60,8 @@ import safetensors.torch
 import torch
 from torch import nn
 
-from ._files import MAX_JSON_BYTES, LoadError, atomic_write, parse_json, read_file, read_json, remove_stale, save_lock
+from ._files import (MAX_JSON_BYTES, LoadError, atomic_write, check_folder, parse_json, read_file, read_json,
+                     remove_stale, save_lock)
 from .config import LinearizeConfig
 from .distributed import refuse_sharded
 from .manifest import FORMAT_VERSION, clean_name as _clean, site_records as _sites
@@ -366,6 +367,7 @@ def save_pretrained(model: nn.Module, directory: str | os.PathLike, *, weights: 
         **({"extra_state": extra} if extra else {}),
     }
     directory = Path(directory)
+    check_folder(directory, "save_pretrained: directory")
     directory.mkdir(parents=True, exist_ok=True)
     with save_lock(directory) as outermost:
         existed = (directory / name).exists()  # the same tensors saved before: the old manifest may name it
@@ -620,6 +622,11 @@ def _load_checked(directory: Path) -> tuple[dict[str, Any], dict[str, torch.Tens
     ``"prelu"`` mode ``tensors`` are the units'; the model weights are the model's own weights a format 3
     save holds (``MODEL_PREFIX`` removed), None when it holds none."""
     if not (directory / CONFIG_NAME).is_file():
+        from .deploy import FOLDED_CONFIG
+
+        if (directory / FOLDED_CONFIG).is_file():
+            raise FileNotFoundError(f"{directory} holds a folded save ({FOLDED_CONFIG}), not a linearize sidecar: "
+                                    "load it with linearize.load_folded(directory)")
         raise FileNotFoundError(
             f"{directory} has no linearize sidecar ({CONFIG_NAME}); "
             "write one with linearize.save_pretrained(model, directory)"
@@ -707,6 +714,11 @@ def from_pretrained(model: nn.Module | type, directory: str | os.PathLike, examp
     from . import hf
     from .conversion import convert
 
+    if not isinstance(model, (nn.Module, type)):
+        fix = f"pass the model it builds, e.g. {model.__name__}()" if callable(model) and hasattr(model, "__name__") \
+            else "pass the freshly built, unconverted model"
+        raise TypeError(f"linearize.from_pretrained: model must be an nn.Module or a Hugging Face model class, got "
+                        f"{type(model).__name__} {model!r:.80}: {fix}")
     directory = Path(directory)
     if (directory / CONFIG_NAME).is_file() or not hf.has_manifest(directory):
         meta, tensors, state, path = _load_checked(directory)

@@ -218,3 +218,40 @@ def test_a_sidecar_older_than_the_hf_save_beside_it_is_refused(tmp_path):
     linearize.save_pretrained(model, tmp_path)  # both saved from the model in memory: the pair loads
     loaded = linearize.from_pretrained(transformers.BertModel, tmp_path).eval()
     assert torch.equal(loaded(input_ids=ids).last_hidden_state, model(input_ids=ids).last_hidden_state)
+
+
+def test_wrong_model_arguments_and_loaders_are_refused_naming_the_fix(tmp_path):
+    """A builder function instead of the model it builds, a save into a path that is a file, and each loader
+    given the other's folder: errors that name the input and the fix (they were bare AttributeErrors, a
+    'File exists' or a 'no linearize sidecar')."""
+    import torchvision
+
+    net = linearize.convert(nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2)), example_inputs=torch.randn(2, 3))
+    sidecar, folded, file = tmp_path / "sidecar", tmp_path / "folded", tmp_path / "notes.txt"
+    linearize.save_pretrained(net, sidecar)
+    linearize.save_folded(net, folded, example_inputs=torch.randn(2, 3))
+    file.write_text("")
+    with pytest.raises(TypeError, match=r"resnet18\(\)"):
+        linearize.from_pretrained(torchvision.models.resnet18, sidecar)
+    with pytest.raises(TypeError, match="nn.Module"):
+        linearize.from_pretrained(None, sidecar)
+    with pytest.raises(FileNotFoundError, match="load_folded"):
+        linearize.from_pretrained(nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2)), folded)
+    with pytest.raises(FileNotFoundError, match="from_pretrained"):
+        linearize.load_folded(sidecar)
+    for save in (lambda d: linearize.save_pretrained(net, d), lambda d: linearize.save_folded(net, d)):
+        with pytest.raises(NotADirectoryError, match="notes.txt is a file"):
+            save(file)
+    assert file.read_text() == ""
+
+
+def test_an_hf_folder_with_a_stray_link_loop_loads(tmp_path):
+    """A link loop beside the files (a bad sync) that transformers never reads made the load die with a bare
+    RuntimeError 'Symlink loop': the folder loads, with the saved outputs."""
+    transformers = pytest.importorskip("transformers")
+    _, ids, model = _tiny_bert(transformers)
+    model.save_pretrained(tmp_path)
+    (tmp_path / "notes.txt").symlink_to("notes.txt")  # links to itself
+    loaded = linearize.from_pretrained(transformers.BertModel, tmp_path).eval()
+    with torch.no_grad():
+        assert torch.equal(loaded(input_ids=ids).last_hidden_state, model(input_ids=ids).last_hidden_state)
