@@ -21,6 +21,7 @@ and a unit's input is ``[B, T, C]`` (channels last), the padded positions (mask 
 
 from __future__ import annotations
 
+import copy
 import math
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -28,6 +29,7 @@ from typing import Any, Iterator, Mapping
 
 import torch
 from torch import nn
+from torch.nn.utils import parametrize
 
 from .folding.layers import CONVS, dense_shape, dense_wb, is_dense, is_hf_conv1d, is_pointwise_conv
 from .inputs import Batches, call_model, eval_mode, hooks, model_device, num_rows
@@ -576,17 +578,20 @@ def one_shot(
 
     **Refit** (``refit=True``, default): one more pass over ``data`` gathers, per unit whose output is the
     whole input of one Linear / HF Conv1D / 1x1 conv (and nothing else's), the normal equations of the least
-    squares problem ``min ||u W'^T + c - act(x) W^T||^2 + r ||W' - W||^2`` over every position: ``u`` the
-    unit's new output (nonlinear channels ``act(x)``, linear ones their ends), ``act(x) W^T`` what the layer
-    computed from the original output; then ``W <- W'`` and the bias ``b <- b + c`` (no ``c`` for a layer
+    squares problem ``min ||u W'^T + c - v W^T||^2 + r ||W' - W||^2`` over every position: ``u`` the
+    unit's new output (nonlinear channels ``act(x)``, linear ones their ends), ``v W^T`` what the layer
+    computed from the unit's output before this call; then ``W <- W'`` and the bias ``b <- b + c`` (no ``c`` for a layer
     without bias), solved in float64, ``r`` = ``1e-3`` times the mean of ``u``'s squares (a ridge towards
-    the layer's own weights); a unit with no channel made linear leaves its layer as it is. A linear channel's contribution is affine in
+    the layer's own weights). The layers are refit one after the other in model order, each on the data as the
+    refits before it left the model (so a deep stack's refits make up for each other's errors: one pass per
+    refit layer). A unit that computes what it did leaves its layer as it is (``one_shot`` again changes nothing). A linear channel's contribution is affine in
     the FFN's input, so the refit finds the best passthrough (not only per-channel ends) and re-weights the
     nonlinear channels to make up for the others; the folded FLOPs do not change. Measured on MiniLM-L6
     (0.375x FFN FLOPs, no fine-tune): mean cosine to the original 0.90 without, 0.94 with it on 256
-    calibration sentences, 0.96 on 1,024 (:doc:`pruning`). Units feeding anything else, element units and
-    layers wider than 8,192 inputs (the normal equations take ``(C + 1)^2`` float64) are not refit; each site's
-    ``refit`` says which layer was, or why not.
+    calibration sentences, 0.96 on 1,024 (:doc:`pruning`). Units feeding anything else, element units, layers
+    wider than 8,192 inputs (the normal equations take ``(C + 1)^2`` float64), layers whose weight a hook or
+    parametrization computes (``weight_norm``, ``prune``) and weights tied to another module are not refit; each
+    site's ``refit`` says which layer was, or why not.
 
     Returns: ``{unit name: OneShotSite}``.
 
@@ -613,7 +618,8 @@ def one_shot(
             raise ValueError(f"flops must be a fraction in [0, 1] (of each FFN's FLOPs, its folded form's budget), "
                              f"got {flops!r}")
         named = _selected(model, units, "one_shot")
-        return _refit(model, data, named, _hybrid(model, data, float(flops), named, freeze), refit)
+        before = _snapshot(named, refit)
+        return _refit(model, data, named, _hybrid(model, data, float(flops), named, freeze), before)
     if flops is not None:
         raise ValueError(f"flops={flops!r} is the budget of end='hybrid'; end={end!r} takes target= (the fraction of "
                          "each unit's channels kept nonlinear)")
@@ -621,6 +627,7 @@ def one_shot(
     if isinstance(target, bool) or not isinstance(target, (int, float)) or not 0.0 <= target <= 1.0:
         raise ValueError(f"target must be a fraction in [0, 1] (of each unit's channels kept nonlinear), got {target!r}")
     named = _selected(model, units, "one_shot")
+    before = _snapshot(named, refit)
     given = dict(outgoing or {})
     unknown = sorted(set(given) - {n for n, _ in named})
     if unknown:
@@ -643,7 +650,7 @@ def one_shot(
             unit.set_linear_end(fit.alpha, fit.beta)
         _set_linear(unit, linear, freeze)
         result[name] = OneShotSite(linear, score, fit)
-    return _refit(model, data, named, result, refit)
+    return _refit(model, data, named, result, before)
 
 
 def _is_ffn_layer(m: nn.Module) -> bool:
@@ -760,11 +767,12 @@ _RIDGE = 1e-3
 
 class _Refit:
     """Hooks gathering, per unit, the normal equations of its consumer layer's least-squares refit (float64):
-    ``gram`` = ``U1^T U1`` and ``cross`` = ``U1^T (act(x) W^T)``, ``U1`` the unit's new output with a column of
-    ones; ``foreign``: units whose layer also took an input that was not the unit's output (not refit)."""
+    ``gram`` = ``U1^T U1`` and ``cross`` = ``U1^T (v W^T)``, ``U1`` the unit's new output with a column of
+    ones, ``v`` its output before :func:`one_shot` (``before``: copies of the units); ``foreign``: units whose
+    layer also took an input that was not the unit's output (not refit)."""
 
-    def __init__(self, layers: dict[str, nn.Module]) -> None:
-        self.layers = layers
+    def __init__(self, layers: dict[str, nn.Module], before: dict[str, LinearizableActivation]) -> None:
+        self.layers, self.before = layers, before
         self.weights = {name: dense_wb(layer)[0] for name, layer in layers.items()}  # before any change
         self.gram: dict[str, torch.Tensor] = {}
         self.cross: dict[str, torch.Tensor] = {}
@@ -780,7 +788,7 @@ class _Refit:
             # the unit's own forward (no hooks), channels last ([P, C]); a copy for an in-place unit
             new = unit.forward(rows.clone() if unit.inplace else rows).double()
             u1 = torch.cat([new, new.new_ones(new.shape[0], 1)], 1)
-            target = unit.activation(rows).double() @ self.weights[name].to(new.device).T
+            target = self.before[name].forward(rows.clone()).double() @ self.weights[name].to(new.device).T
             self.gram[name] = self.gram.get(name, 0) + u1.T @ u1
             self.cross[name] = self.cross.get(name, 0) + u1.T @ target
 
@@ -819,52 +827,92 @@ def _refit_target(name: str, unit: LinearizableActivation, rec_fed: list[tuple[n
 
 
 @torch.no_grad()
+def _snapshot(named: list[tuple[str, LinearizableActivation]], refit: bool) -> dict[str, LinearizableActivation] | None:
+    """Copies of the units as they are before :func:`one_shot` changes them (what the refit aims at), or None."""
+    return {name: copy.deepcopy(unit) for name, unit in named} if refit else None
+
+
+def _unchanged(unit: LinearizableActivation, before: LinearizableActivation) -> bool:
+    """Whether ``unit`` computes what ``before`` did: the same slopes, and the same linear ends wherever a slope
+    uses them (above 0; the identity is ``alpha = 1, beta = 0``)."""
+    if not torch.equal(unit.slope, before.slope):
+        return False
+    used = unit.slope.detach() != 0
+    ends = [u.linear_end or (torch.ones_like(u.slope), torch.zeros_like(u.slope)) for u in (unit, before)]
+    return all(torch.equal(a[used], b[used]) for a, b in zip(*ends))
+
+
+def _owners(model: nn.Module) -> dict[int, list[str]]:
+    """``{id(parameter): names of the modules holding it}`` (a weight tied between modules has several)."""
+    owners: dict[int, list[str]] = {}
+    for name, module in model.named_modules(remove_duplicate=False):
+        for p in module._parameters.values():
+            if p is not None and name not in owners.setdefault(id(p), []):
+                owners[id(p)].append(name)
+    return owners
+
+
+def _refit_layer(layer: nn.Module, owners: dict[int, list[str]]) -> str | None:
+    """Why ``layer`` may not be refit (its weight computed by a hook or parametrization, or shared), or None."""
+    if parametrize.is_parametrized(layer) or layer._forward_pre_hooks or any(
+            hasattr(layer, n) for n in ("weight_orig", "weight_g", "weight_v")):
+        return "its layer's weight is computed by a hook or parametrization (weight_norm, prune): not refit"
+    for p in (layer.weight, layer.bias):
+        held = owners.get(id(p), []) if p is not None else []
+        if len(held) > 1:
+            return f"its layer's parameters are shared with {held[1]!r}: not refit"
+    return None
+
+
+@torch.no_grad()
 def _refit(model: nn.Module, data: Any, named: list[tuple[str, LinearizableActivation]],
-           sites: dict[str, OneShotSite], refit: bool) -> dict[str, OneShotSite]:
-    """:func:`one_shot`'s refit of the layer each unit feeds (see its docstring); sets each site's ``refit``."""
-    if not refit:
+           sites: dict[str, OneShotSite], before: dict[str, LinearizableActivation] | None) -> dict[str, OneShotSite]:
+    """:func:`one_shot`'s refit of the layer each unit feeds (see its docstring), unit after unit in model order,
+    each on the data as the refits before it left the model; sets each site's ``refit``."""
+    if before is None:
         return sites
     with _recording(model, named, {n for n, _ in named}) as rec:  # which layer each unit's output feeds
         _run(model, data, rec)
         fed = dict(rec.fed)
-    layers = {}
+    owners, names = _owners(model), {id(m): n for n, m in model.named_modules()}
     for name, unit in named:
-        target = _refit_target(name, unit, fed.get(name, [])) if sites[name].linear.any() else \
-            "no channel made linear (not refit)"
+        target = _refit_target(name, unit, fed.get(name, []))
+        if _unchanged(unit, before[name]):
+            target = "the unit computes what it did (not refit)"
+        elif not isinstance(target, str):
+            target = _refit_layer(target, owners) or target
         if isinstance(target, str):
             sites[name].refit = target
-        else:
-            layers[name] = target
-    refits = _Refit(layers)
-    by_name = dict(named)
-    with hooks() as handles:
-        for name, layer in layers.items():
-            pre, post = refits.unit_hook(name, by_name[name])
-            handles += [by_name[name].register_forward_pre_hook(pre), by_name[name].register_forward_hook(post),
-                        layer.register_forward_pre_hook(refits.layer_hook(name))]
-        _run(model, data, refits)
-    names = {id(m): n for n, m in model.named_modules()}
-    for name, layer in layers.items():
-        unit = by_name[name]
-        if name in refits.foreign or name not in refits.gram:
-            sites[name].refit = "its layer takes other inputs too (not refit)" if name in refits.foreign else \
-                "no data reached it (not refit)"
             continue
-        gram, cross = refits.gram[name].clone(), refits.cross[name].clone()
-        bias = layer.bias is not None
-        if not bias:  # no intercept: the column of ones is left out
-            gram, cross = gram[:-1, :-1], cross[:-1]
-        k = unit.num_channels
-        ridge = _RIDGE * float(gram.diagonal()[:k].mean())  # towards the layer's own weights
-        gram.diagonal()[:k] += ridge
-        cross[:k] += ridge * refits.weights[name].to(cross.device).T
-        solution = torch.linalg.solve(gram, cross)
-        if not ridge > 0 or not bool(torch.isfinite(solution).all()):
-            sites[name].refit = "its input is 0 on the data (not refit)"
-            continue
-        _write_dense(layer, solution[:k].T, solution[k] if bias else None)
-        sites[name].refit = names.get(id(layer), type(layer).__name__)
+        refits = _Refit({name: target}, before)
+        with hooks() as handles:
+            pre, post = refits.unit_hook(name, unit)
+            handles += [unit.register_forward_pre_hook(pre), unit.register_forward_hook(post),
+                        target.register_forward_pre_hook(refits.layer_hook(name))]
+            _run(model, data, refits)
+        sites[name].refit = _solve(refits, name, unit, target) or names.get(id(target), type(target).__name__)
     return sites
+
+
+def _solve(refits: _Refit, name: str, unit: LinearizableActivation, layer: nn.Module) -> str | None:
+    """Write the refit of ``layer`` from the gathered normal equations; or why not (then nothing changes)."""
+    if name in refits.foreign:
+        return "its layer takes other inputs too (not refit)"
+    if name not in refits.gram:
+        return "no data reached it (not refit)"
+    gram, cross = refits.gram[name].clone(), refits.cross[name].clone()
+    bias = layer.bias is not None
+    if not bias:  # no intercept: the column of ones is left out
+        gram, cross = gram[:-1, :-1], cross[:-1]
+    k = unit.num_channels
+    ridge = _RIDGE * float(gram.diagonal()[:k].mean())  # towards the layer's own weights
+    gram.diagonal()[:k] += ridge
+    cross[:k] += ridge * refits.weights[name].to(cross.device).T
+    solution = torch.linalg.solve(gram, cross)
+    if not ridge > 0 or not bool(torch.isfinite(solution).all()):
+        return "its input is 0 on the data (not refit)"
+    _write_dense(layer, solution[:k].T, solution[k] if bias else None)
+    return None
 
 
 def _write_dense(layer: nn.Module, w: torch.Tensor, shift: torch.Tensor | None) -> None:
