@@ -57,11 +57,11 @@ from .activations import FUNCTIONAL_SPECS, FUNCTIONS_BY_NAME
 from .folding.layers import ORIGIN
 from .functional_sites import ATTR as FUNCTIONAL_ATTR, FunctionalSites, install_functional_sites
 from .hf import mark_folded
+from .manifest import CONFIG_NAME, FOLDED_CONFIG
 from .unit import ElementBlend, ElementPReLU
 
 __all__ = ["save_folded", "load_folded", "FOLDED_CONFIG", "folded_weights_name"]
 
-FOLDED_CONFIG = "folded.json"
 # the weights file: named by its checksum, so that a new save never overwrites the file an older
 # folded.json names (folded.safetensors: saves written before that)
 _WEIGHTS_FILE = re.compile(r"folded(-[0-9a-f]{16})?\.safetensors")
@@ -757,8 +757,8 @@ def _read_folded(directory: Path, tries: int = 10) -> tuple[dict, bytes, Path]:
     """``folded.json``, checked, and the weights bytes it names (re-read when a concurrent save replaced the pair)."""
     path = directory / FOLDED_CONFIG
     if not path.is_file():
-        if (directory / "linearize_config.json").is_file():
-            raise FileNotFoundError(f"{directory} holds a linearize sidecar (linearize_config.json), not a folded save: "
+        if (directory / CONFIG_NAME).is_file():
+            raise FileNotFoundError(f"{directory} holds a linearize sidecar ({CONFIG_NAME}), not a folded save: "
                                     "load it with linearize.from_pretrained(model, directory)")
         raise FileNotFoundError(f"{directory} has no {FOLDED_CONFIG}; write one with linearize.save_folded(model, dir)")
     for attempt in range(tries):

@@ -7,6 +7,9 @@ from torch import nn
 
 from .unit import units
 
+CONFIG_NAME = "linearize_config.json"  # the sidecar of save_pretrained
+FOLDED_CONFIG = "folded.json"  # the description of a save_folded model
+
 __all__ = ["FORMAT_VERSION", "clean_name", "site_records"]
 
 FORMAT_VERSION = 2

@@ -64,12 +64,11 @@ from ._files import (MAX_JSON_BYTES, LoadError, atomic_write, check_folder, pars
                      remove_stale, save_lock)
 from .config import LinearizeConfig
 from .distributed import refuse_sharded
-from .manifest import FORMAT_VERSION, clean_name as _clean, site_records as _sites
+from .manifest import CONFIG_NAME, FOLDED_CONFIG, FORMAT_VERSION, clean_name as _clean, site_records as _sites
 from .unit import units
 
 __all__ = ["save_pretrained", "from_pretrained", "load_unit_tensors", "unwrap_model", "LoadError", "UnitsOnlyWarning"]
 
-CONFIG_NAME = "linearize_config.json"
 LEGACY_WEIGHTS_NAME = "linearize_units.safetensors"  # format 1: a fixed name, no checksum
 SIDECAR_FORMAT = 3  # format 2 (manifest.FORMAT_VERSION, still that of an HF config.json) + "base"
 MODEL_PREFIX = "__linearize_model__."  # the model's own weights in the tensor file of a format 3 save
@@ -622,8 +621,6 @@ def _load_checked(directory: Path) -> tuple[dict[str, Any], dict[str, torch.Tens
     ``"prelu"`` mode ``tensors`` are the units'; the model weights are the model's own weights a format 3
     save holds (``MODEL_PREFIX`` removed), None when it holds none."""
     if not (directory / CONFIG_NAME).is_file():
-        from .deploy import FOLDED_CONFIG
-
         if (directory / FOLDED_CONFIG).is_file():
             raise FileNotFoundError(f"{directory} holds a folded save ({FOLDED_CONFIG}), not a linearize sidecar: "
                                     "load it with linearize.load_folded(directory)")
