@@ -587,8 +587,8 @@ def one_shot(
     refit layer). A unit that computes what it did leaves its layer as it is (``one_shot`` again changes nothing). A linear channel's contribution is affine in
     the FFN's input, so the refit finds the best passthrough (not only per-channel ends) and re-weights the
     nonlinear channels to make up for the others; the folded FLOPs do not change. Measured on MiniLM-L6
-    (0.375x FFN FLOPs, no fine-tune): mean cosine to the original 0.90 without, 0.94 with it on 256
-    calibration sentences, 0.96 on 1,024 (:doc:`pruning`). Units feeding anything else, element units, layers
+    (0.375x FFN FLOPs, 1,024 calibration sentences, no fine-tune): mean cosine to the original 0.90 without,
+    0.96 with it (``recipes/benchmarks/hybrid_one_shot.py``). Units feeding anything else, element units, layers
     wider than 8,192 inputs (the normal equations take ``(C + 1)^2`` float64), layers whose weight a hook or
     parametrization computes (``weight_norm``, ``prune``) and weights tied to another module are not refit; each
     site's ``refit`` says which layer was, or why not.
