@@ -182,8 +182,9 @@ def load_extra_states(model: nn.Module, extra: dict[str, Any], path: Path) -> No
         raise LoadError(f"{path}: the model holds extra state (get_extra_state) {want[:5]}, the save "
                         f"{sorted(extra)[:5]}: another architecture, or a save by a linearize that dropped it. Build "
                         "the same architecture, or save the model again.")
-    try:
-        model.load_state_dict(extra, strict=False)
+    try:  # each module's own set_extra_state (a load_state_dict would run every module's versioned loading)
+        for key, value in extra.items():
+            model.get_submodule(key.rpartition(".")[0]).set_extra_state(value)
     except Exception as err:  # noqa: BLE001 -- the module's own set_extra_state refusing a saved value
         raise LoadError(f"{path}: set_extra_state refused the saved extra state ({type(err).__name__}: "
                         f"{str(err).strip()[:200]}); the file was edited, or the module changed since the save. "
