@@ -766,47 +766,41 @@ _RIDGE = 1e-3
 
 
 class _Refit:
-    """Hooks gathering, per unit, the normal equations of its consumer layer's least-squares refit (float64):
+    """Hooks gathering the normal equations of the least-squares refit of the layer ``unit`` feeds (float64):
     ``gram`` = ``U1^T U1`` and ``cross`` = ``U1^T (v W^T)``, ``U1`` the unit's new output with a column of
-    ones, ``v`` its output before :func:`one_shot` (``before``: copies of the units); ``foreign``: units whose
-    layer also took an input that was not the unit's output (not refit)."""
+    ones, ``v`` the output of ``before`` (the unit as it was before :func:`one_shot`); ``foreign``: the layer
+    also took an input that was not the unit's output (not refit)."""
 
-    def __init__(self, layers: dict[str, nn.Module], before: dict[str, LinearizableActivation]) -> None:
-        self.layers, self.before = layers, before
-        self.weights = {name: dense_wb(layer)[0] for name, layer in layers.items()}  # before any change
-        self.gram: dict[str, torch.Tensor] = {}
-        self.cross: dict[str, torch.Tensor] = {}
-        self.outputs: dict[str, torch.Tensor] = {}
-        self.foreign: set[str] = set()
+    def __init__(self, unit: LinearizableActivation, layer: nn.Module, before: LinearizableActivation) -> None:
+        self.unit, self.layer, self.before = unit, layer, before
+        self.weight = dense_wb(layer)[0]  # before any change
+        self.gram: torch.Tensor | None = None
+        self.cross: torch.Tensor | None = None
+        self.output: torch.Tensor | None = None
+        self.foreign = False
         self.mask: torch.Tensor | None = None
 
-    def unit_hook(self, name: str, unit: LinearizableActivation):
-        def pre(mod, args):
-            rows = _unit_rows(unit, args[0].detach(), self.mask) if mod is unit else None
-            if rows is None:
-                return
-            # the unit's own forward (no hooks), channels last ([P, C]); a copy for an in-place unit
-            new = unit.forward(rows.clone() if unit.inplace else rows).double()
-            u1 = torch.cat([new, new.new_ones(new.shape[0], 1)], 1)
-            target = self.before[name].forward(rows.clone()).double() @ self.weights[name].to(new.device).T
-            self.gram[name] = self.gram.get(name, 0) + u1.T @ u1
-            self.cross[name] = self.cross.get(name, 0) + u1.T @ target
+    def unit_pre(self, mod, args) -> None:
+        rows = _unit_rows(self.unit, args[0].detach(), self.mask) if mod is self.unit else None
+        if rows is None:
+            return
+        # the units' own forward (no hooks), channels last ([P, C]); a copy for an in-place unit
+        new = self.unit.forward(rows.clone() if self.unit.inplace else rows).double()
+        u1 = torch.cat([new, new.new_ones(new.shape[0], 1)], 1)
+        target = self.before.forward(rows.clone()).double() @ self.weight.to(new.device).T
+        self.gram = u1.T @ u1 if self.gram is None else self.gram + u1.T @ u1
+        self.cross = u1.T @ target if self.cross is None else self.cross + u1.T @ target
 
-        def post(mod, args, out):
-            if mod is unit:
-                self.outputs[name] = out  # held until the batch ends: its id is not reused
+    def unit_post(self, mod, args, out) -> None:
+        if mod is self.unit:
+            self.output = out  # held until the batch ends: its id is not reused
 
-        return pre, post
-
-    def layer_hook(self, name: str):
-        def pre(mod, args):
-            out = self.outputs.get(name)
-            if mod is self.layers[name] and (out is None or not args or args[0] is not out):
-                self.foreign.add(name)
-        return pre
+    def layer_pre(self, mod, args) -> None:
+        if mod is self.layer and (self.output is None or not args or args[0] is not self.output):
+            self.foreign = True
 
     def clear(self) -> None:
-        self.outputs.clear()
+        self.output = None
 
 
 def _refit_target(name: str, unit: LinearizableActivation, rec_fed: list[tuple[nn.Module, int]]) -> nn.Module | str:
@@ -884,30 +878,30 @@ def _refit(model: nn.Module, data: Any, named: list[tuple[str, LinearizableActiv
         if isinstance(target, str):
             sites[name].refit = target
             continue
-        refits = _Refit({name: target}, before)
+        refits = _Refit(unit, target, before[name])
         with hooks() as handles:
-            pre, post = refits.unit_hook(name, unit)
-            handles += [unit.register_forward_pre_hook(pre), unit.register_forward_hook(post),
-                        target.register_forward_pre_hook(refits.layer_hook(name))]
+            handles += [unit.register_forward_pre_hook(refits.unit_pre), unit.register_forward_hook(refits.unit_post),
+                        target.register_forward_pre_hook(refits.layer_pre)]
             _run(model, data, refits)
-        sites[name].refit = _solve(refits, name, unit, target) or names.get(id(target), type(target).__name__)
+        sites[name].refit = _solve(refits) or names.get(id(target), type(target).__name__)
     return sites
 
 
-def _solve(refits: _Refit, name: str, unit: LinearizableActivation, layer: nn.Module) -> str | None:
-    """Write the refit of ``layer`` from the gathered normal equations; or why not (then nothing changes)."""
-    if name in refits.foreign:
+def _solve(refits: _Refit) -> str | None:
+    """Write the refit of the layer from the gathered normal equations; or why not (then nothing changes)."""
+    if refits.foreign:
         return "its layer takes other inputs too (not refit)"
-    if name not in refits.gram:
+    if refits.gram is None:
         return "no data reached it (not refit)"
-    gram, cross = refits.gram[name].clone(), refits.cross[name].clone()
+    layer = refits.layer
+    gram, cross = refits.gram.clone(), refits.cross.clone()
     bias = layer.bias is not None
     if not bias:  # no intercept: the column of ones is left out
         gram, cross = gram[:-1, :-1], cross[:-1]
-    k = unit.num_channels
+    k = refits.unit.num_channels
     ridge = _RIDGE * float(gram.diagonal()[:k].mean())  # towards the layer's own weights
     gram.diagonal()[:k] += ridge
-    cross[:k] += ridge * refits.weights[name].to(cross.device).T
+    cross[:k] += ridge * refits.weight.to(cross.device).T
     solution = torch.linalg.solve(gram, cross)
     if not ridge > 0 or not bool(torch.isfinite(solution).all()):
         return "its input is 0 on the data (not refit)"
