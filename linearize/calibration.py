@@ -38,7 +38,7 @@ from .unit import LinearizableActivation, require_units
 
 __all__ = ["fit_linear_ends", "one_shot", "LinearEndFit", "OneShotSite", "FFNPlan", "RunningFit"]
 
-_ENDS = ("affine", "identity", "hybrid")
+_ENDS = ("affine", "identity", "constant", "hybrid")
 
 
 @dataclass
@@ -470,7 +470,9 @@ class FFNPlan:
     ``"linear"`` mode, against ``2 (d_in m + m d_out)``; ``errors``: each mode's measured calibration error
     (the mean over positions of the squared change of the second layer's output when that mode's channels
     all compute their ends, the others unchanged; ``None`` for ``"linear"`` where its passthrough alone is
-    over the budget); ``d_in``, ``d_out``: the FFN's input and output widths.
+    over the budget); ``d_in``, ``d_out``: the FFN's input and output widths; ``refit_errors``: with the refit,
+    each mode's error after the refit of the second layer (on the data as the refits before it left the model),
+    on which the mode was chosen; None where the FFN was not refit (the mode chosen on ``errors``).
     """
 
     mode: str
@@ -479,6 +481,7 @@ class FFNPlan:
     errors: dict[str, float | None]
     d_in: int
     d_out: int
+    refit_errors: dict[str, float | None] | None = None
 
 
 @dataclass
@@ -535,8 +538,11 @@ def one_shot(
     ``score_c = E[(act(x_c) - end(x_c))^2] * ||W[:, c]||^2`` (the squared norm of the channel's outgoing
     weights, over every output and kernel tap), with ``E`` the mean over the calibration positions and
     ``end`` the channel's least-squares affine fit (``end="affine"``: :func:`fit_linear_ends`, and every
-    unit gets the fitted ends) or the identity (``end="identity"``: today's linear end, ends left as they
-    are). For a dense layer this is exactly the expected squared change of its output from that channel
+    unit gets the fitted ends), the identity (``end="identity"``: today's linear end, ends left as they
+    are) or the channel's mean (``end="constant"``: ``alpha = 0, beta = E[act(x)]`` as fixed buffers, so the
+    score is ``Var[act(x_c)] * ||W[:, c]||^2``; fold removes those channels and adds their means to the next
+    layer's bias: structured pruning with mean compensation, and with the refit below, pruning with a
+    reconstruction of the next layer). For a dense layer this is exactly the expected squared change of its output from that channel
     alone; channels are scored one at a time (their errors' correlations are ignored), and for a conv
     the residual is taken as uncorrelated across positions.
 
@@ -555,18 +561,18 @@ def one_shot(
     scored as ``end="affine"``) and **removed** (no passthrough; the most nonlinear channels, the others at
     their mean ``alpha = 0, beta = E[act(x)]``, scored by ``Var[act(x_c)] * ||W[:, c]||^2``). A second pass over
     ``data`` measures each plan's error, the mean squared change of the FFN's output with all of its channels
-    replaced together, and the FFN takes the lower (the removed plan on a tie). A removed FFN's ``alpha`` does
-    not train (``requires_grad=False``), so a fine-tune keeps its channels constants and its FLOPs; the plan is
-    in each site's ``plan`` (:class:`FFNPlan`). That flag is not saved: after :func:`linearize.from_pretrained`
-    set it again (``unit.alpha.requires_grad_(False)`` on the units whose ``alpha`` is all 0) before a
-    fine-tune, or ``fold`` puts the passthrough back once ``alpha`` moves.
+    replaced together, and the FFN takes the lower (the removed plan on a tie); with the refit (below),
+    each refit FFN chooses again, on each plan's error after its own refit (pruning with a reconstruction of the
+    second layer is then the removed plan's special case). A removed FFN's ends are fixed buffers
+    (``set_linear_end(..., trainable=False)``, which save and load keep), so a fine-tune keeps its channels
+    constants and its FLOPs; the plan is in each site's ``plan`` (:class:`FFNPlan`).
 
     Args:
         model: a converted model (``linearize.convert``); changed in place.
         data: calibration data (the forms of :func:`fit_linear_ends`).
         target: fraction of each unit's channels left nonlinear, in ``[0, 1]`` (default 0.25; not with
             ``end="hybrid"``).
-        end: ``"affine"`` (default), ``"identity"`` or ``"hybrid"``.
+        end: ``"affine"`` (default), ``"identity"``, ``"constant"`` or ``"hybrid"``.
         units: names of the units to linearize (default: all).
         outgoing: ``{unit name: [C] squared outgoing-weight norms}`` for units whose output does not feed
             one Linear / Conv1D / conv layer directly (then they are not looked up; not with ``"hybrid"``).
@@ -619,7 +625,8 @@ def one_shot(
                              f"got {flops!r}")
         named = _selected(model, units, "one_shot")
         before = _snapshot(named, refit)
-        return _refit(model, data, named, _hybrid(model, data, float(flops), named, freeze), before)
+        sites, options = _hybrid(model, data, float(flops), named, freeze)
+        return _refit(model, data, named, sites, before, options, freeze)
     if flops is not None:
         raise ValueError(f"flops={flops!r} is the budget of end='hybrid'; end={end!r} takes target= (the fraction of "
                          "each unit's channels kept nonlinear)")
@@ -642,12 +649,14 @@ def one_shot(
                 raise ValueError(f"one_shot: outgoing[{name!r}] must have shape [{unit.num_channels}], "
                                  f"got {tuple(norms.shape)}")
             fit.outgoing = norms
-        residual = fit.residual if end == "affine" else fit.identity_residual
+        residual = {"affine": fit.residual, "identity": fit.identity_residual, "constant": fit.variance}[end]
         score = residual * fit.outgoing
         keep = 0 if target == 0 else max(1, round(target * unit.num_channels))
         linear = _linear_channels(score, keep)
         if end == "affine":
             unit.set_linear_end(fit.alpha, fit.beta)
+        elif end == "constant":  # removed channels: their constants stay constants in a fine-tune
+            unit.set_linear_end(*_ends(fit, "removed"), trainable=False)
         _set_linear(unit, linear, freeze)
         result[name] = OneShotSite(linear, score, fit)
     return _refit(model, data, named, result, before)
@@ -725,21 +734,30 @@ class _ModeErrors:
                 for name, by_mode in self.sums.items()}
 
 
+_Options = dict[str, dict[str, tuple[OneShotSite, torch.Tensor, torch.Tensor]]]
+
+
 def _hybrid(model: nn.Module, data: Any, flops: float, named: list[tuple[str, LinearizableActivation]],
-            freeze: bool) -> dict[str, OneShotSite]:
-    """``one_shot(end="hybrid")``: per FFN, the linear or the removed plan, whichever errs less on ``data``."""
+            freeze: bool) -> tuple[dict[str, OneShotSite], _Options]:
+    """``one_shot(end="hybrid")``: per FFN, the linear or the removed plan, whichever errs less on ``data``; and
+    every FFN's plans, ``{unit name: {mode: (site, alpha, beta)}}``, for the refit to choose again."""
     fits, rec = _calibrate(model, data, named, consumers={n for n, _ in named}, producers=True)
-    weights, modes, scores, shapes = {}, {}, {}, {}
+    weights, modes, options = {}, {}, {}
     for name, unit in named:
         fit = fits[name]
         first, second = _ffn_layers(name, unit, rec, fit)
         d_in, d_out = dense_shape(first)[1], dense_shape(second)[0]
-        shapes[name] = (d_in, d_out)
         weights[name] = dense_wb(second)[0]
-        modes[name], scores[name] = {}, {}
+        modes[name], options[name] = {}, {}
         for mode, keep in _plans(d_in, unit.num_channels, d_out, flops).items():
-            scores[name][mode] = (fit.residual if mode == "linear" else fit.variance) * fit.outgoing
-            modes[name][mode] = (_linear_channels(scores[name][mode], keep), *_ends(fit, mode))
+            score = (fit.residual if mode == "linear" else fit.variance) * fit.outgoing
+            linear = _linear_channels(score, keep)
+            alpha, beta = _ends(fit, mode)
+            n = int((~linear).sum())
+            plan = FFNPlan(mode, 2 * (n * (d_in + d_out) + (d_in * d_out if mode == "linear" else 0)),
+                           2 * unit.num_channels * (d_in + d_out), {}, d_in, d_out)
+            modes[name][mode] = (linear, alpha, beta)
+            options[name][mode] = (OneShotSite(linear, score, fit, plan), alpha, beta)
     measured = _ModeErrors(weights, modes)
     with hooks() as handles:
         handles += [unit.register_forward_pre_hook(measured.hook(name, unit)) for name, unit in named]
@@ -747,18 +765,26 @@ def _hybrid(model: nn.Module, data: Any, flops: float, named: list[tuple[str, Li
     errors = measured.errors()
     result: dict[str, OneShotSite] = {}
     for name, unit in named:
-        err = errors[name]
-        mode = "linear" if "linear" in err and err["linear"] < err["removed"] else "removed"
-        linear, alpha, beta = modes[name][mode]
-        unit.set_linear_end(alpha, beta, trainable=mode == "linear")  # a removed FFN's constants stay constants
-        _set_linear(unit, linear, freeze)
-        d_in, d_out = shapes[name]
-        n = int((~linear).sum())
-        plan = FFNPlan(mode, 2 * (n * (d_in + d_out) + (d_in * d_out if mode == "linear" else 0)),
-                       2 * unit.num_channels * (d_in + d_out), {"linear": err.get("linear"), "removed": err["removed"]},
-                       d_in, d_out)
-        result[name] = OneShotSite(linear, scores[name][mode], fits[name], plan)
-    return result
+        err = {"linear": errors[name].get("linear"), "removed": errors[name]["removed"]}
+        for site, _, _ in options[name].values():
+            site.plan.errors = err
+        result[name] = _use_mode(unit, options[name][_lower(err)], freeze)
+    return result, options
+
+
+def _lower(errors: dict[str, float | None]) -> str:
+    """The mode with the lower error (``"removed"`` on a tie or where ``"linear"`` has none)."""
+    linear = errors.get("linear")
+    return "linear" if linear is not None and linear < errors["removed"] else "removed"
+
+
+def _use_mode(unit: LinearizableActivation, option: tuple[OneShotSite, torch.Tensor, torch.Tensor],
+              freeze: bool) -> OneShotSite:
+    """Set ``unit`` to one hybrid plan: its linear channels at ``a = 1`` with the plan's ends."""
+    site, alpha, beta = option
+    unit.set_linear_end(alpha, beta, trainable=site.plan.mode == "linear")  # a removed FFN's constants stay constants
+    _set_linear(unit, site.linear, freeze)
+    return site
 
 
 REFIT_MAX_INPUTS = 8192  # the normal equations of a wider layer ((C + 1)^2 float64) are not gathered
@@ -766,30 +792,43 @@ _RIDGE = 1e-3
 
 
 class _Refit:
-    """Hooks gathering the normal equations of the least-squares refit of the layer ``unit`` feeds (float64):
-    ``gram`` = ``U1^T U1`` and ``cross`` = ``U1^T (v W^T)``, ``U1`` the unit's new output with a column of
-    ones, ``v`` the output of ``before`` (the unit as it was before :func:`one_shot`); ``foreign``: the layer
-    also took an input that was not the unit's output (not refit)."""
+    """Hooks gathering the normal equations of the least-squares refit of the layer ``unit`` feeds (float64), per
+    option: ``gram`` = ``U1^T U1`` and ``cross`` = ``U1^T (v W^T)``, ``U1`` the unit's new output with a column of
+    ones, ``v`` the output of ``before`` (the unit as it was before :func:`one_shot`); ``energy``: the sum of
+    ``(v W^T)^2``, ``count``: the positions; ``foreign``: the layer also took an input that was not the unit's
+    output (not refit). ``options``: a hybrid FFN's plans, ``{mode: (linear, alpha, beta)}``, each gathered with
+    its linear channels at their ends; None: the unit's output as it is (key None)."""
 
-    def __init__(self, unit: LinearizableActivation, layer: nn.Module, before: LinearizableActivation) -> None:
-        self.unit, self.layer, self.before = unit, layer, before
+    def __init__(self, unit: LinearizableActivation, layer: nn.Module, before: LinearizableActivation,
+                 options: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None) -> None:
+        self.unit, self.layer, self.before, self.options = unit, layer, before, options
         self.weight = dense_wb(layer)[0]  # before any change
-        self.gram: torch.Tensor | None = None
-        self.cross: torch.Tensor | None = None
+        self.gram: dict[str | None, torch.Tensor] = {}
+        self.cross: dict[str | None, torch.Tensor] = {}
+        self.energy, self.count = 0.0, 0
         self.output: torch.Tensor | None = None
         self.foreign = False
         self.mask: torch.Tensor | None = None
+
+    def _outputs(self, rows: torch.Tensor) -> dict[str | None, torch.Tensor]:
+        """The unit's new output of ``rows`` ([P, C], float64) per option."""
+        if self.options is None:  # the units' own forward (no hooks); a copy for an in-place unit
+            return {None: self.unit.forward(rows.clone() if self.unit.inplace else rows).double()}
+        x, y = rows.double(), self.unit.activation(rows.clone()).double()
+        return {mode: torch.where(linear.to(x.device), alpha.to(x.device) * x + beta.to(x.device), y)
+                for mode, (linear, alpha, beta) in self.options.items()}
 
     def unit_pre(self, mod, args) -> None:
         rows = _unit_rows(self.unit, args[0].detach(), self.mask) if mod is self.unit else None
         if rows is None:
             return
-        # the units' own forward (no hooks), channels last ([P, C]); a copy for an in-place unit
-        new = self.unit.forward(rows.clone() if self.unit.inplace else rows).double()
-        u1 = torch.cat([new, new.new_ones(new.shape[0], 1)], 1)
-        target = self.before.forward(rows.clone()).double() @ self.weight.to(new.device).T
-        self.gram = u1.T @ u1 if self.gram is None else self.gram + u1.T @ u1
-        self.cross = u1.T @ target if self.cross is None else self.cross + u1.T @ target
+        target = self.before.forward(rows.clone()).double() @ self.weight.to(rows.device).T
+        self.energy += float((target * target).sum())
+        self.count += rows.shape[0]
+        for key, new in self._outputs(rows).items():
+            u1 = torch.cat([new, new.new_ones(new.shape[0], 1)], 1)
+            self.gram[key] = u1.T @ u1 + self.gram.get(key, 0)
+            self.cross[key] = u1.T @ target + self.cross.get(key, 0)
 
     def unit_post(self, mod, args, out) -> None:
         if mod is self.unit:
@@ -860,9 +899,11 @@ def _refit_layer(layer: nn.Module, owners: dict[int, list[str]]) -> str | None:
 
 @torch.no_grad()
 def _refit(model: nn.Module, data: Any, named: list[tuple[str, LinearizableActivation]],
-           sites: dict[str, OneShotSite], before: dict[str, LinearizableActivation] | None) -> dict[str, OneShotSite]:
+           sites: dict[str, OneShotSite], before: dict[str, LinearizableActivation] | None,
+           options: _Options | None = None, freeze: bool = True) -> dict[str, OneShotSite]:
     """:func:`one_shot`'s refit of the layer each unit feeds (see its docstring), unit after unit in model order,
-    each on the data as the refits before it left the model; sets each site's ``refit``."""
+    each on the data as the refits before it left the model; sets each site's ``refit``. With a hybrid's
+    ``options``, each refit FFN takes the plan whose refit errs less (then ``plan.refit_errors``)."""
     if before is None:
         return sites
     with _recording(model, named, {n for n, _ in named}) as rec:  # which layer each unit's output feeds
@@ -878,35 +919,54 @@ def _refit(model: nn.Module, data: Any, named: list[tuple[str, LinearizableActiv
         if isinstance(target, str):
             sites[name].refit = target
             continue
-        refits = _Refit(unit, target, before[name])
+        plans = options.get(name) if options else None
+        refits = _Refit(unit, target, before[name],
+                        None if plans is None else {m: (s.linear, a, b) for m, (s, a, b) in plans.items()})
         with hooks() as handles:
             handles += [unit.register_forward_pre_hook(refits.unit_pre), unit.register_forward_hook(refits.unit_post),
                         target.register_forward_pre_hook(refits.layer_pre)]
             _run(model, data, refits)
-        sites[name].refit = _solve(refits) or names.get(id(target), type(target).__name__)
+        solved = {key: _solve(refits, key) for key in refits.gram} or {None: "no data reached it (not refit)"}
+        reason = next((s for s in solved.values() if isinstance(s, str)), None)
+        if reason is None and plans is not None:  # choose the plan again, on its error after the refit
+            errors = {mode: solved[mode][1] if mode in solved else None for mode in ("linear", "removed")}
+            mode = _lower(errors)
+            if mode != sites[name].plan.mode:
+                unit.slope.copy_(before[name].slope)
+                unit.frozen.copy_(before[name].frozen)
+                sites[name] = _use_mode(unit, plans[mode], freeze)
+            for site, _, _ in plans.values():
+                site.plan.refit_errors = errors
+            solved = {None: solved[mode]}
+        if reason is not None:
+            sites[name].refit = reason
+            continue
+        weight, _ = next(iter(solved.values()))
+        _write_dense(target, weight[:unit.num_channels].T,
+                     weight[unit.num_channels] if target.bias is not None else None)
+        sites[name].refit = names.get(id(target), type(target).__name__)
     return sites
 
 
-def _solve(refits: _Refit) -> str | None:
-    """Write the refit of the layer from the gathered normal equations; or why not (then nothing changes)."""
+def _solve(refits: _Refit, key: str | None) -> tuple[torch.Tensor, float] | str:
+    """The refit of option ``key`` from the gathered normal equations: the solution (``[C (+1), out]``: the
+    weights, transposed, and the bias shift where the layer has a bias) and its error (the mean over positions
+    of the squared change of the layer's output from its target), or why there is none."""
     if refits.foreign:
         return "its layer takes other inputs too (not refit)"
-    if refits.gram is None:
-        return "no data reached it (not refit)"
-    layer = refits.layer
-    gram, cross = refits.gram.clone(), refits.cross.clone()
-    bias = layer.bias is not None
-    if not bias:  # no intercept: the column of ones is left out
+    gram, cross = refits.gram[key], refits.cross[key]
+    if refits.layer.bias is None:  # no intercept: the column of ones is left out
         gram, cross = gram[:-1, :-1], cross[:-1]
     k = refits.unit.num_channels
     ridge = _RIDGE * float(gram.diagonal()[:k].mean())  # towards the layer's own weights
-    gram.diagonal()[:k] += ridge
-    cross[:k] += ridge * refits.weight.to(cross.device).T
-    solution = torch.linalg.solve(gram, cross)
+    ridged, rhs = gram.clone(), cross.clone()
+    ridged.diagonal()[:k] += ridge
+    rhs[:k] += ridge * refits.weight.to(cross.device).T
+    solution = torch.linalg.solve(ridged, rhs)
     if not ridge > 0 or not bool(torch.isfinite(solution).all()):
         return "its input is 0 on the data (not refit)"
-    _write_dense(layer, solution[:k].T, solution[k] if bias else None)
-    return None
+    error = refits.energy - 2 * float((solution * cross).sum()) + float((solution * (gram @ solution)).sum())
+    return solution, max(error, 0.0) / max(refits.count, 1)
 
 
 def _write_dense(layer: nn.Module, w: torch.Tensor, shift: torch.Tensor | None) -> None:

@@ -9,6 +9,7 @@ import copy
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import linearize
@@ -80,12 +81,12 @@ def _block_inputs(net: nn.Sequential, x: torch.Tensor) -> list[torch.Tensor]:
 
 
 @pytest.mark.parametrize("flops", [0.3, 0.5, 0.75])
-def test_hybrid_picks_per_ffn_the_mode_with_the_lower_calibration_error(flops):
+def test_without_refit_hybrid_picks_per_ffn_the_mode_with_the_lower_calibration_error(flops):
     base = _two_blocks()
     x = torch.randn(600, 8, dtype=torch.float64)
     inputs = _block_inputs(base, x)
     net = linearize.convert(copy.deepcopy(base), example_inputs=x[:2])
-    sites = linearize.one_shot(net, x, end="hybrid", flops=flops)
+    sites = linearize.one_shot(net, x, end="hybrid", flops=flops, refit=False)
     modes = []
     for i, name in enumerate(("0.act", "1.act")):
         plan, site, unit = sites[name].plan, sites[name], net[i].act
@@ -107,6 +108,115 @@ def test_hybrid_picks_per_ffn_the_mode_with_the_lower_calibration_error(flops):
         modes.append(best)
     if flops == 0.5:  # the two regimes take the two modes: mostly-off channels are constants, mostly-on ones linear
         assert modes == ["removed", "linear"]
+
+
+def _mode_ends(block: Block, x: torch.Tensor, mode: str, keep: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A mode's (linear channels, alpha, beta) fitted on ``x`` by hand, as :func:`_mode_truth` chooses them."""
+    nonlinear, _ = _mode_truth(block, x, mode, keep)
+    with torch.no_grad():
+        h = block.fc1(x).double()
+        y = block.act(h)
+    alpha, beta = torch.zeros(h.shape[1], dtype=h.dtype), y.mean(0)
+    if mode == "linear":
+        for c in range(h.shape[1]):
+            a = np.stack([h[:, c].numpy(), np.ones(len(h))], 1)
+            alpha[c], beta[c] = map(float, np.linalg.lstsq(a, y[:, c].numpy(), rcond=None)[0])
+    return torch.tensor([c not in nonlinear for c in range(h.shape[1])]), alpha, beta
+
+
+def _ridge_refit(u: torch.Tensor, target: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, float]:
+    """The documented refit by brute force: ``lstsq`` of ``[u, 1]`` on ``target`` with ridge rows towards
+    ``weight`` (``1e-3`` times the mean of ``u``'s column squares); the solution and the mean squared residual."""
+    a = torch.cat([u, torch.ones(len(u), 1, dtype=u.dtype)], 1)
+    k = u.shape[1]
+    r = 1e-3 * float((u * u).sum(0).mean())
+    reg = torch.zeros(k, k + 1, dtype=u.dtype)
+    reg[:, :k] = r ** 0.5 * torch.eye(k, dtype=u.dtype)
+    sol = torch.linalg.lstsq(torch.cat([a, reg]), torch.cat([target, r ** 0.5 * weight.T])).solution
+    return sol, float(((a @ sol - target) ** 2).sum(1).mean())
+
+
+@pytest.mark.parametrize("flops", [0.3, 0.5, 0.75])
+def test_with_refit_each_ffn_takes_the_plan_whose_refit_errs_less(flops):
+    base = _two_blocks(2)
+    x = torch.randn(600, 8, dtype=torch.float64)
+    originals = _block_inputs(base, x)
+    net = linearize.convert(copy.deepcopy(base), example_inputs=x[:2])
+    sites = linearize.one_shot(net, x, end="hybrid", flops=flops)
+    current = x  # brute force, block by block: the second refit sees the first block as refit
+    for i, name in enumerate(("0.act", "1.act")):
+        block, plan = base[i], sites[name].plan
+        with torch.no_grad():
+            h = block.fc1(current)
+            y = F.gelu(h)
+        target, w2 = y @ block.fc2.weight.T, block.fc2.weight.detach()
+        truth = {}
+        for mode, keep in _budget_truth(8, 16, 8, flops).items():
+            linear, alpha, beta = _mode_ends(block, originals[i], mode, keep)  # chosen on the original's data
+            u = torch.where(linear, alpha * h + beta, y)
+            truth[mode] = (linear, u, *_ridge_refit(u, target, w2))
+        best = min(truth, key=lambda mode: (truth[mode][3], mode != "removed"))
+        assert plan.mode == best, (name, {m: t[3] for m, t in truth.items()})
+        for mode, (_, _, _, error) in truth.items():
+            assert plan.refit_errors[mode] == pytest.approx(error, rel=1e-6, abs=1e-12), (name, mode)
+        linear, u, sol, _ = truth[best]
+        assert torch.equal(sites[name].linear, linear) and sites[name].refit == f"{i}.fc2"
+        torch.testing.assert_close(net[i].fc2.weight, sol[:16].T, rtol=1e-8, atol=1e-10)
+        torch.testing.assert_close(net[i].fc2.bias, block.fc2.bias + sol[16], rtol=1e-8, atol=1e-10)
+        assert bool((net[i].act.linear_end[0] == 0).all()) == (best == "removed")
+        with torch.no_grad():
+            current = current + u @ net[i].fc2.weight.T + net[i].fc2.bias
+    with torch.no_grad():
+        torch.testing.assert_close(net(x), current, rtol=1e-9, atol=1e-9)
+
+
+def test_the_refit_changes_the_plan_where_a_removed_ffn_refits_better():
+    # channels 8-15 repeat channels 0-7 (outgoing weights 0.7x): removing them costs much before the refit (the linear
+    # plan errs less), nothing after it (the kept copies carry them); the linear plan keeps 4 channels nonlinear
+    torch.manual_seed(0)
+    x = torch.randn(500, 8, dtype=torch.float64)
+    base = Block(8, 16, 0.0).double()
+    with torch.no_grad():
+        rows = torch.nn.functional.normalize(torch.randn(8, 8, dtype=torch.float64), dim=1)
+        base.fc1.weight.copy_(torch.cat([rows, rows])), base.fc1.bias.zero_()
+        cols = torch.linalg.qr(torch.randn(8, 8, dtype=torch.float64))[0]
+        base.fc2.weight.copy_(torch.cat([cols, 0.7 * cols], 1))
+    net = linearize.convert(copy.deepcopy(base), example_inputs=x[:2])
+    before = linearize.one_shot(copy.deepcopy(net), x, end="hybrid", flops=0.5, refit=False)["act"].plan
+    site = linearize.one_shot(net, x, end="hybrid", flops=0.5)["act"]
+    assert before.mode == "linear" and site.plan.mode == "removed", (before.errors, site.plan.refit_errors)
+    assert torch.equal(site.linear, torch.arange(16) >= 8)
+    assert site.plan.refit_errors["removed"] < 1e-4 * site.plan.refit_errors["linear"]  # the ridge leaves a trace
+    with torch.no_grad():  # the reported error is the model's: one FFN plus the residual
+        error = float(((net(x) - base(x)) ** 2).sum(1).mean())
+    assert error == pytest.approx(site.plan.refit_errors["removed"], rel=1e-6)
+
+
+@pytest.mark.parametrize("refit", [False, True])
+def test_constant_ends_prune_the_lowest_variance_channels_and_fold_to_a_narrower_ffn(refit):
+    base = Block(8, 16, -1.0).double()
+    x = torch.randn(400, 8, dtype=torch.float64)
+    net = linearize.convert(copy.deepcopy(base), example_inputs=x[:2])
+    site = linearize.one_shot(net, x, target=0.25, end="constant", refit=refit)["act"]
+    with torch.no_grad():  # by hand: keep the 4 channels of highest Var[gelu(h)] * ||W2[:, c]||^2, the rest at the mean
+        y = F.gelu(base.fc1(x))
+        w2 = base.fc2.weight
+        kept = ((y.var(0, unbiased=False) * (w2 ** 2).sum(0)).argsort(descending=True)[:4]).sort().values
+        removed = torch.tensor([c for c in range(16) if c not in kept])
+        pruned = x + y[:, kept] @ w2[:, kept].T + base.fc2.bias + w2[:, removed] @ y[:, removed].mean(0)
+    assert torch.equal(site.linear, torch.isin(torch.arange(16), removed))
+    assert bool((net.act.linear_end[0] == 0).all()) and not any(p.requires_grad for p in net.act.linear_end)
+    with torch.no_grad():
+        out = net(x)
+    if refit:  # the reconstruction can only lower the error on its data
+        assert float(((out - base(x)) ** 2).mean()) < float(((pruned - base(x)) ** 2).mean())
+    else:
+        torch.testing.assert_close(out, pruned, rtol=1e-12, atol=1e-12)
+    folded = linearize.fold(copy.deepcopy(net).eval(), x, latency=False)
+    assert not any(isinstance(m, LinearWithPassthrough) for m in folded.modules())
+    assert linearize.count_flops(folded, x[:1]) == 2 * _macs(8, 4, 8, False)
+    with torch.no_grad():
+        torch.testing.assert_close(folded(x), out, rtol=0, atol=1e-12)
 
 
 @pytest.mark.parametrize("flops", [0.0, 0.3, 0.5, 1.0])

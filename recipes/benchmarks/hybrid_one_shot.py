@@ -9,13 +9,15 @@ students are brought to ``--flops`` (0.375x) of the FFN FLOPs, one-shot (no fine
   (``alpha = 0``, no passthrough), whichever changes the FFN's output less on the calibration data;
 - **affine**: ``linearize.one_shot(target=0.25)`` (384 nonlinear, affine ends, passthrough in every FFN), and the
   same without the refit of each FFN's second layer (``refit=False``);
-- **prune**: ``linearize.prune(keep=576, importance="magnitude")``.
+- **prune**: ``linearize.prune(keep=576, importance="magnitude")``, and pruning with mean compensation and the
+  refit (the reconstruction of post-training pruning): ``linearize.one_shot(end="constant", target=576/1536)``,
+  the removed plan in every FFN.
 
 Each student is folded or pruned into a real model whose FFN multiply-adds are counted (``affine_one_shot.ffn_flops``)
 and checked against the hybrid plan. Metrics on ``--test`` sentences against the original: mean cosine and the
-Spearman correlation of all pairwise similarities (``affine_one_shot.quality``). ``--steps N`` adds issue 37's
-user loop (AdamW 5e-5, N steps of 32 unseen sentences, cosine distillation) to the hybrid student, without a
-Sparsifier: its slopes stay frozen and its removed FFNs' ``alpha`` stays 0, so the folded FLOPs hold.
+Spearman correlation of all pairwise similarities (``affine_one_shot.quality``). ``--steps N`` then runs the
+user loop (AdamW 5e-5, N steps of 32 unseen sentences, cosine distillation) on every student but the one without
+refit, without a Sparsifier: slopes stay frozen and removed FFNs' ``alpha`` stays 0, so the folded FLOPs hold.
 
 Run: ``nice -n 10 python recipes/benchmarks/hybrid_one_shot.py --out recipes/results/hybrid_one_shot.json``
 """
@@ -65,7 +67,7 @@ def main(argv: list[str] | None = None) -> dict:
     sites = linearize.one_shot(hybrid, calib, end="hybrid", flops=args.flops)
     seconds = round(time.perf_counter() - start, 1)
     plan = {name: {"mode": s.plan.mode, "nonlinear": s.nonlinear, "flops_ratio": s.plan.flops / s.plan.flops_full,
-                   "errors": s.plan.errors} for name, s in sites.items()}
+                   "errors": s.plan.errors, "refit_errors": s.plan.refit_errors} for name, s in sites.items()}
     folded = linearize.fold(copy.deepcopy(hybrid).eval(), calib[0], latency=False)
     planned = sum(s.plan.flops for s in sites.values()) // 2  # multiply-adds per token, as ffn_flops counts
     if ffn_flops(folded) != planned:
@@ -77,7 +79,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     affine = linearize.convert(copy.deepcopy(teacher), target_modules=FFN_PATTERNS)
     linearize.one_shot(affine, calib, target=args.target)
-    affine_folded = linearize.fold(affine.eval(), calib[0], latency=False)
+    affine_folded = linearize.fold(copy.deepcopy(affine).eval(), calib[0], latency=False)
     rows["affine one-shot"] = {**quality(affine, test, reference), "ffn_flops_ratio": ffn_flops(affine_folded) / base}
     print("affine", rows["affine one-shot"], flush=True)
 
@@ -86,19 +88,33 @@ def main(argv: list[str] | None = None) -> dict:
     rows["affine one-shot, no refit"] = quality(plain, test, reference)
     print("affine, no refit", rows["affine one-shot, no refit"], flush=True)
 
+    # pruning with mean compensation and the reconstruction of each FFN's second layer: the removed plan everywhere
+    constant = linearize.convert(copy.deepcopy(teacher), target_modules=FFN_PATTERNS)
+    linearize.one_shot(constant, calib, target=args.keep / 1536, end="constant")
+    constant_folded = linearize.fold(copy.deepcopy(constant).eval(), calib[0], latency=False)
+    rows["prune (constant ends), refit, one-shot"] = {**quality(constant, test, reference),
+                                                      "ffn_flops_ratio": ffn_flops(constant_folded) / base}
+    print("constant ends, refit", rows["prune (constant ends), refit, one-shot"], flush=True)
+
     pruned = linearize.prune(copy.deepcopy(teacher), keep=args.keep, importance="magnitude", data=calib)
     rows["prune magnitude one-shot"] = {**quality(pruned, test, reference), "ffn_flops_ratio": ffn_flops(pruned) / base}
     print("prune magnitude", rows["prune magnitude one-shot"], flush=True)
     save(result, args.out)
 
-    if args.steps:
-        for name, unit in linearize.units(hybrid):  # the nonlinear channels stay at a = 0 too: one plan, one fine-tune
-            unit.freeze_(~sites[name].linear, 0.0)
-        loop = user_loop(hybrid, teacher, setup.train(args.steps), test, reference, args.steps, sparsify=False)
-        refolded = linearize.fold(hybrid.eval(), calib[0], latency=False)
-        rows[f"hybrid + {args.steps} steps"] = {**loop, "ffn_flops_ratio": ffn_flops(refolded) / base}
-        print("hybrid + loop", rows[f"hybrid + {args.steps} steps"], flush=True)
-        save(result, args.out)
+    if args.steps:  # the same loop for every student: frozen slopes, no Sparsifier, the folded FLOPs hold
+        students = {"hybrid": hybrid, "affine": affine, "prune (constant ends), refit": constant,
+                    "prune magnitude": pruned}
+        for label, student in students.items():
+            for _, unit in linearize.units(student):  # the nonlinear channels stay at a = 0 too: one plan
+                unit.freeze_(~unit.linear_mask(), 0.0)
+            start = time.perf_counter()
+            loop = user_loop(student, teacher, setup.train(args.steps), test, reference, args.steps, sparsify=False)
+            small = student if label == "prune magnitude" else \
+                linearize.fold(copy.deepcopy(student).eval(), calib[0], latency=False)
+            rows[f"{label} + {args.steps} steps"] = {**loop, "ffn_flops_ratio": ffn_flops(small) / base,
+                                                    "seconds": round(time.perf_counter() - start, 1)}
+            print(label, "+ loop", rows[f"{label} + {args.steps} steps"], flush=True)
+            save(result, args.out)
     return result
 
 
