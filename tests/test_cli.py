@@ -351,6 +351,24 @@ def test_jsonl_records_not_of_the_expected_form_are_one_line_errors_naming_the_l
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("end", [b"\n", b"\r\n", b"\r"])
+def test_jsonl_records_end_at_any_line_end(tmp_path, text_model, cli_refusal, end):
+    """Unix, Windows and old-Mac line ends (a CR alone) give the same texts; an error names the same line."""
+    from transformers import AutoTokenizer
+
+    from linearize.cli import build_parser, readers
+
+    path = tmp_path / "texts.jsonl"
+    path.write_bytes(end.join([b'{"text": "a b c"}', b"", b'{"sentence": "d e"}', b""]))
+    args = build_parser().parse_args(_report_on(text_model, path, tmp_path / "out", "--max-length", "8"))
+    expected = AutoTokenizer.from_pretrained(text_model)(["a b c", "d e"], padding="max_length", max_length=8,
+                                                         return_tensors="pt")
+    assert torch.equal(readers.load_data(args, None, text_model)["input_ids"], expected["input_ids"])
+    path.write_bytes(end.join([b'{"text": "a b c"}', b"", b"[1]", b""]))
+    assert re.search(rf"error: {re.escape(str(path))}, line 3: a JSON list, not an object",
+                     cli_refusal(_report_on(text_model, path, tmp_path / "out")))
+
+
 @pytest.mark.parametrize("name", ["texts.jsonl", "texts.jsonl.gz"])
 def test_jsonl_reading_stops_after_the_records_used_and_at_the_byte_budget(tmp_path, text_model, cli_refusal,
                                                                              monkeypatch, name):

@@ -236,15 +236,20 @@ def _read_texts(path: Path, n: int, text_field: str | None) -> list[str]:
         while len(texts) < n:
             line = lines.readline(budget + 1)
             budget -= len(line)
-            if budget < 0:
+            if not line:
+                return texts
+            # old-Mac line ends (a CR alone) end records too: a JSON text holds no raw CR
+            records = line.replace(b"\r\n", b"\n").split(b"\r")
+            if records[-1] == b"" or budget < 0:  # after a final CR; or cut by the budget
+                records.pop()
+            for record in records:
+                number += 1
+                if record.strip() and len(texts) < n:
+                    texts.append(_record_text(record, text_field, f"{path}, line {number}"))
+            if budget < 0 and len(texts) < n:
                 raise ValueError(f"{path}: more than {MAX_TEXT_BYTES:,} bytes read before its first {n} records "
                                  "were found (a line without end, or a compressed file that expands without end): "
                                  "refusing to read on; give a JSONL file of one short record per line")
-            if not line:
-                return texts
-            number += 1
-            if line.strip():
-                texts.append(_record_text(line, text_field, f"{path}, line {number}"))
     return texts
 
 
