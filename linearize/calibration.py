@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import copy
 import math
+import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Iterator, Mapping
@@ -547,7 +548,9 @@ def one_shot(
     the residual is taken as uncorrelated across positions.
 
     The fraction is **per unit**: each unit keeps ``round(target * C)`` channels nonlinear (at least one
-    where ``target > 0``). Scores of different units are errors at different layers, which the rest of
+    where ``target > 0``). Channels already linear (``a = 1``) stay linear and the others are ranked, so a
+    second call on the same data keeps the same channels (a unit with fewer channels left than the target
+    keeps all of them, with a warning); ``end="hybrid"`` refuses a unit that has linear channels already. Scores of different units are errors at different layers, which the rest of
     the network amplifies differently, so ranking them against each other would not rank their effect on
     the model's output; a per-unit fraction also gives every FFN the same width, as the FLOP count of a
     fraction assumes. The nonlinear channels keep their slopes (0 after ``convert``).
@@ -590,7 +593,7 @@ def one_shot(
     without bias), solved in float64, ``r`` = ``1e-3`` times the mean of ``u``'s squares (a ridge towards
     the layer's own weights). The layers are refit one after the other in model order, each on the data as the
     refits before it left the model (so a deep stack's refits make up for each other's errors: one pass per
-    refit layer). A unit that computes what it did leaves its layer as it is (``one_shot`` again changes nothing). A linear channel's contribution is affine in
+    refit layer). A unit that computes what it did leaves its layer as it is (``one_shot`` again on a unit whose input did not change changes nothing). A linear channel's contribution is affine in
     the FFN's input, so the refit finds the best passthrough (not only per-channel ends) and re-weights the
     nonlinear channels to make up for the others; the folded FLOPs do not change. Measured on MiniLM-L6
     (0.375x FFN FLOPs, 1,024 calibration sentences, no fine-tune): mean cosine to the original 0.90 without,
@@ -607,7 +610,9 @@ def one_shot(
         >>> sites = linearize.one_shot(net, torch.randn(256, 4), target=0.25)
         >>> sites["1"].nonlinear, linearize.nonlinear_fraction(net)
         (2, 0.25)
-        >>> plan = linearize.one_shot(net, torch.randn(256, 4), end="hybrid", flops=0.5)["1"].plan
+        >>> fresh = linearize.convert(nn.Sequential(nn.Linear(4, 8), nn.GELU(), nn.Linear(8, 2)),
+        ...                           example_inputs=torch.randn(2, 4))
+        >>> plan = linearize.one_shot(fresh, torch.randn(256, 4), end="hybrid", flops=0.5)["1"].plan
         >>> plan.mode in ("linear", "removed"), plan.flops <= 0.5 * plan.flops_full
         (True, True)
     """
@@ -624,6 +629,11 @@ def one_shot(
             raise ValueError(f"flops must be a fraction in [0, 1] (of each FFN's FLOPs, its folded form's budget), "
                              f"got {flops!r}")
         named = _selected(model, units, "one_shot")
+        started = [n for n, u in named if bool(u.linear_mask(name=n).any())]
+        if started:
+            raise ValueError(f"one_shot(end='hybrid') plans every FFN from the start, and unit(s) {started[:3]} already "
+                             "have linear channels (a = 1), which its plans would change. Fix: run it on a freshly "
+                             "converted model (linearize.convert of the original)")
         before = _snapshot(named, refit)
         sites, options = _hybrid(model, data, float(flops), named, freeze)
         return _refit(model, data, named, sites, before, options, freeze)
@@ -641,6 +651,7 @@ def one_shot(
         raise ValueError(f"one_shot: outgoing names {unknown[:3]}, which are not units being linearized")
     fits, _ = _calibrate(model, data, named, consumers={n for n, _ in named if n not in given})
     result: dict[str, OneShotSite] = {}
+    short: list[str] = []
     for name, unit in named:
         fit = fits[name]
         if name in given:
@@ -652,13 +663,20 @@ def one_shot(
         residual = {"affine": fit.residual, "identity": fit.identity_residual, "constant": fit.variance}[end]
         score = residual * fit.outgoing
         keep = 0 if target == 0 else max(1, round(target * unit.num_channels))
-        linear = _linear_channels(score, keep)
+        already = unit.linear_mask(name=name).cpu()  # linear channels stay linear: ranked among the others
+        if keep > int((~already).sum()):
+            short.append(f"{name} ({int((~already).sum())} of {keep})")
+        linear = _linear_channels(score.masked_fill(already, -math.inf), min(keep, int((~already).sum())))
         if end == "affine":
             unit.set_linear_end(fit.alpha, fit.beta)
         elif end == "constant":  # removed channels: their constants stay constants in a fine-tune
             unit.set_linear_end(*_ends(fit, "removed"), trainable=False)
         _set_linear(unit, linear, freeze)
         result[name] = OneShotSite(linear, score, fit)
+    if short:
+        warnings.warn(f"one_shot(target={target}): {len(short)} unit(s) had fewer channels left nonlinear than the "
+                      f"target keeps, so all of those stay nonlinear: {', '.join(short[:5])}. Linear channels (a = 1) "
+                      "are not made nonlinear again; to start over, convert the original model", stacklevel=2)
     return _refit(model, data, named, result, before)
 
 

@@ -170,3 +170,30 @@ def test_a_layer_whose_weight_a_hook_computes_or_another_module_shares_is_left_a
         assert why in next(iter(sites.values())).refit
         for m, (w, b) in zip(layers, before):
             assert torch.equal(m.weight, w) and torch.equal(m.bias, b)
+
+
+def test_a_second_call_keeps_the_linear_channels_and_the_fraction():
+    """Linear channels stay linear and the ranking is among the others (a second call ranked every channel again by
+    the refit layer's norms and froze a different set: 0.25 became 0.1875). One unit on the same data: nothing
+    changes at all; a deep stack: the same channels, the fraction held; a larger target cannot undo linear
+    channels (warned); the hybrid plans from the start and refuses."""
+    base, x = _ffn(), torch.randn(600, 6, dtype=torch.float64)
+    net = linearize.convert(copy.deepcopy(base), example_inputs=x[:2])
+    first = linearize.one_shot(net, x, target=0.25)["1"]
+    state = copy.deepcopy(net.state_dict())
+    second = linearize.one_shot(net, x, target=0.25)["1"]
+    assert torch.equal(second.linear, first.linear) and linearize.nonlinear_fraction(net) == 0.25
+    torch.testing.assert_close(net.state_dict(), state, rtol=0, atol=0, equal_nan=True)
+    with pytest.warns(UserWarning, match=r"one_shot\(target=0.5\): 1 unit.*1 \(6 of 12\).*not made nonlinear again"):
+        linearize.one_shot(net, x, target=0.5)
+    assert linearize.nonlinear_fraction(net) == 0.25
+    with pytest.raises(ValueError, match=r"end='hybrid'.*\['1'\] already have linear channels.*freshly converted"):
+        linearize.one_shot(net, x, end="hybrid", flops=0.5)
+
+    torch.manual_seed(1)
+    deep = nn.Sequential(nn.Linear(6, 16), nn.GELU(), nn.Linear(16, 16), nn.GELU(), nn.Linear(16, 3)).double()
+    net = linearize.convert(deep, example_inputs=x[:2])
+    first = {n: s.linear.clone() for n, s in linearize.one_shot(net, x, target=0.25).items()}
+    second = linearize.one_shot(net, x, target=0.25)
+    assert all(torch.equal(second[n].linear, first[n]) for n in first)
+    assert linearize.nonlinear_fraction(net) == 0.25
