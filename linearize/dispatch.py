@@ -41,7 +41,7 @@ from torch import nn
 from torch.overrides import has_torch_function_variadic
 from torch.utils._device import DeviceContext
 
-__all__ = ["Scope", "attach_owner", "detach_owner", "caller_scope", "called_from_hook",
+__all__ = ["Scope", "attach_owner", "detach_owner", "caller_scope", "called_from_hook", "IN_FUNCTION",
            "compiled_submodules", "refuse_scripting", "unreachable_call", "checkpoint_error", "foreign_torch_function",
            "SITE_MODE", "FunctionalSiteError", "COMPILE_REASON", "fx_leaf_call", "fx_tracer", "refuse_fx_root",
            "ThreadWatch", "THREAD_CALL", "eager", "prime_eager"]
@@ -262,7 +262,10 @@ def unreachable_call(skip: int = 0) -> str:
     caller = _calling_module_frame(skip)
     if caller.checkpointed:
         return "inside torch.utils.checkpoint, recomputed outside its module's forward"
-    return "inside a custom autograd.Function's forward, whose backward is its own" if caller.in_function else ""
+    return IN_FUNCTION if caller.in_function else ""
+
+
+IN_FUNCTION = "inside a custom autograd.Function's forward, whose backward is its own"  # see unreachable_call
 
 
 def caller_scope(what: Callable[[], str], skip: int = 0) -> Scope | None:

@@ -45,6 +45,7 @@ from .dispatch import (
     ThreadWatch,
     eager,
     prime_eager,
+    IN_FUNCTION,
     attach_owner,
     called_from_hook,
     caller_scope,
@@ -738,6 +739,10 @@ def plan_conversion(
         if len(calls) > 1 and why:  # one unit per call, matched by order: a recomputed call has no position
             report.unreachable[name] = (f"called {len(calls)} times per forward of its owner, one call {why}; "
                                         "fix: give that call its own activation module")
+            continue
+        if why == IN_FUNCTION:  # its unit would never train: the Function's backward ignores it
+            report.unreachable[name] = (f"called {why}; fix: call the activation outside the Function, where "
+                                        "autograd differentiates it")
             continue
         for k, call in enumerate(calls):
             unit_name = name if len(calls) == 1 else f"{name}.calls.{k}"

@@ -930,3 +930,44 @@ def test_an_activation_called_through_a_plain_list_is_left_as_it_is_and_listed()
         linearize.units(model)[0][1].slope.fill_(1.0)
     assert linearize.nonlinear_fraction(model) == 0.0  # the ReLU unit is linear; the GELU is not counted as a unit
     torch.testing.assert_close(model(x), net.b(F.gelu(net.a(x))))  # the GELU still runs, as the report says
+
+
+class _MaskFromInput(torch.autograd.Function):
+    """A memory-efficient ReLU: the module's call in forward, the mask recomputed from the input in backward."""
+
+    @staticmethod
+    def forward(ctx, h, act):
+        ctx.save_for_backward(h)
+        return act(h)
+
+    @staticmethod
+    def backward(ctx, g):
+        (h,) = ctx.saved_tensors
+        return g * (h > 0), None
+
+
+def test_an_activation_module_called_once_inside_a_custom_function_is_left_as_it_is_and_listed():
+    """Its unit would blend in the forward while the Function's backward applies the plain mask (and the slope
+    would never get a gradient): the module stays a ReLU, is listed, and the model's gradients are the original's."""
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b, self.c = nn.Linear(4, 8), nn.Linear(8, 8), nn.Linear(8, 3)
+            self.act, self.out_act = nn.ReLU(), nn.ReLU()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.c(self.out_act(self.b(_MaskFromInput.apply(self.a(x), self.act))))
+
+    torch.manual_seed(0)
+    net, x = Net(), torch.randn(5, 4)
+    with pytest.warns(UserWarning, match="act: called inside a custom autograd.Function"):
+        model = linearize.convert(copy.deepcopy(net), example_inputs=x)
+    assert [n for n, _ in linearize.units(model)] == ["out_act"]
+    assert type(model.act) is nn.ReLU and "act" in model.linearize_report.unreachable
+    with torch.no_grad():
+        linearize.units(model)[0][1].slope.zero_()  # at slope 0 the model is the original, gradients too
+    xs = [x.clone().requires_grad_(True) for _ in range(2)]
+    net(xs[0]).sum().backward()
+    model(xs[1]).sum().backward()
+    torch.testing.assert_close(xs[1].grad, xs[0].grad, rtol=0, atol=0)
