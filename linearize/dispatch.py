@@ -41,7 +41,7 @@ from torch import nn
 from torch.overrides import has_torch_function_variadic
 from torch.utils._device import DeviceContext
 
-__all__ = ["Scope", "attach_owner", "detach_owner", "caller_scope", "called_from_hook", "IN_FUNCTION",
+__all__ = ["Scope", "attach_owner", "detach_owner", "caller_scope", "hooked_module", "IN_FUNCTION", "user_hooks",
            "compiled_submodules", "refuse_scripting", "unreachable_call", "checkpoint_error", "foreign_torch_function",
            "SITE_MODE", "FunctionalSiteError", "COMPILE_REASON", "fx_leaf_call", "fx_tracer", "refuse_fx_root",
            "ThreadWatch", "THREAD_CALL", "eager", "prime_eager"]
@@ -246,11 +246,15 @@ def _calling_module_frame(skip: int) -> _Caller:
     return _Caller(frame, codes, checkpointed, in_function)
 
 
-def called_from_hook() -> bool:
-    """Whether the call this function's caller handles was made by a hook function of the innermost running
-    module (a forward or forward pre-hook, its own or global), not by the module's forward."""
-    caller = _calling_module_frame(0)
-    return caller.frame is not None and bool(caller.codes & _hook_codes(caller.frame.f_locals.get("self")))
+def hooked_module(skip: int = 0) -> nn.Module | None:
+    """The innermost running module (past ``skip`` module calls: 1 for an activation module's own call) if one
+    of its hook functions (a forward or forward pre-hook, its own or global), not its forward, made the call
+    this function's caller handles; else None."""
+    caller = _calling_module_frame(skip)
+    if caller.frame is None:
+        return None
+    module = caller.frame.f_locals.get("self")
+    return module if caller.codes & _hook_codes(module) else None
 
 
 def unreachable_call(skip: int = 0) -> str:
@@ -376,6 +380,12 @@ def attach_owner(owner: nn.Module) -> None:
     handles = (owner.register_forward_pre_hook(_open, prepend=True),
                owner.register_forward_hook(_shut, prepend=True, always_call=True))
     owner.__dict__[_MARK] = tuple(h.id for h in handles)
+
+
+def user_hooks(module: nn.Module) -> bool:
+    """Whether ``module`` has forward or forward pre-hooks other than those of :func:`attach_owner`."""
+    return any(h is not _open and h is not _shut for h in (*module._forward_pre_hooks.values(),
+                                                             *module._forward_hooks.values()))
 
 
 def detach_owner(owner: nn.Module) -> None:

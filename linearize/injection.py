@@ -13,6 +13,7 @@ of an owner (:mod:`~linearize.functional_sites`).
 
 from __future__ import annotations
 
+import functools
 import re
 import weakref
 from collections import Counter, defaultdict
@@ -47,9 +48,9 @@ from .dispatch import (
     prime_eager,
     IN_FUNCTION,
     attach_owner,
-    called_from_hook,
     caller_scope,
     compiled_submodules,
+    hooked_module,
     refuse_fx_root,
     refuse_scripting,
     unreachable_call,
@@ -237,6 +238,9 @@ class ConversionReport:
     unsupported: dict[str, str] = field(default_factory=dict)
     # activation calls on threads the probe forward started, which convert cannot follow: "thread ...: fn" -> calls
     threads: dict[str, int] = field(default_factory=dict)
+    # functional activation calls made by a user's forward (pre-)hook that changes the module's output (input):
+    # "<module>: fn (forward hook)" -> calls; part of the model's function, which convert cannot give a unit
+    hooks: dict[str, int] = field(default_factory=dict)
 
     @property
     def num_channels(self) -> int:
@@ -257,6 +261,7 @@ class ConversionReport:
         lines += [f"{n}: {why}" for n, why in self.unreachable.items()]
         lines += [f"{n}: {what}, not an activation kind convert swaps" for n, what in self.unsupported.items()]
         lines += [f"{where} ({n} call(s) per forward): {THREAD_CALL}" for where, n in self.threads.items()]
+        lines += [f"{where} ({n} call(s) per forward): {HOOK_CALL}" for where, n in self.hooks.items()]
         return lines
 
     def __str__(self) -> str:
@@ -272,6 +277,12 @@ class ConversionReport:
             rows.append(f"{len(self.gates)} multiplicative gate(s) left as they are (gates='exclude'):")
             rows += [f"  {n}: {why}" for n, why in self.gates.items()]
         return "\n".join(rows)
+
+
+HOOK_CALL = ("made by a hook that changes the module's result, so it is part of the model's function, but convert "
+             "gives units only to calls of forward code: neither converted nor counted, so the model is less linear "
+             "than the counts say. Fix: apply the activation in a module's forward (a registered activation module "
+             "or a functional call there), not in a hook")
 
 
 # ----------------------------------------------------------------------------- probe
@@ -329,7 +340,11 @@ class _FunctionalRecorder(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        if not self.probe.inside_activation() and not (func in _WATCHED and called_from_hook()):
+        hooked = hooked_module() if func in _WATCHED else None
+        if hooked is not None:  # a user's hook: monitoring, unless the hook changes its module's result
+            if func in FUNCTIONAL_SPECS and not self.probe.inside_activation():
+                self.probe.hook_calls[id(hooked)].append(getattr(func, "__name__", str(func)))
+        elif not self.probe.inside_activation():
             if func in FUNCTIONAL_SPECS:
                 self.probe.record_functional(func, args, kwargs or {}, out)
             elif func in _SAME_VALUES and args:
@@ -364,6 +379,10 @@ class _Probe:
         self.unsure: list[ActivationCall] = []  # calls whose channel dim the next layer settles (_settle)
         self.threads: dict[str, int] = {}  # activation calls on threads the forward started (ThreadWatch)
         self.recursive: set[int] = set()  # modules called while already running (a forward that calls itself)
+        # functional activation calls made by a module's user hooks in its call now running: module id -> names
+        self.hook_calls: dict[int, list[str]] = defaultdict(list)
+        self.given: dict[int, Any] = {}  # a module with user hooks -> its call's arguments / output before them
+        self.hooks: Counter[str] = Counter()  # "<module>: fn (forward hook)" -> calls whose result its hook returned
 
     def inside_activation(self) -> bool:
         return any(id(m) in self.activations for m in self.running.stack)
@@ -439,6 +458,8 @@ class _Probe:
 
     def enter(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         """A module call starts (``self.running.stack[-1]`` is its caller)."""
+        if id(module) in self.given:  # a module with user hooks: its arguments before them (the probe's are global)
+            self.given[id(module)] = args
         if id(module) in self.candidates:
             x = args[0] if args else None
             if isinstance(x, torch.Tensor):
@@ -459,6 +480,8 @@ class _Probe:
 
     def leave(self, module: nn.Module, args: tuple, output: Any, _: None) -> None:
         """A module call returned ``output``."""
+        if id(module) in self.given:
+            self.given[id(module)] = output  # before the module's own forward hooks
         call = self.pending.pop(id(module), None)
         if call is not None:
             self._tag(output, call)
@@ -505,12 +528,31 @@ class _Probe:
                 call.channel_dim = fits[0]
         self.unsure = []
 
+    def _hooks_done(self, module: nn.Module, args: tuple, output: Any = None, *, kind: str = "forward hook") -> None:
+        """The user's hooks of a ``module`` call have run (the probe's own run last): the functional activation
+        calls they made are part of the model's function when they changed the call's arguments (pre-hooks) or
+        output (forward hooks), which are then no longer the objects the probe saw before them."""
+        calls = self.hook_calls.pop(id(module), [])
+        if calls and (output if kind == "forward hook" else args) is not self.given.get(id(module)):
+            where = self.names.get(id(module), "") or type(module).__name__
+            self.hooks.update(f"{where}: {fn} ({kind})" for fn in calls)
+
     def run(self, model: nn.Module, inputs: Any) -> None:
-        with self.running:
-            with eval_mode(model), torch.no_grad(), _FunctionalRecorder(self), ThreadWatch(
-                    [*FUNCTIONAL_SPECS, *OTHER_FUNCTIONS], self.activations) as watch:
-                call_model(model, inputs)
-            self.threads = watch.calls
+        hooked = [m for m in model.modules() if m._forward_pre_hooks or m._forward_hooks]
+        self.given = dict.fromkeys(map(id, hooked))
+        handles = [h for m in hooked for h in (  # after the user's hooks: which of them changed the call
+            m.register_forward_pre_hook(functools.partial(self._hooks_done, kind="forward pre-hook")),
+            m.register_forward_hook(self._hooks_done))]
+        try:
+            with self.running:
+                with eval_mode(model), torch.no_grad(), _FunctionalRecorder(self), ThreadWatch(
+                        [*FUNCTIONAL_SPECS, *OTHER_FUNCTIONS], self.activations) as watch:
+                    call_model(model, inputs)
+                self.threads = watch.calls
+        finally:
+            for h in handles:
+                h.remove()
+            self.given.clear()
 
 
 def _matches(name: str, patterns: list[str] | None) -> bool:
@@ -720,6 +762,7 @@ def plan_conversion(
             "module instead (self.act = nn.ReLU() in __init__, self.act(x) in forward: one unit shared by every "
             "depth), or build each depth as its own submodule (a unit per depth)")
     report.threads = probe.threads
+    report.hooks = {where: n for where, n in probe.hooks.items() if not _matches(where.split(":")[0], excludes)}
 
     plan = []
     owned_calls: Counter[int] = Counter()

@@ -656,3 +656,27 @@ def test_a_refusal_on_cuda_with_tf32_names_it():
         assert tf32_hint(cuda_out) == ""
     finally:
         torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = before
+
+
+def test_fold_names_a_merged_module_whose_hook_changes_its_output_and_gives_no_tolerance_advice():
+    """A forward hook returning ``relu`` of a Linear's output is part of the function; merging that Linear with
+    the next (its unit at slope 1) drops the hook: the refusal names the hooked module, not 'raise rtol/atol'."""
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.act, self.b = nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.b(self.act(self.a(x)))
+
+    torch.manual_seed(0)
+    model, x = Net(), torch.randn(5, 4)
+    model.a.register_forward_hook(lambda m, args, out: torch.relu(out))
+    with pytest.warns(UserWarning, match="forward hook"):
+        linearize.convert(model, example_inputs=x)
+    with torch.no_grad():
+        model.act.slope.fill_(1.0)
+    with pytest.raises(FoldVerificationError, match="fold merged away 'a', which had forward hooks") as err:
+        linearize.fold(model.eval(), x)
+    assert "rtol/atol" not in str(err.value)

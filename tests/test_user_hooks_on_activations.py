@@ -67,3 +67,47 @@ def test_a_backward_hook_on_a_replaced_activation_sees_the_same_gradients():
     grads.clear()
     converted(x).sum().backward()
     assert len(grads) == len(want) == 1 and torch.equal(grads[0], want[0])
+
+
+class _Plain(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.act, self.b = nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(self.act(self.a(x)))
+
+
+@pytest.mark.parametrize("where", ["forward hook", "forward pre-hook"])
+def test_an_activation_applied_by_a_hook_that_changes_the_result_is_listed_and_counts_warn(where):
+    """A hook that returns ``F.relu`` of its module's output (input) is part of the model's function: with every
+    unit at slope 1 the model is still not affine (the truth: f(x) + f(-x) - 2 f(0)), so the report lists
+    the hook's call and count_units warns."""
+    torch.manual_seed(0)
+    model, x = _Plain(), torch.randn(5, 4)
+    if where == "forward hook":
+        model.a.register_forward_hook(lambda m, args, out: torch.nn.functional.relu(out))
+    else:
+        model.b.register_forward_pre_hook(lambda m, args: (torch.nn.functional.relu(args[0]),))
+    with pytest.warns(UserWarning, match=f"relu \\({where}\\)"):
+        linearize.convert(model, example_inputs=x)
+    owner = "a" if where == "forward hook" else "b"
+    assert model.linearize_report.hooks == {f"{owner}: relu ({where})": 1}
+    with torch.no_grad():
+        for _, unit in linearize.units(model):
+            unit.slope.fill_(1.0)
+        assert (model(x) + model(-x) - 2 * model(torch.zeros(1, 4))).abs().max() > 1e-3  # not affine
+    with pytest.warns(RuntimeWarning, match="a hook that changes the module's result"):
+        assert linearize.nonlinear_fraction(model) == 0.0
+
+
+def test_a_monitoring_hook_that_calls_an_activation_is_not_listed():
+    """A hook that only reads (returns None) does not change the function: nothing listed, no warning."""
+    torch.manual_seed(0)
+    model, x = _Plain(), torch.randn(5, 4)
+    seen = []
+    model.a.register_forward_hook(lambda m, args, out: seen.append(torch.nn.functional.relu(out).mean()))
+    model.b.register_forward_pre_hook(lambda m, args: seen.append(torch.relu(args[0]).mean()))
+    linearize.convert(model, example_inputs=x)
+    assert model.linearize_report.hooks == {} and model.linearize_report.problems() == []
+    assert seen  # the hooks ran in the probe

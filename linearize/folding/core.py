@@ -29,7 +29,7 @@ from .probe import Probe, run_counting
 from .rules import FoldContext, FoldRuleLike, Objective, check_rules, fold_rules, is_builtin
 from .summary import FoldSummary
 from ..timing import median_latency_ms
-from .verify import check_reference, untouched_layers, verify_fold
+from .verify import check_reference, merged_hooks, untouched_layers, verify_fold
 
 __all__ = ["fold"]
 
@@ -240,7 +240,8 @@ def fold(
 
     untouched = functools.partial(untouched_layers, model, folded, before_fold, probe)
     if verify:
-        verify_fold(model, folded, example_inputs, ref_out, float_outputs(output), summary, atol, rtol, dtype, untouched)
+        verify_fold(model, folded, example_inputs, ref_out, float_outputs(output), summary, atol, rtol, dtype, untouched,
+                    functools.partial(merged_hooks, before_fold, folded))
     else:
         summary.max_abs_error, summary.verify_dtype = math.nan, "not verified (verify=False)"
     if latency:

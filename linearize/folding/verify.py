@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from ..checks import FoldVerificationError
+from ..dispatch import user_hooks
 from ..inputs import call_model, describe_inputs, eval_mode, float_outputs, map_tensors, max_difference, output_tensors
 from .probe import Probe
 from .summary import FoldSummary
@@ -50,9 +51,12 @@ def verify_fold(
     rtol: float,
     dtype: torch.dtype | None,
     untouched: Callable[[], list[str]] = list,
+    hooked: Callable[[], list[str]] = list,
 ) -> None:
     """Compare the outputs (raise :class:`FoldVerificationError` beyond the tolerance); when they
-    cannot tell a wrong fold from a right one, compare an inner signal too (:func:`_verify_signal`)."""
+    cannot tell a wrong fold from a right one, compare an inner signal too (:func:`_verify_signal`).
+    ``hooked()`` names the modules with user forward hooks that the fold merged away (:func:`merged_hooks`):
+    a difference is then put down to their hooks, not to rounding."""
     model_v, folded_v = model, folded
     if dtype is not None:
         model_v, folded_v = copy.deepcopy(model).to(dtype).eval(), copy.deepcopy(folded).to(dtype).eval()
@@ -76,6 +80,14 @@ def verify_fold(
     err, scale = max_difference(ref_out, new_out)
     summary.max_abs_error, summary.output_scale = err, scale
     summary.tolerance = atol if atol is not None else rtol * max(scale, _ZERO)
+    if not err <= summary.tolerance and (dropped := hooked()):
+        raise FoldVerificationError(
+            f"folded model differs by {err:.3g} (output scale {scale:.3g}, tolerance {summary.tolerance:.3g}), "
+            f"and fold merged away {', '.join(map(repr, dropped))}, which had forward hooks: a hook that changes its "
+            "module's result is part of the model's function, and the folded model no longer runs it, so no "
+            "tolerance makes this fold right. Fix: move what those hooks compute into forward code, or remove "
+            "them before folding. Decisions:\n" + "\n".join(summary.merged)
+        )
     if not err <= summary.tolerance:
         raise FoldVerificationError(
             f"folded model differs by {err:.3g} (output scale {scale:.3g}, tolerance {summary.tolerance:.3g})"
@@ -154,6 +166,13 @@ def _vacuous(signal: list[torch.Tensor], rtol: float, inputs: Any) -> str:
     if _samples_differ(inputs) and max(_row_spread(t) for t in signal) <= rtol * scale:
         return "the same for every sample of example_inputs"
     return ""
+
+
+def merged_hooks(before: dict[str, nn.Module], folded: nn.Module) -> list[str]:
+    """Paths (in ``before``: path -> module of the copy fold started from) of the modules with user forward
+    hooks that the ``folded`` model no longer holds: merged away, their hooks with them."""
+    kept = {id(m) for m in folded.modules()}
+    return [path or "<root>" for path, m in before.items() if id(m) not in kept and user_hooks(m)]
 
 
 def untouched_layers(model: nn.Module, folded: nn.Module, before: dict[str, nn.Module], probe: Probe) -> list[str]:
