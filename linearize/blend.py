@@ -16,80 +16,82 @@ from .activations import FunctionalActivation, activation_kind, module_arguments
 from .config import BlendConfig
 from .example_inputs import guess_example_inputs
 from .functional_sites import FunctionalSites, install_functional_sites
-from .injection import call_channels, install_call_sites, function_attributes_wrapped, plan_conversion, settle_placed_modules
-from .dispatch import THREAD_CALL, FunctionalSiteError
+from .injection import (call_channels, install_call_sites, plan_conversion, restored_on_error, settle_placed_modules,
+                        wrap_function_attributes)
+from .dispatch import THREAD_CALL
 from .inputs import call_model, eval_mode, map_tensors, max_difference, output_tensors
 from .unit import LinearizableActivation, install_optimizer_hooks, make_unit
 
 
 def convert_blend(model: nn.Module, config: BlendConfig, example_inputs: Any) -> nn.Module:
     """Blend units in place of every selected activation call site of ``model`` (in place)."""
-    # the probe runs on a copy: a model whose first activation works in place would rewrite the caller's inputs
-    probe_inputs = None if example_inputs is None else map_tensors(example_inputs, torch.clone)
-    with function_attributes_wrapped(model):  # given back as they were if the probe or the plan fails
+    with restored_on_error(model):  # all or nothing: the model is left as given when anything here raises
+        # the probe runs on a copy: a model whose first activation works in place would rewrite the caller's inputs
+        probe_inputs = None if example_inputs is None else map_tensors(example_inputs, torch.clone)
+        wrap_function_attributes(model)
         report, plan, owner_plans = plan_conversion(model, config, probe_inputs, functional=True)
         if not report.sites:
             raise _nothing_to_convert(model, config, report)
-    param = next(model.parameters(), None)
-    # new units go to the model's device; float64 models get float64 slopes, low precision ones float32
-    dtype = param.dtype if param is not None and param.dtype == torch.float64 else None
-    # an in-place activation whose input the model reads again after the call (out = act(h) + h): an
-    # out-of-place unit would change the function, so compare with the original before and after
-    inplace_sites = any(getattr(act, "inplace", False) for _, _, act, _ in plan)
-    if inplace_sites:
-        inputs = example_inputs if example_inputs is not None else guess_example_inputs(model)
-        reference = _outputs(model, inputs)
-    from_inplace: list[LinearizableActivation] = []
-    hooked: list[nn.Module] = []
-    placed: list[tuple[nn.Module, nn.Module, nn.Module]] = []  # (owner, the replaced module, what replaced it)
-    for owner, attr, act, calls in plan:
-        made = [
-            act if call.gate is not None else make_unit(  # an excluded gate call keeps act
-                act.fn if isinstance(act, FunctionalActivation) else act, call.shape, call.channel_dim,
-                activation_kind(act), config.init_slope, config.granularity, call.where or type(act).__name__)
-            for call in calls
-        ]
-        if param is not None:
-            made = [u.to(param.device, dtype) for u in made]
-        if getattr(act, "inplace", False):
-            from_inplace += [u for u in made if isinstance(u, LinearizableActivation)]
-        install_call_sites(owner, attr, made)
-        getattr(owner, attr).train(act.training)  # new units (and dispatcher) take the replaced flag
-        if getattr(owner, attr) is not act:
-            placed.append((owner, act, getattr(owner, attr)))
-            if carry_hooks(act, getattr(owner, attr)):
-                hooked.append(act)
-    for act in hooked:  # the units call act (GELU, ...): its hooks now run once per call, on the unit
-        for name in HOOK_DICTS:
-            setattr(act, name, type(getattr(act, name))())
-    for p in owner_plans:
-        made = {
-            k: make_unit(p.calls[k].act, site.input_shape, site.channel_dim, site.kind, config.init_slope,
-                         config.granularity, site.name)
-            for k, site in p.units.items()
-        }
-        if param is not None:
-            made = {k: u.to(param.device, dtype) for k, u in made.items()}
-        sites = FunctionalSites(p.name, [c.kind for c in p.calls], [call_channels(c) for c in p.calls], made,
-                                [module_arguments(c.act) if c.act is not None else None for c in p.calls])
-        install_functional_sites(p.owner, sites)
-    settle_placed_modules(model)
-    _restore_unreached(model, example_inputs, placed, report)
-    if not report.sites:
-        raise _nothing_to_convert(model, config, report)
-    if inplace_sites:
-        _keep_inplace(model, inputs, reference, from_inplace)
-    model.linearize_config = config
-    model.linearize_report = report
-    install_optimizer_hooks()
-    problems = report.problems()
-    if problems:
-        warnings.warn(
-            f"linearize.convert left {len(problems)} activation(s) unconverted (see model.linearize_report):\n  "
-            + "\n  ".join(problems),
-            stacklevel=3,
-        )
-    return model
+        param = next(model.parameters(), None)
+        # new units go to the model's device; float64 models get float64 slopes, low precision ones float32
+        dtype = param.dtype if param is not None and param.dtype == torch.float64 else None
+        # an in-place activation whose input the model reads again after the call (out = act(h) + h): an
+        # out-of-place unit would change the function, so compare with the original before and after
+        inplace_sites = any(getattr(act, "inplace", False) for _, _, act, _ in plan)
+        if inplace_sites:
+            inputs = example_inputs if example_inputs is not None else guess_example_inputs(model)
+            reference = _outputs(model, inputs)
+        from_inplace: list[LinearizableActivation] = []
+        hooked: list[nn.Module] = []
+        placed: list[tuple[nn.Module, nn.Module, nn.Module]] = []  # (owner, the replaced module, what replaced it)
+        for owner, attr, act, calls in plan:
+            made = [
+                act if call.gate is not None else make_unit(  # an excluded gate call keeps act
+                    act.fn if isinstance(act, FunctionalActivation) else act, call.shape, call.channel_dim,
+                    activation_kind(act), config.init_slope, config.granularity, call.where or type(act).__name__)
+                for call in calls
+            ]
+            if param is not None:
+                made = [u.to(param.device, dtype) for u in made]
+            if getattr(act, "inplace", False):
+                from_inplace += [u for u in made if isinstance(u, LinearizableActivation)]
+            install_call_sites(owner, attr, made)
+            getattr(owner, attr).train(act.training)  # new units (and dispatcher) take the replaced flag
+            if getattr(owner, attr) is not act:
+                placed.append((owner, act, getattr(owner, attr)))
+                if carry_hooks(act, getattr(owner, attr)):
+                    hooked.append(act)
+        for act in hooked:  # the units call act (GELU, ...): its hooks now run once per call, on the unit
+            for name in HOOK_DICTS:
+                setattr(act, name, type(getattr(act, name))())
+        for p in owner_plans:
+            made = {
+                k: make_unit(p.calls[k].act, site.input_shape, site.channel_dim, site.kind, config.init_slope,
+                             config.granularity, site.name)
+                for k, site in p.units.items()
+            }
+            if param is not None:
+                made = {k: u.to(param.device, dtype) for k, u in made.items()}
+            sites = FunctionalSites(p.name, [c.kind for c in p.calls], [call_channels(c) for c in p.calls], made,
+                                    [module_arguments(c.act) if c.act is not None else None for c in p.calls])
+            install_functional_sites(p.owner, sites)
+        settle_placed_modules(model)
+        _restore_unreached(model, example_inputs, placed, report)
+        if not report.sites:
+            raise _nothing_to_convert(model, config, report)
+        if inplace_sites:
+            _keep_inplace(model, inputs, reference, from_inplace)
+        model.linearize_config = config
+        model.linearize_report = report
+        install_optimizer_hooks()
+        problems = report.problems()
+        if problems:
+            warnings.warn(
+                f"linearize.convert left {len(problems)} activation(s) unconverted (see model.linearize_report):\n  "
+                + "\n  ".join(problems),
+                stacklevel=3,
+            )
+        return model
 
 
 # the hook registries of a module that a unit takes over from the activation module it replaces
@@ -124,10 +126,8 @@ def _restore_unreached(model: nn.Module, example_inputs: Any, placed: list[tuple
     calls = {id(new): 0 for _, _, new in placed}
     count = lambda module, args: calls.__setitem__(id(module), calls[id(module)] + 1)  # noqa: E731
     handles = [new.register_forward_pre_hook(count) for _, _, new in placed]
-    try:
+    try:  # a dispatch the forward cannot make (a call on another thread) raises: convert gives the model back
         _outputs(model, example_inputs if example_inputs is not None else guess_example_inputs(model))
-    except FunctionalSiteError:
-        return  # a dispatch the forward cannot make (a call on another thread): it raises at every forward
     finally:
         for h in handles:
             h.remove()

@@ -63,7 +63,7 @@ from .unit import LinearizableActivation
 __all__ = ["CallSites", "install_call_sites", "settle_placed_modules", "SiteInfo", "ConversionReport", "ActivationCall",
            "OwnerPlan", "plan_conversion", "call_channels",
            "activation_registrations", "wrap_function_attributes",
-           "function_attributes_wrapped"]
+           "function_attributes_wrapped", "restored_on_error"]
 
 # products that make an activation's output a multiplicative gate: op -> positions of the factors
 _PRODUCTS: dict[Callable, tuple[int, int]] = {
@@ -305,6 +305,7 @@ class ActivationCall:
     invocation: int = 0
     act: nn.Module | None = None
     unreachable: str = ""  # a module call its owner's forward cannot dispatch by order (see unreachable_call)
+    hook: str = ""  # a module call made by a forward (pre-)hook: the name of the module whose hook it is
 
 
 def _first_width(layer: nn.Module, attrs: tuple[str, ...]) -> int | None:
@@ -466,8 +467,10 @@ class _Probe:
                 caller = self.running.stack[-1] if self.running.stack else None
                 where = f"activation {self.names.get(id(module), type(module).__name__)!r} (input shape {tuple(x.shape)})"
                 dim, sure = self._channel_dim(where, x)
+                hooked = hooked_module(skip=1)
                 call = ActivationCall(caller, tuple(x.shape), dim, activation_kind(module) or "",
-                                      unreachable=unreachable_call(skip=1))
+                                      unreachable=unreachable_call(skip=1),
+                                      hook="" if hooked is None else self.names.get(id(hooked)) or type(hooked).__name__)
                 self.calls[id(module)].append(call)
                 self.pending[id(module)] = call
                 if not sure:
@@ -600,6 +603,26 @@ def function_attributes_wrapped(model: nn.Module) -> Iterator[None]:
         raise
 
 
+@contextmanager
+def restored_on_error(model: nn.Module) -> Iterator[None]:
+    """The body may change ``model`` (submodules put in place, hooks moved or added, attributes set); when it
+    raises, every module of ``model`` gets back the attributes it had, and its registries (the dicts in its
+    ``__dict__``: submodules, parameters, hooks ...) their entries, in the same dict objects, so the user's hook
+    handles still remove their hooks: the model is left exactly as given."""
+    saved = [(m, dict(vars(m)), {k: dict(v) for k, v in vars(m).items() if isinstance(v, dict)})
+             for m in model.modules()]
+    try:
+        yield
+    except BaseException:
+        for m, attrs, registries in saved:
+            vars(m).clear()
+            vars(m).update(attrs)
+            for k, entries in registries.items():
+                attrs[k].clear()
+                attrs[k].update(entries)
+        raise
+
+
 def _called_once_by_one_other(probe: "_Probe", act: nn.Module) -> bool:
     """Whether every call of the activation module ``act`` in the probe came from one module other than its
     registered owner, once per forward of that caller (``for layer in self.layers: x = layer(x)`` over an
@@ -692,6 +715,33 @@ def _width_of_call(name: str, call: ActivationCall) -> int:
     return width
 
 
+def _refuse_other_callers(name: str, calls: list[ActivationCall], others: list[ActivationCall], names: dict[int, str],
+                          granularity: str) -> None:
+    """``ValueError`` before the model is touched when calls of the activation module ``name`` that its owner does
+    not make (``others``: a module it is handed to, a hook) would reach a replacement that cannot serve them:
+    the units of several owner ``calls``, matched by their order among the owner's own calls, or one unit made
+    for another input width. Calls one unit serves (the same width) are left to it."""
+    if not others:
+        return
+    first = calls[0]
+    fits = (lambda c: c.shape[1:] == first.shape[1:]) if granularity == "element" else (
+        lambda c: -len(c.shape) <= first.channel_dim < len(c.shape)
+        and c.shape[first.channel_dim] == first.shape[first.channel_dim])
+    other = next((c for c in others if len(calls) > 1 or not fits(c)), None)
+    if other is None:
+        return
+    by = (f"a hook of {other.hook!r}" if other.hook else "code outside any module's forward" if other.caller is None
+          else f"{names.get(id(other.caller)) or type(other.caller).__name__!r} (the module it is handed to)")
+    why = (f"it is called {len(calls)} times per forward of its owner, whose units are matched by their order among "
+           "the owner's own calls, which that call is not one of" if len(calls) > 1 else
+           f"its unit is made for the owner's call (input shape {list(first.shape)}), and that call's input has "
+           f"shape {list(other.shape)}")
+    raise ValueError(
+        f"linearize.convert: the activation module {name!r} is also called by {by}: {why}. Fix: give that caller "
+        f"its own activation module (e.g. an nn.ReLU() of its own), or exclude_modules=[{name!r}] to keep this one "
+        "as it is; the model is left as given")
+
+
 def call_channels(call: ActivationCall) -> tuple[int, int] | None:
     """``(channel_dim, width)`` of a functional call's input; None for a scalar."""
     return (call.channel_dim, call.shape[call.channel_dim]) if call.shape else None
@@ -766,18 +816,25 @@ def plan_conversion(
 
     plan = []
     owned_calls: Counter[int] = Counter()
+    registered: dict[int, set[int]] = defaultdict(set)  # activation -> the modules registering it
+    for _, owner, _, act in regs:
+        registered[id(act)].add(id(owner))
     for name, owner, attr, act in chosen:
         caller = owner
-        calls = [c for c in probe.calls[id(act)] if c.caller is owner]
+        calls = [c for c in probe.calls[id(act)] if c.caller is owner and not c.hook]
         if not calls and _called_once_by_one_other(probe, act):  # a parent looping over a ModuleList
             calls, caller = probe.calls[id(act)], probe.calls[id(act)][0].caller
-        owned_calls[id(act)] += len(calls)
+        # calls that reach what replaces owner.attr from elsewhere (a module the owner hands it to, a hook)
+        others = [c for c in probe.calls[id(act)] if c.hook or id(c.caller) not in registered[id(act)]] \
+            if calls and caller is owner else []
+        owned_calls[id(act)] += len(calls) + len(others)
         if not calls:
             if not probe.calls[id(act)]:
                 report.uncalled.append(name)
             continue
         per_forward = len(calls) // max(1, probe.invocations[id(caller)])
         calls = calls[: max(1, per_forward)]
+        _refuse_other_callers(name, calls, others, probe.names, getattr(config, "granularity", "channel"))
         why = next((c.unreachable for c in calls if c.unreachable), "")
         if len(calls) > 1 and why:  # one unit per call, matched by order: a recomputed call has no position
             report.unreachable[name] = (f"called {len(calls)} times per forward of its owner, one call {why}; "

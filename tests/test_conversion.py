@@ -606,3 +606,107 @@ def test_a_module_list_activation_its_parent_calls_twice_is_left_with_the_reason
     with pytest.warns(UserWarning, match=r"layers\.1: called by a module that does not own it"):
         model = linearize.convert(_ListMLP(twice=True), example_inputs=torch.randn(2, 8))
     assert [n for n, _ in linearize.units(model)] == ["layers.3"]
+
+
+class _Child(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, width)
+
+    def forward(self, x: torch.Tensor, act: nn.Module) -> torch.Tensor:
+        return act(self.lin(x))
+
+
+class _HandsItsActivation(nn.Module):
+    """The parent hands its activation module to a child, which calls it on its own width."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.inp, self.act, self.child = nn.Linear(4, 4), nn.ReLU(), _Child(width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.child(self.act(self.inp(x)), self.act)
+
+
+def _module_state(model: nn.Module) -> list:
+    """Every module's type and attributes (registries by their entries) and the hook registries' entries."""
+    return [(name, type(m), {k: dict(v) if isinstance(v, dict) else v for k, v in vars(m).items()})
+            for name, m in model.named_modules(remove_duplicate=False)]
+
+
+def test_an_activation_handed_to_a_child_on_another_width_is_refused_before_the_model_is_touched():
+    torch.manual_seed(0)
+    model, x = _HandsItsActivation(6), torch.randn(5, 4)
+    expected, before = model(x), _module_state(model)
+    with pytest.raises(ValueError, match="'act' is also called by 'child'.*own activation module"):
+        linearize.convert(model, example_inputs=x)
+    assert _module_state(model) == before and torch.equal(model(x), expected)
+
+
+def test_an_activation_handed_to_a_child_on_the_same_width_is_one_unit_for_both_calls_and_not_listed():
+    """One unit serves both calls: at slope 1 the model is the two linear layers (the truth, by hand)."""
+    torch.manual_seed(0)
+    model, x = _HandsItsActivation(4), torch.randn(5, 4)
+    linearize.convert(model, example_inputs=x)
+    assert [n for n, _ in linearize.units(model)] == ["act"] and model.linearize_report.problems() == []
+    with torch.no_grad():
+        model.act.slope.fill_(1.0)
+        torch.testing.assert_close(model(x), model.child.lin(model.inp(x)), rtol=0, atol=0)
+
+
+def test_a_reused_activation_also_called_by_a_hook_is_refused_before_the_model_is_touched():
+    class Hooked(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b, self.c, self.act = nn.Linear(4, 8), nn.Linear(8, 8), nn.Linear(8, 3), nn.ReLU()
+            self.b.register_forward_hook(lambda mod, args, out: self.act(out) * 0.5 + out)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.c(self.act(self.b(self.act(self.a(x)))))
+
+    torch.manual_seed(0)
+    model, x = Hooked(), torch.randn(5, 4)
+    expected, before = model(x), _module_state(model)
+    with pytest.raises(ValueError, match="'act' is also called by a hook of 'b'"):
+        linearize.convert(model, example_inputs=x)
+    assert _module_state(model) == before and torch.equal(model(x), expected)
+
+
+def test_convert_that_fails_after_installing_units_leaves_the_model_exactly_as_given():
+    """A failure after the units are in place (here the model's own forward refuses them in convert's check run)
+    puts back every module, hook and attribute: a reused module (its dispatcher and the owner's hooks), a
+    functional call, an activation module carrying a user's hook; the user's handle still removes that hook, and
+    convert works once the cause is gone, exact at init (the truth: the untouched model)."""
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b, self.c = nn.Linear(4, 8), nn.Linear(8, 8), nn.Linear(8, 3)
+            self.act, self.gelu, self.strict = nn.ReLU(), nn.GELU(), True
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if self.strict and not isinstance(self.gelu, nn.GELU):
+                raise RuntimeError("this model wants its own GELU")
+            h = self.act(self.b(self.act(self.a(x))))
+            return self.c(torch.nn.functional.relu(self.gelu(h)))
+
+    torch.manual_seed(0)
+    model, x = Net(), torch.randn(5, 4)
+    seen = []
+    handle = model.gelu.register_forward_hook(lambda m, args, out: seen.append(1))
+    expected, before = model(x), _module_state(model)
+    with pytest.raises(RuntimeError, match="wants its own GELU"):
+        linearize.convert(model, example_inputs=x)
+    assert _module_state(model) == before and torch.equal(model(x), expected)
+    seen.clear()
+    model(x)
+    assert seen == [1]  # the hook is on the GELU again, once per call
+    model.strict = False
+    linearize.convert(model, example_inputs=x)
+    assert sorted(n for n, _ in linearize.units(model)) == ["act.calls.0", "act.calls.1", "gelu",
+                                                             "linearize_functional.relu_0"]
+    assert torch.equal(model(x), expected)
+    handle.remove()
+    seen.clear()
+    model(x)
+    assert seen == []
