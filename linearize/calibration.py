@@ -338,7 +338,8 @@ class RunningFit:
     running sums that decay by ``decay`` per step, a moving window of about ``1 / (1 - decay)`` steps (as
     BatchNorm's running statistics), summed over all processes first when ``torch.distributed`` is
     initialized (every process then holds the same fits). Every position counts (padding too: the hooks do
-    not see the batch's mask). The first training forward also finds the layer each unit's output feeds, for
+    not see the batch's mask). A step whose sums for a unit hold NaN/inf (a batch that overflowed, e.g. one
+    a loss scaler then skipped) is left out of that unit's running sums, so one bad batch does not end the fit. The first training forward also finds the layer each unit's output feeds, for
     the outgoing weight norms of :meth:`fits` (``outgoing`` stays ``None`` for a unit that feeds no single
     Linear / Conv1D / conv layer). Eval-mode calls are not recorded. The :class:`~linearize.Sparsifier` uses
     one for ``select="fit"`` and ``linear_end="affine"``.
@@ -366,7 +367,8 @@ class RunningFit:
         self.steps = 0
 
     def step(self) -> None:
-        """Fold this step's statistics into the running sums (all processes' summed under ``torch.distributed``)."""
+        """Fold this step's statistics into the running sums (all processes' summed under ``torch.distributed``);
+        a unit's step whose sums are not finite is dropped (the running sums stay finite)."""
         pending = self._recorder.stats
         if self._outgoing is None and any(s.count for s in pending.values()):
             self._outgoing = {n: (_outgoing(u, self._recorder.fed[n]) if self._recorder.fed[n] else None)
@@ -384,6 +386,8 @@ class RunningFit:
             if distributed:
                 torch.distributed.all_reduce(sums)
                 torch.distributed.all_reduce(count)
+            if not bool(torch.isfinite(sums).all()):  # after the reduction: every process drops it alike
+                sums, count = torch.zeros_like(sums), torch.zeros_like(count)
             run.count = run.count * self.decay + float(count)
             sums = sums.cpu()
             run.sums = sums if run.sums is None else run.sums * self.decay + sums

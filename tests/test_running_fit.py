@@ -86,6 +86,24 @@ def test_two_forwards_in_one_step_count_alike_and_eval_and_copies_are_not_record
     assert not any(len(m._forward_pre_hooks) or len(m._forward_hooks) for m in net.modules())
 
 
+def test_a_step_with_a_non_finite_batch_is_left_out_of_the_fit():
+    net = _net()
+    tracker = linearize.RunningFit(net, decay=0.5)
+    a, bad, c = torch.randn(40, 4), torch.randn(40, 4), torch.randn(40, 4) * 2 + 1
+    bad[3, 0] = float("inf")  # e.g. an fp16 overflow: a step a loss scaler skips
+    for x in (a, bad, c):
+        net(x)
+        tracker.step()
+    fit = tracker.fits()["1"]
+    h = np.concatenate([_pre_activations(net, a), _pre_activations(net, c)])
+    y = torch.nn.functional.gelu(torch.from_numpy(h).float()).double().numpy()
+    alpha, beta, _ = _weighted_lstsq(h, y, np.concatenate([np.full(40, 0.25), np.ones(40)]))  # its step still decays
+    np.testing.assert_allclose(fit.alpha.numpy(), alpha, rtol=1e-9, atol=1e-12)
+    np.testing.assert_allclose(fit.beta.numpy(), beta, rtol=1e-9, atol=1e-12)
+    assert fit.count == pytest.approx(40 * 1.25)
+    tracker.close()
+
+
 def test_state_dict_restores_the_fits_and_crafted_states_are_refused():
     net = _net()
     tracker = linearize.RunningFit(net)

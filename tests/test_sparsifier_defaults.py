@@ -142,6 +142,31 @@ def test_linear_channels_end_at_the_least_squares_fit_of_their_data():
         assert err_end <= 1.5 * err_ls + 1e-4 and err_end <= err_identity + 1e-9, (c, err_end, err_ls, err_identity)
 
 
+def test_one_skipped_non_finite_batch_leaves_the_ends_and_the_target_intact():
+    teacher = _teacher()
+    torch.manual_seed(1)
+    student = linearize.convert(copy.deepcopy(teacher), example_inputs=torch.randn(2, 8)).train()
+    opt = torch.optim.AdamW(student.parameters(), lr=1e-4)
+    sp = linearize.Sparsifier(student, linearize.schedules.target(0.25), total_steps=40).attach(opt)
+    skipped = 0
+    for step in range(41):
+        x = torch.randn(64, 8)
+        if step == 5:
+            x[0, 0] = float("inf")  # an overflow: the loss is NaN and the step is skipped, as a loss scaler does
+        loss = nn.functional.mse_loss(student(x), teacher(x).detach())
+        opt.zero_grad()
+        loss.backward()
+        if not torch.isfinite(loss):
+            skipped += 1
+            continue
+        opt.step()
+    alpha, beta = linearize.units(student)[0][1].linear_end
+    assert skipped == 1 and sp.step_count == 40
+    assert bool(torch.isfinite(alpha).all() and torch.isfinite(beta).all())
+    assert linearize.nonlinear_fraction(student) == 0.25
+    assert _error(student, teacher) < 0.5  # the teacher's output, not NaN
+
+
 def test_resume_is_exact():
     teacher = _teacher()
     whole, _ = _user_loop(teacher, steps=40)
