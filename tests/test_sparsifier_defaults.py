@@ -122,9 +122,39 @@ def test_defaults_under_adamw_keep_the_function_the_paper_settings_lose():
     assert float(unit.slope.detach()[kept].max()) < 0.05
 
 
-def test_linear_channels_end_at_the_least_squares_fit_of_their_data():
+@pytest.mark.parametrize("steps, glide", [(STEPS, None), (10, None), (STEPS, 0.0)])  # short: channels arrive at once
+def test_linear_channels_end_at_the_least_squares_fit_of_their_data(steps, glide):
     teacher = _teacher()
-    student, _ = _user_loop(teacher)
+    student, _ = _user_loop(teacher, steps=steps, glide=glide)
+    _check_fitted_ends(student)
+
+
+def test_channels_that_arrive_before_any_fit_get_it_at_the_first_step_with_one():
+    teacher = _teacher()
+    torch.manual_seed(1)
+    student = linearize.convert(copy.deepcopy(teacher), example_inputs=torch.randn(2, 8))
+    opt = torch.optim.AdamW(student.parameters(), lr=1e-4)
+    sp = linearize.Sparsifier(student, linearize.schedules.target(0.25), total_steps=10, glide=0.0).attach(opt)
+    unit = linearize.units(student)[0][1]
+    for step in range(10):
+        student.train(step > 0)  # the first step's forward in eval mode: no fit when channels arrive at 1
+        x = torch.randn(512, 8)  # the ends are the fit of one batch: a large one
+        loss = nn.functional.mse_loss(student(x), teacher(x).detach())
+        opt.zero_grad()
+        loss.backward()
+        if step == 0:
+            with pytest.warns(UserWarning, match="no training-mode forward"):
+                opt.step()
+            assert unit.linear_end is None and int((unit.slope == 1).sum()) > 0  # no fit yet: the identity
+        else:
+            opt.step()
+    assert sp.step_count == 10
+    _check_fitted_ends(student.eval())
+
+
+def _check_fitted_ends(student: nn.Module) -> None:
+    """Every linear channel's end errs about as little as numpy's least-squares fit on fresh data, and no more
+    than the identity."""
     unit = linearize.units(student)[0][1]
     linear = (unit.slope.detach() == 1).numpy()
     alpha, beta = (t.detach().double().numpy() for t in unit.linear_end)

@@ -54,7 +54,9 @@ is not counted, and a warning says when the ramp runs without any slope gradient
 activation is tracked on the training batches (:class:`~linearize.calibration.RunningFit`, a decayed window
 of about 20 steps), and a channel's cost is the output error its replacement by that fit puts on the layer it
 feeds (:func:`linearize.one_shot`'s score), ranked within its unit; with ``linear_end="affine"`` every channel
-on its way to 1 computes that fit at 1 (set at each step; a channel keeps the end it had when it arrived). A
+on its way to 1 computes that fit at 1 (set at each step; a channel keeps the end it had when it arrived; one
+that arrived before its unit had a fit, on the first step or before any training-mode forward, computes the
+identity until the first step with a fit, which gives it the fit too). A
 step whose statistics hold NaN/inf for a unit (a batch that overflowed, a step a loss scaler skipped) is left
 out of that unit's fit, and a fit that is not finite is never written as an end.
 
@@ -415,8 +417,10 @@ class Sparsifier:
 
     def _set_ends(self) -> None:
         """``linear_end="affine"``: every free channel below 1 gets its unit's running affine fit as its linear
-        end; a channel keeps the end it had when it arrived at 1 (and a frozen one its own). A fit that is not
-        finite in the slopes' dtype (an overflow) is not written: the channel keeps its end."""
+        end; a channel keeps the end it had when it arrived at 1 (and a frozen one its own). The first fit of a
+        unit goes to every free channel, those already at 1 too (they arrived before the unit had a fit: on this
+        step, or before any training-mode forward). A fit that is not finite in the slopes' dtype (an overflow) is
+        not written: the channel keeps its end."""
         fits = self._fit.fits()
         for name, unit in self._units:
             fit = fits.get(name)
@@ -424,10 +428,11 @@ class Sparsifier:
                 continue
             slope = unit.slope.detach()
             alpha, beta = (t.to(slope.device, slope.dtype) for t in (fit.alpha, fit.beta))
-            moving = torch.isnan(unit.frozen).to(slope.device) & (slope < 1) & alpha.isfinite() & beta.isfinite()
+            free = torch.isnan(unit.frozen).to(slope.device) & alpha.isfinite() & beta.isfinite()
+            moving = free & (slope < 1)
             end = unit.linear_end
             if end is None:  # fixed buffers, in no optimizer (also after a load): the fit sets them, not the loss
-                unit.set_linear_end(torch.where(moving, alpha, 1.0), torch.where(moving, beta, 0.0), trainable=False)
+                unit.set_linear_end(torch.where(free, alpha, 1.0), torch.where(free, beta, 0.0), trainable=False)
             else:
                 end[0].copy_(torch.where(moving, alpha, end[0]))
                 end[1].copy_(torch.where(moving, beta, end[1]))
