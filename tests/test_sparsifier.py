@@ -360,6 +360,23 @@ def test_attaching_an_optimizer_without_the_slopes_warns():
         linearize.Sparsifier(model, schedule, total_steps=10).attach(torch.optim.SGD(weights, lr=0.1))
 
 
+def test_a_step_by_hand_on_an_attached_sparsifier_is_refused():
+    model = linearize.convert(nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1)))
+    opt = torch.optim.SGD(linearize.param_groups(model), lr=0.01)
+    sp = linearize.Sparsifier(model, S.target(0.25, start=0.0, end=1.0), total_steps=10).attach(opt)
+    for _ in range(3):
+        opt.zero_grad()
+        model(torch.randn(16, 4)).square().mean().backward()
+        opt.step()
+        with pytest.raises(RuntimeError, match=r"attached.*twice.*remove the sparsifier.step\(\) call.*detach"):
+            sp.step()  # the hook stepped it already: a second step would run the schedule at double speed
+    assert sp.step_count == 3  # one per optimizer step
+    sp.detach()
+    opt.step()
+    sp.step()  # detached: stepping by hand is the way
+    assert sp.step_count == 4
+
+
 def test_attach_warning_raised_as_error_leaves_the_sparsifier_detached():
     """Under ``simplefilter("error")`` the warning stops attach(): nothing is half attached (no optimizer
     held, no hook, the optimizer free for another Sparsifier), and a second try raises again."""

@@ -143,7 +143,7 @@ model's ReLUs is refused; the history records ``nonlinear_relus``.
 Three added lines in a plain loop::
 
     sparsifier = linearize.Sparsifier(model, linearize.schedules.target(0.10, end=0.8), total_steps)
-    sparsifier.attach(optimizer)        # or: sparsifier.step() after each optimizer.step()
+    sparsifier.attach(optimizer)        # or: sparsifier.step() after each optimizer.step() (not both)
 """
 
 from __future__ import annotations
@@ -389,6 +389,7 @@ class Sparsifier:
         self._hook = None
         self._versions = self._slope_versions()
         self._warned = False
+        self._hook_stepping = False  # step() runs from attach()'s hook (a call by hand then is a second step)
         watch.watch(self)
 
     def _choose(self, asked: tuple[str, str] | None = None) -> tuple[str, str]:
@@ -456,6 +457,8 @@ class Sparsifier:
         Accepts wrappers such as accelerate's ``AcceleratedOptimizer`` (the hook goes on the
         torch optimizer inside, so skipped accumulation steps do not count).
 
+        Then do not call :meth:`step` yourself too: it would step twice per optimizer step (it raises).
+
         Raises:
             RuntimeError: this Sparsifier is attached already, or another one is attached to
                 ``optimizer`` (each would apply the pressure once per step): :meth:`detach` first.
@@ -481,9 +484,16 @@ class Sparsifier:
         self.optimizer = inner
         if self.step_count == 0:
             self._resolve()
-        self._hook = inner.register_step_post_hook(lambda opt, args, kwargs: self.step())
+        self._hook = inner.register_step_post_hook(lambda opt, args, kwargs: self._step_from_hook())
         _ATTACHED[inner] = weakref.ref(self)
         return self
+
+    def _step_from_hook(self) -> None:
+        self._hook_stepping = True
+        try:
+            self.step()
+        finally:
+            self._hook_stepping = False
 
     def __getstate__(self) -> dict:
         # a hook handle belongs to one optimizer object: a copy (deepcopy, pickle) re-attaches to its
@@ -564,7 +574,14 @@ class Sparsifier:
 
         Raises :class:`~linearize.unit.NonFiniteSlopeError` naming the units when a slope is NaN or
         inf (the training diverged): nothing is projected or logged then (one device sync per step).
+        Raises ``RuntimeError`` when called by hand on an attached Sparsifier (its hook steps it already).
         """
+        if self._hook is not None and not self._hook_stepping:
+            raise RuntimeError(
+                "Sparsifier.step() was called by hand, but this Sparsifier is attached to an optimizer, whose "
+                "hook already steps it after every optimizer.step(): both would step it twice per optimizer step "
+                "(the schedule at double speed). Fix: remove the sparsifier.step() call, or call "
+                "sparsifier.detach() to step it by hand")
         check_finite_slopes(self._units, f"Sparsifier.step (step {self.step_count})")
         watch.stepped(self)
         if self._slope_versions() == self._versions and not self._warned:
