@@ -35,14 +35,15 @@ def _field(out: Any, kind: str) -> torch.Tensor:
 
 
 def mean_pool(hidden: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-    """Mean of ``hidden [B, T, D]`` over the tokens where ``attention_mask [B, T]`` is 1 -> ``[B, D]``.
+    """Mean of ``hidden [B, T, D]`` over the tokens where ``attention_mask [B, T]`` is 1 -> ``[B, D]`` (the
+    padded tokens add nothing to it nor to its gradient, also where they hold NaN/inf).
 
     Example: ``mean_pool(torch.ones(2, 3, 4)).shape == (2, 4)``.
     """
     if attention_mask is None:
         return hidden.mean(dim=1)
     m = attention_mask.to(hidden.dtype).unsqueeze(-1)
-    return (hidden * m).sum(dim=1) / m.sum(dim=1).clamp(min=1.0)
+    return torch.where(m != 0, hidden, 0.0).sum(dim=1) / m.sum(dim=1).clamp(min=1.0)
 
 
 def distill_loss(
@@ -62,7 +63,8 @@ def distill_loss(
             over the last dim (classes the teacher gives probability 0 add 0), averaged over the
             unmasked positions; ``"pooled"``: ``1 - cosine`` of the mean-pooled hidden states
             (sentence embeddings), averaged over the batch.
-        attention_mask: ``[B, T]`` of 0 / 1 (1 = token); ``None``: every position counts. Outputs
+        attention_mask: ``[B, T]`` of 0 / 1 (1 = token); ``None``: every position counts. Padded positions
+            add nothing to the loss nor to its gradient, also where student or teacher hold NaN/inf there. Outputs
             with one row per example (``[B, C]`` logits) take no mask (one of another shape is not used);
             ``[B, T', D]`` outputs need a mask of their positions.
         temperature: ``T`` of ``"logits"``.
@@ -93,8 +95,10 @@ def distill_loss(
     if masked and not bool(((attention_mask == 0) | (attention_mask == 1)).all()):
         raise ValueError("attention_mask must hold 0 (padding) and 1 (token) only")
     keep = attention_mask.bool() if masked else torch.ones(s.shape[:-1], dtype=torch.bool, device=s.device)
+    if masked:  # padding zeroed before any use: NaN there stays out of the loss and of the gradient (0 * NaN)
+        s, t = torch.where(keep[..., None], s, 0.0), torch.where(keep[..., None], t, 0.0)
 
-    def mean(per: torch.Tensor) -> torch.Tensor:  # over the unmasked positions (NaN at padding stays out)
+    def mean(per: torch.Tensor) -> torch.Tensor:  # over the unmasked positions
         return torch.where(keep, per, 0.0).sum() / keep.sum().clamp(min=1)
 
     if kind == "logits":

@@ -61,3 +61,31 @@ def test_distill_masks_keep_nan_at_padding_out_and_are_checked():
         linearize.distill_loss(s, t, "logits", mask * -1)
     with pytest.raises(ValueError, match="does not cover"):
         linearize.distill_loss(s[:, :3], t[:, :3], "logits", mask)  # shifted logits, unshifted mask
+
+
+@pytest.mark.parametrize("kind", ["hidden", "pooled", "logits"])
+def test_padding_holding_nan_adds_nothing_to_the_loss_nor_to_the_gradient(kind):
+    g = torch.Generator().manual_seed(0)
+    s, t = torch.randn(2, 5, 8, generator=g, dtype=torch.float64), torch.randn(2, 5, 8, generator=g, dtype=torch.float64)
+    mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 0]])
+    keep = mask.bool()
+    # the truth by hand, in float64, from the real tokens alone
+    real = s.clone().requires_grad_(True)
+    if kind == "hidden":
+        want = (real[keep] - t[keep]).pow(2).mean(-1).mean() / t[keep].pow(2).mean(-1).mean()
+    elif kind == "pooled":
+        cos = [torch.nn.functional.cosine_similarity(real[b][keep[b]].mean(0), t[b][keep[b]].mean(0), dim=0)
+               for b in range(2)]
+        want = 1 - torch.stack(cos).mean()
+    else:
+        want = torch.nn.functional.kl_div(real[keep].log_softmax(-1), t[keep].log_softmax(-1), log_target=True,
+                                          reduction="batchmean")
+    want.backward()
+    padded_s, padded_t = s.clone(), t.clone()
+    padded_s[~keep], padded_t[~keep] = float("nan"), float("nan")  # e.g. a teacher whose padding is NaN
+    student = padded_s.requires_grad_(True)
+    loss = linearize.distill_loss(student, padded_t, kind, mask)
+    loss.backward()
+    assert loss.item() == pytest.approx(want.item(), rel=1e-5)
+    assert bool(torch.isfinite(student.grad).all()) and bool((student.grad[~keep] == 0).all())
+    torch.testing.assert_close(student.grad[keep].double(), real.grad[keep], rtol=1e-4, atol=1e-7)
