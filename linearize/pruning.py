@@ -277,7 +277,7 @@ def _taylor(model: nn.Module, sites: dict[str, PruneSite], modules: dict[str, nn
             for name, s in sites.items():
                 consumer = modules[s.consumer]
                 handles.append(consumer.register_forward_pre_hook(pre(name, isinstance(consumer, CONVS))))
-            for inputs in Batches.of(data).to(model_device(model)):
+            for index, inputs in enumerate(Batches.of(data).to(model_device(model))):
                 if not num_rows(inputs):
                     continue
                 seen.clear()
@@ -293,9 +293,15 @@ def _taylor(model: nn.Module, sites: dict[str, PruneSite], modules: dict[str, nn
                     conv = isinstance(modules[sites[name].consumer], CONVS)
                     prod = (x.detach() * g).abs().double()
                     if mask is not None and not conv and prod.ndim == 3 and tuple(prod.shape[:2]) == tuple(mask.shape):
-                        prod = prod * mask.to(prod.device).unsqueeze(-1)  # padding is no data
-                    scores[name] += (prod.movedim(1, -1) if conv else prod).reshape(-1, prod.shape[1 if conv else -1]
-                                                                                   ).sum(0).cpu()
+                        prod = torch.where(mask.to(prod.device).bool().unsqueeze(-1), prod, 0.0)  # padding is no data
+                    batch = (prod.movedim(1, -1) if conv else prod).reshape(-1, prod.shape[1 if conv else -1]).sum(0)
+                    if not bool(torch.isfinite(batch).all()):
+                        raise ValueError(
+                            f"prune(importance='taylor'): batch {index} of data gives NaN/inf scores to the channels "
+                            f"of site {name!r} (the data, or the model's activations or loss gradients on it, hold "
+                            "NaN/inf), which would rank them at random. Fix: drop or repair those samples (or "
+                            "use importance='magnitude')")
+                    scores[name] += batch.cpu()
         finally:
             for p in params:
                 p.requires_grad_(False)
@@ -431,7 +437,8 @@ def prune(
       column);
     - ``"taylor"``: ``sum |x * dL/dx|`` over ``data`` of the channel's input ``x`` to the consumer (padding
       excluded, as in :mod:`linearize.calibration`), ``L = loss(model output)``; default ``loss``: half the
-      sum of squares of the model's float outputs. The model runs in eval mode; no ``.grad`` is touched;
+      sum of squares of the model's float outputs. The model runs in eval mode; no ``.grad`` is touched; a batch
+      that gives a channel a NaN/inf score (NaN/inf in the data, or an overflow) raises ``ValueError`` naming it;
     - ``"residual"``: :func:`linearize.one_shot`'s score on ``data`` (the residual of the channel's affine
       fit times its outgoing weight norm: the error of replacing it by a linear end), from a converted copy.
       It ranks channels by how nonlinear they are, which is the right choice for linearizing; for removing

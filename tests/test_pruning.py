@@ -247,6 +247,16 @@ def test_data_dependent_importances_need_data_and_a_scalar_loss():
                         loss=lambda out: out)
 
 
+def test_taylor_on_data_with_nan_names_the_batch_and_leaves_the_model_alone():
+    net = _mlp([])
+    original = copy.deepcopy(net)
+    batches = [torch.randn(8, 6, dtype=torch.float64) for _ in range(3)]
+    batches[1][2, 0] = float("nan")  # one corrupted value: every channel's score would be NaN, the ranking arbitrary
+    with pytest.raises(ValueError, match=r"batch 1 of data gives NaN/inf scores.*site '0'.*drop or repair"):
+        linearize.prune(net, keep=4, importance="taylor", data=batches)
+    assert all(torch.equal(a, b) for a, b in zip(net.state_dict().values(), original.state_dict().values()))
+
+
 def test_conv_sites_without_torch_pruning_name_the_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "torch_pruning", None)  # import fails as if not installed
     with pytest.raises(MissingExtra, match=r'pip install "linearize\[prune\]"'):
