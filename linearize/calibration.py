@@ -69,15 +69,21 @@ class LinearEndFit:
 
 class _Stats:
     """Sums of ``x, x^2, y, x * y, y^2`` per channel in float64 (``y = act(x)``) and their count (a float: a
-    :class:`RunningFit` decays both)."""
+    :class:`RunningFit` decays both); ``nonfinite_batch``: the first batch whose sums were not finite (where
+    :meth:`add` is told the batch)."""
 
     def __init__(self) -> None:
         self.sums: torch.Tensor | None = None  # [5, C]
         self.count = 0.0
+        self.nonfinite_batch: int | None = None
 
-    def add(self, x: torch.Tensor, y: torch.Tensor) -> None:
+    def add(self, x: torch.Tensor, y: torch.Tensor, batch: int | None = None) -> None:
+        """Add rows ``x`` ``[P, C]`` and their activations ``y``; with ``batch`` (its index in the calibration
+        data), remember it when its sums are not finite (one device sync)."""
         x, y = x.double(), y.double()
         s = torch.stack([x.sum(0), (x * x).sum(0), y.sum(0), (x * y).sum(0), (y * y).sum(0)])
+        if batch is not None and self.nonfinite_batch is None and not bool(torch.isfinite(s).all()):
+            self.nonfinite_batch = batch
         self.sums = s if self.sums is None else self.sums + s.to(self.sums.device)
         self.count += x.shape[0]
 
@@ -85,6 +91,11 @@ class _Stats:
         if self.sums is None or self.count == 0:
             raise ValueError(f"unit {name!r} saw no data position (it was never called, or every position was "
                              "padding): calibrate on data that runs through it")
+        if not bool(torch.isfinite(self.sums).all()):
+            where = "" if self.nonfinite_batch is None else f" in batch {self.nonfinite_batch}"
+            raise ValueError(f"the calibration data holds NaN/inf (or values too large for float64 sums): unit "
+                             f"{name!r} saw non-finite inputs or activations{where} of data, so its fit is not "
+                             "finite. Fix: drop or repair those samples")
         n = float(self.count)
         sx, sxx, sy, sxy, syy = self.sums.cpu()
         mx, my = sx / n, sy / n
@@ -151,7 +162,8 @@ class _Recorder:
     record which layers (Linear, HF Conv1D, conv) take the unit's output as their input (``fed``) and, with
     ``producers``, which layers' output is the unit's input (``fed_by``).
     ``mask``: the padding mask of the batch being run; ``outputs``: unit and layer outputs of the batch,
-    cleared per batch (:meth:`clear`). ``training_only``: record only calls made in training mode."""
+    cleared per batch (:meth:`clear`). ``training_only``: record only calls made in training mode. ``batch``: the
+    index of the batch being run (set by :func:`_run`; ``None`` for training batches), named by a non-finite fit."""
 
     def __init__(self, model: nn.Module, named: list[tuple[str, LinearizableActivation]], consumers: set[str],
                  training_only: bool = False, producers: bool = False) -> None:
@@ -159,6 +171,7 @@ class _Recorder:
         self.fed: dict[str, list[tuple[nn.Module, int]]] = {name: [] for name in consumers}
         self.fed_by: dict[str, list[nn.Module]] = {name: [] for name in consumers}
         self.mask: torch.Tensor | None = None
+        self.batch: int | None = None
         self.outputs: dict[int, tuple[str, torch.Tensor]] = {}
         self.layer_outputs: dict[int, tuple[nn.Module, torch.Tensor]] = {}
         self.training_only = training_only
@@ -181,7 +194,7 @@ class _Recorder:
             rows = _unit_rows(unit, args[0].detach(), self.mask)
             if rows is not None:
                 with torch.no_grad():
-                    self.stats[name].add(rows, unit.activation(rows))
+                    self.stats[name].add(rows, unit.activation(rows), self.batch)
         return hook
 
     def _layer_output_hook(self, layer: nn.Module):
@@ -240,12 +253,15 @@ def _recording(model: nn.Module, named: list[tuple[str, LinearizableActivation]]
 
 def _run(model: nn.Module, data: Any, recorder: Any) -> None:
     """Run ``data`` through ``model`` (eval mode, no grad) for a recorder's hooks: its ``mask`` is set to each
-    batch's ``attention_mask`` (``None`` without one), and ``clear()`` is called after each batch."""
+    batch's ``attention_mask`` (``None`` without one), a :class:`_Recorder`'s ``batch`` to the batch's index, and
+    ``clear()`` is called after each batch."""
     with eval_mode(model), torch.no_grad():
-        for inputs in Batches.of(data).to(model_device(model)):
+        for index, inputs in enumerate(Batches.of(data).to(model_device(model))):
             if not num_rows(inputs):
                 continue
             recorder.mask = inputs.get("attention_mask") if isinstance(inputs, Mapping) else None
+            if isinstance(recorder, _Recorder):
+                recorder.batch = index
             call_model(model, inputs)
             recorder.clear()
 

@@ -214,6 +214,25 @@ def test_fit_refuses_a_unit_the_data_never_reaches():
     assert net.a.linear_end is None  # nothing was set
 
 
+@pytest.mark.parametrize("call", [
+    lambda net, data: linearize.fit_linear_ends(net, data),
+    lambda net, data: linearize.one_shot(net, data, target=0.25),
+    lambda net, data: linearize.one_shot(net, data, end="hybrid", flops=0.5),
+], ids=["fit_linear_ends", "one_shot", "hybrid"])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_calibration_data_with_nan_or_inf_names_the_unit_the_batch_and_the_fix(call, bad):
+    torch.manual_seed(0)
+    net = linearize.convert(nn.Sequential(nn.Linear(8, 32), nn.GELU(), nn.Linear(32, 4)))
+    original = copy.deepcopy(net.state_dict())
+    data = [torch.randn(64, 8) for _ in range(3)]
+    data[2][17, 3] = bad
+    with pytest.raises(ValueError, match=r"calibration data holds NaN/inf.*unit '1'.*batch 2 of data.*drop or repair"):
+        call(net, data)
+    assert net[1].linear_end is None  # nothing was changed
+    for k, v in net.state_dict().items():  # `frozen` holds NaN (free channels)
+        torch.testing.assert_close(v, original[k], rtol=0, atol=0, equal_nan=True)
+
+
 # ----------------------------------------------------------------------------- one-shot
 
 

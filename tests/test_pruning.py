@@ -247,13 +247,17 @@ def test_data_dependent_importances_need_data_and_a_scalar_loss():
                         loss=lambda out: out)
 
 
-def test_taylor_on_data_with_nan_names_the_batch_and_leaves_the_model_alone():
+@pytest.mark.parametrize("importance, message", [
+    ("taylor", r"batch 1 of data gives NaN/inf scores.*site '0'.*drop or repair"),
+    ("residual", r"calibration data holds NaN/inf.*unit '1'.*batch 1 of data.*drop or repair"),
+])
+def test_data_with_nan_names_the_batch_and_leaves_the_model_alone(importance, message):
     net = _mlp([])
     original = copy.deepcopy(net)
     batches = [torch.randn(8, 6, dtype=torch.float64) for _ in range(3)]
     batches[1][2, 0] = float("nan")  # one corrupted value: every channel's score would be NaN, the ranking arbitrary
-    with pytest.raises(ValueError, match=r"batch 1 of data gives NaN/inf scores.*site '0'.*drop or repair"):
-        linearize.prune(net, keep=4, importance="taylor", data=batches)
+    with pytest.raises(ValueError, match=message):
+        linearize.prune(net, keep=4, importance=importance, data=batches)
     assert all(torch.equal(a, b) for a, b in zip(net.state_dict().values(), original.state_dict().values()))
 
 
