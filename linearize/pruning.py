@@ -448,7 +448,7 @@ def prune(
     channels. Kept channels stay in their order.
 
     Args:
-        model: a plain (unconverted) model; changed in place.
+        model: a plain (unconverted) model; changed in place. A converted one (with linearize units) is refused.
         keep: channels kept per site: an int ``>= 1`` or a fraction in ``(0, 1]``.
         importance: ``"magnitude"``, ``"taylor"`` or ``"residual"``.
         data: calibration data for ``"taylor"`` and ``"residual"`` (the forms of :mod:`linearize.inputs`).
@@ -466,6 +466,11 @@ def prune(
     """
     if importance not in IMPORTANCES:
         raise ValueError(f"importance must be one of {IMPORTANCES}, got {importance!r}")
+    converted = [n for n, _ in units(model)]
+    if converted:
+        raise ValueError(f"prune takes a plain model; this one was converted by linearize.convert (it holds units "
+                         f"{converted[:3]}{' ...' if len(converted) > 3 else ''}). Fix: prune a copy of the model made "
+                         "before convert (copy.deepcopy(model) first), or convert the pruned model")
     if importance in ("taylor", "residual") and data is None:
         raise ValueError(f"prune(importance={importance!r}) needs calibration data: pass data=<batches>")
     if example_inputs is None:

@@ -261,6 +261,18 @@ def test_data_with_nan_names_the_batch_and_leaves_the_model_alone(importance, me
     assert all(torch.equal(a, b) for a, b in zip(net.state_dict().values(), original.state_dict().values()))
 
 
+def test_a_converted_model_is_refused_with_the_fix():
+    plain = _mlp([])
+    converted = linearize.convert(copy.deepcopy(plain), example_inputs=torch.randn(2, 6, dtype=torch.float64))
+    before = copy.deepcopy(converted.state_dict())
+    with pytest.raises(ValueError, match=r"prune takes a plain model.*linearize.convert.*\['1'\].*before convert"):
+        linearize.prune(converted, keep=4, example_inputs=torch.randn(2, 6, dtype=torch.float64))
+    for k, v in converted.state_dict().items():  # unchanged (`frozen` holds NaN)
+        torch.testing.assert_close(v, before[k], rtol=0, atol=0, equal_nan=True)
+    small = linearize.prune(plain, keep=4, example_inputs=torch.randn(2, 6, dtype=torch.float64))  # the fix works
+    assert small[0].out_features == 4
+
+
 def test_conv_sites_without_torch_pruning_name_the_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "torch_pruning", None)  # import fails as if not installed
     with pytest.raises(MissingExtra, match=r'pip install "linearize\[prune\]"'):
