@@ -88,6 +88,25 @@ def test_non_psd_linear_map_scores_below_one():
     assert affinity_score(x, -x) < 0.9
 
 
+def test_the_affine_maps_docs_measures_says_score_below_one():
+    """The examples of docs/measures.md: only a positive semi-definite affine image scores 1."""
+    torch.manual_seed(0)
+    e = torch.empty(2000, 1, dtype=torch.float64).exponential_()
+    x = torch.randn(2000, 4, dtype=torch.float64)
+    rotation = torch.linalg.qr(torch.randn(4, 4, dtype=torch.float64))[0]
+    assert affinity_score(e, 3 * e + 1) == pytest.approx(1.0, abs=1e-6)
+    assert round(affinity_score(e, -e), 3) == round(affinity_score(e, 2 - 3 * e), 3) == 0.384
+    assert round(affinity_score(x, x @ rotation.T), 3) == 0.815
+    assert round(affinity_score(x, x.relu()), 3) == 0.614
+    model = linearize.convert(nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)))
+    with torch.no_grad():
+        model[0].bias.fill_(1.0)
+        model[1].set_linear_end(torch.full((8,), -0.5), torch.zeros(8))
+        model[1].slope.fill_(1.0)  # every channel exactly linear: y = -0.5 x
+    (site, score), = affinity_signature(model, torch.randn(2000, 4), progress=False)
+    assert site == "1" and round(score, 3) == 0.836
+
+
 def test_row_permutation_of_y_leaves_score_unchanged():
     rng = np.random.default_rng(2)
     x = rng.standard_normal((700, 6))
