@@ -794,9 +794,9 @@ def _read_folded(directory: Path, tries: int = 10) -> tuple[dict, bytes, Path]:
 def load_folded(directory: str | os.PathLike, base: nn.Module | None = None, *, check: bool = True) -> nn.Module:
     """Rebuild the folded model saved by :func:`save_folded` in ``directory`` and load its weights strictly.
 
-    ``base``: a freshly built model of the original architecture, needed when ``folded.json`` names
-    classes of your own (a plain base) or when the model was built with arguments the save does not
-    record. ``check``: run a float32 CPU copy of the rebuilt model on the probe saved with it and refuse
+    ``base``: a model of the original architecture (its weights do not matter), needed when ``folded.json``
+    names classes of your own (a plain base) or when the model was built with arguments the save does not
+    record; the folded model is rebuilt in a copy of it, so ``base`` is left as it is. ``check``: run a float32 CPU copy of the rebuilt model on the probe saved with it and refuse
     other outputs (beyond 1e-4 of the output scale). Runs no code from the files. Raises ``FileNotFoundError``
     and :class:`LoadError` naming the file (damaged, tampered with, unknown class, other outputs).
 
@@ -808,6 +808,7 @@ def load_folded(directory: str | os.PathLike, base: nn.Module | None = None, *, 
     path = directory / FOLDED_CONFIG
     meta, data, weights = _read_folded(directory)
     tensors = safetensors.torch.load(data)
+    base = None if base is None else copy.deepcopy(base)  # the caller's model (kept to compare) stays as it is
     model = _rebuild(meta, _build_base(meta.get("base") or {}, base, path), path,
                      {k: tuple(t.shape) for k, t in tensors.items()})
     probe = {k: tensors.pop(k) for k in [k for k in tensors if k.startswith(_PROBE)]}

@@ -85,6 +85,20 @@ def test_plain_models(tmp_path):
     assert torch.equal(_call(linearize.load_folded(tmp_path / "net", base=Net()), x), _call(net, x))
 
 
+def test_the_base_given_to_load_folded_is_left_as_it_is(tmp_path):
+    """The original model given as ``base`` (kept to compare the deployed model with) was rebuilt in place: its
+    outputs became the folded model's."""
+    x = torch.randn(2, 3, 8, 8, generator=torch.Generator().manual_seed(0))
+    original = Net().eval()
+    with torch.no_grad():
+        want = _call(original, x)
+    net = _half_linear(copy.deepcopy(original), x)
+    linearize.save_folded(net, tmp_path / "net")
+    loaded = linearize.load_folded(tmp_path / "net", base=original)
+    assert loaded is not original and torch.equal(_call(original, x), want)
+    assert torch.equal(_call(loaded, x), _call(net, x)) and not torch.equal(_call(loaded, x), want)
+
+
 class _Wrapper(nn.Module):
     """A model whose own child is named ``module`` (a normalising wrapper, timm's ModelEmaV3 layout)."""
 
