@@ -322,3 +322,52 @@ def test_apl_record_follows_ids_shifted_right():
     ids = torch.randint(0, 10, (2, 5))
     model = linearize.convert(_Ids(_shift_right), example_inputs=ids)
     assert average_path_length(model, ids, method="record") == 1.0
+
+
+def test_fx_trace_leaves_forwards_on_other_threads_alone():
+    """Truth: a forward on another thread gives the outputs it gives with no trace running, and each trace gives
+    the APL of a plain chain of 30 all-nonlinear units (30.0). ``torch.fx`` patches ``nn.Module.__call__`` and
+    ``__getattr__`` for the whole process while it traces. Observed: the other thread's forwards failed with
+    NameError 'module is not installed as a submodule', or TraceError (the measured model's own: a Proxy in place
+    of a weight); two traces at once could leave the patch in place."""
+    import threading
+
+    torch.manual_seed(0)
+    x = torch.randn(4, 8)
+    measured = linearize.convert(nn.Sequential(*[m for _ in range(30) for m in (nn.Linear(8, 8), nn.ReLU())]),
+                                 example_inputs=x).eval()
+    other = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    with torch.no_grad():
+        expected = [other(x), measured(x)]
+    call, getattr_ = nn.Module.__call__, nn.Module.__getattr__
+    done, errors, values, forwards = threading.Event(), [], [], [0]
+
+    def measure() -> None:
+        try:
+            for _ in range(8):
+                values.append(average_path_length(measured, x, method="fx"))
+        except Exception as err:  # noqa: BLE001 - reported by the assertion below
+            errors.append(err)
+
+    def forward() -> None:
+        while not done.is_set():
+            try:
+                with torch.no_grad():
+                    outs = [other(x), measured(x)]
+                assert all(torch.equal(o, e) for o, e in zip(outs, expected))
+                forwards[0] += 1
+            except Exception as err:  # noqa: BLE001
+                errors.append(err)
+                return
+
+    measuring = [threading.Thread(target=measure) for _ in range(2)]
+    forwarding = threading.Thread(target=forward)
+    for t in [forwarding, *measuring]:
+        t.start()
+    for t in measuring:
+        t.join()
+    done.set()
+    forwarding.join()
+    assert not errors, errors
+    assert values == [30.0] * 16 and forwards[0] > 0
+    assert nn.Module.__call__ is call and nn.Module.__getattr__ is getattr_

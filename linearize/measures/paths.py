@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import math
 import operator
+import threading
 from dataclasses import asdict, dataclass
 from collections.abc import Mapping
 from typing import Any, Sequence
@@ -275,14 +276,38 @@ def _record(model: nn.Module, example_inputs: Any, srcs: list[torch.Tensor], gra
 # ----------------------------------------------------------------------------- fx
 
 
+# one trace at a time: a trace restores the nn.Module methods it found, so two overlapping traces would leave the
+# first one's patch in place for good
+_TRACE_LOCK = threading.Lock()
+
+
 class _UnitLeafTracer(torch.fx.Tracer):
+    """Traces with every unit as a leaf. ``Tracer.trace`` patches ``nn.Module.__call__`` and ``__getattr__`` for
+    the whole process while it runs: the module calls and attribute reads of other threads pass through unchanged
+    (without this, a forward on another thread fails with "module is not installed as a submodule")."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.thread = threading.get_ident()
+
     def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
         return isinstance(m, LinearizableActivation) or super().is_leaf_module(m, qualname)
+
+    def call_module(self, m: nn.Module, forward: Any, args: tuple, kwargs: dict) -> Any:
+        if threading.get_ident() != self.thread:
+            return forward(*args, **kwargs)
+        return super().call_module(m, forward, args, kwargs)
+
+    def getattr(self, attr: str, attr_val: Any, parameter_proxy_cache: dict) -> Any:
+        if threading.get_ident() != self.thread:
+            return attr_val
+        return super().getattr(attr, attr_val, parameter_proxy_cache)
 
 
 def _fx(model: nn.Module, example_inputs: Any, sources: Sequence[str | int] | None, graph: _Graph) -> _Node:
     """Walk a ``torch.fx`` trace of ``model``; raises if it cannot trace or misses a unit."""
-    fx_graph = _UnitLeafTracer().trace(model)
+    with _TRACE_LOCK:
+        fx_graph = _UnitLeafTracer().trace(model)
     placeholders = [n for n in fx_graph.nodes if n.op == "placeholder"]
     if isinstance(example_inputs, Mapping):
         keys = list(sources) if sources is not None else [_main_key(example_inputs, model)]
