@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 __all__ = ["LoadError", "atomic_write", "fsync_path", "remove_stale", "safe_torch_load", "save_lock", "open_regular",
-           "read_regular", "read_file", "parse_json", "read_json", "check_folder", "SAVE_LOCK_NAME",
+           "read_regular", "read_file", "check_regular", "parse_json", "read_json", "check_folder", "SAVE_LOCK_NAME",
            "TRUST_PICKLE_FLAG", "MAX_JSON_BYTES"]
 
 TRUST_PICKLE_FLAG = "--trust-pickle"
@@ -95,16 +95,35 @@ def read_file(path: str | os.PathLike, limit: int, what: str = "file") -> bytes:
     """
 
     def check(info: os.stat_result) -> int:
-        if not stat.S_ISREG(info.st_mode):
-            kind = "a folder" if stat.S_ISDIR(info.st_mode) else "not a regular file (a FIFO, device or socket)"
-            raise LoadError(f"{path} is {kind}, where a {what} should be: refusing to read it; put the saved file "
-                            "back, or save again")
+        _refuse_irregular(path, info, what)
         if info.st_size > limit:
             raise LoadError(f"{path} is {info.st_size:,} bytes, more than a {what} can be ({limit:,}): refusing to "
                             "read it; put the saved file back, or save again")
         return info.st_size
 
     return read_regular(path, check, limit)
+
+
+def _refuse_irregular(path: str | os.PathLike, info: os.stat_result, what: str) -> None:
+    """:class:`LoadError` naming ``path`` and ``what`` it should be when ``info`` (its ``stat``) is no regular file."""
+    if not stat.S_ISREG(info.st_mode):
+        kind = "a folder" if stat.S_ISDIR(info.st_mode) else "not a regular file (a FIFO, device or socket)"
+        raise LoadError(f"{path} is {kind}, where a {what} should be: refusing to read it; put the saved file "
+                        "back, or save again")
+
+
+def check_regular(path: str | os.PathLike, what: str = "file") -> None:
+    """Check, reading nothing, that ``path`` is a regular file (a symbolic link is followed), before a reader that
+    opens it by name: :class:`LoadError` naming it and ``what`` it should be when it is a folder, FIFO, device or
+    socket (opening a FIFO would wait for a writer). ``FileNotFoundError`` when it is missing.
+
+    Example:
+        >>> import tempfile, pathlib
+        >>> check_regular(pathlib.Path(tempfile.mkdtemp()), "weights file")  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        linearize._files.LoadError: ... is a folder, where a weights file should be: refusing to read it; ...
+    """
+    _refuse_irregular(path, os.stat(path), what)
 
 
 def parse_json(raw: bytes | str, path: str | os.PathLike) -> Any:

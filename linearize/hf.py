@@ -38,7 +38,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from ._files import LoadError, read_json, safe_torch_load
+from ._files import LoadError, check_regular, read_json, safe_torch_load
 
 __all__ = ["CONFIG_KEY", "GUARD_KEY", "is_guard", "lift_guard", "is_hf_model", "mark", "unmark", "refuse_stripped", "has_manifest",
            "has_weights", "read_unit_tensors", "load_plain", "load_weights"]
@@ -237,6 +237,7 @@ def read_unit_tensors(directory: Path, keys: list[str],
             by_file.setdefault(files[k], []).append(k)
     path = next(iter(by_file), directory / _SAFE)
     for path, names in by_file.items():
+        check_regular(path, "weights file")  # safe_open and torch.load open it by name: a FIFO would block
         try:
             if path.suffix == ".safetensors":
                 with safetensors.safe_open(str(path), framework="pt") as f:

@@ -255,3 +255,40 @@ def test_an_hf_folder_with_a_stray_link_loop_loads(tmp_path):
     loaded = linearize.from_pretrained(transformers.BertModel, tmp_path).eval()
     with torch.no_grad():
         assert torch.equal(loaded(input_ids=ids).last_hidden_state, model(input_ids=ids).last_hidden_state)
+
+
+_SHARD_FIFO = """
+import os, sys, json, torch, transformers, linearize
+directory, ids = sys.argv[1], torch.randint(0, 50, (2, 7))
+config = transformers.BertConfig(vocab_size=50, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+                                 intermediate_size=32, max_position_embeddings=32)
+model = linearize.convert(transformers.BertModel(config).eval(), example_inputs={"input_ids": ids})
+model.save_pretrained(directory, max_shard_size="20KB")
+index = json.load(open(os.path.join(directory, "model.safetensors.index.json")))
+shard = os.path.join(directory, next(v for k, v in index["weight_map"].items() if k.endswith(".slope")))
+os.remove(shard)
+os.mkfifo(shard)  # a download tool's pipe left in place of a shard
+for load in (lambda: linearize.from_pretrained(transformers.BertModel, directory),
+             lambda: linearize.from_pretrained(transformers.BertModel(config), directory)):
+    try:
+        load()
+        print("loaded")
+    except linearize.LoadError as err:
+        print("LoadError", err)
+linearize.save_pretrained(model, directory)  # the shards hold nothing of the model: the sidecar keeps the weights
+print("saved")
+"""
+
+
+def test_a_fifo_among_the_weight_shards_of_an_hf_save_is_refused_without_reading_it(tmp_path):
+    """Run in a child with a time limit: the shards were opened with safetensors.safe_open, which waited forever on
+    a FIFO (both loads, and save_pretrained, which reads the folder's weights)."""
+    pytest.importorskip("transformers")
+    env = dict(os.environ, LINEARIZE_CPU_KERNEL="0", PYTHONPATH=str(Path(linearize.__file__).parents[1]))
+    out = subprocess.run([sys.executable, "-c", _SHARD_FIFO, str(tmp_path)], capture_output=True, text=True,
+                         timeout=120, env=env)
+    lines = out.stdout.splitlines()
+    assert len(lines) == 3, out.stdout + out.stderr[-2000:]
+    for line in lines[:2]:
+        assert line.startswith("LoadError") and ".safetensors is not a regular file (a FIFO" in line, line
+    assert lines[2] == "saved"
