@@ -160,6 +160,7 @@ def check_folder(path: str | os.PathLike, what: str) -> None:
     """Check, creating nothing, that files can be written into the folder ``path``: it is a folder, or the
     nearest of its parents that exists is one (it is created later), and this process may write there.
     ``NotADirectoryError`` naming ``path`` and ``what`` (e.g. ``"--output-dir"``) when it or a parent is a file,
+    ``FileNotFoundError`` when it is a symbolic link to nothing, ``OSError`` when it is a loop of links,
     ``PermissionError`` when that folder is read-only; a command calls it before the work whose files go there.
 
     Example:
@@ -175,7 +176,15 @@ def check_folder(path: str | os.PathLike, what: str) -> None:
         try:
             mode = os.stat(folder).st_mode
         except (FileNotFoundError, NotADirectoryError):  # missing, or under a file (found further up)
+            if os.path.islink(folder):  # a link to nothing: it cannot be created as a folder
+                raise FileNotFoundError(f"{what} {path}: {folder} is a symbolic link to {os.readlink(folder)}, which "
+                                        "does not exist: create the folder it links to, or remove the link") from None
             continue
+        except OSError as err:
+            if err.errno != errno.ELOOP:
+                raise
+            raise OSError(errno.ELOOP, f"{what} {path}: {folder} is a loop of symbolic links (one leads back to "
+                                       "itself): remove the link, or give another folder") from None
         if not stat.S_ISDIR(mode):
             where = "is a file" if folder == path else f"is under the file {folder}"
             raise NotADirectoryError(f"{what} {path} {where}, not a folder: files are written into a folder; give "
@@ -197,8 +206,12 @@ def atomic_write(path: str | os.PathLike, data: bytes | str) -> Path:
     The bytes go to a hidden temporary sibling, are flushed to disk, and the temporary file is
     renamed over ``path`` (``os.replace``). If anything fails (disk full, interrupt), the temporary
     file is removed and ``path`` is left as it was. ``str`` data is written as UTF-8. Returns ``path``.
+    ``IsADirectoryError`` naming ``path``, before writing, when it is a folder.
     """
     path = Path(path)
+    if path.is_dir() and not path.is_symlink():  # the rename would fail on it, after the writing
+        raise IsADirectoryError(f"{path} is a folder, where a save writes a file: move or remove that folder, "
+                                "or save elsewhere")
     raw = data.encode("utf-8") if isinstance(data, str) else data
     tmp = temp_name(path)
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666)

@@ -756,7 +756,7 @@ def _check_description(meta: dict[str, Any], path: Path) -> None:
 def _read_folded(directory: Path, tries: int = 10) -> tuple[dict, bytes, Path]:
     """``folded.json``, checked, and the weights bytes it names (re-read when a concurrent save replaced the pair)."""
     path = directory / FOLDED_CONFIG
-    if not path.is_file():
+    if not path.exists():  # a folder or FIFO there is refused by name when read
         if (directory / CONFIG_NAME).is_file():
             raise FileNotFoundError(f"{directory} holds a linearize sidecar ({CONFIG_NAME}), not a folded save: "
                                     "load it with linearize.from_pretrained(model, directory)")

@@ -621,7 +621,7 @@ def _load_checked(directory: Path) -> tuple[dict[str, Any], dict[str, torch.Tens
     that needs no model (manifest, size, checksum, decoding, unit tensors in ``"prelu"`` mode). In
     ``"prelu"`` mode ``tensors`` are the units'; the model weights are the model's own weights a format 3
     save holds (``MODEL_PREFIX`` removed), None when it holds none."""
-    if not (directory / CONFIG_NAME).is_file():
+    if not (directory / CONFIG_NAME).exists():  # a folder or FIFO there is refused by name when read
         if (directory / FOLDED_CONFIG).is_file():
             raise FileNotFoundError(f"{directory} holds a folded save ({FOLDED_CONFIG}), not a linearize sidecar: "
                                     "load it with linearize.load_folded(directory)")
@@ -718,7 +718,7 @@ def from_pretrained(model: nn.Module | type, directory: str | os.PathLike, examp
         raise TypeError(f"linearize.from_pretrained: model must be an nn.Module or a Hugging Face model class, got "
                         f"{type(model).__name__} {model!r:.80}: {fix}")
     directory = Path(directory)
-    if (directory / CONFIG_NAME).is_file() or not hf.has_manifest(directory):
+    if (directory / CONFIG_NAME).exists() or not hf.has_manifest(directory):
         meta, tensors, state, path = _load_checked(directory)
         if meta["config"].mode == "prelu":
             _check_agree(directory, tensors, state, meta["supersedes"])

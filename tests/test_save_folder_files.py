@@ -292,3 +292,34 @@ def test_a_fifo_among_the_weight_shards_of_an_hf_save_is_refused_without_reading
     for line in lines[:2]:
         assert line.startswith("LoadError") and ".safetensors is not a regular file (a FIFO" in line, line
     assert lines[2] == "saved"
+
+
+def test_odd_entries_where_a_save_or_load_expects_a_file_or_folder_are_named_with_the_fix(tmp_path):
+    """A folder where a save writes its JSON file, a FIFO or folder where a load reads one, a save folder that is a
+    link to nothing or a loop of links: errors naming the path, what is wrong and the fix (they were a bare
+    IsADirectoryError about a hidden temp file, 'File exists', ELOOP, or 'has no linearize sidecar')."""
+    model = _mlp()
+    x = torch.randn(8, 4)
+    for name, save in [(CONFIG_NAME, lambda d: linearize.save_pretrained(model, d)),
+                       (FOLDED_CONFIG, lambda d: linearize.save_folded(linearize.fold(model, x), d, example_inputs=x)),
+                       ("report.json", lambda d: linearize.report(model, x, progress=False,
+                                                                  skip=["affinity", "regions"]).save(d))]:
+        (tmp_path / name / name).mkdir(parents=True)
+        with pytest.raises(IsADirectoryError, match=rf"{name} is a folder, where a save writes a file: move or remove"):
+            save(tmp_path / name)
+        assert not [p for p in (tmp_path / name).iterdir() if p.name.endswith(".tmp")]  # nothing left half-written
+    with pytest.raises(linearize.LoadError, match=rf"{CONFIG_NAME} is a folder, where a sidecar config should be"):
+        linearize.from_pretrained(_fresh(), tmp_path / CONFIG_NAME, example_inputs=x)
+    with pytest.raises(linearize.LoadError, match=rf"{FOLDED_CONFIG} is a folder, where a {FOLDED_CONFIG} should be"):
+        linearize.load_folded(tmp_path / FOLDED_CONFIG)
+    (tmp_path / "fifo").mkdir()
+    os.mkfifo(tmp_path / "fifo" / CONFIG_NAME)
+    with pytest.raises(linearize.LoadError, match=rf"{CONFIG_NAME} is not a regular file \(a FIFO"):
+        linearize.from_pretrained(_fresh(), tmp_path / "fifo", example_inputs=x)
+    (tmp_path / "dangling").symlink_to(tmp_path / "moved-away")
+    (tmp_path / "loop").symlink_to(tmp_path / "loop")
+    with pytest.raises(FileNotFoundError, match="dangling is a symbolic link to .*moved-away, which does not exist: "
+                                                "create the folder it links to, or remove the link"):
+        linearize.save_pretrained(model, tmp_path / "dangling")
+    with pytest.raises(OSError, match="loop is a loop of symbolic links .*: remove the link"):
+        linearize.save_pretrained(model, tmp_path / "loop")
