@@ -693,6 +693,8 @@ def from_pretrained(model: nn.Module | type, directory: str | os.PathLike, examp
         model: the same architecture the sidecar was saved from, *not* converted; or a Hugging
             Face model class (``AutoModel``, ``BertModel`` ...), loaded from ``directory`` with
             ``from_pretrained(directory, **hf_kwargs)`` (the unit tensors it holds are expected).
+            ``subfolder=`` (any ``model``) names the folder inside ``directory`` that holds the save;
+            ``variant=`` is refused (the units are read from the default weight files).
         directory: a folder written by :func:`save_pretrained`, or by ``model.save_pretrained`` /
             a Trainer checkpoint of a converted HF model (its ``config.json`` carries the manifest).
         example_inputs: the probe input for ``convert`` (needed for models whose input
@@ -717,7 +719,11 @@ def from_pretrained(model: nn.Module | type, directory: str | os.PathLike, examp
             else "pass the freshly built, unconverted model"
         raise TypeError(f"linearize.from_pretrained: model must be an nn.Module or a Hugging Face model class, got "
                         f"{type(model).__name__} {model!r:.80}: {fix}")
-    directory = Path(directory)
+    if hf_kwargs.get("variant") is not None:
+        raise TypeError(f"linearize.from_pretrained does not take variant={hf_kwargs['variant']!r}: it reads the units "
+                        "from the default weight files (model.safetensors, pytorch_model.bin or their shards). Save "
+                        "that model again without variant=, e.g. into a folder of its own, and load that folder")
+    directory = Path(directory) / (hf_kwargs.pop("subfolder", None) or "")  # the save is there, for every file read
     if (directory / CONFIG_NAME).exists() or not hf.has_manifest(directory):
         meta, tensors, state, path = _load_checked(directory)
         if meta["config"].mode == "prelu":

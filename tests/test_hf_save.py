@@ -327,3 +327,20 @@ def test_a_sidecar_saved_alone_holds_the_weights_and_gets_the_model_back(tmp_pat
     loaded = linearize.from_pretrained(_classifier(1), tmp_path)
     with torch.no_grad():
         assert torch.equal(loaded(input_ids=ids).logits, truth)
+
+
+def test_subfolder_loads_the_save_in_it_and_variant_is_refused_by_name(tmp_path):
+    """``subfolder=`` (a hub-style repository holding a checkpoint folder) looked for the units in the parent and
+    said the sidecar was missing; ``variant=`` said there were no weights and to save again. Truth: the saved
+    model's outputs; a variant is refused naming the keyword and the fix."""
+    model = _trained(tiny_bert())
+    ref = _out(model, X)
+    model.save_pretrained(tmp_path / "hf" / "checkpoint-500")
+    linearize.save_pretrained(model, tmp_path / "sidecar" / "checkpoint-500")
+    assert torch.equal(_out(linearize.from_pretrained(hf.BertModel, tmp_path / "hf", subfolder="checkpoint-500",
+                                                      variant=None), X), ref)
+    assert torch.equal(_out(linearize.from_pretrained(tiny_bert(), tmp_path / "sidecar", subfolder="checkpoint-500"),
+                            X), ref)
+    model.save_pretrained(tmp_path / "variant", variant="v1")
+    with pytest.raises(TypeError, match="does not take variant='v1'.*Save that model again without variant="):
+        linearize.from_pretrained(hf.BertModel, tmp_path / "variant", variant="v1")
