@@ -30,7 +30,7 @@ from typing import Any, Callable
 
 from ._files import read_json
 from .html_pages import img, page, table
-from .plots import figure, png, site_axis
+from .plots import figure, literal, png, site_axis
 
 __all__ = ["RunSummary", "compare", "load_run", "main"]
 
@@ -159,7 +159,7 @@ def _plot_sites(runs: Sequence[RunSummary], sites: list[str]) -> bytes:
     width = 0.8 / len(runs)
     for i, run in enumerate(runs):
         xs = [k + (i - (len(runs) - 1) / 2) * width for k in range(len(sites))]
-        ax.bar(xs, [run.sites.get(s, float("nan")) for s in sites], width, label=run.name)
+        ax.bar(xs, [run.sites.get(s, float("nan")) for s in sites], width, label=literal(run.name))
     site_axis(ax, sites)
     ax.set_ylim(0, 1.05)
     ax.set_ylabel("nonlinear fraction of channels")
@@ -175,7 +175,7 @@ def _plot_affinity(runs: Sequence[RunSummary], sites: list[str]) -> bytes:
     low = 1.0
     for run in runs:
         score = dict((s, v) for s, v in run.affinity)
-        ax.plot(range(len(sites)), [score.get(s, float("nan")) for s in sites], marker="o", label=run.name)
+        ax.plot(range(len(sites)), [score.get(s, float("nan")) for s in sites], marker="o", label=literal(run.name))
         low = min([low, *score.values()])
     site_axis(ax, sites)
     ax.set_ylim(min(0.5, low - 0.05), 1.02)

@@ -1,8 +1,8 @@
 """PNG figures of the report and the comparison page (matplotlib, the ``report`` extra).
 
 Each ``plot_*`` function takes a measure's JSON value (as in ``report.json``) and returns PNG bytes;
-:func:`figure`, :func:`png` and :func:`site_axis` are the shared pieces (headless Agg canvas, sites
-along the x axis).
+:func:`figure`, :func:`png`, :func:`site_axis` and :func:`literal` are the shared pieces (headless Agg
+canvas, sites along the x axis, names shown as written).
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import numpy as np
 
 from ._optional import require
 
-__all__ = ["figure", "png", "site_axis", "plot_fraction", "plot_affinity", "plot_history", "plot_regions",
-           "plot_gates"]
+__all__ = ["figure", "png", "site_axis", "literal", "plot_fraction", "plot_affinity", "plot_history",
+           "plot_regions", "plot_gates"]
 
 
 def figure(width: float, height: float = 3.6):
@@ -39,10 +39,19 @@ def png(fig) -> bytes:
     return buf.getvalue()
 
 
+def literal(text: str) -> str:
+    """``text`` as a matplotlib label that shows it as written: ``$`` escaped, so that a name holding ``$...$``
+    is not rendered (or refused) as mathtext.
+
+    Example: ``literal("act$x$") == r"act\\$x\\$"``, drawn as ``act$x$``
+    """
+    return text.replace("$", r"\$")
+
+
 def site_axis(ax, names: list[str]) -> None:
-    """Activation sites as x tick labels, in forward order."""
+    """Activation sites as x tick labels, in forward order, shown as written (:func:`literal`)."""
     ax.set_xticks(range(len(names)))
-    ax.set_xticklabels(names, rotation=90, fontsize=7)
+    ax.set_xticklabels([literal(n) for n in names], rotation=90, fontsize=7)
     ax.set_xlim(-0.6, len(names) - 0.4)
 
 

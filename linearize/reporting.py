@@ -143,18 +143,19 @@ class Report:
         Returns ``{file name: path}`` of everything written. Each file is written atomically; then the files an
         earlier report wrote there that this one does not (the plots of measures that did not run this time) are
         removed, so the folder holds this report only. Other files in it are left alone; saves into one folder
-        take turns on its save lock (``.linearize.lock``, left there). ``NotADirectoryError`` naming ``out_dir``
-        when it (or a parent) is a file.
+        take turns on its save lock (``.linearize.lock``, left there). ``report.json`` is written first: when a
+        plot fails (a registered measure's ``plot``), the error propagates with every measure already on disk.
+        ``NotADirectoryError`` naming ``out_dir`` when it (or a parent) is a file.
         """
         from ._files import atomic_write, check_folder, remove_stale, save_lock
 
         out = Path(out_dir)
         check_folder(out, "report folder")
         out.mkdir(parents=True, exist_ok=True)
-        images = self.plots()
         ours = {"report.json", "report.html", *(m.plot_file for m in MEASURES.values() if m.plot_file)}
         with save_lock(out) as outermost:
             written = {"report.json": atomic_write(out / "report.json", self.to_json())}
+            images = self.plots()  # after report.json: a plot that fails loses no measure
             for name, png in images.items():
                 written[name] = atomic_write(out / name, png)
             written["report.html"] = atomic_write(out / "report.html", self.to_html(images))

@@ -120,6 +120,19 @@ def test_cli_report_compare_writes_the_page(runs, tmp_path, capsys):
         linearize.compare([tmp_path])
 
 
+def test_run_and_site_names_holding_dollar_signs_are_compared(tmp_path):
+    """Run folders and sites named with matplotlib mathtext (``$\\foo$``) used to fail the plots of the page."""
+    site = "act$\\foo$"
+    run = tmp_path / "run$\\bar$"
+    (run / "report").mkdir(parents=True)
+    (run / "metrics.json").write_text("{}")
+    (run / "report" / "report.json").write_text(json.dumps({"units": {"sites": {site: {"fraction": 0.5}}},
+                                                            "affinity": [[site, 0.75]]}))
+    page = linearize.compare([run])
+    assert page.count("data:image/png;base64,") == 2  # sites and affinity plots
+    assert [site, "0.5"] in _rows(page) and [site, "0.75"] in _rows(page)
+
+
 @pytest.mark.skipif(_chromium() is None, reason="no chromium binary (Debian: apt-get install -y chromium)")
 def test_compare_page_renders_in_headless_chromium(runs, tmp_path):
     page = tmp_path / "compare.html"

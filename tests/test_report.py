@@ -121,6 +121,35 @@ def test_a_report_saved_over_an_earlier_one_leaves_only_its_own_files(trained, t
     assert fresh == {"report.json", "report.html", reporting.PLOTS["fraction"]}
 
 
+def test_site_names_holding_dollar_signs_are_saved_and_plotted_as_written(tmp_path: Path) -> None:
+    """Module names are free text: ``$\\foo$`` (not mathtext matplotlib knows) used to fail the save after every
+    measure ran, ``$\\alpha$`` was drawn as a Greek letter. Truth: each name drawn as plain text."""
+    from collections import OrderedDict
+
+    from linearize import plots
+
+    names = ["act$\\alpha$", "cost$\\foo$", "one$dollar"]
+    torch.manual_seed(0)
+    layers = OrderedDict([("fc0", nn.Linear(8, 6)), (names[0], nn.ReLU()), ("fc1", nn.Linear(6, 6)),
+                          (names[1], nn.ReLU()), ("fc2", nn.Linear(6, 6)), (names[2], nn.ReLU()),
+                          ("out", nn.Linear(6, 2))])
+    model = linearize.convert(nn.Sequential(layers), example_inputs=torch.randn(2, 8))
+    rep = linearize.report(model, torch.randn(16, 8), segments=2, skip=["affinity"], progress=False)
+    written = rep.save(tmp_path)
+    assert {"report.json", "report.html", reporting.PLOTS["fraction"]} <= set(written)
+    assert list(json.loads((tmp_path / "report.json").read_text())["units"]["sites"]) == names
+
+    fig = plots.figure(6.0)
+    ax = fig.add_subplot()
+    plots.site_axis(ax, names)
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    for label, name in zip(ax.get_xticklabels(), names):
+        plain = fig.text(0, 0, name, parse_math=False, rotation=90, fontsize=7)
+        size = plain.get_window_extent(renderer).size
+        assert label.get_window_extent(renderer).size == pytest.approx(size, abs=0.01), name
+
+
 def test_smooth_model_skips_regions_with_reason() -> None:
     model = _mlp(nn.GELU)
     rep = linearize.report(model, _digits(64), progress=False)

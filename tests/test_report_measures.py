@@ -75,6 +75,20 @@ def test_a_registered_measure_is_in_the_json_the_html_and_its_plot(registry, tmp
     assert "<h2>Mean output</h2>\n<p class=\"skip\">Skipped: skipped on request" in rep.to_html({})
 
 
+def test_a_plot_that_fails_loses_no_measure(registry, tmp_path):
+    """A registered measure's plot raises in ``save``: the error propagates, and report.json already holds every
+    measure (truth: the counts of the model's slopes, 2 of 6 channels linear)."""
+    def broken(value):
+        raise RuntimeError("plot broke")
+
+    linearize.register_measure("answer", lambda ctx: 42, plot=broken)
+    rep = linearize.report(_model(), torch.randn(16, 8), skip=FAST, progress=False)
+    with pytest.raises(RuntimeError, match="plot broke"):
+        rep.save(tmp_path)
+    saved = json.loads((tmp_path / "report.json").read_text())
+    assert saved["answer"] == 42 and (saved["units"]["total"], saved["units"]["linear"]) == (6, 2)
+
+
 def test_skip_reasons_of_a_measure(registry):
     def needs_wide(ctx):
         widths = [u.num_channels for _, u in linearize.units(ctx.model)]
