@@ -13,6 +13,9 @@ with a ``metrics.json``. Read from it, never by unpickling:
   safetensors, read with :func:`linearize.serialization.load_unit_tensors`): per-site nonlinear
   fractions from the slopes (a channel is linear when ``a >= 1 - tol``, ``tol`` from the run's args).
 
+A file of another form (a ``metrics.json`` that is a list of epochs, an edited ``report.json``) is refused with
+:class:`linearize.LoadError` (a ``ValueError``) naming it, what is wrong and the fix.
+
 The page is self-contained (plots as PNG data URIs), with the helpers of :mod:`linearize.plots` and
 :mod:`linearize.html_pages`.
 ``linearize report --compare RUN_A RUN_B ... --out compare.html`` on the command line.
@@ -28,7 +31,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from ._files import read_json
+from ._files import LoadError, read_json
+from .checks import is_real
 from .html_pages import img, page, table
 from .plots import figure, literal, png, site_axis
 
@@ -58,10 +62,10 @@ def load_run(path: str | Path, name: str | None = None) -> RunSummary:
     if not (path / "metrics.json").is_file():
         raise FileNotFoundError(f"{path} has no metrics.json: pass the output directory of a run "
                                 "(recipes/cifar.py or recipes/wmt14.py --output_dir)")
-    run = RunSummary(name or path.name, path, read_json(path / "metrics.json"))
+    run = RunSummary(name or path.name, path, _check_metrics(read_json(path / "metrics.json"), path / "metrics.json"))
     report_json = path / "report" / "report.json"
     if report_json.is_file():
-        rep = read_json(report_json)
+        rep = _check_report(read_json(report_json), report_json)
         units = rep.get("units")
         if units:
             run.sites = {site: s["fraction"] for site, s in units["sites"].items()}
@@ -77,6 +81,55 @@ def load_run(path: str | Path, name: str | None = None) -> RunSummary:
     return run
 
 
+def _check_metrics(m: Any, path: Path) -> dict:
+    """``m``, the JSON of the ``metrics.json`` at ``path``, when it has the form the recipes write (the fields
+    :func:`compare` computes with); else :class:`LoadError` naming the file, what is wrong and the fix."""
+    def bad(what: str) -> LoadError:
+        return LoadError(f"{path}: {what}. compare reads the metrics.json a recipe writes at the end of a run "
+                         "(recipes/cifar.py, recipes/wmt14.py): pass such a run's output directory, or fix the file")
+
+    if not isinstance(m, dict):
+        raise bad(f"expected a JSON object (the run's final metrics), got {type(m).__name__}")
+    for key in ("args", "fold"):
+        if m.get(key) is not None and not isinstance(m[key], dict):
+            raise bad(f"{key!r} is {type(m[key]).__name__}, not a JSON object")
+    tol = (m.get("args") or {}).get("tol")
+    if tol is not None and not is_real(tol):
+        raise bad(f"'args.tol' is {tol!r}, not a number")
+    fold = m.get("fold") or {}
+    for key in ("params_before", "params_after", "flops_before", "flops_after"):
+        if fold.get(key) is not None and not is_real(fold[key]):
+            raise bad(f"'fold.{key}' is {fold[key]!r}, not a number")
+    if ("units_total" in m) != ("units_nonlinear" in m):
+        raise bad("it has only one of 'units_total' and 'units_nonlinear'")
+    return m
+
+
+def _check_report(rep: Any, path: Path) -> dict:
+    """``rep``, the JSON of the ``report.json`` at ``path``, when it has the form :meth:`linearize.Report.save`
+    writes (the fields :func:`compare` shows); else :class:`LoadError` naming the file, what is wrong and the fix."""
+    def bad(what: str) -> LoadError:
+        return LoadError(f"{path}: {what}. compare reads the report.json of linearize.report (Report.save, "
+                         "linearize report, a recipe's --report): write it again with this linearize, or remove it")
+
+    if not isinstance(rep, dict):
+        raise bad(f"expected a JSON object, got {type(rep).__name__}")
+    units = rep.get("units")
+    if units and not (isinstance(units, dict) and isinstance(units.get("sites"), dict)
+                      and all(isinstance(s, dict) and is_real(s.get("fraction")) for s in units["sites"].values())):
+        raise bad("'units' is not {\"sites\": {site: {\"fraction\": number, ...}}, ...}")
+    affinity = rep.get("affinity")
+    if affinity is not None and not (isinstance(affinity, list) and all(
+            isinstance(p, list) and len(p) == 2 and isinstance(p[0], str) and is_real(p[1]) for p in affinity)):
+        raise bad("'affinity' is not a list of [site, score] pairs")
+    for key in ("path_length", "skipped"):
+        if rep.get(key) is not None and not isinstance(rep[key], dict):
+            raise bad(f"{key!r} is {type(rep[key]).__name__}, not a JSON object")
+    if not all(isinstance(reason, str) for reason in (rep.get("skipped") or {}).values()):
+        raise bad("'skipped' is not a {measure: reason} object of strings")
+    return rep
+
+
 def _sites_from_sidecar(run: RunSummary) -> dict[str, float] | None:
     """Per-site nonlinear fractions from the slopes saved in ``run.path / "model"``."""
     from .serialization import load_unit_tensors
@@ -84,6 +137,9 @@ def _sites_from_sidecar(run: RunSummary) -> dict[str, float] | None:
     model_dir = run.path / "model"
     if (model_dir / "recipe.json").is_file():
         meta = read_json(model_dir / "recipe.json")
+        if not isinstance(meta, dict):
+            raise LoadError(f"{model_dir / 'recipe.json'}: expected the JSON object a recipe writes, got "
+                            f"{type(meta).__name__}: restore the file or run the recipe again")
         if meta.get("linearize", "prelu") in (None, "none"):
             run.skipped["units"] = "a baseline without linearizable units (--linearize none)"
             return None

@@ -133,6 +133,46 @@ def test_run_and_site_names_holding_dollar_signs_are_compared(tmp_path):
     assert [site, "0.5"] in _rows(page) and [site, "0.75"] in _rows(page)
 
 
+GOOD_METRICS = {"recipe": "cifar", "test_accuracy": 0.9, "args": {"tol": 0.001}}
+GOOD_REPORT = {"units": {"sites": {"relu1": {"fraction": 0.5}}}, "affinity": [["relu1", 0.9]],
+               "path_length": {"normalized": 2.0}}
+
+
+@pytest.mark.parametrize("file, content, wrong", [
+    ("metrics.json", [{"epoch": 1, "test_accuracy": 0.5}], "expected a JSON object (the run's final metrics)"),
+    ("metrics.json", {**GOOD_METRICS, "fold": {"flops_before": "3", "flops_after": "1"}}, "'fold.flops_before' is '3'"),
+    ("metrics.json", {**GOOD_METRICS, "args": ["--tol", "0.1"]}, "'args' is list"),
+    ("metrics.json", {**GOOD_METRICS, "units_total": 10}, "it has only one of 'units_total' and 'units_nonlinear'"),
+    ("report/report.json", [], "expected a JSON object, got list"),
+    ("report/report.json", {**GOOD_REPORT, "units": [1]}, "'units' is not"),
+    ("report/report.json", {**GOOD_REPORT, "units": {"total": 3}}, "'units' is not"),
+    ("report/report.json", {**GOOD_REPORT, "path_length": [1, 2]}, "'path_length' is list"),
+    ("report/report.json", {**GOOD_REPORT, "affinity": [["relu1"]]}, "'affinity' is not a list of [site, score]"),
+    ("report/report.json", {**GOOD_REPORT, "skipped": {"regions": 1}}, "'skipped' is not"),
+])
+def test_compare_refuses_a_run_file_of_another_form_naming_it(tmp_path, cli_refusal, file, content, wrong):
+    """A metrics.json that is a list (one record per epoch, as other tools write), a report.json edited or of
+    another version: one line naming the file, what is wrong and the fix, not a traceback."""
+    run = tmp_path / "run"
+    (run / "report").mkdir(parents=True)
+    files = {"metrics.json": GOOD_METRICS, "report/report.json": GOOD_REPORT, file: content}
+    for name, value in files.items():
+        (run / name).write_text(json.dumps(value))
+    line = cli_refusal(["report", "--compare", str(run), "--out", str(tmp_path / "c.html")])
+    assert f"{run / file}: {wrong}" in line and ("write it again" in line or "fix the file" in line), line
+    assert not (tmp_path / "c.html").exists()
+
+
+def test_compare_reads_the_good_forms_of_the_crafted_files(tmp_path):
+    """The files the refusals above edit, as written: the page shows their numbers."""
+    run = tmp_path / "run"
+    (run / "report").mkdir(parents=True)
+    (run / "metrics.json").write_text(json.dumps(GOOD_METRICS))
+    (run / "report" / "report.json").write_text(json.dumps(GOOD_REPORT))
+    rows = _rows(linearize.compare([run]))
+    assert ["relu1", "0.5"] in rows and ["relu1", "0.9"] in rows and ["run", "2", "None", "None"] in rows
+
+
 @pytest.mark.skipif(_chromium() is None, reason="no chromium binary (Debian: apt-get install -y chromium)")
 def test_compare_page_renders_in_headless_chromium(runs, tmp_path):
     page = tmp_path / "compare.html"
