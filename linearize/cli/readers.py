@@ -276,8 +276,8 @@ def _record_text(line: bytes, text_field: str | None, where: str) -> str:
 
 
 def _text_of(record: dict, text_field: str | None) -> str:
-    """The text of a JSONL ``record``; ``KeyError`` with the message when it has none (or, in a default field,
-    one that is not a string)."""
+    """The text of a JSONL ``record``; ``KeyError`` with the message when it has none, or one that is not a
+    string (null, a list, an object: never their Python text)."""
     if text_field is None:
         for key in ("text", "sentence"):
             if key in record:
@@ -291,7 +291,7 @@ def _text_of(record: dict, text_field: str | None) -> str:
         if not isinstance(value, dict) or key not in value:
             raise KeyError(f"no field {text_field!r} in the record (its keys: {list(record)[:10]})")
         value = value[key]
-    return str(value)
+    return _string(value, text_field)
 
 
 def _string(value: Any, key: str) -> str:
