@@ -41,7 +41,7 @@ from torch import nn
 from ._files import LoadError, check_regular, read_json, safe_torch_load
 
 __all__ = ["CONFIG_KEY", "GUARD_KEY", "is_guard", "lift_guard", "is_hf_model", "mark", "unmark", "refuse_stripped", "has_manifest",
-           "has_weights", "read_unit_tensors", "load_plain", "load_weights"]
+           "has_weights", "weights_file", "read_unit_tensors", "load_plain", "load_weights"]
 
 CONFIG_KEY = "linearize"
 GUARD_KEY = "quantization_config"  # transformers refuses to load a config whose entry has no quant_method
@@ -193,9 +193,15 @@ def has_manifest(directory: str | os.PathLike) -> bool:
 def has_weights(directory: str | os.PathLike) -> bool:
     """True when ``directory`` holds the weights of a Hugging Face save beside its ``config.json``
     (``model.safetensors``, ``pytorch_model.bin``, or the index of their shards)."""
+    return (Path(directory) / HF_CONFIG).is_file() and weights_file(directory) is not None
+
+
+def weights_file(directory: str | os.PathLike) -> Path | None:
+    """The file of ``directory`` transformers reads a model's weights from, in its order of preference:
+    ``model.safetensors``, the index of its shards, ``pytorch_model.bin``, the index of its shards; ``None``
+    when there is none."""
     directory = Path(directory)
-    return (directory / HF_CONFIG).is_file() and any((directory / n).is_file()
-                                                     for n in (_SAFE, _SAFE_INDEX, _BIN, _BIN_INDEX))
+    return next((directory / n for n in (_SAFE, _SAFE_INDEX, _BIN, _BIN_INDEX) if (directory / n).is_file()), None)
 
 
 def _weight_files(directory: Path) -> dict[str, Path]:

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import importlib.util
 import argparse
+import pickle
 from pathlib import Path
+from typing import Callable
 
 from torch import nn
 
-from ._files import safe_torch_load
-from .hf import has_manifest
+from ._files import LoadError, safe_torch_load
+from .hf import has_manifest, weights_file
 from ._optional import require
 
 
@@ -37,8 +39,9 @@ def load_model(spec: str | Path, num_classes: int | None = None, *, trust_pickle
         if has_manifest(path):  # saved converted: restore its units (a plain load is refused)
             from .serialization import from_pretrained
 
-            return from_pretrained(cls or transformers.AutoModel, path, local_files_only=True)
-        return (cls or transformers.AutoModel).from_pretrained(path, local_files_only=True)
+            return _weights_read(lambda: from_pretrained(cls or transformers.AutoModel, path, local_files_only=True),
+                                 path)
+        return _weights_read(lambda: (cls or transformers.AutoModel).from_pretrained(path, local_files_only=True), path)
     if path.suffix in (".pt", ".pth") and path.is_file():
         model = safe_torch_load(path, trust_pickle=trust_pickle)
         if not isinstance(model, nn.Module):
@@ -59,6 +62,24 @@ def load_model(spec: str | Path, num_classes: int | None = None, *, trust_pickle
         f"{str(spec)!r} is neither a Hugging Face model directory, a .pt file, a torchvision builder "
         "(e.g. resnet18, mobilenet_v2, vgg11_bn) nor a timm model name (with timm installed)"
     )
+
+
+def _weights_read(load: Callable[[], nn.Module], directory: Path) -> nn.Module:
+    """``load()``, a ``from_pretrained`` of the Hugging Face ``directory``; a weights file its decoders refuse
+    (cut short, damaged, or a ``.bin`` holding more than tensors: safetensors' and the unpickler's errors, torch's
+    ``OSError`` that names no file) as a :class:`LoadError` naming the file."""
+    from safetensors import SafetensorError
+
+    try:
+        return load()
+    except (SafetensorError, pickle.UnpicklingError, EOFError, OSError) as err:
+        if isinstance(err, OSError) and (err.errno is None or err.filename is not None):
+            raise  # transformers' own (no errno: a file it did not find) or one naming its file: they say it
+        detail = "torch.load(weights_only=True) refuses it" \
+            if isinstance(err, pickle.UnpicklingError) else (str(err).splitlines() or ["it ends too early"])[0]
+        raise LoadError(f"{weights_file(directory) or directory}: not a readable weights file ({type(err).__name__}: "
+                        f"{detail}); it is truncated (an interrupted download or copy), damaged or crafted. Download "
+                        "it again, or save the model again with model.save_pretrained(dir).") from err
 
 
 def add_trust_pickle(parser: argparse.ArgumentParser) -> None:

@@ -4,6 +4,7 @@ user passes runs code unless --trust-pickle says so."""
 import os
 import pickle
 import re
+import shutil
 import subprocess
 import sys
 import threading
@@ -56,6 +57,45 @@ def test_files_that_cannot_be_read_are_one_line_errors_naming_them(tmp_path, cli
     argv = [a.format(d=tmp_path) for a in argv] + (["--output-dir", str(tmp_path / "out")] if argv[0] == "report"
                                                       and "--compare" not in argv else [])
     assert re.search(says, cli_refusal(argv))
+
+
+def _cut_in_half(path: Path) -> None:
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+def _as_bin(folder: Path) -> Path:
+    """The folder's weights moved from model.safetensors to pytorch_model.bin (torch.save of the same tensors)."""
+    from safetensors.torch import load_file
+
+    torch.save(load_file(folder / "model.safetensors"), folder / "pytorch_model.bin")
+    (folder / "model.safetensors").unlink()
+    return folder / "pytorch_model.bin"
+
+
+@pytest.mark.parametrize("damage", ["safetensors cut in half", "safetensors header", "bin cut in half",
+                                    "bin holding an object", "bin empty"])
+@pytest.mark.parametrize("command", ["inspect", "report"])
+def test_a_damaged_hugging_face_weights_file_is_a_one_line_error_naming_it(tmp_path, text_model, cli_refusal, damage,
+                                                                          command):
+    """An interrupted download or copy, a damaged header, a .bin torch.load(weights_only=True) refuses: one line
+    naming the weights file, exit status 2 (not a safetensors / unpickler traceback); the intact folder loads."""
+    folder = Path(shutil.copytree(text_model, tmp_path / "model"))
+    weights = folder / "model.safetensors" if damage.startswith("safetensors") else _as_bin(folder)
+    argv = ["inspect", str(folder)] if command == "inspect" else \
+        _report_on(folder, tmp_path / "texts.jsonl", tmp_path / "out", "--max-length", "8", "--segments", "0")
+    (tmp_path / "texts.jsonl").write_text('{"text": "a b"}\n{"text": "c d"}\n')
+    assert main(argv) == 0  # the intact folder
+    if damage.endswith("cut in half"):
+        _cut_in_half(weights)
+    elif damage == "safetensors header":
+        weights.write_bytes(weights.read_bytes()[:8] + b"{{{{" + weights.read_bytes()[12:])
+    elif damage == "bin empty":
+        weights.write_bytes(b"")
+    else:
+        torch.save({"w": WritesMarker(tmp_path / "marker")}, weights)
+    line = cli_refusal(argv)
+    assert f"error: {weights}: not a readable weights file (" in line and "save the model again" in line, line
+    assert not (tmp_path / "marker").exists()
 
 
 # ----------------------------------------------------------------------------- no code runs from user files
