@@ -686,8 +686,17 @@ def evaluate(model, loader, accelerator, mean, std, tta: int = 0) -> dict:
 
 
 def main(argv: list[str] | None = None) -> dict:
+    """Train (or resume) one run into ``--output_dir`` and save it; returns its metrics. The folder's run lock
+    (taken by ``common.make_accelerator``: a second run into it is refused meanwhile) is released at the end."""
     args = parse_args(argv)
-    start_time = time.time()
+    try:
+        return train_run(args, time.time())
+    finally:
+        common.release_output_dir(args.output_dir)
+
+
+def train_run(args: argparse.Namespace, start_time: float) -> dict:
+    """The run of :func:`main` (``start_time``: when it began)."""
     accelerator = common.make_accelerator(args, split_batches=True)
     n_proc = accelerator.num_processes
     if args.batch_size % n_proc or args.eval_batch_size % n_proc:

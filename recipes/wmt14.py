@@ -559,8 +559,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> dict:
+    """Train (or resume) one run into ``--output_dir`` and save it; returns its metrics. The folder's run lock
+    (taken by ``common.make_accelerator``: a second run into it is refused meanwhile) is released at the end."""
     args = parse_args(argv)
-    start_time = time.time()
+    try:
+        return train_run(args, time.time())
+    finally:
+        common.release_output_dir(args.output_dir)
+
+
+def train_run(args: argparse.Namespace, start_time: float) -> dict:
+    """The run of :func:`main` (``start_time``: when it began)."""
     accelerator = common.make_accelerator(args, split_batches=False)
     common.check_fsdp(accelerator, args)
     if args.prune and accelerator.num_processes > 1:

@@ -17,9 +17,10 @@ Everything here is plain Python around ``accelerate.Accelerator``; the recipes s
 processes with FSDP2 and the checkpoints gather it onto the main process.
 
 The modules, one concept each (this package re-exports the names the recipes and their tests use):
-``args`` (flags and their checks), ``accelerator`` (the Accelerator; FSDP2 sharding), ``run`` (the
-:class:`Run` record), ``files`` (sha256 of a file; folders replaced whole), ``checkpoints`` (write, verify,
-resume), ``outputs`` (the model folder's ``recipe.json``; ``metrics.json``) and ``training`` (the loop).
+``args`` (flags and their checks), ``accelerator`` (the Accelerator, whose main process locks the
+OUTPUT_DIR; FSDP2 sharding), ``run`` (the :class:`Run` record), ``files`` (sha256 of a file; folders replaced
+whole; the run lock of an OUTPUT_DIR), ``checkpoints`` (write, verify, resume), ``outputs`` (the model
+folder's ``recipe.json``; ``metrics.json``) and ``training`` (the loop).
 Imports go one way: ``training`` -> ``checkpoints``, ``outputs`` -> ``args``, ``accelerator``, ``run``,
 ``files``.
 """
@@ -33,7 +34,8 @@ from .checkpoints import (MODEL_FILE, NEUTRAL_ARGS, OPTIMIZER_FILE, STATE_FILE, 
                           checkpoint_dir, find_checkpoint, first_nonfinite, json_value, load_checkpoint,
                           model_fingerprint, read_checkpoint, remove_partial_checkpoints, save_checkpoint,
                           state_digest, state_problem, state_sha256)
-from .files import TMP_PREFIX, file_sha256, replaced_dir, restore_aside
+from .files import (RUN_LOCK, TMP_PREFIX, file_sha256, hold_output_dir, release_output_dir, replaced_dir,
+                    restore_aside)
 from .outputs import check_files, file_records, fold_metrics, read_recipe_json, unit_stats, write_metrics
 from .run import Run
 from .training import EpochSampler, LossWatch, run_length, start, train
@@ -45,7 +47,7 @@ __all__ = [
     "MODEL_FILE", "NEUTRAL_ARGS", "OPTIMIZER_FILE", "STATE_FILE", "Checkpoint", "CheckpointError", "checkpoint_dir",
     "find_checkpoint", "first_nonfinite", "json_value", "load_checkpoint", "model_fingerprint", "read_checkpoint",
     "remove_partial_checkpoints", "save_checkpoint", "state_digest", "state_problem", "state_sha256",
-    "TMP_PREFIX", "file_sha256", "replaced_dir", "restore_aside",
+    "RUN_LOCK", "TMP_PREFIX", "file_sha256", "hold_output_dir", "release_output_dir", "replaced_dir", "restore_aside",
     "check_files", "file_records", "fold_metrics", "read_recipe_json", "unit_stats", "write_metrics",
     "Run",
     "EpochSampler", "LossWatch", "run_length", "start", "train",

@@ -14,6 +14,8 @@ from torch import nn
 
 from linearize import distributed as sharding
 
+from .files import hold_output_dir
+
 if TYPE_CHECKING:
     from accelerate import Accelerator
 
@@ -26,7 +28,9 @@ def has_device() -> bool:
 
 
 def make_accelerator(args: argparse.Namespace, split_batches: bool) -> "Accelerator":
-    """``Accelerator`` with TensorBoard under ``output_dir`` when ``--with_tracking``."""
+    """``Accelerator`` with TensorBoard under ``output_dir`` when ``--with_tracking``; its main process takes
+    the run lock of ``output_dir`` (:func:`hold_output_dir`: a second run into the folder is refused; the
+    recipe releases it at its end with :func:`release_output_dir`)."""
     from accelerate import Accelerator
     from accelerate.utils import DataLoaderConfiguration, ProjectConfiguration
 
@@ -34,13 +38,16 @@ def make_accelerator(args: argparse.Namespace, split_batches: bool) -> "Accelera
     kwargs = {}
     if args.mixed_precision is not None:
         kwargs["mixed_precision"] = args.mixed_precision
-    return Accelerator(
+    accelerator = Accelerator(
         cpu=args.cpu or not has_device(),
         log_with="tensorboard" if args.with_tracking else None,
         project_config=ProjectConfiguration(project_dir=args.output_dir, logging_dir=str(Path(args.output_dir) / "logs")),
         dataloader_config=DataLoaderConfiguration(split_batches=split_batches),
         **kwargs,
     )
+    if accelerator.is_main_process:
+        hold_output_dir(args.output_dir)
+    return accelerator
 
 
 def init_tracking(accelerator, args: argparse.Namespace, name: str) -> None:

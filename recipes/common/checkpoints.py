@@ -24,7 +24,7 @@ from linearize._files import fsync_path
 
 from .accelerator import is_sharded, state_dict_options
 from .args import flag
-from .files import TMP_PREFIX, file_sha256
+from .files import TMP_PREFIX, file_sha256, pid_alive
 from .run import NONFINITE_ADVICE, Run
 
 
@@ -223,10 +223,15 @@ def remove_partial_checkpoints(output_dir: str | Path) -> list[Path]:
 
     One exception: a complete, verified write of a step whose folder is missing (a rewrite of the same
     step killed between removing the old folder and renaming the new one into place) is renamed into
-    place instead. Returns the temp folders removed."""
+    place instead. Folders of another process that still runs are its writes in progress, left alone
+    (a second run into a live run's folder is refused earlier, by :func:`hold_output_dir`). Returns the
+    temp folders removed."""
     root = Path(output_dir) / "checkpoints"
     removed = []
     for p in sorted(root.glob(f"{TMP_PREFIX}step_*")):
+        pid = p.name.rsplit("-", 1)[-1]
+        if pid.isdigit() and int(pid) != os.getpid() and pid_alive(int(pid)):
+            continue
         name = p.name[len(TMP_PREFIX):].split("-")[0]
         target = root / name
         if "-removed-" not in p.name and name[5:].isdigit() and not target.exists():

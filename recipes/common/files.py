@@ -1,6 +1,7 @@
 """Files and folders written whole: the sha256 of a file, and :func:`replaced_dir`, which replaces a folder
 atomically (temp sibling ``.tmp-<name>-<pid>``, renamed into place; :func:`restore_aside` repairs a
-replacement killed between its two renames)."""
+replacement killed between its two renames); and :func:`hold_output_dir`, the lock of the run training into
+an ``OUTPUT_DIR``."""
 
 from __future__ import annotations
 
@@ -10,12 +11,17 @@ import hashlib
 import os
 import re
 import shutil
+import socket
+import sys
 from pathlib import Path
 
-from linearize._files import fsync_path
+from linearize._files import atomic_write, fsync_path
 
 
 TMP_PREFIX = ".tmp-"
+RUN_LOCK = ".run.lock"  # OUTPUT_DIR/.run.lock: held by the run training into OUTPUT_DIR
+RUN_OWNER = ".run.owner"  # OUTPUT_DIR/.run.owner: which process holds it (pid, host, command)
+_HELD_RUNS: dict[str, object] = {}  # the run locks this process holds, by the lock file's real path
 
 
 def file_sha256(path: Path) -> str:
@@ -27,7 +33,7 @@ def file_sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
     """Whether a process ``pid`` runs on this machine (signal 0 probes without sending anything)."""
     try:
         os.kill(pid, 0)
@@ -36,6 +42,45 @@ def _pid_alive(pid: int) -> bool:
     except (PermissionError, OverflowError):
         return pid > 0
     return True
+
+
+def hold_output_dir(output_dir: str | Path) -> None:
+    """Take the run lock of the folder ``output_dir`` (the main process of a run, before anything else;
+    :func:`release_output_dir` at the run's end), so that a second run into the same folder while this one
+    trains (the same command launched twice, a requeued job whose first instance still runs) is refused at
+    its start instead of deleting the checkpoint this run is writing and mixing the two runs' outputs.
+
+    The lock is an OS file lock (``filelock``) on ``output_dir/.run.lock``, released by the OS when its
+    holder dies: a killed run never blocks the next one; ``.run.owner`` names the holder for the other
+    run's message. Raises ``RuntimeError`` naming the folder, the other process and the fix."""
+    from filelock import FileLock, Timeout
+
+    directory = Path(output_dir)
+    path = directory / RUN_LOCK
+    lock = FileLock(str(path))
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:
+        try:
+            owner = (directory / RUN_OWNER).read_text(errors="replace").strip()
+        except OSError:
+            owner = "a process that has not written its name yet"
+        raise RuntimeError(f"{directory}: another run is training into this --output_dir ({owner}; it holds the "
+                           f"lock {path}); a second run there would delete the checkpoint it is writing and mix "
+                           "the two runs' outputs: wait for it to end (or stop it), or give this run another "
+                           "--output_dir") from None
+    _HELD_RUNS[os.path.realpath(path)] = lock
+    atomic_write(directory / RUN_OWNER, f"process {os.getpid()} on {socket.gethostname()}: "
+                                        f"{' '.join([sys.executable, *sys.argv])}\n")
+
+
+def release_output_dir(output_dir: str | Path) -> None:
+    """Release the run lock that :func:`hold_output_dir` took on ``output_dir`` in this process (nothing
+    when it holds none: a process other than the main one)."""
+    lock = _HELD_RUNS.pop(os.path.realpath(Path(output_dir) / RUN_LOCK), None)
+    if lock is not None:
+        (Path(output_dir) / RUN_OWNER).unlink(missing_ok=True)
+        lock.release()
 
 
 def _temp_siblings(directory: Path, old: bool | None) -> list[Path]:
@@ -48,7 +93,7 @@ def _temp_siblings(directory: Path, old: bool | None) -> list[Path]:
     found = []
     for p in directory.parent.glob(glob.escape(f"{TMP_PREFIX}{directory.name}-") + "*"):
         match = pattern.fullmatch(p.name)
-        if match and not _pid_alive(int(match.group(1))):
+        if match and not pid_alive(int(match.group(1))):
             found.append(p)
     return found
 

@@ -81,6 +81,26 @@ def test_rewrite_of_a_step_killed_between_the_renames_keeps_it(tmp_path, monkeyp
     assert not list((tmp_path / "checkpoints").glob(".*"))
 
 
+def test_partial_checkpoints_of_a_running_process_are_left_alone(tmp_path, dead_pid):
+    """A run's start removes the temp folders of checkpoint writes whose process has ended, never the one a
+    process that still runs is writing (here a real second process), until that process has ended."""
+    import subprocess
+
+    writer = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+    try:
+        writing = tmp_path / "checkpoints" / f"{common.TMP_PREFIX}step_00000002-{writer.pid}"
+        writing.mkdir(parents=True)
+        (writing / common.MODEL_FILE).write_bytes(b"being written")
+        left = tmp_path / "checkpoints" / f"{common.TMP_PREFIX}step_00000001-{dead_pid}"
+        left.mkdir()
+        assert common.remove_partial_checkpoints(tmp_path) == [left] and not left.exists()
+        assert (writing / common.MODEL_FILE).read_bytes() == b"being written"
+    finally:
+        writer.stdin.close()
+        writer.wait()
+    assert common.remove_partial_checkpoints(tmp_path) == [writing] and not writing.exists()
+
+
 # ----------------------------------------------------------------------------- tampered state JSON
 
 

@@ -262,6 +262,36 @@ def test_wmt_kill_and_resume_across_epochs(wmt_runs):
     assert not list((wmt_runs.resumed / "checkpoints").glob(".*"))
 
 
+def test_a_second_run_into_a_training_runs_folder_is_refused(cifar_runs, cifar_args, env, tmp_path):
+    """The same command launched twice: the second run (in this process), started while the first (a
+    subprocess) writes checkpoints into the folder, stops at its start naming the folder and the first
+    process, and removes nothing: the first ends exactly like the uninterrupted run."""
+    import cifar
+
+    out = tmp_path / "run"
+    log = open(tmp_path / "first.log", "w")
+    first = subprocess.Popen([sys.executable, str(RECIPES / "cifar.py"), *cifar_args, "--output_dir", str(out)],
+                             cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 300
+        while not common.checkpoint_dir(out, 1).exists():
+            if first.poll() is not None or time.monotonic() > deadline:
+                pytest.fail(f"cifar.py ended ({first.returncode}) before step 1:\n"
+                            f"{(tmp_path / 'first.log').read_text()[-3000:]}")
+            time.sleep(0.005)
+        with pytest.raises(RuntimeError, match=rf"{out}: another run is training into this --output_dir \(process "
+                                               rf"{first.pid} on .*give this run another --output_dir"):
+            cifar.main(cifar_args + ["--output_dir", str(out)])
+        assert first.poll() is None  # refused while the first run was still training
+        assert first.wait(timeout=300) == 0, (tmp_path / "first.log").read_text()[-3000:]
+    finally:
+        if first.poll() is None:
+            first.kill()  # only the process this test started
+        first.wait()
+        log.close()
+    assert_same_run(cifar_runs.full, out, cifar_runs.total)
+
+
 # ----------------------------------------------------------------------------- the accelerate layout
 
 
@@ -418,7 +448,7 @@ def test_accelerate_layout_damage_is_detected(cifar_runs, tmp_path):
         common.read_checkpoint(old)
 
 
-def test_resume_falls_back_past_a_damaged_newest_checkpoint(cifar_runs, cifar_args, tmp_path):
+def test_resume_falls_back_past_a_damaged_newest_checkpoint(cifar_runs, cifar_args, tmp_path, dead_pid):
     """End to end: the newest checkpoint's weights are truncated and an interrupted write left a temp
     folder; the run warns naming the folder, resumes from the previous one, removes the temp folder
     and still ends bit for bit like the uninterrupted run."""
@@ -427,7 +457,7 @@ def test_resume_falls_back_past_a_damaged_newest_checkpoint(cifar_runs, cifar_ar
     ckpts = Path(shutil.copytree(cifar_runs.snapshot, tmp_path / "checkpoints"))
     newest = steps_of(ckpts)[-1]
     truncate(ckpts / f"step_{newest:08d}" / "model.safetensors")
-    leftover = ckpts / f".tmp-step_{newest + 1:08d}-12345"
+    leftover = ckpts / f".tmp-step_{newest + 1:08d}-{dead_pid}"
     shutil.copytree(ckpts / f"step_{newest - 1:08d}", leftover)
     with pytest.warns(RuntimeWarning, match=rf"step_{newest:08d}: model.safetensors has \d+ bytes"):
         cifar.main(cifar_args + ["--output_dir", str(tmp_path), "--resume_from_checkpoint", "latest"])
