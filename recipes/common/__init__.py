@@ -36,7 +36,8 @@ from .checkpoints import (MODEL_FILE, NEUTRAL_ARGS, OPTIMIZER_FILE, STATE_FILE, 
                           state_digest, state_problem, state_sha256)
 from .files import (RUN_LOCK, TMP_PREFIX, file_sha256, hold_output_dir, release_output_dir, replaced_dir,
                     restore_aside)
-from .outputs import check_files, file_records, fold_metrics, read_recipe_json, unit_stats, write_metrics
+from .outputs import (check_files, file_records, fold_metrics, read_recipe_json, remove_earlier_outputs, unit_stats,
+                      write_metrics)
 from .run import Run
 from .training import EpochSampler, LossWatch, run_length, start, train
 
@@ -48,7 +49,8 @@ __all__ = [
     "find_checkpoint", "first_nonfinite", "json_value", "load_checkpoint", "model_fingerprint", "read_checkpoint",
     "remove_partial_checkpoints", "save_checkpoint", "state_digest", "state_problem", "state_sha256",
     "RUN_LOCK", "TMP_PREFIX", "file_sha256", "hold_output_dir", "release_output_dir", "replaced_dir", "restore_aside",
-    "check_files", "file_records", "fold_metrics", "read_recipe_json", "unit_stats", "write_metrics",
+    "check_files", "file_records", "fold_metrics", "read_recipe_json", "remove_earlier_outputs", "unit_stats",
+    "write_metrics",
     "Run",
     "EpochSampler", "LossWatch", "run_length", "start", "train",
 ]

@@ -1,6 +1,6 @@
 """What a recipe leaves behind: the final model folder (``recipe.json`` with the size and sha256 of its
 files, verified on load) and ``metrics.json`` (final metrics, unit counts, fold summary, command,
-versions, wall time)."""
+versions, wall time); the outputs an earlier run into the folder left removed first."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import argparse
 import json
 import os
 import platform
+import shutil
 import sys
 import time
 from collections.abc import Iterable
@@ -19,7 +20,7 @@ from torch import nn
 import linearize
 from linearize._files import atomic_write
 
-from .files import file_sha256, restore_aside
+from .files import TMP_PREFIX, file_sha256, restore_aside
 
 
 def read_recipe_json(directory: str | Path, required: Iterable[str] = ()) -> dict:
@@ -81,6 +82,29 @@ def unit_stats(model: nn.Module, tol: float) -> dict:
     c = linearize.count_units(model, tol)
     return {"nonlinear_fraction": c["nonlinear"] / c["total"], "units_total": c["total"],
             "units_nonlinear": c["nonlinear"]}
+
+
+def remove_earlier_outputs(output_dir: str | Path, names: Iterable[str]) -> list[Path]:
+    """Remove the outputs ``names`` (files or folders directly in ``output_dir``: ``folded``, ``report``, ...)
+    that an earlier run into the folder left, before this run writes its own: those this run does not write
+    again must not be read as its own (``linearize report --compare`` reads ``report/``). A folder is renamed
+    to a temp sibling ``.tmp-<name>-<pid>`` first, so it is gone at once, never half removed (a removal killed
+    there leaves only that temp folder, which the next :func:`replaced_dir` of the name sweeps). Returns the
+    outputs removed."""
+    removed = []
+    for name in names:
+        path = Path(output_dir) / name
+        if path.is_dir() and not path.is_symlink():
+            doomed = path.with_name(f"{TMP_PREFIX}{name}-{os.getpid()}")
+            shutil.rmtree(doomed, ignore_errors=True)  # left by an earlier removal under this pid
+            path.rename(doomed)
+            shutil.rmtree(doomed, ignore_errors=True)
+        elif path.exists() or path.is_symlink():
+            path.unlink()
+        else:
+            continue
+        removed.append(path)
+    return removed
 
 
 FOLD_METRICS = ("params_before", "params_after", "flops_before", "flops_after", "max_abs_error", "output_scale")

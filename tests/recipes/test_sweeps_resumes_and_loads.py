@@ -461,6 +461,25 @@ def test_resume_with_another_distill_teacher_is_refused(env, data, tmp_path):
     assert m["steps"] == m["total_steps"] == 4
 
 
+def test_a_run_again_into_a_folder_leaves_none_of_the_earlier_runs_outputs(env, data, tmp_path):
+    """A run with --fold --report, then another into the same folder without them and without a sparsifier:
+    the earlier folded/, report/ and sparsifier_history.json are gone, and ``linearize report --compare``
+    reads this run's sites, whose fractions are those its metrics.json records (1.0: no slope moved)."""
+    import cifar
+    from linearize.comparison import load_run
+
+    out = tmp_path / "run"
+    cifar.main(_cifar_argv(data, out, "--target", "0.25", "--fold", "--report", "--report-skip", "affinity,regions"))
+    earlier = load_run(out)
+    assert {"folded", "report", "sparsifier_history.json"} <= {p.name for p in out.iterdir()}
+    assert earlier.sites_from == "report/report.json" and min(earlier.sites.values()) < 1.0
+    m = cifar.main(_cifar_argv(data, out, "--schedule", "none"))
+    assert not {"folded", "report", "sparsifier_history.json"} & {p.name for p in out.iterdir()}
+    assert not [p.name for p in out.iterdir() if p.name.startswith(common.TMP_PREFIX)]
+    now = load_run(out)
+    assert now.sites_from.startswith("model/") and set(now.sites.values()) == {m["nonlinear_fraction"]} == {1.0}
+
+
 # ----------------------------------------------------------------------------- 9, 10, 11: parse time
 
 
