@@ -12,6 +12,7 @@ import shlex
 import subprocess
 import sys
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -30,11 +31,22 @@ class Job:
 
 
 def read_json(path: Path) -> dict:
-    """JSON file contents, ``{}`` when absent or (being) half written."""
+    """The JSON object in the file ``path``; ``{}`` when absent or (being) half written, and also, with a
+    warning naming the file, when it is damaged (not UTF-8, a folder, nested too deep, no JSON object): one
+    run's bad file never stops the sweep."""
     try:
-        return json.loads(path.read_text())
+        data = json.loads(path.read_text())
     except (FileNotFoundError, json.JSONDecodeError):
         return {}
+    except (OSError, UnicodeDecodeError, RecursionError) as e:
+        warnings.warn(f"{path} cannot be read ({type(e).__name__}: {e}); taken as absent: repair or remove it",
+                      RuntimeWarning, stacklevel=2)
+        return {}
+    if not isinstance(data, dict):
+        warnings.warn(f"{path} holds a JSON {type(data).__name__}, not an object; taken as absent: repair or "
+                      "remove it", RuntimeWarning, stacklevel=2)
+        return {}
+    return data
 
 
 def write_json(path: Path, obj: Any) -> None:
@@ -45,9 +57,15 @@ def write_json(path: Path, obj: Any) -> None:
 
 
 def is_done(run: Path) -> bool:
-    """A run is done when its ``model/`` and a ``metrics.json`` of the whole schedule are there."""
+    """A run is done when its ``model/`` and a ``metrics.json`` of the whole schedule are there (a damaged
+    ``metrics.json``: not done, with a warning naming it)."""
     m = read_json(run / "metrics.json")
-    return bool(m) and m.get("steps", 0) >= m.get("total_steps", 0) and (run / "model" / "recipe.json").is_file()
+    steps, total = m.get("steps", 0), m.get("total_steps", 0)
+    if not all(isinstance(v, (int, float)) for v in (steps, total)):
+        warnings.warn(f"{run / 'metrics.json'}: steps {steps!r} and total_steps {total!r} must be numbers; the run "
+                      "is taken as not done: repair or remove the file", RuntimeWarning, stacklevel=2)
+        return False
+    return bool(m) and steps >= total and (run / "model" / "recipe.json").is_file()
 
 
 def has_checkpoint(run: Path) -> bool:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -243,6 +244,39 @@ def test_a_finished_run_whose_plan_was_edited_is_not_counted_done(tree, swept, c
     assert "0 of 1 runs already done" in out and "FAILED r20_late_10_s0" in out
     assert "finished with other arguments than planned now: target (0.1, planned 0.3)" in out
     assert jobs_json(tree) == before  # and not started again over it
+
+
+FAKE_RUN = """import json, os, sys
+out = sys.argv[sys.argv.index("--output_dir") + 1]
+os.makedirs(os.path.join(out, "model"), exist_ok=True)
+open(os.path.join(out, "model", "recipe.json"), "w").write("{}")
+open(os.path.join(out, "metrics.json"), "w").write(json.dumps({"steps": 1, "total_steps": 1}))
+"""
+
+
+@pytest.mark.parametrize("damage", {
+    "not UTF-8": lambda p: p.write_bytes(b"\xff\xfe{\x00}\x00"),
+    "a folder": lambda p: p.mkdir(),
+    "nested too deep": lambda p: p.write_text("[" * 100_000 + "]" * 100_000),
+    "a JSON list": lambda p: p.write_text('[{"epoch": 1}]'),
+    "steps a string": lambda p: p.write_text('{"steps": "10", "total_steps": 12}'),
+}.items(), ids=lambda d: d[0])
+def test_a_damaged_metrics_json_of_one_run_never_stops_the_sweep(tmp_path, damage, capsys):
+    """The runner reads every run's metrics.json at every poll: a damaged one (of run "bad") is named in a
+    warning and taken as a run not done; the sweep goes on and the other run ("good", after it) ends done."""
+    script = tmp_path / "fake_run.py"
+    script.write_text(FAKE_RUN)
+    runs = tmp_path / "runs"
+    jobs = [sweep.Job(name, [str(script), "--output_dir", str(runs / name)]) for name in ("bad", "good")]
+    (runs / "bad" / "model").mkdir(parents=True)
+    (runs / "bad" / "model" / "recipe.json").write_text("{}")
+    damage[1](runs / "bad" / "metrics.json")
+    with pytest.warns(RuntimeWarning, match=re.escape(str(runs / "bad" / "metrics.json"))):
+        failures = sweep.train(jobs, runs, n_jobs=1, threads=1, poll_s=0.1, max_hours=1 / 60)
+    out = capsys.readouterr().out
+    assert sweep.is_done(runs / "good") and "done good: rc 0" in out, out
+    # "bad" was started again: it rewrote its metrics.json, or failed (a folder in the way) with its log named
+    assert failures == (damage[0] == "a folder") and sweep.is_done(runs / "bad") == (damage[0] != "a folder"), out
 
 
 def started_by_hand(argv: list[str]) -> subprocess.Popen:
