@@ -389,12 +389,26 @@ def _jsonable_dict(d: dict) -> dict:
         raise ValueError(f"builder_kwargs must hold JSON values, got a {err}") from None
 
 
-def _build_base(base: dict[str, Any], given: nn.Module | None, path: Path) -> nn.Module | None:
-    """The base model ``folded.json`` records (``given`` when passed); :class:`LoadError` naming ``path`` when its
-    builder refuses the recorded name or arguments."""
+# A base built from its record in folded.json may hold at most this many times the bytes of the weights file (or
+# BASE_FLOOR_BYTES): fold shrinks a model a few times at most (BatchNorms, merged linear layers), while an edited
+# number (num_classes, vocab_size) would have the base allocate whatever it says before anything is checked.
+BASE_SIZE_FACTOR, BASE_FLOOR_BYTES = 16, 256 * 2**20
+
+
+def _build_base(base: dict[str, Any], given: nn.Module | None, path: Path, held: int) -> nn.Module | None:
+    """The base model ``folded.json`` records (``given`` when passed), first built on the meta device to check
+    its size against the ``held`` bytes of the weights file (:func:`_check_base_size`); :class:`LoadError`
+    naming ``path`` when its builder refuses the recorded name or arguments."""
     if given is not None:
         return given
     try:
+        try:
+            with torch.device("meta"):  # sizes first: the recorded arguments must not allocate without bound
+                sized = _build_recorded_base(base, path)
+        except NotImplementedError:  # an operation the meta device lacks: built for real, unchecked
+            sized = None
+        if sized is not None:
+            _check_base_size(sized, base, path, held)
         return _build_recorded_base(base, path)
     except (TypeError, ValueError, KeyError, RuntimeError) as err:
         if isinstance(err, LoadError):
@@ -403,6 +417,25 @@ def _build_base(base: dict[str, Any], given: nn.Module | None, path: Path) -> nn
                         f"built from its recorded arguments ({type(err).__name__}: {str(err).strip()[:200]}); the file "
                         "was edited, or that library differs: pass the base, linearize.load_folded(directory, "
                         "base=...)") from None
+
+
+def _check_base_size(sized: nn.Module, base: dict[str, Any], path: Path, held: int) -> None:
+    """:class:`LoadError` naming ``path`` and the base's recorded arguments when the base ``sized`` (built on the
+    meta device) holds more than ``BASE_SIZE_FACTOR`` times the ``held`` bytes of the weights file (and more
+    than ``BASE_FLOOR_BYTES``)."""
+    tensors = {**dict(sized.named_parameters()), **dict(sized.named_buffers())}
+    size = sum(t.numel() * t.element_size() for t in tensors.values())
+    if size > max(BASE_SIZE_FACTOR * held, BASE_FLOOR_BYTES):
+        field = "config" if base.get("kind") == "transformers" else "kwargs"
+        record = base.get(field) if isinstance(base.get(field), dict) else {}
+        numbers = ", ".join(f"{k} {v}" for v, k in sorted(((v, k) for k, v in record.items() if type(v) is int),
+                                                          reverse=True)[:3])
+        name, largest = max(tensors.items(), key=lambda kv: kv[1].numel())
+        raise LoadError(f"{path}: base.{field} (largest numbers: {numbers or 'none'}) build a "
+                        f"{base.get('name', base.get('class'))} of {size / 2**20:.0f} MiB ({name} of shape "
+                        f"{list(largest.shape)}), over {BASE_SIZE_FACTOR} times the {held / 2**20:.1f} MiB of its "
+                        "weights file: folded.json was edited; save the model again with linearize.save_folded, or "
+                        "pass the base, linearize.load_folded(directory, base=...)")
 
 
 def _build_recorded_base(base: dict[str, Any], path: Path) -> nn.Module | None:
@@ -809,7 +842,7 @@ def load_folded(directory: str | os.PathLike, base: nn.Module | None = None, *, 
     meta, data, weights = _read_folded(directory)
     tensors = safetensors.torch.load(data)
     base = None if base is None else copy.deepcopy(base)  # the caller's model (kept to compare) stays as it is
-    model = _rebuild(meta, _build_base(meta.get("base") or {}, base, path), path,
+    model = _rebuild(meta, _build_base(meta.get("base") or {}, base, path, len(data)), path,
                      {k: tuple(t.shape) for k, t in tensors.items()})
     probe = {k: tensors.pop(k) for k in [k for k in tensors if k.startswith(_PROBE)]}
     _fit(model, tensors)

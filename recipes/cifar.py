@@ -231,8 +231,8 @@ def _check_fit(weights: dict, own: dict, unit_keys: set[str], path: Path, meta: 
 
 def load_model(directory: str | Path) -> nn.Module:
     """Rebuild a model saved by this recipe (``OUTPUT_DIR/model``): the architecture from
-    ``recipe.json`` (:func:`read_meta`), its files checked against their recorded sizes and sha256, the
-    weights, the units with ``linearize.from_pretrained`` (which checks the weights it sits on), then every
+    ``recipe.json`` (:func:`read_meta`; sized on the meta device and checked against the weights before it is
+    built), its files checked against their recorded sizes and sha256, the weights, the units with ``linearize.from_pretrained`` (which checks the weights it sits on), then every
     tensor again against the converted model (:func:`_load_weights`).
     ``recipe.json`` also lists the class names in label order (``classes``). The model comes back in eval
     mode, as from ``transformers``' ``from_pretrained`` and :func:`wmt14.load_model`: ready to evaluate or
@@ -246,12 +246,14 @@ def load_model(directory: str | Path) -> nn.Module:
     directory = Path(directory)
     meta = read_meta(directory)
     common.check_files(directory, meta)
-    model = build_model(meta["arch"], meta["num_classes"])
     path = directory / "model.safetensors"
     weights = _read_weights(path)
+    with torch.device("meta"):  # sizes first: recipe.json's numbers must not allocate what the weights do not hold
+        sized = build_model(meta["arch"], meta["num_classes"])
+    _check_fit(weights, sized.state_dict(), set(), path, meta, plain=meta["linearize"] != "none")
+    model = build_model(meta["arch"], meta["num_classes"])
     if meta["linearize"] != "none":  # the weights first: the sidecar checks them by their digests
         plain = model.state_dict()
-        _check_fit(weights, plain, set(), path, meta, plain=True)
         _check_finite({k: weights[k] for k in plain}, path)
         model.load_state_dict({k: weights[k] for k in plain}, strict=True)
         example = torch.zeros(2, 3, meta["image_size"], meta["image_size"])

@@ -226,6 +226,34 @@ def test_an_edited_folded_json_is_a_load_error_naming_the_file_and_field(tmp_pat
         linearize.load_folded(tmp_path)
 
 
+@pytest.mark.parametrize("kind", ["torchvision", "transformers"])
+def test_crafted_base_arguments_are_refused_before_the_base_is_allocated(tmp_path, monkeypatch, kind):
+    """An edited number in folded.json's base record (torchvision's num_classes, a transformers config's
+    vocab_size) had load_folded build the whole base at that size before any check, though the weights file
+    holds nothing of it. Now the base is sized on the meta device first and refused, naming the file and the
+    field; the unedited save loads with the folded model's outputs."""
+    if kind == "torchvision":
+        tv = pytest.importorskip("torchvision")
+        x = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(0))
+        folded = _half_linear(tv.models.resnet18(num_classes=10), x)
+        linearize.save_folded(folded, tmp_path, builder="torchvision:resnet18", builder_kwargs={"num_classes": 10})
+        field, key, value, layer = "kwargs", "num_classes", 10**6, nn.Linear  # a 2 GB head
+    else:
+        folded, x = _bert()
+        linearize.save_folded(folded, tmp_path)
+        field, key, value, layer = "config", "vocab_size", 10**7, nn.Embedding  # 640 MB of embeddings
+    assert torch.equal(_call(linearize.load_folded(tmp_path), x), _call(folded, x))
+    meta = json.loads((tmp_path / "folded.json").read_text())
+    meta["base"][field][key] = value
+    (tmp_path / "folded.json").write_text(json.dumps(meta))
+    built = []
+    monkeypatch.setattr(layer, "reset_parameters", lambda self: built.append(self.weight.device.type))
+    with pytest.raises(LoadError, match=rf"folded\.json: base\.{field} \(largest numbers: {key} {value}\b.*over 16 "
+                                        r"times the .* MiB of its weights file"):
+        linearize.load_folded(tmp_path)
+    assert built and "cpu" not in built  # sized on the meta device only
+
+
 @pytest.mark.parametrize("field, value", [("in_features", 10**12), ("out_features", 5)])
 def test_crafted_layer_arguments_are_refused_before_anything_is_allocated(tmp_path, monkeypatch, field, value):
     x = torch.randn(2, 3, 8, 8)

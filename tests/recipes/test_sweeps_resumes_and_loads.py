@@ -289,6 +289,24 @@ def test_cifar_load_model_names_a_bad_recipe_json_field(cifar_model_dir, patch, 
     assert "recipe.json" in str(err.value)
 
 
+def test_cifar_load_model_sizes_recipe_json_before_allocating(cifar_model_dir, monkeypatch):
+    """recipe.json's num_classes edited to 4,000,000 (no class list, as in older saves) had the model built with
+    a 1 GB head before the weights were checked against it: now it is sized on the meta device and refused,
+    naming the weights file and recipe.json's fields."""
+    import cifar
+
+    meta = json.loads((cifar_model_dir / "recipe.json").read_text())
+    del meta["classes"]
+    (cifar_model_dir / "recipe.json").write_text(json.dumps({**meta, "num_classes": 4_000_000}))
+    built = []
+    monkeypatch.setattr(torch.nn.Linear, "reset_parameters", lambda self: built.append(self.weight.device.type))
+    with pytest.raises(linearize.LoadError, match=r"model.safetensors does not fit the model its recipe.json describes "
+                                                  r"\(arch resnet20, num_classes 4000000,.*fc.weight \(3, 64\) "
+                                                  r"\(model \(4000000, 64\)\)"):
+        cifar.load_model(cifar_model_dir)
+    assert built and "cpu" not in built  # sized on the meta device only
+
+
 # ----------------------------------------------------------------------------- 5, 6, 7, 10: the translation recipe
 
 
