@@ -42,6 +42,7 @@ import inspect
 import json
 import os
 import re
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -829,7 +830,8 @@ def load_folded(directory: str | os.PathLike, base: nn.Module | None = None, *, 
 
     ``base``: a model of the original architecture (its weights do not matter), needed when ``folded.json``
     names classes of your own (a plain base) or when the model was built with arguments the save does not
-    record; the folded model is rebuilt in a copy of it, so ``base`` is left as it is. ``check``: run a float32 CPU copy of the rebuilt model on the probe saved with it and refuse
+    record; the folded model is rebuilt in a copy of it, so ``base`` is left as it is (a base that cannot be
+    copied, holding a lock say, is rebuilt in itself, with a warning). ``check``: run a float32 CPU copy of the rebuilt model on the probe saved with it and refuse
     other outputs (beyond 1e-4 of the output scale). Runs no code from the files. Raises ``FileNotFoundError``
     and :class:`LoadError` naming the file (damaged, tampered with, unknown class, other outputs).
 
@@ -841,7 +843,7 @@ def load_folded(directory: str | os.PathLike, base: nn.Module | None = None, *, 
     path = directory / FOLDED_CONFIG
     meta, data, weights = _read_folded(directory)
     tensors = safetensors.torch.load(data)
-    base = None if base is None else copy.deepcopy(base)  # the caller's model (kept to compare) stays as it is
+    base = _copy_of_base(base)
     model = _rebuild(meta, _build_base(meta.get("base") or {}, base, path, len(data)), path,
                      {k: tuple(t.shape) for k, t in tensors.items()})
     probe = {k: tensors.pop(k) for k in [k for k in tensors if k.startswith(_PROBE)]}
@@ -856,6 +858,20 @@ def load_folded(directory: str | os.PathLike, base: nn.Module | None = None, *, 
     if check and (probe or (meta.get("probe") or {}).get("saved")):
         _check_probe(model, probe, path)
     return model.eval()
+
+
+def _copy_of_base(base: nn.Module | None) -> nn.Module | None:
+    """A copy of ``base`` for :func:`load_folded` to rebuild in, so that the caller's model (say the original, kept to
+    compare with) stays as it is; ``base`` itself, with a warning saying so, when it cannot be copied."""
+    if base is None:
+        return None
+    try:
+        return copy.deepcopy(base)
+    except Exception as err:  # noqa: BLE001 -- a lock, an open file, a C++ handle held by the model
+        warnings.warn(f"load_folded: base ({type(base).__name__}) cannot be copied ({type(err).__name__}: {err}), so "
+                      "the folded model is rebuilt in it: the model you passed now is the folded model. Pass a freshly "
+                      "built one to keep yours as it is", stacklevel=3)
+        return base
 
 
 def _check_shapes(module: nn.Module, name: str, shapes: dict[str, tuple[int, ...]], path: Path) -> None:

@@ -14,6 +14,7 @@ from linearize import LoadError
 from linearize.deploy import folded_weights_name
 from zoo import random_slopes, save_folded_functional, tiny_bert
 import copy
+import threading
 import torch.nn.functional as F
 from linearize import deploy
 from pathlib import Path
@@ -97,6 +98,11 @@ def test_the_base_given_to_load_folded_is_left_as_it_is(tmp_path):
     loaded = linearize.load_folded(tmp_path / "net", base=original)
     assert loaded is not original and torch.equal(_call(original, x), want)
     assert torch.equal(_call(loaded, x), _call(net, x)) and not torch.equal(_call(loaded, x), want)
+    locked = Net().eval()
+    locked.lock = threading.Lock()  # cannot be copied: rebuilt in itself, as before, and said so
+    with pytest.warns(UserWarning, match=r"base \(Net\) cannot be copied.*rebuilt in it.*freshly built"):
+        loaded = linearize.load_folded(tmp_path / "net", base=locked, check=False)  # the check copies too
+    assert loaded is locked and torch.equal(_call(loaded, x), _call(net, x))
 
 
 class _Wrapper(nn.Module):
