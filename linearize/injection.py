@@ -56,7 +56,7 @@ from .dispatch import (
     unreachable_call,
 )
 from .functional_sites import ATTR
-from .inputs import call_model, eval_mode
+from .inputs import call_model, eval_mode, output_tensors
 from .module_stack import ModuleStack
 from .unit import LinearizableActivation
 
@@ -382,8 +382,9 @@ class _Probe:
         self.recursive: set[int] = set()  # modules called while already running (a forward that calls itself)
         # functional activation calls made by a module's user hooks in its call now running: module id -> names
         self.hook_calls: dict[int, list[str]] = defaultdict(list)
-        self.given: dict[int, Any] = {}  # a module with user hooks -> its call's arguments / output before them
-        self.hooks: Counter[str] = Counter()  # "<module>: fn (forward hook)" -> calls whose result its hook returned
+        # a module with user hooks -> its call's arguments / output before them, and their tensors' versions
+        self.given: dict[int, tuple[Any, list[int]] | None] = {}
+        self.hooks: Counter[str] = Counter()  # "<module>: fn (forward hook)" -> calls whose result its hook changed
 
     def inside_activation(self) -> bool:
         return any(id(m) in self.activations for m in self.running.stack)
@@ -460,7 +461,7 @@ class _Probe:
     def enter(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         """A module call starts (``self.running.stack[-1]`` is its caller)."""
         if id(module) in self.given:  # a module with user hooks: its arguments before them (the probe's are global)
-            self.given[id(module)] = args
+            self.given[id(module)] = (args, _versions(args))
         if id(module) in self.candidates:
             x = args[0] if args else None
             if isinstance(x, torch.Tensor):
@@ -484,7 +485,7 @@ class _Probe:
     def leave(self, module: nn.Module, args: tuple, output: Any, _: None) -> None:
         """A module call returned ``output``."""
         if id(module) in self.given:
-            self.given[id(module)] = output  # before the module's own forward hooks
+            self.given[id(module)] = (output, _versions(output))  # before the module's own forward hooks
         call = self.pending.pop(id(module), None)
         if call is not None:
             self._tag(output, call)
@@ -534,9 +535,12 @@ class _Probe:
     def _hooks_done(self, module: nn.Module, args: tuple, output: Any = None, *, kind: str = "forward hook") -> None:
         """The user's hooks of a ``module`` call have run (the probe's own run last): the functional activation
         calls they made are part of the model's function when they changed the call's arguments (pre-hooks) or
-        output (forward hooks), which are then no longer the objects the probe saw before them."""
+        output (forward hooks): replaced them (they are no longer the objects the probe saw before them) or
+        changed their tensors in place (``F.relu(out, inplace=True)``: a tensor's version counter moved)."""
         calls = self.hook_calls.pop(id(module), [])
-        if calls and (output if kind == "forward hook" else args) is not self.given.get(id(module)):
+        now = output if kind == "forward hook" else args
+        before, versions = self.given.get(id(module)) or (None, [])
+        if calls and (now is not before or _versions(now) != versions):
             where = self.names.get(id(module), "") or type(module).__name__
             self.hooks.update(f"{where}: {fn} ({kind})" for fn in calls)
 
@@ -556,6 +560,12 @@ class _Probe:
             for h in handles:
                 h.remove()
             self.given.clear()
+
+
+def _versions(x: Any) -> list[int]:
+    """The version counters of the tensors in ``x`` (an in-place change moves them; -1 for an inference tensor,
+    which has none)."""
+    return [-1 if t.is_inference() else t._version for t in output_tensors(x)]
 
 
 def _matches(name: str, patterns: list[str] | None) -> bool:

@@ -111,3 +111,35 @@ def test_a_monitoring_hook_that_calls_an_activation_is_not_listed():
     linearize.convert(model, example_inputs=x)
     assert model.linearize_report.hooks == {} and model.linearize_report.problems() == []
     assert seen  # the hooks ran in the probe
+
+
+@pytest.mark.parametrize("form", ["F.relu(out, inplace=True)", "out.relu_()", "pre-hook F.relu_(args[0])"])
+def test_an_activation_a_hook_applies_in_place_is_listed_and_counts_warn(form):
+    """A hook that applies ``relu`` in place to its module's output (input) returns None but changes the result
+    just as one returning ``F.relu(out)`` does: with every unit at slope 1 the model is still not affine (the
+    truth: f(x) + f(-x) - 2 f(0)), so the report lists the hook's call and count_units warns."""
+    torch.manual_seed(0)
+    model, x = _Plain(), torch.randn(5, 4)
+
+    def relu_inplace(m: nn.Module, args: tuple, out: torch.Tensor) -> None:
+        torch.nn.functional.relu(out, inplace=True)
+
+    def relu_method(m: nn.Module, args: tuple, out: torch.Tensor) -> None:
+        out.relu_()
+
+    def relu_pre(m: nn.Module, args: tuple) -> None:
+        torch.nn.functional.relu_(args[0])
+
+    if form == "pre-hook F.relu_(args[0])":
+        model.b.register_forward_pre_hook(relu_pre)
+    else:
+        model.a.register_forward_hook(relu_inplace if form == "F.relu(out, inplace=True)" else relu_method)
+    with pytest.warns(UserWarning, match="forward"):
+        linearize.convert(model, example_inputs=x)
+    assert len(model.linearize_report.hooks) == 1
+    with torch.no_grad():
+        for _, unit in linearize.units(model):
+            unit.slope.fill_(1.0)
+        assert (model(x) + model(-x) - 2 * model(torch.zeros(1, 4))).abs().max() > 1e-3  # not affine
+    with pytest.warns(RuntimeWarning, match="a hook that changes the module's result"):
+        assert linearize.nonlinear_fraction(model) == 0.0
