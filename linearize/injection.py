@@ -545,7 +545,9 @@ class _Probe:
             self.hooks.update(f"{where}: {fn} ({kind})" for fn in calls)
 
     def run(self, model: nn.Module, inputs: Any) -> None:
-        hooked = [m for m in model.modules() if m._forward_pre_hooks or m._forward_hooks]
+        # a ScriptModule's hooks are compiled in (they call no Python activation) and it takes no new ones
+        hooked = [m for m in model.modules()
+                  if (m._forward_pre_hooks or m._forward_hooks) and not isinstance(m, torch.jit.ScriptModule)]
         self.given = dict.fromkeys(map(id, hooked))
         handles = [h for m in hooked for h in (  # after the user's hooks: which of them changed the call
             m.register_forward_pre_hook(functools.partial(self._hooks_done, kind="forward pre-hook")),

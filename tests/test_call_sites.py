@@ -535,6 +535,25 @@ def test_a_scripted_submodule_is_listed_and_never_counted_as_linear():
         linearize.fold(model.eval(), x)
 
 
+def _doubled(m: nn.Module, inp: tuple[torch.Tensor], out: torch.Tensor) -> torch.Tensor:
+    return out * 2.0
+
+
+def test_a_scripted_submodule_with_a_compiled_hook_is_listed_and_the_rest_converts():
+    """TorchScript compiles a module's forward hooks in, and a ScriptModule takes no new ones: the probe leaves it
+    alone, the ReLU outside it gets its unit, and the converted model computes the original's outputs."""
+    inner = nn.Sequential(nn.Linear(8, 8))
+    inner.register_forward_hook(_doubled)
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), torch.jit.script(inner), nn.Linear(8, 2))
+    x = torch.randn(3, 4)
+    want = net(x)
+    with pytest.warns(UserWarning, match=r"2: TorchScript module"):
+        model = linearize.convert(net, example_inputs=x)
+    assert [n for n, _ in linearize.units(model)] == ["1"] and "2" in model.linearize_report.unsupported
+    torch.testing.assert_close(model(x), want, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("cls", [Functional, Reused])
 def test_trace_and_export_compute_the_converted_function_and_script_is_refused_with_the_fix(cls):
     model, x, expected = converted(cls)
