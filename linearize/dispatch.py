@@ -59,6 +59,10 @@ THREAD_CALL = (
     "forward's own thread, or through an activation module registered on the model (self.act = nn.ReLU())")
 _CHECKPOINT_FILE = torch.utils.checkpoint.__file__
 _FUNCTION_FORWARDS: dict[CodeType, bool] = {}  # code -> whether it is a custom autograd.Function's forward
+_RERUNS: dict[CodeType, bool] = {}  # a Function's backward code -> whether it may run autograd (see _backward_reruns)
+# names a backward uses to run autograd itself (a reentrant checkpoint: forward again under enable_grad, then
+# torch.autograd.backward / grad through it)
+_AUTOGRAD_NAMES = frozenset({"backward", "grad", "enable_grad", "set_grad_enabled"})
 
 
 _EAGER: list[list] = []  # [function, its torch.compiler.disable'd version once made]
@@ -102,15 +106,54 @@ def _function_forward(frame: FrameType) -> bool:
     code = frame.f_code
     known = _FUNCTION_FORWARDS.get(code)
     if known is None:
-        known = code.co_name == "forward" and (code in _function_forward_codes() or bool(
+        known = code.co_name == "forward" and (code in _function_forwards() or bool(
             code.co_argcount and isinstance(frame.f_locals.get(code.co_varnames[0]), torch.autograd.function.FunctionCtx)))
         _FUNCTION_FORWARDS[code] = known
     return known
 
 
-def _function_forward_codes() -> set[CodeType]:
-    """The code objects of the ``forward`` of every ``torch.autograd.Function`` subclass now defined."""
-    codes, todo, seen = set(), [torch.autograd.Function], set()
+def _function_class(frame: FrameType) -> type | None:
+    """The ``torch.autograd.Function`` subclass whose ``forward`` ``frame`` runs (read from its ``ctx``, or the
+    subclass that defines a ``forward`` of this code); None when neither tells."""
+    code = frame.f_code
+    ctx = frame.f_locals.get(code.co_varnames[0]) if code.co_argcount else None
+    cls = getattr(type(ctx), "_forward_cls", None)
+    return cls if isinstance(cls, type) else _function_forwards().get(code)
+
+
+def _backward_reruns(cls: type | None) -> bool:
+    """Whether the backward of the Function ``cls`` may run autograd itself, as a reentrant checkpoint does (it
+    runs the forward again under ``torch.enable_grad`` and calls ``torch.autograd.backward`` / ``grad`` through
+    it, so an activation module called in the forward gets its gradient): its code, or a Python function of its
+    module that it calls (a few deep), names one of those. True when that cannot be read (no Python code)."""
+    backward = inspect.unwrap(getattr(getattr(cls, "backward", None), "__func__", getattr(cls, "backward", None)))
+    code = getattr(backward, "__code__", None)
+    if code is None:
+        return True
+    known = _RERUNS.get(code)
+    if known is None:
+        names: set[str] = set()
+        todo, seen = [(backward, 0)], set()
+        while todo:
+            fn, depth = todo.pop()
+            if fn.__code__ in seen:
+                continue
+            seen.add(fn.__code__)
+            codes = [fn.__code__]
+            while codes:  # the function's code and the code of functions and lambdas defined in it
+                c = codes.pop()
+                names.update(c.co_names)
+                codes += [k for k in c.co_consts if isinstance(k, CodeType)]
+            if depth < 3:
+                todo += [(f, depth + 1) for name in names if inspect.isfunction(f := fn.__globals__.get(name))]
+        known = _RERUNS[code] = bool(names & _AUTOGRAD_NAMES)
+    return known
+
+
+def _function_forwards() -> dict[CodeType, type]:
+    """The code objects of the ``forward`` of every ``torch.autograd.Function`` subclass now defined, each with
+    the subclass that defines it."""
+    codes, todo, seen = {}, [torch.autograd.Function], set()
     while todo:
         cls = todo.pop()
         if cls in seen:
@@ -120,7 +163,7 @@ def _function_forward_codes() -> set[CodeType]:
         forward = getattr(vars(cls).get("forward"), "__func__", vars(cls).get("forward"))
         code = getattr(forward, "__code__", None)
         if code is not None:
-            codes.add(code)
+            codes[code] = cls
     return codes
 
 
@@ -219,31 +262,42 @@ def _hook_codes(owner: nn.Module | None) -> set[CodeType]:
 class _Caller:
     """What lies between a call and the innermost running module: its ``Module._call_impl`` frame (or None),
     the code objects of the frames between, whether ``torch.utils.checkpoint`` ran there, and whether the call
-    is made inside a custom ``autograd.Function``'s forward (whose backward is its own)."""
+    is made inside a custom ``autograd.Function``'s forward (whose backward is its own): the frames of those
+    forwards."""
 
     frame: FrameType | None
     codes: set[CodeType]
     checkpointed: bool
-    in_function: bool
+    functions: list[FrameType]
+
+    @property
+    def in_function(self) -> bool:
+        return bool(self.functions)
+
+    def reruns(self) -> bool:
+        """Whether the backward of every Function the call is made in may run it again through autograd
+        (:func:`_backward_reruns`), so that an activation module called there gets its gradient."""
+        return all(_backward_reruns(_function_class(f)) for f in self.functions)
 
 
 def _calling_module_frame(skip: int) -> _Caller:
     """Walk up from here to the innermost running module's ``Module._call_impl`` frame, past ``skip`` of them
     (the frames of this module's own functions and their callers count as "between": none is a user hook,
     a checkpoint or an autograd.Function, so no call depth is assumed)."""
-    frame, codes, checkpointed, in_function = sys._getframe(1), set(), False, False
+    frame, codes, checkpointed, functions = sys._getframe(1), set(), False, []
     while frame is not None:
         code = frame.f_code
         if code is _CALL_IMPL:
             if not skip:
                 break
-            skip, codes, checkpointed, in_function = skip - 1, set(), False, False
+            skip, codes, checkpointed, functions = skip - 1, set(), False, []
         else:
             codes.add(code)
             checkpointed = checkpointed or code.co_filename == _CHECKPOINT_FILE
-            in_function = in_function or _function_forward(frame)
+            if _function_forward(frame):
+                functions.append(frame)
         frame = frame.f_back
-    return _Caller(frame, codes, checkpointed, in_function)
+    return _Caller(frame, codes, checkpointed, functions)
 
 
 def hooked_module(skip: int = 0) -> nn.Module | None:
@@ -261,15 +315,20 @@ def unreachable_call(skip: int = 0) -> str:
     """Why the call this function's caller handles, made within the innermost running module (past ``skip``
     module calls: 1 for an activation module's own call), could not get a unit dispatched by its owner's
     forward ("" when it could): inside ``torch.utils.checkpoint`` (recomputed outside the owner's forward) or
-    inside a custom ``torch.autograd.Function``'s forward (its own backward gives the gradients). The probe
-    lists such calls unconverted; the dispatch leaves a Function's calls as they are."""
+    inside a custom ``torch.autograd.Function``'s forward (its own backward gives the gradients: IN_FUNCTION,
+    or IN_RERUN_FUNCTION where it may run the forward again, as a reentrant checkpoint does). The probe lists
+    such functional calls unconverted; the dispatch leaves a Function's calls as they are."""
     caller = _calling_module_frame(skip)
     if caller.checkpointed:
         return "inside torch.utils.checkpoint, recomputed outside its module's forward"
-    return IN_FUNCTION if caller.in_function else ""
+    if caller.in_function:
+        return IN_RERUN_FUNCTION if caller.reruns() else IN_FUNCTION
+    return ""
 
 
 IN_FUNCTION = "inside a custom autograd.Function's forward, whose backward is its own"  # see unreachable_call
+IN_RERUN_FUNCTION = ("inside a custom autograd.Function's forward, whose backward runs autograd itself "
+                     "(a reentrant checkpoint recomputing it)")  # see unreachable_call
 
 
 def caller_scope(what: Callable[[], str], skip: int = 0) -> Scope | None:

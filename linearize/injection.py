@@ -852,9 +852,9 @@ def plan_conversion(
             report.unreachable[name] = (f"called {len(calls)} times per forward of its owner, one call {why}; "
                                         "fix: give that call its own activation module")
             continue
-        if why == IN_FUNCTION:  # its unit would never train: the Function's backward ignores it
-            report.unreachable[name] = (f"called {why}; fix: call the activation outside the Function, where "
-                                        "autograd differentiates it")
+        if why == IN_FUNCTION:  # its unit would never train: the Function's backward runs no autograd through it
+            report.unreachable[name] = (f"called {why}, which runs no autograd through it; fix: call the "
+                                        "activation outside the Function, where autograd differentiates it")
             continue
         for k, call in enumerate(calls):
             unit_name = name if len(calls) == 1 else f"{name}.calls.{k}"

@@ -990,3 +990,63 @@ def test_an_activation_module_called_once_inside_a_custom_function_is_left_as_it
     net(xs[0]).sum().backward()
     model(xs[1]).sum().backward()
     torch.testing.assert_close(xs[1].grad, xs[0].grad, rtol=0, atol=0)
+
+
+class _ReentrantCheckpoint(torch.autograd.Function):
+    """Reentrant activation checkpointing as fairscale / DeepSpeed write it: the forward under no_grad, and the
+    backward runs it again under enable_grad and back-propagates through it with torch.autograd.backward."""
+
+    @staticmethod
+    def forward(ctx, run, x):
+        ctx.run = run
+        ctx.save_for_backward(x)
+        with torch.no_grad():
+            return run(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        x = x.detach().requires_grad_(True)
+        with torch.enable_grad():
+            out = ctx.run(x)
+        torch.autograd.backward(out, g)
+        return None, x.grad
+
+
+class _Block(nn.Module):
+    def __init__(self, checkpointed: bool) -> None:
+        super().__init__()
+        self.lin, self.act, self.checkpointed = nn.Linear(8, 8), nn.GELU(), checkpointed
+
+    def _run(self, x: torch.Tensor) -> torch.Tensor:
+        return self.act(self.lin(x))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _ReentrantCheckpoint.apply(self._run, x) if self.checkpointed else self._run(x)
+
+
+def test_an_activation_module_inside_a_reentrant_checkpoint_function_is_converted_and_trains():
+    """A Function whose backward runs the forward again through autograd gives the module's unit its gradient:
+    the unit is made, at slope 0 the gradients are the unconverted model's, and at another slope the slope's
+    gradient is that of the same block run without the checkpoint."""
+    torch.manual_seed(0)
+    nets = [nn.Sequential(nn.Linear(4, 8), _Block(checkpointed), nn.Linear(8, 2)) for checkpointed in (True, False)]
+    nets[1].load_state_dict(nets[0].state_dict())
+    x = torch.randn(16, 4)
+    original = copy.deepcopy(nets[0])
+    original(x).pow(2).sum().backward()
+    models = [linearize.convert(copy.deepcopy(net), example_inputs=x) for net in nets]
+    assert [n for n, _ in linearize.units(models[0])] == ["1.act"] and not models[0].linearize_report.unreachable
+    models[0](x).pow(2).sum().backward()
+    converted = dict(models[0].named_parameters())
+    for n, p in original.named_parameters():
+        torch.testing.assert_close(converted[n].grad, p.grad, msg=n)
+    grads = []
+    for model in models:
+        model.zero_grad()
+        with torch.no_grad():
+            model[1].act.slope.fill_(0.3)
+        model(x).pow(2).sum().backward()
+        grads.append(model[1].act.slope.grad)
+    assert grads[1].abs().sum() > 0
+    torch.testing.assert_close(grads[0], grads[1])
