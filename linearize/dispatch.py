@@ -32,6 +32,8 @@ import functools
 import inspect
 import sys
 import threading
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from types import CodeType, FrameType
 from typing import Any, Callable
@@ -42,6 +44,7 @@ from torch.overrides import has_torch_function_variadic
 from torch.utils._device import DeviceContext
 
 __all__ = ["Scope", "attach_owner", "detach_owner", "caller_scope", "hooked_module", "IN_FUNCTION", "user_hooks",
+           "user_hooks_removed",
            "compiled_submodules", "refuse_scripting", "unreachable_call", "checkpoint_error", "foreign_torch_function",
            "SITE_MODE", "FunctionalSiteError", "COMPILE_REASON", "fx_leaf_call", "fx_tracer", "refuse_fx_root",
            "ThreadWatch", "THREAD_CALL", "eager", "prime_eager"]
@@ -445,6 +448,23 @@ def user_hooks(module: nn.Module) -> bool:
     """Whether ``module`` has forward or forward pre-hooks other than those of :func:`attach_owner`."""
     return any(h is not _open and h is not _shut for h in (*module._forward_pre_hooks.values(),
                                                              *module._forward_hooks.values()))
+
+
+@contextmanager
+def user_hooks_removed(modules: Iterable[nn.Module]) -> Iterator[None]:
+    """For the body, ``modules`` run without their forward and forward pre-hooks other than those of
+    :func:`attach_owner` (see :func:`user_hooks`); they are put back after, in their order."""
+    saved = [(r, dict(r)) for m in modules for r in (m._forward_pre_hooks, m._forward_hooks)]
+    try:
+        for registry, hooks in saved:
+            for k, h in hooks.items():
+                if h is not _open and h is not _shut:
+                    del registry[k]
+        yield
+    finally:
+        for registry, hooks in saved:
+            registry.clear()
+            registry.update(hooks)
 
 
 def detach_owner(owner: nn.Module) -> None:

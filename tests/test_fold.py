@@ -680,3 +680,26 @@ def test_fold_names_a_merged_module_whose_hook_changes_its_output_and_gives_no_t
     with pytest.raises(FoldVerificationError, match="fold merged away 'a', which had forward hooks") as err:
         linearize.fold(model.eval(), x)
     assert "rtol/atol" not in str(err.value)
+
+
+def test_a_bfloat16_fold_failing_from_rounding_gets_the_rounding_diagnosis_despite_a_monitoring_hook():
+    """A hook that returns None changes nothing: a bfloat16 model that fails the default rtol from rounding alone
+    gets the same refusal with such a hook on a merged layer as without it (the truth), not the hook message."""
+    messages = []
+    for hooked in (False, True):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 64))
+        model = model.to(torch.bfloat16)
+        seen = []
+        if hooked:
+            model[0].register_forward_hook(lambda m, args, out: seen.append(out.float().mean()))
+        x = torch.randn(32, 64, dtype=torch.bfloat16)
+        linearize.convert(model, example_inputs=x)
+        with torch.no_grad():
+            for _, unit in linearize.units(model):
+                unit.slope.fill_(1.0)
+        with pytest.raises(FoldVerificationError, match="rounding alone can fail this tolerance") as err:
+            linearize.fold(model.eval(), x)
+        messages.append(str(err.value))
+        assert bool(seen) == hooked
+    assert messages[1] == messages[0] and "forward hooks" not in messages[1]

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from ..checks import FoldVerificationError
-from ..dispatch import user_hooks
+from ..dispatch import user_hooks, user_hooks_removed
 from ..inputs import call_model, describe_inputs, eval_mode, float_outputs, map_tensors, max_difference, output_tensors
 from .probe import Probe
 from .summary import FoldSummary
@@ -56,7 +56,8 @@ def verify_fold(
     """Compare the outputs (raise :class:`FoldVerificationError` beyond the tolerance); when they
     cannot tell a wrong fold from a right one, compare an inner signal too (:func:`_verify_signal`).
     ``hooked()`` names the modules with user forward hooks that the fold merged away (:func:`merged_hooks`):
-    a difference is then put down to their hooks, not to rounding."""
+    a difference is put down to their hooks when the model run without them differs beyond the tolerance
+    (:func:`_hook_effects`), else to rounding."""
     model_v, folded_v = model, folded
     if dtype is not None:
         model_v, folded_v = copy.deepcopy(model).to(dtype).eval(), copy.deepcopy(folded).to(dtype).eval()
@@ -80,13 +81,16 @@ def verify_fold(
     err, scale = max_difference(ref_out, new_out)
     summary.max_abs_error, summary.output_scale = err, scale
     summary.tolerance = atol if atol is not None else rtol * max(scale, _ZERO)
-    if not err <= summary.tolerance and (dropped := hooked()):
+    changing, hooks_off = _hook_effects(model_v, inputs, ref_out, hooked(), summary.tolerance) \
+        if not err <= summary.tolerance else ([], 0.0)
+    if changing:
         raise FoldVerificationError(
             f"folded model differs by {err:.3g} (output scale {scale:.3g}, tolerance {summary.tolerance:.3g}), "
-            f"and fold merged away {', '.join(map(repr, dropped))}, which had forward hooks: a hook that changes its "
-            "module's result is part of the model's function, and the folded model no longer runs it, so no "
-            "tolerance makes this fold right. Fix: move what those hooks compute into forward code, or remove "
-            "them before folding. Decisions:\n" + "\n".join(summary.merged)
+            f"and fold merged away {', '.join(map(repr, changing))}, which had forward hooks that change the "
+            f"model's output (by {hooks_off:.3g} when they do not run): a hook that changes its module's result "
+            "is part of the model's function, and the folded model no longer runs it, so no tolerance makes this "
+            "fold right. Fix: move what those hooks compute into forward code, or remove them before folding. "
+            "Decisions:\n" + "\n".join(summary.merged)
         )
     if not err <= summary.tolerance:
         raise FoldVerificationError(
@@ -166,6 +170,25 @@ def _vacuous(signal: list[torch.Tensor], rtol: float, inputs: Any) -> str:
     if _samples_differ(inputs) and max(_row_spread(t) for t in signal) <= rtol * scale:
         return "the same for every sample of example_inputs"
     return ""
+
+
+def _hook_effects(model: nn.Module, inputs: Any, ref: list[torch.Tensor], paths: list[str],
+                  tolerance: float) -> tuple[list[str], float]:
+    """How far the ``model`` run (in eval mode) on ``inputs`` without the user forward hooks of the modules at
+    ``paths`` (merged away by fold) is from its outputs ``ref``, and, when that is beyond the ``tolerance``,
+    those of the modules whose hooks alone change it (all of them when none does alone); else no module (the
+    hooks do not explain the difference). One forward, and one per path after."""
+    modules = dict(model.named_modules())
+    hooked = {p: modules[p if p != "<root>" else ""] for p in paths}
+
+    def without(names: list[str]) -> float:
+        with user_hooks_removed(hooked[n] for n in names), eval_mode(model):
+            return max_difference(ref, _outputs(model, inputs))[0]
+
+    off = without(paths) if paths else 0.0
+    if not off > tolerance:
+        return [], off
+    return [p for p in paths if without([p]) != 0.0] or paths, off
 
 
 def merged_hooks(before: dict[str, nn.Module], folded: nn.Module) -> list[str]:
