@@ -17,7 +17,7 @@ import re
 import secrets
 import stat
 import threading
-from collections.abc import Callable, Collection, Iterator
+from collections.abc import Callable, Collection, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -209,6 +209,40 @@ def atomic_write(path: str | os.PathLike, data: bytes | str) -> Path:
     ``IsADirectoryError`` naming ``path``, before writing, when it is a folder.
     """
     path = Path(path)
+    tmp = _write_temp(path, data)
+    try:
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fsync_path(path.parent)
+    return path
+
+
+def atomic_write_all(directory: Path, files: Mapping[str, bytes | str]) -> dict[str, Path]:
+    """Write the files ``{name: data}`` into the existing folder ``directory`` as one save: every file is first
+    written to a hidden temporary sibling and flushed to disk (as by :func:`atomic_write`), and only once all are
+    written are they renamed over their names, in order. A failure while writing (disk full, interrupt) removes
+    the temporary files and leaves every file of ``directory`` as it was, so it never holds some new files beside
+    old ones. Returns ``{name: path}``; ``IsADirectoryError`` naming the path, before writing, where one is a folder.
+    """
+    temps: dict[Path, Path] = {}
+    try:
+        for name, data in files.items():
+            temps[directory / name] = _write_temp(directory / name, data)
+        for path, tmp in list(temps.items()):
+            os.replace(tmp, path)
+            del temps[path]
+    except BaseException:
+        for tmp in temps.values():
+            tmp.unlink(missing_ok=True)
+        raise
+    fsync_path(directory)
+    return {name: directory / name for name in files}
+
+
+def _write_temp(path: Path, data: bytes | str) -> Path:
+    """Write ``data`` (``str``: as UTF-8) to a fresh :func:`temp_name` of ``path``, flushed to disk; return it."""
     if path.is_dir() and not path.is_symlink():  # the rename would fail on it, after the writing
         raise IsADirectoryError(f"{path} is a folder, where a save writes a file: move or remove that folder, "
                                 "or save elsewhere")
@@ -220,12 +254,10 @@ def atomic_write(path: str | os.PathLike, data: bytes | str) -> Path:
             f.write(raw)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    fsync_path(path.parent)
-    return path
+    return tmp
 
 
 @contextmanager

@@ -110,16 +110,28 @@ class Report:
 
     def plots(self) -> dict[str, bytes]:
         """PNG images ``{file name: bytes}`` of the measures that ran (and have a plot)."""
-        out = {}
+        return self._draw(stop=True)[0]
+
+    def _draw(self, stop: bool) -> tuple[dict[str, bytes], dict[str, Exception]]:
+        """The plots that drew, and ``{file name: error}`` of those whose ``plot`` raised (``stop``: raise it)."""
+        images, failed = {}, {}
         for name, measure in MEASURES.items():
             value = self[name]
             if measure.plot is not None and value is not None and not _empty(value):
-                out[measure.plot_file] = measure.plot(value)
-        return out
+                try:
+                    images[measure.plot_file] = measure.plot(value)
+                except Exception as err:
+                    if stop:
+                        raise
+                    failed[measure.plot_file] = err
+        return images, failed
 
-    def to_html(self, images: Mapping[str, bytes] | None = None) -> str:
-        """A self-contained HTML page: summary tables and the plots as base64 data URIs."""
+    def to_html(self, images: Mapping[str, bytes] | None = None,
+                failed: Mapping[str, Exception] | None = None) -> str:
+        """A self-contained HTML page: summary tables and the plots as base64 data URIs; a plot in ``failed``
+        (``{file name: error}``) is replaced by a line giving its error."""
         images = self.plots() if images is None else images
+        failed = {} if failed is None else failed
         parts = [f"<h1>linearize report: {html.escape(self.model)}</h1>",
                  f"<p>{self.num_samples} samples; a channel is linear when its slope a &ge; 1 &minus; {self.tol:g}.</p>"]
         for name in [*MEASURES, *(n for n in self.custom if n not in MEASURES)]:
@@ -133,6 +145,9 @@ class Report:
             else:
                 file = measure.plot_file
                 image = img(images[file], measure.alt or measure.title or name, file) if file in images else ""
+                if file in failed:
+                    error = f"{type(failed[file]).__name__}: {failed[file]}"
+                    image = f'<p class="skip">Plot {html.escape(file)} failed: {html.escape(error)}</p>'
                 body = measure.body(self[name], image, self)
             parts.append(f"<h2>{html.escape(measure.title or name)}</h2>\n{body}")
         return page(f"linearize report: {self.model}", parts)
@@ -140,27 +155,32 @@ class Report:
     def save(self, out_dir: str | Path) -> dict[str, Path]:
         """Write ``report.json``, the PNG plots and ``report.html`` into ``out_dir`` (created).
 
-        Returns ``{file name: path}`` of everything written. Each file is written atomically; then the files an
-        earlier report wrote there that this one does not (the plots of measures that did not run this time) are
-        removed, so the folder holds this report only. Other files in it are left alone; saves into one folder
-        take turns on its save lock (``.linearize.lock``, left there). ``report.json`` is written first: when a
-        plot fails (a registered measure's ``plot``), the error propagates with every measure already on disk.
-        ``NotADirectoryError`` naming ``out_dir`` when it (or a parent) is a file.
+        Returns ``{file name: path}`` of everything written. The plots are drawn first; then every file is
+        written to a temporary name and, once all are written, renamed over the old one, and the files an earlier
+        report wrote there that this one does not (the plots of measures that did not run this time) are removed,
+        so the folder holds this report only, never files of two reports (a failed write leaves the earlier
+        report as it was). Other files in it are left alone; saves into one folder take turns on its save lock
+        (``.linearize.lock``, left there). A plot that fails (a registered measure's ``plot``) loses no measure:
+        the report is saved without that plot (its old PNG removed, its error shown in ``report.html``), then its
+        error is raised. ``NotADirectoryError`` naming ``out_dir`` when it (or a parent) is a file.
         """
-        from ._files import atomic_write, check_folder, remove_stale, save_lock
+        from ._files import atomic_write_all, check_folder, remove_stale, save_lock
 
         out = Path(out_dir)
         check_folder(out, "report folder")
+        images, failed = self._draw(stop=False)  # before anything is written
+        files = {"report.json": self.to_json(), **images, "report.html": self.to_html(images, failed)}
         out.mkdir(parents=True, exist_ok=True)
         ours = {"report.json", "report.html", *(m.plot_file for m in MEASURES.values() if m.plot_file)}
         with save_lock(out) as outermost:
-            written = {"report.json": atomic_write(out / "report.json", self.to_json())}
-            images = self.plots()  # after report.json: a plot that fails loses no measure
-            for name, png in images.items():
-                written[name] = atomic_write(out / name, png)
-            written["report.html"] = atomic_write(out / "report.html", self.to_html(images))
+            written = atomic_write_all(out, files)
             if outermost:
                 remove_stale(out, set(written), ours.__contains__)
+        if failed:
+            file, err = next(iter(failed.items()))
+            err.add_note(f"Report.save: {out} holds this report without the plot {file} (its error is shown in "
+                         "report.html); fix that measure's plot and save again to draw it")
+            raise err
         return written
 
 

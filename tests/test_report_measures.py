@@ -89,6 +89,56 @@ def test_a_plot_that_fails_loses_no_measure(registry, tmp_path):
     assert saved["answer"] == 42 and (saved["units"]["total"], saved["units"]["linear"]) == (6, 2)
 
 
+def _files(folder) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in folder.iterdir() if p.is_file() and p.name != ".linearize.lock"}
+
+
+def test_a_plot_that_fails_over_an_earlier_report_saves_the_new_one_whole(registry, tmp_path):
+    """Saved over an earlier report, a report whose registered plot fails used to replace report.json only,
+    beside the earlier report.html and PNGs (two reports in one folder). Now the folder holds the new report:
+    its JSON and page show the new model's counts (truth: its slopes, 4 of 6 channels linear, against 2), its
+    working plot is redrawn, the failing plot's old PNG is gone, and the page names the failure."""
+    linearize.register_measure("answer", lambda ctx: 41, plot=lambda value: PNG)
+    first = linearize.report(_model(), torch.randn(16, 8), skip=FAST, progress=False)
+    first.save(tmp_path)
+    before = _files(tmp_path)
+    assert set(before) == {"report.json", "report.html", "answer.png", reporting.PLOTS["fraction"]}
+
+    def broken(value):
+        raise RuntimeError("plot broke")
+
+    linearize.register_measure("answer", lambda ctx: 42, plot=broken, overwrite=True)
+    model = _model()
+    with torch.no_grad():
+        linearize.units(model)[0][1].slope[:4] = 1.0
+    second = linearize.report(model, torch.randn(16, 8), skip=FAST, progress=False)
+    with pytest.raises(RuntimeError, match="plot broke"):
+        second.save(tmp_path)
+    after = _files(tmp_path)
+    assert set(after) == {"report.json", "report.html", reporting.PLOTS["fraction"]}
+    saved = json.loads(after["report.json"])
+    assert saved["answer"] == 42 and (saved["units"]["total"], saved["units"]["linear"]) == (6, 4)
+    page = after["report.html"].decode()
+    assert "<td>6</td><td>4</td><td>2</td>" in before["report.html"].decode()  # channels, nonlinear, linear
+    assert "<td>6</td><td>2</td><td>4</td>" in page and "<td>6</td><td>4</td><td>2</td>" not in page
+    assert "answer.png failed: RuntimeError: plot broke" in page
+    assert after[reporting.PLOTS["fraction"]] != before[reporting.PLOTS["fraction"]]
+
+
+def test_a_save_that_fails_to_write_leaves_the_earlier_report_as_it_was(registry, tmp_path):
+    """A file of the new report cannot be written (a folder holds its name): the save raises before it has
+    replaced any file, so the folder holds the earlier report byte for byte, and no temporary file."""
+    linearize.report(_model(), torch.randn(16, 8), skip=FAST, progress=False).save(tmp_path)
+    before = _files(tmp_path)
+    (tmp_path / "answer.png").mkdir()
+    linearize.register_measure("answer", lambda ctx: 42, plot=lambda value: PNG)
+    second = linearize.report(_model(), torch.randn(16, 8), skip=FAST, progress=False)
+    with pytest.raises(IsADirectoryError, match="answer.png"):
+        second.save(tmp_path)
+    assert _files(tmp_path) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([*before, ".linearize.lock", "answer.png"])
+
+
 def test_skip_reasons_of_a_measure(registry):
     def needs_wide(ctx):
         widths = [u.num_channels for _, u in linearize.units(ctx.model)]
