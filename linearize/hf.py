@@ -40,8 +40,9 @@ from torch import nn
 
 from ._files import LoadError, check_regular, read_json, safe_torch_load
 
-__all__ = ["CONFIG_KEY", "GUARD_KEY", "is_guard", "lift_guard", "is_hf_model", "mark", "unmark", "refuse_stripped", "has_manifest",
-           "has_weights", "weights_file", "read_unit_tensors", "load_plain", "load_weights"]
+__all__ = ["CONFIG_KEY", "GUARD_KEY", "is_guard", "lift_guard", "is_hf_model", "mark", "unmark", "refuse_stripped",
+           "has_manifest", "has_weights", "weights_file", "unreadable_weights_file", "read_unit_tensors", "load_plain",
+           "load_weights"]
 
 CONFIG_KEY = "linearize"
 GUARD_KEY = "quantization_config"  # transformers refuses to load a config whose entry has no quant_method
@@ -202,6 +203,33 @@ def weights_file(directory: str | os.PathLike) -> Path | None:
     when there is none."""
     directory = Path(directory)
     return next((directory / n for n in (_SAFE, _SAFE_INDEX, _BIN, _BIN_INDEX) if (directory / n).is_file()), None)
+
+
+def unreadable_weights_file(directory: str | os.PathLike) -> Path | None:
+    """The weights file of ``directory`` to name when reading its weights failed: for a sharded save, the first
+    shard named by its index that is missing or does not decode (a ``.safetensors`` shard: its header and
+    length, a ``.bin`` one: ``torch.load(weights_only=True)``); else :func:`weights_file` (the single file, or
+    the index when every shard decodes). Only on that failure: a ``.bin`` shard is read whole."""
+    import safetensors
+
+    found = weights_file(directory)
+    if found is None or found.name not in (_SAFE_INDEX, _BIN_INDEX):
+        return found
+    try:
+        shards = dict.fromkeys(_weight_files(Path(directory)).values())
+    except LoadError:
+        return found  # the index itself is damaged
+    for shard in shards:
+        try:
+            check_regular(shard, "weights file")  # safe_open and torch.load open it by name: a FIFO would block
+            if shard.suffix == ".safetensors":
+                with safetensors.safe_open(str(shard), framework="pt"):
+                    pass
+            else:
+                safe_torch_load(shard)
+        except Exception:  # a decoder of arbitrary bytes, a missing file
+            return shard
+    return found
 
 
 def _weight_files(directory: Path) -> dict[str, Path]:

@@ -11,7 +11,7 @@ from typing import Callable
 from torch import nn
 
 from ._files import LoadError, safe_torch_load
-from .hf import has_manifest, weights_file
+from .hf import has_manifest, unreadable_weights_file
 from ._optional import require
 
 
@@ -67,7 +67,7 @@ def load_model(spec: str | Path, num_classes: int | None = None, *, trust_pickle
 def _weights_read(load: Callable[[], nn.Module], directory: Path) -> nn.Module:
     """``load()``, a ``from_pretrained`` of the Hugging Face ``directory``; a weights file its decoders refuse
     (cut short, damaged, or a ``.bin`` holding more than tensors: safetensors' and the unpickler's errors, torch's
-    ``OSError`` that names no file) as a :class:`LoadError` naming the file."""
+    ``OSError`` that names no file) as a :class:`LoadError` naming the file (of a sharded save, the shard)."""
     from safetensors import SafetensorError
 
     try:
@@ -77,9 +77,10 @@ def _weights_read(load: Callable[[], nn.Module], directory: Path) -> nn.Module:
             raise  # transformers' own (no errno: a file it did not find) or one naming its file: they say it
         detail = "torch.load(weights_only=True) refuses it" \
             if isinstance(err, pickle.UnpicklingError) else (str(err).splitlines() or ["it ends too early"])[0]
-        raise LoadError(f"{weights_file(directory) or directory}: not a readable weights file ({type(err).__name__}: "
-                        f"{detail}); it is truncated (an interrupted download or copy), damaged or crafted. Download "
-                        "it again, or save the model again with model.save_pretrained(dir).") from err
+        file = unreadable_weights_file(directory) or directory
+        raise LoadError(f"{file}: not a readable weights file ({type(err).__name__}: {detail}); it is truncated (an "
+                        "interrupted download or copy), damaged or crafted. Download it again, or save the model "
+                        "again with model.save_pretrained(dir).") from err
 
 
 def add_trust_pickle(parser: argparse.ArgumentParser) -> None:

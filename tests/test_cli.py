@@ -1,6 +1,7 @@
 """The console script: --help lists the subcommands, inspect prints the conversion plan, and no file a
 user passes runs code unless --trust-pickle says so."""
 
+import json
 import os
 import pickle
 import re
@@ -96,6 +97,33 @@ def test_a_damaged_hugging_face_weights_file_is_a_one_line_error_naming_it(tmp_p
     line = cli_refusal(argv)
     assert f"error: {weights}: not a readable weights file (" in line and "save the model again" in line, line
     assert not (tmp_path / "marker").exists()
+
+
+@pytest.mark.parametrize("safe", [True, False], ids=["safetensors", "bin"])
+def test_a_damaged_shard_of_a_sharded_hugging_face_save_is_named(tmp_path, cli_refusal, safe):
+    """A sharded save with one shard cut short (an interrupted download): the error used to name the intact
+    index (model.safetensors.index.json), so the user downloaded the wrong file again. Truth: the shard cut here."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.BertConfig(vocab_size=100, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+                                  intermediate_size=32)
+    folder = tmp_path / "model"
+    transformers.BertModel(cfg).save_pretrained(folder, max_shard_size="20KB")
+    if not safe:  # transformers 5 writes safetensors only: the same shards torch.save'd, and their index
+        from safetensors.torch import load_file
+
+        index = json.loads((folder / "model.safetensors.index.json").read_text())
+        for shard in sorted(folder.glob("model-*.safetensors")):
+            torch.save(load_file(shard), folder / f"pytorch_{shard.stem}.bin")
+            shard.unlink()
+        index["weight_map"] = {k: "pytorch_" + v.replace("safetensors", "bin") for k, v in index["weight_map"].items()}
+        (folder / "pytorch_model.bin.index.json").write_text(json.dumps(index))
+        (folder / "model.safetensors.index.json").unlink()
+    shards = sorted(folder.glob("model-*.safetensors" if safe else "pytorch_model-*.bin"))
+    assert len(shards) == 3 and main(["inspect", str(folder)]) == 0  # the intact folder
+    _cut_in_half(shards[1])
+    line = cli_refusal(["inspect", str(folder)])
+    assert f"error: {shards[1]}: not a readable weights file (" in line, line
 
 
 # ----------------------------------------------------------------------------- no code runs from user files
