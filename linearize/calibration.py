@@ -70,17 +70,25 @@ class LinearEndFit:
 class _Stats:
     """Sums of ``x, x^2, y, x * y, y^2`` per channel in float64 (``y = act(x)``) and their count (a float: a
     :class:`RunningFit` decays both); ``nonfinite_batch``: the first batch whose sums were not finite (where
-    :meth:`add` is told the batch)."""
+    :meth:`add` is told the batch); ``dropped``: the rows left out as non-finite (a device tensor, counted in
+    ``count``: the reader subtracts it), ``None`` before any."""
 
     def __init__(self) -> None:
         self.sums: torch.Tensor | None = None  # [5, C]
         self.count = 0.0
         self.nonfinite_batch: int | None = None
+        self.dropped: torch.Tensor | None = None
 
-    def add(self, x: torch.Tensor, y: torch.Tensor, batch: int | None = None) -> None:
+    def add(self, x: torch.Tensor, y: torch.Tensor, batch: int | None = None, drop_nonfinite: bool = False) -> None:
         """Add rows ``x`` ``[P, C]`` and their activations ``y``; with ``batch`` (its index in the calibration
-        data), remember it when its sums are not finite (one device sync)."""
+        data), remember it when its sums are not finite (one device sync). ``drop_nonfinite``: a row holding
+        NaN/inf in ``x`` or ``y`` adds zeros, and is counted in ``dropped`` (no device sync)."""
         x, y = x.double(), y.double()
+        if drop_nonfinite:
+            bad = ~(torch.isfinite(x).all(1) & torch.isfinite(y).all(1))
+            x, y = x.masked_fill(bad[:, None], 0.0), y.masked_fill(bad[:, None], 0.0)
+            dropped = bad.sum()
+            self.dropped = dropped if self.dropped is None else self.dropped + dropped.to(self.dropped.device)
         s = torch.stack([x.sum(0), (x * x).sum(0), y.sum(0), (x * y).sum(0), (y * y).sum(0)])
         if batch is not None and self.nonfinite_batch is None and not bool(torch.isfinite(s).all()):
             self.nonfinite_batch = batch
@@ -162,7 +170,8 @@ class _Recorder:
     record which layers (Linear, HF Conv1D, conv) take the unit's output as their input (``fed``) and, with
     ``producers``, which layers' output is the unit's input (``fed_by``).
     ``mask``: the padding mask of the batch being run; ``outputs``: unit and layer outputs of the batch,
-    cleared per batch (:meth:`clear`). ``training_only``: record only calls made in training mode. ``batch``: the
+    cleared per batch (:meth:`clear`). ``training_only``: record only calls made in training mode, leaving out
+    the rows (positions) whose input or activation holds NaN/inf (:class:`RunningFit`). ``batch``: the
     index of the batch being run (set by :func:`_run`; ``None`` for training batches), named by a non-finite fit."""
 
     def __init__(self, model: nn.Module, named: list[tuple[str, LinearizableActivation]], consumers: set[str],
@@ -194,7 +203,7 @@ class _Recorder:
             rows = _unit_rows(unit, args[0].detach(), self.mask)
             if rows is not None:
                 with torch.no_grad():
-                    self.stats[name].add(rows, unit.activation(rows), self.batch)
+                    self.stats[name].add(rows, unit.activation(rows), self.batch, drop_nonfinite=self.training_only)
         return hook
 
     def _layer_output_hook(self, layer: nn.Module):
@@ -354,8 +363,11 @@ class RunningFit:
     running sums that decay by ``decay`` per step, a moving window of about ``1 / (1 - decay)`` steps (as
     BatchNorm's running statistics), summed over all processes first when ``torch.distributed`` is
     initialized (every process then holds the same fits). Every position counts (padding too: the hooks do
-    not see the batch's mask). A step whose sums for a unit hold NaN/inf (a batch that overflowed, e.g. one
-    a loss scaler then skipped) is left out of that unit's running sums, so one bad batch does not end the fit. The first training forward also finds the layer each unit's output feeds, for
+    not see the batch's mask), but a position whose input or activation holds NaN/inf in any channel (NaN
+    padding, a batch that overflowed, e.g. one a loss scaler then skipped) is left out of the unit's sums,
+    so such positions do not end the fit; ``left_out`` counts them per unit (and the positions of a step
+    whose float64 sums still overflowed: that step is dropped). The first training forward also finds the
+    layer each unit's output feeds, for
     the outgoing weight norms of :meth:`fits` (``outgoing`` stays ``None`` for a unit that feeds no single
     Linear / Conv1D / conv layer). Eval-mode calls are not recorded. The :class:`~linearize.Sparsifier` uses
     one for ``select="fit"`` and ``linear_end="affine"``.
@@ -381,10 +393,12 @@ class RunningFit:
         self._running: dict[str, _Stats] = {name: _Stats() for name, _ in self._named}
         self._outgoing: dict[str, torch.Tensor | None] | None = None  # found at the first step with data
         self.steps = 0
+        self.left_out: dict[str, float] = {name: 0.0 for name, _ in self._named}  # NaN/inf positions, this run
 
     def step(self) -> None:
-        """Fold this step's statistics into the running sums (all processes' summed under ``torch.distributed``);
-        a unit's step whose sums are not finite is dropped (the running sums stay finite)."""
+        """Fold this step's statistics into the running sums (all processes' summed under ``torch.distributed``),
+        without the positions that held NaN/inf; a unit's step whose sums are still not finite is dropped (the
+        running sums stay finite). Both are counted in ``left_out``."""
         pending = self._recorder.stats
         if self._outgoing is None and any(s.count for s in pending.values()):
             self._outgoing = {n: (_outgoing(u, self._recorder.fed[n]) if self._recorder.fed[n] else None)
@@ -398,11 +412,14 @@ class RunningFit:
             new, run = pending[name], self._running[name]
             sums = new.sums if new.sums is not None else torch.zeros(5, unit.num_channels, dtype=torch.float64,
                                                                       device=unit.slope.device)
-            count = torch.tensor([new.count], dtype=torch.float64, device=sums.device)
+            dropped = 0.0 if new.dropped is None else float(new.dropped)
+            self.left_out[name] += dropped
+            count = torch.tensor([new.count - dropped], dtype=torch.float64, device=sums.device)
             if distributed:
                 torch.distributed.all_reduce(sums)
                 torch.distributed.all_reduce(count)
             if not bool(torch.isfinite(sums).all()):  # after the reduction: every process drops it alike
+                self.left_out[name] += new.count - dropped
                 sums, count = torch.zeros_like(sums), torch.zeros_like(count)
             run.count = run.count * self.decay + float(count)
             sums = sums.cpu()

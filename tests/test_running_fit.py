@@ -86,21 +86,27 @@ def test_two_forwards_in_one_step_count_alike_and_eval_and_copies_are_not_record
     assert not any(len(m._forward_pre_hooks) or len(m._forward_hooks) for m in net.modules())
 
 
-def test_a_step_with_a_non_finite_batch_is_left_out_of_the_fit():
+def test_positions_holding_nan_or_inf_are_left_out_of_the_fit():
+    """A position whose input holds NaN/inf (an overflow, NaN padding) used to drop its whole step (every step,
+    with NaN padding in every batch: no fit at all); now only that position is left out. Truth: numpy's
+    weighted least squares over the finite positions."""
     net = _net()
     tracker = linearize.RunningFit(net, decay=0.5)
     a, bad, c = torch.randn(40, 4), torch.randn(40, 4), torch.randn(40, 4) * 2 + 1
     bad[3, 0] = float("inf")  # e.g. an fp16 overflow: a step a loss scaler skips
     for x in (a, bad, c):
+        x[-2:] = float("nan")  # padded positions, in every batch
         net(x)
         tracker.step()
     fit = tracker.fits()["1"]
-    h = np.concatenate([_pre_activations(net, a), _pre_activations(net, c)])
+    finite = [a[:-2], torch.cat([bad[:3], bad[4:-2]]), c[:-2]]
+    h = np.concatenate([_pre_activations(net, x) for x in finite])
     y = torch.nn.functional.gelu(torch.from_numpy(h).float()).double().numpy()
-    alpha, beta, _ = _weighted_lstsq(h, y, np.concatenate([np.full(40, 0.25), np.ones(40)]))  # its step still decays
+    w = np.concatenate([np.full(len(x), 0.5 ** (2 - k)) for k, x in enumerate(finite)])
+    alpha, beta, _ = _weighted_lstsq(h, y, w)
     np.testing.assert_allclose(fit.alpha.numpy(), alpha, rtol=1e-9, atol=1e-12)
     np.testing.assert_allclose(fit.beta.numpy(), beta, rtol=1e-9, atol=1e-12)
-    assert fit.count == pytest.approx(40 * 1.25)
+    assert fit.count == pytest.approx(38 * 0.25 + 37 * 0.5 + 38) and tracker.left_out == {"1": 7}
     tracker.close()
 
 

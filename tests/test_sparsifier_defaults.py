@@ -7,6 +7,7 @@ ends are checked against numpy's least squares on the data, resume against an un
 from __future__ import annotations
 
 import copy
+import warnings
 
 import numpy as np
 import pytest
@@ -195,6 +196,50 @@ def test_one_skipped_non_finite_batch_leaves_the_ends_and_the_target_intact():
     assert bool(torch.isfinite(alpha).all() and torch.isfinite(beta).all())
     assert linearize.nonlinear_fraction(student) == 0.25
     assert _error(student, teacher) < 0.5  # the teacher's output, not NaN
+
+
+def test_nan_at_padded_positions_of_every_batch_leaves_the_ends_the_fit_of_the_other_positions():
+    """Every batch holds NaN at positions the loss masks (padding): every step used to be dropped from the
+    running fit, so the linear channels kept the identity end, with a warning to call model.train(). Truth:
+    numpy's least-squares fit of each linear channel (``_check_fitted_ends``)."""
+    teacher = _teacher()
+    torch.manual_seed(1)
+    student = linearize.convert(copy.deepcopy(teacher), example_inputs=torch.randn(2, 8)).train()
+    opt = torch.optim.AdamW(student.parameters(), lr=1e-4)
+    sp = linearize.Sparsifier(student, linearize.schedules.target(0.25), total_steps=STEPS).attach(opt)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no warning at all
+        for _ in range(STEPS):
+            x = torch.randn(68, 8)
+            x[-4:] = float("nan")  # 4 padded positions
+            with torch.no_grad():
+                want = teacher(x[:-4])
+            loss = nn.functional.mse_loss(student(x)[:-4], want)
+            opt.zero_grad()
+            loss.backward()
+            for p in student.parameters():  # the padded rows' 0 * NaN in the weight gradients
+                if p.grad is not None:
+                    p.grad.nan_to_num_(0.0)
+            opt.step()
+    assert sp.step_count == STEPS and linearize.nonlinear_fraction(student) == 0.25
+    _check_fitted_ends(student.eval())
+
+
+def test_a_fit_that_saw_only_nan_positions_warns_of_them_not_of_eval_mode():
+    """Training forwards whose every position is NaN leave no fit: the warning names the NaN/inf positions
+    and the fix, not model.train() (the model trains)."""
+    torch.manual_seed(1)
+    student = linearize.convert(_teacher(), example_inputs=torch.randn(2, 8)).train()
+    opt = torch.optim.AdamW(student.parameters(), lr=1e-4)
+    linearize.Sparsifier(student, linearize.schedules.target(0.25), total_steps=10).attach(opt)
+    student(torch.full((16, 8), float("nan")))
+    sum(unit.slope.sum() for _, unit in linearize.units(student)).backward()  # finite gradients: the slopes move
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        opt.step()
+    messages = [str(w.message) for w in caught]
+    assert any("held NaN/inf" in m and "16 positions of unit '1'" in m for m in messages), messages
+    assert not any("model.train()" in m for m in messages), messages
 
 
 def test_resume_is_exact():

@@ -248,7 +248,17 @@ class FitImportance(CostImportance):
         return torch.where(selected.cpu(), cost * SALIENCY_HYSTERESIS, cost)
 
     def warn_if_blind(self) -> None:
-        if not self.fit.fits():
+        if self.fit.fits():
+            return
+        left_out = {name: int(n) for name, n in self.fit.left_out.items() if n}
+        if left_out:
+            name, n = next(iter(left_out.items()))
+            self.warn(f"select='fit' has no fit of the units yet: every position of the training forwards so far "
+                      f"held NaN/inf in a unit's input or activation, and was left out ({n} positions of unit "
+                      f"{name!r}; e.g. NaN at padded positions the loss masks); until then channels are chosen by "
+                      "slope and linear_end='affine' sets no end. Fix: make the inputs finite (pad with 0, or "
+                      "nan_to_num the batch) or find where the model overflows")
+        else:
             self.warn("select='fit' has seen no training-mode forward of the units since the start of the run: "
                       "call model.train() before the forward passes; until then channels are chosen by slope")
 
