@@ -291,21 +291,32 @@ def _taylor(model: nn.Module, sites: dict[str, PruneSite], modules: dict[str, nn
                     if g is None:
                         continue
                     conv = isinstance(modules[sites[name].consumer], CONVS)
-                    prod = (x.detach() * g).abs().double()
-                    if mask is not None and not conv and prod.ndim == 3 and tuple(prod.shape[:2]) == tuple(mask.shape):
-                        prod = torch.where(mask.to(prod.device).bool().unsqueeze(-1), prod, 0.0)  # padding is no data
+                    x, g = x.detach().double(), g.double()  # a float16 product of finite factors can overflow
+                    if mask is not None and not conv and x.ndim == 3 and tuple(x.shape[:2]) == tuple(mask.shape):
+                        kept = mask.to(x.device).bool().unsqueeze(-1)  # padding is no data
+                        x, g = torch.where(kept, x, 0.0), torch.where(kept, g, 0.0)
+                    prod = (x * g).abs()
                     batch = (prod.movedim(1, -1) if conv else prod).reshape(-1, prod.shape[1 if conv else -1]).sum(0)
                     if not bool(torch.isfinite(batch).all()):
-                        raise ValueError(
-                            f"prune(importance='taylor'): batch {index} of data gives NaN/inf scores to the channels "
-                            f"of site {name!r} (the data, or the model's activations or loss gradients on it, hold "
-                            "NaN/inf), which would rank them at random. Fix: drop or repair those samples (or "
-                            "use importance='magnitude')")
+                        raise ValueError(_taylor_nonfinite(name, index, bool(torch.isfinite(x).all())))
                     scores[name] += batch.cpu()
         finally:
             for p in params:
                 p.requires_grad_(False)
     return scores
+
+
+def _taylor_nonfinite(site: str, batch: int, input_finite: bool) -> str:
+    """The error of a Taylor score that is NaN/inf: the input of ``site``'s consumer on ``batch`` of data holds
+    NaN/inf (the data, or the model's activations on it), or else the loss gradient at it does."""
+    where = (f"the loss gradient at site {site!r} holds NaN/inf on batch {batch} of data while the site's values "
+             "are finite (the loss is not finite there, or the backward pass overflowed in the model's dtype)"
+             if input_finite else f"the values at site {site!r} hold NaN/inf on batch {batch} of data (the data, "
+             "or the model's activations on it)")
+    fix = ("Fix: give a loss that is finite on that batch, or score a float32 copy of the model (model.float())"
+           if input_finite else "Fix: drop or repair those samples")
+    return (f"prune(importance='taylor'): {where}, so the scores |x * dL/dx| of its channels are not finite and "
+            f"would rank them at random. {fix} (or use importance='magnitude')")
 
 
 def _unit_name(calls: list[_Call], act: _Call) -> str:

@@ -140,6 +140,37 @@ def test_taylor_scores_with_a_loss_linear_in_the_output_are_the_brute_force_remo
     assert site.kept.tolist() == sorted(torch.argsort(brute, descending=True)[:5].tolist())
 
 
+def test_taylor_scores_of_a_float16_model_rank_its_channels_as_in_float64():
+    """Finite float16 values and gradients whose product overflows float16: the scores used to be multiplied in
+    float16 and the run was refused, blaming the data. Truth: the same model's scores and ranking in float64."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    with torch.no_grad():
+        net[0].weight.mul_(torch.linspace(1, 40, 8)[:, None] * 10)
+        net[2].weight.mul_(20)
+    x = torch.randn(64, 4)
+    reference, half = copy.deepcopy(net).double(), copy.deepcopy(net).half()
+    with torch.no_grad():
+        h = half[1](half[0](x.half()))
+        grad = half[2](h) @ half[2].weight  # of the default loss, 0.5 * sum(out ** 2): finite
+        assert torch.isfinite(grad).all() and not torch.isfinite(h * grad).all()  # their float16 product is not
+    linearize.prune(reference, keep=4, importance="taylor", data=x.double())
+    linearize.prune(half, keep=4, importance="taylor", data=x.half())
+    truth, got = (m.linearize_prune_summary.sites["0"] for m in (reference, half))
+    torch.testing.assert_close(got.score, truth.score, rtol=2e-2, atol=0)
+    assert got.kept.tolist() == truth.kept.tolist() == [4, 5, 6, 7]
+
+
+def test_a_non_finite_loss_gradient_is_named_as_such_not_as_the_data():
+    """Finite data whose loss gradient is inf: the error names the gradient and its fixes, not the samples."""
+    net = _mlp([])
+    with pytest.raises(ValueError, match=r"loss gradient at site '0' holds NaN/inf on batch 0.*site's values are "
+                                         r"finite.*model.float\(\)") as caught:
+        linearize.prune(net, keep=4, importance="taylor", data=torch.randn(8, 6, dtype=torch.float64),
+                        loss=lambda out: out.sum() * float("inf"))
+    assert "drop or repair" not in str(caught.value)
+
+
 def test_residual_scores_are_the_brute_force_output_error_of_each_channels_affine_fit():
     net = _mlp([])
     x = torch.randn(200, 6, dtype=torch.float64)
@@ -248,7 +279,7 @@ def test_data_dependent_importances_need_data_and_a_scalar_loss():
 
 
 @pytest.mark.parametrize("importance, message", [
-    ("taylor", r"batch 1 of data gives NaN/inf scores.*site '0'.*drop or repair"),
+    ("taylor", r"values at site '0' hold NaN/inf on batch 1 of data.*drop or repair"),
     ("residual", r"calibration data holds NaN/inf.*unit '1'.*batch 1 of data.*drop or repair"),
 ])
 def test_data_with_nan_names_the_batch_and_leaves_the_model_alone(importance, message):
