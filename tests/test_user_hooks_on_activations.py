@@ -78,6 +78,17 @@ class _Plain(nn.Module):
         return self.b(self.act(self.a(x)))
 
 
+def _counted_linear_though_not_affine(model: nn.Module, x: torch.Tensor) -> None:
+    """With every unit at slope 1 the model is still not affine (the truth: f(x) + f(-x) - 2 f(0) is not 0), and
+    ``nonlinear_fraction``, which reads 0.0, warns about the hook."""
+    with torch.no_grad():
+        for _, unit in linearize.units(model):
+            unit.slope.fill_(1.0)
+        assert (model(x) + model(-x) - 2 * model(torch.zeros(1, 4))).abs().max() > 1e-3  # not affine
+    with pytest.warns(RuntimeWarning, match="a hook that changes the module's result"):
+        assert linearize.nonlinear_fraction(model) == 0.0
+
+
 @pytest.mark.parametrize("where", ["forward hook", "forward pre-hook"])
 def test_an_activation_applied_by_a_hook_that_changes_the_result_is_listed_and_counts_warn(where):
     """A hook that returns ``F.relu`` of its module's output (input) is part of the model's function: with every
@@ -93,12 +104,7 @@ def test_an_activation_applied_by_a_hook_that_changes_the_result_is_listed_and_c
         linearize.convert(model, example_inputs=x)
     owner = "a" if where == "forward hook" else "b"
     assert model.linearize_report.hooks == {f"{owner}: relu ({where})": 1}
-    with torch.no_grad():
-        for _, unit in linearize.units(model):
-            unit.slope.fill_(1.0)
-        assert (model(x) + model(-x) - 2 * model(torch.zeros(1, 4))).abs().max() > 1e-3  # not affine
-    with pytest.warns(RuntimeWarning, match="a hook that changes the module's result"):
-        assert linearize.nonlinear_fraction(model) == 0.0
+    _counted_linear_though_not_affine(model, x)
 
 
 def test_a_monitoring_hook_that_calls_an_activation_is_not_listed():
@@ -137,9 +143,4 @@ def test_an_activation_a_hook_applies_in_place_is_listed_and_counts_warn(form):
     with pytest.warns(UserWarning, match="forward"):
         linearize.convert(model, example_inputs=x)
     assert len(model.linearize_report.hooks) == 1
-    with torch.no_grad():
-        for _, unit in linearize.units(model):
-            unit.slope.fill_(1.0)
-        assert (model(x) + model(-x) - 2 * model(torch.zeros(1, 4))).abs().max() > 1e-3  # not affine
-    with pytest.warns(RuntimeWarning, match="a hook that changes the module's result"):
-        assert linearize.nonlinear_fraction(model) == 0.0
+    _counted_linear_though_not_affine(model, x)
