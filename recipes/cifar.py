@@ -816,8 +816,10 @@ def train_run(args: argparse.Namespace, start_time: float) -> dict:
     metrics.update(common.unit_stats(raw, args.tol))
     if accelerator.is_main_process:
         history = out_dir / "sparsifier_history.json"
-        # an earlier run's, in a reused --output_dir: this run writes its own below (those it is asked for)
-        common.remove_earlier_outputs(out_dir, ["folded", "report", history.name])
+        # an earlier run's, in a reused --output_dir, that this run does not write again (those it writes below
+        # replace the earlier ones: a symlinked folded/ or report/ keeps its link, and its target gets this run's)
+        common.remove_earlier_outputs(out_dir, [*(["folded"] * (not args.fold)), *(["report"] * (not args.report)),
+                                                history.name])
         if sparsifier is not None:
             sparsifier.save_history(history)
         probe = normalize(test["x"][:64].to(accelerator.device), mean, std)

@@ -89,7 +89,9 @@ def remove_earlier_outputs(output_dir: str | Path, names: Iterable[str]) -> list
     that an earlier run into the folder left, before this run writes its own: those this run does not write
     again must not be read as its own (``linearize report --compare`` reads ``report/``). A folder is renamed
     to a temp sibling ``.tmp-<name>-<pid>`` first, so it is gone at once, never half removed (a removal killed
-    there leaves only that temp folder, which the next :func:`replaced_dir` of the name sweeps). Returns the
+    there leaves only that temp folder, which the next :func:`replaced_dir` of the name sweeps); a symlink
+    loses the link only, never its target's contents. Pass only the outputs this run does not write again: a
+    symlinked ``folded/`` that it writes must stay a link (:func:`replaced_dir` replaces its target). Returns the
     outputs removed."""
     removed = []
     for name in names:

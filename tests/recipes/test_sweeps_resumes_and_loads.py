@@ -498,6 +498,30 @@ def test_a_run_again_into_a_folder_leaves_none_of_the_earlier_runs_outputs(env, 
     assert now.sites_from.startswith("model/") and set(now.sites.values()) == {m["nonlinear_fraction"]} == {1.0}
 
 
+def test_a_fold_run_into_a_symlinked_folded_replaces_the_link_target_and_keeps_the_link(env, data, tmp_path):
+    """OUTPUT_DIR/folded a symlink to a deployment folder holding an earlier fold, OUTPUT_DIR/report a symlink to
+    an earlier report: a --fold run (without --report) keeps the folded link, and its target then holds the
+    same fold as an identical run into a plain folder; the report link is removed, its target's files kept."""
+    import cifar
+
+    cifar.main(_cifar_argv(data, tmp_path / "old", "--target", "0.5", "--fold", "--report",
+                           "--report-skip", "affinity,regions"))
+    deploy, old_report = tmp_path / "deploy" / "folded", tmp_path / "deploy" / "report"
+    shutil.copytree(tmp_path / "old" / "folded", deploy)
+    shutil.copytree(tmp_path / "old" / "report", old_report)
+    report_files = sorted(p.name for p in old_report.iterdir())
+    cifar.main(_cifar_argv(data, tmp_path / "plain", "--target", "0.25", "--fold"))
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "folded").symlink_to(deploy)
+    (out / "report").symlink_to(old_report)
+    cifar.main(_cifar_argv(data, out, "--target", "0.25", "--fold"))
+    assert (out / "folded").is_symlink() and (out / "folded").resolve() == deploy.resolve()
+    assert (deploy / "folded.json").read_bytes() == (tmp_path / "plain" / "folded" / "folded.json").read_bytes()
+    assert not (out / "report").exists() and not (out / "report").is_symlink()
+    assert sorted(p.name for p in old_report.iterdir()) == report_files
+
+
 # ----------------------------------------------------------------------------- 9, 10, 11: parse time
 
 
