@@ -5,12 +5,15 @@ versions, wall time); the outputs an earlier run into the folder left removed fi
 from __future__ import annotations
 
 import argparse
+import glob
 import json
 import os
 import platform
+import re
 import shutil
 import sys
 import time
+import warnings
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -20,7 +23,7 @@ from torch import nn
 import linearize
 from linearize._files import atomic_write
 
-from .files import TMP_PREFIX, file_sha256, restore_aside
+from .files import TMP_PREFIX, file_sha256, pid_alive, restore_aside
 
 
 def read_recipe_json(directory: str | Path, required: Iterable[str] = ()) -> dict:
@@ -88,25 +91,40 @@ def remove_earlier_outputs(output_dir: str | Path, names: Iterable[str]) -> list
     """Remove the outputs ``names`` (files or folders directly in ``output_dir``: ``folded``, ``report``, ...)
     that an earlier run into the folder left, before this run writes its own: those this run does not write
     again must not be read as its own (``linearize report --compare`` reads ``report/``). A folder is renamed
-    to a temp sibling ``.tmp-<name>-<pid>`` first, so it is gone at once, never half removed (a removal killed
-    there leaves only that temp folder, which the next :func:`replaced_dir` of the name sweeps); a symlink
+    to a temp sibling ``.tmp-<name>-removed-<pid>`` first (never the name of :func:`replaced_dir`'s stage), so
+    it is gone at once, never half removed; such temp folders of processes that no longer run (a removal or a
+    save killed midway) are deleted with it, and a warning names what could not be deleted; a symlink
     loses the link only, never its target's contents. Pass only the outputs this run does not write again: a
     symlinked ``folded/`` that it writes must stay a link (:func:`replaced_dir` replaces its target). Returns the
     outputs removed."""
     removed = []
     for name in names:
         path = Path(output_dir) / name
+        pattern = re.compile(rf"{re.escape(TMP_PREFIX + name)}-(?:removed-|old-)?(\d+)")
+        for leftover in path.parent.glob(glob.escape(f"{TMP_PREFIX}{name}-") + "*"):  # of killed removals, saves
+            match = pattern.fullmatch(leftover.name)
+            if match and not pid_alive(int(match.group(1))) and leftover.is_dir() and not leftover.is_symlink():
+                _delete(leftover)
         if path.is_dir() and not path.is_symlink():
-            doomed = path.with_name(f"{TMP_PREFIX}{name}-{os.getpid()}")
+            doomed = path.with_name(f"{TMP_PREFIX}{name}-removed-{os.getpid()}")
             shutil.rmtree(doomed, ignore_errors=True)  # left by an earlier removal under this pid
             path.rename(doomed)
-            shutil.rmtree(doomed, ignore_errors=True)
+            _delete(doomed)
         elif path.exists() or path.is_symlink():
             path.unlink()
         else:
             continue
         removed.append(path)
     return removed
+
+
+def _delete(folder: Path) -> None:
+    """Delete ``folder``; warn, naming it, when some of it cannot be deleted (a read-only or open file)."""
+    shutil.rmtree(folder, ignore_errors=True)
+    if folder.exists():
+        warnings.warn(f"{folder}: an earlier run's output that could not be deleted completely (a read-only file, "
+                      "or one still open on NFS); this run goes on without it: delete the folder by hand",
+                      RuntimeWarning, stacklevel=3)
 
 
 FOLD_METRICS = ("params_before", "params_after", "flops_before", "flops_after", "max_abs_error", "output_scale")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -641,3 +642,35 @@ def test_a_tar_rewritten_with_the_same_size_and_mtime_is_read_again(tmp_path):
         assert got["classes"] == ["cat", "dog"]
         for x, label in zip(got["x"], got["y"]):
             assert torch.equal(x, decode_image(str(tmp_path / "src" / "test" / got["classes"][label] / "0.png")))
+
+
+def test_a_save_after_a_removal_that_left_files_behind(tmp_path, monkeypatch):
+    """remove_earlier_outputs of a folded/ whose files cannot all be deleted (simulated: rmtree deletes nothing,
+    as for a read-only or NFS-open file), then replaced_dir of folded/ in the same process: the save lands
+    (its stage never shares the removal's temp name) and the removal warns naming what it left."""
+    import common.outputs as outputs
+
+    (tmp_path / "folded").mkdir()
+    (tmp_path / "folded" / "old.bin").write_bytes(b"earlier")
+    monkeypatch.setattr(outputs.shutil, "rmtree", lambda *a, **k: None)
+    with pytest.warns(RuntimeWarning, match=r"removed-\d+: an earlier run's output that could not be deleted"):
+        common.remove_earlier_outputs(tmp_path, ["folded"])
+    monkeypatch.undo()
+    with common.replaced_dir(tmp_path / "folded") as stage:
+        (stage / "new.bin").write_bytes(b"this run")
+    assert [p.name for p in (tmp_path / "folded").iterdir()] == ["new.bin"]
+
+
+def test_removal_sweeps_temp_folders_of_ended_processes_only(tmp_path, dead_pid):
+    """Temp folders a killed removal or save of report/ left (``.tmp-report-<pid>``, ``-removed-<pid>``,
+    ``-old-<pid>``) are deleted by the next removal of report/ when their process has ended; a live process's
+    and another output's are kept."""
+    live = os.getpid()
+    names = [f"report-{dead_pid}", f"report-removed-{dead_pid}", f"report-old-{dead_pid}", f"report-removed-{live}",
+             f"report-best-{dead_pid}"]
+    for n in names:
+        (tmp_path / f"{common.TMP_PREFIX}{n}").mkdir()
+        (tmp_path / f"{common.TMP_PREFIX}{n}" / "report.json").write_text("{}")
+    common.remove_earlier_outputs(tmp_path, ["report"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        f"{common.TMP_PREFIX}{n}" for n in [f"report-removed-{live}", f"report-best-{dead_pid}"])
