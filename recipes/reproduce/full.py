@@ -246,7 +246,7 @@ def _digest(model_dir: Path) -> str:
 
 
 def _data_source(run: Path, data: str | None) -> str | None:
-    src = data or sweep.read_json(run / "metrics.json").get("args", {}).get("data_dir")
+    src = data or sweep.read_json(run / "metrics.json", damaged_ok=True).get("args", {}).get("data_dir")
     return src if src and Path(src).exists() else None
 
 
@@ -255,7 +255,7 @@ def measure_run(run: Path, data: str | None, skipped: list[str]) -> dict:
     channel counts (no data needed), the fold summary on its first 64 test images (needs data)."""
     import torch
 
-    m = sweep.read_json(run / "metrics.json")
+    m = sweep.read_json(run / "metrics.json", damaged_ok=True)
     tol = m["args"].get("tol", 1e-3)
     digest = _digest(run / "model")
     size = sweep.read_json(run / "model" / "recipe.json")["image_size"]

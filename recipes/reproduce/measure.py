@@ -38,7 +38,7 @@ def cifar_inputs(run: Path, data: str | None, n: int):
     import torch
 
     meta = read_json(run / "model" / "recipe.json")
-    a = read_json(run / "metrics.json")["args"]
+    a = read_json(run / "metrics.json", damaged_ok=True)["args"]
     cache = Path(os.environ.get("LINEARIZE_CACHE") or a["cache_dir"])
     test = cifar.load_split(data or a["data_dir"], a["dataset"], "test", a["eval_subset"], a["image_size"],
                             cache, show=False)

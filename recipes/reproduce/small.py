@@ -131,7 +131,7 @@ def analyze(runs: Path, out: Path, scale: str, data: str | None, regions_images:
     jobs = read_json(runs / "jobs.json")
     runs_info = {}
     for d in sorted(p for p in runs.iterdir() if (p / "metrics.json").exists()):
-        m = read_json(d / "metrics.json")
+        m = read_json(d / "metrics.json", damaged_ok=True)
         root = str(RECIPES.parent) + "/"
         runs_info[d.name] = {k: v for k, v in m.items() if not isinstance(v, dict) and k != "command"}
         runs_info[d.name]["command"] = jobs.get(d.name, {}).get("command", m.get("command", "")).replace(root, "")

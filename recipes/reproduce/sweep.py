@@ -30,23 +30,27 @@ class Job:
 
 
 
-def read_json(path: Path) -> dict:
-    """The JSON object in the file ``path``; ``{}`` when absent or (being) half written, and also, with a
-    warning naming the file, when it is damaged (not UTF-8, a folder, nested too deep, no JSON object): one
-    run's bad file never stops the sweep."""
+def read_json(path: Path, damaged_ok: bool = False) -> dict:
+    """The JSON object in the file ``path``; ``{}`` when absent or (being) half written. A damaged file (not
+    UTF-8, a folder, nested too deep, no JSON object) raises ``ValueError`` naming it and
+    the fix, so that a shared record such as ``RUNS/jobs.json`` is never rewritten from nothing; with
+    ``damaged_ok`` (a run's ``metrics.json``: one run's bad file never stops the sweep) it is taken as ``{}``
+    with a warning naming it."""
     try:
         data = json.loads(path.read_text())
     except (FileNotFoundError, json.JSONDecodeError):
         return {}
     except (OSError, UnicodeDecodeError, RecursionError) as e:
-        warnings.warn(f"{path} cannot be read ({type(e).__name__}: {e}); taken as absent: repair or remove it",
-                      RuntimeWarning, stacklevel=2)
-        return {}
-    if not isinstance(data, dict):
-        warnings.warn(f"{path} holds a JSON {type(data).__name__}, not an object; taken as absent: repair or "
-                      "remove it", RuntimeWarning, stacklevel=2)
-        return {}
-    return data
+        problem = f"cannot be read ({type(e).__name__}: {e})"
+    else:
+        if isinstance(data, dict):
+            return data
+        problem = f"holds a JSON {type(data).__name__}, not an object"
+    if not damaged_ok:
+        raise ValueError(f"{path} {problem}: it is damaged; repair it, or move it aside (its records are then "
+                         "lost) and run again")
+    warnings.warn(f"{path} {problem}; taken as absent: repair or remove it", RuntimeWarning, stacklevel=2)
+    return {}
 
 
 def write_json(path: Path, obj: Any) -> None:
@@ -59,7 +63,7 @@ def write_json(path: Path, obj: Any) -> None:
 def is_done(run: Path) -> bool:
     """A run is done when its ``model/`` and a ``metrics.json`` of the whole schedule are there (a damaged
     ``metrics.json``: not done, with a warning naming it)."""
-    m = read_json(run / "metrics.json")
+    m = read_json(run / "metrics.json", damaged_ok=True)
     steps, total = m.get("steps", 0), m.get("total_steps", 0)
     if not all(isinstance(v, (int, float)) for v in (steps, total)):
         warnings.warn(f"{run / 'metrics.json'}: steps {steps!r} and total_steps {total!r} must be numbers; the run "
@@ -300,7 +304,7 @@ def _differences(job: Job, theirs: dict) -> str:
 def plan_changed(job: Job, run: Path) -> str:
     """Why the finished run in ``run`` is not ``job`` any more (its plan was edited since: another
     ``--target``, ``--epochs``, ...), or "" when its ``metrics.json`` arguments are the planned ones."""
-    theirs = read_json(run / "metrics.json").get("args")
+    theirs = read_json(run / "metrics.json", damaged_ok=True).get("args")
     diff = _differences(job, theirs) if isinstance(theirs, dict) else ""
     return (f"{run} finished with other arguments than planned now: {diff}; its result is not this job's. Move "
             "the folder away (or delete it) to run the job as planned, or restore the plan") if diff else ""
@@ -316,7 +320,7 @@ def adopt(job: Job, runs: Path, source: Path) -> None:
     if not source.is_dir():
         raise SystemExit(f"--adopt {job.name}={source}: no such folder")
     recipe = importlib.import_module(Path(job.argv[0]).stem)  # cifar / wmt14: their own parse_args
-    theirs, origin = read_json(source / "metrics.json").get("args"), f"{source / 'metrics.json'}"
+    theirs, origin = read_json(source / "metrics.json", damaged_ok=True).get("args"), f"{source / 'metrics.json'}"
     if theirs is None:
         for pid, cmd in recipe_processes().get(str(source), []):
             script = next((i for i, a in enumerate(cmd) if a.endswith(Path(job.argv[0]).name)), None)

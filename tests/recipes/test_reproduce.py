@@ -279,6 +279,19 @@ def test_a_damaged_metrics_json_of_one_run_never_stops_the_sweep(tmp_path, damag
     assert failures == (damage[0] == "a folder") and sweep.is_done(runs / "bad") == (damage[0] != "a folder"), out
 
 
+@pytest.mark.parametrize("damage", [b"\xff", b"[]"], ids=["not UTF-8", "a JSON list"])
+def test_a_damaged_jobs_json_stops_the_runner_and_keeps_every_record(tmp_path, damage):
+    """RUNS/jobs.json (every run's launches and exit codes, shared by all runners) with one damaged byte, or a
+    JSON list: recording a run stops with an error naming the file and the fix, and the file keeps its bytes."""
+    records = {f"run{i}": {"attempts": 2, "returncode": 0} for i in range(1, 6)}
+    raw = json.dumps(records).encode()
+    damaged = raw.replace(b"run3", b"\xffun3") if damage == b"\xff" else b"[" + raw + b"]"
+    (tmp_path / "jobs.json").write_bytes(damaged)
+    with pytest.raises(ValueError, match=re.escape(str(tmp_path / "jobs.json")) + r".*repair it, or move it aside"):
+        sweep._record(tmp_path, "run5", {"returncode": 0, "ended": 1.0})
+    assert (tmp_path / "jobs.json").read_bytes() == damaged
+
+
 def started_by_hand(argv: list[str]) -> subprocess.Popen:
     """A process whose command line is that of a recipe run (it only sleeps), once ``/proc`` shows it."""
     proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"] + argv)
