@@ -6,6 +6,7 @@ an ``OUTPUT_DIR``."""
 from __future__ import annotations
 
 import contextlib
+import errno
 import glob
 import hashlib
 import os
@@ -13,6 +14,7 @@ import re
 import shutil
 import socket
 import sys
+import warnings
 from pathlib import Path
 
 from linearize._files import atomic_write, fsync_path
@@ -52,11 +54,20 @@ def hold_output_dir(output_dir: str | Path) -> None:
 
     The lock is an OS file lock (``filelock``) on ``output_dir/.run.lock``, released by the OS when its
     holder dies: a killed run never blocks the next one; ``.run.owner`` names the holder for the other
-    run's message. Raises ``RuntimeError`` naming the folder, the other process and the fix."""
+    run's message. Where the filesystem cannot lock (``flock`` fails: NFS without its lock manager, Lustre
+    without ``-o flock``) the run goes on unlocked with a ``RuntimeWarning`` naming the folder. Raises
+    ``RuntimeError`` naming the folder, the other process and the fix."""
     from filelock import FileLock, Timeout
 
     directory = Path(output_dir)
     path = directory / RUN_LOCK
+    directory.mkdir(parents=True, exist_ok=True)
+    missing = _flock_error(path)
+    if missing is not None:
+        warnings.warn(f"{directory}: this filesystem cannot lock files (flock: {missing.strerror}), so this run is "
+                      "not protected against a second run into the same --output_dir: start only one run there "
+                      "at a time", RuntimeWarning, stacklevel=2)
+        return
     lock = FileLock(str(path))
     try:
         lock.acquire(timeout=0)
@@ -68,10 +79,29 @@ def hold_output_dir(output_dir: str | Path) -> None:
         raise RuntimeError(f"{directory}: another run is training into this --output_dir ({owner}; it holds the "
                            f"lock {path}); a second run there would delete the checkpoint it is writing and mix "
                            "the two runs' outputs: wait for it to end (or stop it), or give this run another "
-                           "--output_dir") from None
+                           "--output_dir; if that process has ended (on another host: check there), remove "
+                           f"{path} and {directory / RUN_OWNER} and start again") from None
     _HELD_RUNS[os.path.realpath(path)] = lock
     atomic_write(directory / RUN_OWNER, f"process {os.getpid()} on {socket.gethostname()}: "
                                         f"{' '.join([sys.executable, *sys.argv])}\n")
+
+
+def _flock_error(path: Path) -> OSError | None:
+    """The error of ``flock`` on the file ``path`` (created) where the filesystem cannot lock (ENOLCK,
+    ENOSYS, ...), else ``None`` (also when another process holds the lock, and where there is no ``fcntl``)."""
+    try:
+        import fcntl
+    except ImportError:  # Windows: filelock locks with msvcrt
+        return None
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+        if e.errno not in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
+            return e
+    finally:
+        os.close(fd)  # releases a lock the probe took
+    return None
 
 
 def release_output_dir(output_dir: str | Path) -> None:

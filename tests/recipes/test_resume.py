@@ -14,6 +14,7 @@ the subprocess, to keep the file fast.
 from __future__ import annotations
 
 import argparse
+import errno
 import gzip
 import json
 import os
@@ -290,6 +291,44 @@ def test_a_second_run_into_a_training_runs_folder_is_refused(cifar_runs, cifar_a
         first.wait()
         log.close()
     assert_same_run(cifar_runs.full, out, cifar_runs.total)
+
+
+@pytest.mark.parametrize("err", [errno.ENOLCK, errno.ENOSYS], ids=["ENOLCK", "ENOSYS"])
+def test_a_folder_that_cannot_be_locked_trains_unprotected_with_a_warning(tmp_path, monkeypatch, err):
+    """flock() failing as on NFS without its lock manager (ENOLCK) or Lustre without -o flock (ENOSYS): taking
+    the run lock warns, naming the folder, that a second run is not kept out, leaves no lock behind (no soft
+    marker that a run dying on another node would leave), and a second run into the folder may then start."""
+    import fcntl
+
+    def flock(fd, op):
+        raise OSError(err, os.strerror(err))
+
+    monkeypatch.setattr(fcntl, "flock", flock)
+    out = tmp_path / "nfs" / "run"
+    for _ in range(2):
+        with pytest.warns(RuntimeWarning, match=rf"{out}: this filesystem cannot lock files .*not protected"):
+            common.hold_output_dir(out)
+    assert os.path.realpath(out / common.RUN_LOCK) not in common.files._HELD_RUNS
+    common.release_output_dir(out)
+
+
+def test_a_refused_run_says_how_to_remove_the_lock_of_an_ended_holder(tmp_path):
+    """Refused because another process holds the run lock: the error names the holder, and also the files to
+    remove when that holder has ended (on another host the refusal cannot tell)."""
+    out = tmp_path / "run"
+    holder = subprocess.Popen([sys.executable, "-c", f"import sys, time; sys.path.insert(0, {str(RECIPES)!r}); "
+                               f"import common; common.hold_output_dir({str(out)!r}); print('held', flush=True); "
+                               "time.sleep(60)"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(RuntimeError, match=rf"process {holder.pid} on .*if that process has ended \(on another "
+                                               rf"host: check there\), remove {out / '.run.lock'} and "
+                                               rf"{out / '.run.owner'}"):
+            common.hold_output_dir(out)
+    finally:
+        holder.kill()  # only the process this test started
+        holder.wait()
+        holder.stdout.close()
 
 
 # ----------------------------------------------------------------------------- the accelerate layout
