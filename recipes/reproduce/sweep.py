@@ -32,7 +32,7 @@ class Job:
 
 def read_json(path: Path, damaged_ok: bool = False) -> dict:
     """The JSON object in the file ``path``; ``{}`` when absent or (being) half written. A damaged file (not
-    UTF-8, a folder, nested too deep, no JSON object) raises ``ValueError`` naming it and
+    UTF-8, a folder, nested too deep, a number too long, no JSON object) raises ``ValueError`` naming it and
     the fix, so that a shared record such as ``RUNS/jobs.json`` is never rewritten from nothing; with
     ``damaged_ok`` (a run's ``metrics.json``: one run's bad file never stops the sweep) it is taken as ``{}``
     with a warning naming it."""
@@ -40,7 +40,7 @@ def read_json(path: Path, damaged_ok: bool = False) -> dict:
         data = json.loads(path.read_text())
     except (FileNotFoundError, json.JSONDecodeError):
         return {}
-    except (OSError, UnicodeDecodeError, RecursionError) as e:
+    except (OSError, ValueError, RecursionError) as e:  # ValueError: not UTF-8, an integer of >4300 digits
         problem = f"cannot be read ({type(e).__name__}: {e})"
     else:
         if isinstance(data, dict):

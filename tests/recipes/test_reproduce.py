@@ -259,6 +259,7 @@ open(os.path.join(out, "metrics.json"), "w").write(json.dumps({"steps": 1, "tota
     "a folder": lambda p: p.mkdir(),
     "nested too deep": lambda p: p.write_text("[" * 100_000 + "]" * 100_000),
     "a JSON list": lambda p: p.write_text('[{"epoch": 1}]'),
+    "a number too long": lambda p: p.write_text('{"steps": ' + "1" * 5000 + ', "total_steps": 12}'),
     "steps a string": lambda p: p.write_text('{"steps": "10", "total_steps": 12}'),
 }.items(), ids=lambda d: d[0])
 def test_a_damaged_metrics_json_of_one_run_never_stops_the_sweep(tmp_path, damage, capsys):
