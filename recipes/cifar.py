@@ -232,7 +232,9 @@ def _check_fit(weights: dict, own: dict, unit_keys: set[str], path: Path, meta: 
 def load_model(directory: str | Path) -> nn.Module:
     """Rebuild a model saved by this recipe (``OUTPUT_DIR/model``): the architecture from
     ``recipe.json`` (:func:`read_meta`; sized on the meta device and checked against the weights before it is
-    built), its files checked against their recorded sizes and sha256, the weights, the units with ``linearize.from_pretrained`` (which checks the weights it sits on), then every
+    built), its files checked against their recorded sizes and sha256, the weights, the units with ``linearize.from_pretrained`` (which checks the weights it sits on; a gated
+    ``dgn`` / ``dlgn`` split, two copies ``feature.*`` and ``value.*`` of the network, is sized per copy and
+    rebuilt from its sidecar), then every
     tensor again against the converted model (:func:`_load_weights`).
     ``recipe.json`` also lists the class names in label order (``classes``). The model comes back in eval
     mode, as from ``transformers``' ``from_pretrained`` and :func:`wmt14.load_model`: ready to evaluate or
@@ -250,12 +252,16 @@ def load_model(directory: str | Path) -> nn.Module:
     weights = _read_weights(path)
     with torch.device("meta"):  # sizes first: recipe.json's numbers must not allocate what the weights do not hold
         sized = build_model(meta["arch"], meta["num_classes"])
-    _check_fit(weights, sized.state_dict(), set(), path, meta, plain=meta["linearize"] != "none")
+    gated = meta["linearize"] in ("dgn", "dlgn")  # two copies of the network: feature.* (gates) and value.*
+    for prefix in ("feature.", "value.") if gated else ("",):
+        _check_fit({k[len(prefix):]: v for k, v in weights.items() if k.startswith(prefix)}, sized.state_dict(),
+                   set(), path, meta, plain=meta["linearize"] != "none" and not gated)
     model = build_model(meta["arch"], meta["num_classes"])
     if meta["linearize"] != "none":  # the weights first: the sidecar checks them by their digests
-        plain = model.state_dict()
-        _check_finite({k: weights[k] for k in plain}, path)
-        model.load_state_dict({k: weights[k] for k in plain}, strict=True)
+        if not gated:  # the gated split's weights come from its sidecar (from_pretrained)
+            plain = model.state_dict()
+            _check_finite({k: weights[k] for k in plain}, path)
+            model.load_state_dict({k: weights[k] for k in plain}, strict=True)
         example = torch.zeros(2, 3, meta["image_size"], meta["image_size"])
         with warnings.catch_warnings():  # saves from before the digests: the weights are loaded here
             warnings.simplefilter("ignore", UnitsOnlyWarning)

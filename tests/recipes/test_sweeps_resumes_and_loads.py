@@ -522,6 +522,22 @@ def test_a_fold_run_into_a_symlinked_folded_replaces_the_link_target_and_keeps_t
     assert sorted(p.name for p in old_report.iterdir()) == report_files
 
 
+@pytest.mark.parametrize("mode", ["dgn", "dlgn"])
+def test_cifar_load_model_loads_a_gated_run(env, data, tmp_path, mode):
+    """A --linearize dgn / dlgn run saves two copies of the network (feature.*, value.*): load_model rebuilds
+    the gated split and holds exactly the saved tensors (read with safetensors); its forward is finite."""
+    import cifar
+
+    out = tmp_path / mode
+    cifar.main(_cifar_argv(data, out, "--linearize", mode, "--schedule", "none"))
+    model = cifar.load_model(out / "model")
+    saved = load_file(out / "model" / "model.safetensors")
+    state = model.state_dict()
+    assert {k for k in saved if not k.endswith("num_batches_tracked")} <= set(state)
+    assert all(torch.equal(state[k], v) for k, v in saved.items() if k in state)
+    assert torch.isfinite(model(torch.randn(2, 3, 8, 8))).all()
+
+
 # ----------------------------------------------------------------------------- 9, 10, 11: parse time
 
 
