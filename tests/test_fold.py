@@ -24,6 +24,7 @@ from linearize.folding import (
 )
 from linearize.unit import LinearizableActivation as LA
 from zoo import randomize_batchnorm
+from test_user_hooks_on_activations import Plain
 
 
 def _set_linear(model: nn.Module, fraction: float, rest: float = 0.3, seed: int = 0) -> None:
@@ -662,16 +663,8 @@ def test_fold_names_a_merged_module_whose_hook_changes_its_output_and_gives_no_t
     """A forward hook returning ``relu`` of a Linear's output is part of the function; merging that Linear with
     the next (its unit at slope 1) drops the hook: the refusal names the hooked module, not 'raise rtol/atol'."""
 
-    class Net(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.a, self.act, self.b = nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3)
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return self.b(self.act(self.a(x)))
-
     torch.manual_seed(0)
-    model, x = Net(), torch.randn(5, 4)
+    model, x = Plain(), torch.randn(5, 4)
     model.a.register_forward_hook(lambda m, args, out: torch.relu(out))
     with pytest.warns(UserWarning, match="forward hook"):
         linearize.convert(model, example_inputs=x)

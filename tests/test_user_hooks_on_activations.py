@@ -69,7 +69,9 @@ def test_a_backward_hook_on_a_replaced_activation_sees_the_same_gradients():
     assert len(grads) == len(want) == 1 and torch.equal(grads[0], want[0])
 
 
-class _Plain(nn.Module):
+class Plain(nn.Module):
+    """``b(relu(a(x)))``: Linear(4, 8), ReLU, Linear(8, 3), whose layers a hook can be put on by name."""
+
     def __init__(self) -> None:
         super().__init__()
         self.a, self.act, self.b = nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3)
@@ -95,7 +97,7 @@ def test_an_activation_applied_by_a_hook_that_changes_the_result_is_listed_and_c
     unit at slope 1 the model is still not affine (the truth: f(x) + f(-x) - 2 f(0)), so the report lists
     the hook's call and count_units warns."""
     torch.manual_seed(0)
-    model, x = _Plain(), torch.randn(5, 4)
+    model, x = Plain(), torch.randn(5, 4)
     if where == "forward hook":
         model.a.register_forward_hook(lambda m, args, out: torch.nn.functional.relu(out))
     else:
@@ -110,7 +112,7 @@ def test_an_activation_applied_by_a_hook_that_changes_the_result_is_listed_and_c
 def test_a_monitoring_hook_that_calls_an_activation_is_not_listed():
     """A hook that only reads (returns None) does not change the function: nothing listed, no warning."""
     torch.manual_seed(0)
-    model, x = _Plain(), torch.randn(5, 4)
+    model, x = Plain(), torch.randn(5, 4)
     seen = []
     model.a.register_forward_hook(lambda m, args, out: seen.append(torch.nn.functional.relu(out).mean()))
     model.b.register_forward_pre_hook(lambda m, args: seen.append(torch.relu(args[0]).mean()))
@@ -125,7 +127,7 @@ def test_an_activation_a_hook_applies_in_place_is_listed_and_counts_warn(form):
     just as one returning ``F.relu(out)`` does: with every unit at slope 1 the model is still not affine (the
     truth: f(x) + f(-x) - 2 f(0)), so the report lists the hook's call and count_units warns."""
     torch.manual_seed(0)
-    model, x = _Plain(), torch.randn(5, 4)
+    model, x = Plain(), torch.randn(5, 4)
 
     def relu_inplace(m: nn.Module, args: tuple, out: torch.Tensor) -> None:
         torch.nn.functional.relu(out, inplace=True)
