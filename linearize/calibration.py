@@ -701,9 +701,10 @@ def one_shot(
         score = residual * fit.outgoing
         keep = 0 if target == 0 else max(1, round(target * unit.num_channels))
         already = unit.linear_mask(name=name).cpu()  # linear channels stay linear: ranked among the others
-        if keep > int((~already).sum()):
-            short.append(f"{name} ({int((~already).sum())} of {keep})")
-        linear = _linear_channels(score.masked_fill(already, -math.inf), min(keep, int((~already).sum())))
+        free = int((~already).sum())
+        if keep > free:
+            short.append(f"{name} ({free} of {keep})")
+        linear = _linear_channels(score.masked_fill(already, -math.inf), min(keep, free))
         if end == "affine":
             unit.set_linear_end(fit.alpha, fit.beta)
         elif end == "constant":  # removed channels: their constants stay constants in a fine-tune
@@ -797,13 +798,13 @@ def _hybrid(model: nn.Module, data: Any, flops: float, named: list[tuple[str, Li
     """``one_shot(end="hybrid")``: per FFN, the linear or the removed plan, whichever errs less on ``data``; and
     every FFN's plans, ``{unit name: {mode: (site, alpha, beta)}}``, for the refit to choose again."""
     fits, rec = _calibrate(model, data, named, consumers={n for n, _ in named}, producers=True)
-    weights, modes, options = {}, {}, {}
+    weights, options = {}, {}
     for name, unit in named:
         fit = fits[name]
         first, second = _ffn_layers(name, unit, rec, fit)
         d_in, d_out = dense_shape(first)[1], dense_shape(second)[0]
         weights[name] = dense_wb(second)[0]
-        modes[name], options[name] = {}, {}
+        options[name] = {}
         for mode, keep in _plans(d_in, unit.num_channels, d_out, flops).items():
             score = (fit.residual if mode == "linear" else fit.variance) * fit.outgoing
             linear = _linear_channels(score, keep)
@@ -811,9 +812,8 @@ def _hybrid(model: nn.Module, data: Any, flops: float, named: list[tuple[str, Li
             n = int((~linear).sum())
             plan = FFNPlan(mode, 2 * (n * (d_in + d_out) + (d_in * d_out if mode == "linear" else 0)),
                            2 * unit.num_channels * (d_in + d_out), {}, d_in, d_out)
-            modes[name][mode] = (linear, alpha, beta)
             options[name][mode] = (OneShotSite(linear, score, fit, plan), alpha, beta)
-    measured = _ModeErrors(weights, modes)
+    measured = _ModeErrors(weights, {name: _ends_of(plans) for name, plans in options.items()})
     with hooks() as handles:
         handles += [unit.register_forward_pre_hook(measured.hook(name, unit)) for name, unit in named]
         _run(model, data, measured)
@@ -825,6 +825,12 @@ def _hybrid(model: nn.Module, data: Any, flops: float, named: list[tuple[str, Li
             site.plan.errors = err
         result[name] = _use_mode(unit, options[name][_lower(err)], freeze)
     return result, options
+
+
+def _ends_of(plans: dict[str, tuple[OneShotSite, torch.Tensor, torch.Tensor]]
+             ) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """``{mode: (linear channels, alpha, beta)}`` of an FFN's plans."""
+    return {mode: (site.linear, alpha, beta) for mode, (site, alpha, beta) in plans.items()}
 
 
 def _lower(errors: dict[str, float | None]) -> str:
@@ -975,8 +981,7 @@ def _refit(model: nn.Module, data: Any, named: list[tuple[str, LinearizableActiv
             sites[name].refit = target
             continue
         plans = options.get(name) if options else None
-        refits = _Refit(unit, target, before[name],
-                        None if plans is None else {m: (s.linear, a, b) for m, (s, a, b) in plans.items()})
+        refits = _Refit(unit, target, before[name], None if plans is None else _ends_of(plans))
         with hooks() as handles:
             handles += [unit.register_forward_pre_hook(refits.unit_pre), unit.register_forward_hook(refits.unit_post),
                         target.register_forward_pre_hook(refits.layer_pre)]
