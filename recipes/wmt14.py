@@ -26,12 +26,20 @@ intermediate channels with ``linearize.prune`` down to the FFN multiply-adds per
 linearized to ``--target`` and folded (:func:`prune_budget`), then trains on with the optimizer state of the
 kept channels (:func:`prune_ffns`). A checkpoint after that step holds the pruned model; resuming from it
 builds the pruned shapes first.
+
+The one-shot counterpart (``--linearize prelu --one-shot affine|hybrid|constant|identity``): the units' slopes
+frozen at 0 (the plain model) up to ``--late-start``, where ``linearize.one_shot`` linearizes the FFN channels in
+one step, on the first training batches of that epoch that hold 256 pairs (at most 32 batches), to the same
+budget of FFN multiply-adds folded (:func:`one_shot_ffns`); then training goes on without sparsity pressure, the
+linear channels frozen at 1 with their ends (learnable for ``affine`` and a hybrid's linear FFNs), the others
+at 0. A checkpoint after that step holds the ends; resuming from it loads them first.
 """
 
 from __future__ import annotations
 
 import argparse
 import hashlib
+import itertools
 import json
 import math
 import sys
@@ -63,6 +71,9 @@ PROVENANCE = "provenance.json"  # beside OUTPUT_DIR/tokenizer: what it was train
 PRUNE_IMPORTANCES = ("magnitude", "taylor")  # of linearize.prune (its "residual" ranks for linearizing)
 PRUNE_BATCHES = 32  # training batches the Taylor importance sums over
 KEPT_FILE = "pruned_channels.json"  # OUTPUT_DIR/: the indices each pruned FFN kept
+ONE_SHOT_ENDS = ("affine", "hybrid", "constant", "identity")  # linearize.one_shot's ends
+ONE_SHOT_PAIRS = 256  # calibration pairs of --one-shot (recipes/benchmarks/hybrid_one_shot.py's --calibration)
+ONE_SHOT_FILE = "one_shot.json"  # OUTPUT_DIR/: what --one-shot did (the metrics' one_shot block)
 
 
 # ----------------------------------------------------------------------------- data
@@ -377,6 +388,19 @@ def prune_budget(size: str, target: float) -> tuple[int, int]:
     return keep, budget
 
 
+def check_budget(macs: int, budget: int, size: str, below: bool = False) -> None:
+    """``AssertionError`` unless ``macs`` (FFN multiply-adds per token) is within half a channel per FFN of the
+    ``budget`` of :func:`prune_budget`; ``below``: at most the budget and at most one channel per FFN under it
+    (``one_shot(end="hybrid")`` rounds each FFN's nonlinear channels down to fit its share)."""
+    p = PRESETS[size]
+    half = 2 * p["layers"] * p["d_model"]  # half a channel (2 d multiply-adds) in each of the 2 L FFNs
+    low, high = (budget - 2 * half, budget) if below else (budget - half, budget + half)
+    if not low <= macs <= high:
+        raise AssertionError(f"FFN MACs per token {macs}: not within {low}..{high}, "
+                             f"{'one channel per FFN below' if below else 'half a channel per FFN of'} the budget "
+                             f"{budget}")
+
+
 def prune_ffns(run: common.Run, keep: int, importance: str, batches: list[dict[str, torch.Tensor]],
                rebuild: Callable[[nn.Module], tuple]) -> dict[str, list[int]]:
     """Keep ``keep`` intermediate channels of every FFN of the run's model (``linearize.prune``, ranked by
@@ -385,8 +409,7 @@ def prune_ffns(run: common.Run, keep: int, importance: str, batches: list[dict[s
     loaded with their states: Adam's moments of the kept channels follow them. Returns the kept indices
     per FFN (its first layer's name)."""
     raw = run.accelerator.unwrap_model(run.model)
-    names = {id(p): n for n, p in raw.named_parameters()}
-    order = [names[id(p)] for g in run.optimizer.param_groups for p in g["params"]]
+    order = optimized_names(run)
     opt_state, lr_state = run.optimizer.state_dict(), run.scheduler.state_dict()
     wrapper = TrainingLoss(raw, run.args.label_smoothing)
     linearize.prune(wrapper, keep, importance, data=[loss_batch(b) for b in batches],
@@ -403,16 +426,101 @@ def prune_ffns(run: common.Run, keep: int, importance: str, batches: list[dict[s
             dim, kept = cut[name]
             opt_state["state"][i] = {k: v.index_select(dim, kept) if v.ndim else v
                                      for k, v in opt_state["state"][i].items()}
-    run.optimizer, run.scheduler = rebuild(raw)
-    run.optimizer.load_state_dict(opt_state)
-    run.scheduler.load_state_dict(lr_state)
+    carry_optimizer(run, rebuild, order, opt_state, lr_state)
     return {n.removeprefix("model."): s.kept.tolist() for n, s in sites.items()}
+
+
+def optimized_names(run: common.Run) -> list[str]:
+    """The names of the parameters the run's optimizer holds, in its order (the keys of its state)."""
+    names = {id(p): n for n, p in run.accelerator.unwrap_model(run.model).named_parameters()}
+    return [names[id(p)] for g in run.optimizer.param_groups for p in g["params"]]
+
+
+def carry_optimizer(run: common.Run, rebuild: Callable[[nn.Module], tuple], order: list[str], opt_state: dict,
+                    lr_state: dict) -> None:
+    """Replace the run's optimizer and LR scheduler by ``rebuild(model)``'s, loaded with the old ones' states
+    ``opt_state`` (its parameters named ``order``: :func:`optimized_names`) and ``lr_state``: each parameter keeps
+    its state by name, one the model gained since (an affine end of ``linearize.one_shot``) starts without, and
+    each parameter group keeps its settings (the learning rate)."""
+    raw = run.accelerator.unwrap_model(run.model)
+    run.optimizer, run.scheduler = rebuild(raw)
+    index = {n: i for i, n in enumerate(optimized_names(run))}
+    groups = run.optimizer.state_dict()["param_groups"]
+    run.optimizer.load_state_dict({
+        "state": {index[order[i]]: state for i, state in opt_state["state"].items()},
+        "param_groups": [{**old, "params": new["params"]} for old, new in zip(opt_state["param_groups"], groups,
+                                                                              strict=True)]})
+    run.scheduler.load_state_dict(lr_state)
+
+
+def one_shot_ffns(run: common.Run, batches: list[dict[str, torch.Tensor]],
+                  rebuild: Callable[[nn.Module], tuple]) -> dict:
+    """Linearize the FFN channels of the run's model in one step: ``linearize.one_shot`` with ``--one-shot``'s end
+    on ``batches``, to the FFN multiply-adds per token of :func:`prune_budget` once folded (``affine`` /
+    ``identity``: ``--target`` of each FFN's channels nonlinear, beside a ``d x d`` passthrough; ``constant``: the
+    channels pruning keeps, no passthrough; ``hybrid``: each FFN's share of the budget as its FLOP fraction, the
+    plan under it). The linear channels are frozen at 1, the others stay frozen at 0. Then the run's optimizer
+    and LR scheduler are rebuilt (:func:`carry_optimizer`) for the ends it made learnable. Returns what was done:
+    the end, the calibration size, the nonlinear channels per FFN unit, each refit, and a hybrid's plans."""
+    args = run.args
+    p = PRESETS[args.model_size]
+    keep, budget = prune_budget(args.model_size, args.target)
+    amount = {"hybrid": {"flops": budget / (2 * p["layers"] * 2 * p["d_model"] * p["ffn"])},
+              "constant": {"target": keep / p["ffn"]}}.get(args.one_shot, {"target": args.target})
+    raw = run.accelerator.unwrap_model(run.model)
+    order = optimized_names(run)
+    opt_state, lr_state = run.optimizer.state_dict(), run.scheduler.state_dict()
+    # the wrapper's source_mask: a decoder input [B, T, C] is not masked by the source's padding (TrainingLoss)
+    sites = linearize.one_shot(TrainingLoss(raw, args.label_smoothing), [loss_batch(b) for b in batches],
+                               end=args.one_shot, **amount)
+    carry_optimizer(run, rebuild, order, opt_state, lr_state)
+    sites = {n.removeprefix("model."): s for n, s in sites.items()}
+    record = {"end": args.one_shot, **amount, "calibration_batches": len(batches),
+              "calibration_pairs": sum(len(b["input_ids"]) for b in batches), "channels_per_ffn": p["ffn"],
+              "nonlinear_channels": {n: s.nonlinear for n, s in sites.items()},
+              "refit": {n: s.refit.removeprefix("model.") for n, s in sites.items()}}  # a layer, or why none
+    if args.one_shot == "hybrid":
+        record["plans"] = {n: {"mode": s.plan.mode, "flops": s.plan.flops, "flops_full": s.plan.flops_full,
+                               "errors": s.plan.errors, "refit_errors": s.plan.refit_errors} for n, s in sites.items()}
+    return record
+
+
+def read_one_shot(out_dir: Path) -> dict:
+    """What the one-shot step of the run in ``out_dir`` did (``ONE_SHOT_FILE``, written at that step), for a
+    run resumed after it; ``ValueError`` naming the file when it is missing or damaged."""
+    path = out_dir / ONE_SHOT_FILE
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{path} cannot be read ({type(e).__name__}: {e}): the run's one-shot step wrote it, and "
+                         "the checkpoint resumed from comes after that step; restore the file, resume from a "
+                         "checkpoint before the step, or start again in a fresh --output_dir") from e
 
 
 def calibration_batches(train: list, sampler: TokenBatchSampler, epoch: int, n: int) -> list[dict[str, torch.Tensor]]:
     """The first ``n`` training batches of ``epoch``, collated."""
     sampler.set_epoch(epoch)
     return [collate([train[i] for i in idx]) for idx in list(sampler)[:n]]
+
+
+def one_shot_batches(train: list, sampler: TokenBatchSampler, epoch: int) -> list[dict[str, torch.Tensor]]:
+    """The calibration data of ``--one-shot``: the first training batches of ``epoch`` that hold
+    :data:`ONE_SHOT_PAIRS` pairs (all of the epoch's where it has fewer), at most :data:`PRUNE_BATCHES`."""
+    sampler.set_epoch(epoch)
+    held = itertools.accumulate(len(idx) for idx in list(sampler)[:PRUNE_BATCHES])
+    n = next((i + 1 for i, pairs in enumerate(held) if pairs >= ONE_SHOT_PAIRS), PRUNE_BATCHES)
+    return calibration_batches(train, sampler, epoch, n)
+
+
+def late_step(args: argparse.Namespace, total_steps: int) -> int:
+    """The step at which ``--prune`` / ``--one-shot`` act: ``--late-start`` as a step (>= 1) or a fraction of
+    training (< 1); ``ValueError`` unless it comes before the run's last step."""
+    at = int(args.late_start) if args.late_start >= 1 else round(args.late_start * total_steps)
+    if at >= total_steps:
+        raise ValueError(f"--late-start {args.late_start} {'prunes' if args.prune else 'linearizes'} at step {at}, "
+                         f"but the run has {total_steps} steps: give a fraction of training below 1 or a step below "
+                         f"{total_steps}")
+    return at
 
 
 # ----------------------------------------------------------------------------- evaluation
@@ -497,6 +605,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="with --linearize none: at --late-start remove FFN channels ranked by this importance "
                         "(linearize.prune) down to the FFN multiply-adds of the model linearized to --target and "
                         "folded, then train on")
+    m.add_argument("--one-shot", "--one_shot", dest="one_shot", choices=ONE_SHOT_ENDS, default=None,
+                   help="with --linearize prelu: train the plain model (slopes frozen at 0) up to --late-start, "
+                        "then linearize the FFN channels in one step (linearize.one_shot with this end) down to the "
+                        "FFN multiply-adds --prune keeps for --target, and train on without sparsity pressure")
     common.add_linearize_args(p, default_select=SELECT_DEFAULT)
     common.add_run_args(p)
     args = p.parse_args(argv)
@@ -504,6 +616,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--target-flops / --target-latency are recipes/cifar.py's (convolutional sites); for the FFN "
                 "channels here, steer the nonlinear fraction with --target")
     common.check_run_args(args)
+    if args.one_shot:
+        what = f"--one-shot {args.one_shot}"
+        if args.prune:
+            p.error(f"{what} and --prune {args.prune} both cut the FFNs to the budget of --target at --late-start: "
+                    "give one of them")
+        if args.linearize != "prelu":
+            p.error(f"{what} linearizes slope units, which --linearize {args.linearize} does not have: use "
+                    "--linearize prelu (the default)")
+        if args.fsdp:
+            p.error(f"{what} calibrates and refits the whole FFN layers, which --fsdp shards: drop --fsdp")
+        if args.schedule not in (None, "late"):
+            p.error(f"{what} linearizes once at --late-start and trains on without sparsity pressure, which "
+                    f"--schedule {args.schedule} would start otherwise: drop --schedule")
+        if pressure := [k for k in common.PRESSURE_FLAGS if k not in ("target", "late_start")
+                        and getattr(args, k) is not None]:
+            p.error(f"{common.flag(pressure[0])} steers the sparsity pressure, which {what} replaces (it chooses "
+                    f"the linear channels itself): drop {', '.join(common.flag(k) for k in pressure)}")
     if args.prune:
         if args.linearize != "none":
             p.error(f"--prune {args.prune} removes channels of the plain model, and --linearize {args.linearize} "
@@ -523,6 +652,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         if not args.late_start >= 0:
             p.error(f"--late-start {args.late_start}: with --prune, the step (>= 1) or fraction of training (< 1) "
                     "to prune at; give a number >= 0")
+    if args.prune or args.one_shot:
         try:
             prune_budget(args.model_size, args.target)
         except ValueError as e:
@@ -572,8 +702,9 @@ def train_run(args: argparse.Namespace, start_time: float) -> dict:
     """The run of :func:`main` (``start_time``: when it began)."""
     accelerator = common.make_accelerator(args, split_batches=False)
     common.check_fsdp(accelerator, args)
-    if args.prune and accelerator.num_processes > 1:
-        raise ValueError(f"--prune replaces the FFN parameters, which the {accelerator.num_processes} processes' "
+    if (args.prune or args.one_shot) and accelerator.num_processes > 1:
+        what = f"--prune {args.prune}" if args.prune else f"--one-shot {args.one_shot}"
+        raise ValueError(f"{what} changes the FFN parameters, which the {accelerator.num_processes} processes' "
                          "DDP wrapper holds: run it in one process (python recipes/wmt14.py)")
     show = accelerator.is_local_main_process
     out_dir = Path(args.output_dir)
@@ -596,6 +727,9 @@ def train_run(args: argparse.Namespace, start_time: float) -> dict:
         model = build_model(args.model_size, len(tokenizer), max_positions=max(512, 2 * args.max_length + 16))
         if args.linearize != "none":  # every activation becomes a unit with a learnable slope (or a gated split)
             model = linearize.convert(model, mode=args.linearize, example_inputs=example_inputs())
+        if args.one_shot:  # the plain model up to the one-shot step, and its nonlinear channels after it
+            for _, unit in linearize.units(model):
+                unit.freeze_(torch.ones(unit.num_channels, dtype=torch.bool), 0.0)
         return model
 
     torch.manual_seed(args.seed)
@@ -630,7 +764,7 @@ def train_run(args: argparse.Namespace, start_time: float) -> dict:
     warmup = max(1, args.warmup_steps)
     scheduler = new_scheduler(optimizer)
     sparsifier = None
-    if args.linearize == "prelu" and args.schedule != "none":  # after every optimizer step: slopes towards 1
+    if args.linearize == "prelu" and args.schedule != "none" and not args.one_shot:  # after every step: slopes to 1
         schedule = linearize.schedules.target(args.target, start=common.schedule_start(args, total_steps),
                                               end=args.ramp_end, flops=args.target_flops, latency=args.target_latency)
         priced = args.target_flops is not None or args.target_latency is not None  # a cost target prices the sites
@@ -640,17 +774,20 @@ def train_run(args: argparse.Namespace, start_time: float) -> dict:
                                           example_inputs=example_inputs() if priced else None).attach(optimizer)
     run = common.Run(accelerator, args, model, optimizer, scheduler, sparsifier, out_dir, fingerprint, RECIPE,
                      started=start_time)
-    if args.prune:  # a checkpoint after step prune_at holds the pruned model (at prune_at, the whole one)
-        keep, budget = prune_budget(args.model_size, args.target)
-        prune_at = int(args.late_start) if args.late_start >= 1 else round(args.late_start * total_steps)
-        if prune_at >= total_steps:
-            raise ValueError(f"--late-start {args.late_start} prunes at step {prune_at}, but the run has "
-                             f"{total_steps} steps: give a fraction of training below 1 or a step below {total_steps}")
-        if args.resume_from_checkpoint:
-            common.remove_partial_checkpoints(out_dir)  # as common.start does: the checkpoint it will load
-            if common.find_checkpoint(args.resume_from_checkpoint, out_dir)[0].step > prune_at:
-                # the pruned shapes (the kept channels do not matter: the checkpoint's weights replace them)
-                prune_ffns(run, keep, "magnitude", calibration_batches(train, sampler, 0, 1), rebuild)
+    # --prune / --one-shot act after step act_at: a checkpoint after it holds the pruned model or the one-shot ends
+    act_at = late_step(args, total_steps) if args.prune or args.one_shot else None
+    keep, budget = prune_budget(args.model_size, args.target) if act_at is not None else (None, None)
+    one_shot = None  # what --one-shot did (ONE_SHOT_FILE), once it has
+    if act_at is not None and args.resume_from_checkpoint:
+        common.remove_partial_checkpoints(out_dir)  # as common.start does: the checkpoint it will load
+        ckpt = common.find_checkpoint(args.resume_from_checkpoint, out_dir)[0]
+        if ckpt.step > act_at and args.prune:
+            # the pruned shapes (the kept channels do not matter: the checkpoint's weights replace them)
+            prune_ffns(run, keep, "magnitude", calibration_batches(train, sampler, 0, 1), rebuild)
+        elif ckpt.step > act_at:  # its ends, learnable or fixed as saved, then an optimizer that holds them
+            accelerator.unwrap_model(model).load_state_dict(ckpt.model, strict=False)
+            run.optimizer, run.scheduler = rebuild(accelerator.unwrap_model(model))
+            one_shot = read_one_shot(out_dir)
     step, last_step = common.start(run, total_steps)
     accelerator.print(f"{args.model_size} Transformer, {args.source_lang}->{args.target_lang}: {len(train)} pairs, "
                       f"vocab {len(tokenizer)}, {steps_per_epoch} steps/epoch, {total_steps} steps, "
@@ -659,17 +796,27 @@ def train_run(args: argparse.Namespace, start_time: float) -> dict:
     def loss_fn(batch: dict) -> torch.Tensor:
         return translation_loss(model, batch, args.label_smoothing)
 
-    if args.prune and step <= prune_at < last_step:  # train up to the prune step, prune, train on
-        if step < prune_at:
-            step = common.train(run, train_loader, sampler, loss_fn, step, prune_at, steps_per_epoch,
+    if act_at is not None and step <= act_at < last_step:  # train up to the step, prune or one-shot, train on
+        if step < act_at:
+            step = common.train(run, train_loader, sampler, loss_fn, step, act_at, steps_per_epoch,
                                 clip_grad=args.clip_grad)
-        batches = calibration_batches(train, sampler, prune_at // steps_per_epoch,
-                                      PRUNE_BATCHES if args.prune == "taylor" else 1)
-        kept = prune_ffns(run, keep, args.prune, batches, rebuild)
-        if accelerator.is_main_process:
-            (out_dir / KEPT_FILE).write_text(json.dumps(kept))
-        accelerator.print(f"pruned at step {prune_at} ({args.prune}): {keep} of {PRESETS[args.model_size]['ffn']} "
-                          f"channels per FFN, {ffn_macs_per_token(accelerator.unwrap_model(model))} FFN MACs per token")
+        if args.prune:
+            batches = calibration_batches(train, sampler, act_at // steps_per_epoch,
+                                          PRUNE_BATCHES if args.prune == "taylor" else 1)
+            kept = prune_ffns(run, keep, args.prune, batches, rebuild)
+            if accelerator.is_main_process:
+                (out_dir / KEPT_FILE).write_text(json.dumps(kept))
+            accelerator.print(f"pruned at step {act_at} ({args.prune}): {keep} of {PRESETS[args.model_size]['ffn']} "
+                              f"channels per FFN, {ffn_macs_per_token(accelerator.unwrap_model(model))} FFN MACs per "
+                              "token")
+        else:
+            one_shot = {**one_shot_ffns(run, one_shot_batches(train, sampler, act_at // steps_per_epoch), rebuild),
+                        "step": act_at, "ffn_macs_budget": budget}
+            if accelerator.is_main_process:
+                (out_dir / ONE_SHOT_FILE).write_text(json.dumps(one_shot, indent=1))
+            accelerator.print(f"one-shot at step {act_at} ({args.one_shot}, {one_shot['calibration_pairs']} pairs): "
+                              f"{one_shot['nonlinear_channels']} of {PRESETS[args.model_size]['ffn']} channels per "
+                              "FFN nonlinear")
     step = common.train(run, train_loader, sampler, loss_fn, step, last_step, steps_per_epoch,
                         clip_grad=args.clip_grad)
 
@@ -689,13 +836,16 @@ def train_run(args: argparse.Namespace, start_time: float) -> dict:
     for s in eval_splits[1:]:
         metrics.update({f"{s}_bleu": bleu(hyps[s], [t for _, t in pairs[s]], args.target_lang)["bleu"],
                         f"{s}_pairs": len(hyps[s])})
+    if one_shot is not None:
+        metrics["one_shot"] = {**one_shot, "file": str(out_dir / ONE_SHOT_FILE)}
     if accelerator.is_main_process:
         history = out_dir / "sparsifier_history.json"
         # an earlier run's, in a reused --output_dir, that this run does not write again (those it writes below
         # replace the earlier ones: a symlinked folded/ or report/ keeps its link, and its target gets this run's)
         common.remove_earlier_outputs(out_dir, [*(["folded"] * (not args.fold)), *(["report"] * (not args.report)),
                                                 history.name, "test_hypotheses.txt",
-                                                "validation_hypotheses.txt", *([] if args.prune else [KEPT_FILE])])
+                                                "validation_hypotheses.txt", *([] if args.prune else [KEPT_FILE]),
+                                                *([] if args.one_shot else [ONE_SHOT_FILE])])
         if sparsifier is not None:
             sparsifier.save_history(history)
         accelerator.print(f"sacreBLEU {metrics['bleu']}  ({metrics['bleu_signature']})")
@@ -711,6 +861,9 @@ def train_run(args: argparse.Namespace, start_time: float) -> dict:
                 linearize.save_folded(folded, stage, builder="plain", example_inputs=probe)
             metrics["fold"] = {**common.fold_metrics(folded, out_dir / "folded"), "ffn_macs_per_token": {
                 "before": ffn_macs_per_token(raw), "after": ffn_macs_per_token(folded)}}
+            if one_shot is not None:  # within half a channel per FFN of the budget (a hybrid plan: below it)
+                check_budget(metrics["fold"]["ffn_macs_per_token"]["after"], budget, args.model_size,
+                             below=args.one_shot == "hybrid")
         if args.report:
             linearize.report(raw, probe, tol=args.tol, max_samples=args.report_samples,
                              skip=[m for m in args.report_skip.split(",") if m],
@@ -721,11 +874,10 @@ def train_run(args: argparse.Namespace, start_time: float) -> dict:
             macs = {"before": ffn_macs_per_token(whole), "after": ffn_macs_per_token(raw),
                     "linearized_folded_at_target": budget}
             preset = PRESETS[args.model_size]
-            if step > prune_at and abs(macs["after"] - budget) > 2 * preset["layers"] * preset["d_model"]:
-                raise AssertionError(f"pruned FFN MACs per token {macs['after']}: not within half a channel per FFN "
-                                     f"of the budget {budget}")
+            if step > act_at:
+                check_budget(macs["after"], budget, args.model_size)
             metrics["prune"] = {
-                "importance": args.prune, "step": prune_at, "channels_per_ffn": preset["ffn"],
+                "importance": args.prune, "step": act_at, "channels_per_ffn": preset["ffn"],
                 "kept_channels": {n: m.out_features for n, m in raw.named_modules() if n.endswith(".fc1")},
                 "kept_indices": str(out_dir / KEPT_FILE), "ffn_macs_per_token": macs,
                 "flops_before": linearize.count_flops(whole, probe), "flops_after": linearize.count_flops(raw, probe)}

@@ -28,8 +28,8 @@ Imports go one way: ``training`` -> ``checkpoints``, ``outputs`` -> ``args``, ``
 from __future__ import annotations
 
 from .accelerator import FSDP_HELP, blocks, check_fsdp, gathered, has_device, make_accelerator, prepare, shard
-from .args import (LINEARIZE_MODES, add_linearize_args, add_run_args, check_linearize_args, check_run_args, flag,
-                   schedule_start)
+from .args import (LINEARIZE_MODES, PRESSURE_FLAGS, add_linearize_args, add_run_args, check_linearize_args,
+                   check_run_args, flag, schedule_start)
 from .checkpoints import (MODEL_FILE, NEUTRAL_ARGS, OPTIMIZER_FILE, STATE_FILE, Checkpoint, CheckpointError,
                           checkpoint_dir, find_checkpoint, first_nonfinite, json_value, load_checkpoint,
                           model_fingerprint, read_checkpoint, remove_partial_checkpoints, save_checkpoint,
@@ -43,8 +43,8 @@ from .training import EpochSampler, LossWatch, run_length, start, train
 
 __all__ = [
     "FSDP_HELP", "blocks", "check_fsdp", "gathered", "has_device", "make_accelerator", "prepare", "shard",
-    "LINEARIZE_MODES", "add_linearize_args", "add_run_args", "check_linearize_args", "check_run_args", "flag",
-    "schedule_start",
+    "LINEARIZE_MODES", "PRESSURE_FLAGS", "add_linearize_args", "add_run_args", "check_linearize_args",
+    "check_run_args", "flag", "schedule_start",
     "MODEL_FILE", "NEUTRAL_ARGS", "OPTIMIZER_FILE", "STATE_FILE", "Checkpoint", "CheckpointError", "checkpoint_dir",
     "find_checkpoint", "first_nonfinite", "json_value", "load_checkpoint", "model_fingerprint", "read_checkpoint",
     "remove_partial_checkpoints", "save_checkpoint", "state_digest", "state_problem", "state_sha256",
