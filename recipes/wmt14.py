@@ -29,7 +29,7 @@ builds the pruned shapes first.
 
 The one-shot counterpart (``--linearize prelu --one-shot affine|hybrid|constant|identity``): the units' slopes
 frozen at 0 (the plain model) up to ``--late-start``, where ``linearize.one_shot`` linearizes the FFN channels in
-one step, on the first training batches of that epoch that hold 256 pairs (at most 32 batches), to the same
+one step, on the first training batches of that epoch that hold 1,024 pairs (at most 32 batches), to the same
 budget of FFN multiply-adds folded (:func:`one_shot_ffns`); then training goes on without sparsity pressure, the
 linear channels frozen at 1 with their ends (learnable for ``affine`` and a hybrid's linear FFNs), the others
 at 0. A checkpoint after that step holds the ends; resuming from it loads them first.
@@ -72,7 +72,7 @@ PRUNE_IMPORTANCES = ("magnitude", "taylor")  # of linearize.prune (its "residual
 PRUNE_BATCHES = 32  # training batches the Taylor importance sums over
 KEPT_FILE = "pruned_channels.json"  # OUTPUT_DIR/: the indices each pruned FFN kept
 ONE_SHOT_ENDS = ("affine", "hybrid", "constant", "identity")  # linearize.one_shot's ends
-ONE_SHOT_PAIRS = 256  # calibration pairs of --one-shot (recipes/benchmarks/hybrid_one_shot.py's --calibration)
+ONE_SHOT_PAIRS = 1024  # calibration pairs of --one-shot (as recipes/benchmarks/hybrid_one_shot.py --calibration 1024)
 ONE_SHOT_FILE = "one_shot.json"  # OUTPUT_DIR/: what --one-shot did (the metrics' one_shot block)
 
 
