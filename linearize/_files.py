@@ -17,13 +17,15 @@ import re
 import secrets
 import stat
 import threading
+import warnings
 from collections.abc import Callable, Collection, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, BinaryIO
 
 __all__ = ["LoadError", "atomic_write", "fsync_path", "remove_stale", "safe_torch_load", "save_lock", "open_regular",
-           "read_regular", "read_file", "check_regular", "parse_json", "read_json", "check_folder", "SAVE_LOCK_NAME",
+           "read_regular", "read_file", "check_regular", "parse_json", "read_json", "check_folder", "flock_error",
+           "SAVE_LOCK_NAME",
            "TRUST_PICKLE_FLAG", "MAX_JSON_BYTES"]
 
 TRUST_PICKLE_FLAG = "--trust-pickle"
@@ -272,9 +274,13 @@ def save_lock(directory: Path) -> Iterator[bool]:
     Yields True; False to a thread that holds it already (a save made inside another save into that folder,
     from a callback): it goes on under the outer hold, which alone may remove what saves left behind.
 
+    Where the file system cannot lock files (:func:`flock_error`: NFS without its lock manager, Lustre
+    without ``-o flock``) the save goes on unlocked, with one ``RuntimeWarning`` naming the folder: each
+    file is still written whole (atomic renames), but concurrent saves there are not kept apart.
+
     Raises ``PermissionError`` for a folder this process cannot write, ``TimeoutError`` when another save
     has held the lock for ``SAVE_LOCK_WAIT_S`` seconds, and ``OSError`` naming the lock file when it cannot
-    be taken (a symbolic link or a folder there, a file system without locks).
+    be taken (a symbolic link or a folder there).
     """
     from filelock import FileLock, Timeout
 
@@ -296,21 +302,48 @@ def save_lock(directory: Path) -> Iterator[bool]:
                               "remove what is there and save again")
     lock, wait = FileLock(str(path)), SAVE_LOCK_WAIT_S
     try:
-        lock.acquire(timeout=wait)
+        missing = flock_error(path)
+        if missing is None:
+            lock.acquire(timeout=wait)
     except Timeout:
         raise TimeoutError(f"{directory}: another save into this folder has held its lock {path} for {wait:.0f} s "
                            "(a save still running, or a stopped process); let it finish or stop it, then save "
                            "again") from None
     except OSError as err:
-        message = (f"{path}: cannot take the save lock of {directory} ({err}); a save needs a writable folder on a "
-                   "file system with file locks: save elsewhere, or fix its permissions")
+        message = (f"{path}: cannot take the save lock of {directory} ({err}); a save needs a writable folder: save "
+                   "elsewhere, or fix its permissions")
         raise (OSError(err.errno, message) if err.errno is not None else OSError(message)) from err
+    if missing is not None:
+        warnings.warn(f"{directory}: this filesystem cannot lock files (flock: {missing.strerror}), so this save "
+                      "is not kept apart from other saves into the folder (each file is still written whole): "
+                      "save into it from one process at a time", RuntimeWarning, stacklevel=4)
     held.add(key)
     try:
         yield True
     finally:
         held.discard(key)
-        lock.release()
+        if missing is None:
+            lock.release()
+
+
+def flock_error(path: str | os.PathLike) -> OSError | None:
+    """The error of ``flock`` on the file ``path`` (created) where the file system cannot lock files (ENOLCK,
+    ENOSYS, EOPNOTSUPP, ...), else ``None`` (also when another process holds the lock, and where there is no
+    ``fcntl``: Windows, where ``filelock`` locks with ``msvcrt``). The probe's own lock is released on return.
+    """
+    try:
+        import fcntl
+    except ImportError:
+        return None
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as err:
+        if err.errno not in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
+            return err
+    finally:
+        os.close(fd)  # releases a lock the probe took
+    return None
 
 
 def remove_stale(directory: Path, keep: Collection[str], ours: Callable[[str], bool]) -> None:

@@ -8,6 +8,7 @@ code under test); a loaded model must give exactly those of one of the models sa
 
 from __future__ import annotations
 
+import errno
 import json
 import multiprocessing as mp
 import os
@@ -306,6 +307,33 @@ def test_a_save_waits_for_the_lock_at_most_its_bound_then_says_who_holds_it(tmp_
         held.release()
     assert torch.equal(_outputs(linearize.from_pretrained(_fresh(), directory, example_inputs=X)),
                        _outputs(_converted(1)))
+
+
+@pytest.mark.parametrize("err", [errno.ENOLCK, errno.EOPNOTSUPP], ids=["ENOLCK", "EOPNOTSUPP"])
+def test_a_folder_that_cannot_be_locked_saves_unlocked_with_one_warning(tmp_path, monkeypatch, err):
+    """flock() failing as on NFS without its lock manager (ENOLCK) or a filesystem without locks (EOPNOTSUPP):
+    ``save_pretrained`` and ``save_folded`` go ahead without the lock, each with one warning naming the folder,
+    and the folder loads the last save (the model's own outputs). Before, the save was refused."""
+    import fcntl
+    import warnings
+
+    def flock(fd, op):
+        raise OSError(err, os.strerror(err))
+
+    monkeypatch.setattr(fcntl, "flock", flock)
+    units, folded = tmp_path / "nfs" / "units", tmp_path / "nfs" / "folded"
+    for seed in (1, 2):  # the second save replaces the first
+        for directory, save in ((units, lambda: linearize.save_pretrained(_converted(seed), units)),
+                                (folded, lambda: linearize.save_folded(_plain(seed), folded, example_inputs=X))):
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                save()
+            messages = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+            assert len(messages) == 1 and messages[0].startswith(f"{directory}: this filesystem cannot lock files"), \
+                messages
+        assert torch.equal(_outputs(linearize.from_pretrained(_fresh(), units, example_inputs=X)),
+                           _outputs(_converted(seed)))
+        assert torch.equal(_outputs(linearize.load_folded(folded)), _outputs(_plain(seed)))
 
 
 _READ_ONLY = """

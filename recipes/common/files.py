@@ -6,7 +6,6 @@ an ``OUTPUT_DIR``."""
 from __future__ import annotations
 
 import contextlib
-import errno
 import glob
 import hashlib
 import os
@@ -17,7 +16,7 @@ import sys
 import warnings
 from pathlib import Path
 
-from linearize._files import atomic_write, fsync_path
+from linearize._files import atomic_write, flock_error, fsync_path
 
 
 TMP_PREFIX = ".tmp-"
@@ -62,7 +61,7 @@ def hold_output_dir(output_dir: str | Path) -> None:
     directory = Path(output_dir)
     path = directory / RUN_LOCK
     directory.mkdir(parents=True, exist_ok=True)
-    missing = _flock_error(path)
+    missing = flock_error(path)
     if missing is not None:
         warnings.warn(f"{directory}: this filesystem cannot lock files (flock: {missing.strerror}), so this run is "
                       "not protected against a second run into the same --output_dir: start only one run there "
@@ -84,24 +83,6 @@ def hold_output_dir(output_dir: str | Path) -> None:
     _HELD_RUNS[os.path.realpath(path)] = lock
     atomic_write(directory / RUN_OWNER, f"process {os.getpid()} on {socket.gethostname()}: "
                                         f"{' '.join([sys.executable, *sys.argv])}\n")
-
-
-def _flock_error(path: Path) -> OSError | None:
-    """The error of ``flock`` on the file ``path`` (created) where the filesystem cannot lock (ENOLCK,
-    ENOSYS, ...), else ``None`` (also when another process holds the lock, and where there is no ``fcntl``)."""
-    try:
-        import fcntl
-    except ImportError:  # Windows: filelock locks with msvcrt
-        return None
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError as e:
-        if e.errno not in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
-            return e
-    finally:
-        os.close(fd)  # releases a lock the probe took
-    return None
 
 
 def release_output_dir(output_dir: str | Path) -> None:
