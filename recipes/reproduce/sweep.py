@@ -31,14 +31,14 @@ class Job:
 
 
 def read_json(path: Path, damaged_ok: bool = False) -> dict:
-    """The JSON object in the file ``path``; ``{}`` when absent or (being) half written. A damaged file (not
-    UTF-8, a folder, nested too deep, a number too long, no JSON object) raises ``ValueError`` naming it and
-    the fix, so that a shared record such as ``RUNS/jobs.json`` is never rewritten from nothing; with
+    """The JSON object in the file ``path``; ``{}`` when absent. A damaged file (invalid JSON, not UTF-8, a
+    folder, nested too deep, a number too long, no JSON object) raises ``ValueError`` naming it and the fix,
+    so that a shared record such as ``RUNS/jobs.json`` is never rewritten from nothing; with
     ``damaged_ok`` (a run's ``metrics.json``: one run's bad file never stops the sweep) it is taken as ``{}``
     with a warning naming it."""
     try:
         data = json.loads(path.read_text())
-    except (FileNotFoundError, json.JSONDecodeError):
+    except FileNotFoundError:
         return {}
     except (OSError, ValueError, RecursionError) as e:  # ValueError: not UTF-8, an integer of >4300 digits
         problem = f"cannot be read ({type(e).__name__}: {e})"
@@ -140,6 +140,7 @@ def train(jobs: list[Job], runs: Path, n_jobs: int, threads: int, poll_s: float 
     changed: set[str] = set()  # done, but with other arguments than planned now
     announced: set[str] = set()
     deadline = time.time() + 3600 * max_hours
+    read_json(runs / "jobs.json")  # a damaged record of the runs stops the runner before any run starts
     conflicts = _shared_folders(jobs, runs)  # never started, collected or counted as done
     failed.update(conflicts)
     n_done = sum(is_done(runs / j.name) and not plan_changed(j, runs / j.name) for j in jobs)

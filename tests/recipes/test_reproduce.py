@@ -280,17 +280,37 @@ def test_a_damaged_metrics_json_of_one_run_never_stops_the_sweep(tmp_path, damag
     assert failures == (damage[0] == "a folder") and sweep.is_done(runs / "bad") == (damage[0] != "a folder"), out
 
 
-@pytest.mark.parametrize("damage", [b"\xff", b"[]"], ids=["not UTF-8", "a JSON list"])
+@pytest.mark.parametrize("damage", [
+    lambda raw: raw.replace(b"run3", b"\xffun3"), lambda raw: b"[" + raw + b"]", lambda raw: raw[:-7],
+    lambda raw: raw.replace(b'"run3"', b"run3"), lambda raw: b""],
+    ids=["not UTF-8", "a JSON list", "cut short", "invalid JSON", "empty"])
 def test_a_damaged_jobs_json_stops_the_runner_and_keeps_every_record(tmp_path, damage):
-    """RUNS/jobs.json (every run's launches and exit codes, shared by all runners) with one damaged byte, or a
-    JSON list: recording a run stops with an error naming the file and the fix, and the file keeps its bytes."""
+    """RUNS/jobs.json (every run's launches and exit codes, shared by all runners) with one damaged byte, a
+    JSON list, cut short, invalid JSON, or empty: recording a run stops with an error naming the file and the
+    fix, and the file keeps its bytes (invalid JSON was read as no records, and rewritten without them)."""
     records = {f"run{i}": {"attempts": 2, "returncode": 0} for i in range(1, 6)}
-    raw = json.dumps(records).encode()
-    damaged = raw.replace(b"run3", b"\xffun3") if damage == b"\xff" else b"[" + raw + b"]"
+    damaged = damage(json.dumps(records).encode())
     (tmp_path / "jobs.json").write_bytes(damaged)
     with pytest.raises(ValueError, match=re.escape(str(tmp_path / "jobs.json")) + r".*repair it, or move it aside"):
         sweep._record(tmp_path, "run5", {"returncode": 0, "ended": 1.0})
     assert (tmp_path / "jobs.json").read_bytes() == damaged
+
+
+def test_an_invalid_jobs_json_stops_the_sweep_before_any_run_starts(tmp_path):
+    """A jobs.json that is not valid JSON (it was read as no records, and rewritten without them once a run
+    started): the sweep stops with an error naming the file and the fix, starts no run, and the file keeps its
+    bytes."""
+    script = tmp_path / "fake_run.py"
+    script.write_text(FAKE_RUN)
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    damaged = b'{"run1": {"attempts": 2, "returncode": 0}, "run2": {"attempts": 1, '
+    (runs / "jobs.json").write_bytes(damaged)
+    jobs = [sweep.Job("a", [str(script), "--output_dir", str(runs / "a")])]
+    with pytest.raises(ValueError, match=re.escape(str(runs / "jobs.json")) + r".*repair it, or move it aside"):
+        sweep.train(jobs, runs, n_jobs=1, threads=1, poll_s=0.1, max_hours=1 / 60)
+    assert (runs / "jobs.json").read_bytes() == damaged
+    assert sorted(p.name for p in runs.iterdir()) == ["jobs.json"]  # no run started, no log, no lock
 
 
 def started_by_hand(argv: list[str]) -> subprocess.Popen:
