@@ -42,7 +42,7 @@ from ._files import LoadError, check_regular, read_json, safe_torch_load
 
 __all__ = ["CONFIG_KEY", "GUARD_KEY", "is_guard", "lift_guard", "is_hf_model", "mark", "unmark", "refuse_stripped",
            "has_manifest", "has_weights", "weights_file", "unreadable_weights_file", "read_unit_tensors", "load_plain",
-           "load_weights"]
+           "load_weights", "variant_name"]
 
 CONFIG_KEY = "linearize"
 GUARD_KEY = "quantization_config"  # transformers refuses to load a config whose entry has no quant_method
@@ -191,18 +191,34 @@ def has_manifest(directory: str | os.PathLike) -> bool:
     return isinstance(config, dict) and CONFIG_KEY in config  # a JSON string or list is no HF config
 
 
-def has_weights(directory: str | os.PathLike) -> bool:
+def has_weights(directory: str | os.PathLike, variant: str | None = None) -> bool:
     """True when ``directory`` holds the weights of a Hugging Face save beside its ``config.json``
-    (``model.safetensors``, ``pytorch_model.bin``, or the index of their shards)."""
-    return (Path(directory) / HF_CONFIG).is_file() and weights_file(directory) is not None
+    (``model.safetensors``, ``pytorch_model.bin``, or the index of their shards; of ``variant``:
+    :func:`variant_name`)."""
+    return (Path(directory) / HF_CONFIG).is_file() and weights_file(directory, variant) is not None
 
 
-def weights_file(directory: str | os.PathLike) -> Path | None:
+def variant_name(name: str, variant: str | None) -> str:
+    """The name transformers gives the weights file ``name`` of ``variant`` (``save_pretrained(variant=)``): the
+    variant before the last suffix; ``name`` itself for ``None``.
+
+    Example:
+        >>> variant_name("model.safetensors", "fp16"), variant_name("pytorch_model.bin.index.json", "fp16")
+        ('model.fp16.safetensors', 'pytorch_model.bin.index.fp16.json')
+    """
+    if variant is None:
+        return name
+    stem, suffix = name.rsplit(".", 1)
+    return f"{stem}.{variant}.{suffix}"
+
+
+def weights_file(directory: str | os.PathLike, variant: str | None = None) -> Path | None:
     """The file of ``directory`` transformers reads a model's weights from, in its order of preference:
-    ``model.safetensors``, the index of its shards, ``pytorch_model.bin``, the index of its shards; ``None``
-    when there is none."""
+    ``model.safetensors``, the index of its shards, ``pytorch_model.bin``, the index of its shards (those of
+    ``variant``: :func:`variant_name`); ``None`` when there is none."""
     directory = Path(directory)
-    return next((directory / n for n in (_SAFE, _SAFE_INDEX, _BIN, _BIN_INDEX) if (directory / n).is_file()), None)
+    return next((directory / variant_name(n, variant) for n in (_SAFE, _SAFE_INDEX, _BIN, _BIN_INDEX)
+                 if (directory / variant_name(n, variant)).is_file()), None)
 
 
 def unreadable_weights_file(directory: str | os.PathLike) -> Path | None:
@@ -232,9 +248,9 @@ def unreadable_weights_file(directory: str | os.PathLike) -> Path | None:
     return found
 
 
-def _weight_files(directory: Path) -> dict[str, Path]:
-    """Which file of an HF save holds each tensor name (``{}``: unsharded, see ``_single_file``)."""
-    for index in (_SAFE_INDEX, _BIN_INDEX):
+def _weight_files(directory: Path, variant: str | None = None) -> dict[str, Path]:
+    """Which file of an HF save (of ``variant``) holds each tensor name (``{}``: unsharded)."""
+    for index in (variant_name(_SAFE_INDEX, variant), variant_name(_BIN_INDEX, variant)):
         if (directory / index).is_file():
             try:
                 weight_map = read_json(directory / index, "shard index")["weight_map"]
@@ -246,22 +262,25 @@ def _weight_files(directory: Path) -> dict[str, Path]:
     return {}
 
 
-def read_unit_tensors(directory: Path, keys: list[str],
-                      each: Callable[[torch.Tensor], Any] | None = None) -> tuple[dict[str, Any], Path]:
+def read_unit_tensors(directory: Path, keys: list[str], each: Callable[[torch.Tensor], Any] | None = None,
+                      variant: str | None = None) -> tuple[dict[str, Any], Path]:
     """The tensors ``keys`` of the HF weights in ``directory`` (absent ones left out), and the file read.
 
     Reads ``model.safetensors`` (or its shards) without touching other tensors, in their stored dtype, or
-    ``pytorch_model.bin`` with ``torch.load(weights_only=True)``. ``each``: what to keep of each tensor as
-    it is read (a digest: the tensors are then not all held at once).
+    ``pytorch_model.bin`` with ``torch.load(weights_only=True)``; those of ``variant`` (``model.fp16.safetensors``
+    ...: :func:`variant_name`) when given. ``each``: what to keep of each tensor as it is read (a digest: the
+    tensors are then not all held at once).
     """
     import safetensors
 
-    files = _weight_files(directory)
+    files = _weight_files(directory, variant)
+    safe, binary = variant_name(_SAFE, variant), variant_name(_BIN, variant)
     if not files:
-        single = next((directory / n for n in (_SAFE, _BIN) if (directory / n).is_file()), None)
+        single = next((directory / n for n in (safe, binary) if (directory / n).is_file()), None)
         if single is None:
             raise FileNotFoundError(f"{directory} has a linearize manifest in {HF_CONFIG} but no weights "
-                                    f"({_SAFE} or {_BIN}); save the model again with model.save_pretrained(dir)")
+                                    f"({safe} or {binary}); save the model again with model.save_pretrained(dir"
+                                    + (f", variant={variant!r})" if variant is not None else ")"))
         files = dict.fromkeys(keys, single)
     keep = each or (lambda t: t)
     out: dict[str, Any] = {}
@@ -269,7 +288,7 @@ def read_unit_tensors(directory: Path, keys: list[str],
     for k in keys:
         if k in files:
             by_file.setdefault(files[k], []).append(k)
-    path = next(iter(by_file), directory / _SAFE)
+    path = next(iter(by_file), directory / safe)
     for path, names in by_file.items():
         check_regular(path, "weights file")  # safe_open and torch.load open it by name: a FIFO would block
         try:
@@ -348,15 +367,16 @@ def load_plain(cls: type, directory: Path, keys: list[str], kwargs: dict[str, An
     return model
 
 
-def load_weights(model: nn.Module, directory: Path, keys: list[str]) -> None:
-    """Load the weights of the Hugging Face save in ``directory`` into ``model``, an unconverted instance of
-    that architecture, in place (its config and dtype stay; the unit tensors ``keys`` are left for the caller).
+def load_weights(model: nn.Module, directory: Path, keys: list[str], variant: str | None = None) -> None:
+    """Load the weights (of ``variant``) of the Hugging Face save in ``directory`` into ``model``, an unconverted
+    instance of that architecture, in place (its config and dtype stay; the unit tensors ``keys`` are left for
+    the caller).
 
     transformers reads them into a second model (:func:`load_plain` of ``type(model)``: shards, renamed and
     tied keys as in any ``from_pretrained``), whose state is copied into ``model``: a second copy of the model
     in memory while it runs. Raises ``ValueError`` when ``model`` is another architecture (names or shapes).
     """
-    saved = load_plain(type(model), directory, keys, {}).state_dict()
+    saved = load_plain(type(model), directory, keys, {"variant": variant}).state_dict()
     own = model.state_dict()
     missing, extra = sorted(set(own) - set(saved)), sorted(set(saved) - set(own))
     shapes = sorted(k for k in set(own) & set(saved) if own[k].shape != saved[k].shape)

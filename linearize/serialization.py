@@ -206,14 +206,14 @@ def _fingerprint(exact: dict[str, str]) -> str:
     return hashlib.sha256(json.dumps(sorted(exact.items())).encode()).hexdigest()
 
 
-def _stored_digests(directory: Path, keys: list[str]) -> dict[str, tuple[str, str]]:
-    """``{key: (value digest, exact digest)}`` of the tensors ``keys`` in the Hugging Face weights of
-    ``directory`` as stored (their dtype, not that of a model they were loaded into), absent ones left out; ``{}``
-    when they cannot be read."""
+def _stored_digests(directory: Path, keys: list[str], variant: str | None = None) -> dict[str, tuple[str, str]]:
+    """``{key: (value digest, exact digest)}`` of the tensors ``keys`` in the Hugging Face weights (of ``variant``)
+    of ``directory`` as stored (their dtype, not that of a model they were loaded into), absent ones left out;
+    ``{}`` when they cannot be read."""
     from . import hf
 
     try:
-        return hf.read_unit_tensors(directory, keys, lambda t: (_value_digest(t), _exact_digest(t)))[0]
+        return hf.read_unit_tensors(directory, keys, lambda t: (_value_digest(t), _exact_digest(t)), variant)[0]
     except (OSError, LoadError):  # damaged or missing files: they hold nothing of the model
         return {}
 
@@ -638,9 +638,10 @@ def _load_checked(directory: Path) -> tuple[dict[str, Any], dict[str, torch.Tens
     return meta, tensors, state, path
 
 
-def _load_hf_checked(directory: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor], Path]:
+def _load_hf_checked(directory: Path, variant: str | None) -> tuple[dict[str, Any], dict[str, torch.Tensor], Path]:
     """``(manifest, unit tensors, weights file)`` of a converted HF model saved with its own
-    ``save_pretrained`` (manifest in ``config.json``, units in its weights), checked as a sidecar is."""
+    ``save_pretrained`` (manifest in ``config.json``, units in its weights of ``variant``), checked as a sidecar
+    is."""
     from . import hf
 
     meta = _read_hf_manifest(directory)
@@ -648,23 +649,23 @@ def _load_hf_checked(directory: Path) -> tuple[dict[str, Any], dict[str, torch.T
         raise LoadError(f"{directory / hf.HF_CONFIG}: gated mode {meta['config'].mode!r} is saved with "
                         "linearize.save_pretrained(model, directory) only")
     keys = [f"{s['name']}.{k}" for s in meta["sites"] for k in ("slope", "frozen") + END_KEYS]
-    tensors, path = hf.read_unit_tensors(directory, keys)  # alpha / beta only where saved
+    tensors, path = hf.read_unit_tensors(directory, keys, variant=variant)  # alpha / beta only where saved
     _check_unit_tensors(tensors, meta["sites"], path)
     return meta, tensors, path
 
 
 def _check_agree(directory: Path, tensors: dict[str, torch.Tensor], state: dict[str, torch.Tensor] | None,
-                 supersedes: str | None) -> None:
-    """Refuse a directory whose HF weights hold unit tensors, or model weights (``state``: those the sidecar
-    holds, compared by name), other than the sidecar's: one of them was saved later (``model.save_pretrained``
-    into a folder with an older sidecar), unless they are still those the sidecar was saved beside
-    (``supersedes``, their :func:`_fingerprint`): then the sidecar is the newer save."""
+                 supersedes: str | None, variant: str | None) -> None:
+    """Refuse a directory whose HF weights (of ``variant``) hold unit tensors, or model weights (``state``: those
+    the sidecar holds, compared by name), other than the sidecar's: one of them was saved later
+    (``model.save_pretrained`` into a folder with an older sidecar), unless they are still those the sidecar was
+    saved beside (``supersedes``, their :func:`_fingerprint`): then the sidecar is the newer save."""
     from . import hf
 
     if not hf.has_manifest(directory):
         return
     ours = {**tensors, **(state or {})}
-    found, path = hf.read_unit_tensors(directory, sorted(ours))
+    found, path = hf.read_unit_tensors(directory, sorted(ours), variant=variant)
     if supersedes is not None and _fingerprint({k: _exact_digest(t) for k, t in found.items()}) == supersedes:
         return
     differ = sorted(k for k, t in found.items()
@@ -694,7 +695,8 @@ def from_pretrained(model: nn.Module | type, directory: str | os.PathLike, examp
             Face model class (``AutoModel``, ``BertModel`` ...), loaded from ``directory`` with
             ``from_pretrained(directory, **hf_kwargs)`` (the unit tensors it holds are expected).
             ``subfolder=`` (any ``model``) names the folder inside ``directory`` that holds the save;
-            ``variant=`` is refused (the units are read from the default weight files).
+            ``variant=`` (any ``model``) reads the weights and units of that variant, as transformers does
+            (``model.<variant>.safetensors``, ``pytorch_model.<variant>.bin`` or their shards).
         directory: a folder written by :func:`save_pretrained`, or by ``model.save_pretrained`` /
             a Trainer checkpoint of a converted HF model (its ``config.json`` carries the manifest).
         example_inputs: the probe input for ``convert`` (needed for models whose input
@@ -719,27 +721,32 @@ def from_pretrained(model: nn.Module | type, directory: str | os.PathLike, examp
             else "pass the freshly built, unconverted model"
         raise TypeError(f"linearize.from_pretrained: model must be an nn.Module or a Hugging Face model class, got "
                         f"{type(model).__name__} {model!r:.80}: {fix}")
-    if hf_kwargs.get("variant") is not None:
-        raise TypeError(f"linearize.from_pretrained does not take variant={hf_kwargs['variant']!r}: it reads the units "
-                        "from the default weight files (model.safetensors, pytorch_model.bin or their shards). Save "
-                        "that model again without variant=, e.g. into a folder of its own, and load that folder")
+    variant = hf_kwargs.pop("variant", None)
+    if variant is not None and (not isinstance(variant, str) or not variant or set(variant) & {"/", "\\", os.sep}):
+        raise ValueError(f"linearize.from_pretrained: variant={variant!r} is not a variant name (as in "
+                         "model.<variant>.safetensors, e.g. 'fp16'): pass the name save_pretrained(variant=) was given")
     directory = Path(directory) / (hf_kwargs.pop("subfolder", None) or "")  # the save is there, for every file read
+    if variant is not None and hf.weights_file(directory, variant) is None:
+        raise FileNotFoundError(f"{directory} holds no weights of variant {variant!r} ("
+                                f"{hf.variant_name('model.safetensors', variant)}, "
+                                f"{hf.variant_name('pytorch_model.bin', variant)} or their shards): pass the variant "
+                                "its model.save_pretrained(variant=) was given, or none")
     if (directory / CONFIG_NAME).exists() or not hf.has_manifest(directory):
         meta, tensors, state, path = _load_checked(directory)
         if meta["config"].mode == "prelu":
-            _check_agree(directory, tensors, state, meta["supersedes"])
+            _check_agree(directory, tensors, state, meta["supersedes"], variant)
     else:
-        meta, tensors, path = _load_hf_checked(directory)
+        meta, tensors, path = _load_hf_checked(directory, variant)
         state = None
     config = meta["config"]
     keys = [f"{s['name']}.{k}" for s in meta["sites"] for k in ("slope", "frozen") + END_KEYS]
     weights_from_folder = isinstance(model, type) or config.mode != "prelu" or state is not None
     if isinstance(model, type):
-        model = hf.load_plain(model, directory, keys, hf_kwargs)
+        model = hf.load_plain(model, directory, keys, {**hf_kwargs, "variant": variant})
     elif hf_kwargs:
         raise TypeError(f"unexpected keyword arguments {sorted(hf_kwargs)} (only with a model class)")
-    elif not weights_from_folder and hf.is_hf_model(model) and hf.has_weights(directory):
-        hf.load_weights(model, directory, keys)  # the folder's own weights, not those the instance was built with
+    elif not weights_from_folder and hf.is_hf_model(model) and hf.has_weights(directory, variant):
+        hf.load_weights(model, directory, keys, variant)  # the folder's own weights, not the instance's
         weights_from_folder = True
     hf.unmark(model)
     model = convert(model, config, example_inputs=example_inputs)
@@ -760,7 +767,8 @@ def from_pretrained(model: nn.Module | type, directory: str | os.PathLike, examp
         _check_state_tensors(state, _base_state(plain), path, what="model")
         plain.load_state_dict(_with_versions(state, plain), strict=False)  # every key but the units' checked above
     elif not weights_from_folder or (meta["base"] or {}).get("saved") is False:  # digests: check any weights
-        _check_base(unwrap_model(model), meta, directory, cross=found != meta["sites"], from_folder=weights_from_folder)
+        _check_base(unwrap_model(model), meta, directory, cross=found != meta["sites"], from_folder=weights_from_folder,
+                    variant=variant)
     with torch.no_grad():
         for name, unit in units(model):
             key = saved_name.get(_clean(name))
@@ -774,13 +782,14 @@ def from_pretrained(model: nn.Module | type, directory: str | os.PathLike, examp
     return model
 
 
-def _check_base(model: nn.Module, meta: dict[str, Any], directory: Path, cross: bool, from_folder: bool) -> None:
+def _check_base(model: nn.Module, meta: dict[str, Any], directory: Path, cross: bool, from_folder: bool,
+                variant: str | None) -> None:
     """Refuse (:class:`LoadError`) to put the saved units on weights of ``model`` other than those they were
     saved with (the digests of a format 3 sidecar of a Hugging Face model); warn for a save that recorded
     none (formats 1 and 2). ``cross``: the units of a head model loaded into its base model (or the
     reverse): only the weights both have are compared, without the ``base_model_prefix``. ``from_folder``:
-    the weights were loaded from the Hugging Face save in ``directory`` (which may be older than the sidecar):
-    they are compared as stored there, whatever dtype the model holds them in."""
+    the weights were loaded from the Hugging Face save in ``directory`` (its ``variant``; it may be older than
+    the sidecar): they are compared as stored there, whatever dtype the model holds them in."""
     if meta["base"] is None:
         warnings.warn(f"{directory}: this save holds the units only (written by an older linearize, sidecar format "
                       f"{meta['format']}): they were loaded onto the weights {type(model).__name__} has now. If those "
@@ -797,7 +806,8 @@ def _check_base(model: nn.Module, meta: dict[str, Any], directory: Path, cross: 
     own = {plain(k): t for k, t in _base_state(model).items()}
     stored: dict[str, str] = {}
     if from_folder:  # the folder's tensors as stored: the model may hold them cast (dtype=torch.bfloat16)
-        stored = {plain(k): d[0] for k, d in _stored_digests(directory, sorted(meta["base"]["tensors"])).items()}
+        digests = _stored_digests(directory, sorted(meta["base"]["tensors"]), variant)
+        stored = {plain(k): d[0] for k, d in digests.items()}
         # one of tied weights is stored: the others, cast to half precision, have no digest to compare
         own = {k: t for k, t in own.items() if k in stored or t.dtype not in (torch.float16, torch.bfloat16)}
         saved = {k: d for k, d in saved.items() if k in own}

@@ -329,10 +329,9 @@ def test_a_sidecar_saved_alone_holds_the_weights_and_gets_the_model_back(tmp_pat
         assert torch.equal(loaded(input_ids=ids).logits, truth)
 
 
-def test_subfolder_loads_the_save_in_it_and_variant_is_refused_by_name(tmp_path):
+def test_subfolder_loads_the_save_in_it(tmp_path):
     """``subfolder=`` (a hub-style repository holding a checkpoint folder) looked for the units in the parent and
-    said the sidecar was missing; ``variant=`` said there were no weights and to save again. Truth: the saved
-    model's outputs; a variant is refused naming the keyword and the fix."""
+    said the sidecar was missing. Truth: the saved model's outputs."""
     model = _trained(tiny_bert())
     ref = _out(model, X)
     model.save_pretrained(tmp_path / "hf" / "checkpoint-500")
@@ -341,6 +340,34 @@ def test_subfolder_loads_the_save_in_it_and_variant_is_refused_by_name(tmp_path)
                                                       variant=None), X), ref)
     assert torch.equal(_out(linearize.from_pretrained(tiny_bert(), tmp_path / "sidecar", subfolder="checkpoint-500"),
                             X), ref)
-    model.save_pretrained(tmp_path / "variant", variant="v1")
-    with pytest.raises(TypeError, match="does not take variant='v1'.*Save that model again without variant="):
-        linearize.from_pretrained(hf.BertModel, tmp_path / "variant", variant="v1")
+
+
+def test_variant_loads_the_weights_and_units_of_that_variant(tmp_path):
+    """``model.save_pretrained(dir, variant="v1")`` (``model.v1.safetensors``, or shards under
+    ``model.safetensors.index.v1.json``) beside a default save of another model (other slopes and weights):
+    ``variant="v1"`` was refused; now a class, an instance and a sidecar beside it all load the variant's model
+    (its own outputs, computed before saving), and no variant the default one. A variant not saved, or not a
+    name, is refused naming it."""
+    model, other = _trained(tiny_bert()), _trained(tiny_bert())
+    with torch.no_grad():
+        for _, u in linearize.units(other):  # the free channels' slopes (NaN: free)
+            u.slope.copy_(torch.where(u.frozen.isnan(), torch.rand_like(u.slope), u.slope))
+        other.embeddings.word_embeddings.weight.mul_(1.5)
+    ref, ref_other = _out(model, X), _out(other, X)
+    assert not torch.equal(ref, ref_other)
+    for folder, kwargs in (("single", {}), ("sharded", {"max_shard_size": "20KB"})):
+        other.save_pretrained(tmp_path / folder)
+        model.save_pretrained(tmp_path / folder, variant="v1", **kwargs)
+    assert (tmp_path / "single" / "model.v1.safetensors").is_file()
+    assert (tmp_path / "sharded" / "model.safetensors.index.v1.json").is_file()
+    for folder in ("single", "sharded"):
+        assert torch.equal(_out(linearize.from_pretrained(hf.BertModel, tmp_path / folder, variant="v1"), X), ref)
+        assert torch.equal(_out(linearize.from_pretrained(tiny_bert(), tmp_path / folder, variant="v1"), X), ref)
+        assert torch.equal(_out(linearize.from_pretrained(hf.BertModel, tmp_path / folder), X), ref_other)
+    model.save_pretrained(tmp_path / "sidecar", variant="v1")
+    linearize.save_pretrained(model, tmp_path / "sidecar")  # beside the variant's files: checked against them
+    assert torch.equal(_out(linearize.from_pretrained(hf.BertModel, tmp_path / "sidecar", variant="v1"), X), ref)
+    with pytest.raises(FileNotFoundError, match=r"holds no weights of variant 'v2' \(model.v2.safetensors"):
+        linearize.from_pretrained(hf.BertModel, tmp_path / "single", variant="v2")
+    with pytest.raises(ValueError, match=r"variant='../single/model' is not a variant name"):
+        linearize.from_pretrained(hf.BertModel, tmp_path / "single", variant="../single/model")
