@@ -153,6 +153,7 @@ def build_model(arch: str, num_classes: int) -> nn.Module:
 
 
 CIFAR_RECIPE_KEYS = ("arch", "num_classes", "linearize", "image_size")  # what load_model reads
+MAX_IMAGE_SIZE = 1024  # --image-size and recipe.json's image_size: the side images are resized to (ImageNet: 224)
 
 
 def read_meta(directory: str | Path) -> dict:
@@ -166,8 +167,8 @@ def read_meta(directory: str | Path) -> dict:
         (type(n) is not int or n < 1, f"num_classes {n!r} is not a whole number >= 1"),
         (meta["linearize"] not in common.LINEARIZE_MODES,
          f"linearize {meta['linearize']!r} is not one of {common.LINEARIZE_MODES}"),
-        (type(meta["image_size"]) is not int or meta["image_size"] < 1,
-         f"image_size {meta['image_size']!r} is not a whole number >= 1"),
+        (type(meta["image_size"]) is not int or not 1 <= meta["image_size"] <= MAX_IMAGE_SIZE,
+         f"image_size {meta['image_size']!r} is not a whole number in [1, {MAX_IMAGE_SIZE}]"),
         ("classes" in meta and not (isinstance(meta["classes"], list) and len(meta["classes"]) == n
                                     and all(isinstance(c, str) for c in meta["classes"])),
          f"classes is not a list of num_classes ({n!r}) names")) if bad]
@@ -646,6 +647,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for name in ("subset", "eval_subset", "batch_size", "eval_batch_size", "image_size"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             p.error(f"{common.flag(name)} must be >= 1")
+    if args.image_size > MAX_IMAGE_SIZE:
+        p.error(f"--image-size {args.image_size} is more than {MAX_IMAGE_SIZE} (the side every image is resized "
+                "to): give a smaller size")
     if not math.isfinite(args.epochs):
         p.error(f"--epochs must be a finite number >= 1, got {args.epochs}")
     for name in ("lr", "warmup_epochs", "weight_decay"):

@@ -253,12 +253,13 @@ def _data_source(run: Path, data: str | None) -> str | None:
 def measure_run(run: Path, data: str | None, skipped: list[str]) -> dict:
     """Metrics of a collected run plus its cached measurements: both path lengths and the per-site
     channel counts (no data needed), the fold summary on its first 64 test images (needs data)."""
+    import cifar
     import torch
 
     m = sweep.read_json(run / "metrics.json", damaged_ok=True)
     tol = m["args"].get("tol", 1e-3)
     digest = _digest(run / "model")
-    size = sweep.read_json(run / "model" / "recipe.json")["image_size"]
+    size = cifar.read_meta(run / "model")["image_size"]  # checked (bounded) before the probe is allocated
     probe = torch.zeros(2, 3, size, size)  # the path length only needs the shapes of the graph
     info = {k: m.get(k) for k in ("test_accuracy", "nonlinear_fraction", "units_total", "units_nonlinear", "steps",
                                   "total_steps", "train_images", "test_images", "wall_time_s")}

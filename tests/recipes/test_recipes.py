@@ -219,6 +219,17 @@ def test_target_outside_range(tmp_path):
             cifar.parse_args(["--output_dir", str(tmp_path), "--target", bad])
 
 
+def test_image_size_above_its_bound_is_refused(tmp_path, capsys):
+    """--image-size is bounded as recipe.json's image_size is on load (cifar.load_model), so every run's model
+    loads: more is refused at the command line, naming the flag and the bound."""
+    import cifar
+
+    with pytest.raises(SystemExit):
+        cifar.parse_args(["--output_dir", str(tmp_path), "--image-size", "1025"])
+    assert "--image-size 1025 is more than 1024" in capsys.readouterr().err
+    assert cifar.parse_args(["--output_dir", str(tmp_path), "--image-size", "1024"]).image_size == 1024
+
+
 def test_default_pressure_matches_each_recipes_optimizer(tmp_path):
     """Both recipes default to the scale-free pressure (no per-optimizer lam); --lam stays the legacy knob."""
     import cifar
