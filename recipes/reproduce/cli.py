@@ -41,8 +41,9 @@ Two sweeps (``--scale``):
 
 Stage ``train`` runs ``recipes/cifar.py`` (and ``recipes/wmt14.py``) ``--jobs`` at a time, each with
 ``--threads`` torch threads, logs appended to ``RUNS/<run>.log``, launches and exit codes to
-``RUNS/jobs.json`` (a damaged one stops the runner with an error naming it, before anything is written
-over the records: repair it or move it aside). All its state comes from the run folders, so the runner can be killed (even
+``RUNS/jobs.json`` (several runners on one RUNS folder share it: each record is written under the folder's
+file lock ``RUNS/.linearize.lock``, so none erases another's; a damaged one stops the runner with an error
+naming it, before anything is written over the records: repair it or move it aside). All its state comes from the run folders, so the runner can be killed (even
 ``kill -9``) and started again at any time: a run whose ``metrics.json`` is complete is done (a damaged
 one, not UTF-8, a folder, a number too long or no JSON object, is named in a warning and the run taken as not done); a run
 that another process works on (a runner's child, which holds ``RUNS/<run>.lock``, or any process

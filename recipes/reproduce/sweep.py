@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from linearize._files import atomic_write, save_lock
+
 
 @dataclass
 class Job:
@@ -54,10 +56,8 @@ def read_json(path: Path, damaged_ok: bool = False) -> dict:
 
 
 def write_json(path: Path, obj: Any) -> None:
-    """Write ``obj`` as JSON atomically (temporary file, then rename)."""
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_text(json.dumps(obj, indent=2))
-    tmp.replace(path)
+    """Write ``obj`` as JSON atomically (``linearize._files.atomic_write``: a fresh temporary file, then rename)."""
+    atomic_write(path, json.dumps(obj, indent=2))
 
 
 def is_done(run: Path) -> bool:
@@ -119,11 +119,14 @@ def _try_lock(path: Path) -> int | None:
 
 
 def _record(runs: Path, name: str, entry: dict) -> None:
-    """Merge ``entry`` into ``runs/jobs.json[name]`` (re-read first: other runners may share the file)."""
+    """Merge ``entry`` into ``runs/jobs.json[name]``: re-read, merged and written back under the save lock of
+    ``runs`` (``linearize._files.save_lock``), as other runners may share the file and would otherwise erase
+    each other's records (where the filesystem cannot lock files: unlocked, with a warning naming the folder)."""
     path = runs / "jobs.json"
-    done = read_json(path)
-    done[name] = {**done.get(name, {}), **entry}
-    write_json(path, done)
+    with save_lock(runs):
+        done = read_json(path)
+        done[name] = {**done.get(name, {}), **entry}
+        write_json(path, done)
 
 
 def train(jobs: list[Job], runs: Path, n_jobs: int, threads: int, poll_s: float = 10.0,

@@ -313,6 +313,46 @@ def test_an_invalid_jobs_json_stops_the_sweep_before_any_run_starts(tmp_path):
     assert sorted(p.name for p in runs.iterdir()) == ["jobs.json"]  # no run started, no log, no lock
 
 
+RECORDER = """import sys, time
+from pathlib import Path
+sys.path.insert(0, sys.argv[1])
+from reproduce import sweep
+runs, tag, n = Path(sys.argv[2]), sys.argv[3], int(sys.argv[4])
+(runs / f"ready-{tag}").touch()
+while len(list(runs.glob("ready-*"))) < 2:  # both runners record at the same time
+    time.sleep(0.01)
+for i in range(n):
+    sweep._record(runs, f"{tag}{i}", {"started": time.time(), "attempts": 1})
+"""
+
+
+def test_two_runners_recording_at_once_keep_every_record(tmp_path):
+    """Two runners sharing RUNS/jobs.json record 100 runs each at the same time: every record of both is
+    there after (each read jobs.json, merged its entry and wrote it back unlocked, erasing the entries the
+    other wrote meanwhile). Truth: the names each process was told to record."""
+    n = 100
+    procs = [subprocess.Popen([sys.executable, "-c", RECORDER, str(RECIPES), str(tmp_path), tag, str(n)],
+                              env=dict(os.environ, PYTHONPATH=str(REPO))) for tag in ("a", "b")]
+    for p in procs:
+        assert p.wait(timeout=300) == 0
+    recorded = json.loads((tmp_path / "jobs.json").read_text())
+    assert sorted(recorded) == sorted(f"{tag}{i}" for tag in ("a", "b") for i in range(n))
+    assert all(r["attempts"] == 1 for r in recorded.values())
+
+
+def test_a_runs_folder_that_cannot_lock_still_records_with_a_warning(tmp_path, monkeypatch):
+    """Where the filesystem cannot lock files (flock fails: NFS without its lock manager), recording a run goes
+    on unlocked with a warning naming the folder, and the record is written."""
+    import errno
+
+    from linearize import _files
+
+    monkeypatch.setattr(_files, "flock_error", lambda path: OSError(errno.ENOLCK, "No locks available"))
+    with pytest.warns(RuntimeWarning, match=re.escape(str(tmp_path)) + ".*cannot lock files"):
+        sweep._record(tmp_path, "run1", {"attempts": 1})
+    assert json.loads((tmp_path / "jobs.json").read_text()) == {"run1": {"attempts": 1}}
+
+
 def started_by_hand(argv: list[str]) -> subprocess.Popen:
     """A process whose command line is that of a recipe run (it only sleeps), once ``/proc`` shows it."""
     proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"] + argv)
