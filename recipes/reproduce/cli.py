@@ -45,7 +45,7 @@ Stage ``train`` runs ``recipes/cifar.py`` (and ``recipes/wmt14.py``) ``--jobs`` 
 file lock ``RUNS/.linearize.lock``, so none erases another's; a damaged one stops the runner with an error
 naming it, before anything is written over the records: repair it or move it aside). All its state comes from the run folders, so the runner can be killed (even
 ``kill -9``) and started again at any time: a run whose ``metrics.json`` is complete is done (a damaged
-one, not UTF-8, a folder, a number too long or no JSON object, is named in a warning and the run taken as not done); a run
+one, not UTF-8, a folder, a FIFO, a number too long or no JSON object, is named in a warning and the run taken as not done); a run
 that another process works on (a runner's child, which holds ``RUNS/<run>.lock``, or any process
 whose command line has ``--output_dir`` of that folder) is left alone and takes one of the ``--jobs``
 slots; a run with a checkpoint but no ``metrics.json`` is resumed with ``--resume_from_checkpoint

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from linearize._files import atomic_write, save_lock
+from linearize._files import read_json as read_regular_json
 
 
 @dataclass
@@ -33,16 +34,17 @@ class Job:
 
 
 def read_json(path: Path, damaged_ok: bool = False) -> dict:
-    """The JSON object in the file ``path``; ``{}`` when absent. A damaged file (invalid JSON, not UTF-8, a
-    folder, nested too deep, a number too long, no JSON object) raises ``ValueError`` naming it and the fix,
-    so that a shared record such as ``RUNS/jobs.json`` is never rewritten from nothing; with
-    ``damaged_ok`` (a run's ``metrics.json``: one run's bad file never stops the sweep) it is taken as ``{}``
-    with a warning naming it."""
+    """The JSON object in the file ``path``; ``{}`` when absent. Read as the library reads its files
+    (``linearize._files.read_json``: without blocking, so a FIFO is refused at once, never waited on). A damaged
+    file (invalid JSON, not UTF-8, a folder, a FIFO, device or socket, nested too deep, a number too long, no JSON
+    object) raises ``ValueError`` naming it and the fix, so that a shared record such as ``RUNS/jobs.json`` is
+    never rewritten from nothing; with ``damaged_ok`` (a run's ``metrics.json``: one run's bad file never stops
+    the sweep) it is taken as ``{}`` with a warning naming it."""
     try:
-        data = json.loads(path.read_text())
+        data = read_regular_json(path, path.name)
     except FileNotFoundError:
         return {}
-    except (OSError, ValueError, RecursionError) as e:  # ValueError: not UTF-8, an integer of >4300 digits
+    except (OSError, ValueError) as e:  # LoadError (a ValueError): not a file, not JSON; a >4300-digit number
         problem = f"cannot be read ({type(e).__name__}: {e})"
     else:
         if isinstance(data, dict):

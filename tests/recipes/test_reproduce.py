@@ -17,6 +17,7 @@ import os
 import re
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -351,6 +352,48 @@ def test_a_runs_folder_that_cannot_lock_still_records_with_a_warning(tmp_path, m
     with pytest.warns(RuntimeWarning, match=re.escape(str(tmp_path)) + ".*cannot lock files"):
         sweep._record(tmp_path, "run1", {"attempts": 1})
     assert json.loads((tmp_path / "jobs.json").read_text()) == {"run1": {"attempts": 1}}
+
+
+FIFO_READER = """import sys, warnings
+from pathlib import Path
+sys.path.insert(0, sys.argv[1])
+from reproduce import sweep
+run, runs = Path(sys.argv[2]), Path(sys.argv[3])
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    print("done:", sweep.is_done(run))
+for w in caught:
+    print("warning:", w.message)
+try:
+    sweep.train([], runs, n_jobs=1, threads=1)
+except ValueError as e:
+    print("refused:", e)
+"""
+
+
+def test_a_fifo_metrics_json_or_jobs_json_never_hangs_the_runner(tmp_path):
+    """A FIFO named metrics.json in a run folder (left by a logging tool, a crafted runs folder) or RUNS/jobs.json:
+    reading it waited for a writer forever, and the runner reads them at every start and poll. The metrics.json
+    is named in a warning and the run taken as not done (it has no metrics), and the jobs.json stops the runner
+    at once with an error naming it; the FIFO is left as it was. Run in a child process with a timeout, so that a
+    hang fails the test instead of stopping it."""
+    runs = tmp_path / "runs"
+    (runs / "late" / "model").mkdir(parents=True)
+    (runs / "late" / "model" / "recipe.json").write_text("{}")
+    os.mkfifo(runs / "late" / "metrics.json")
+    os.mkfifo(runs / "jobs.json")
+    try:
+        proc = subprocess.run([sys.executable, "-c", FIFO_READER, str(RECIPES), str(runs / "late"), str(runs)],
+                              env=dict(os.environ, PYTHONPATH=str(REPO)), capture_output=True, text=True, timeout=120)
+    except subprocess.TimeoutExpired:
+        pytest.fail("reading a FIFO metrics.json or jobs.json hung (no answer in 120 s)")
+    lines = proc.stdout.splitlines()
+    assert proc.returncode == 0 and "done: False" in lines, proc.stdout + proc.stderr
+    warned = f"warning: {runs / 'late' / 'metrics.json'}"
+    assert any(line.startswith(warned) and "FIFO" in line for line in lines), lines
+    assert any(line.startswith(f"refused: {runs / 'jobs.json'}") and "FIFO" in line
+               and "repair it, or move it aside" in line for line in lines), lines
+    assert stat.S_ISFIFO(os.stat(runs / "jobs.json").st_mode)
 
 
 def started_by_hand(argv: list[str]) -> subprocess.Popen:
