@@ -203,7 +203,7 @@ def _flat(x: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Te
     inner = math.prod(x.shape[2:])
     if x.ndim <= 2 or not 1 < inner <= _FLAT_MAX or not x.is_contiguous():
         return x, weight, 1
-    return x.view(x.shape[0], -1), weight.repeat_interleave(inner), inner
+    return x.view(x.shape[0], x.shape[1] * inner), weight.repeat_interleave(inner), inner  # no -1: N may be 0
 
 
 def _channels(v: torch.Tensor, ndim: int) -> torch.Tensor:
@@ -776,7 +776,7 @@ def map_view(x: torch.Tensor, map_shape: tuple[int, ...], owner: str) -> torch.T
             f"[batch, {', '.join(map(str, map_shape))}] maps (the image size / sequence length the model was "
             "converted at), or convert with granularity='channel' (one slope per channel) for inputs whose size varies"
         )
-    return x.reshape(x.shape[0], -1)
+    return x.reshape(x.shape[0], math.prod(map_shape))  # no -1: an empty batch has no size to infer
 
 
 class ElementPReLU(nn.Module):

@@ -317,3 +317,27 @@ def test_element_units_on_flat_features_count_one_relu_per_feature():
                               example_inputs=torch.randn(2, 4), granularity="element")
     assert model[1].map_shape == (6,) and math.prod(model[1].map_shape) == model[1].num_channels
     assert linearize.measures.count_relus(model, torch.randn(5, 4))["total"] == 6
+
+
+@pytest.mark.parametrize("granularity", ["channel", "element"])
+def test_an_empty_batch_gives_the_originals_empty_output_and_gradients(granularity, path):
+    """resnet18 at 32x32 has 4x4 and 2x2 maps (2..16 positions per channel, which the ReLU path views flat): a
+    batch of 0 (no proposals, an expert with no tokens) crashed reshaping to ``[0, -1]``. Truth: the
+    unconverted model's output and parameter gradients on that batch."""
+    original, x = resnet18(), torch.randn(2, 3, 32, 32)
+    model = linearize.convert(copy.deepcopy(original), example_inputs=x, granularity=granularity)
+    with torch.no_grad():
+        for _, unit in linearize.units(model):
+            unit.slope.uniform_(0, 1)
+    slopes = {id(unit.slope) for _, unit in linearize.units(model)}
+    outs = []
+    for net in (original, model):
+        empty = x[:0].clone().requires_grad_()
+        out = net(empty)
+        out.sum().backward()
+        outs.append((out, empty.grad, [p.grad for p in net.parameters() if id(p) not in slopes]))
+    (ref, ref_gx, ref_gp), (got, got_gx, got_gp) = outs
+    assert got.shape == ref.shape == (0, 10) and got.dtype == ref.dtype
+    assert got_gx.shape == ref_gx.shape == (0, 3, 32, 32)
+    assert len(got_gp) == len(ref_gp) and all(torch.equal(a, b) for a, b in zip(got_gp, ref_gp))
+    assert all(torch.equal(u.slope.grad, torch.zeros_like(u.slope)) for _, u in linearize.units(model))
