@@ -201,6 +201,8 @@ class FunctionalSites(nn.Module):
         if self.channels[k] is None:
             return x.ndim == 0
         dim, width = self.channels[k]
+        if x.ndim < (getattr(self._modules[self.slots[k]], "input_ndim", None) or 0):
+            return True  # no batch dim (an unbatched map): its unit refuses it, naming the fix
         return -x.ndim <= dim < x.ndim and x.shape[dim] == width
 
     def check_forward(self, scope: Scope) -> None:

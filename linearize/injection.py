@@ -493,6 +493,14 @@ class _Probe:
             return
         if next(module.children(), None) is None:
             self.last_leaf = module
+        if isinstance(module, nn.modules.conv._ConvNd) and isinstance(output, torch.Tensor) and (
+                output.ndim == len(module.kernel_size) + 1):  # [C, *spatial]: torch's unbatched conv input
+            name = self.names.get(id(module)) or type(module).__name__
+            raise ValueError(
+                f"linearize.convert: the example input reaches {type(module).__name__} {name!r} without a batch dim "
+                f"(its output has shape {tuple(output.shape)}, channels first), so the activations after it would "
+                "take image rows or columns for channels. Fix: pass a batched example input, e.g. "
+                "example_inputs=x.unsqueeze(0) for one image x")
         width = _width(module)  # leaf or not: a weight-normed conv holds its parametrization as children
         if width is not None and isinstance(output, torch.Tensor):
             self.widths[id(output)] = (weakref.ref(output), width)

@@ -348,9 +348,16 @@ def _blend(act: torch.Tensor, x: torch.Tensor, slope: torch.Tensor, dim: int) ->
     return _Blend.apply(act, x, weight)
 
 
-def _channel_axis(x: torch.Tensor, channel_dim: int, channels: int, owner: str) -> int:
+def _channel_axis(x: torch.Tensor, channel_dim: int, channels: int, owner: str, ndim: int | None = None) -> int:
     """The non-negative axis of ``x`` at ``channel_dim``; ``ValueError`` naming ``owner`` unless ``x`` has
-    ``channels`` there (a 0-d input, or one of another width, would broadcast or mix channels)."""
+    ``channels`` there (a 0-d input, or one of another width, would broadcast or mix channels), or, with
+    ``ndim`` and a ``channel_dim`` counted from the batch dim, when ``x`` has fewer than ``ndim`` dims (an
+    unbatched ``[C, H, W]`` map would get its slopes along H)."""
+    if ndim is not None and channel_dim >= 0 and x.ndim < ndim:
+        raise ValueError(
+            f"{owner} was built on inputs of {ndim} dims, a batch dim first and the {channels} channels at dim "
+            f"{channel_dim}, got an input of shape {tuple(x.shape)}: an unbatched input (a [C, H, W] image) "
+            "would get its slopes along another axis. Fix: add the batch dim, model(x.unsqueeze(0))[0]")
     dim = channel_dim if channel_dim >= 0 else x.ndim + channel_dim
     if not 0 <= dim < x.ndim or x.shape[dim] != channels:
         raise ValueError(
@@ -477,6 +484,9 @@ class LinearizableActivation(nn.Module):
         self.kind = kind or _kind_name(act)
         self.num_channels = num_channels
         self.channel_dim = channel_dim
+        # the dims of the probe's input when channel_dim counts from the batch dim (set by make_unit): an input
+        # with fewer (an unbatched map) is refused; None takes any
+        self.input_ndim: int | None = None
         # ReLU / LeakyReLU(s): (1-a) * leaky_s(x) + a x is a PReLU with weight s + a (1 - s).
         self.leak = _prelu_leak(act)
         self.slope = nn.Parameter(torch.full((num_channels,), float(init_slope)))
@@ -575,6 +585,7 @@ class LinearizableActivation(nn.Module):
                                       error_msgs)
 
     def __setstate__(self, state: dict) -> None:  # deepcopy / pickle
+        state.setdefault("input_ndim", None)  # pickled before units had it
         super().__setstate__(state)
         _UNITS.add(self)
 
@@ -682,7 +693,8 @@ class LinearizableActivation(nn.Module):
         return write_into(x, self._blend, self.parameters()) if self.inplace else self._blend(x)
 
     def _blend(self, x: torch.Tensor) -> torch.Tensor:
-        dim = _channel_axis(x, self.channel_dim, self.num_channels, f"{type(self).__name__}({self.kind})")
+        dim = _channel_axis(x, self.channel_dim, self.num_channels, f"{type(self).__name__}({self.kind})",
+                            self.input_ndim)
         a = self.slope  # one module attribute lookup: the forward runs at every call site, every step
         if a.dtype != x.dtype:
             a = a.to(x.dtype)
@@ -904,7 +916,10 @@ def make_unit(act: nn.Module | Callable[[torch.Tensor], torch.Tensor], shape: It
     """
     shape = tuple(shape)
     if granularity == "channel":
-        return LinearizableActivation(act, shape[channel_dim], channel_dim, kind, init_slope)
+        unit = LinearizableActivation(act, shape[channel_dim], channel_dim, kind, init_slope)
+        if channel_dim >= 0:  # counted from the batch dim: an input without one (fewer dims) is refused
+            unit.input_ndim = len(shape)
+        return unit
     if granularity != "element":
         raise ValueError(f"granularity must be one of {GRANULARITIES}, got {granularity!r}")
     if len(shape) < 2:

@@ -710,3 +710,50 @@ def test_convert_that_fails_after_installing_units_leaves_the_model_exactly_as_g
     seen.clear()
     model(x)
     assert seen == []
+
+
+class _ConvMaps(nn.Module):
+    """A module site and a functional site on 8-channel conv maps (an 8x8 image: H == W == C)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.c1, self.act = nn.Conv2d(3, 8, 3, padding=1), nn.ReLU()
+        self.c2, self.head = nn.Conv2d(8, 8, 1), nn.Conv2d(8, 2, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.nn.functional.gelu(self.c2(self.act(self.c1(x)))))
+
+
+@pytest.mark.parametrize("exclude", [[], ["act"]])  # the module site first, or only the functional site
+def test_an_unbatched_image_is_refused_not_given_slopes_along_its_rows(exclude):
+    """Conv2d takes an unbatched [C, H, W] image; a unit with its channels at dim 1 put its slopes along H
+    (silently when H == C). Now it refuses with the fix, and the batched image is the original's. Truth: the
+    unconverted model on the unbatched image."""
+    torch.manual_seed(0)
+    original = _ConvMaps()
+    model = linearize.convert(copy.deepcopy(original), example_inputs=torch.randn(2, 3, 8, 8), exclude_modules=exclude)
+    img = torch.randn(3, 8, 8)
+    with torch.no_grad():
+        assert torch.equal(model(img.unsqueeze(0))[0], original(img))  # slope 0: the original function
+        for _, unit in linearize.units(model):
+            unit.slope.uniform_(0, 1)
+        for x in (img, torch.randn(3, 6, 6)):
+            with pytest.raises(ValueError, match=r"4 dims.*unbatched.*x\.unsqueeze\(0\)"):
+                model(x)
+        assert model(torch.randn(5, 3, 6, 6)).shape == (5, 2, 6, 6)
+
+
+@pytest.mark.parametrize("shape", [(3, 5, 5), (3, 5, 8)])
+def test_an_unbatched_example_input_is_refused_not_given_rows_for_channels(shape):
+    """An unbatched example image made units whose channels were the map's rows (dim 1) or columns (dim -1).
+    Now convert refuses it naming the conv and the fix, leaves the model as given, and the batched image
+    gives one slope per conv channel (8). Truth: the unconverted model and the conv's out_channels."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 2, 1))
+    original, x = copy.deepcopy(model), torch.randn(*shape)
+    with pytest.raises(ValueError, match=r"Conv2d '0' without a batch dim.*x\.unsqueeze\(0\)"):
+        linearize.convert(model, example_inputs=x)
+    assert type(model[1]) is nn.ReLU and torch.equal(model(x), original(x))
+    linearize.convert(model, example_inputs=x.unsqueeze(0))
+    assert linearize.count_units(model)["total"] == original[0].out_channels
+    assert torch.equal(model(x.unsqueeze(0)), original(x.unsqueeze(0)))
