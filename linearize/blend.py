@@ -18,7 +18,7 @@ from .example_inputs import guess_example_inputs
 from .functional_sites import FunctionalSites, install_functional_sites
 from .injection import (call_channels, install_call_sites, plan_conversion, restored_on_error, settle_placed_modules,
                         wrap_function_attributes)
-from .dispatch import THREAD_CALL
+from .dispatch import THREAD_CALL, FunctionalSiteError
 from .inputs import call_model, eval_mode, map_tensors, max_difference, output_tensors
 from .unit import LinearizableActivation, install_optimizer_hooks, make_unit
 
@@ -35,12 +35,12 @@ def convert_blend(model: nn.Module, config: BlendConfig, example_inputs: Any) ->
         param = next(model.parameters(), None)
         # new units go to the model's device; float64 models get float64 slopes, low precision ones float32
         dtype = param.dtype if param is not None and param.dtype == torch.float64 else None
-        # an in-place activation whose input the model reads again after the call (out = act(h) + h): an
-        # out-of-place unit would change the function, so compare with the original before and after
+        # an in-place activation whose input the model reads again after the call (out = act(h) + h), in
+        # either mode: an out-of-place unit would change the function, so compare with the original before and after
         inplace_sites = any(getattr(act, "inplace", False) for _, _, act, _ in plan)
         if inplace_sites:
             inputs = example_inputs if example_inputs is not None else guess_example_inputs(model)
-            reference = _outputs(model, inputs)
+            reference = _reference(model, inputs)
         from_inplace: list[LinearizableActivation] = []
         hooked: list[nn.Module] = []
         placed: list[tuple[nn.Module, nn.Module, nn.Module]] = []  # (owner, the replaced module, what replaced it)
@@ -143,21 +143,41 @@ def _restore_unreached(model: nn.Module, example_inputs: Any, placed: list[tuple
         report.unreachable[name] = UNREACHED
 
 
-def _outputs(model: nn.Module, inputs: Any) -> list[torch.Tensor]:
-    """Every output tensor of ``model`` in eval mode on a copy of ``inputs`` (an in-place activation of
-    the input must not change the next call's), with the random generators at one fixed state."""
+def _outputs(model: nn.Module, inputs: Any, training: bool = False) -> list[torch.Tensor]:
+    """Every output tensor of ``model`` in eval mode, or with ``training`` in training mode (its buffers, such
+    as BatchNorm's running statistics, and every module's flag put back after), on a copy of ``inputs`` (an
+    in-place activation of the input must not change the next call's), with the random generators at one
+    fixed state (the same dropout masks in every call)."""
+    buffers = [(b, b.clone()) for b in model.buffers()] if training else []
     with eval_mode(model), torch.no_grad(), torch.random.fork_rng(devices=[]):
+        model.train(training)
         torch.manual_seed(0)
-        out = call_model(model, map_tensors(inputs, torch.clone))
+        try:
+            out = call_model(model, map_tensors(inputs, torch.clone))
+        finally:
+            for b, saved in buffers:
+                b.copy_(saved)
     return [t.clone() for t in output_tensors(out)]
 
 
-def _keep_inplace(model: nn.Module, inputs: Any, reference: list[torch.Tensor],
+def _reference(model: nn.Module, inputs: Any) -> dict[bool, list[torch.Tensor]]:
+    """The outputs of ``model`` on ``inputs`` (:func:`_outputs`) keyed by the mode, ``training`` True or False:
+    a model may read an in-place activation's input again only in training (an auxiliary head). Training mode
+    is left out when the model cannot run it on these inputs (a BatchNorm seeing one value per channel)."""
+    reference = {False: _outputs(model, inputs)}
+    try:
+        reference[True] = _outputs(model, inputs, training=True)
+    except Exception:  # noqa: BLE001 -- nothing to compare with in that mode
+        pass
+    return reference
+
+
+def _keep_inplace(model: nn.Module, inputs: Any, reference: dict[bool, list[torch.Tensor]],
                   units: list[LinearizableActivation]) -> None:
-    """If the converted ``model`` at slopes 0 differs from its ``reference`` outputs, make the ``units``
-    of in-place activations write into their input as those did (``unit.inplace``: a copy per call when
-    gradients flow), and warn if that does not restore the original function either. The units'
-    slopes are restored afterwards (``init_slope`` may be other than 0)."""
+    """If the converted ``model`` at slopes 0 differs from its ``reference`` outputs (:func:`_reference`, in
+    eval and in training mode), make the ``units`` of in-place activations write into their input as those
+    did (``unit.inplace``: a copy per call when gradients flow), and warn if that does not restore the
+    original function either. The units' slopes are restored afterwards (``init_slope`` may be other than 0)."""
     every = [m for m in model.modules() if isinstance(m, LinearizableActivation)]
     slopes = [u.slope.detach().clone() for u in every]
 
@@ -165,7 +185,16 @@ def _keep_inplace(model: nn.Module, inputs: Any, reference: list[torch.Tensor],
         with torch.no_grad():
             for u in every:
                 u.slope.zero_()
-        out = _outputs(model, inputs)
+        errors = [0.0]
+        for training, ref in reference.items():
+            try:
+                errors.append(difference(ref, _outputs(model, inputs, training)))
+            except FunctionalSiteError:  # a call made only in training: the model's training forward says so
+                if not training:
+                    raise
+        return max(errors)
+
+    def difference(reference: list[torch.Tensor], out: list[torch.Tensor]) -> float:
         if len(out) != len(reference) or any(a.shape != b.shape or a.dtype != b.dtype for a, b in zip(reference, out)):
             return math.inf
         if any(not torch.equal(a, b) for a, b in zip(reference, out) if not a.is_floating_point()):

@@ -207,3 +207,38 @@ def test_in_place_check_with_init_slope_the_model_input_and_integer_outputs():
                 unit.slope.zero_()
         with torch.no_grad():
             assert torch.equal(model(x.clone()), original(x.clone()))
+
+
+class _ReadAgainInTraining(nn.Module):
+    """An auxiliary head on ``h`` in training only: there it sees ``relu(h)`` (the in-place call wrote it);
+    BatchNorm statistics and dropout masks that the check's training forward must leave as they were."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.bn, self.act = nn.Linear(6, 8), nn.BatchNorm1d(8), nn.ReLU(inplace=True)
+        self.drop, self.out, self.aux = nn.Dropout(0.3), nn.Linear(8, 2), nn.Linear(8, 2)
+
+    def forward(self, x):
+        h = self.bn(self.lin(x))
+        y = self.out(self.drop(self.act(h)))
+        return y + self.aux(h) if self.training else y
+
+
+def test_in_place_activation_read_again_only_in_training_keeps_its_function_in_both_modes():
+    """The check compared the modes' outputs in eval mode only: the unit stayed out of place and the training
+    forward's auxiliary head saw the unrectified ``h``. Truth: the unconverted model in both modes (the same
+    dropout masks); convert leaves the BatchNorm statistics and the random generator as they were."""
+    torch.manual_seed(0)
+    original, x = _ReadAgainInTraining(), torch.randn(16, 6)
+    model = copy.deepcopy(original)
+    rng = torch.get_rng_state()
+    linearize.convert(model, example_inputs=x)
+    assert torch.equal(torch.get_rng_state(), rng)
+    assert all(torch.equal(a, b) for a, b in zip(model.bn.buffers(), original.bn.buffers()))
+    assert [n for n, u in linearize.units(model) if u.inplace] == ["act"]
+    for training in (True, False):
+        outs = []
+        for net in (original, model):
+            torch.manual_seed(1)
+            outs.append(net.train(training)(x))
+        assert torch.equal(outs[1], outs[0])
