@@ -237,13 +237,21 @@ class FunctionalSites(nn.Module):
                     f"input (control flow; fix: exclude_modules=[{pattern!r}] to keep its functional calls as "
                     "they are, or example_inputs= that take this path)."
                 )
+            why = ("the calls depend on the input (control flow). Fix: convert with "
+                   f"exclude_modules=[{pattern!r}] to keep its functional calls as they are, or pass "
+                   "example_inputs= that take this path.")
+            if scope.owner.training:  # the probe forward ran in eval mode: no example input takes a training path
+                why = ("the calls depend on the input (control flow) or on the mode: this forward runs in training "
+                       "mode, the probe forward in eval mode, so a call made only in training (`if self.training:`) "
+                       f"was never seen, whatever the example inputs. Fix: convert with exclude_modules=[{pattern!r}] "
+                       "to keep its functional calls as they are, make a training-only call through an activation "
+                       "module (self.act = nn.GELU(), called only there), which convert leaves as it is, or pass "
+                       "example_inputs= that take an input-dependent path.")
             raise FunctionalSiteError(
                 f"linearize: module {name!r} made {len(seen)} functional activation call(s) in this forward "
                 f"({', '.join(seen) or 'none'}), the probe forward of linearize.convert made {len(self.kinds)} "
                 f"({', '.join(self.kinds)}){' (a kind or an input width differs)' if calls.mismatch else ''}. "
-                "Its calls are matched to their units by order, which fails when the calls depend on the input "
-                f"(control flow). Fix: convert with exclude_modules=[{pattern!r}] to keep its functional "
-                "calls as they are, or pass example_inputs= that take this path."
+                f"Its calls are matched to their units by order, which fails when {why}"
             )
 
 

@@ -575,3 +575,42 @@ def test_torch_namespace_selu_and_celu_calls_become_units(call):
         # all slopes 1: an affine map, so f(2x) - 2 f(x) + f(0) = 0
         zero = torch.zeros_like(x)
         assert float((model(2 * x) - 2 * model(x.clone()) + model(zero)).abs().max()) < 1e-12
+
+
+class _TrainOnlyCall(nn.Module):
+    """A functional GELU called only in training (an auxiliary branch), or, with ``module``, an activation
+    module called there; a ReLU module and a functional GELU on the main path."""
+
+    def __init__(self, module: bool = False) -> None:
+        super().__init__()
+        self.fc, self.act, self.aux, self.out = nn.Linear(6, 6), nn.ReLU(), nn.Linear(6, 6), nn.Linear(6, 2)
+        self.aux_act = nn.GELU() if module else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.gelu(self.act(self.fc(x)))
+        if self.training:
+            z = self.aux(x)
+            h = h + 0.1 * (F.gelu(z) if self.aux_act is None else self.aux_act(z))
+        return self.out(h)
+
+
+def test_a_training_only_functional_call_names_training_mode_and_fixes_that_work():
+    """The probe runs in eval mode: the first training forward of an owner with a training-only functional
+    call raised an error blaming the input, whose fix (other example inputs) cannot work. Now it names
+    training mode; both fixes it names give the original function in both modes. Truth: the unconverted model."""
+    torch.manual_seed(0)
+    original, x = _TrainOnlyCall(), torch.randn(4, 6)
+    model = linearize.convert(copy.deepcopy(original), example_inputs=x)
+    with pytest.raises(FunctionalSiteError,
+                       match=r"training mode, the probe forward in eval mode.*exclude_modules.*activation module"):
+        model.train()(x)
+    fixed = [linearize.convert(copy.deepcopy(original), example_inputs=x, exclude_modules=["linearize_functional.*"])]
+    torch.manual_seed(0)
+    with_module = _TrainOnlyCall(module=True)
+    fixed.append(linearize.convert(copy.deepcopy(with_module), example_inputs=x))
+    for reference, converted, units in zip((original, with_module), fixed,
+                                           (["act"], ["act", "linearize_functional.gelu_0"])):
+        assert [n for n, _ in linearize.units(converted)] == units
+        for training in (True, False):
+            with torch.no_grad():
+                assert torch.equal(converted.train(training)(x), reference.train(training)(x))
