@@ -157,7 +157,7 @@ def _unit_rows(unit: LinearizableActivation, x: torch.Tensor, mask: torch.Tensor
     the unit (its own call raises the clear error)."""
     dim = unit.channel_dim % x.ndim
     if unit.granularity == "element":  # one "channel" per position of the map: a row per sample
-        return x.reshape(x.shape[0], -1) if x.numel() == x.shape[0] * unit.num_channels else None
+        return x.reshape(x.shape[0], unit.num_channels) if x.numel() == x.shape[0] * unit.num_channels else None
     if x.shape[dim] != unit.num_channels:
         return None
     if mask is not None and x.ndim == 3 and dim == 2 and tuple(x.shape[:2]) == tuple(mask.shape):

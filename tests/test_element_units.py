@@ -341,3 +341,25 @@ def test_an_empty_batch_gives_the_originals_empty_output_and_gradients(granulari
     assert got_gx.shape == ref_gx.shape == (0, 3, 32, 32)
     assert len(got_gp) == len(ref_gp) and all(torch.equal(a, b) for a, b in zip(got_gp, ref_gp))
     assert all(torch.equal(u.slope.grad, torch.zeros_like(u.slope)) for _, u in linearize.units(model))
+
+
+def test_an_empty_batch_in_a_fit_sparsifier_loop_leaves_the_run_as_without_it():
+    """The Sparsifier's running fit (``select="fit"``, AdamW's default) records element units' inputs per
+    sample: an empty batch crashed it reshaping to ``[0, -1]``. Truth: the same loop without the empty batches
+    (an empty batch's loss has no gradient, so AdamW's moments and the fit must not move)."""
+    torch.manual_seed(0)
+    original = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(), nn.Flatten(), nn.Linear(64, 2))
+    x = torch.randn(8, 3, 4, 4)
+    slopes = []
+    for with_empty in (False, True):
+        model = linearize.convert(copy.deepcopy(original), granularity="element", example_inputs=x)
+        opt = torch.optim.AdamW(model.parameters(), 1e-2)
+        linearize.Sparsifier(model, linearize.schedules.target(0.5), total_steps=4).attach(opt)
+        for _ in range(4):
+            model(x).square().mean().backward()
+            if with_empty:
+                model(x[:0]).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        slopes.append(torch.cat([u.slope.detach().flatten() for _, u in linearize.units(model)]))
+    assert torch.equal(slopes[0], slopes[1]) and 0 < (slopes[1] == 1).float().mean() < 1
