@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import html
 import math
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -276,7 +277,7 @@ def _html(runs: Sequence[RunSummary]) -> str:
         parts.append(table(["run", "normalized APL", "unnormalized APL", "log10 paths"],
                               [[r.name, r.path_length.get("normalized"), r.path_length.get("unnormalized"),
                                 r.path_length.get("log10_paths")] for r in with_apl]))
-    return page(f"linearize: {', '.join(names)}", parts)
+    return _shown(page(f"linearize: {', '.join(names)}", parts))  # paths in it too (the skip reasons name files)
 
 
 def _skips(runs: Sequence[RunSummary], what: str) -> list[str]:
@@ -284,11 +285,23 @@ def _skips(runs: Sequence[RunSummary], what: str) -> list[str]:
             for r in runs if what in r.skipped]
 
 
+def _shown(name: str) -> str:
+    """A file or folder name (or a text holding such names) as page and plot text: a name whose bytes are not
+    UTF-8 (a Latin-1 ``run-café`` from an old archive, which Python holds with surrogates) has those bytes
+    escaped, as ``run-caf\\xe9``.
+
+    Example:
+        >>> _shown(os.fsdecode(b"run-caf\\xe9")), _shown("run-café")
+        ('run-caf\\\\xe9', 'run-café')
+    """
+    return os.fsencode(name).decode("utf-8", "backslashreplace")
+
+
 def _names(paths: Sequence[Path]) -> list[str]:
-    """Run names: the folder names, with parents added until they differ."""
+    """Run names: the folder names (:func:`_shown`), with parents added until they differ."""
     depth = 1
     while True:
-        names = ["/".join(p.resolve().parts[-depth:]) for p in paths]
+        names = [_shown("/".join(p.resolve().parts[-depth:])) for p in paths]
         if len(set(names)) == len(names) or depth >= max(len(p.resolve().parts) for p in paths):
             return names
         depth += 1
@@ -324,5 +337,5 @@ def main(argv: Sequence[str]) -> int:
     p.add_argument("--out", "--output", default="compare.html", help="the HTML page to write (default compare.html)")
     args = p.parse_args(list(argv))
     compare(args.compare, out=args.out)
-    print(f"wrote {Path(args.out).resolve()} ({len(args.compare)} runs)")
+    print(f"wrote {_shown(str(Path(args.out).resolve()))} ({len(args.compare)} runs)")
     return 0

@@ -8,6 +8,7 @@ with :func:`linearize.count_units`.
 from __future__ import annotations
 
 import json
+import os
 import re
 import sys
 from pathlib import Path
@@ -131,6 +132,34 @@ def test_run_and_site_names_holding_dollar_signs_are_compared(tmp_path):
     page = linearize.compare([run])
     assert page.count("data:image/png;base64,") == 2  # sites and affinity plots
     assert [site, "0.5"] in _rows(page) and [site, "0.75"] in _rows(page)
+
+
+def test_run_folders_whose_names_are_not_utf8_are_compared(tmp_path, capsys):
+    """A run folder named in Latin-1 bytes (``run-caf\\xe9``, not UTF-8) beside a UTF-8 ``run-café``: the page and
+    its plots are written (they failed in matplotlib, then in writing the page), the Latin-1 name shown with
+    its byte escaped, the UTF-8 one as it is; a run without report/ or model/ has its skip reason shown too."""
+    from linearize.cli import main
+
+    site = "relu1"
+    runs = []
+    for name, report in ((b"run-caf\xe9", True), ("run-café".encode(), True), (b"bare-\xe9", False)):
+        run = os.path.join(os.fsencode(tmp_path), name)
+        os.makedirs(os.path.join(run, b"report"))
+        with open(os.path.join(run, b"metrics.json"), "w") as f:
+            json.dump({"test_accuracy": 0.5}, f)
+        if report:
+            with open(os.path.join(run, b"report", b"report.json"), "w") as f:
+                json.dump({"units": {"sites": {site: {"fraction": 0.25}}}, "affinity": [[site, 0.75]]}, f)
+        runs.append(os.fsdecode(run))
+    out = tmp_path / "compare.html"
+    assert main(["report", "--compare", *runs, "--out", str(out)]) == 0
+    assert str(out) in capsys.readouterr().out
+    page = out.read_text(encoding="utf-8")
+    assert page.count("data:image/png;base64,") == 2  # sites and affinity plots
+    rows = _rows(page)
+    assert ["site", "run-caf\\xe9", "run-café"] in rows and [site, "0.25", "0.25"] in rows
+    assert ["run-caf\\xe9", "0.5"] in rows and ["run-café", "0.5"] in rows and ["bare-\\xe9", "0.5"] in rows
+    assert f"bare-\\xe9: no linearize sidecar in {tmp_path}/bare-\\xe9/model" in page
 
 
 GOOD_METRICS = {"recipe": "cifar", "test_accuracy": 0.9, "args": {"tol": 0.001}}
