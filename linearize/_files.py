@@ -244,7 +244,9 @@ def atomic_write_all(directory: Path, files: Mapping[str, bytes | str]) -> dict[
 
 
 def _write_temp(path: Path, data: bytes | str) -> Path:
-    """Write ``data`` (``str``: as UTF-8) to a fresh :func:`temp_name` of ``path``, flushed to disk; return it."""
+    """Write ``data`` (``str``: as UTF-8) to a fresh :func:`temp_name` of ``path``, flushed to disk; return it.
+    A failed write (a full disk, a file-size or quota limit), whose ``OSError`` names no file, is raised as one
+    naming ``path`` (same ``errno``) with the fix."""
     if path.is_dir() and not path.is_symlink():  # the rename would fail on it, after the writing
         raise IsADirectoryError(f"{path} is a folder, where a save writes a file: move or remove that folder, "
                                 "or save elsewhere")
@@ -256,8 +258,11 @@ def _write_temp(path: Path, data: bytes | str) -> Path:
             f.write(raw)
             f.flush()
             os.fsync(f.fileno())
-    except BaseException:
+    except BaseException as err:
         tmp.unlink(missing_ok=True)
+        if isinstance(err, OSError) and err.filename is None:
+            raise OSError(err.errno, f"{err.strerror or err} (free space on that disk, or save elsewhere; what the "
+                                     "folder held before is left as it was)", str(path)) from err
         raise
     return tmp
 

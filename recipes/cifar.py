@@ -871,7 +871,7 @@ def save_final(model: nn.Module, directory: Path, args: argparse.Namespace, clas
     :func:`load_model` needs to rebuild the model)."""
     from safetensors.torch import save_file
 
-    with common.replaced_dir(directory) as stage:  # the three files replace the old ones together
+    with common.writing(directory), common.replaced_dir(directory) as stage:  # the three files replace the old ones
         if args.linearize != "none":  # the units, and digests of the weights model.safetensors holds
             linearize.save_pretrained(model, stage, weights=False)
         save_file({k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()},

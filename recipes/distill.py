@@ -261,7 +261,7 @@ def distill_run(args: argparse.Namespace, argv: list[str] | None) -> dict:
         # this run's: removed first, so that a kill while writing leaves no metrics.json, never a stale one
         common.remove_earlier_outputs(out, ["metrics.json", *(["model"] * (not args.save_model))])
         if args.save_model:  # the HF save carries the fine-tuned weights and the units (config.linearize)
-            with common.replaced_dir(out / "model") as stage:  # never a half-written model/
+            with common.writing(out / "model"), common.replaced_dir(out / "model") as stage:  # never half written
                 student.save_pretrained(stage)
                 tokenizer.save_pretrained(stage)
         atomic_write(out / "metrics.json", json.dumps(metrics, indent=2))  # last: the run is complete

@@ -893,7 +893,7 @@ def train_run(args: argparse.Namespace, start_time: float) -> dict:
 def save_final(model: nn.Module, tokenizer, directory: Path, args: argparse.Namespace) -> None:
     """HF weights + tokenizer, the linearize sidecar and ``recipe.json`` (with the size and sha256 of every
     other file, verified by :func:`load_model`)."""
-    with common.replaced_dir(directory) as stage:  # all files replace the old ones together
+    with common.writing(directory), common.replaced_dir(directory) as stage:  # all files replace the old ones
         model.save_pretrained(str(stage))
         tokenizer.save_pretrained(str(stage))
         if args.linearize != "none":

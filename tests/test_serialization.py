@@ -160,6 +160,33 @@ def test_atomic_write_that_fails_midway_leaves_the_target_unchanged(tmp_path, mo
     assert snapshot(tmp_path) == {"f.json": b"old"}  # no temp files, no half-written fresh.json
 
 
+@pytest.mark.parametrize("save", ["save_pretrained", "save_folded", "Report.save"])
+def test_a_save_onto_a_full_disk_names_the_file_and_keeps_the_previous_save(tmp_path, save):
+    """A file-size limit (RLIMIT_FSIZE, as a full disk: writes fail with EFBIG) during a save over an earlier one:
+    the OSError names the file being written in that folder and the fix (it named no file), and the folder
+    holds the earlier save, every byte unchanged, with no temporary file."""
+    import resource
+
+    old, new = trained_small(1), trained_small(2)
+    calls = {"save_pretrained": lambda m, d: linearize.save_pretrained(m, d),
+             "save_folded": lambda m, d: linearize.save_folded(linearize.fold(m, XS, latency=False), d,
+                                                               example_inputs=XS),
+             "Report.save": lambda m, d: linearize.report(m, XS, progress=False, skip=["regions"]).save(d)}
+    directory = tmp_path / "save"
+    calls[save](old, directory)
+    before = snapshot(directory)
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (2048, hard))  # Python ignores SIGXFSZ: a larger write fails
+    try:
+        with pytest.raises(OSError, match=r"File too large \(free space on that disk, or save elsewhere; what the "
+                                          rf"folder held before is left as it was\): '{re.escape(str(directory))}/") as err:
+            calls[save](new, directory)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    assert err.value.errno == errno.EFBIG and os.path.dirname(err.value.filename) == str(directory)
+    assert snapshot(directory) == before
+
+
 def fail_nth(monkeypatch, name: str, n: int) -> None:
     """Make the ``n``-th call of ``os.<name>`` raise ENOSPC (disk full). A save makes, in order:
     fsync 1 (the tensor file's bytes), replace 1 (its rename into place), fsync 2 (the directory),

@@ -19,7 +19,7 @@ processes with FSDP2 and the checkpoints gather it onto the main process.
 The modules, one concept each (this package re-exports the names the recipes and their tests use):
 ``args`` (flags and their checks), ``accelerator`` (the Accelerator, whose main process locks the
 OUTPUT_DIR; FSDP2 sharding), ``run`` (the :class:`Run` record), ``files`` (sha256 of a file; folders replaced
-whole; the run lock of an OUTPUT_DIR), ``checkpoints`` (write, verify, resume), ``outputs`` (the model
+whole; a failed write named; the run lock of an OUTPUT_DIR), ``checkpoints`` (write, verify, resume), ``outputs`` (the model
 folder's ``recipe.json``; ``metrics.json``) and ``training`` (the loop).
 Imports go one way: ``training`` -> ``checkpoints``, ``outputs`` -> ``args``, ``accelerator``, ``run``,
 ``files``.
@@ -35,7 +35,7 @@ from .checkpoints import (MODEL_FILE, NEUTRAL_ARGS, OPTIMIZER_FILE, STATE_FILE, 
                           model_fingerprint, read_checkpoint, remove_partial_checkpoints, save_checkpoint,
                           state_digest, state_problem, state_sha256)
 from .files import (RUN_LOCK, TMP_PREFIX, file_sha256, hold_output_dir, release_output_dir, replaced_dir,
-                    restore_aside)
+                    restore_aside, writing)
 from .outputs import (check_files, file_records, fold_metrics, read_recipe_json, remove_earlier_outputs, unit_stats,
                       write_metrics)
 from .run import Run
@@ -49,6 +49,7 @@ __all__ = [
     "find_checkpoint", "first_nonfinite", "json_value", "load_checkpoint", "model_fingerprint", "read_checkpoint",
     "remove_partial_checkpoints", "save_checkpoint", "state_digest", "state_problem", "state_sha256",
     "RUN_LOCK", "TMP_PREFIX", "file_sha256", "hold_output_dir", "release_output_dir", "replaced_dir", "restore_aside",
+    "writing",
     "check_files", "file_records", "fold_metrics", "read_recipe_json", "remove_earlier_outputs", "unit_stats",
     "write_metrics",
     "Run",

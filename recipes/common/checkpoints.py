@@ -24,7 +24,7 @@ from linearize._files import fsync_path
 
 from .accelerator import is_sharded, state_dict_options
 from .args import flag
-from .files import TMP_PREFIX, file_sha256, pid_alive
+from .files import TMP_PREFIX, file_sha256, pid_alive, writing
 from .run import NONFINITE_ADVICE, Run
 
 
@@ -147,7 +147,8 @@ def _optimizer_tensors(state: dict) -> list[tuple[str, torch.Tensor]]:
 
 def save_checkpoint(run: Run, step: int) -> Path:
     """Write the checkpoint of ``step`` (main process; atomically) and prune old ones to
-    ``--keep_checkpoints``. Raises ``FloatingPointError`` instead of writing non-finite tensors."""
+    ``--keep_checkpoints``. Raises ``FloatingPointError`` instead of writing non-finite tensors, and an
+    ``OSError`` naming the file when a write fails (:func:`writing`: a full disk)."""
     from safetensors.torch import save_file, save_model
 
     acc = run.accelerator
@@ -178,14 +179,17 @@ def save_checkpoint(run: Run, step: int) -> Path:
         tmp = path.parent / f"{TMP_PREFIX}{path.name}-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-        if is_sharded(raw):
-            save_file(model_state, str(tmp / MODEL_FILE))
-        else:
-            save_model(raw, str(tmp / MODEL_FILE))
-        torch.save(optimizer_state, tmp / OPTIMIZER_FILE)
+        with writing(tmp / MODEL_FILE):  # a full disk: an error naming the file, not a bare I/O error
+            if is_sharded(raw):
+                save_file(model_state, str(tmp / MODEL_FILE))
+            else:
+                save_model(raw, str(tmp / MODEL_FILE))
+        with writing(tmp / OPTIMIZER_FILE):
+            torch.save(optimizer_state, tmp / OPTIMIZER_FILE)
         state["files"] = {}
         for name in (MODEL_FILE, OPTIMIZER_FILE):
-            fsync_path(tmp / name)
+            with writing(tmp / name):
+                fsync_path(tmp / name)
             state["files"][name] = {"size": (tmp / name).stat().st_size, "sha256": file_sha256(tmp / name)}
         try:
             state["state_sha256"] = state_digest(state)  # a flipped bit in the JSON itself is caught too
@@ -193,8 +197,9 @@ def save_checkpoint(run: Run, step: int) -> Path:
         except TypeError as e:
             raise TypeError(f"checkpoint state of step {step} is not JSON ({e}): the LR scheduler's lambdas must be "
                             "plain functions, the sparsifier's state plain values") from e
-        (tmp / STATE_FILE).write_text(text)
-        fsync_path(tmp / STATE_FILE)
+        with writing(tmp / STATE_FILE):
+            (tmp / STATE_FILE).write_text(text)
+            fsync_path(tmp / STATE_FILE)
         if path.exists():  # a damaged folder of this step, or the final step written again
             _remove(path)
         tmp.rename(path)

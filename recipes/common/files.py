@@ -1,7 +1,7 @@
 """Files and folders written whole: the sha256 of a file, and :func:`replaced_dir`, which replaces a folder
 atomically (temp sibling ``.tmp-<name>-<pid>``, renamed into place; :func:`restore_aside` repairs a
-replacement killed between its two renames); and :func:`hold_output_dir`, the lock of the run training into
-an ``OUTPUT_DIR``."""
+replacement killed between its two renames); :func:`writing`, which names the file of a failed write; and
+:func:`hold_output_dir`, the lock of the run training into an ``OUTPUT_DIR``."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import shutil
 import socket
 import sys
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 
 from linearize._files import atomic_write, flock_error, fsync_path
@@ -32,6 +33,26 @@ def file_sha256(path: Path) -> str:
         for block in iter(lambda: f.read(1 << 20), b""):
             h.update(block)
     return h.hexdigest()
+
+
+@contextlib.contextmanager
+def writing(path: str | Path) -> Iterator[None]:
+    """The body writes the file or folder ``path``: a failure that names no file (a full disk or a file-size
+    limit: Python's ``OSError`` without a file name, ``torch.save``'s ``RuntimeError`` "basic_ios::clear: iostream
+    error", safetensors' ``SafetensorError``) is raised as an ``OSError`` (same ``errno`` where known) naming
+    ``path``, the likely cause and the fix. Errors that name their file already pass unchanged."""
+    from safetensors import SafetensorError
+
+    try:
+        yield
+    except (OSError, RuntimeError, SafetensorError) as err:
+        if isinstance(err, OSError) and err.filename is not None:
+            raise
+        message = (f"{path}: writing it failed ({type(err).__name__}: {err}); is the disk full, or a file-size or "
+                   "quota limit reached? free space on that disk, or give another --output_dir (the run's earlier "
+                   "checkpoints and outputs are left as they were)")
+        code = err.errno if isinstance(err, OSError) else None
+        raise (OSError(code, message) if code is not None else OSError(message)) from err
 
 
 def pid_alive(pid: int) -> bool:

@@ -59,6 +59,46 @@ def test_pruning_never_removes_the_checkpoint_just_written(tmp_path):
     assert 17 in steps_of(tmp_path) and not {15, 16} & set(steps_of(tmp_path))
 
 
+@pytest.mark.parametrize("failing", ["model.safetensors", "optimizer.pt"])
+def test_a_checkpoint_onto_a_full_disk_names_the_file_and_keeps_the_earlier_one(tmp_path, failing):
+    """A file-size limit (RLIMIT_FSIZE, as a full disk) that the checkpoint of step 2 reaches in model.safetensors
+    (safetensors' SafetensorError) or, past it, in optimizer.pt (torch.save's "basic_ios::clear: iostream
+    error"): an OSError naming that file in the checkpoint's temp folder, the cause and the fix (both named
+    no file); the checkpoint of step 1 is left, every byte as written, and still verifies."""
+    import re
+    import resource
+
+    from accelerate import Accelerator
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), linearize.LinearizableActivation("relu", 256, -1))
+    optimizer = torch.optim.Adam(model.parameters())  # two moments: optimizer.pt about twice the model's size
+    model(torch.randn(2, 64)).sum().backward()
+    optimizer.step()
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+    run = common.Run(Accelerator(cpu=True), argparse.Namespace(keep_checkpoints=0), model, optimizer, scheduler,
+                     None, tmp_path, "f", "test")
+    first = common.save_checkpoint(run, 1)
+    earlier = {p.name: p.read_bytes() for p in first.iterdir()}
+    sizes = {name: len(data) for name, data in earlier.items()}
+    assert sizes["optimizer.pt"] > 1.5 * sizes["model.safetensors"]
+    limit = {"model.safetensors": sizes["model.safetensors"] // 2,  # model.safetensors is written first
+             "optimizer.pt": (sizes["model.safetensors"] + sizes["optimizer.pt"]) // 2}[failing]
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, hard))  # Python ignores SIGXFSZ: a larger write fails
+    try:
+        with pytest.raises(OSError, match=rf"^{re.escape(str(tmp_path / 'checkpoints'))}/\.tmp-step_0*2-\d+/"
+                                          rf"{re.escape(failing)}: writing it failed \((SafetensorError|RuntimeError): "
+                                          r".*\); is the disk full.*free space on that disk, or give another "
+                                          r"--output_dir"):
+            common.save_checkpoint(run, 2)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    assert steps_of(tmp_path) == [1]
+    assert {p.name: p.read_bytes() for p in first.iterdir()} == earlier
+    assert common.read_checkpoint(first).step == 1
+
+
 def test_rewrite_of_a_step_killed_between_the_renames_keeps_it(tmp_path, monkeypatch):
     """--keep_checkpoints 1, the final step written again (a finished run resumed): interrupted after
     the old folder was removed and before the new one was renamed into place, the next start must
@@ -239,6 +279,31 @@ def test_cifar_final_save_is_atomic_under_oserror_at_every_call(tmp_path, monkey
             _same_state(loaded, new) and classes == NEW_CLASSES), f"failed {call} #{n} left a mixed model"
     else:
         pytest.fail("the save never succeeded")
+
+
+def test_a_final_save_onto_a_full_disk_names_the_folder_and_keeps_the_earlier_model(tmp_path):
+    """cifar's final save over an earlier model with a file-size limit (RLIMIT_FSIZE, as a full disk) that the
+    ~1 MB model.safetensors reaches (safetensors' SafetensorError named no file): an OSError naming the model
+    folder, the cause and the fix; the earlier model loads bit for bit, and no temp folder is left."""
+    import re
+    import resource
+
+    import cifar
+
+    directory = tmp_path / "out" / "model"
+    old_model = _cifar_model(0)
+    old = {k: v.clone() for k, v in old_model.state_dict().items()}
+    _save(old_model, directory)
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, hard))  # the sidecar's units fit, the weights do not
+    try:
+        with pytest.raises(OSError, match=rf"^{re.escape(str(directory))}: writing it failed \(SafetensorError: .*\); "
+                                          r"is the disk full.*free space on that disk, or give another --output_dir"):
+            _save(_cifar_model(1), directory, NEW_CLASSES)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    assert [p.name for p in directory.parent.iterdir()] == ["model"]
+    assert _same_state(cifar.load_model(directory), old)
 
 
 def test_cifar_load_model_refuses_a_flipped_bit(tmp_path):
