@@ -24,9 +24,8 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 __all__ = ["LoadError", "atomic_write", "fsync_path", "remove_stale", "safe_torch_load", "save_lock", "open_regular",
-           "read_regular", "read_file", "check_regular", "parse_json", "read_json", "check_folder", "flock_error",
-           "SAVE_LOCK_NAME",
-           "TRUST_PICKLE_FLAG", "MAX_JSON_BYTES"]
+           "read_regular", "read_file", "check_regular", "parse_json", "read_json", "check_folder", "check_given_folder",
+           "flock_error", "SAVE_LOCK_NAME", "TRUST_PICKLE_FLAG", "MAX_JSON_BYTES"]
 
 TRUST_PICKLE_FLAG = "--trust-pickle"
 SAVE_LOCK_NAME = ".linearize.lock"  # in the folder saved into; empty, and left there
@@ -195,6 +194,24 @@ def check_folder(path: str | os.PathLike, what: str) -> None:
             raise PermissionError(f"{what} {path}: this process cannot write into {folder}: give a folder it "
                                   "can write into, or fix its permissions")
         return
+
+
+def check_given_folder(path: str | os.PathLike, what: str) -> None:
+    """Check that ``path``, given as the folder of ``what`` (e.g. ``"a linearize save"``), is not a file: one of the
+    save's files given instead of its folder (``out/linearize_config.json`` for ``out``) raises
+    ``NotADirectoryError`` naming it and the fix (pass the folder that holds it). A folder or a missing path passes.
+
+    Example:
+        >>> import tempfile, pathlib
+        >>> file = pathlib.Path(tempfile.mkdtemp()) / "folded.json"; _ = file.write_text("{}")
+        >>> check_given_folder(file, "a folded save")  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        NotADirectoryError: .../folded.json is a file, not a folder: a folded save is loaded from its folder; pass ...
+    """
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise NotADirectoryError(f"{path} is a file, not a folder: {what} is loaded from its folder; pass the "
+                                 f"folder that holds it ({path.parent})")
 
 
 def temp_name(path: Path) -> Path:

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from ._files import LoadError, read_json
+from ._files import LoadError, check_given_folder, read_json
 from .checks import is_real
 from .html_pages import img, page, table
 from .plots import figure, literal, png, site_axis
@@ -60,7 +60,8 @@ def load_run(path: str | Path, name: str | None = None) -> RunSummary:
     Example: ``load_run("runs/r20-late").sites`` -> ``{"layer1.0.relu": 0.12, ...}``
     """
     path = Path(path)
-    if not (path / "metrics.json").is_file():
+    check_given_folder(path, "a run")
+    if not (path / "metrics.json").exists():  # a folder or FIFO there is refused by name when read
         raise FileNotFoundError(f"{path} has no metrics.json: pass the output directory of a run "
                                 "(recipes/cifar.py or recipes/wmt14.py --output_dir)")
     run = RunSummary(name or path.name, path, _check_metrics(read_json(path / "metrics.json"), path / "metrics.json"))

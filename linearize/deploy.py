@@ -50,8 +50,8 @@ import safetensors.torch
 import torch
 from torch import nn
 
-from ._files import (MAX_JSON_BYTES, LoadError, atomic_write, check_folder, parse_json, read_file, remove_stale,
-                     save_lock)
+from ._files import (MAX_JSON_BYTES, LoadError, atomic_write, check_folder, check_given_folder, parse_json, read_file,
+                     remove_stale, save_lock)
 from ._optional import require
 from .distributed import refuse_sharded
 from .activations import FUNCTIONAL_SPECS, FUNCTIONS_BY_NAME
@@ -791,6 +791,7 @@ def _read_folded(directory: Path, tries: int = 10) -> tuple[dict, bytes, Path]:
     """``folded.json``, checked, and the weights bytes it names (re-read when a concurrent save replaced the pair)."""
     path = directory / FOLDED_CONFIG
     if not path.exists():  # a folder or FIFO there is refused by name when read
+        check_given_folder(directory, "a folded save")
         if (directory / CONFIG_NAME).is_file():
             raise FileNotFoundError(f"{directory} holds a linearize sidecar ({CONFIG_NAME}), not a folded save: "
                                     "load it with linearize.from_pretrained(model, directory)")

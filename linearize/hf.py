@@ -180,10 +180,12 @@ def refuse_stripped(model: nn.Module) -> None:
 
 
 def has_manifest(directory: str | os.PathLike) -> bool:
-    """True when ``directory/config.json`` carries a linearize manifest."""
+    """True when ``directory/config.json`` carries a linearize manifest; :class:`LoadError` naming it when it is a
+    folder, FIFO, device or socket (not taken for a missing one)."""
     path = Path(directory) / HF_CONFIG
-    if not path.is_file():
+    if not path.exists():
         return False
+    check_regular(path, "Hugging Face config")
     try:
         config = read_json(path, "Hugging Face config")
     except (OSError, LoadError):

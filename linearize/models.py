@@ -10,7 +10,7 @@ from typing import Callable
 
 from torch import nn
 
-from ._files import LoadError, safe_torch_load
+from ._files import LoadError, check_regular, safe_torch_load
 from .hf import has_manifest, unreadable_weights_file
 from ._optional import require
 
@@ -31,8 +31,9 @@ def load_model(spec: str | Path, num_classes: int | None = None, *, trust_pickle
     if path.is_dir():
         transformers = require("transformers", what="a Hugging Face model directory")
 
-        if not (path / "config.json").is_file():
+        if not (path / "config.json").exists():
             raise FileNotFoundError(f"{path} has no config.json: not a Hugging Face model directory")
+        check_regular(path / "config.json", "Hugging Face config")  # a FIFO: refused by name, not waited on
         config = transformers.AutoConfig.from_pretrained(path, local_files_only=True)
         arch = (getattr(config, "architectures", None) or [None])[0]
         cls = getattr(transformers, arch, None) if arch else None

@@ -60,8 +60,8 @@ import safetensors.torch
 import torch
 from torch import nn
 
-from ._files import (MAX_JSON_BYTES, LoadError, atomic_write, check_folder, parse_json, read_file, read_json,
-                     remove_stale, save_lock)
+from ._files import (MAX_JSON_BYTES, LoadError, atomic_write, check_folder, check_given_folder, parse_json, read_file,
+                     read_json, remove_stale, save_lock)
 from .config import LinearizeConfig
 from .distributed import refuse_sharded
 from .manifest import CONFIG_NAME, FOLDED_CONFIG, FORMAT_VERSION, clean_name as _clean, site_records as _sites
@@ -622,6 +622,7 @@ def _load_checked(directory: Path) -> tuple[dict[str, Any], dict[str, torch.Tens
     ``"prelu"`` mode ``tensors`` are the units'; the model weights are the model's own weights a format 3
     save holds (``MODEL_PREFIX`` removed), None when it holds none."""
     if not (directory / CONFIG_NAME).exists():  # a folder or FIFO there is refused by name when read
+        check_given_folder(directory, "a linearize save")
         if (directory / FOLDED_CONFIG).is_file():
             raise FileNotFoundError(f"{directory} holds a folded save ({FOLDED_CONFIG}), not a linearize sidecar: "
                                     "load it with linearize.load_folded(directory)")

@@ -162,6 +162,22 @@ def test_run_folders_whose_names_are_not_utf8_are_compared(tmp_path, capsys):
     assert f"bare-\\xe9: no linearize sidecar in {tmp_path}/bare-\\xe9/model" in page
 
 
+def test_a_runs_metrics_json_given_for_its_folder_or_a_fifo_is_named_not_missing(tmp_path):
+    """A run's metrics.json given instead of the run folder, and a FIFO where metrics.json should be: the error
+    names the file and the fix (it said the folder had no metrics.json); the run folder itself is compared."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.json").write_text(json.dumps({"test_accuracy": 0.5}))
+    with pytest.raises(NotADirectoryError, match=rf"{run}/metrics.json is a file, not a folder: a run is loaded "
+                                                 rf"from its folder; pass the folder that holds it \({run}\)"):
+        linearize.compare([run / "metrics.json"])
+    assert ["run", "0.5"] in _rows(linearize.compare([run]))
+    (tmp_path / "fifo").mkdir()
+    os.mkfifo(tmp_path / "fifo" / "metrics.json")
+    with pytest.raises(linearize.LoadError, match=rf"{tmp_path}/fifo/metrics.json is not a regular file \(a FIFO"):
+        linearize.compare([tmp_path / "fifo"])
+
+
 GOOD_METRICS = {"recipe": "cifar", "test_accuracy": 0.9, "args": {"tol": 0.001}}
 GOOD_REPORT = {"units": {"sites": {"relu1": {"fraction": 0.5}}}, "affinity": [["relu1", 0.9]],
                "path_length": {"normalized": 2.0}}

@@ -323,3 +323,39 @@ def test_odd_entries_where_a_save_or_load_expects_a_file_or_folder_are_named_wit
         linearize.save_pretrained(model, tmp_path / "dangling")
     with pytest.raises(OSError, match="loop is a loop of symbolic links .*: remove the link"):
         linearize.save_pretrained(model, tmp_path / "loop")
+
+
+def test_a_saves_file_given_for_its_folder_or_a_fifo_config_json_is_named_with_the_fix(tmp_path):
+    """The save's own file given instead of its folder (linearize_config.json, folded.json), and a FIFO where a
+    converted HF save's config.json should be: the error names that file and the fix (pass its folder; a FIFO
+    refused by name, also by the CLI's loader), where it said the folder had no such file and to write one. The
+    folder itself loads."""
+    transformers = pytest.importorskip("transformers")
+    model, x = _mlp(), torch.randn(8, 4)
+    linearize.save_pretrained(model, tmp_path / "sidecar")
+    linearize.save_folded(linearize.fold(model, x), tmp_path / "folded", example_inputs=x)
+    with pytest.raises(NotADirectoryError, match=rf"{tmp_path}/sidecar/{CONFIG_NAME} is a file, not a folder: a "
+                                                 rf"linearize save is loaded from its folder; pass the folder that "
+                                                 rf"holds it \({tmp_path}/sidecar\)"):
+        linearize.from_pretrained(_fresh(), tmp_path / "sidecar" / CONFIG_NAME, example_inputs=x)
+    with pytest.raises(NotADirectoryError, match=rf"{tmp_path}/folded/{FOLDED_CONFIG} is a file, not a folder: a "
+                                                 rf"folded save .*\({tmp_path}/folded\)"):
+        linearize.load_folded(tmp_path / "folded" / FOLDED_CONFIG)
+    loaded = linearize.from_pretrained(_fresh(), tmp_path / "sidecar", example_inputs=x)
+    assert all(torch.equal(u.slope, torch.full_like(u.slope, 0.5)) for _, u in linearize.units(loaded))
+    with torch.no_grad():
+        torch.testing.assert_close(linearize.load_folded(tmp_path / "folded")(x), model(x), rtol=1e-5, atol=1e-5)
+
+    config = transformers.BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                     intermediate_size=64)
+    hf_dir = tmp_path / "hf"
+    linearize.convert(transformers.BertModel(config)).save_pretrained(hf_dir)
+    os.replace(hf_dir / "config.json", tmp_path / "config.json")
+    os.mkfifo(hf_dir / "config.json")
+    with pytest.raises(linearize.LoadError, match=rf"{hf_dir}/config.json is not a regular file \(a FIFO, device or "
+                                                  "socket\), where a Hugging Face config should be"):
+        linearize.from_pretrained(transformers.BertModel, hf_dir)
+    from linearize.models import load_model  # the CLI's loader (linearize inspect DIR): refused, not waited on
+
+    with pytest.raises(linearize.LoadError, match=rf"{hf_dir}/config.json is not a regular file \(a FIFO"):
+        load_model(str(hf_dir))

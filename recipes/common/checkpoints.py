@@ -252,10 +252,17 @@ def remove_partial_checkpoints(output_dir: str | Path) -> list[Path]:
     return removed
 
 
+def _absent(path: Path) -> str:
+    """Why the file ``path`` of a checkpoint cannot be read: it is missing, or not a regular file."""
+    if not path.exists():
+        return "is missing"
+    return "is not a regular file (a folder, FIFO, device or socket): the checkpoint is damaged or was edited"
+
+
 def _load(path: Path, what: str, loader: Callable[[Path], Any]) -> Any:
     """``loader(path)``, with any failure (missing, truncated, refused by ``weights_only``) as a CheckpointError."""
     if not path.is_file():
-        raise CheckpointError(path.parent, f"{path.name} ({what}) is missing")
+        raise CheckpointError(path.parent, f"{path.name} ({what}) {_absent(path)}")
     try:
         return loader(path)
     except Exception as e:  # SafetensorError, RuntimeError (bad zip), UnpicklingError (weights_only), ...
@@ -285,6 +292,8 @@ def read_checkpoint(path: str | Path) -> Checkpoint:
     path = Path(path)
     state_file = path / STATE_FILE
     if not state_file.is_file():
+        if state_file.exists():
+            raise CheckpointError(path, f"{STATE_FILE} {_absent(state_file)}")
         raise CheckpointError(path, f"no {STATE_FILE} (an interrupted or foreign checkpoint)")
     try:
         state = json.loads(state_file.read_text())
@@ -300,7 +309,7 @@ def read_checkpoint(path: str | Path) -> Checkpoint:
         for name, meta in state["files"].items():
             f = path / name
             if not f.is_file():
-                raise CheckpointError(path, f"{name} is missing")
+                raise CheckpointError(path, f"{name} {_absent(f)}")
             if f.stat().st_size != meta["size"]:
                 raise CheckpointError(path, f"{name} has {f.stat().st_size} bytes, {STATE_FILE} says {meta['size']} "
                                             "(truncated)")

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 import linearize
-from linearize._files import atomic_write
+from linearize._files import atomic_write, check_given_folder, check_regular
 
 from .files import TMP_PREFIX, file_sha256, pid_alive, restore_aside
 
@@ -33,9 +33,11 @@ def read_recipe_json(directory: str | Path, required: Iterable[str] = ()) -> dic
     directory = Path(directory)
     restore_aside(directory)
     path = directory / "recipe.json"
-    if not path.is_file():
+    check_given_folder(directory, "a recipe's model")
+    if not path.exists():
         raise FileNotFoundError(f"no recipe.json in {directory}: not a model folder written by a recipe "
                                 "(OUTPUT_DIR/model, with recipe.json and model.safetensors)")
+    check_regular(path, "recipe.json")  # a FIFO: refused by name (reading it would wait for a writer)
     try:
         meta = json.loads(path.read_text())
     except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:  # RecursionError: nested too deep

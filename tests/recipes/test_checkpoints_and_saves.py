@@ -306,6 +306,32 @@ def test_a_final_save_onto_a_full_disk_names_the_folder_and_keeps_the_earlier_mo
     assert _same_state(cifar.load_model(directory), old)
 
 
+def test_a_file_given_for_the_model_folder_or_a_fifo_in_a_save_is_named_not_missing(tmp_path):
+    """cifar.load_model given the model folder's recipe.json instead of the folder, a FIFO where recipe.json should
+    be, and a checkpoint whose optimizer.pt is a FIFO: each error names the file and what it is (they said the file
+    was missing: "no recipe.json in", "optimizer.pt is missing"); the folder itself loads the saved weights."""
+    import cifar
+
+    directory = tmp_path / "model"
+    model = _cifar_model(0)
+    _save(model, directory)
+    with pytest.raises(NotADirectoryError, match=rf"{directory}/recipe.json is a file, not a folder: .*pass the "
+                                                 rf"folder that holds it \({directory}\)"):
+        cifar.load_model(directory / "recipe.json")
+    assert _same_state(cifar.load_model(directory), model.state_dict())
+    os.replace(directory / "recipe.json", tmp_path / "recipe.json")
+    os.mkfifo(directory / "recipe.json")
+    with pytest.raises(linearize.LoadError, match=rf"{directory}/recipe.json is not a regular file \(a FIFO"):
+        cifar.load_model(directory)
+
+    step = common.save_checkpoint(tiny_run(tmp_path / "run", keep=1), 1)
+    (step / common.OPTIMIZER_FILE).unlink()
+    os.mkfifo(step / common.OPTIMIZER_FILE)
+    with pytest.raises(common.CheckpointError, match=rf"{step}: {common.OPTIMIZER_FILE} is not a regular file "
+                                                     r"\(a folder, FIFO, device or socket\)"):
+        common.read_checkpoint(step)
+
+
 def test_cifar_load_model_refuses_a_flipped_bit(tmp_path):
     import cifar
 
