@@ -717,6 +717,32 @@ def test_save_folded_interrupted_before_its_json_keeps_the_previous_save(tmp_pat
         torch.testing.assert_close(linearize.load_folded(tmp_path)(x), second(x), rtol=0, atol=0)
 
 
+def test_save_folded_killed_while_writing_leaves_files_that_loads_ignore_and_the_next_save_removes(tmp_path):
+    """What a kill -9 inside save_folded leaves (docs/saving.md): a complete weights file no folded.json names and
+    the partial temp file of one being written. The folder loads the earlier fold, output for output, and the next
+    save leaves only its own pair (and the lock)."""
+    x = torch.randn(5, 4)
+    first = linearize.fold(_seq(), x)
+    second, third = copy.deepcopy(first), copy.deepcopy(first)
+    with torch.no_grad():
+        second[0].weight.add_(1.0)
+        third[0].weight.add_(2.0)
+    linearize.save_folded(third, tmp_path / "other")  # the weights file of a save killed before its folded.json
+    orphan = next(p for p in (tmp_path / "other").iterdir() if p.name.endswith(".safetensors"))
+    linearize.save_folded(first, tmp_path / "fold")
+    (tmp_path / "fold" / orphan.name).write_bytes(orphan.read_bytes())
+    (tmp_path / "fold" / f".{orphan.name}.0123456789ab.tmp").write_bytes(orphan.read_bytes()[:100])
+    with torch.no_grad():
+        torch.testing.assert_close(linearize.load_folded(tmp_path / "fold")(x), first(x), rtol=0, atol=0)
+    linearize.save_folded(second, tmp_path / "fold")
+    named = json.loads((tmp_path / "fold" / deploy.FOLDED_CONFIG).read_text())["weights"]["file"]
+    assert named != orphan.name
+    assert sorted(p.name for p in (tmp_path / "fold").iterdir()) == sorted([".linearize.lock", deploy.FOLDED_CONFIG,
+                                                                           named])
+    with torch.no_grad():
+        torch.testing.assert_close(linearize.load_folded(tmp_path / "fold")(x), second(x), rtol=0, atol=0)
+
+
 def test_load_folded_reads_the_old_file_name_and_refuses_paths_out_of_the_folder(tmp_path):
     x = torch.randn(5, 4)
     folded = linearize.fold(_seq(), x)

@@ -265,14 +265,16 @@ def test_failed_first_save_leaves_nothing_that_loads(tmp_path, monkeypatch, call
 
 
 def test_save_killed_after_writing_the_tensors_still_loads_the_previous_save(tmp_path):
-    """A hard kill runs no clean-up: what it leaves (the new tensor file, a temp file) must not
-    change what loads, and the next save removes it."""
+    """A hard kill runs no clean-up: what it leaves (the new tensor file, the partial temp file of a tensor file
+    killed while written, a temp manifest) must not change what loads, and the next save removes it (as
+    docs/saving.md says)."""
     old, directory, other = trained_small(1), tmp_path / "model", tmp_path / "other"
     linearize.save_pretrained(old, directory)
     linearize.save_pretrained(trained_small(2), other)
     orphan = tensor_file(other)
     (directory / orphan.name).write_bytes(orphan.read_bytes())
     (directory / f".{CONFIG_NAME}.0123456789ab.tmp").write_text('{"format"')
+    (directory / f".{orphan.name}.ba9876543210.tmp").write_bytes(orphan.read_bytes()[:100])
     assert_same_units(unit_state(linearize.from_pretrained(small(), directory, example_inputs=XS)), unit_state(old))
     (directory / "model.safetensors").write_bytes(b"not ours")  # the base model's files are left alone
     linearize.save_pretrained(old, directory)
