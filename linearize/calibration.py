@@ -26,7 +26,7 @@ import math
 import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Iterator, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 import torch
 from torch import nn
@@ -165,6 +165,26 @@ def _unit_rows(unit: LinearizableActivation, x: torch.Tensor, mask: torch.Tensor
     return x.movedim(dim, -1).reshape(-1, x.shape[dim])
 
 
+class _Hook:
+    """A :class:`_Recorder`'s hook on a model's module (``hook``: the closure that records). A deep copy or a
+    pickle of the module holds a hook that does nothing in its place: the closure records for the original
+    module only, and holds the recorder, which does not pickle, so the model pickles (``torch.save(model)``)
+    while it is recorded, and so do its copies."""
+
+    def __init__(self, hook: Callable[..., None] | None = None) -> None:
+        self.hook = hook
+
+    def __call__(self, *args: Any) -> None:
+        if self.hook is not None:
+            self.hook(*args)
+
+    def __reduce__(self) -> tuple:
+        return _Hook, ()
+
+    def __deepcopy__(self, memo: dict) -> "_Hook":
+        return _Hook()
+
+
 class _Recorder:
     """Hooks that add every unit's input statistics to ``stats`` and, for the units named in ``consumers``,
     record which layers (Linear, HF Conv1D, conv) take the unit's output as their input (``fed``) and, with
@@ -184,16 +204,18 @@ class _Recorder:
         self.outputs: dict[int, tuple[str, torch.Tensor]] = {}
         self.layer_outputs: dict[int, tuple[nn.Module, torch.Tensor]] = {}
         self.training_only = training_only
-        # hooks are closures, not bound methods: a deep copy of the model (a teacher copied from the student)
-        # shares them, and deep-copies a bound method's recorder with the tensors it holds
-        self.handles = [u.register_forward_pre_hook(self._stats_hook(n, u)) for n, u in named]
-        self.layer_handles = [u.register_forward_hook(self._output_hook(n, u)) for n, u in named if n in consumers]
+        # hooks are closures, not bound methods (a bound method would carry the recorder, with the tensors it
+        # holds, into a deep copy of the model), each wrapped in a _Hook: neither a deep copy (a teacher copied
+        # from the student) nor a pickle of the model (torch.save(model)) takes it along
+        self.handles = [u.register_forward_pre_hook(_Hook(self._stats_hook(n, u))) for n, u in named]
+        self.layer_handles = [u.register_forward_hook(_Hook(self._output_hook(n, u)))
+                              for n, u in named if n in consumers]
         if consumers:
             layers = [m for m in model.modules() if is_dense(m) or isinstance(m, CONVS)]
-            self.layer_handles += [m.register_forward_pre_hook(self._layer_hook(m)) for m in layers]
+            self.layer_handles += [m.register_forward_pre_hook(_Hook(self._layer_hook(m))) for m in layers]
             if producers:
-                self.layer_handles += [m.register_forward_hook(self._layer_output_hook(m)) for m in layers]
-                self.layer_handles += [u.register_forward_pre_hook(self._producer_hook(n, u))
+                self.layer_handles += [m.register_forward_hook(_Hook(self._layer_output_hook(m))) for m in layers]
+                self.layer_handles += [u.register_forward_pre_hook(_Hook(self._producer_hook(n, u)))
                                        for n, u in named if n in consumers]
 
     def _stats_hook(self, name: str, unit: LinearizableActivation):

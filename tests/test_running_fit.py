@@ -73,7 +73,7 @@ def test_two_forwards_in_one_step_count_alike_and_eval_and_copies_are_not_record
     net.eval()
     net(torch.randn(50, 4) * 100)  # an evaluation pass: not training data
     net.train()
-    twin = copy.deepcopy(net)  # e.g. a teacher copied from the student: shares the hook closures
+    twin = copy.deepcopy(net)  # e.g. a teacher copied from the student: holds no-op hooks in their place
     twin(torch.randn(50, 4) * 100)
     tracker.step()
     h = np.concatenate([_pre_activations(net, a), _pre_activations(net, b)])
@@ -84,6 +84,31 @@ def test_two_forwards_in_one_step_count_alike_and_eval_and_copies_are_not_record
     assert fit.count == 50
     tracker.close()
     assert not any(len(m._forward_pre_hooks) or len(m._forward_hooks) for m in net.modules())
+
+
+def test_a_recorded_model_and_its_deep_copies_pickle_and_their_forwards_are_not_recorded():
+    """torch.save(model) while a RunningFit (a default Sparsifier's) records it, and of a deep copy made then
+    (an EMA, a "best so far" copy), used to fail on the hook closures, on the copy for good. Truth: the
+    unpickled models compute what the original does, and neither they nor the copy add to the fit."""
+    import io
+    import pickle
+
+    net = _net()
+    tracker = linearize.RunningFit(net)
+    x = torch.randn(30, 4)
+    expected = net(x)
+    twin = copy.deepcopy(net)
+    buffer = io.BytesIO()
+    torch.save(net, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    restored = pickle.loads(pickle.dumps(twin))
+    for other in (loaded, restored, twin):
+        torch.testing.assert_close(other(x), expected, rtol=0, atol=0)
+    tracker.step()
+    assert tracker.fits()["1"].count == 30  # the forward of net only
+    tracker.close()
+    pickle.dumps(twin)  # after the fit's end too
 
 
 def test_positions_holding_nan_or_inf_are_left_out_of_the_fit():
