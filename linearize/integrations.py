@@ -49,7 +49,9 @@ class LinearizeCallback(TrainerCallback, ExportableState):
     """Applies a :class:`~linearize.Sparsifier` at every optimizer step of a ``Trainer``.
 
     Args:
-        sparsifier: a ready :class:`~linearize.Sparsifier`; or leave it ``None`` and give
+        sparsifier: a ready :class:`~linearize.Sparsifier` whose ``total_steps`` is the Trainer's
+            ``max_steps`` (optimizer steps: batches divided by ``gradient_accumulation_steps``; another is
+            refused); or leave it ``None`` and give
         schedule: a :mod:`linearize.schedules` schedule; a Sparsifier is then built at every
             ``on_train_begin`` with ``total_steps = state.max_steps`` (one per ``train()``: a model
             from ``model_init``, each trial of a hyperparameter search).
@@ -161,6 +163,16 @@ class LinearizeCallback(TrainerCallback, ExportableState):
         elif model is not None and {id(u) for _, u in self.sparsifier._units} != {id(u) for _, u in units(model)}:
             raise ValueError("the Sparsifier given to LinearizeCallback was built on another model than the one "
                              "training (model_init builds a new one per train()): pass schedule=... instead")
+        elif state.max_steps != self.sparsifier.total_steps:
+            accumulation = getattr(args, "gradient_accumulation_steps", 1)
+            counted = f" (gradient_accumulation_steps={accumulation}: count optimizer steps, not batches)" \
+                if accumulation > 1 else ""
+            raise ValueError(
+                f"the Sparsifier given to LinearizeCallback has total_steps={self.sparsifier.total_steps}, but this "
+                f"Trainer runs max_steps={state.max_steps} optimizer steps{counted}: its schedule would not end "
+                "where training does. Fix: pass schedule=... (and the Sparsifier's other arguments) to "
+                "LinearizeCallback, which builds it with total_steps=state.max_steps, or build it with "
+                f"total_steps={state.max_steps}")
         elif state.global_step == 0 and self.sparsifier.step_count > 0:
             raise ValueError(f"the Sparsifier given to LinearizeCallback has run {self.sparsifier.step_count} steps "
                              "already and this train() starts from step 0: pass schedule=... (a new Sparsifier per "

@@ -161,6 +161,33 @@ def test_resume_with_the_default_adamw_and_a_target_is_exact(tmp_path):
         torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True, msg=name)  # frozen: NaN where free
 
 
+def test_a_given_sparsifier_must_count_the_trainers_optimizer_steps(tmp_path):
+    """A Sparsifier built counting batches (32) where the Trainer makes 8 optimizer steps under
+    gradient_accumulation_steps=4 ended the run far from its target without a word. It is refused, naming both
+    counts; one built with the Trainer's optimizer steps (truth: batches / accumulation) reaches the target."""
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(64, 6, generator=g), torch.randint(0, 3, (64,), generator=g)
+    data = [{"x": x[i], "labels": y[i]} for i in range(64)]
+    epochs, batch, accumulation = 2, 4, 4
+    batches = epochs * len(data) // batch
+
+    def train(total_steps: int) -> torch.nn.Module:
+        torch.manual_seed(0)
+        model = linearize.convert(_Tiny(), example_inputs=torch.randn(2, 6))
+        sparsifier = linearize.Sparsifier(model, S.target(0.25), total_steps=total_steps)
+        args = TrainingArguments(output_dir=str(tmp_path), num_train_epochs=epochs, per_device_train_batch_size=batch,
+                                 gradient_accumulation_steps=accumulation, learning_rate=1e-2, report_to="none",
+                                 use_cpu=True, save_strategy="no", disable_tqdm=True, dataloader_num_workers=0)
+        LinearizeTrainer(model=model, args=args, train_dataset=data,
+                         callbacks=[LinearizeCallback(sparsifier=sparsifier)]).train()
+        return model
+
+    with pytest.raises(ValueError, match=r"total_steps=32, but this Trainer runs max_steps=8 optimizer steps "
+                                         r"\(gradient_accumulation_steps=4.*schedule=.*total_steps=8"):
+        train(batches)
+    assert float((slopes(train(batches // accumulation)) < 1).float().mean()) == 0.25
+
+
 def test_each_train_with_model_init_gets_its_own_sparsifier(tmp_path):
     """The callback built its Sparsifier once: a second train() (model_init, a search's next trial) kept pressing
     the first model, logged its fraction, and the new model ended fully nonlinear."""
