@@ -449,6 +449,13 @@ class RunningFit:
             pending[name] = _Stats()
         self.steps += 1
 
+    def pending_nonfinite(self) -> dict[str, int]:
+        """``{unit name: positions}`` left out of this step's statistics so far, their input or activation holding
+        NaN/inf, for each unit that had any (one device sync per unit)."""
+        pending = self._recorder.stats
+        counts = {name: int(pending[name].dropped) for name, _ in self._named if pending[name].dropped is not None}
+        return {name: count for name, count in counts.items() if count}
+
     def fits(self) -> dict[str, LinearEndFit]:
         """``{unit name: LinearEndFit}`` of the running sums, for every unit that has seen a position."""
         out = {}

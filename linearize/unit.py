@@ -1035,8 +1035,10 @@ def require_units(model: nn.Module, why: str = "", what: str = "this") -> list[t
     return found
 
 
-def check_finite_slopes(named_units: Iterable[tuple[str, LinearizableActivation]], where: str) -> None:
-    """Raise :class:`NonFiniteSlopeError` naming every unit with a NaN/inf slope; ``where`` names the caller.
+def check_finite_slopes(named_units: Iterable[tuple[str, LinearizableActivation]], where: str,
+                        explain: Callable[[], str | None] | None = None) -> None:
+    """Raise :class:`NonFiniteSlopeError` naming every unit with a NaN/inf slope; ``where`` names the caller;
+    ``explain``, called only then, may name the cause and its fix in place of the divergence's (``None``: not known).
 
     After a divergence the slopes are NaN: they are neither linear nor nonlinear, so no count,
     fraction, history, projection or fold may turn them into a number. One device sync per
@@ -1061,10 +1063,11 @@ def check_finite_slopes(named_units: Iterable[tuple[str, LinearizableActivation]
             sites.append(f"{name!r} ({int(torch.isnan(a).sum())} NaN, {int(torch.isinf(a).sum())} inf "
                          f"of {unit.num_channels} channels)")
         more = f" and {len(bad) - 5} more" if len(bad) > 5 else ""
+        cause = None if explain is None else explain()
         raise NonFiniteSlopeError(
-            f"{where}: non-finite slopes in {len(bad)} unit(s): {', '.join(sites)}{more}. Training "
-            "diverged (a NaN/inf loss or gradient reached the slopes): a NaN slope is neither linear nor "
-            "nonlinear, so nothing is counted. Restore a checkpoint and lower the learning rate or lam."
+            f"{where}: non-finite slopes in {len(bad)} unit(s): {', '.join(sites)}{more}. " + (cause or (
+                "Training diverged (a NaN/inf loss or gradient reached the slopes): a NaN slope is neither linear "
+                "nor nonlinear, so nothing is counted. Restore a checkpoint and lower the learning rate or lam."))
         )
 
 

@@ -117,6 +117,37 @@ def test_sparsifier_step_raises_and_logs_no_number_after_divergence():
     assert math.isnan(model.b.slope[1].item())  # the target projection did not set it to 1.0
 
 
+@pytest.mark.parametrize("poisoned, named", [
+    ("input", r"unit 'a', the first, NaN/inf inputs \(1 position\): the batch held them \(check the data\)"),
+    ("weight", r"unit 'b' NaN/inf inputs \(8 positions\), where unit 'a' before it got finite ones: they arose "
+               r"between the two, in 'fc2': non-finite weights"),
+    ("gradient", r"Training diverged \(a NaN/inf loss or gradient reached the slopes\).*lower the learning rate")])
+def test_the_divergence_error_names_where_nan_entered_the_forward(poisoned, named):
+    """The default loop (AdamW, a fraction target: the fit tracker records the units' inputs). One NaN in the
+    batch, or in a weight loaded from a damaged checkpoint, made every gradient NaN and was reported as a
+    divergence to fix by lowering the learning rate. Truth: where the test put the NaN. A NaN gradient after a
+    finite forward still gets the divergence's advice."""
+    model = two_units().train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    sp = linearize.Sparsifier(model, linearize.schedules.target(0.5), total_steps=10).attach(opt)
+    assert sp.select == "fit"
+    x = torch.randn(8, 3)
+    model(x).sum().backward()
+    opt.step()
+    with torch.no_grad():
+        if poisoned == "input":
+            x[2, 1] = NAN
+        elif poisoned == "weight":
+            model.fc2.weight[1, 0] = NAN
+    opt.zero_grad()
+    model(x).sum().backward()
+    if poisoned == "gradient":
+        model.a.slope.grad[1] = NAN
+    with pytest.raises(linearize.NonFiniteSlopeError, match=named) as raised:
+        opt.step()
+    assert ("lower the learning rate" in str(raised.value)) == (poisoned == "gradient")
+
+
 def test_infinite_slope_is_not_projected_to_one():
     model = _poison(two_units(), INF)
     linearize.project_slopes(model)  # what the global optimizer hook runs after every step
