@@ -619,6 +619,31 @@ def test_half_precision_refusal_names_its_rounding_and_a_wrong_fold_fails_any_ho
         linearize.fold(model(), x, latency=False, rtol=2e-2, rules=[_off_by(1.1, outputs=4), *fold_rules()])
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("verify_dtype", [None, torch.float64])
+def test_half_precision_refusal_of_affine_ends_names_an_rtol_that_accepts_the_fold(dtype, verify_dtype):
+    """A one_shot model (affine ends, merged into a d x d path and biases) cast to bfloat16 / float16: the refusal
+    advised dtype=torch.float64, which refused again (the merged weights keep the dtype's rounding). It now names
+    an rtol, from the model's own rounding, under which the fold passes; a 10%-off rule stays refused there."""
+    torch.manual_seed(0)
+    model = linearize.convert(nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 64), nn.ReLU(),
+                                            nn.Linear(64, 4)))
+    x = torch.randn(64, 16)
+    linearize.one_shot(model, x, target=0.25)
+    model, x = model.to(dtype).eval(), x[:8].to(dtype)
+    with pytest.raises(FoldVerificationError, match="rounding alone can fail") as err:
+        linearize.fold(model, x, latency=False, dtype=verify_dtype)
+    assert "verify the fold's algebra with dtype=torch.float64" not in str(err.value)
+    rtol = float(re.search(r"rtol=([0-9.e-]+) \(twice that rounding", str(err.value)).group(1))
+    assert rtol <= 50 * torch.finfo(dtype).eps  # a few of the dtype's ulps, not any tolerance
+    for verified_in in (None, torch.float64):
+        folded = linearize.fold(model, x, latency=False, dtype=verified_in, rtol=rtol)
+        assert folded.linearize_fold_summary.max_abs_error <= rtol * folded.linearize_fold_summary.output_scale
+        with pytest.raises(FoldVerificationError, match="differs by"):
+            linearize.fold(model, x, latency=False, dtype=verified_in, rtol=rtol,
+                           rules=[_off_by(1.1, outputs=4), *fold_rules()])
+
+
 def test_a_model_that_does_not_run_in_float64_is_refused_saying_its_rounding_is_unknown():
     class Float32Only(nn.Module):
         def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -132,9 +132,11 @@ def fold(
             and the inputs are cast, so activation rounding does not blur the comparison; the
             folded weights keep the rounding of the model's own dtype); ``None`` verifies in the
             model's dtype. A refusal names the model's own distance from its float64 output there:
-            a badly conditioned float32 model (or a bfloat16 one) may not meet ``rtol`` by itself;
-            ``dtype=torch.float64`` then verifies the fold's algebra (not how its merged layers round
-            in the model's dtype).
+            a badly conditioned float32 model may not meet ``rtol`` by itself; ``dtype=torch.float64``
+            then verifies the fold's algebra (not how its merged layers round in the model's dtype).
+            A bfloat16 / float16 fold's merged weights round by about the dtype's eps in any
+            verification dtype: its refusal names the ``rtol`` (twice the model's own rounding) that
+            accepts rounding of that size.
         latency: measure CPU latency before and after (median of interleaved repetitions).
         rules: the fold rules for this call, in order (``None``: the registered ones,
             :func:`~linearize.folding.rules.fold_rules`; see :func:`linearize.register_fold_rule`).

@@ -7,7 +7,9 @@ A refusal says how far the model's own output in its dtype is from the same mode
 badly conditioned float32 model (or any bfloat16 / float16 one) can be further off than the tolerance
 by itself. fold does not then pass the fold on its own: rounding on one output cannot vouch for
 another, and a merge can round worse than its pieces. The user chooses: ``dtype=torch.float64``
-verifies the fold's algebra without activation rounding, ``rtol=`` / ``atol=`` accept more."""
+verifies the fold's algebra without activation rounding (the merged weights keep the rounding of the model's
+dtype: negligible in float32, of the dtype's eps in bfloat16 / float16, where the refusal names the ``rtol``
+that accepts twice the model's own rounding), ``rtol=`` / ``atol=`` accept more."""
 
 from __future__ import annotations
 
@@ -58,7 +60,7 @@ def verify_fold(
     ``hooked()`` names the modules with user forward hooks that the fold merged away (:func:`merged_hooks`):
     a difference is put down to their hooks when the model run without them differs beyond the tolerance
     (:func:`_hook_effects`), else to rounding."""
-    model_v, folded_v = model, folded
+    model_v, folded_v, given, own_out = model, folded, inputs, ref_out
     if dtype is not None:
         model_v, folded_v = copy.deepcopy(model).to(dtype).eval(), copy.deepcopy(folded).to(dtype).eval()
         inputs = map_tensors(inputs, lambda t: t.to(dtype) if t.is_floating_point() else t)
@@ -95,7 +97,7 @@ def verify_fold(
     if not err <= summary.tolerance:
         raise FoldVerificationError(
             f"folded model differs by {err:.3g} (output scale {scale:.3g}, tolerance {summary.tolerance:.3g})"
-            f"{_rounding(model, inputs, _outputs, ref_out, summary.tolerance) if dtype is None else ''}; "
+            f"{_rounding(model, given, _outputs, own_out, summary.tolerance, err, scale, dtype)}; "
             f"{_snapped(summary.tol)}{tf32_hint(ref_out)}raise rtol/atol to accept a larger error. Decisions:\n"
             + "\n".join(summary.merged)
         )
@@ -123,11 +125,21 @@ def _snapped(tol: float) -> str:
 
 
 def _rounding(model: nn.Module, inputs: Any, signal: Callable[[nn.Module, Any], list[torch.Tensor]],
-              ref: list[torch.Tensor], tolerance: float) -> str:
-    """For a refusal: how far ``ref`` (the model's ``signal`` in its dtype) is from the same model's
-    ``signal`` in float64, and what to do when that rounding alone reaches the ``tolerance``; ``""`` in
-    float64; why it is unknown when the float64 run fails or is not finite."""
+              ref: list[torch.Tensor], tolerance: float, error: float, scale: float,
+              dtype: torch.dtype | None = None) -> str:
+    """For a refusal (the fold off by ``error`` at a signal of ``scale``, verified in ``dtype``; ``None``: the model's
+    own): how far ``ref`` (the model's ``signal`` in its dtype) is from the same model's ``signal`` in float64, and
+    what to do when that rounding alone reaches the ``tolerance``: ``dtype=torch.float64`` where the merged weights
+    round far below the tolerance in the model's dtype (float32), else (bfloat16, float16: the merged weights keep
+    that rounding in any verification) the ``rtol`` that accepts twice that rounding, when the error is within it.
+    ``""`` in float64, and verified in ``dtype`` where the merged weights' rounding is negligible; why it is unknown
+    when the float64 run fails or is not finite."""
     if all(t.dtype == torch.float64 for t in ref):
+        return ""
+    dt = ref[0].dtype
+    eps = torch.finfo(dt).eps
+    merged_exact = 10 * eps <= tolerance / max(scale, _ZERO)  # the merged weights' rounding is far below it
+    if dtype is not None and merged_exact:
         return ""
     try:
         exact = signal(copy.deepcopy(model).double().eval(),
@@ -135,14 +147,26 @@ def _rounding(model: nn.Module, inputs: Any, signal: Callable[[nn.Module, Any], 
         own = max_difference(exact, ref)[0]
     except Exception as exc:  # e.g. a layer without float64 support: the refusal stands, saying why no number
         return f"; the model's own rounding is unknown (its float64 run failed: {type(exc).__name__})"
-    dt = ref[0].dtype
     if not math.isfinite(own):
         return f"; the model's own rounding is unknown (its float64 output is not finite where its {dt} one is)"
     text = f"; the model's own {dt} output is {own:.3g} from its float64 output"
     if 2 * own >= tolerance:  # two roundings this large can differ by the tolerance
-        text += (", so rounding alone can fail this tolerance (a badly conditioned model): verify the fold's "
-                 "algebra with dtype=torch.float64")
+        text += ", so rounding alone can fail this tolerance"
+        if merged_exact:
+            text += " (a badly conditioned model): verify the fold's algebra with dtype=torch.float64"
+        else:
+            rtol = _round_up(2 * own / max(scale, _ZERO))
+            text += (f" (the merged weights are rounded to {dt}, eps {eps:.2g}, in any verification dtype: "
+                     "dtype=torch.float64 does not remove that)")
+            if error <= rtol * scale:
+                text += f": rtol={rtol:g} (twice that rounding, of the scale) accepts rounding of this size"
     return text
+
+
+def _round_up(value: float) -> float:
+    """``value`` (> 0) rounded up to one significant digit (0.0143 -> 0.02)."""
+    unit = 10.0 ** math.floor(math.log10(value))
+    return math.ceil(value / unit * (1 - 1e-9)) * unit
 
 
 _ZERO = 1e-12  # an output scale at or below this is zero: it verifies nothing (the tolerance floor)
@@ -255,7 +279,7 @@ def _verify_signal(
         summary.signal_error, summary.signal_scale, summary.signal_tolerance = err, scale, rtol * scale
         if not err <= rtol * scale:
             signal = lambda m, i, path=path: [_layer_inputs(m, [path], i)[path]]  # noqa: E731
-            rounding = _rounding(model, inputs, signal, [a], rtol * scale) if hint else ""
+            rounding = _rounding(model, inputs, signal, [a], rtol * scale, err, scale) if hint else ""
             raise FoldVerificationError(
                 f"folded model differs by {err:.3g} at the input of {path!r} (scale {scale:.3g}, tolerance "
                 f"{rtol * scale:.3g}{rounding}), verified there because the output is {why} and cannot show it. "
