@@ -276,6 +276,32 @@ def test_warns_when_step_is_called_before_the_optimizer_stepped():
         sp.step()
 
 
+@pytest.mark.parametrize("slopes", ["frozen", "left out of the optimizer"])
+def test_slopes_no_optimizer_moves_give_no_unstepped_warning(slopes):
+    """Slopes moved by the Sparsifier alone (select="fit" needs no gradient): frozen (requires_grad=False), or
+    trainable but in no optimizer. step(), run after every optimizer.step(), warned that the slopes did not
+    change since the last call. Truth: the run reaches the target, counted slope by slope."""
+    torch.manual_seed(0)
+    model = linearize.convert(nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 16), nn.GELU(),
+                                            nn.Linear(16, 3)))
+    unit_slopes = [u.slope for _, u in linearize.units(model)]
+    if slopes == "frozen":
+        for s in unit_slopes:
+            s.requires_grad_(False)
+    opt = torch.optim.AdamW([p for p in model.parameters() if all(p is not s for s in unit_slopes)], lr=1e-3)
+    x, y = torch.randn(64, 8), torch.randint(0, 3, (64,))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        sp = linearize.Sparsifier(model, S.target(0.25), total_steps=30).attach(opt)
+        for _ in range(30):
+            opt.zero_grad()
+            nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+    assert sp.select == "fit"
+    assert not [w for w in caught if "did not change" in str(w.message)]
+    assert float((torch.cat([s.detach() for s in unit_slopes]) < 1).float().mean()) == 0.25
+
+
 def test_bad_inputs_raise():
     for bad in (0.0, 1.5, -0.1):
         with pytest.raises(ValueError, match=r"\(0, 1\]"):

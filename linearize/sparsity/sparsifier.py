@@ -522,6 +522,12 @@ class Sparsifier:
             if ref is not None and ref() is self:
                 del _ATTACHED[self.optimizer]
 
+    def _optimizer_moves_slopes(self) -> bool:
+        """Whether an optimizer step moves a slope of this Sparsifier: one requires grad and, where the optimizer
+        is known, is in it (frozen slopes, or slopes left out of it, move by the Sparsifier alone)."""
+        trained = {id(u.slope) for _, u in self._units if u.slope.requires_grad}
+        return bool(trained) if self.optimizer is None else bool(trained & self._lr_by_slope().keys())
+
     def _lr_by_slope(self, optimizer: torch.optim.Optimizer | None = None) -> dict[int, float]:
         optimizer = optimizer if optimizer is not None else self.optimizer
         if optimizer is None:
@@ -585,7 +591,7 @@ class Sparsifier:
                 "sparsifier.detach() to step it by hand")
         check_finite_slopes(self._units, f"Sparsifier.step (step {self.step_count})", self._nonfinite_cause)
         watch.stepped(self)
-        if self._slope_versions() == self._versions and not self._warned:
+        if self._slope_versions() == self._versions and not self._warned and self._optimizer_moves_slopes():
             warnings.warn(
                 "Sparsifier.step() was called but the slopes did not change since the last call: "
                 "call it after optimizer.step() (or use sparsifier.attach(optimizer)), and check "
