@@ -45,6 +45,10 @@ from .unit import units
 __all__ = ["LinearizeCallback", "LinearizeTrainerMixin"]
 
 
+_SAME_LENGTH = ("resume with the run's own length (the same max_steps, or num_train_epochs, batch size and "
+                "gradient_accumulation_steps), or start a new run from the checkpoint's weights")
+
+
 class LinearizeCallback(TrainerCallback, ExportableState):
     """Applies a :class:`~linearize.Sparsifier` at every optimizer step of a ``Trainer``.
 
@@ -167,12 +171,13 @@ class LinearizeCallback(TrainerCallback, ExportableState):
             accumulation = getattr(args, "gradient_accumulation_steps", 1)
             counted = f" (gradient_accumulation_steps={accumulation}: count optimizer steps, not batches)" \
                 if accumulation > 1 else ""
+            fix = (_SAME_LENGTH if state.global_step > 0 else
+                   "pass schedule=... (and the Sparsifier's other arguments) to LinearizeCallback, which builds it "
+                   f"with total_steps=state.max_steps, or build it with total_steps={state.max_steps}")
             raise ValueError(
                 f"the Sparsifier given to LinearizeCallback has total_steps={self.sparsifier.total_steps}, but this "
                 f"Trainer runs max_steps={state.max_steps} optimizer steps{counted}: its schedule would not end "
-                "where training does. Fix: pass schedule=... (and the Sparsifier's other arguments) to "
-                "LinearizeCallback, which builds it with total_steps=state.max_steps, or build it with "
-                f"total_steps={state.max_steps}")
+                f"where training does. Fix: {fix}")
         elif state.global_step == 0 and self.sparsifier.step_count > 0:
             raise ValueError(f"the Sparsifier given to LinearizeCallback has run {self.sparsifier.step_count} steps "
                              "already and this train() starts from step 0: pass schedule=... (a new Sparsifier per "
@@ -193,7 +198,14 @@ class LinearizeCallback(TrainerCallback, ExportableState):
                     f"resuming at step {state.global_step} but the checkpoint holds no "
                     f"{type(self).__name__} state: it was saved without this callback"
                 )
-            self.sparsifier.load_state_dict(saved["attributes"]["sparsifier_state"])
+            sparsifier_state = saved["attributes"]["sparsifier_state"]
+            ran = sparsifier_state.get("total_steps") if isinstance(sparsifier_state, dict) else None
+            if ran is not None and ran != state.max_steps:
+                raise ValueError(
+                    f"resuming at step {state.global_step} a run of max_steps={ran} optimizer steps, but this Trainer "
+                    f"runs max_steps={state.max_steps}: the sparsity schedule cannot change its length mid-run. "
+                    f"Fix: {_SAME_LENGTH}")
+            self.sparsifier.load_state_dict(sparsifier_state)
 
     def _find_optimizer(self) -> None:
         """The Trainer does not pass its optimizer to callbacks: take the first one that steps the slopes."""

@@ -188,6 +188,32 @@ def test_a_given_sparsifier_must_count_the_trainers_optimizer_steps(tmp_path):
     assert float((slopes(train(batches // accumulation)) < 1).float().mean()) == 0.25
 
 
+def test_a_resume_with_another_max_steps_names_the_trainers_fix(tmp_path):
+    """Extending a run by resuming with a larger max_steps was refused with the Sparsifier's "build it with the
+    same total_steps", which a callback user does not build. The refusal names both lengths (truth: the
+    checkpoint's own trainer_state.json) and the Trainer's fix."""
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(64, 6, generator=g), torch.randint(0, 3, (64,), generator=g)
+    data = [{"x": x[i], "labels": y[i]} for i in range(64)]
+
+    def train(out: Path, max_steps: int, resume: Path | None = None) -> None:
+        torch.manual_seed(0)
+        model = linearize.convert(_Tiny(), example_inputs=torch.randn(2, 6))
+        args = TrainingArguments(output_dir=str(out), max_steps=max_steps, per_device_train_batch_size=8,
+                                 learning_rate=1e-2, save_steps=4, report_to="none", seed=0, use_cpu=True,
+                                 disable_tqdm=True, dataloader_num_workers=0)
+        callback = LinearizeCallback(schedule=S.target(0.25, start=0.1, end=0.7))
+        LinearizeTrainer(model=model, args=args, train_dataset=data, callbacks=[callback]).train(
+            resume_from_checkpoint=None if resume is None else str(resume))
+
+    train(tmp_path / "a", 8)
+    checkpoint = tmp_path / "a" / "checkpoint-4"
+    saved = json.loads((checkpoint / "trainer_state.json").read_text())["max_steps"]
+    with pytest.raises(ValueError, match=rf"resuming at step 4 a run of max_steps={saved} optimizer steps, but this "
+                                         r"Trainer runs max_steps=12.*Fix: resume with the run's own length"):
+        train(tmp_path / "b", 12, checkpoint)
+
+
 def test_each_train_with_model_init_gets_its_own_sparsifier(tmp_path):
     """The callback built its Sparsifier once: a second train() (model_init, a search's next trial) kept pressing
     the first model, logged its fraction, and the new model ended fully nonlinear."""
