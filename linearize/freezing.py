@@ -102,7 +102,8 @@ def freeze(
             iterable of such batches (a ``DataLoader``). ReLU-like channels whose pre-activation
             is ``> 0`` on every sample and position are frozen at 1 (element-level units: each position
             whose pre-activation is ``> 0`` on every sample).
-            The pass runs in eval mode without gradients; training flags are restored after.
+            The pass runs in eval mode without gradients; training flags are restored after. Data
+            without a batch raises ``ValueError`` before any change.
             A model sharded by FSDP2: every rank calls ``freeze`` (with the same number of batches, its
             own data) and the test holds over all ranks' data; every rank freezes the same channels.
         snap_zero: also snap ``a <= tol`` to 0.
@@ -124,7 +125,9 @@ def freeze(
     if not isinstance(model, nn.Module):
         raise TypeError(f"expected an nn.Module, got {type(model).__name__}")
     tol = check_tol(tol, upper=0.5)
-    data = None if data is None else Batches.of(data)  # before any change: a bad type raises here
+    data = None if data is None else Batches.of(data)  # before any change: a bad type raises here,
+    if data is not None:
+        next(iter(data))  # and data without a batch (read whether or not a unit is ReLU-like)
     found = require_units(model, what="freeze")
     sites: dict[str, dict] = {}
     before = linear_masks(found, 0.0, "freeze")  # all masks first: freeze_ below changes slopes

@@ -125,6 +125,21 @@ def test_errors():
         linearize.freeze(mlp(), tol=0.7)
 
 
+@pytest.mark.parametrize("activation", ["relu", nn.GELU()])
+def test_data_without_a_batch_is_refused_before_any_change(activation):
+    """data=[] ran as data=None on a model without ReLU-like units, and on one with them raised only after it had
+    snapped and frozen channels (one_shot, prune and the measures refuse it up front). Truth: a copy's tensors."""
+    model = nn.Sequential(nn.Linear(3, 4), LinearizableActivation(activation, 4, -1))
+    with torch.no_grad():
+        model[1].slope.copy_(torch.tensor([1 - 1e-4, 0.5, 0.0, 1.0]))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    for empty in ([], DataLoader(TensorDataset(torch.zeros(0, 3)), batch_size=2), iter([])):
+        with pytest.raises(ValueError, match="yielded no batches"):
+            linearize.freeze(model, data=empty)
+        for k, v in model.state_dict().items():
+            torch.testing.assert_close(v, before[k], rtol=0, atol=0, equal_nan=True, msg=k)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_snap_zero_is_exact_in_the_slope_dtype(dtype):
     """``a <= tol`` as float64 decides it (the truth), not ``tol`` rounded into the slope's dtype."""
