@@ -388,7 +388,8 @@ class RunningFit:
     not see the batch's mask), but a position whose input or activation holds NaN/inf in any channel (NaN
     padding, a batch that overflowed, e.g. one a loss scaler then skipped) is left out of the unit's sums,
     so such positions do not end the fit; ``left_out`` counts them per unit (and the positions of a step
-    whose float64 sums still overflowed: that step is dropped). The first training forward also finds the
+    whose float64 sums still overflowed: that step is dropped), ``empty_steps`` the steps whose training
+    forwards held no position (empty batches). The first training forward also finds the
     layer each unit's output feeds, for
     the outgoing weight norms of :meth:`fits` (``outgoing`` stays ``None`` for a unit that feeds no single
     Linear / Conv1D / conv layer). Eval-mode calls are not recorded. The :class:`~linearize.Sparsifier` uses
@@ -416,6 +417,7 @@ class RunningFit:
         self._outgoing: dict[str, torch.Tensor | None] | None = None  # found at the first step with data
         self.steps = 0
         self.left_out: dict[str, float] = {name: 0.0 for name, _ in self._named}  # NaN/inf positions, this run
+        self.empty_steps = 0  # steps whose training forwards (empty batches) gave the units no position, this run
 
     def step(self) -> None:
         """Fold this step's statistics into the running sums (all processes' summed under ``torch.distributed``),
@@ -428,6 +430,8 @@ class RunningFit:
             self._outgoing = {n: None if v is None else v.cpu() for n, v in self._outgoing.items()}
             self._recorder.stop_finding_layers()
         self._recorder.clear()
+        if all(s.sums is not None and s.count == 0 for s in pending.values()):
+            self.empty_steps += 1
         distributed = torch.distributed.is_available() and torch.distributed.is_initialized() and \
             torch.distributed.get_world_size() > 1
         for name, unit in self._named:

@@ -242,6 +242,30 @@ def test_a_fit_that_saw_only_nan_positions_warns_of_them_not_of_eval_mode():
     assert not any("model.train()" in m for m in messages), messages
 
 
+def test_an_empty_first_batch_warns_of_empty_batches_not_of_eval_mode():
+    """A training loop whose first batch has no sample (x[:0]) was told to call model.train(), which it had.
+    The warning names the empty batches; the run still reaches its target (counted slope by slope)."""
+    teacher = _teacher()
+    torch.manual_seed(1)
+    student = linearize.convert(copy.deepcopy(teacher), example_inputs=torch.randn(2, 8)).train()
+    opt = torch.optim.AdamW(student.parameters(), lr=1e-4)
+    linearize.Sparsifier(student, linearize.schedules.target(0.25), total_steps=10).attach(opt)
+    for step in range(10):
+        x = torch.randn(0 if step == 0 else 64, 8)
+        loss = nn.functional.mse_loss(student(x), teacher(x).detach(), reduction="sum")
+        opt.zero_grad()
+        loss.backward()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            opt.step()
+        messages = [str(w.message) for w in caught]
+        if step == 0:
+            assert any("held no position (empty batches)" in m for m in messages), messages
+        assert not any("model.train()" in m for m in messages), messages
+    slopes = torch.cat([u.slope.detach() for _, u in linearize.units(student)])
+    assert float((slopes < 1).float().mean()) == 0.25
+
+
 def test_resume_is_exact():
     teacher = _teacher()
     whole, _ = _user_loop(teacher, steps=40)

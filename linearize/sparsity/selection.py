@@ -258,6 +258,10 @@ class FitImportance(CostImportance):
                       f"{name!r}; e.g. NaN at padded positions the loss masks); until then channels are chosen by "
                       "slope and linear_end='affine' sets no end. Fix: make the inputs finite (pad with 0, or "
                       "nan_to_num the batch) or find where the model overflows")
+        elif self.fit.empty_steps:
+            self.warn(f"select='fit' has no fit of the units yet: the training forwards of {self.fit.empty_steps} "
+                      "step(s) so far held no position (empty batches); until one with data, channels are chosen "
+                      "by slope and linear_end='affine' sets no end")
         else:
             self.warn("select='fit' has seen no training-mode forward of the units since the start of the run: "
                       "call model.train() before the forward passes; until then channels are chosen by slope")
