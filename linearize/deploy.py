@@ -247,12 +247,16 @@ def _spec(module: nn.Module) -> dict[str, Any]:
     if isinstance(module, conv.BorderExactConv):
         return {"shapes": _shapes(module), "first_geometry": _jsonable(module.first_geometry),
                 "second_geometry": _jsonable(module.second_geometry), "geometry": _jsonable(module.geometry)}
+    if type(module).__name__ == "CallSites" and any(getattr(module, "after", ())):
+        return {"after": list(module.after)}
     if type(module).__name__ in ("Residual", "CallSites"):
         return {}
     if isinstance(module, FunctionalSites):
         return {"owner_name": module.owner_name, "kinds": list(module.kinds), "slots": list(module.slots),
                 "channels": [None if c is None else list(c) for c in module.channels],
-                "arguments": [None if a is None else [list(pair) for pair in a] for a in module.arguments]}
+                "arguments": [None if a is None else [list(pair) for pair in a] for a in module.arguments],
+                **({"repeat": True} if module.repeat else {}),
+                **({"after": list(module.after)} if any(module.after) else {})}
     return _generic_args(module)
 
 
@@ -275,8 +279,13 @@ def _functional_sites(args: dict[str, Any]) -> FunctionalSites:
                                                       and isinstance(p[1], (str, int, float)) for p in a))
             for a in arguments)):
         raise ValueError("arguments must be a list, one entry per call: null or [[name, value], ...]")
+    after = args.get("after", [None] * len(kinds))  # files written before loops were told apart
+    if not (isinstance(after, list) and len(after) == len(kinds)
+            and all(a is None or isinstance(a, str) for a in after)):
+        raise ValueError("after must be a list, one entry per call: null or a module name")
     sites = FunctionalSites(str(args["owner_name"]), kinds, chans, {},
-                            [None if a is None else tuple((n, v) for n, v in a) for a in arguments])
+                            [None if a is None else tuple((n, v) for n, v in a) for a in arguments],
+                            args.get("repeat") is True, after)
     sites.slots = list(slots)
     return sites
 
@@ -323,7 +332,10 @@ def _build(cls: type, args: dict[str, Any]) -> nn.Module:
     if cls.__name__ == "Residual":
         return cls(nn.Identity(), None)
     if cls.__name__ == "CallSites":
-        return cls([])
+        after = args.get("after")
+        if not (after is None or isinstance(after, list) and all(a is None or isinstance(a, str) for a in after)):
+            raise ValueError("after must be a list: null or a module name per call")
+        return cls([], after=after)
     if cls is FunctionalSites:
         return _functional_sites(args)
     if set(args) == {"attributes"} and "attributes" not in inspect.signature(cls.__init__).parameters:

@@ -47,7 +47,8 @@ __all__ = ["Scope", "attach_owner", "detach_owner", "caller_scope", "hooked_modu
            "user_hooks_removed",
            "compiled_submodules", "refuse_scripting", "unreachable_call", "checkpoint_error", "foreign_torch_function",
            "SITE_MODE", "FunctionalSiteError", "COMPILE_REASON", "fx_leaf_call", "fx_tracer", "refuse_fx_root",
-           "ThreadWatch", "THREAD_CALL", "eager", "prime_eager"]
+           "ThreadWatch", "THREAD_CALL", "eager", "prime_eager", "code_position", "watch_child",
+           "loop_error"]
 
 _CALL_IMPL: CodeType = nn.Module._call_impl.__code__
 _FX_TRACE: CodeType = torch.fx.Tracer.trace.__code__
@@ -173,6 +174,7 @@ def _function_forwards() -> dict[CodeType, type]:
 _MODULE_FILE = nn.Module._call_impl.__code__.co_filename  # its nested ``inner`` runs hooks and forward
 _LOCAL = threading.local()  # .scopes: {id(owner's _call_impl frame): Scope} of this thread
 _MARK = "_linearize_dispatch"  # owner attribute: the handles of its two hooks
+_WATCHED = "_linearize_watched"  # a watched module's attribute: the handle of its hook (watch_child)
 
 
 SITE_MODE = "linearize_site_mode"  # class attribute of linearize's own torch-function modes
@@ -205,6 +207,8 @@ class Scope:
     positions: dict[int, int] = field(default_factory=dict)  # call sites (by id of their __dict__) -> calls so far
     checkpointed: list[str] = field(default_factory=list)  # calls made inside torch.utils.checkpoint, left as they are
     data: Any = None  # what the owner's functional sites keep for this forward (their mode)
+    last_child: nn.Module | None = None  # the last module watched by watch_child that the owner's code called
+    loops: dict[int, str] = field(default_factory=dict)  # call sites (as positions) -> a loop_error of this forward
 
     def next_position(self, sites: nn.Module) -> int:
         """The position of ``sites``' call now being made (0 for the first in this forward). Keyed by the
@@ -249,7 +253,7 @@ def _hook_codes(owner: nn.Module | None) -> set[CodeType]:
     hooks = [*own, *m._global_forward_pre_hooks.values(), *m._global_forward_hooks.values()]
     codes = set()
     for h in hooks:
-        if h is _open or h is _shut:
+        if h is _open or h is _shut or h is _child_done:
             continue
         while hasattr(h, "func"):  # functools.partial
             h = h.func
@@ -301,6 +305,22 @@ def _calling_module_frame(skip: int) -> _Caller:
                 functions.append(frame)
         frame = frame.f_back
     return _Caller(frame, codes, checkpointed, functions)
+
+
+def code_position(skip: int = 0) -> tuple[tuple[CodeType, int], ...]:
+    """Where in the innermost running module's code (past ``skip`` module calls: 1 for an activation module's own
+    call) the call this function's caller handles is made: the code and instruction of every frame between (its
+    forward and the helpers it calls). Calls with one position in one forward are the iterations of a loop."""
+    frame, found = sys._getframe(1), []
+    while frame is not None:
+        if frame.f_code is _CALL_IMPL:
+            if not skip:
+                break
+            skip, found = skip - 1, []
+        else:
+            found.append((frame.f_code, frame.f_lasti))
+        frame = frame.f_back
+    return tuple(found)
 
 
 def hooked_module(skip: int = 0) -> nn.Module | None:
@@ -358,6 +378,20 @@ def caller_scope(what: Callable[[], str], skip: int = 0) -> Scope | None:
     if caller.in_function:
         return None  # a custom Function's forward: left as it is, as the probe did
     return scope
+
+
+def loop_error(what: str, k: int, expected: str, scope: Scope) -> str:
+    """The message for call ``k`` of ``what`` (an activation module, a functional call) made in a loop of
+    ``scope``'s owner after another module than ``expected``, the one the probe forward saw before it."""
+    names = {id(m): n for n, m in scope.owner.named_modules()}
+    ran = names.get(id(scope.last_child), type(scope.last_child).__name__) if scope.last_child is not None else "none"
+    return (f"linearize: {what} runs in a loop of the forward of {type(scope.owner).__name__}, once per module it "
+            f"loops over, and got one unit per iteration, matched by order. Call {k} of this forward came after "
+            f"{ran!r} where the probe forward of linearize.convert saw it after {expected!r}: the loop ran over "
+            "another subset of its modules (a mixture-of-experts' routing that depends on the input), so this call "
+            "would run another module's unit. Fix: make the activation part of each module looped over (an expert "
+            "module holding its own activation), or convert with exclude_modules= naming this owner to keep it "
+            "as it is")
 
 
 def checkpoint_error(scope: Scope) -> FunctionalSiteError:
@@ -430,6 +464,25 @@ def _shut(owner: nn.Module, args: Any, output: Any) -> None:
                 check(scope)
 
 
+@eager
+def _child_done(module: nn.Module, args: Any, output: Any) -> None:
+    """A watched module's call returned: note it in the open scope of the module whose own code called it."""
+    frame = _calling_module_frame(1).frame
+    scope = _scopes().get(id(frame)) if frame is not None else None
+    if scope is not None and scope.frame is frame:
+        scope.last_child = module
+
+
+def watch_child(module: nn.Module) -> None:
+    """Note each call of ``module`` in the open :class:`Scope` of the module whose own code calls it
+    (``Scope.last_child``), so that a loop's activation calls can be checked against the modules the probe saw
+    called before them (once; again after a copy that dropped the hook, as a GraphModule's does)."""
+    if module.__dict__.get(_WATCHED) in module._forward_hooks:
+        return
+    prime_eager()
+    module.__dict__[_WATCHED] = module.register_forward_hook(_child_done).id
+
+
 def attach_owner(owner: nn.Module) -> None:
     """Give ``owner`` the hooks that open and close a :class:`Scope` around each of its forwards (once).
 
@@ -445,9 +498,10 @@ def attach_owner(owner: nn.Module) -> None:
 
 
 def user_hooks(module: nn.Module) -> bool:
-    """Whether ``module`` has forward or forward pre-hooks other than those of :func:`attach_owner`."""
-    return any(h is not _open and h is not _shut for h in (*module._forward_pre_hooks.values(),
-                                                             *module._forward_hooks.values()))
+    """Whether ``module`` has forward or forward pre-hooks other than those of :func:`attach_owner` and
+    :func:`watch_child`."""
+    return any(h is not _open and h is not _shut and h is not _child_done
+               for h in (*module._forward_pre_hooks.values(), *module._forward_hooks.values()))
 
 
 @contextmanager
@@ -458,7 +512,7 @@ def user_hooks_removed(modules: Iterable[nn.Module]) -> Iterator[None]:
     try:
         for registry, hooks in saved:
             for k, h in hooks.items():
-                if h is not _open and h is not _shut:
+                if h is not _open and h is not _shut and h is not _child_done:
                     del registry[k]
         yield
     finally:

@@ -30,7 +30,7 @@ from torch.overrides import TorchFunctionMode
 
 from .activations import FUNCTIONAL_SPECS, call_arguments, in_place
 from .dispatch import (FunctionalSiteError, Scope, attach_owner, caller_scope, checkpoint_error, eager, fx_tracer,
-                       prime_eager, refuse_fx_root, refuse_scripting)
+                       loop_error, prime_eager, refuse_fx_root, refuse_scripting, watch_child)
 from .unit import write_into
 
 __all__ = ["FunctionalSites", "FunctionalSiteError", "ATTR", "install_functional_sites"]
@@ -48,6 +48,7 @@ class _Calls:
     mismatch: bool = False
     width: str = ""  # a call of the probe's kind whose input width is not its unit's
     arguments: str = ""  # a call of the probe's kind made with other arguments than the probe's
+    loop: str = ""  # a loop's call made after another module than the probe's (loop_error)
 
 
 class _SiteMode(TorchFunctionMode):
@@ -89,6 +90,13 @@ class FunctionalSites(nn.Module):
         arguments: the probe's :func:`~linearize.activations.call_arguments` of every call (None: not checked).
             A converted call made with other arguments (``F.leaky_relu(x, 0.2 if self.training else 0.01)``)
             would run a unit of another function: the end of the forward raises :class:`FunctionalSiteError`.
+        repeat: every call of the owner's forward is made by one loop whose iterations nothing tells apart (a
+            mixture-of-experts' loop over its routed experts held as weights): each runs the unit of call 0, and
+            their number may change from one forward to the next.
+        after: per call, None or the name (in the owner) of the module its owner's code calls right before it, in a
+            loop over modules (``for layer in self.layers: x = F.relu(layer(x))``): a call made after another
+            module (a loop over another subset of them) raises :class:`FunctionalSiteError` at the end of the
+            forward instead of running another iteration's unit.
 
     Call ``k`` runs the module registered as ``f"{kinds[k]}_{k}"`` (a unit, or the plain module
     :func:`linearize.fold` put in its place). An in-place call (``F.relu(x, inplace=True)``,
@@ -96,22 +104,27 @@ class FunctionalSites(nn.Module):
     """
 
     def __init__(self, owner_name: str, kinds: list[str], channels: list[tuple[int, int] | None],
-                 modules: dict[int, nn.Module], arguments: list[tuple] | None = None) -> None:
+                 modules: dict[int, nn.Module], arguments: list[tuple] | None = None, repeat: bool = False,
+                 after: list[str | None] | None = None) -> None:
         super().__init__()
         self.owner_name = owner_name
         self.kinds = list(kinds)
         self.channels = list(channels)
         self.arguments = list(arguments) if arguments is not None else [None] * len(kinds)
+        self.repeat = repeat
+        self.after = list(after) if after is not None else [None] * len(kinds)
         self.slots: list[str | None] = [f"{k}_{i}" if i in modules else None for i, k in enumerate(kinds)]
         for i, module in modules.items():
             self.add_module(self.slots[i], module)
 
     def __setstate__(self, state: dict) -> None:  # unpickled (torch.load of a whole model, spawn): no __init__
         prime_eager()
+        state.setdefault("repeat", False)  # pickled before loops were told apart
+        state.setdefault("after", [None] * len(state.get("kinds", ())))
         super().__setstate__(state)
 
     def extra_repr(self) -> str:
-        return f"owner={self.owner_name or '<root>'!r}, calls={len(self.kinds)}"
+        return f"owner={self.owner_name or '<root>'!r}, calls={'any' if self.repeat else len(self.kinds)}"
 
     def __prepare_scriptable__(self) -> nn.Module:
         refuse_scripting(self)
@@ -127,6 +140,9 @@ class FunctionalSites(nn.Module):
         suspended = top if isinstance(top, _SiteMode) else None  # so that a torch op meets one site mode at most
         mode = _SiteMode(self, scope)
         scope.data = _Calls(mode, suspended)  # first: an interrupt from here on leaves what end_forward undoes
+        for name in self.after:
+            if name is not None:
+                watch_child(scope.owner.get_submodule(name))
         if suspended is not None:
             torch._C._pop_torch_function_stack()
         torch._C._push_on_torch_function_stack(mode)
@@ -150,7 +166,7 @@ class FunctionalSites(nn.Module):
     def call(self, scope: Scope, func: Callable, args: tuple, kwargs: dict) -> Any:
         """Run the owner's next functional activation call (in the forward of ``scope``) through its unit."""
         calls: _Calls = scope.data
-        k = calls.position
+        k = 0 if self.repeat else calls.position
         calls.position += 1
         kind = FUNCTIONAL_SPECS[func][0]
         x = args[0] if args else kwargs.get("input")
@@ -163,6 +179,11 @@ class FunctionalSites(nn.Module):
                                f"{width} channels at dim {dim}")
         if not calls.mismatch and self.slots[k] is not None and (args_now := self._changed(k, func, x, args, kwargs)):
             calls.mismatch, calls.seen, calls.arguments = True, self.kinds[:k], args_now
+        expected = self.after[k] if not calls.mismatch and k < len(self.after) else None
+        if expected is not None and scope.last_child is not scope.owner.get_submodule(expected):
+            calls.mismatch, calls.seen = True, self.kinds[:k]
+            calls.loop = loop_error(f"the functional {kind} call of module {self.owner_name or '<root>'!r}", k,
+                                    expected, scope)
         if calls.mismatch:
             calls.seen.append(kind)
             return func(*args, **kwargs)
@@ -208,9 +229,10 @@ class FunctionalSites(nn.Module):
     def check_forward(self, scope: Scope) -> None:
         """An owner forward returned: raise :class:`FunctionalSiteError` if its calls were not the probe's."""
         calls: _Calls = scope.data
-        if (calls.mismatch or calls.position != len(self.kinds)) and scope.checkpointed:
+        counted = not self.repeat and calls.position != len(self.kinds)  # a loop's calls: any number
+        if (calls.mismatch or counted) and scope.checkpointed:
             raise checkpoint_error(scope)
-        if calls.mismatch or calls.position != len(self.kinds):
+        if calls.mismatch or counted:
             seen = calls.seen if calls.mismatch else self.kinds[: calls.position]
             name = self.owner_name or "<root>"
             pattern = self.owner_name or f"{ATTR}.*"  # the root's units (exclude_modules cannot be empty)
@@ -222,6 +244,8 @@ class FunctionalSites(nn.Module):
                     "through linearize, so it would run the original function, not its unit. Fix: call the "
                     "function form in the forward (F.relu(x), torch.relu_(x)), or use torch.export.export / "
                     "torch.jit.trace, which see every call, or linearize.fold(model, example_inputs)")
+            if calls.loop and not counted:  # as many calls, after other modules (fewer: the count says why)
+                raise FunctionalSiteError(calls.loop)
             if calls.arguments:
                 raise FunctionalSiteError(
                     f"linearize: in module {name!r}, {calls.arguments}. Fix: give the call the same arguments in "

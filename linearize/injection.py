@@ -49,11 +49,14 @@ from .dispatch import (
     IN_FUNCTION,
     attach_owner,
     caller_scope,
+    code_position,
     compiled_submodules,
     hooked_module,
+    loop_error,
     refuse_fx_root,
     refuse_scripting,
     unreachable_call,
+    watch_child,
 )
 from .functional_sites import ATTR
 from .inputs import call_model, eval_mode, output_tensors
@@ -92,12 +95,17 @@ class CallSites(nn.Module):
     The ``k``-th call of this module within one forward of its owner runs ``calls[k]``. The position is
     counted per forward and per thread (:mod:`~linearize.dispatch`), so threads, nested forwards,
     exceptions and re-runs of the owner (gradient checkpointing of a module) all dispatch the same way.
+    ``after[k]`` (when not None) names the module of the owner that its code calls right before call ``k`` (a loop's
+    iteration: ``for layer in self.layers: x = self.act(layer(x))``); a call made after another one raises
+    :class:`~linearize.dispatch.FunctionalSiteError` instead of running another iteration's unit.
     """
 
-    def __init__(self, calls: list[LinearizableActivation], where: str = "") -> None:
+    def __init__(self, calls: list[LinearizableActivation], where: str = "",
+                 after: list[str | None] | None = None) -> None:
         super().__init__()
         self.calls = nn.ModuleList(calls)
         self.where = where  # "<owner class>.<attribute>", for errors
+        self.after = list(after) if after is not None else []
 
     def __setstate__(self, state: dict) -> None:  # unpickled (torch.load of a whole model, spawn): no __init__
         prime_eager()
@@ -116,6 +124,9 @@ class CallSites(nn.Module):
                 "the thread that runs that forward (checkpoint the owner module itself), or give the other caller "
                 "its own activation module.")
         k = scope.next_position(self)
+        expected = self.after[k] if k < len(self.after) else None
+        if expected is not None and scope.last_child is not scope.owner.get_submodule(expected):
+            scope.loops.setdefault(id(self.__dict__), loop_error(f"the activation module {where}", k, expected, scope))
         if k >= len(self.calls):
             raise FunctionalSiteError(
                 f"linearize: the activation module {where} was called more than "
@@ -128,9 +139,16 @@ class CallSites(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.calls[self._position()](x)
 
+    def begin_forward(self, scope: Scope) -> None:
+        """An owner forward begins: the modules its loop calls before this site's calls are watched."""
+        for name in getattr(self, "after", ()):
+            if name is not None:
+                watch_child(scope.owner.get_submodule(name))
+
     def check_forward(self, scope: Scope) -> None:
         """An owner forward returned: raise :class:`FunctionalSiteError` if it called this module fewer times
-        than the probe did, but not never (a call may have run the unit of another call)."""
+        than the probe did, but not never (a call may have run the unit of another call), or a loop's call after
+        another module than the probe's (its output is never returned)."""
         made = scope.positions.get(id(self.__dict__), 0)
         if 0 < made < len(self.calls):  # none: no unit ran, nothing went to the wrong one
             where = self.where or "of this site"
@@ -141,6 +159,8 @@ class CallSites(nn.Module):
                 "exit) the later calls ran the units of earlier ones. Fix: give each call its own activation "
                 "module (self.acts = nn.ModuleList(...)), or convert with exclude_modules= naming this owner to "
                 "keep its activation as it is.")
+        if id(self.__dict__) in scope.loops:  # as many calls, after other modules: the end of the forward says so
+            raise FunctionalSiteError(scope.loops[id(self.__dict__)])
 
     def __prepare_scriptable__(self) -> nn.Module:
         refuse_scripting(self)
@@ -197,14 +217,15 @@ def _shadowed_on_copy(m: nn.Module) -> list[str]:
     return [n for n, sub in m._modules.items() if sub is not None and n in blank.__dict__ and blank.__dict__[n] is not sub]
 
 
-def install_call_sites(owner: nn.Module, attr: str, modules: list[nn.Module]) -> None:
+def install_call_sites(owner: nn.Module, attr: str, modules: list[nn.Module],
+                       after: list[str | None] | None = None) -> None:
     """Put one module per call at ``owner.attr``: the module itself, or a :class:`CallSites`
     dispatcher (counted per forward of ``owner``: :func:`~linearize.dispatch.attach_owner`) when the site is
     called several times (then :func:`settle_placed_modules` on the model). Every other attribute of ``owner``
     holding the same module (``act`` twice in an ``nn.Sequential``, ``self.a1 = self.a2 = nn.ReLU()``) gets
-    the same replacement: its calls are among those the probe counted."""
+    the same replacement: its calls are among those the probe counted. ``after``: see :class:`CallSites`."""
     old = owner._modules[attr]
-    new = modules[0] if len(modules) == 1 else CallSites(modules, f"{type(owner).__name__}.{attr}")
+    new = modules[0] if len(modules) == 1 else CallSites(modules, f"{type(owner).__name__}.{attr}", after)
     for name in [n for n, m in owner._modules.items() if m is old]:
         setattr(owner, name, new)
     if len(modules) > 1:
@@ -306,6 +327,10 @@ class ActivationCall:
     act: nn.Module | None = None
     unreachable: str = ""  # a module call its owner's forward cannot dispatch by order (see unreachable_call)
     hook: str = ""  # a module call made by a forward (pre-)hook: the name of the module whose hook it is
+    position: tuple = ()  # where in its caller's code the call is made (dispatch.code_position)
+    after: tuple[nn.Module | None, int] = (None, 0)  # the last module its caller's own code called before it
+    # (not an activation) and how many it called before it
+    check: str | None = None  # a loop's call: the name (in its owner) of the module that must run before it
 
 
 def _first_width(layer: nn.Module, attrs: tuple[str, ...]) -> int | None:
@@ -380,6 +405,8 @@ class _Probe:
         self.unsure: list[ActivationCall] = []  # calls whose channel dim the next layer settles (_settle)
         self.threads: dict[str, int] = {}  # activation calls on threads the forward started (ThreadWatch)
         self.recursive: set[int] = set()  # modules called while already running (a forward that calls itself)
+        # module id -> the last module its own code called in its call now running, and how many it called
+        self.last_called: dict[int, tuple[nn.Module | None, int]] = {}
         # functional activation calls made by a module's user hooks in its call now running: module id -> names
         self.hook_calls: dict[int, list[str]] = defaultdict(list)
         # a module with user hooks -> its call's arguments / output before them, and their tensors' versions
@@ -407,6 +434,7 @@ class _Probe:
         call = ActivationCall(None, tuple(getattr(out, "shape", ())), -1, kind, where=where)
         if func in FUNCTIONAL_SPECS and owner is not None and isinstance(out, torch.Tensor):
             call.owner, call.invocation = owner, self.invocations[id(owner)]  # a call the owner's mode will see
+            call.position, call.after = code_position(), self.last_called.get(id(owner), (None, 0))
             if out.ndim:  # a scalar has no channels: that call runs as it is
                 call.channel_dim, sure = self._channel_dim(f"functional call {where} (input shape {tuple(out.shape)})", out)
                 if not sure:
@@ -469,9 +497,10 @@ class _Probe:
                 where = f"activation {self.names.get(id(module), type(module).__name__)!r} (input shape {tuple(x.shape)})"
                 dim, sure = self._channel_dim(where, x)
                 hooked = hooked_module(skip=1)
+                hook = "" if hooked is None else self.names.get(id(hooked)) or type(hooked).__name__
                 call = ActivationCall(caller, tuple(x.shape), dim, activation_kind(module) or "",
-                                      unreachable=unreachable_call(skip=1),
-                                      hook="" if hooked is None else self.names.get(id(hooked)) or type(hooked).__name__)
+                                      unreachable=unreachable_call(skip=1), hook=hook, position=code_position(skip=1),
+                                      after=self.last_called.get(id(caller), (None, 0)))
                 self.calls[id(module)].append(call)
                 self.pending[id(module)] = call
                 if not sure:
@@ -480,6 +509,10 @@ class _Probe:
             self._settle(width, args[0] if args else None)
         if any(m is module for m in self.running.stack):
             self.recursive.add(id(module))
+        if self.running.stack and id(module) not in self.activations:
+            parent = id(self.running.stack[-1])
+            self.last_called[parent] = (module, self.last_called.get(parent, (None, 0))[1] + 1)
+        self.last_called[id(module)] = (None, 0)  # its own calls start
         self.invocations[id(module)] += 1
 
     def leave(self, module: nn.Module, args: tuple, output: Any, _: None) -> None:
@@ -674,6 +707,40 @@ class OwnerPlan:
     name: str
     calls: list[ActivationCall]
     units: dict[int, SiteInfo]  # call position -> the unit it gets
+    repeat: bool = False  # the calls are one loop's iterations: one unit runs every call, however many
+
+
+LOOP_FIX = ("fix: move the loop into a module of its own, or call an activation module of its own in the loop "
+            "(self.loop_act = nn.GELU()): its calls then share one unit")
+
+
+def _loops(owner: nn.Module, calls: list[ActivationCall], names: dict[int, str]) -> list[list[int]]:
+    """The loops among one forward's ``calls`` of an owner: the positions of calls made from one place in its code
+    more than once. A loop whose iterations nothing tells apart (one kind and input width, no module called between
+    them: the experts of a mixture-of-experts looped over as weights) is returned, to get one unit shared by its
+    iterations. In a loop that calls other modules between its iterations each call gets ``check``: the name in
+    ``owner`` of the module its owner called before it (a layer of ``for layer in self.layers: x =
+    F.relu(layer(x))``), which its unit's dispatch checks at every forward, so that calls after another subset of
+    the modules (a routed loop) never run other iterations' units."""
+    by_position: dict[tuple, list[int]] = defaultdict(list)
+    for k, call in enumerate(calls):
+        by_position[call.position].append(k)
+    shared = []
+    prefix = f"{names[id(owner)]}." if names.get(id(owner)) else ""
+    for group in by_position.values():
+        first = calls[group[0]]
+        if len(group) < 2:
+            continue
+        if all(calls[k].after == first.after and calls[k].kind == first.kind
+               and call_channels(calls[k]) == call_channels(first) for k in group):
+            shared.append(group)
+            continue
+        if all(calls[k].after[0] is first.after[0] for k in group):
+            continue  # one module before each (a weight-tied loop): nothing to check
+        for k in group:
+            name = names.get(id(calls[k].after[0])) if calls[k].after[0] is not None else None
+            calls[k].check = name[len(prefix):] if name is not None and name.startswith(prefix) else None
+    return shared
 
 
 def _plan_functional(
@@ -703,10 +770,20 @@ def _plan_functional(
             left += owner_calls  # control flow (or a container that iterates its children): not by order
             continue
         owner_name = names[id(owner)]
-        plan = OwnerPlan(owner, owner_name, runs[0], {})
-        for k, call in enumerate(runs[0]):
+        shared = _loops(owner, runs[0], names)
+        if shared and len(shared[0]) < len(runs[0]):  # a loop among other calls: its count shifts their order
+            where = runs[0][shared[0][0]].where
+            report.unreachable[f"functional call {where} ({len(runs[0])} call(s) per forward)"] = (
+                f"{len(shared[0])} of them are made in a loop (one place in the code of {type(owner).__name__}, "
+                "the same input width, nothing telling the iterations apart, as a mixture-of-experts' loop over "
+                "its routed experts), whose count may depend on the input, and the owner makes other activation "
+                f"calls, matched to their units by order; {LOOP_FIX}")
+            continue
+        plan = OwnerPlan(owner, owner_name, runs[0][:1] if shared else runs[0], {}, repeat=bool(shared))
+        for k, call in enumerate(plan.calls):
             name = f"{owner_name}.{ATTR}.{call.kind}_{k}" if owner_name else f"{ATTR}.{call.kind}_{k}"
-            gate = next((c.gate for run in runs if (c := run[k]).gate is not None), None)
+            gate = next((c.gate for run in runs for c in (run if plan.repeat else run[k:k + 1]) if c.gate is not None),
+                        None)
             if call.act is None:
                 left.append(call)
             elif call.kind not in config.activations or (
@@ -854,6 +931,16 @@ def plan_conversion(
             continue
         per_forward = len(calls) // max(1, probe.invocations[id(caller)])
         calls = calls[: max(1, per_forward)]
+        shared = _loops(owner, calls, probe.names) if caller is owner else []
+        if shared and len(shared[0]) < len(calls):  # a loop among other calls: its count shifts their order
+            report.unreachable[name] = (
+                f"called {len(calls)} times per forward of its owner, {len(shared[0])} of them in a loop (one place "
+                "in its code, the same input width, nothing telling the iterations apart, as a mixture-of-experts' "
+                "loop over its routed experts), whose count may depend on the input, while the other calls are "
+                f"matched to their units by order; {LOOP_FIX}")
+            continue
+        if shared:  # every call is one loop's (MixtralExperts' eager loop): one unit, however many iterations
+            calls = calls[:1]
         _refuse_other_callers(name, calls, others, probe.names, getattr(config, "granularity", "channel"))
         why = next((c.unreachable for c in calls if c.unreachable), "")
         if len(calls) > 1 and why:  # one unit per call, matched by order: a recomputed call has no position

@@ -1050,3 +1050,172 @@ def test_an_activation_module_inside_a_reentrant_checkpoint_function_is_converte
         grads.append(model[1].act.slope.grad)
     assert grads[1].abs().sum() > 0
     torch.testing.assert_close(grads[0], grads[1])
+
+
+class WeightExperts(nn.Module):
+    """A mixture of experts held as weights (HF MixtralExperts' eager loop): one GELU, a module or a functional
+    call, once per expert the batch routes tokens to, from one line, with no module called in between."""
+
+    def __init__(self, functional: bool, d: int = 6, h: int = 10, experts: int = 4) -> None:
+        super().__init__()
+        self.router = nn.Linear(d, experts)
+        self.w1, self.w2 = nn.Parameter(torch.randn(experts, d, h)), nn.Parameter(torch.randn(experts, h, d))
+        self.act = None if functional else nn.GELU()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        route, out = self.router(x).argmax(-1), torch.zeros_like(x)
+        for e in route.unique().tolist():
+            h = x[route == e] @ self.w1[e]
+            out[route == e] = (F.gelu(h) if self.act is None else self.act(h)) @ self.w2[e]
+        return out
+
+
+class Expert(nn.Module):
+    def __init__(self, d: int, h: int) -> None:
+        super().__init__()
+        self.w1, self.w2 = nn.Linear(d, h), nn.Linear(h, d)
+
+
+class ModuleExperts(WeightExperts):
+    """A mixture of experts held as modules, the activation applied by the owner's loop after each expert's w1."""
+
+    def __init__(self, functional: bool, d: int = 6, h: int = 10, experts: int = 4) -> None:
+        super().__init__(functional, d, h, experts)
+        self.experts = nn.ModuleList(Expert(d, h) for _ in range(experts))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        route, out = self.router(x).argmax(-1), torch.zeros_like(x)
+        for e in route.unique().tolist():
+            h = self.experts[e].w1(x[route == e])
+            out[route == e] = self.experts[e].w2(F.gelu(h) if self.act is None else self.act(h))
+        return out
+
+
+def routed_batches(model: WeightExperts) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A probe routed to experts {0, 1, 2} and two batches of one token each for experts {0, 1, 2} and {1, 2, 3}."""
+    pool = torch.randn(2000, 6)
+    route = model.router(pool).argmax(-1)
+    by = [pool[route == e][:2] for e in range(4)]
+    assert all(len(b) == 2 for b in by)
+    return torch.cat(by[:3]), torch.cat([by[0][:1], by[1][:1], by[2][:1]]), torch.cat([by[1][:1], by[2][:1], by[3][:1]])
+
+
+@pytest.mark.parametrize("functional", [False, True])
+def test_an_expert_loop_over_weights_shares_one_unit_whatever_experts_a_batch_hits(functional):
+    """Units by call order gave the k-th expert *hit* unit k, so a token's output depended on the other tokens of
+    its batch; now the loop's calls share one unit, and every token's output is its expert's, written out."""
+    torch.manual_seed(0)
+    model = WeightExperts(functional).eval()
+    probe, *batches = routed_batches(model)
+    linearize.convert(model, example_inputs=probe)
+    (name, unit), = linearize.units(model)
+    assert name == ("linearize_functional.gelu_0" if functional else "act")
+    random_slopes(model)
+    with torch.no_grad():
+        for x in batches + [probe, probe[:1]]:
+            want = torch.stack([(1 - unit.slope) * F.gelu(t @ w1) + unit.slope * (t @ w1) for t, w1 in
+                                zip(x, model.w1[model.router(x).argmax(-1)])])
+            want = torch.einsum("nh,nhd->nd", want, model.w2[model.router(x).argmax(-1)])
+            torch.testing.assert_close(model(x), want)
+
+
+@pytest.mark.parametrize("functional", [False, True])
+def test_an_expert_loop_over_modules_refuses_another_subset_than_the_probes(functional):
+    """One unit per iteration, matched by order, ran expert 1's tokens through the unit of the probe's expert 0
+    when a batch hit {1, 2, 3}; now that forward raises, naming the loop, the modules and the fix. The probe's
+    subset still runs each iteration's unit."""
+    torch.manual_seed(0)
+    model = ModuleExperts(functional).eval()
+    probe, same, other = routed_batches(model)
+    linearize.convert(model, example_inputs=probe)
+    assert len(linearize.units(model)) == 3
+    random_slopes(model)
+    with pytest.raises(FunctionalSiteError, match=r"loop of the forward of ModuleExperts.*after 'experts\.1\.w1'"
+                                                  r".*saw it after 'experts\.0\.w1'.*Fix"):
+        model(other)
+    units = [u for _, u in linearize.units(model)]
+    with torch.no_grad():
+        want = torch.stack([model.experts[e].w2((1 - units[e].slope) * F.gelu(h) + units[e].slope * h)
+                            for e, h in enumerate(model.experts[e].w1(t) for e, t in enumerate(same))])
+        torch.testing.assert_close(model(same), want)
+
+
+class OrderedLayers(SkippedLayers):
+    """Three layers sharing one activation module, run in the order ``order`` (the probe's: 0, 1, 2)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.order = [0, 1, 2]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for i in self.order:
+            x = self.act(self.layers[i](x))
+        return x
+
+
+def test_a_layer_loop_keeps_one_unit_per_layer_and_its_copies_check_their_layers(tmp_path):
+    """``for layer in self.layers: x = self.act(layer(x))`` keeps one unit per layer, also in a deep copy and in
+    a folded model loaded from disk, which refuse a forward over the layers in another order than the probe's."""
+    torch.manual_seed(0)
+    model = OrderedLayers()
+    x = torch.randn(2, 6)
+    linearize.convert(model, example_inputs=x)
+    random_slopes(model)
+    with torch.no_grad():
+        folded = linearize.fold(model.eval(), x)
+    linearize.save_folded(folded, tmp_path)
+    for m in (model, copy.deepcopy(model), linearize.load_folded(tmp_path, base=OrderedLayers())):
+        want = x
+        for layer, slope in zip(m.layers, [u.slope for u in model.act.calls]):
+            h = layer(want)
+            want = (1 - slope) * F.gelu(h) + slope * h
+        torch.testing.assert_close(m(x), want)
+        m.order = [2, 1, 0]
+        with pytest.raises(FunctionalSiteError, match=r"after 'layers\.2'.*saw it after 'layers\.0'"):
+            m(x)
+
+
+def test_mixtral_eager_experts_share_one_unit_whatever_experts_a_batch_hits():
+    """Hugging Face MixtralExperts with experts_implementation="eager" calls ``act_fn`` once per expert hit: one
+    unit, so a token's output (a sparse MoE maps tokens independently) does not depend on the rest of its batch."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.mixtral import modeling_mixtral
+
+    torch.manual_seed(0)
+    config = transformers.MixtralConfig(hidden_size=16, intermediate_size=32, num_local_experts=4,
+                                        num_experts_per_tok=1, experts_implementation="eager")
+    block = modeling_mixtral.MixtralSparseMoeBlock(config).eval()
+    with torch.no_grad():
+        for p in block.parameters():
+            p.normal_(0, 0.5)
+    pool = torch.randn(400, 16)
+    route = block.gate(pool)[2][:, 0]
+    by = [pool[route == e][:1] for e in range(4)]
+    linearize.convert(block, example_inputs=torch.cat(by[:3])[None])
+    assert [name for name, _ in linearize.units(block)] == ["experts.act_fn"]
+    random_slopes(block)
+    with torch.no_grad():
+        alone = block(by[1][None])[0, 0]
+        for others in ([0, 2], [2, 3]):
+            torch.testing.assert_close(block(torch.cat([by[1]] + [by[e] for e in others])[None])[0, 0], alone)
+
+
+class LoopAndMore(WeightExperts):
+    """The expert loop's activation module is also called once more, after the loop."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.act(super().forward(F.relu(x)))
+
+
+def test_an_expert_loop_among_other_calls_is_left_as_it_is_with_the_reason_and_the_fix():
+    """Its iterations shift the order the other call is matched by: the module is listed with the reason and the
+    fix, not converted (units by order ran the other call through an iteration's unit)."""
+    torch.manual_seed(0)
+    model = LoopAndMore(functional=False).eval()
+    probe, *batches = routed_batches(model)
+    with pytest.warns(UserWarning, match="unconverted"):
+        linearize.convert(model, example_inputs=probe)
+    assert isinstance(model.act, nn.GELU) and [name for name, _ in linearize.units(model)] == [
+        "linearize_functional.relu_0"]
+    why = model.linearize_report.unreachable["act"]
+    assert "of them in a loop" in why and "fix: move the loop into a module of its own" in why
