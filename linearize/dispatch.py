@@ -489,12 +489,38 @@ def attach_owner(owner: nn.Module) -> None:
     Its children with ``begin_forward(scope)`` / ``end_forward(scope)`` / ``check_forward(scope)`` methods
     (the call-site dispatchers) are told when a forward begins, ends, and ends without an exception.
     """
-    if _MARK in owner.__dict__:  # attached already (the mark survives copy.deepcopy)
+    ids = owner.__dict__.get(_MARK)
+    if ids and owner._forward_pre_hooks.get(ids[0]) is _open:  # attached already (kept by copy.deepcopy)
         return
     prime_eager()
     handles = (owner.register_forward_pre_hook(_open, prepend=True),
                owner.register_forward_hook(_shut, prepend=True, always_call=True))
     owner.__dict__[_MARK] = tuple(h.id for h in handles)
+    if isinstance(owner, torch.fx.GraphModule):
+        _attached_in_copies(owner)
+
+
+def _attached_in_copies(owner: torch.fx.GraphModule) -> None:
+    """torch rebuilds a GraphModule for ``copy.deepcopy`` and pickling (``torch.save``, spawn), which drops its
+    forward hooks: the copy (its deepcopy hook) and the unpickled module (its own class's ``__reduce__``, as
+    each GraphModule instance has a class of its own) get them again."""
+    if attach_owner not in owner._deepcopy_hooks:
+        owner._register_deepcopy_hook(attach_owner)
+    cls = type(owner)
+    if "__reduce__" not in vars(cls):
+        cls.__reduce__ = _reduce_owner
+
+
+def _reduce_owner(owner: torch.fx.GraphModule) -> tuple:
+    """Pickle a GraphModule owner as torch does, to be rebuilt by :func:`_rebuilt_owner`."""
+    return _rebuilt_owner, super(type(owner), owner).__reduce__()
+
+
+def _rebuilt_owner(rebuild: Callable, args: tuple) -> torch.fx.GraphModule:
+    """An unpickled GraphModule owner, rebuilt as torch does, with the hooks of :func:`attach_owner`."""
+    owner = rebuild(*args)
+    attach_owner(owner)
+    return owner
 
 
 def user_hooks(module: nn.Module) -> bool:
@@ -529,6 +555,10 @@ def detach_owner(owner: nn.Module) -> None:
             del hooks[key]
     for key in ids:
         owner._forward_hooks_always_called.pop(key, None)
+    if isinstance(owner, torch.fx.GraphModule) and attach_owner in owner._deepcopy_hooks:
+        owner._unregister_deepcopy_hook(attach_owner)
+    if vars(type(owner)).get("__reduce__") is _reduce_owner:
+        del type(owner).__reduce__
 
 
 def fx_leaf_call(module: nn.Module, x: Any) -> Any:
@@ -563,6 +593,8 @@ def refuse_fx_root(sites: nn.Module, prefix: str) -> None:
     root = getattr(fx_tracer(), "root", None)
     if not isinstance(root, nn.Module) or root._modules.get(prefix) is not sites:
         return
+    if isinstance(root, torch.fx.graph_module._CodeOnlyModule):  # torch unpickling a GraphModule owner: its
+        return  # graph is the original's, and _rebuilt_owner gives the result its hooks
     name = type(root).__name__
     raise FunctionalSiteError(
         f"linearize: torch.fx.symbolic_trace of {name} itself would record the original activation functions: "

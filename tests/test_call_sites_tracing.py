@@ -193,3 +193,37 @@ else:
     assert saved.returncode == 0, saved.stderr[-3000:]
     done = run("load", str(path))
     assert done.stdout.split() == ["True"] * 4, done.stdout + done.stderr[-3000:]
+
+
+@pytest.mark.parametrize("root", [True, False])
+@pytest.mark.parametrize("cls", [Functional, Reused])
+def test_a_graph_module_owner_keeps_its_dispatch_in_deep_copies_and_through_pickle(cls, root):
+    """torch rebuilds a GraphModule for copy.deepcopy and pickling without its forward hooks: the copy ran the
+    plain activations (or refused a reused one), and unpickling refused a trace the user never made. Now every
+    copy computes the converted function, written out by hand with the copy's own slopes."""
+    import copy
+    import io
+    import pickle
+
+    torch.manual_seed(0)
+    x = torch.randn(5, 6)
+    graph = torch.fx.symbolic_trace(cls())
+    model = linearize.convert(graph if root else nn.Sequential(graph, nn.Linear(3, 3)), example_inputs=x)
+    random_slopes(model)
+
+    def by_hand_of(m: nn.Module) -> torch.Tensor:
+        gm = m if root else m[0]
+        a1, a2 = [u.slope for _, u in linearize.units(gm)]
+        h = gm.b(torch.where(gm.a(x) >= 0, gm.a(x), a1 * gm.a(x)))
+        h = gm.c((1 - a2) * F.gelu(h) + a2 * h if cls is Functional else torch.where(h >= 0, h, a2 * h))
+        return h if root else m[1](h)
+
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    twin = copy.deepcopy(model)
+    with torch.no_grad():
+        for m in (model, twin, copy.deepcopy(twin), pickle.loads(pickle.dumps(model)), pickle.loads(pickle.dumps(twin)),
+                  torch.load(buffer, weights_only=False)):
+            torch.testing.assert_close(m(x), by_hand_of(m))
+            torch.testing.assert_close(m(x), model(x), rtol=0, atol=0)
