@@ -68,6 +68,23 @@ def _check_model(model: object) -> None:
     from .hf import refuse_stripped
 
     refuse_stripped(model)  # saved converted, loaded plain: its units were dropped
+    compiled = [name for name, m in model.named_modules() if _is_compiled(m)]
+    if compiled:
+        name = compiled[0]
+        fix = ("convert the module it compiles, then compile the result: torch.compile(linearize.convert("
+               "model._orig_mod, ...))") if not name else (
+            f"put the module it compiles back, model.set_submodule({name!r}, model.get_submodule({name!r})._orig_mod), "
+            "convert the model, then compile it (or that module again)")
+        raise ValueError(
+            f"linearize.convert: {'the model' if not name else repr(name)} is a torch.compile'd module "
+            "(OptimizedModule): convert probes and swaps the Python modules and activation calls, which "
+            f"TorchDynamo runs as compiled code instead. Fix: {fix}; the model is left as given")
+
+
+def _is_compiled(module: nn.Module) -> bool:
+    """Whether ``module`` is the wrapper ``torch.compile(module)`` returns (told by its class, so that
+    ``torch._dynamo``, slow to import, is not imported for a model that has none)."""
+    return type(module).__name__ == "OptimizedModule" and type(module).__module__.startswith("torch._dynamo")
 
 
 def _convert_gated(model: nn.Module, config: GatedConfig, example_inputs: Any) -> nn.Module:

@@ -757,3 +757,40 @@ def test_an_unbatched_example_input_is_refused_not_given_rows_for_channels(shape
     linearize.convert(model, example_inputs=x.unsqueeze(0))
     assert linearize.count_units(model)["total"] == original[0].out_channels
     assert torch.equal(model(x.unsqueeze(0)), original(x.unsqueeze(0)))
+
+
+class CompiledPart(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.block = nn.Sequential(nn.Linear(6, 6), nn.ReLU(), nn.Linear(6, 6))
+        self.head = nn.Linear(6, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.nn.functional.silu(self.block(x)))
+
+
+@pytest.mark.parametrize("where", ["submodule", "root"])
+def test_a_compiled_module_is_refused_naming_it_and_the_fix_which_converts(where):
+    """convert crashed inside TorchDynamo ("already tracked for mutation") on its own probe hooks; now it refuses
+    before touching the model, naming the compiled module and the fix, and the fix converts exactly."""
+    torch.manual_seed(0)
+    x = torch.randn(4, 6)
+    plain = CompiledPart()
+    want = plain(x)
+    if where == "root":
+        model = torch.compile(plain, backend="eager")
+        match = r"the model is a torch.compile'd module.*Fix: .*linearize\.convert\(model\._orig_mod"
+    else:
+        model = plain
+        model.block = torch.compile(model.block, backend="eager")
+        match = r"'block' is a torch.compile'd module.*Fix: .*model\.set_submodule\('block'"
+    with pytest.raises(ValueError, match=match):
+        linearize.convert(model, example_inputs=x)
+    assert not linearize.units(model) and torch.equal(model(x), want)
+    if where == "root":
+        model = model._orig_mod
+    else:
+        model.set_submodule("block", model.get_submodule("block")._orig_mod)
+    linearize.convert(model, example_inputs=x)
+    assert [n for n, _ in linearize.units(model)] == ["block.1", "linearize_functional.silu_0"]
+    assert torch.equal(torch.compile(model, backend="eager")(x), want)
