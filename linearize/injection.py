@@ -765,9 +765,20 @@ def _plan_functional(
             per_call[call.invocation].append(call)
         runs = list(per_call.values())
         signature = [[(c.kind, call_channels(c)) for c in run] for run in runs]
+        if isinstance(owner, (nn.Sequential, nn.ModuleList, nn.ModuleDict)) and id(owner) in names:
+            left += [c for c in owner_calls if c.act is None or c.gate is not None and config.gates == "exclude"]
+            for where, n in Counter(c.where for c in owner_calls if c.act is not None and (
+                    c.gate is None or config.gates != "exclude")).items():
+                report.unreachable[f"functional call {where} ({n // max(1, len(runs))} call(s) per forward)"] = (
+                    f"its owner {type(owner).__name__} is a container ({_container(owner)} subclass), whose "
+                    "children are its layers (run, iterated, indexed), so a child holding the units of its own "
+                    "forward's calls would become one of them; fix: "
+                    f"make {type(owner).__name__} an nn.Module holding its layers (self.layers = nn.Sequential(...)), "
+                    "or end the container with an activation module (nn.ReLU()) in place of the functional call")
+            continue
         if (any(s != signature[0] for s in signature) or len(runs) != invocations[id(owner)]
-                or isinstance(owner, (nn.Sequential, nn.ModuleList, nn.ModuleDict)) or id(owner) not in names):
-            left += owner_calls  # control flow (or a container that iterates its children): not by order
+                or id(owner) not in names):
+            left += owner_calls  # control flow: not by order
             continue
         owner_name = names[id(owner)]
         shared = _loops(owner, runs[0], names)
@@ -799,6 +810,11 @@ def _plan_functional(
         if plan.units:
             plans.append(plan)
     return plans, left
+
+
+def _container(owner: nn.Module) -> str:
+    """The torch container class ``owner`` derives from (``"nn.Sequential"``)."""
+    return next(f"nn.{c.__name__}" for c in (nn.Sequential, nn.ModuleList, nn.ModuleDict) if isinstance(owner, c))
 
 
 def _width_of_call(name: str, call: ActivationCall) -> int:

@@ -614,3 +614,30 @@ def test_a_training_only_functional_call_names_training_mode_and_fixes_that_work
         for training in (True, False):
             with torch.no_grad():
                 assert torch.equal(converted.train(training)(x), reference.train(training)(x))
+
+
+class SequentialThenReLU(nn.Sequential):
+    """A container whose own forward makes a functional call after its layers."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.relu(super().forward(x))
+
+
+def test_a_functional_call_of_a_container_subclass_is_listed_with_the_reason_and_the_fix():
+    """It was left as "cannot be swapped" with no reason; now the report and convert's refusal say why (a
+    container's children are its layers) and the fix, and the fix converts it."""
+    torch.manual_seed(0)
+    x = torch.randn(4, 6)
+    with pytest.raises(ValueError, match=r"SequentialThenReLU: relu.*is a container \(nn\.Sequential subclass\).*fix: "
+                                         r"make SequentialThenReLU an nn\.Module.*or end the container with an "
+                                         r"activation module"):
+        linearize.convert(SequentialThenReLU(nn.Linear(6, 6), nn.Linear(6, 3)), example_inputs=x)
+    model = nn.Sequential(SequentialThenReLU(nn.Linear(6, 6)), nn.GELU(), nn.Linear(6, 3))
+    with pytest.warns(UserWarning, match=r"functional call 0: relu \(1 call\(s\) per forward\): its owner "
+                                         r"SequentialThenReLU is a container"):
+        linearize.convert(model, example_inputs=x)
+    assert [n for n, _ in linearize.units(model)] == ["1"] and not model.linearize_report.functional_calls
+    fixed = nn.Sequential(nn.Linear(6, 6), nn.ReLU())  # the fix: the activation as the container's last layer
+    want = fixed(x)
+    linearize.convert(fixed, example_inputs=x)
+    assert [n for n, _ in linearize.units(fixed)] == ["1"] and torch.equal(fixed(x), want)
