@@ -32,6 +32,8 @@ SAVE_LOCK_NAME = ".linearize.lock"  # in the folder saved into; empty, and left 
 SAVE_LOCK_WAIT_S = 600.0  # how long a save waits for another save into the same folder
 _TEMP_RE = re.compile(r"\.(.+)\.[0-9a-f]{12}\.tmp")  # temp_name's: .NAME.<12 hex digits>.tmp
 _HELD = threading.local()  # .paths: the real paths of the save locks this thread holds
+_TURNS: dict[str, threading.Lock] = {}  # real path of a save lock: the lock this process's threads take turns on
+_TURNS_GUARD = threading.Lock()  # held while an entry of _TURNS is made
 MAX_JSON_BYTES = 256 * 2**20  # the largest JSON file (manifest, config, index, metrics) read
 
 
@@ -296,9 +298,10 @@ def save_lock(directory: Path) -> Iterator[bool]:
     Yields True; False to a thread that holds it already (a save made inside another save into that folder,
     from a callback): it goes on under the outer hold, which alone may remove what saves left behind.
 
-    Where the file system cannot lock files (:func:`flock_error`: NFS without its lock manager, Lustre
-    without ``-o flock``) the save goes on unlocked, with one ``RuntimeWarning`` naming the folder: each
-    file is still written whole (atomic renames), but concurrent saves there are not kept apart.
+    The threads of this process first take turns on a process-wide lock of the folder, so where the file system
+    cannot lock files (:func:`flock_error`: NFS without its lock manager, Lustre without ``-o flock``) they are
+    still kept apart; the save goes on without the file lock, with one ``RuntimeWarning`` naming the folder:
+    each file is still written whole (atomic renames), but saves from other processes are not kept apart.
 
     Raises ``PermissionError`` for a folder this process cannot write, ``TimeoutError`` when another save
     has held the lock for ``SAVE_LOCK_WAIT_S`` seconds, and ``OSError`` naming the lock file when it cannot
@@ -323,29 +326,37 @@ def save_lock(directory: Path) -> Iterator[bool]:
         raise FileExistsError(f"{path}: the save lock of {directory} is {kind}; a save locks that (empty) file: "
                               "remove what is there and save again")
     lock, wait = FileLock(str(path)), SAVE_LOCK_WAIT_S
+    busy = (f"{directory}: another save into this folder has held its lock {path} for {wait:.0f} s (a save still "
+            "running, or a stopped process); let it finish or stop it, then save again")
+    with _TURNS_GUARD:
+        turn = _TURNS.setdefault(key, threading.Lock())
+    if not turn.acquire(timeout=wait):  # another thread of this process is saving into the folder
+        raise TimeoutError(busy)
     try:
-        missing = flock_error(path)
-        if missing is None:
-            lock.acquire(timeout=wait)
-    except Timeout:
-        raise TimeoutError(f"{directory}: another save into this folder has held its lock {path} for {wait:.0f} s "
-                           "(a save still running, or a stopped process); let it finish or stop it, then save "
-                           "again") from None
-    except OSError as err:
-        message = (f"{path}: cannot take the save lock of {directory} ({err}); a save needs a writable folder: save "
-                   "elsewhere, or fix its permissions")
-        raise (OSError(err.errno, message) if err.errno is not None else OSError(message)) from err
-    if missing is not None:
-        warnings.warn(f"{directory}: this filesystem cannot lock files (flock: {missing.strerror}), so this save "
-                      "is not kept apart from other saves into the folder (each file is still written whole): "
-                      "save into it from one process at a time", RuntimeWarning, stacklevel=4)
-    held.add(key)
-    try:
-        yield True
+        try:
+            missing = flock_error(path)
+            if missing is None:
+                lock.acquire(timeout=wait)
+        except Timeout:
+            raise TimeoutError(busy) from None
+        except OSError as err:
+            message = (f"{path}: cannot take the save lock of {directory} ({err}); a save needs a writable folder: "
+                       "save elsewhere, or fix its permissions")
+            raise (OSError(err.errno, message) if err.errno is not None else OSError(message)) from err
+        if missing is not None:
+            warnings.warn(f"{directory}: this filesystem cannot lock files (flock: {missing.strerror}), so this "
+                          "save is kept apart from the other threads of this process saving into the folder, but "
+                          "not from other processes (each file is still written whole): save into it from one "
+                          "process at a time", RuntimeWarning, stacklevel=4)
+        held.add(key)
+        try:
+            yield True
+        finally:
+            held.discard(key)
+            if missing is None:
+                lock.release()
     finally:
-        held.discard(key)
-        if missing is None:
-            lock.release()
+        turn.release()
 
 
 def flock_error(path: str | os.PathLike) -> OSError | None:
