@@ -781,6 +781,7 @@ def train_run(args: argparse.Namespace, start_time: float) -> dict:
     if act_at is not None and args.resume_from_checkpoint:
         common.remove_partial_checkpoints(out_dir)  # as common.start does: the checkpoint it will load
         ckpt = common.find_checkpoint(args.resume_from_checkpoint, out_dir)[0]
+        common.check_args(ckpt, args)  # before the pre-load: a run of other flags is refused naming them
         if ckpt.step > act_at and args.prune:
             # the pruned shapes (the kept channels do not matter: the checkpoint's weights replace them)
             prune_ffns(run, keep, "magnitude", calibration_batches(train, sampler, 0, 1), rebuild)

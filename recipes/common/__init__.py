@@ -31,7 +31,7 @@ from .accelerator import FSDP_HELP, blocks, check_fsdp, gathered, has_device, ma
 from .args import (LINEARIZE_MODES, PRESSURE_FLAGS, add_linearize_args, add_run_args, check_linearize_args,
                    check_run_args, flag, schedule_start)
 from .checkpoints import (MODEL_FILE, NEUTRAL_ARGS, OPTIMIZER_FILE, STATE_FILE, Checkpoint, CheckpointError,
-                          checkpoint_dir, find_checkpoint, first_nonfinite, json_value, load_checkpoint,
+                          check_args, checkpoint_dir, find_checkpoint, first_nonfinite, json_value, load_checkpoint,
                           model_fingerprint, read_checkpoint, remove_partial_checkpoints, save_checkpoint,
                           state_digest, state_problem, state_sha256)
 from .files import (RUN_LOCK, TMP_PREFIX, file_sha256, hold_output_dir, release_output_dir, replaced_dir,
@@ -45,9 +45,10 @@ __all__ = [
     "FSDP_HELP", "blocks", "check_fsdp", "gathered", "has_device", "make_accelerator", "prepare", "shard",
     "LINEARIZE_MODES", "PRESSURE_FLAGS", "add_linearize_args", "add_run_args", "check_linearize_args",
     "check_run_args", "flag", "schedule_start",
-    "MODEL_FILE", "NEUTRAL_ARGS", "OPTIMIZER_FILE", "STATE_FILE", "Checkpoint", "CheckpointError", "checkpoint_dir",
-    "find_checkpoint", "first_nonfinite", "json_value", "load_checkpoint", "model_fingerprint", "read_checkpoint",
-    "remove_partial_checkpoints", "save_checkpoint", "state_digest", "state_problem", "state_sha256",
+    "MODEL_FILE", "NEUTRAL_ARGS", "OPTIMIZER_FILE", "STATE_FILE", "Checkpoint", "CheckpointError", "check_args",
+    "checkpoint_dir", "find_checkpoint", "first_nonfinite", "json_value", "load_checkpoint", "model_fingerprint",
+    "read_checkpoint", "remove_partial_checkpoints", "save_checkpoint", "state_digest", "state_problem",
+    "state_sha256",
     "RUN_LOCK", "TMP_PREFIX", "file_sha256", "hold_output_dir", "release_output_dir", "replaced_dir", "restore_aside",
     "writing",
     "check_files", "file_records", "fold_metrics", "read_recipe_json", "remove_earlier_outputs", "unit_stats",

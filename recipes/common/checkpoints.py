@@ -106,6 +106,16 @@ def args_differences(stored: dict, args: argparse.Namespace) -> list[str]:
             if stored[k] != now[k]]
 
 
+def check_args(ckpt: Checkpoint, args: argparse.Namespace) -> None:
+    """``ValueError`` naming every flag ``args`` sets otherwise than the run that wrote ``ckpt`` (its recorded
+    arguments, :func:`args_differences`), with the fix; a recipe calls it before anything it does to resume
+    from ``ckpt`` depends on those flags (:func:`load_checkpoint` calls it too)."""
+    if ckpt.args is not None and (changed := args_differences(ckpt.args, args)):
+        raise ValueError(f"checkpoint {ckpt.path} belongs to a run with other settings: {'; '.join(changed)}; "
+                         f"resume with the flags the run was started with ({STATE_FILE} records them), or start "
+                         "a fresh --output_dir")
+
+
 def state_sha256(state: dict[str, torch.Tensor]) -> str:
     """First 16 hex digits of the sha256 of a state dict: names, dtypes, shapes and bytes, in name order."""
     h = hashlib.sha256()
@@ -438,15 +448,12 @@ def load_checkpoint(run: Run, ckpt: Checkpoint) -> None:
             f"checkpoint {ckpt.path} belongs to a run of {ckpt.total_steps} optimizer steps, this one has "
             f"{run.total_steps}: the LR and sparsity schedules span the run, so resume with the same --epochs and "
             "--max-steps (to stop early and resume later, use --stop-after)")
+    check_args(ckpt, run.args)  # before the sparsifier's: a changed flag (--one-shot, say) is named
     if (ckpt.sparsifier is None) != (run.sparsifier is None):
         has = "no" if ckpt.sparsifier is None else "a"
         raise ValueError(f"checkpoint {ckpt.path} has {has} sparsifier state but this run "
                          f"{'uses' if run.sparsifier is not None else 'has no'} sparsity pressure: resume with the "
                          "same --linearize/--schedule flags")
-    if ckpt.args is not None and (changed := args_differences(ckpt.args, run.args)):
-        raise ValueError(f"checkpoint {ckpt.path} belongs to a run with other settings: {'; '.join(changed)}; "
-                         f"resume with the flags the run was started with ({STATE_FILE} records them), or start "
-                         "a fresh --output_dir")
     raw = run.accelerator.unwrap_model(run.model)
     if is_sharded(raw):  # --fsdp: every process takes its shards of the whole state
         from torch.distributed.checkpoint.state_dict import set_state_dict

@@ -187,3 +187,22 @@ def test_bad_one_shot_flags_name_the_fix(flags, message, tmp_path, capsys):
 def test_one_shot_past_the_last_step_is_refused(one_shot_args, tmp_path):
     with pytest.raises(ValueError, match="linearizes at step 500, but the run has"):
         wmt14.main(one_shot_args + ["--one-shot", "affine", "--late-start", "500", "--output_dir", str(tmp_path)])
+
+
+
+@pytest.mark.parametrize("started, resumed, stop_after", [
+    ([], ["--one-shot", "affine"], 12), ([], ["--one-shot", "affine"], 6), (["--one-shot", "affine"], [], 12),
+], ids=["added-after-the-step", "added-before-the-step", "dropped"])
+def test_resuming_with_one_shot_added_or_dropped_names_the_flag(one_shot_args, tmp_path, started, resumed,
+                                                                 stop_after):
+    """A run stopped after (step 12) or before (6) the step --one-shot acts at (9), resumed with --one-shot added
+    or dropped: refused naming --one-shot, as the run recorded it and as given now, and the output folder left as
+    it was. Before, adding it after the step blamed a missing one_shot.json the run never had (read before the
+    flags were compared), and the other cases a sparsifier state."""
+    out = tmp_path / "run"
+    wmt14.main(one_shot_args + started + ["--output_dir", str(out), "--stop-after", str(stop_after)])
+    files = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    was, now = (flags[1] if flags else None for flags in (started, resumed))
+    with pytest.raises(ValueError, match=re.escape(f"other settings: --one-shot {was!r} (now {now!r})")):
+        wmt14.main(one_shot_args + resumed + ["--output_dir", str(out), "--resume_from_checkpoint", "latest"])
+    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == files
