@@ -41,8 +41,8 @@ from torch import nn
 from ._files import LoadError, check_regular, read_json, safe_torch_load
 
 __all__ = ["CONFIG_KEY", "GUARD_KEY", "is_guard", "lift_guard", "is_hf_model", "mark", "unmark", "refuse_stripped",
-           "has_manifest", "has_weights", "weights_file", "unreadable_weights_file", "read_unit_tensors", "load_plain",
-           "load_weights", "variant_name"]
+           "has_manifest", "has_weights", "weights_file", "unreadable_weights_file", "read_unit_tensors", "stored_names",
+           "load_plain", "load_weights", "variant_name"]
 
 CONFIG_KEY = "linearize"
 GUARD_KEY = "quantization_config"  # transformers refuses to load a config whose entry has no quant_method
@@ -262,6 +262,22 @@ def _weight_files(directory: Path, variant: str | None = None) -> dict[str, Path
                 raise LoadError(f"{directory / index}: not a valid shard index ({err})") from None
             return {k: directory / v for k, v in weight_map.items()}
     return {}
+
+
+def stored_names(directory: Path, variant: str | None = None) -> list[str]:
+    """The tensor names of the HF weights in ``directory`` (of ``variant``): those of the shard index, or of
+    ``model.safetensors`` (its header only); ``[]`` for an unsharded ``pytorch_model.bin`` (not read for this)."""
+    import safetensors
+
+    files = _weight_files(directory, variant)
+    if files:
+        return sorted(files)
+    path = directory / variant_name(_SAFE, variant)
+    if not path.is_file():
+        return []
+    check_regular(path, "weights file")
+    with safetensors.safe_open(str(path), framework="pt") as f:
+        return sorted(f.keys())
 
 
 def read_unit_tensors(directory: Path, keys: list[str], each: Callable[[torch.Tensor], Any] | None = None,

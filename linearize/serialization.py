@@ -651,8 +651,28 @@ def _load_hf_checked(directory: Path, variant: str | None) -> tuple[dict[str, An
                         "linearize.save_pretrained(model, directory) only")
     keys = [f"{s['name']}.{k}" for s in meta["sites"] for k in ("slope", "frozen") + END_KEYS]
     tensors, path = hf.read_unit_tensors(directory, keys, variant=variant)  # alpha / beta only where saved
+    missing = [s["name"] for s in meta["sites"] if f"{s['name']}.slope" not in tensors]
+    if missing:
+        _refuse_renamed_units(missing, hf.stored_names(directory, variant), path)
     _check_unit_tensors(tensors, meta["sites"], path)
     return meta, tensors, path
+
+
+def _refuse_renamed_units(missing: list[str], stored: list[str], path: Path) -> None:
+    """:class:`LoadError` naming the fix when a unit of ``missing`` (names the manifest lists, whose tensors
+    ``path`` lacks) is among the tensor names ``stored`` under another module path: transformers' own
+    ``save_pretrained`` renames some architectures' modules on save (Mixtral: ``mlp`` -> ``block_sparse_moe``)."""
+    elsewhere = [k[:-len(".slope")].split(".") for k in stored if k.endswith(".slope")]
+    for name in missing:
+        parts = name.split(".")
+        like = [k for k in elsewhere if len(k) == len(parts) and k[-1] == parts[-1]]
+        if like:
+            found = ".".join(max(like, key=lambda k: sum(a == b for a, b in zip(k, parts))))
+            raise LoadError(f"{path}: unit {name!r} is stored as {found!r}: transformers' save_pretrained renames "
+                            "module paths on save for this architecture (its checkpoint key conversion), and "
+                            "linearize cannot map them back. Save the converted model with "
+                            "linearize.save_pretrained(model, directory), which writes its units under their own "
+                            "names in a sidecar, and load that folder.")
 
 
 def _check_agree(directory: Path, tensors: dict[str, torch.Tensor], state: dict[str, torch.Tensor] | None,

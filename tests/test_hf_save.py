@@ -371,3 +371,31 @@ def test_variant_loads_the_weights_and_units_of_that_variant(tmp_path):
         linearize.from_pretrained(hf.BertModel, tmp_path / "single", variant="v2")
     with pytest.raises(ValueError, match=r"variant='../single/model' is not a variant name"):
         linearize.from_pretrained(hf.BertModel, tmp_path / "single", variant="../single/model")
+
+
+def test_a_mixtral_saved_by_transformers_names_its_renamed_units_and_the_fix(tmp_path):
+    """transformers' save_pretrained renames Mixtral's module paths on save (mlp -> block_sparse_moe), units
+    included: the load is refused naming the renamed unit and linearize.save_pretrained, not called incomplete;
+    linearize.save_pretrained's folder then loads the model's own outputs (the converted model, computed here)."""
+    import transformers
+
+    cfg = transformers.MixtralConfig(vocab_size=64, hidden_size=16, intermediate_size=24, num_hidden_layers=1,
+                                     num_attention_heads=2, num_key_value_heads=1, num_local_experts=4,
+                                     num_experts_per_tok=2, max_position_embeddings=64)
+    x = {"input_ids": torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(0))}
+    model = linearize.convert(transformers.MixtralForCausalLM(cfg).eval(), example_inputs=x)
+    with torch.no_grad():
+        for _, u in linearize.units(model):
+            u.slope.uniform_(0, 1)
+        expected = model(**x).logits
+    model.save_pretrained(tmp_path / "hf")
+    unit = "model.layers.0.mlp.experts.act_fn"
+    assert [n for n, _ in linearize.units(model)] == [unit]
+    with pytest.raises(LoadError, match=rf"unit '{unit}' is stored as 'model\.layers\.0\.block_sparse_moe\.experts\."
+                                        r"act_fn': transformers' save_pretrained renames .*linearize\.save_pretrained"):
+        linearize.from_pretrained(transformers.MixtralForCausalLM, tmp_path / "hf", example_inputs=x)
+    linearize.save_pretrained(model, tmp_path / "sidecar")
+    loaded = linearize.from_pretrained(transformers.MixtralForCausalLM(cfg).eval(), tmp_path / "sidecar",
+                                       example_inputs=x)
+    with torch.no_grad():
+        assert torch.equal(loaded(**x).logits, expected)
