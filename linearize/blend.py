@@ -5,6 +5,7 @@ split (:mod:`linearize.gated`) uses the same check, and ``linearize.conversion``
 
 from __future__ import annotations
 
+import copy
 import math
 import warnings
 from typing import Any
@@ -145,30 +146,29 @@ def _restore_unreached(model: nn.Module, example_inputs: Any, placed: list[tuple
 
 
 def _outputs(model: nn.Module, inputs: Any, training: bool = False) -> list[torch.Tensor]:
-    """Every output tensor of ``model`` in eval mode, or with ``training`` in training mode (its buffers, such
-    as BatchNorm's running statistics, and every module's flag put back after), on a copy of ``inputs`` (an
-    in-place activation of the input must not change the next call's), with the random generators at one
-    fixed state (the same dropout masks in every call)."""
-    buffers = [(b, b.clone()) for b in model.buffers()] if training else []
+    """Every output tensor of ``model`` in eval mode (every module's flag put back after), or with ``training``
+    in training mode on a deep copy of ``model`` (a training forward may change the model in ways nothing can
+    put back: BatchNorm statistics, a parameter updated in place such as an EMA, a step counter; a model that
+    cannot be deep-copied raises), on a copy of ``inputs`` (an in-place activation of the input must not change
+    the next call's), with the random generators at one fixed state (the same dropout masks in every call)."""
+    if training:
+        model = copy.deepcopy(model)
     with eval_mode(model), torch.no_grad(), torch.random.fork_rng(devices=[]):
         model.train(training)
         torch.manual_seed(0)
-        try:
-            out = call_model(model, map_tensors(inputs, torch.clone))
-        finally:
-            for b, saved in buffers:
-                b.copy_(saved)
+        out = call_model(model, map_tensors(inputs, torch.clone))
     return [t.clone() for t in output_tensors(out)]
 
 
 def _reference(model: nn.Module, inputs: Any) -> dict[bool, list[torch.Tensor]]:
     """The outputs of ``model`` on ``inputs`` (:func:`_outputs`) keyed by the mode, ``training`` True or False:
     a model may read an in-place activation's input again only in training (an auxiliary head). Training mode
-    is left out when the model cannot run it on these inputs (a BatchNorm seeing one value per channel)."""
+    is left out when the model cannot run it on these inputs (a BatchNorm seeing one value per channel) or
+    cannot be deep-copied (the training forward must not change the model itself)."""
     reference = {False: _outputs(model, inputs)}
     try:
         reference[True] = _outputs(model, inputs, training=True)
-    except Exception:  # noqa: BLE001 -- nothing to compare with in that mode
+    except Exception:  # noqa: BLE001 -- nothing to compare with in that mode: the eval comparison alone decides
         pass
     return reference
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import copy
 import math
+import threading
+import warnings
 
 import pytest
 import torch
@@ -242,3 +244,67 @@ def test_in_place_activation_read_again_only_in_training_keeps_its_function_in_b
             torch.manual_seed(1)
             outs.append(net.train(training)(x))
         assert torch.equal(outs[1], outs[0])
+
+
+class _EmaInTraining(nn.Module):
+    """A training forward that changes the model: an EMA codebook updated in place (a Parameter without
+    gradients) and a step counter; the output reads the in-place activation's input ``h`` again."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv, self.act = nn.Conv2d(3, 4, 3), nn.ReLU(inplace=True)
+        self.codebook = nn.Parameter(torch.randn(4), requires_grad=False)
+        self.steps = 0
+
+    def forward(self, x):
+        h = self.conv(x)
+        a = self.act(h)
+        if self.training:
+            with torch.no_grad():
+                self.codebook.mul_(0.9).add_(0.1 * a.mean((0, 2, 3)))
+            self.steps += 1
+        return a + h * self.codebook[None, :, None, None]
+
+
+def test_convert_leaves_a_model_its_training_forward_changes_as_given():
+    """The training-mode comparison ran the model's own training forward, putting back only buffers, module
+    flags and the random state: convert moved the EMA codebook and the step counter and warned that the
+    converted model differs. Truth: an unconverted deep copy (same parameters, counter 0, same outputs in
+    both modes at slope 0, the same training update)."""
+    torch.manual_seed(0)
+    original, x = _EmaInTraining().eval(), torch.randn(2, 3, 8, 8)
+    model = copy.deepcopy(original)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        linearize.convert(model, example_inputs=x)
+    assert model.steps == 0 and torch.equal(model.codebook, original.codebook)
+    assert torch.equal(model.conv.weight, original.conv.weight)
+    for training in (True, False):
+        with torch.no_grad():
+            assert torch.equal(model.train(training)(x.clone()), original.train(training)(x.clone()))
+    assert model.steps == original.steps == 1 and torch.equal(model.codebook, original.codebook)
+
+
+class _NoCopy(nn.Module):
+    """A model that cannot be deep-copied (it holds a lock) and reads its in-place activation's input again."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.act, self.lock = nn.Linear(4, 4), nn.ReLU(inplace=True), threading.Lock()
+
+    def forward(self, x):
+        h = self.lin(x)
+        return self.act(h) + h
+
+
+def test_model_that_cannot_be_deep_copied_is_compared_in_eval_mode_only():
+    """The training-mode comparison runs on deep copies; a model without one is still converted, its unit in
+    place as the eval comparison decides. Truth: the unconverted model, at slope 0."""
+    torch.manual_seed(0)
+    model, x = _NoCopy(), torch.randn(3, 4)
+    with torch.no_grad():
+        truth = model(x.clone())
+    linearize.convert(model, example_inputs=x, init_slope=0.0)
+    assert [n for n, u in linearize.units(model) if u.inplace] == ["act"]
+    with torch.no_grad():
+        assert torch.equal(model(x.clone()), truth)
