@@ -743,6 +743,14 @@ def _loops(owner: nn.Module, calls: list[ActivationCall], names: dict[int, str])
     return shared
 
 
+def _loop_last(shared: list[list[int]], count: int) -> bool:
+    """Whether the one loop among an owner's ``count`` calls (:func:`_loops`) comes after every other call and they
+    are not all its own (``x = F.relu(self.fc(x)); for w in self.ws: x = F.relu(x @ w)``): matched by order, the
+    calls before it keep their units whatever its count, and its iterations get one unit each, the count checked
+    at every forward, as a fixed-count loop (``range(3)``) needs."""
+    return len(shared) == 1 and 0 < count - len(shared[0]) and shared[0] == list(range(count - len(shared[0]), count))
+
+
 def _plan_functional(
     model: nn.Module, calls: list[ActivationCall], config: LinearizeConfig, report: ConversionReport,
     invocations: Counter[int], targets: list[str] | None, excludes: list[str] | None,
@@ -782,6 +790,8 @@ def _plan_functional(
             continue
         owner_name = names[id(owner)]
         shared = _loops(owner, runs[0], names)
+        if shared and _loop_last(shared, len(runs[0])):  # by order: the loop's count cannot shift the calls before
+            shared = []
         if shared and len(shared[0]) < len(runs[0]):  # a loop among other calls: its count shifts their order
             where = runs[0][shared[0][0]].where
             report.unreachable[f"functional call {where} ({len(runs[0])} call(s) per forward)"] = (
@@ -948,6 +958,8 @@ def plan_conversion(
         per_forward = len(calls) // max(1, probe.invocations[id(caller)])
         calls = calls[: max(1, per_forward)]
         shared = _loops(owner, calls, probe.names) if caller is owner else []
+        if shared and _loop_last(shared, len(calls)):  # by order: the loop's count cannot shift the calls before
+            shared = []
         if shared and len(shared[0]) < len(calls):  # a loop among other calls: its count shifts their order
             report.unreachable[name] = (
                 f"called {len(calls)} times per forward of its owner, {len(shared[0])} of them in a loop (one place "

@@ -1219,3 +1219,43 @@ def test_an_expert_loop_among_other_calls_is_left_as_it_is_with_the_reason_and_t
         "linearize_functional.relu_0"]
     why = model.linearize_report.unreachable["act"]
     assert "of them in a loop" in why and "fix: move the loop into a module of its own" in why
+
+
+class StemThenLoop(nn.Module):
+    """One activation (a module or a functional call) after a stem layer, then in a fixed-count loop over layers
+    held as one weight: ``self.depth`` iterations."""
+
+    def __init__(self, functional: bool) -> None:
+        super().__init__()
+        self.fc, self.ws = nn.Linear(8, 8), nn.Parameter(torch.randn(3, 8, 8) / 3)
+        self.act = None if functional else nn.ReLU()
+        self.depth = 3
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        act = F.relu if self.act is None else self.act
+        x = act(self.fc(x))
+        for i in range(self.depth):
+            x = act(x @ self.ws[i])
+        return x
+
+
+@pytest.mark.parametrize("functional", [False, True])
+def test_an_activation_called_before_a_fixed_count_loop_and_in_it_keeps_one_unit_per_call(functional):
+    """Refused whole as a loop among other calls, though the calls before the loop cannot be shifted by its count:
+    one unit per call again, matched by order, each with its own slopes (written out by hand), and another loop
+    count is refused."""
+    torch.manual_seed(0)
+    model, x = StemThenLoop(functional), torch.randn(4, 8)
+    linearize.convert(model, example_inputs=x)
+    units = [u for _, u in linearize.units(model)]
+    assert len(units) == 4
+    random_slopes(model)
+    with torch.no_grad():
+        want = model.fc(x)
+        for k, unit in enumerate(units):
+            h = want if k == 0 else want @ model.ws[k - 1]
+            want = (1 - unit.slope) * h.clamp(min=0) + unit.slope * h
+        torch.testing.assert_close(model(x), want)
+        model.depth = 2
+        with pytest.raises(FunctionalSiteError):
+            model(x)
