@@ -481,12 +481,40 @@ def _valid_site(site: Any) -> bool:
             and type(site["num_channels"]) is int and site["num_channels"] >= 1 and type(site["channel_dim"]) is int)
 
 
-def _sites_differ(found: list[dict], saved_sites: list[dict], directory: Path) -> ValueError:
-    """The error for a model whose converted sites are not the saved ones."""
+def _sites_differ(model: nn.Module, found: list[dict], saved_sites: list[dict], directory: Path) -> ValueError:
+    """The error for a model whose converted sites are not the saved ones; a save holding one unit per
+    iteration of a loop that this version gives one shared unit (:func:`_split_loops`) is named as such."""
     saved = {s["name"]: s for s in saved_sites}
+    split = _split_loops(model, found, set(saved))
+    if split:
+        return ValueError(
+            f"the save in {directory} holds one unit per iteration of a loop (units {split[0][1][:5]} for the "
+            f"model's {split[0][0]!r}{f', and {len(split) - 1} more loop(s)' if len(split) > 1 else ''}), as an "
+            "earlier linearize version converted it; this version gives a loop whose iterations nothing tells "
+            "apart (one activation over weights: a ParameterList, an RNN over parameters) one shared unit, so the "
+            "saved per-iteration slopes fit no unit of this model. Fix: convert the original model again with this "
+            "version (and train its units), or load the save with the linearize version that wrote it")
     diff = [s["name"] for s in found if saved.get(s["name"]) != s] + sorted(set(saved) - {s["name"] for s in found})
     return ValueError(f"the model does not match the saved one in {directory}: {len(diff)} site(s) differ, e.g. "
                       f"{diff[:5]}. Build the same architecture (same config) before loading.")
+
+
+def _split_loops(model: nn.Module, found: list[dict], saved: set[str]) -> list[tuple[str, list[str]]]:
+    """``(unit, saved units)`` for each unit of the converted ``model`` that a loop's iterations share while the
+    ``saved`` unit names hold one per iteration, as linearize wrote them before loops were told apart: a
+    functional loop's ``<owner>.linearize_functional.<kind>_0`` (its owner's sites repeat) saved as ``..._0``,
+    ``..._1`` ...; an activation module's ``<name>`` saved as ``<name>.calls.0``, ``<name>.calls.1`` ...."""
+    modules = dict(model.named_modules())
+    names = {s["name"] for s in found}
+    split = []
+    for name in sorted(names):
+        head, _, last = name.rpartition(".")
+        stem = name[:-1] if last.endswith("_0") and getattr(modules.get(head), "repeat", False) else f"{name}.calls."
+        calls = sorted((n for n in saved if n.startswith(stem) and n[len(stem):].isdigit()),
+                       key=lambda n: int(n[len(stem):]))
+        if len(calls) > 1 and not (set(calls) - {name}) & names:
+            split.append((name, calls))
+    return split
 
 
 def _map_mismatch(found: list[dict], saved: list[dict], directory: Path) -> ValueError | None:
@@ -776,7 +804,7 @@ def from_pretrained(model: nn.Module | type, directory: str | os.PathLike, examp
     if found != meta["sites"]:
         saved_name = _base_model_names(model, found, meta["sites"], config.mode)
     if saved_name is None:
-        raise _map_mismatch(found, meta["sites"], directory) or _sites_differ(found, meta["sites"], directory)
+        raise _map_mismatch(found, meta["sites"], directory) or _sites_differ(model, found, meta["sites"], directory)
     if config.mode != "prelu":
         _check_state_tensors(tensors, {k: t for k, t in model.state_dict().items() if isinstance(t, torch.Tensor)},
                              path)

@@ -677,3 +677,40 @@ def test_a_save_without_the_extra_state_the_model_holds_is_refused(tmp_path):
                                                   r"\(get_extra_state\) \['0._extra_state'\], the save \[\]"):
         linearize.from_pretrained(nn.Sequential(Scaled(), nn.ReLU(), nn.Linear(8, 3)), tmp_path,
                                   example_inputs=torch.randn(2, 4))
+
+
+class _WeightLoop(nn.Module):
+    """Three layers held as a ParameterList and one activation (functional, or a module) looped over them. With
+    ``unrolled`` the three calls come from three lines, which convert gives one unit each: the layout (names and
+    tensors) that linearize wrote for the loop before it gave a loop over weights one shared unit."""
+
+    def __init__(self, functional: bool, unrolled: bool = False) -> None:
+        super().__init__()
+        self.ws = nn.ParameterList(nn.Parameter(torch.randn(8, 8) / 3) for _ in range(3))
+        self.act, self.unrolled = None if functional else nn.ReLU(), unrolled
+
+    def forward(self, x):
+        act = torch.nn.functional.relu if self.act is None else self.act
+        if self.unrolled:
+            x = act(x @ self.ws[0])
+            x = act(x @ self.ws[1])
+            return act(x @ self.ws[2])
+        for w in self.ws:
+            x = act(x @ w)
+        return x
+
+
+@pytest.mark.parametrize("functional", [True, False])
+def test_a_save_with_one_unit_per_loop_iteration_is_refused_naming_the_layout_change(tmp_path, functional):
+    """A loop over weights saved by the earlier version (one unit per iteration) was refused with 'Build the same
+    architecture' though the model is the same: the error now names the per-iteration save, this version's shared
+    unit and the fix. The save itself is sound: a model converted into that layout loads it."""
+    torch.manual_seed(0)
+    x = torch.randn(4, 8)
+    old = linearize.convert(_WeightLoop(functional, unrolled=True), example_inputs=x)
+    assert len(linearize.units(old)) == 3
+    linearize.save_pretrained(old, tmp_path)
+    with pytest.raises(ValueError, match=r"holds one unit per iteration of a loop.*earlier linearize version.*one "
+                                         r"shared unit.*Fix: convert the original model again.*version that wrote it"):
+        linearize.from_pretrained(_WeightLoop(functional), tmp_path, example_inputs=x)
+    linearize.from_pretrained(_WeightLoop(functional, unrolled=True), tmp_path, example_inputs=x)
