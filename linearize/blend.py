@@ -153,9 +153,13 @@ def _outputs(model: nn.Module, inputs: Any, training: bool = False) -> list[torc
     the next call's), with the random generators at one fixed state (the same dropout masks in every call)."""
     if training:
         model = copy.deepcopy(model)
-    with eval_mode(model), torch.no_grad(), torch.random.fork_rng(devices=[]):
+    cuda = torch.cuda.is_available() and torch.cuda.is_initialized()  # else no CUDA generator to fork or seed
+    with eval_mode(model), torch.no_grad(), torch.random.fork_rng(
+            devices=list(range(torch.cuda.device_count())) if cuda else []):
         model.train(training)
-        torch.manual_seed(0)
+        torch.default_generator.manual_seed(0)  # not torch.manual_seed: it also seeds (or queues a seed for) CUDA
+        if cuda:
+            torch.cuda.manual_seed_all(0)
         out = call_model(model, map_tensors(inputs, torch.clone))
     return [t.clone() for t in output_tensors(out)]
 

@@ -308,3 +308,18 @@ def test_model_that_cannot_be_deep_copied_is_compared_in_eval_mode_only():
     assert [n for n, u in linearize.units(model) if u.inplace] == ["act"]
     with torch.no_grad():
         assert torch.equal(model(x.clone()), truth)
+
+
+def test_convert_leaves_every_random_generator_as_it_was(monkeypatch):
+    """The in-place check runs the model with dropout at a fixed seed: the CPU generator must be put back, and
+    no CUDA generator seeded (torch.manual_seed seeds, or queues a seed for, every CUDA device: a user's seeded
+    CUDA dropout would restart from 0). Truth: the CPU state before convert; no CUDA seed call at all."""
+    seeded = []
+    monkeypatch.setattr(torch.cuda, "manual_seed_all", lambda seed: seeded.append(seed))
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(inplace=True), nn.Dropout(0.5), nn.Linear(8, 2))
+    torch.manual_seed(123)
+    x = torch.randn(3, 4)
+    seeded.clear()
+    before = torch.get_rng_state()
+    linearize.convert(model, example_inputs=x)
+    assert torch.equal(torch.get_rng_state(), before) and seeded == []
