@@ -51,7 +51,9 @@ __all__ = ["Scope", "attach_owner", "detach_owner", "caller_scope", "hooked_modu
            "loop_error"]
 
 _CALL_IMPL: CodeType = nn.Module._call_impl.__code__
-_FX_TRACE: CodeType = torch.fx.Tracer.trace.__code__
+# the code of ``Tracer.trace`` itself: once anything was passed to ``torch.compile``, torch._dynamo has replaced
+# the attribute by its generic disable wrapper, whose code runs every ``torch.compiler.disable``d function
+_FX_TRACE: CodeType = inspect.unwrap(torch.fx.Tracer.trace).__code__
 COMPILE_REASON = (
     "linearize's call-site dispatch (one unit per call of a reused activation module or per functional "
     "activation call, matched by call order) runs eagerly, between compiled graphs, so torch.compile with "
@@ -578,9 +580,11 @@ def fx_leaf_call(module: nn.Module, x: Any) -> Any:
 def fx_tracer() -> torch.fx.Tracer | None:
     """The ``torch.fx.Tracer`` whose ``trace`` is running on this thread's stack (None when none is)."""
     frame = sys._getframe(1)
-    while frame is not None and frame.f_code is not _FX_TRACE:
+    while frame is not None:
+        if frame.f_code is _FX_TRACE and isinstance(tracer := frame.f_locals.get("self"), torch.fx.Tracer):
+            return tracer
         frame = frame.f_back
-    return frame.f_locals.get("self") if frame is not None else None
+    return None
 
 
 def refuse_fx_root(sites: nn.Module, prefix: str) -> None:

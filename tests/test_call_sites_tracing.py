@@ -195,6 +195,45 @@ else:
     assert done.stdout.split() == ["True"] * 4, done.stdout + done.stderr[-3000:]
 
 
+@pytest.mark.parametrize("compile_first", [False, True])
+def test_fx_trace_detection_does_not_depend_on_a_torch_compile_before_the_first_convert(tmp_path, compile_first):
+    """torch.compile replaces ``torch.fx.Tracer.trace`` by a generic wrapper: in a process that compiled anything
+    before linearize was imported, symbolic_trace of an owner is still refused, and a reordered loop or a
+    training-only call still gets its own error, not an fx-tracing one (as in a process without torch.compile)."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "check.py"
+    script.write_text(f"""
+import sys, torch
+import torch.nn.functional as F
+from torch import nn
+if {compile_first!r}:
+    torch.compile(nn.Linear(2, 2))
+import linearize
+class Layers(nn.Module):
+    def __init__(s):
+        super().__init__(); s.layers = nn.ModuleList([nn.Linear(8, 8) for _ in range(3)])
+    def forward(s, x, order=(0, 1, 2)):
+        for i in order: x = F.relu(s.layers[i](x))
+        if s.training: x = x + F.gelu(x)
+        return x
+x = torch.randn(4, 8)
+m = linearize.convert(Layers().eval(), example_inputs=x)
+for call in (lambda: m(x, order=(2, 1, 0)), lambda: m.train()(x), lambda: torch.fx.symbolic_trace(m.eval())):
+    try:
+        call(); print("ran")
+    except Exception as e:
+        print(repr(str(e)))
+""")
+    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    loop, training, trace = run.stdout.splitlines()
+    assert "runs in a loop of the forward" in loop
+    assert "made 4 functional activation call(s)" in training
+    assert "symbolic_trace of Layers itself would record" in trace
+
+
 @pytest.mark.parametrize("root", [True, False])
 @pytest.mark.parametrize("cls", [Functional, Reused])
 def test_a_graph_module_owner_keeps_its_dispatch_in_deep_copies_and_through_pickle(cls, root):
