@@ -87,6 +87,16 @@ _SAME_VALUES: set[Callable] = {
 # what the probe records of a call (a user's hook calling one of these is not the model's own code)
 _WATCHED = {*FUNCTIONAL_SPECS, *_PRODUCTS, *OTHER_FUNCTIONS}
 _CHANNEL_FIRST = (nn.modules.conv._ConvNd, nn.modules.batchnorm._NormBase, nn.GroupNorm)
+# functional convs: their weight has one dim more than an unbatched input ([C, *spatial]) and its output
+_CONVS = {F.conv1d, F.conv2d, F.conv3d, F.conv_transpose1d, F.conv_transpose2d, F.conv_transpose3d}
+
+
+def _unbatched_conv_error(what: str, output: torch.Tensor) -> ValueError:
+    """The refusal of an example input that reaches a conv (``what``) without a batch dim (its ``output``)."""
+    return ValueError(
+        f"linearize.convert: the example input reaches {what} without a batch dim (its output has shape "
+        f"{tuple(output.shape)}, channels first), so the activations after it would take image rows or columns "
+        "for channels. Fix: pass a batched example input, e.g. example_inputs=x.unsqueeze(0) for one image x")
 
 
 class CallSites(nn.Module):
@@ -366,6 +376,8 @@ class _FunctionalRecorder(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        if func in _CONVS:
+            self.probe.record_conv(func, args, kwargs or {}, out)
         hooked = hooked_module() if func in _WATCHED else None
         if hooked is not None:  # a user's hook: monitoring, unless the hook changes its module's result
             if func in FUNCTIONAL_SPECS and not self.probe.inside_activation():
@@ -436,12 +448,27 @@ class _Probe:
             call.owner, call.invocation = owner, self.invocations[id(owner)]  # a call the owner's mode will see
             call.position, call.after = code_position(), self.last_called.get(id(owner), (None, 0))
             if out.ndim:  # a scalar has no channels: that call runs as it is
+                if args:  # its input's width (a conv's channels) is its output's
+                    self.follow(args[0], out)
                 call.channel_dim, sure = self._channel_dim(f"functional call {where} (input shape {tuple(out.shape)})", out)
                 if not sure:
                     self.unsure.append(call)
                 call.act = activation_module(func, args, kwargs)
         self.functional.append((where, call))
         self._tag(out, call)
+
+    def record_conv(self, func: Callable, args: tuple, kwargs: dict, out: Any) -> None:
+        """A functional conv call (``F.conv2d(x, w)`` in a forward) made ``out``: refuse it when its input has
+        no batch dim (``out`` has one dim less than the weight), as :meth:`leave` refuses an ``nn.Conv*``
+        module's (naming the module), else record its channels as ``out``'s width like a conv module's."""
+        weight = args[1] if len(args) > 1 else kwargs.get("weight")
+        if not isinstance(out, torch.Tensor) or not isinstance(weight, torch.Tensor):
+            return
+        if out.ndim == weight.ndim - 1 and not isinstance(
+                self.running.stack[-1] if self.running.stack else None, nn.modules.conv._ConvNd):
+            raise _unbatched_conv_error(f"the functional call {self._where(func)[1]!r}", out)
+        if out.ndim == weight.ndim:
+            self.widths[id(out)] = (weakref.ref(out), out.shape[1])
 
     def record_unsupported(self, func: Callable) -> None:
         self.unsupported[self._where(func)[1]] += 1
@@ -529,11 +556,7 @@ class _Probe:
         if isinstance(module, nn.modules.conv._ConvNd) and isinstance(output, torch.Tensor) and (
                 output.ndim == len(module.kernel_size) + 1):  # [C, *spatial]: torch's unbatched conv input
             name = self.names.get(id(module)) or type(module).__name__
-            raise ValueError(
-                f"linearize.convert: the example input reaches {type(module).__name__} {name!r} without a batch dim "
-                f"(its output has shape {tuple(output.shape)}, channels first), so the activations after it would "
-                "take image rows or columns for channels. Fix: pass a batched example input, e.g. "
-                "example_inputs=x.unsqueeze(0) for one image x")
+            raise _unbatched_conv_error(f"{type(module).__name__} {name!r}", output)
         width = _width(module)  # leaf or not: a weight-normed conv holds its parametrization as children
         if width is not None and isinstance(output, torch.Tensor):
             self.widths[id(output)] = (weakref.ref(output), width)

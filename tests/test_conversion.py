@@ -759,6 +759,45 @@ def test_an_unbatched_example_input_is_refused_not_given_rows_for_channels(shape
     assert torch.equal(model(x.unsqueeze(0)), original(x.unsqueeze(0)))
 
 
+class FunctionalConv(nn.Module):
+    """A conv written with ``F.conv1d`` / ``F.conv2d`` on a weight it holds (no ``nn.Conv*`` module)."""
+
+    def __init__(self, dims: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(8, 3, *[3] * dims))
+        self.conv = (None, torch.nn.functional.conv1d, torch.nn.functional.conv2d)[dims]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.relu(self.conv(x, self.weight, padding=1))
+
+
+@pytest.mark.parametrize("shape", [(3, 5, 5), (3, 5, 8), (3, 6)])
+def test_an_unbatched_example_input_of_a_functional_conv_is_refused_not_given_rows_for_channels(shape):
+    """The same as with nn.Conv2d, for a conv written with F.conv2d / F.conv1d: an unbatched example input
+    converted and put one slope per image row or column. Now convert refuses it naming the call and the fix,
+    leaves the model as given, and the batched input gives one slope per conv channel, at dim 1. Truth: the
+    unconverted model and the conv computed by hand."""
+    torch.manual_seed(0)
+    model = FunctionalConv(len(shape) - 1)
+    original, x = copy.deepcopy(model), torch.randn(*shape)
+    with pytest.raises(ValueError, match=r"functional call 'FunctionalConv: conv[12]d' without a batch dim.*"
+                                         r"x\.unsqueeze\(0\)"):
+        linearize.convert(model, example_inputs=x)
+    assert not linearize.units(model) and torch.equal(model(x), original(x))
+    batch = x.unsqueeze(0)
+    linearize.convert(model, example_inputs=batch)
+    [(_, unit)] = linearize.units(model)
+    assert unit.slope.shape == (8,) and unit.channel_dim == 1
+    with torch.no_grad():
+        assert torch.equal(model(batch), original(batch))
+        unit.slope.uniform_(0, 1)
+        h = original.conv(batch, original.weight, padding=1)
+        slope = unit.slope.view(8, *[1] * (len(shape) - 1))
+        assert torch.allclose(model(batch), torch.where(h >= 0, h, slope * h), atol=1e-6)
+        with pytest.raises(ValueError, match=r"unbatched.*x\.unsqueeze\(0\)"):
+            model(x)
+
+
 class CompiledPart(nn.Module):
     def __init__(self) -> None:
         super().__init__()
