@@ -192,7 +192,9 @@ class _Recorder:
     ``mask``: the padding mask of the batch being run; ``outputs``: unit and layer outputs of the batch,
     cleared per batch (:meth:`clear`). ``training_only``: record only calls made in training mode, leaving out
     the rows (positions) whose input or activation holds NaN/inf (:class:`RunningFit`). ``batch``: the
-    index of the batch being run (set by :func:`_run`; ``None`` for training batches), named by a non-finite fit."""
+    index of the batch being run (set by :func:`_run`; ``None`` for training batches), named by a non-finite fit.
+    With ``training_only``, ``ran`` lists the units and the modules holding parameters in the order the training
+    forwards since :meth:`clear` first ran them (``(name, is_unit)``), which names where NaN/inf arose."""
 
     def __init__(self, model: nn.Module, named: list[tuple[str, LinearizableActivation]], consumers: set[str],
                  training_only: bool = False, producers: bool = False) -> None:
@@ -204,10 +206,15 @@ class _Recorder:
         self.outputs: dict[int, tuple[str, torch.Tensor]] = {}
         self.layer_outputs: dict[int, tuple[nn.Module, torch.Tensor]] = {}
         self.training_only = training_only
+        self.ran: dict[str, bool] = {}
         # hooks are closures, not bound methods (a bound method would carry the recorder, with the tensors it
         # holds, into a deep copy of the model), each wrapped in a _Hook: neither a deep copy (a teacher copied
         # from the student) nor a pickle of the model (torch.save(model)) takes it along
         self.handles = [u.register_forward_pre_hook(_Hook(self._stats_hook(n, u))) for n, u in named]
+        if training_only:
+            units = {id(u) for _, u in named}
+            self.handles += [m.register_forward_pre_hook(_Hook(self._ran_hook(n, m))) for n, m in model.named_modules()
+                             if id(m) not in units and next(m.parameters(recurse=False), None) is not None]
         self.layer_handles = [u.register_forward_hook(_Hook(self._output_hook(n, u)))
                               for n, u in named if n in consumers]
         if consumers:
@@ -222,10 +229,18 @@ class _Recorder:
         def hook(mod, args):  # before the call: an in-place unit overwrites its input
             if mod is not unit or (self.training_only and not mod.training):  # a deep copy shares the hook
                 return
+            if self.training_only:
+                self.ran.setdefault(name, True)
             rows = _unit_rows(unit, args[0].detach(), self.mask)
             if rows is not None:
                 with torch.no_grad():
                     self.stats[name].add(rows, unit.activation(rows), self.batch, drop_nonfinite=self.training_only)
+        return hook
+
+    def _ran_hook(self, name: str, layer: nn.Module):
+        def hook(mod, args):
+            if mod is layer and mod.training:
+                self.ran.setdefault(name, False)
         return hook
 
     def _layer_output_hook(self, layer: nn.Module):
@@ -255,6 +270,7 @@ class _Recorder:
         return hook
 
     def clear(self) -> None:
+        self.ran.clear()
         self.outputs.clear()
         self.layer_outputs.clear()
 
@@ -459,6 +475,19 @@ class RunningFit:
         pending = self._recorder.stats
         counts = {name: int(pending[name].dropped) for name, _ in self._named if pending[name].dropped is not None}
         return {name: count for name, count in counts.items() if count}
+
+    def run_order(self) -> list[tuple[str, list[str]]]:
+        """This step's training forwards so far: the units in the order they first ran, each with the modules
+        holding parameters that first ran after the unit before it (before the first unit: from the start)."""
+        order: list[tuple[str, list[str]]] = []
+        layers: list[str] = []
+        for name, is_unit in self._recorder.ran.items():
+            if is_unit:
+                order.append((name, layers))
+                layers = []
+            else:
+                layers.append(name)
+        return order
 
     def fits(self) -> dict[str, LinearEndFit]:
         """``{unit name: LinearEndFit}`` of the running sums, for every unit that has seen a position."""

@@ -148,6 +148,44 @@ def test_the_divergence_error_names_where_nan_entered_the_forward(poisoned, name
     assert ("lower the learning rate" in str(raised.value)) == (poisoned == "gradient")
 
 
+class RunsInAnotherOrder(nn.Module):
+    """``l2, a2`` are registered before ``l1, a1`` but run after them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.l2, self.a2 = nn.Linear(6, 6), nn.ReLU()
+        self.l1, self.a1 = nn.Linear(3, 6), nn.ReLU()
+        self.out = nn.Linear(6, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.a2(self.l2(self.a1(self.l1(x)))))
+
+
+@pytest.mark.parametrize("poisoned, named", [
+    ("l1", r"unit 'a1', the first, NaN/inf inputs \(8 positions\): the batch held them \(check the data\), or the "
+           r"weights before it \('l1'\) are not finite"),
+    ("l2", r"unit 'a2' NaN/inf inputs \(8 positions\), where unit 'a1' before it got finite ones: they arose "
+           r"between the two, in 'l2': non-finite weights")])
+def test_the_divergence_error_names_where_nan_entered_in_the_order_the_forward_ran(poisoned, named):
+    """The units and layers named were taken in registration order: a NaN weight in l1 (registered after l2,
+    run before it) was reported as reaching a2 first, from the batch or l2, never naming l1. Now they are taken
+    in the order the forward ran them. Truth: where the test put the NaN."""
+    torch.manual_seed(0)
+    model = linearize.convert(RunsInAnotherOrder(), example_inputs=torch.randn(4, 3)).train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    sp = linearize.Sparsifier(model, linearize.schedules.target(0.5), total_steps=10).attach(opt)
+    assert sp.select == "fit"
+    x = torch.randn(8, 3)
+    model(x).sum().backward()
+    opt.step()
+    with torch.no_grad():
+        getattr(model, poisoned).weight[:] = NAN
+    opt.zero_grad()
+    model(x).sum().backward()
+    with pytest.raises(linearize.NonFiniteSlopeError, match=named):
+        opt.step()
+
+
 def test_infinite_slope_is_not_projected_to_one():
     model = _poison(two_units(), INF)
     linearize.project_slopes(model)  # what the global optimizer hook runs after every step

@@ -303,7 +303,6 @@ class Sparsifier:
         linear_end: str = "auto",
     ) -> None:
         self._units = require_units(model, "there is nothing to sparsify")
-        self._layers_before = _layers_before(model, self._units)  # named when NaN/inf first reach a unit
         schedule = _schedules.as_schedule(schedule)
         if granularity not in GRANULARITY:
             raise ValueError(f"granularity must be one of {GRANULARITY}, got {granularity!r}")
@@ -649,14 +648,15 @@ class Sparsifier:
 
     def _nonfinite_cause(self) -> str | None:
         """Why the slopes are NaN/inf when this step's training forwards fed a unit NaN/inf inputs (the fit
-        tracker saw them): the first such unit and where they came from, the batch or the weights before it;
-        ``None`` when no unit saw any, or no fit tracks them (the training diverged)."""
+        tracker saw them): the first such unit in the order the forward ran them and where they came from, the
+        batch or the weights run before it; ``None`` when no unit saw any, or no fit tracks them (the training
+        diverged)."""
         seen = {} if self._fit is None else self._fit.pending_nonfinite()
-        first = next((i for i, (name, _) in enumerate(self._units) if name in seen), None)
+        ran = [] if self._fit is None else self._fit.run_order()
+        first = next((i for i, (name, _) in enumerate(ran) if name in seen), None)
         if first is None:
             return None
-        name = self._units[first][0]
-        layers = self._layers_before.get(name, [])
+        name, layers = ran[first]
         positions = f"{seen[name]} position{'s' if seen[name] > 1 else ''}"
         listed = ", ".join(repr(n) for n in layers[:3]) + (f" and {len(layers) - 3} more" if len(layers) > 3 else "")
         restore = ("A NaN/inf forward makes every gradient NaN, and the optimizer step wrote them into the weights: "
@@ -666,7 +666,7 @@ class Sparsifier:
             return (f"This step's forward fed unit {name!r}, the first, NaN/inf inputs ({positions}): the "
                     f"batch held them (check the data){weights}. {restore} The learning rate is not the cause, "
                     "unless an earlier step overflowed the weights.")
-        previous = self._units[first - 1][0]
+        previous = ran[first - 1][0]
         between = f"in {listed}" if layers else "in the computation between them"
         return (f"This step's forward fed unit {name!r} NaN/inf inputs ({positions}), where unit "
                 f"{previous!r} before it got finite ones: they arose between the two, {between}: non-finite weights "
@@ -1000,20 +1000,6 @@ class Sparsifier:
             self.importance.weights = self._weights
         self._versions = [-1] * len(self._units)  # the model was loaded: do not warn on the next step
         watch.watch(self)  # counted afresh: a resumed run must step it again (attach() after load_state_dict)
-
-
-def _layers_before(model: nn.Module, named_units: list[tuple[str, LinearizableActivation]]) -> dict[str, list[str]]:
-    """Per unit, the modules holding parameters (units aside) between the unit before it and it, in the model's
-    order (before the first unit: every such module before it)."""
-    unit_ids = {id(u) for _, u in named_units}
-    before: dict[str, list[str]] = {}
-    found: list[str] = []
-    for name, module in model.named_modules():
-        if id(module) in unit_ids:
-            before[name], found = found, []
-        elif next(module.parameters(recurse=False), None) is not None:
-            found.append(name)
-    return before
 
 
 def _number(value: object) -> object:
