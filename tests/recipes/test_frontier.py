@@ -27,6 +27,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
     ("ab94_late_r12900_elem_s1", ("ab94", "late", "r12900", "elem", "1")),
     ("r20_base_s0", ("r20", "base", None, None, "0")),
     ("ab94_late_10_fit_s0", ("ab94", "late", "10", "fit", "0")),
+    ("ab94_late_r12900_elemfit_long_s0", ("ab94", "late", "r12900", "elemfit_long", "0")),
 ])
 def test_run_names_parse_into_network_schedule_target_variant_seed(name, groups):
     assert frontier.RUN.match(name).groups() == groups
@@ -82,3 +83,15 @@ def test_frontier_rows_count_nonlinear_relus_as_brute_force_and_skip_other_studi
     core = md.split("Where the nonlinear elements of the airbench94 runs sit")[1]
     assert "| ab94_late_2_s0 | 6,727 (29%) |" in core and "ab94_base_s0" not in core  # the stem: 7 of 24 x 961
     assert (tmp_path / "frontier" / "frontier.png").stat().st_size > 10_000
+    # max-pool comparisons, written out from the architecture: 2x2 pools (3 comparisons per output) to 64 x 15 x 15,
+    # 256 x 7 x 7 and 256 x 3 x 3, then a 3x3 pool (8 per output) to 256 x 1 x 1
+    assert late["max_pool_comparisons"] == 3 * (64 * 15 * 15 + 256 * 7 * 7 + 256 * 3 * 3) + 8 * 256 == 89_792
+    assert "| 89,792 |" in md and late["device"] == "CPU"
+
+
+def test_max_pool_comparisons_are_each_window_less_one_per_output_and_zero_without_pools():
+    pools = torch.nn.Sequential(torch.nn.MaxPool2d(2), torch.nn.ReLU(), torch.nn.MaxPool2d((1, 3)))
+    x = torch.randn(2, 3, 8, 9)  # first pool: 3 x 4 x 4 outputs of 4 inputs, second: 3 x 4 x 1 outputs of 3
+    assert frontier.max_pool_comparisons(pools, x) == 3 * 4 * 4 * 3 + 3 * 4 * 1 * 2
+    assert frontier.max_pool_comparisons(torch.nn.Sequential(torch.nn.AvgPool2d(2)), x) == 0
+    assert not pools[0]._forward_hooks  # the counting hooks are gone
