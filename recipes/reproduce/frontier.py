@@ -98,21 +98,23 @@ def runs(results: Path) -> list[dict]:
                      "sites": {n: [c["nonlinear"], c["total"]] for n, c in counts["sites"].items()},
                      "accuracy": 100 * metrics["test_accuracy"],
                      "accuracy_tta": None if metrics.get("test_accuracy_tta") is None else
-                     100 * metrics["test_accuracy_tta"]})
+                     100 * metrics["test_accuracy_tta"],
+                     "average_path_length": metrics.get("average_path_length")})
     return rows
 
 
 def table(rows: list[dict]) -> list[str]:
     md = ["| run | network | schedule | nonlinear units | mean slope of the nonlinear units | "
-          "nonlinear ReLUs / image | max-pool comparisons / image | test accuracy | with TTA | trained on |",
-          "|---|---|---|---|---|---|---|---|---|---|"]
+          "nonlinear ReLUs / image | max-pool comparisons / image | APL | test accuracy | with TTA | trained on |",
+          "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         tta = "" if r["accuracy_tta"] is None else f"{r['accuracy_tta']:.2f}%"
         slope = "" if r["kept_slope"] is None else f"{r['kept_slope']:.2f}"
+        apl = "" if r["average_path_length"] is None else f"{r['average_path_length']:.2f}"
         kind = r["kind"] + (f", {r['variant']}" if r["variant"] else "")
         md.append(f"| [{r['run']}](../{r['run']}/metrics.json) | {r['network']} | {kind} | "
                   f"{100 * r['nonlinear_fraction']:.1f}% | {slope} | "
-                  f"{r['relus_nonlinear']:,} of {r['relus_total']:,} | {r['max_pool_comparisons']:,} | "
+                  f"{r['relus_nonlinear']:,} of {r['relus_total']:,} | {r['max_pool_comparisons']:,} | {apl} | "
                   f"{r['accuracy']:.2f}% | {tta} | {r['device']} |")
     md += ["", "airbench94's max-pools are nonlinear too and are not in its ReLU counts: counted as ReLUs "
            "(`max(a, b) = a + relu(b - a)`), they add the column's comparisons to every airbench94 point, more than "
@@ -141,6 +143,51 @@ def core_network(rows: list[dict]) -> list[str]:
             cells = [f"{k:,} ({100 * k / n:.0f}%)" for k, n in (r["sites"].get(s, [0, 1]) for s in sites)]
             md.append(f"| {r['run']} | " + " | ".join(cells) + " |")
     return md
+
+
+def fraction_plot(rows: list[dict], path: Path) -> None:
+    """Per network: test accuracy against the nonlinear fraction of channels, late and early (seed mean,
+    min-max over seeds), the baselines' band, and the channel-level variants as their own markers."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    nets = [n for n in NETWORK.values() if any(r["network"] == n and r["kind"] != "base" for r in rows)]
+    fig, axes = plt.subplots(1, len(nets), figsize=(6.2 * len(nets), 4.6), squeeze=False)
+    variants = [v for v in VARIANTS.values() if v]  # one marker and color per variant, in both panels
+    markers = dict(zip(variants, "DvP*XhpH<>"))
+    colors = dict(zip(variants, ("tab:green", "tab:red", "tab:purple", "tab:brown", "tab:pink", "tab:olive",
+                                 "tab:cyan", "tab:gray", "black")))
+    for ax, net in zip(axes[0], nets):
+        base = [r["accuracy"] for r in rows if r["network"] == net and r["kind"] == "base"]
+        if base:
+            ax.axhspan(min(base), max(base), color="lightgray", label=f"baseline, {len(base)} seed(s)")
+        groups: dict[tuple[str, str], dict[float, list[float]]] = {}
+        for r in rows:
+            if r["network"] == net and r["kind"] != "base" and r["target"] is not None:
+                groups.setdefault((r["kind"], r["variant"]), {}).setdefault(r["target"], []).append(r["accuracy"])
+        for (kind, variant), points in sorted(groups.items(), key=lambda kv: (kv[0][1] != "", kv[0])):
+            xs = sorted(points)
+            mean = [sum(points[x]) / len(points[x]) for x in xs]
+            err = [[m - min(points[x]) for m, x in zip(mean, xs)], [max(points[x]) - m for m, x in zip(mean, xs)]]
+            style = dict(marker="o", linestyle="-", color="tab:blue") if (kind, variant) == ("late", "") else \
+                dict(marker="s", linestyle="--", color="tab:orange") if (kind, variant) == ("early", "") else \
+                dict(marker=markers[variant], color=colors[variant], linestyle="none")
+            ax.errorbar(xs, mean, yerr=err, capsize=3, label=f"{kind}{', ' + variant if variant else ''} "
+                        f"({max(len(v) for v in points.values())} seed(s): mean, min-max)", **style)
+        ax.set_xscale("log")
+        ax.set_xticks(sorted({r["target"] for r in rows if r["network"] == net and r["target"]}))
+        ax.get_xaxis().set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{100 * v:g}%"))
+        ax.get_xaxis().set_minor_formatter(matplotlib.ticker.NullFormatter())
+        ax.set_title(f"{net}, CIFAR-10: late vs early linearization")
+        ax.set_xlabel("nonlinear fraction of channels")
+        ax.set_ylabel("test accuracy (%)")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+    plt.close(fig)
 
 
 def plot(rows: list[dict], path: Path) -> None:
@@ -186,9 +233,12 @@ def main(argv: list[str] | None = None) -> None:
     out.mkdir(exist_ok=True)
     (out / "frontier.json").write_text(json.dumps({"runs": rows, "published": PUBLISHED}, indent=1) + "\n")
     (out / "frontier.md").write_text("\n".join(["# Accuracy against nonlinear ReLUs per image", "",
-                                                "![frontier](frontier.png)", "", *table(rows),
+                                                "![frontier](frontier.png)", "",
+                                                "![accuracy against the nonlinear fraction of channels]"
+                                                "(accuracy_vs_fraction.png)", "", *table(rows),
                                                 *core_network(rows)]) + "\n")
     plot(rows, out / "frontier.png")
+    fraction_plot(rows, out / "accuracy_vs_fraction.png")
     print(f"{len(rows)} runs -> {out}/frontier.md, frontier.json, frontier.png")
 
 
