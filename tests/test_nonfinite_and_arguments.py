@@ -117,6 +117,18 @@ def test_sparsifier_step_raises_and_logs_no_number_after_divergence():
     assert math.isnan(model.b.slope[1].item())  # the target projection did not set it to 1.0
 
 
+def one_finite_default_step(model: nn.Module) -> tuple[torch.optim.Optimizer, torch.Tensor]:
+    """The default loop (AdamW, a fraction target: the fit tracker records the units' inputs) after one finite
+    step on a batch of 8: the optimizer and that batch."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    sp = linearize.Sparsifier(model, linearize.schedules.target(0.5), total_steps=10).attach(opt)
+    assert sp.select == "fit"
+    x = torch.randn(8, 3)
+    model(x).sum().backward()
+    opt.step()
+    return opt, x
+
+
 @pytest.mark.parametrize("poisoned, named", [
     ("input", r"unit 'a', the first, NaN/inf inputs \(1 position\): the batch held them \(check the data\)"),
     ("weight", r"unit 'b' NaN/inf inputs \(8 positions\), where unit 'a' before it got finite ones: they arose "
@@ -128,12 +140,7 @@ def test_the_divergence_error_names_where_nan_entered_the_forward(poisoned, name
     divergence to fix by lowering the learning rate. Truth: where the test put the NaN. A NaN gradient after a
     finite forward still gets the divergence's advice."""
     model = two_units().train()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    sp = linearize.Sparsifier(model, linearize.schedules.target(0.5), total_steps=10).attach(opt)
-    assert sp.select == "fit"
-    x = torch.randn(8, 3)
-    model(x).sum().backward()
-    opt.step()
+    opt, x = one_finite_default_step(model)
     with torch.no_grad():
         if poisoned == "input":
             x[2, 1] = NAN
@@ -172,12 +179,7 @@ def test_the_divergence_error_names_where_nan_entered_in_the_order_the_forward_r
     in the order the forward ran them. Truth: where the test put the NaN."""
     torch.manual_seed(0)
     model = linearize.convert(RunsInAnotherOrder(), example_inputs=torch.randn(4, 3)).train()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    sp = linearize.Sparsifier(model, linearize.schedules.target(0.5), total_steps=10).attach(opt)
-    assert sp.select == "fit"
-    x = torch.randn(8, 3)
-    model(x).sum().backward()
-    opt.step()
+    opt, x = one_finite_default_step(model)
     with torch.no_grad():
         getattr(model, poisoned).weight[:] = NAN
     opt.zero_grad()

@@ -101,6 +101,16 @@ def write_pairs(path: Path, n: int) -> Path:
     return path
 
 
+def tiny_late_start_args(folder: Path, target: float) -> list[str]:
+    """``recipes/wmt14.py`` on 96 pairs of :func:`write_pairs` in ``folder``, the tiny preset, ``EPOCHS`` epochs,
+    a checkpoint every step, its late start (a one-shot or a prune) at a quarter of the run for ``target``."""
+    data = write_pairs(folder / "pairs.jsonl.gz", 96)
+    return ["--train-file", str(data), "--test-file", str(data), "--max-eval-samples", "4", "--model-size", "tiny",
+            "--vocab-size", "120", "--max-tokens", "80", "--epochs", str(EPOCHS), "--num-beams", "1",
+            "--warmup-steps", "3", "--target", str(target), "--late-start", "0.25",
+            "--checkpointing_steps", "1", "--keep_checkpoints", "0", "--log_every", "1"]
+
+
 @pytest.fixture(scope="module")
 def cifar_args(tmp_path_factory) -> list[str]:
     data = write_images(tmp_path_factory.mktemp("cifar-data"),

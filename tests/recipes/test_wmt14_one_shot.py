@@ -2,7 +2,7 @@
 to ``--late-start``, its FFN channels linearized there by ``linearize.one_shot`` to the FFN cost ``--prune`` keeps
 for ``--target``, then trained on without sparsity pressure.
 
-Tiny synthetic data built in tmp_path (``test_resume.write_pairs``). Checked against independent truths: the
+Tiny synthetic data built in tmp_path (``test_resume.tiny_late_start_args``). Checked against independent truths: the
 folded FFN cost against the budget written out for the tiny preset; the folded model (and the saved unfolded one)
 against the plain Marian model run on the same weights with each FFN's activation written out (``relu`` where the
 slope is 0, ``alpha * x + beta`` where it is 1); a run killed after the one-shot step (SIGKILL) and one stopped at
@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 import wmt14  # noqa: E402
 from test_resume import (EPOCHS, assert_same_tree, env, final_metrics, kernel, kill_and_resume,  # noqa: E402,F401
-                         write_pairs)
+                         tiny_late_start_args)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -41,11 +41,7 @@ UNITS = ("model.encoder.layers.0.activation_fn", "model.decoder.layers.0.activat
 
 @pytest.fixture(scope="module")
 def one_shot_args(tmp_path_factory) -> list[str]:
-    data = write_pairs(tmp_path_factory.mktemp("mt-data") / "pairs.jsonl.gz", 96)
-    return ["--train-file", str(data), "--test-file", str(data), "--max-eval-samples", "4", "--model-size", "tiny",
-            "--vocab-size", "120", "--max-tokens", "80", "--epochs", str(EPOCHS), "--num-beams", "1",
-            "--warmup-steps", "3", "--target", str(TARGET), "--late-start", "0.25",
-            "--checkpointing_steps", "1", "--keep_checkpoints", "0", "--log_every", "1"]
+    return tiny_late_start_args(tmp_path_factory.mktemp("mt-data"), TARGET)
 
 
 @pytest.fixture(scope="module")

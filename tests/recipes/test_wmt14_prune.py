@@ -1,7 +1,7 @@
 """``recipes/wmt14.py --linearize none --prune magnitude|taylor``: structured pruning of the FFN channels at the
 step where the late schedule would start, to the FFN cost of the model linearized to ``--target`` and folded.
 
-Tiny synthetic data built in tmp_path (``test_resume.write_pairs``). Checked against independent truths: the
+Tiny synthetic data built in tmp_path (``test_resume.tiny_late_start_args``). Checked against independent truths: the
 budget against the folded FFN MACs the linearize run on Multi30k measured; the kept channels against the
 magnitudes read from the checkpoint before the prune; a run killed after the prune point (SIGKILL) and one
 stopped at it, each resumed, against uninterrupted runs, bit for bit; the Marian FFN behind its functional
@@ -27,8 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import common  # noqa: E402
 import wmt14  # noqa: E402
-from test_resume import (EPOCHS, assert_same_tree, env, final_metrics, kernel, kill_and_resume,  # noqa: E402,F401
-                         write_pairs)
+from test_resume import (assert_same_tree, env, final_metrics, kernel, kill_and_resume,  # noqa: E402,F401
+                         tiny_late_start_args)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -38,11 +38,7 @@ TARGET = 0.25  # folded: 2 d^2 + 2 d round(0.25 * 256) = 16,384 MACs per token; 
 
 @pytest.fixture(scope="module")
 def prune_args(tmp_path_factory) -> list[str]:
-    data = write_pairs(tmp_path_factory.mktemp("mt-data") / "pairs.jsonl.gz", 96)
-    return ["--train-file", str(data), "--test-file", str(data), "--max-eval-samples", "4", "--model-size", "tiny",
-            "--vocab-size", "120", "--max-tokens", "80", "--epochs", str(EPOCHS), "--num-beams", "1",
-            "--warmup-steps", "3", "--linearize", "none", "--target", str(TARGET), "--late-start", "0.25",
-            "--checkpointing_steps", "1", "--keep_checkpoints", "0", "--log_every", "1"]
+    return tiny_late_start_args(tmp_path_factory.mktemp("mt-data"), TARGET) + ["--linearize", "none"]
 
 
 @pytest.fixture(scope="module")
