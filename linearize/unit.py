@@ -26,7 +26,7 @@ import functools
 import math
 import warnings
 import weakref
-from typing import Callable, Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 import torch.autograd.forward_ad as fwAD
@@ -487,8 +487,8 @@ class LinearizableActivation(nn.Module):
         # the dims of the probe's input when channel_dim counts from the batch dim (set by make_unit): an input
         # with fewer (an unbatched map) is refused; None takes any
         self.input_ndim: int | None = None
-        # ReLU / LeakyReLU(s): (1-a) * leaky_s(x) + a x is a PReLU with weight s + a (1 - s).
-        self.leak = _prelu_leak(act)
+        # ReLU / LeakyReLU(s): (1-a) * leaky_s(x) + a x is a PReLU with weight s + a (1 - s) (``leak``: s)
+        self._prelu = _prelu_leak(act) is not None
         self.slope = nn.Parameter(torch.full((num_channels,), float(init_slope)))
         # NaN = free channel, 0. or 1. = frozen at that value.
         self.register_buffer("frozen", torch.full((num_channels,), math.nan))
@@ -586,8 +586,40 @@ class LinearizableActivation(nn.Module):
 
     def __setstate__(self, state: dict) -> None:  # deepcopy / pickle
         state.setdefault("input_ndim", None)  # pickled before units had it
+        if "leak" in state:  # pickled when the unit kept its own copy of the negative slope
+            state["_prelu"] = state.pop("leak") is not None
         super().__setstate__(state)
         _UNITS.add(self)
+
+    @property
+    def leak(self) -> float | None:
+        """The negative slope of a ReLU (0.0) or LeakyReLU unit, read from its activation at every call (a
+        ``negative_slope`` changed after :func:`linearize.convert` applies); ``None`` for the other kinds."""
+        if not self._prelu:
+            return None
+        act = self._modules.get("act")
+        return float(act.negative_slope) if isinstance(act, nn.LeakyReLU) else 0.0
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            act = self.__dict__.get("_modules", {}).get("act")
+            if act is not None and not name.startswith("_") and name not in ("alpha", "beta") and hasattr(act, name):
+                return getattr(act, name)  # the activation's hyper-parameters (unit.negative_slope, unit.max_val)
+            raise
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        act = self.__dict__.get("_modules", {}).get("act")
+        if act is not None and not name.startswith("_") and name not in self.__dict__ and hasattr(act, name) \
+                and not hasattr(type(self), name) and not isinstance(value, (torch.Tensor, nn.Module)):
+            if name in ("alpha", "beta"):
+                raise AttributeError(f"unit.{name} is this {self.kind} unit's affine linear end (set_linear_end); "
+                                     f"the {type(act).__name__}'s own {name} is unit.act.{name}: set "
+                                     f"unit.act.{name} = {value!r}")
+            setattr(act, name, value)  # what the original model's activation would take: its hyper-parameter
+            return
+        super().__setattr__(name, value)
 
     @property
     def is_prelu(self) -> bool:

@@ -298,3 +298,29 @@ def test_switch_off_and_failed_build(monkeypatch):
     unit = LinearizableActivation("relu", 3)
     x = torch.randn(2, 3, 4, 4)
     assert torch.equal(unit(x), F.relu(x))  # the fallback path, still exact at a = 0
+
+
+@pytest.mark.parametrize("act, attr, value", [
+    (nn.LeakyReLU(0.01), "negative_slope", 0.3), (nn.GELU(), "approximate", "tanh"), (nn.Hardtanh(), "max_val", 0.5),
+    (nn.ELU(), "alpha", 0.2), (nn.Softplus(), "beta", 3.0)], ids=lambda v: type(v).__name__ if isinstance(v, nn.Module) else None)
+def test_an_activation_setting_changed_after_convert_applies_as_in_the_unconverted_model(act, attr, value):
+    """An annealed LeakyReLU slope, GELU's approximation for export, a Hardtanh bound: set on the activation after
+    convert (a reference the user kept, or ``unit.act``), the converted model computes what the unconverted one
+    does with the same setting; set through the unit it is the activation's too, except ``alpha`` / ``beta``,
+    the unit's affine end, which are refused naming ``unit.act``. LeakyReLU's slope was copied at conversion."""
+    torch.manual_seed(0)
+    x = torch.randn(6, 4) * 3
+    for via in ("activation", "unit"):
+        model = nn.Sequential(nn.Linear(4, 8), copy.deepcopy(act), nn.Linear(8, 2))
+        kept, reference = model[1], copy.deepcopy(model)
+        linearize.convert(model, example_inputs=x)
+        setattr(reference[1], attr, value)
+        if via == "unit" and attr in ("alpha", "beta"):
+            with pytest.raises(AttributeError, match=rf"unit\.{attr} is this .* affine linear end.*unit\.act\.{attr}"):
+                setattr(model[1], attr, value)
+            continue
+        setattr(kept if via == "activation" else model[1], attr, value)
+        assert getattr(model[1].act, attr) == value
+        assert attr in ("alpha", "beta") or getattr(model[1], attr) == value  # read through the unit too
+        with torch.no_grad():
+            assert torch.equal(model(x), reference(x)), via
