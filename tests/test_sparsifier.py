@@ -533,6 +533,23 @@ def test_a_fraction_target_that_frozen_channels_keep_out_of_reach_warns():
     assert sp.nonlinear_fraction() == 1.0
 
 
+def test_a_fraction_target_above_what_channels_frozen_linear_allow_warns_with_the_ceiling():
+    """freeze / one_shot left 21 of 28 channels frozen at slope 1: target(0.5) ended at 0.25 without a word (the
+    mirror case, frozen nonlinear, warned). Truth: the count of channels the test froze."""
+    model = _tiny()
+    assert sum(u.num_channels for _, u in linearize.units(model)) == 28
+    need = 21
+    for _, u in linearize.units(model):
+        take = min(u.num_channels, need)
+        u.freeze_(torch.arange(u.num_channels) < take, 1.0)
+        need -= take
+    sp = linearize.Sparsifier(model, S.target(0.5, end=10), total_steps=10)
+    with pytest.warns(UserWarning, match=r"21 of 28 channels are frozen linear \(slope 1.*a ceiling of 0.2500"):
+        for _ in range(10):
+            sp.step()
+    assert sp.nonlinear_fraction() == 0.25
+
+
 def test_half_precision_slopes_whose_push_rounds_away_warn_and_float32_slopes_move():
     """rate 1e-3 is below half a bfloat16 ulp near 1: the slopes stopped at 0.5 without a word."""
     model = _tiny().to(torch.bfloat16)

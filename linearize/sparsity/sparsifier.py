@@ -673,7 +673,8 @@ class Sparsifier:
                 f"there (a damaged checkpoint, or an earlier step that overflowed them) or an overflow. {restore}")
 
     def _check_reachable(self) -> None:
-        """Warn (once) when channels frozen nonlinear (slope 0) keep a fraction or ReLU target out of reach."""
+        """Warn (once) when channels frozen nonlinear (slope 0) keep a fraction or ReLU target out of reach, or
+        channels frozen linear (slope 1: :func:`linearize.freeze`, ``one_shot``) keep a fraction target out of reach."""
         if self.relus is not None:
             floor = self.relus.floor(torch.cat([u.frozen for _, u in self._units]))
             if floor > self.relus.goal:
@@ -687,6 +688,12 @@ class Sparsifier:
             self._warn_once(f"target fraction {self.schedule.fraction} cannot be reached: {frozen} of {total} channels "
                             f"are frozen nonlinear (slope 0), a floor of {frozen / total:.4f}; unfreeze them "
                             "(unit.frozen.fill_(float('nan'))) or set a target at or above the floor")
+        linear = sum(int((u.frozen == 1).sum()) for _, u in self._units)
+        if 1 - linear / total < self.schedule.fraction - 0.5 / total:
+            self._warn_once(f"target fraction {self.schedule.fraction} cannot be reached: {linear} of {total} channels "
+                            f"are frozen linear (slope 1, by linearize.freeze or one_shot), a ceiling of "
+                            f"{1 - linear / total:.4f}; unfreeze them (unit.frozen.fill_(float('nan'))) or set a "
+                            "target at or below the ceiling")
 
     def nonlinear_mean_slope(self) -> float | None:
         """Mean slope of the free channels now nonlinear (slope < 1; ``None`` when none is): 0 when they are the
