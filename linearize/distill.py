@@ -7,6 +7,7 @@ towards 1 and the loss measures how far the student drifts from the original.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -46,6 +47,18 @@ def mean_pool(hidden: torch.Tensor, attention_mask: torch.Tensor | None = None) 
     return torch.where(m != 0, hidden, 0.0).sum(dim=1) / m.sum(dim=1).clamp(min=1.0)
 
 
+def _check_teacher(t: torch.Tensor, kind: str, attention_mask: torch.Tensor | None) -> None:
+    """Refuse teacher outputs with NaN/inf where they count (unmasked positions; a ``-inf`` logit rules a class
+    out and is fine): the loss would be NaN and the optimizer step would write NaN into every student weight."""
+    bad = (torch.isnan(t) | (t == math.inf)) if kind == "logits" else ~torch.isfinite(t)
+    if attention_mask is not None and t.ndim >= 3 and tuple(attention_mask.shape) == tuple(t.shape[:-1]):
+        bad = bad & attention_mask.bool()[..., None]
+    if bool(bad.any()):
+        raise ValueError(f"the teacher's outputs ({kind}) hold {int(bad.sum())} NaN/inf value(s) on positions that "
+                         "count: a damaged teacher (check torch.isfinite over its parameters) or one run in half "
+                         "precision that overflowed (run it in float32); nothing was updated")
+
+
 def distill_loss(
     student_out: Any,
     teacher_out: Any,
@@ -83,6 +96,7 @@ def distill_loss(
     s, t = _field(student_out, kind).float(), _field(teacher_out, kind).detach().float()
     if s.shape != t.shape:
         raise ValueError(f"student and teacher outputs differ in shape: {tuple(s.shape)} vs {tuple(t.shape)}")
+    _check_teacher(t, kind, attention_mask)
     if kind == "pooled":
         if s.ndim == 3:
             s, t = mean_pool(s, attention_mask), mean_pool(t, attention_mask)

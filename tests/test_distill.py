@@ -89,3 +89,22 @@ def test_padding_holding_nan_adds_nothing_to_the_loss_nor_to_the_gradient(kind):
     assert loss.item() == pytest.approx(want.item(), rel=1e-5)
     assert bool(torch.isfinite(student.grad).all()) and bool((student.grad[~keep] == 0).all())
     torch.testing.assert_close(student.grad[keep].double(), real.grad[keep], rtol=1e-4, atol=1e-7)
+
+
+@pytest.mark.parametrize("kind", ["hidden", "logits", "pooled"])
+def test_a_teacher_output_with_nan_where_it_counts_is_refused_before_anything_is_updated(kind):
+    """A damaged teacher (one NaN weight) made the loss NaN; the optimizer step then wrote NaN into every student
+    weight and the Sparsifier blamed the learning rate. Padding and a -inf logit (a class ruled out) still count
+    for nothing."""
+    torch.manual_seed(0)
+    student, teacher = torch.randn(2, 5, 4, requires_grad=True), torch.randn(2, 5, 4)
+    mask = torch.ones(2, 5)
+    mask[1, 3:] = 0
+    teacher[1, 4, 0] = float("nan")  # padding: fine
+    if kind == "logits":
+        teacher[0, 0, 2] = -math.inf  # a class the teacher rules out: fine
+    assert torch.isfinite(linearize.distill_loss(student, teacher, kind, mask))
+    teacher[0, 1, 1] = float("nan")  # a token
+    with pytest.raises(ValueError, match=rf"teacher's outputs \({kind}\) hold 1 NaN/inf value\(s\).*nothing was updated"):
+        linearize.distill_loss(student, teacher, kind, mask)
+    assert student.grad is None
