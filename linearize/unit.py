@@ -172,7 +172,8 @@ def _prelu(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """
     if foreign_torch_function(x, weight):
         with _input_precision(x):
-            return handle_torch_function(F.prelu, (x, weight), x, weight)
+            y = handle_torch_function(F.prelu, (x, weight), x, weight)
+        return _exact_ends(y, _channels(weight == 0, x.ndim), F.relu, x)
     _refuse_functorch()
     if x.device.type != "cpu" or torch.jit.is_tracing():  # the tracer cannot record the kernel's C++ loops
         return _PReLU.apply(x, weight)
@@ -186,6 +187,22 @@ def _prelu(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         if kernel is not None:
             return kernel(x, weight)
     return _PReLU.apply(x, weight)
+
+
+def _exact_ends(y: torch.Tensor, ends: torch.Tensor, exact: Callable[..., torch.Tensor], *args: object) -> torch.Tensor:
+    """``y``, the result of the plain call a unit makes for another tool (``F.prelu``, ``torch.lerp``), with the
+    values ``exact(*args)`` wherever ``ends`` (broadcast to ``y``) is True: the slopes at which the unit is the
+    original activation or the identity, bit for bit, where the plain call gives NaN for +-inf inputs
+    (``-inf * 0``, ``act + 0 * (x - act)``) and 0 of the other sign: there the plain call differs from the
+    unit only in those two ways. Only those elements are written, into ``y``, out of the tool's sight and out
+    of autograd: the tool sees the call it knows and keeps its result elsewhere (linear regions' tracer gives
+    the values of the region ahead near a kink), and the gradients stay those of that call (a ``torch.where``
+    would give the slopes no gradient at the ends, where they start)."""
+    with torch.no_grad(), torch._C.DisableTorchFunction():
+        want = exact(*args)
+        nan = y.isnan() & ~want.isnan()
+        zero_sign = (y == 0) & (want == 0) & (y.signbit() != want.signbit())
+        return y.copy_(torch.where(ends & (nan | zero_sign), want, y))
 
 
 _FLAT_MAX = 16  # channel blocks of at most this many elements run on a flat view
@@ -336,7 +353,7 @@ def _blend(act: torch.Tensor, x: torch.Tensor, slope: torch.Tensor, dim: int) ->
     shape[dim] = slope.numel()
     weight = slope.view(shape)
     if foreign_torch_function(act, x, weight):
-        return torch.lerp(act, x, weight)
+        return _exact_ends(torch.lerp(act, x, weight), (weight == 0) | (weight == 1), torch.where, weight == 0, act, x)
     _refuse_functorch()
     if (x.device.type == "cpu" and not torch.jit.is_tracing() and dim in (1, x.ndim - 1) and x.numel() and x.is_contiguous() and act.is_contiguous()
             and act.dtype == x.dtype == slope.dtype and fwAD._current_level < 0 and not torch.compiler.is_compiling()):

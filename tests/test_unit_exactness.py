@@ -19,6 +19,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 import linearize
 from linearize import LinearizableActivation, kernels
@@ -177,6 +178,57 @@ def test_under_autocast_a_relu_unit_keeps_its_inputs_dtype_as_the_relu_does(mode
     with torch.autocast("cpu", dtype=torch.bfloat16), (torch.device("cpu") if mode else contextlib.nullcontext()):
         got, want = unit(x), F.relu(x)
     assert_same_bits(got, want, f"autocast, mode={mode}")
+
+
+class _CallLogger(TorchFunctionMode):
+    """Another tool's torch-function mode (a call logger, a FLOP counter): it passes every call through."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+class _Tagged(torch.Tensor):
+    """A tensor subclass with its own (inherited) ``__torch_function__``."""
+
+
+@pytest.mark.parametrize("name,act", ACTS, ids=[n for n, _ in ACTS])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("tool", ["mode", "subclass"])
+def test_under_another_tools_mode_or_on_a_subclass_slope_0_is_the_activation_and_slope_1_the_identity(
+        name, act, dtype, tool):
+    """Under another tool's torch-function mode, or on a tensor subclass, a unit runs the plain ``F.prelu`` /
+    ``torch.lerp`` the tool knows; those gave NaN at slope 0 for +-inf (``-inf * 0``, ``act + 0 * (x - act)``).
+    Truth: the activation itself and the input, bit for bit, channel by channel (slopes 0, 1, 0 in one unit)."""
+    for channel_dim in (1, -1):
+        unit, x = unit_and_input(act, dtype, channel_dim, 0.0)
+        with torch.no_grad():
+            unit.slope.copy_(torch.tensor([0.0, 1.0, 0.0]))
+            want = act(x)
+        channel = (slice(None), slice(None), 1) if channel_dim == -1 else (slice(None), 1)
+        for grad in (False, True):
+            xin = x.clone().requires_grad_(grad)
+            with _CallLogger() if tool == "mode" else contextlib.nullcontext():
+                got = unit(xin.as_subclass(_Tagged) if tool == "subclass" else xin)
+            got = got.detach().as_subclass(torch.Tensor)
+            where = f"{name} {dtype} {tool} channel_dim={channel_dim} grad={grad}"
+            at_0 = torch.ones(3, dtype=torch.bool)
+            at_0[1] = False
+            index = (slice(None), slice(None), at_0) if channel_dim == -1 else (slice(None), at_0)
+            assert_same_bits(got[index], want[index], where + " a=0")
+            assert_same_bits(got[channel], x[channel], where + " a=1")
+
+
+@pytest.mark.parametrize("act", [nn.ReLU(), nn.GELU()], ids=["relu", "gelu"])
+def test_under_another_tools_mode_a_unit_at_slope_0_still_gets_its_slope_gradient(act):
+    """The exact values at the ends do not cost the slopes their gradient under another tool's mode (a
+    ``torch.where`` would give none at slope 0, where slopes start): ``sum(g * (x - act(x)))`` per channel,
+    in float64, on finite inputs."""
+    x = torch.linspace(-3, 3, 24, dtype=torch.float64).view(2, 3, 4)
+    unit = LinearizableActivation(act, 3).double()
+    g = torch.linspace(-1, 2, x.numel(), dtype=torch.float64).view(x.shape)
+    with _CallLogger():
+        (grad,) = torch.autograd.grad(unit(x), unit.slope, g)
+    torch.testing.assert_close(grad, (g * (x - act(x))).sum((0, 2)))
 
 
 def test_channel_blend_the_plain_form_is_exact_at_both_ends():
