@@ -244,8 +244,14 @@ class GaLU(nn.Module):
         if self._store.recording:
             self._record(q)
         if self.inplace:  # the replaced in-place activation's input is read again: write as it did
-            return write_into(z, lambda t: t * self.gate(q), (q,))
-        return z * self.gate(q)
+            return write_into(z, lambda t: self._gated(t, q), (q,))
+        return self._gated(z, q)
+
+    def _gated(self, z: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+        """``z * G(q)``, with 0 where the gate is 0 and ``z`` is below 0 or +inf, as ReLU gives for a closed
+        gate: ``-inf * 0`` is NaN and ``-1 * 0`` is -0 (a NaN ``z`` stays NaN, a -0 stays -0, as in ReLU)."""
+        g = self.gate(q)
+        return (z * g).masked_fill((g == 0) & ((z < 0) | (z == math.inf)), 0)
 
     @torch.no_grad()
     def _record(self, q: torch.Tensor) -> None:

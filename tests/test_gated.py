@@ -100,6 +100,36 @@ def test_leaky_relu_gate_is_exact_with_hard_gates():
     torch.testing.assert_close(gated(x), model(x), rtol=0, atol=1e-6)
 
 
+@pytest.mark.parametrize("act", [nn.ReLU(), nn.LeakyReLU(0.1), nn.ReLU(inplace=True)], ids=["relu", "leaky", "inplace"])
+def test_dgn_copy_hard_gates_equal_the_activation_at_inf_nan_and_signed_zeros(act):
+    """docs/gated.md: ``init="copy", hard_gates=True`` equals the model exactly. ``z * (q > 0)`` gave NaN for a
+    -inf pre-activation (``-inf * 0``; ReLU gives 0) and -0 for -1. Truth: the original activation, bit for bit
+    (the sign of zero included), and a masked (-inf) input row through a ReLU MLP gives the original's output."""
+    x = torch.tensor([[1.0, -1.0, math.inf, -math.inf, 0.0, -0.0, math.nan, -7.5]])
+    model = nn.Sequential(nn.Identity(), act)
+    gated = convert_gated(model, cfg("dgn", init="copy", hard_gates=True), x)
+    got, want = gated(x.clone()), model(x.clone())
+    torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
+    assert torch.equal(got.signbit(), want.signbit())
+    torch.manual_seed(0)
+    mlp = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 1))
+    with torch.no_grad():
+        mlp[0].weight.abs_()  # a -inf input reaches every hidden unit as -inf
+    masked = torch.tensor([[0.5, -math.inf, 1.0], [1.0, 2.0, 3.0]])
+    gated = convert_gated(mlp, cfg("dgn", init="copy", hard_gates=True), masked)
+    assert torch.equal(gated(masked), mlp(masked))
+
+
+def test_dgn_soft_gates_at_a_closed_gate_give_0_for_an_infinite_value():
+    """A sigmoid gate that underflows to 0 (``q = -inf``) gave ``z * 0 = NaN`` for an infinite ``z``: a closed
+    gate passes nothing, as ReLU(-inf) = 0; an open one (``q = +inf``) passes ``z``."""
+    x = torch.tensor([[-math.inf, math.inf, -2.0, 3.0]])
+    gated = convert_gated(nn.Sequential(nn.Identity(), nn.ReLU()), cfg("dgn", init="copy", beta=4.0), x)
+    got = gated(x)
+    assert got[0, 0] == 0 and not got[0, 0].signbit() and got[0, 1] == math.inf
+    torch.testing.assert_close(got[0, 2:], x[0, 2:] * torch.sigmoid(4.0 * x[0, 2:]))
+
+
 def test_mobilenet_v2_relu6_is_gated_by_its_relu_part():
     torch.manual_seed(0)
     model = torchvision.models.mobilenet_v2(num_classes=10, width_mult=0.25).eval()
