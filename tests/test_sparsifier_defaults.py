@@ -40,13 +40,16 @@ def _teacher() -> nn.Module:
 
 
 def _user_loop(teacher: nn.Module, steps: int = STEPS, optimizer=torch.optim.AdamW, lr: float = 1e-4,
-               state: dict | None = None, stop: int | None = None, **kwargs) -> tuple[nn.Module, dict]:
-    """The obvious loop: convert, a 25% target with the defaults, the user's own distillation loss."""
+               state: dict | None = None, stop: int | None = None, by_hand: bool = False,
+               **kwargs) -> tuple[nn.Module, dict]:
+    """The obvious loop: convert, a 25% target with the defaults, the user's own distillation loss; the Sparsifier
+    attached, or (``by_hand``) stepped after each ``opt.step()``."""
     torch.manual_seed(1)
     student = linearize.convert(copy.deepcopy(teacher), example_inputs=torch.randn(2, 8)).train()
     opt = optimizer(student.parameters(), lr=lr)
     sp = linearize.Sparsifier(student, linearize.schedules.target(0.25), total_steps=steps, **kwargs)
-    sp.attach(opt)
+    if not by_hand:
+        sp.attach(opt)
     start = 0
     if state is not None:
         student.load_state_dict(state["model"])
@@ -62,6 +65,8 @@ def _user_loop(teacher: nn.Module, steps: int = STEPS, optimizer=torch.optim.Ada
         opt.zero_grad()
         loss.backward()
         opt.step()  # the attached Sparsifier steps after it
+        if by_hand:
+            sp.step()
     saved = {"model": copy.deepcopy(student.state_dict()), "optimizer": copy.deepcopy(opt.state_dict()),
              "sparsifier": copy.deepcopy(sp.state_dict()), "rng": torch.get_rng_state(),
              "step": steps if stop is None else stop}
@@ -102,6 +107,40 @@ def test_auto_resolves_by_the_optimizer():
     assert (sp.select, sp.linear_end) == ("slope", "identity")
     with pytest.raises(ValueError, match="linear_end"):
         linearize.Sparsifier(student, linearize.schedules.target(0.25), total_steps=10, linear_end="affin")
+
+
+@pytest.mark.parametrize("optimizer", [torch.optim.AdamW, torch.optim.SGD])
+def test_a_sparsifier_stepped_by_hand_settles_the_defaults_as_attach_does(optimizer):
+    teacher = _teacher()
+    attached, a = _user_loop(teacher, steps=30, optimizer=optimizer, lr=1e-3)
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        by_hand, b = _user_loop(teacher, steps=30, optimizer=optimizer, lr=1e-3, by_hand=True)
+    assert not [w for w in said if "no optimizer is known" in str(w.message)]  # it is known
+    a, b = a["sparsifier"], b["sparsifier"]
+    assert (b.select, b.linear_end) == (a.select, a.linear_end)
+    # the attached run is the truth: the same slopes, ends and outputs
+    for (_, u), (_, v) in zip(linearize.units(attached), linearize.units(by_hand)):
+        assert torch.equal(u.slope, v.slope)
+        if u.linear_end is not None:
+            assert all(torch.equal(x, y) for x, y in zip(u.linear_end, v.linear_end))
+    x = torch.randn(256, 8)
+    with torch.no_grad():
+        assert torch.equal(attached(x), by_hand(x))
+
+
+def test_a_first_step_by_hand_with_no_optimizer_known_warns_naming_the_fix():
+    student = linearize.convert(copy.deepcopy(_teacher()))
+    sp = linearize.Sparsifier(student, linearize.schedules.target(0.25), total_steps=10)
+    with pytest.warns(UserWarning, match=r"no optimizer is known.*optimizer=.*attach\(optimizer\)"):
+        sp.step()  # before any optimizer.step()
+    assert (sp.select, sp.linear_end) == ("slope", "identity")
+    # an explicit choice does not depend on the optimizer: nothing to warn of
+    sp = linearize.Sparsifier(student, linearize.schedules.target(0.25), total_steps=10, select="slope")
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        sp.step()
+    assert not [w for w in said if "no optimizer is known" in str(w.message)]
 
 
 def test_defaults_under_adamw_keep_the_function_the_paper_settings_lose():

@@ -68,7 +68,8 @@ ramp) the kept channels sat at 0.43-0.79 and the element units at 0.96, where Re
 a 3,900-step ramp) kept theirs at 0.00-0.01 (``recipes/results/frontier/frontier.md``).
 
 **Defaults** (``select="auto"``, ``linear_end="auto"``), settled at :meth:`attach` (or the first
-:meth:`step`, from the optimizer known then): a fraction target without an explicit push (no ``rate``,
+:meth:`step`, from the optimizer known then: ``optimizer=``, else the one whose step moved the slopes before it,
+which the Sparsifier then reads as if given; with none known it warns): a fraction target without an explicit push (no ``rate``,
 ``lam`` or ``mode="loss"``) under an **adaptive optimizer** (:func:`adaptive`: Adam, AdamW, RMSprop,
 Adagrad, ...; the fine-tuning regime, where a slope moves about ``lr`` per step and cannot hold against a
 push) is ``select="fit"`` with ``linear_end="affine"``: in a user's own loop (MiniLM, AdamW 5e-5, 300 steps,
@@ -416,6 +417,21 @@ class Sparsifier:
             self._fit = None
         self._resolved = True
 
+    def _adopt_optimizer(self) -> None:
+        """At the first step by hand without ``optimizer=``: take the optimizer that stepped these slopes before it
+        (the optimizer watch saw it), so "auto" settles as under :meth:`attach`; warn (once) when none is known
+        and the choice depends on it."""
+        if self.optimizer is None:
+            seen = watch.optimizer_of(self)
+            self.optimizer = None if seen is None else torch_optimizer(seen)
+        if self.optimizer is None and self._asked[0] == "auto" and self._steerable:
+            self._warn_once(
+                "select='auto' settled on 'slope' with identity ends (the uniform push, for training from scratch) "
+                "because no optimizer is known at the first Sparsifier.step(): no optimizer had stepped the unit "
+                "slopes yet. Under Adam/AdamW (fine-tuning) the defaults are select='fit', linear_end='affine'; "
+                "pass optimizer= to the Sparsifier or use sparsifier.attach(optimizer), or pass select='slope' "
+                "to keep the push")
+
     def _set_ends(self) -> None:
         """``linear_end="affine"``: every free channel below 1 gets its unit's running affine fit as its linear
         end; a channel keeps the end it had when it arrived at 1 (and a frozen one its own). The first fit of a
@@ -599,6 +615,8 @@ class Sparsifier:
                 stacklevel=2,
             )
             self._warned = True
+        if not self._resolved:
+            self._adopt_optimizer()
         self._resolve()
         if self._fit is not None:
             self._fit.step()

@@ -7,7 +7,8 @@ iterates its hooks), counts for every live Sparsifier the steps of each optimize
 with a gradient, in that optimizer) since a Sparsifier over those slopes last stepped. At :data:`STEPS` it warns
 once, naming the optimizer and the fix. The watch holds Sparsifiers weakly, keyed by identity (a subclass's
 ``__eq__`` does not matter), reads their slopes when it runs (replaced slopes are seen) and takes a lock to
-snapshot them (threads may build Sparsifiers while others step).
+snapshot them (threads may build Sparsifiers while others step). It also remembers, per Sparsifier, the last
+optimizer that moved its slopes (:func:`optimizer_of`): a Sparsifier stepped by hand settles its defaults by it.
 """
 
 from __future__ import annotations
@@ -25,19 +26,20 @@ from typing import Any
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-__all__ = ["STEPS", "watch", "stepped"]
+__all__ = ["STEPS", "watch", "stepped", "optimizer_of"]
 
 # steps of one optimizer that move a Sparsifier's slopes, with no Sparsifier over them stepped in between
 STEPS = 10
 
 
 class _Entry:
-    __slots__ = ("ref", "counts", "warned")
+    __slots__ = ("ref", "counts", "warned", "optimizer")
 
     def __init__(self, sparsifier: Any) -> None:
         self.ref = weakref.ref(sparsifier)
         self.counts: dict[int, int] = {}  # id(optimizer) -> its steps since a Sparsifier over these slopes stepped
         self.warned = False
+        self.optimizer: weakref.ref | None = None  # the last optimizer that moved these slopes
 
 
 _ENTRIES: dict[int, _Entry] = {}  # id(Sparsifier) -> its entry (dead ones are dropped when met)
@@ -58,6 +60,16 @@ def stepped(sparsifier: Any) -> None:
         entries = list(_ENTRIES.values())
     for entry in _over_same_slopes(entries, sparsifier):
         entry.counts.clear()
+
+
+def optimizer_of(sparsifier: Any) -> torch.optim.Optimizer | None:
+    """The last optimizer whose step moved a slope of ``sparsifier`` (a slope with a gradient, in that optimizer)
+    since it was watched; ``None`` when none did (or it is gone)."""
+    with _LOCK:
+        entry = _ENTRIES.get(id(sparsifier))
+    if entry is None or entry.ref() is not sparsifier or entry.optimizer is None:
+        return None
+    return entry.optimizer()
 
 
 def _over_same_slopes(entries: list[_Entry], sparsifier: Any) -> list[_Entry]:
@@ -86,7 +98,10 @@ def _count(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
                 if _ENTRIES.get(key) is entry:
                     del _ENTRIES[key]
             continue
-        if entry.warned or not any(id(s) in params and s.grad is not None for s in sparsifier.slopes()):
+        if not any(id(s) in params and s.grad is not None for s in sparsifier.slopes()):
+            continue
+        entry.optimizer = weakref.ref(optimizer)
+        if entry.warned:
             continue
         n = entry.counts[id(optimizer)] = entry.counts.get(id(optimizer), 0) + 1
         if n >= STEPS:
