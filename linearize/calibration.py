@@ -37,7 +37,7 @@ from .inputs import Batches, call_model, eval_mode, hooks, model_device, num_row
 from .checks import is_real
 from .unit import LinearizableActivation, require_units
 
-__all__ = ["fit_linear_ends", "one_shot", "LinearEndFit", "OneShotSite", "FFNPlan", "RunningFit"]
+__all__ = ["fit_linear_ends", "one_shot", "LinearEndFit", "OneShotSite", "FFNPlan", "RunningFit", "NonfiniteInputs"]
 
 _ENDS = ("affine", "identity", "constant", "hybrid")
 
@@ -192,9 +192,7 @@ class _Recorder:
     ``mask``: the padding mask of the batch being run; ``outputs``: unit and layer outputs of the batch,
     cleared per batch (:meth:`clear`). ``training_only``: record only calls made in training mode, leaving out
     the rows (positions) whose input or activation holds NaN/inf (:class:`RunningFit`). ``batch``: the
-    index of the batch being run (set by :func:`_run`; ``None`` for training batches), named by a non-finite fit.
-    With ``training_only``, ``ran`` lists the units and the modules holding parameters in the order the training
-    forwards since :meth:`clear` first ran them (``(name, is_unit)``), which names where NaN/inf arose."""
+    index of the batch being run (set by :func:`_run`; ``None`` for training batches), named by a non-finite fit."""
 
     def __init__(self, model: nn.Module, named: list[tuple[str, LinearizableActivation]], consumers: set[str],
                  training_only: bool = False, producers: bool = False) -> None:
@@ -206,15 +204,10 @@ class _Recorder:
         self.outputs: dict[int, tuple[str, torch.Tensor]] = {}
         self.layer_outputs: dict[int, tuple[nn.Module, torch.Tensor]] = {}
         self.training_only = training_only
-        self.ran: dict[str, bool] = {}
         # hooks are closures, not bound methods (a bound method would carry the recorder, with the tensors it
         # holds, into a deep copy of the model), each wrapped in a _Hook: neither a deep copy (a teacher copied
         # from the student) nor a pickle of the model (torch.save(model)) takes it along
         self.handles = [u.register_forward_pre_hook(_Hook(self._stats_hook(n, u))) for n, u in named]
-        if training_only:
-            units = {id(u) for _, u in named}
-            self.handles += [m.register_forward_pre_hook(_Hook(self._ran_hook(n, m))) for n, m in model.named_modules()
-                             if id(m) not in units and next(m.parameters(recurse=False), None) is not None]
         self.layer_handles = [u.register_forward_hook(_Hook(self._output_hook(n, u)))
                               for n, u in named if n in consumers]
         if consumers:
@@ -229,18 +222,10 @@ class _Recorder:
         def hook(mod, args):  # before the call: an in-place unit overwrites its input
             if mod is not unit or (self.training_only and not mod.training):  # a deep copy shares the hook
                 return
-            if self.training_only:
-                self.ran.setdefault(name, True)
             rows = _unit_rows(unit, args[0].detach(), self.mask)
             if rows is not None:
                 with torch.no_grad():
                     self.stats[name].add(rows, unit.activation(rows), self.batch, drop_nonfinite=self.training_only)
-        return hook
-
-    def _ran_hook(self, name: str, layer: nn.Module):
-        def hook(mod, args):
-            if mod is layer and mod.training:
-                self.ran.setdefault(name, False)
         return hook
 
     def _layer_output_hook(self, layer: nn.Module):
@@ -270,7 +255,6 @@ class _Recorder:
         return hook
 
     def clear(self) -> None:
-        self.ran.clear()
         self.outputs.clear()
         self.layer_outputs.clear()
 
@@ -468,26 +452,6 @@ class RunningFit:
             run.sums = sums if run.sums is None else run.sums * self.decay + sums
             pending[name] = _Stats()
         self.steps += 1
-
-    def pending_nonfinite(self) -> dict[str, int]:
-        """``{unit name: positions}`` left out of this step's statistics so far, their input or activation holding
-        NaN/inf, for each unit that had any (one device sync per unit)."""
-        pending = self._recorder.stats
-        counts = {name: int(pending[name].dropped) for name, _ in self._named if pending[name].dropped is not None}
-        return {name: count for name, count in counts.items() if count}
-
-    def run_order(self) -> list[tuple[str, list[str]]]:
-        """This step's training forwards so far: the units in the order they first ran, each with the modules
-        holding parameters that first ran after the unit before it (before the first unit: from the start)."""
-        order: list[tuple[str, list[str]]] = []
-        layers: list[str] = []
-        for name, is_unit in self._recorder.ran.items():
-            if is_unit:
-                order.append((name, layers))
-                layers = []
-            else:
-                layers.append(name)
-        return order
 
     def fits(self) -> dict[str, LinearEndFit]:
         """``{unit name: LinearEndFit}`` of the running sums, for every unit that has seen a position."""
@@ -1097,3 +1061,78 @@ def _write_dense(layer: nn.Module, w: torch.Tensor, shift: torch.Tensor | None) 
     layer.weight.copy_(weight.to(layer.weight.dtype))
     if shift is not None:
         layer.bias.add_(shift.to(layer.bias.dtype))
+
+
+class NonfiniteInputs:
+    """Where NaN/inf entered a model's training forwards since :meth:`clear`: per unit, the positions whose input
+    held NaN/inf (counted on the device, no sync) and the order the units and the modules holding parameters first
+    ran. Forward pre-hooks,
+    training-mode calls only; the :class:`~linearize.Sparsifier` keeps one for every selection to name where a
+    divergence began (:meth:`cause`)."""
+
+    def __init__(self, model: nn.Module, named: list[tuple[str, LinearizableActivation]]) -> None:
+        self._named = named
+        units = {id(u) for _, u in named}
+        self._layers = {n: m for n, m in model.named_modules()
+                        if id(m) not in units and next(m.parameters(recurse=False), None) is not None}
+        self.ran: dict[str, bool] = {}  # name -> is a unit, in the order the training forwards first ran them
+        self.bad: dict[str, torch.Tensor] = {}  # unit -> positions whose input held NaN/inf
+        # hooks in _Hook wrappers, as the _Recorder's: a deep copy or pickle of the model does not take them along
+        self.handles = [u.register_forward_pre_hook(_Hook(self._hook(n, u, True))) for n, u in named]
+        self.handles += [m.register_forward_pre_hook(_Hook(self._hook(n, m, False))) for n, m in self._layers.items()]
+
+    def _hook(self, name: str, module: nn.Module, is_unit: bool):
+        def hook(mod, args):
+            if mod is not module or not mod.training:
+                return
+            self.ran.setdefault(name, is_unit)
+            rows = _unit_rows(module, args[0].detach(), None) if is_unit and args else None
+            if rows is not None:
+                with torch.no_grad():
+                    bad = (~torch.isfinite(rows).all(1)).sum()
+                    self.bad[name] = bad if name not in self.bad else self.bad[name] + bad.to(self.bad[name].device)
+        return hook
+
+    def clear(self) -> None:
+        """Start a new step."""
+        self.ran.clear()
+        self.bad.clear()
+
+    def close(self) -> None:
+        """Remove the hooks."""
+        for h in self.handles:
+            h.remove()
+        self.handles = []
+
+    def cause(self) -> str | None:
+        """Why NaN/inf reached the slopes when this step's training forwards fed a unit NaN/inf inputs: the first
+        such unit in the order the forward ran them, and where they came from (the batch, or the weights run
+        before it); ``None`` when no unit saw any (the training diverged)."""
+        seen = {n: int(c) for n, c in self.bad.items() if int(c)}  # one device sync per unit
+        order: list[tuple[str, list[str]]] = []
+        layers: list[str] = []
+        for name, is_unit in self.ran.items():
+            if is_unit:
+                order.append((name, layers))
+                layers = []
+            else:
+                layers.append(name)
+        first = next((i for i, (name, _) in enumerate(order) if name in seen), None)
+        if first is None:
+            return None
+        name, layers = order[first]
+        positions = f"{seen[name]} position{'s' if seen[name] > 1 else ''}"
+        listed = ", ".join(repr(n) for n in layers[:3]) + (f" and {len(layers) - 3} more" if len(layers) > 3 else "")
+        restore = ("A NaN/inf forward makes every gradient NaN, and the optimizer step wrote them into the weights: "
+                   "restore a checkpoint.")
+        if first > 0:
+            previous = order[first - 1][0]
+            between = f"in {listed}" if layers else "in the computation between them"
+            return (f"This step's forward fed unit {name!r} NaN/inf inputs ({positions}), where unit "
+                    f"{previous!r} before it got finite ones: they arose between the two, {between}: non-finite "
+                    f"weights there (a damaged checkpoint, or an earlier step that overflowed them) or an overflow. "
+                    f"{restore}")
+        weights = f", or the weights before it ({listed}) are not finite (a damaged checkpoint)" if layers else ""
+        return (f"This step's forward fed unit {name!r}, the first, NaN/inf inputs ({positions}): the batch held "
+                f"them (check the data){weights}. {restore} The learning rate is not the cause, unless an earlier "
+                "step overflowed the weights.")

@@ -155,6 +155,32 @@ def test_the_divergence_error_names_where_nan_entered_the_forward(poisoned, name
     assert ("lower the learning rate" in str(raised.value)) == (poisoned == "gradient")
 
 
+@pytest.mark.parametrize("optimizer, select", [(torch.optim.SGD, "auto"), (torch.optim.AdamW, "saliency"),
+                                               (torch.optim.AdamW, "slope")])
+@pytest.mark.parametrize("batch", [0, 3])
+def test_a_nan_in_the_batch_is_named_whatever_the_selection(optimizer, select, batch):
+    """Only the fit tracker (select='fit', the AdamW default) recorded the units' NaN/inf inputs: under the SGD
+    defaults or select='saliency' one NaN in the batch was reported as a divergence to fix by lowering the
+    learning rate. Truth: the test put the NaN in sample 2 of the batch of step ``batch``."""
+    model = two_units().train()
+    opt = optimizer(model.parameters(), lr=1e-3)
+    sp = linearize.Sparsifier(model, linearize.schedules.target(0.5), total_steps=10, select=select).attach(opt)
+    torch.manual_seed(1)
+    for step in range(batch + 1):
+        x = torch.randn(8, 3)
+        if step == batch:
+            x[2, 1] = NAN
+        opt.zero_grad()
+        model(x).sum().backward()
+        if step < batch:
+            opt.step()
+    assert sp.select != "fit"
+    with pytest.raises(linearize.NonFiniteSlopeError,
+                       match=r"unit 'a', the first, NaN/inf inputs \(1 position\): the batch held them") as raised:
+        opt.step()
+    assert "lower the learning rate" not in str(raised.value)
+
+
 class RunsInAnotherOrder(nn.Module):
     """``l2, a2`` are registered before ``l1, a1`` but run after them."""
 

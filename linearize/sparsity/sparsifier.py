@@ -161,7 +161,7 @@ from torch import nn
 
 from .. import schedules as _schedules
 from ..checks import check_positive, check_positive_int, finite_nonnegative, is_real
-from ..calibration import RunningFit
+from ..calibration import NonfiniteInputs, RunningFit
 from ..distributed import full_value, is_sharded, refuse_sharded, write_full
 from ..unit import (LinearizableActivation, check_finite_slopes, count_channels, linear_masks, project_slopes,
                     require_units)
@@ -381,6 +381,9 @@ class Sparsifier:
         could_fit = select == "fit" or linear_end == "affine" or (
             select == "auto" and self._steerable and not self._sharded)
         self._fit: RunningFit | None = RunningFit(model, [n for n, _ in self._units]) if could_fit else None
+        # where NaN/inf entered this step's training forwards, for every selection: names it when the slopes diverge
+        self._inputs = NonfiniteInputs(model, self._units)
+        weakref.finalize(self, self._inputs.close)  # its hooks go with the Sparsifier
         self.select, self.linear_end = self._choose()
         self.importance = selection(self.select)(self._units, self._weights, self._warn_once, self._fit)
         if self.optimizer is not None:
@@ -604,7 +607,8 @@ class Sparsifier:
                 "hook already steps it after every optimizer.step(): both would step it twice per optimizer step "
                 "(the schedule at double speed). Fix: remove the sparsifier.step() call, or call "
                 "sparsifier.detach() to step it by hand")
-        check_finite_slopes(self._units, f"Sparsifier.step (step {self.step_count})", self._nonfinite_cause)
+        check_finite_slopes(self._units, f"Sparsifier.step (step {self.step_count})", self._inputs.cause)
+        self._inputs.clear()
         watch.stepped(self)
         if self._slope_versions() == self._versions and not self._warned and self._optimizer_moves_slopes():
             warnings.warn(
@@ -663,32 +667,6 @@ class Sparsifier:
         if self.step_count % self.log_every == 0 or self.step_count == 1:
             self._record(lam_t, wanted)
         self._versions = self._slope_versions()
-
-    def _nonfinite_cause(self) -> str | None:
-        """Why the slopes are NaN/inf when this step's training forwards fed a unit NaN/inf inputs (the fit
-        tracker saw them): the first such unit in the order the forward ran them and where they came from, the
-        batch or the weights run before it; ``None`` when no unit saw any, or no fit tracks them (the training
-        diverged)."""
-        seen = {} if self._fit is None else self._fit.pending_nonfinite()
-        ran = [] if self._fit is None else self._fit.run_order()
-        first = next((i for i, (name, _) in enumerate(ran) if name in seen), None)
-        if first is None:
-            return None
-        name, layers = ran[first]
-        positions = f"{seen[name]} position{'s' if seen[name] > 1 else ''}"
-        listed = ", ".join(repr(n) for n in layers[:3]) + (f" and {len(layers) - 3} more" if len(layers) > 3 else "")
-        restore = ("A NaN/inf forward makes every gradient NaN, and the optimizer step wrote them into the weights: "
-                   "restore a checkpoint.")
-        if first == 0:
-            weights = f", or the weights before it ({listed}) are not finite (a damaged checkpoint)" if layers else ""
-            return (f"This step's forward fed unit {name!r}, the first, NaN/inf inputs ({positions}): the "
-                    f"batch held them (check the data){weights}. {restore} The learning rate is not the cause, "
-                    "unless an earlier step overflowed the weights.")
-        previous = ran[first - 1][0]
-        between = f"in {listed}" if layers else "in the computation between them"
-        return (f"This step's forward fed unit {name!r} NaN/inf inputs ({positions}), where unit "
-                f"{previous!r} before it got finite ones: they arose between the two, {between}: non-finite weights "
-                f"there (a damaged checkpoint, or an earlier step that overflowed them) or an overflow. {restore}")
 
     def _check_reachable(self) -> None:
         """Warn (once) when channels frozen nonlinear (slope 0) keep a fraction or ReLU target out of reach, or
