@@ -1065,8 +1065,8 @@ def _write_dense(layer: nn.Module, w: torch.Tensor, shift: torch.Tensor | None) 
 
 class NonfiniteInputs:
     """Where NaN/inf entered a model's training forwards since :meth:`clear`: per unit, the positions whose input
-    held NaN/inf (counted on the device, no sync) and the order the units and the modules holding parameters first
-    ran. Forward pre-hooks,
+    held NaN/inf (counted on the device, no sync), the order the units and the modules holding parameters first
+    ran, and whether every tensor input of the first of them to run (the batch) was finite. Forward pre-hooks,
     training-mode calls only; the :class:`~linearize.Sparsifier` keeps one for every selection to name where a
     divergence began (:meth:`cause`)."""
 
@@ -1077,6 +1077,7 @@ class NonfiniteInputs:
                         if id(m) not in units and next(m.parameters(recurse=False), None) is not None}
         self.ran: dict[str, bool] = {}  # name -> is a unit, in the order the training forwards first ran them
         self.bad: dict[str, torch.Tensor] = {}  # unit -> positions whose input held NaN/inf
+        self.batch_finite: torch.Tensor | None = None  # every tensor input of the first module to run was finite
         # hooks in _Hook wrappers, as the _Recorder's: a deep copy or pickle of the model does not take them along
         self.handles = [u.register_forward_pre_hook(_Hook(self._hook(n, u, True))) for n, u in named]
         self.handles += [m.register_forward_pre_hook(_Hook(self._hook(n, m, False))) for n, m in self._layers.items()]
@@ -1086,9 +1087,14 @@ class NonfiniteInputs:
             if mod is not module or not mod.training:
                 return
             self.ran.setdefault(name, is_unit)
-            rows = _unit_rows(module, args[0].detach(), None) if is_unit and args else None
-            if rows is not None:
-                with torch.no_grad():
+            with torch.no_grad():
+                if next(iter(self.ran)) == name:  # the first module of the forward: its inputs are the batch's
+                    finite = [torch.isfinite(a).all() for a in args if isinstance(a, torch.Tensor)]
+                    for f in finite:
+                        self.batch_finite = f if self.batch_finite is None else self.batch_finite & f.to(
+                            self.batch_finite.device)
+                rows = _unit_rows(module, args[0].detach(), None) if is_unit and args else None
+                if rows is not None:
                     bad = (~torch.isfinite(rows).all(1)).sum()
                     self.bad[name] = bad if name not in self.bad else self.bad[name] + bad.to(self.bad[name].device)
         return hook
@@ -1097,6 +1103,7 @@ class NonfiniteInputs:
         """Start a new step."""
         self.ran.clear()
         self.bad.clear()
+        self.batch_finite = None
 
     def close(self) -> None:
         """Remove the hooks."""
@@ -1107,7 +1114,7 @@ class NonfiniteInputs:
     def cause(self) -> str | None:
         """Why NaN/inf reached the slopes when this step's training forwards fed a unit NaN/inf inputs: the first
         such unit in the order the forward ran them, and where they came from (the batch, or the weights run
-        before it); ``None`` when no unit saw any (the training diverged)."""
+        before it, whose parameters are tested); ``None`` when no unit saw any (the training diverged)."""
         seen = {n: int(c) for n, c in self.bad.items() if int(c)}  # one device sync per unit
         order: list[tuple[str, list[str]]] = []
         layers: list[str] = []
@@ -1132,7 +1139,15 @@ class NonfiniteInputs:
                     f"{previous!r} before it got finite ones: they arose between the two, {between}: non-finite "
                     f"weights there (a damaged checkpoint, or an earlier step that overflowed them) or an overflow. "
                     f"{restore}")
-        weights = f", or the weights before it ({listed}) are not finite (a damaged checkpoint)" if layers else ""
-        return (f"This step's forward fed unit {name!r}, the first, NaN/inf inputs ({positions}): the batch held "
-                f"them (check the data){weights}. {restore} The learning rate is not the cause, unless an earlier "
-                "step overflowed the weights.")
+        if self.batch_finite is None or not bool(self.batch_finite):
+            return (f"This step's forward fed unit {name!r}, the first, NaN/inf inputs ({positions}): the batch "
+                    f"held them (check the data). {restore} The learning rate is not the cause.")
+        where = f"the weights before it ({listed})" if layers else "the computation before it"
+        held = [f"{n}.{p}" for n in layers for p, t in self._layers[n].named_parameters(recurse=False)
+                if not bool(torch.isfinite(t).all())]
+        if held:
+            where += f" (NaN/inf now in {', '.join(held[:4])}{' and more' if len(held) > 4 else ''})"
+        return (f"This step's forward fed unit {name!r}, the first, NaN/inf inputs ({positions}) from a finite "
+                f"batch: {where} were not finite in that forward or overflowed: a damaged checkpoint, or an earlier "
+                "optimizer step that wrote NaN/inf into them (float16 parameters under Adam, whose eps underflows: "
+                f"keep them float32 under autocast; a too-high learning rate). {restore}")
