@@ -24,6 +24,7 @@ from __future__ import annotations
 import copy
 import math
 import warnings
+import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Mapping
@@ -1068,10 +1069,10 @@ class NonfiniteInputs:
     held NaN/inf (counted on the device, no sync), the order the units and the modules holding parameters first
     ran, and whether every tensor input of the first of them to run (the batch) was finite. Forward pre-hooks,
     training-mode calls only; the :class:`~linearize.Sparsifier` keeps one for every selection to name where a
-    divergence began (:meth:`cause`)."""
+    divergence began (:meth:`cause`). The hooks hold it weakly: once it is gone they do nothing (they are not
+    removed then, as a garbage collection may run while torch iterates a module's hooks)."""
 
     def __init__(self, model: nn.Module, named: list[tuple[str, LinearizableActivation]]) -> None:
-        self._named = named
         units = {id(u) for _, u in named}
         self._layers = {n: m for n, m in model.named_modules()
                         if id(m) not in units and next(m.parameters(recurse=False), None) is not None}
@@ -1079,12 +1080,17 @@ class NonfiniteInputs:
         self.bad: dict[str, torch.Tensor] = {}  # unit -> positions whose input held NaN/inf
         self.batch_finite: torch.Tensor | None = None  # every tensor input of the first module to run was finite
         # hooks in _Hook wrappers, as the _Recorder's: a deep copy or pickle of the model does not take them along
-        self.handles = [u.register_forward_pre_hook(_Hook(self._hook(n, u, True))) for n, u in named]
-        self.handles += [m.register_forward_pre_hook(_Hook(self._hook(n, m, False))) for n, m in self._layers.items()]
+        ref = weakref.ref(self)
+        for name, module in named:
+            module.register_forward_pre_hook(_Hook(self._hook(ref, name, module, True)))
+        for name, module in self._layers.items():
+            module.register_forward_pre_hook(_Hook(self._hook(ref, name, module, False)))
 
-    def _hook(self, name: str, module: nn.Module, is_unit: bool):
+    @staticmethod
+    def _hook(ref: weakref.ref, name: str, module: nn.Module, is_unit: bool):
         def hook(mod, args):
-            if mod is not module or not mod.training:
+            self = ref()
+            if self is None or mod is not module or not mod.training:
                 return
             self.ran.setdefault(name, is_unit)
             with torch.no_grad():
@@ -1104,12 +1110,6 @@ class NonfiniteInputs:
         self.ran.clear()
         self.bad.clear()
         self.batch_finite = None
-
-    def close(self) -> None:
-        """Remove the hooks."""
-        for h in self.handles:
-            h.remove()
-        self.handles = []
 
     def cause(self) -> str | None:
         """Why NaN/inf reached the slopes when this step's training forwards fed a unit NaN/inf inputs: the first

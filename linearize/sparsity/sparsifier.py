@@ -383,7 +383,6 @@ class Sparsifier:
         self._fit: RunningFit | None = RunningFit(model, [n for n, _ in self._units]) if could_fit else None
         # where NaN/inf entered this step's training forwards, for every selection: names it when the slopes diverge
         self._inputs = NonfiniteInputs(model, self._units)
-        weakref.finalize(self, self._inputs.close)  # its hooks go with the Sparsifier
         self.select, self.linear_end = self._choose()
         self.importance = selection(self.select)(self._units, self._weights, self._warn_once, self._fit)
         if self.optimizer is not None:
