@@ -1,5 +1,5 @@
 """Files and folders written whole: the sha256 of a file, and :func:`replaced_dir`, which replaces a folder
-atomically (temp sibling ``.tmp-<name>-<pid>``, renamed into place; :func:`restore_aside` repairs a
+atomically (temp sibling ``.tmp-<name>-<pid>-<random>``, renamed into place; :func:`restore_aside` repairs a
 replacement killed between its two renames); :func:`writing`, which names the file of a failed write; and
 :func:`hold_output_dir`, the lock of the run training into an ``OUTPUT_DIR``."""
 
@@ -10,6 +10,7 @@ import glob
 import hashlib
 import os
 import re
+import secrets
 import shutil
 import socket
 import sys
@@ -24,6 +25,7 @@ TMP_PREFIX = ".tmp-"
 RUN_LOCK = ".run.lock"  # OUTPUT_DIR/.run.lock: held by the run training into OUTPUT_DIR
 RUN_OWNER = ".run.owner"  # OUTPUT_DIR/.run.owner: which process holds it (pid, host, command)
 _HELD_RUNS: dict[str, object] = {}  # the run locks this process holds, by the lock file's real path
+_OWN_TEMPS: set[Path] = set()  # the temp folders of replaced_dir calls running in this process now
 
 
 def file_sha256(path: Path) -> str:
@@ -117,15 +119,20 @@ def release_output_dir(output_dir: str | Path) -> None:
 
 def _temp_siblings(directory: Path, old: bool | None) -> list[Path]:
     """The temp folders that killed runs of :func:`replaced_dir` left for ``directory``:
-    ``.tmp-<name>-<pid>`` (stages) and ``.tmp-<name>-old-<pid>`` (old folders set aside); ``old`` picks
-    one kind (None: both). Exact names only (``.tmp-model-best-old-7`` belongs to ``model-best``, never to
-    ``model``), and only of processes that no longer run: a live writer's folders are its own."""
+    ``.tmp-<name>-<pid>-<random>`` (stages) and ``.tmp-<name>-old-<pid>-<random>`` (old folders set aside;
+    also the names without ``-<random>`` of earlier versions); ``old`` picks one kind (None: both). Exact
+    names only (``.tmp-model-best-old-7`` belongs to ``model-best``, never to ``model``), and only those no
+    running writer owns: of a process that no longer runs, or of this process's PID but not one of its
+    saves in progress (a requeued container run gets its killed predecessor's PID, often 1)."""
     kind = {True: "old-", False: "", None: "(?:old-)?"}[old]
-    pattern = re.compile(rf"{re.escape(TMP_PREFIX + directory.name)}-{kind}(\d+)")
+    pattern = re.compile(rf"{re.escape(TMP_PREFIX + directory.name)}-{kind}(\d+)(?:-[0-9a-f]{{8}})?")
     found = []
     for p in directory.parent.glob(glob.escape(f"{TMP_PREFIX}{directory.name}-") + "*"):
         match = pattern.fullmatch(p.name)
-        if match and not pid_alive(int(match.group(1))):
+        if match is None or p in _OWN_TEMPS:
+            continue
+        pid = int(match.group(1))
+        if pid == os.getpid() or not pid_alive(pid):
             found.append(p)
     return found
 
@@ -138,7 +145,7 @@ def _link_target(directory: Path) -> Path:
 def restore_aside(directory: str | Path) -> Path | None:
     """Put back the folder that :func:`replaced_dir` had renamed aside when it was killed between its
     two renames (``directory``, or the target of the symlink ``directory``, missing;
-    ``.tmp-<name>-old-<pid>`` of a process that no longer runs present: the newest such copy).
+    ``.tmp-<name>-old-<pid>-<random>`` that no running writer owns present: the newest such copy).
     Returns the folder restored, or ``None`` when there was nothing to do."""
     directory = _link_target(Path(directory))
     if directory.exists() or directory.is_symlink():
@@ -163,16 +170,17 @@ def replaced_dir(directory: str | Path):
     restore_aside(directory)
     for leftover in _temp_siblings(directory, old=None):  # of interrupted saves
         shutil.rmtree(leftover, ignore_errors=True)
-    stage = directory.with_name(f"{TMP_PREFIX}{directory.name}-{os.getpid()}")
+    token = f"{os.getpid()}-{secrets.token_hex(4)}"  # unique: a requeued run may get a killed one's PID
+    stage = directory.with_name(f"{TMP_PREFIX}{directory.name}-{token}")
+    old = directory.with_name(f"{TMP_PREFIX}{directory.name}-old-{token}")
     stage.mkdir()
+    _OWN_TEMPS.update((stage, old))
     try:
         yield stage
         for f in stage.iterdir():
             if f.is_file():
                 fsync_path(f)
         if directory.is_dir():
-            old = directory.with_name(f"{TMP_PREFIX}{directory.name}-old-{os.getpid()}")
-            shutil.rmtree(old, ignore_errors=True)
             directory.rename(old)
             try:
                 stage.rename(directory)
@@ -186,3 +194,5 @@ def replaced_dir(directory: str | Path):
     except BaseException:
         shutil.rmtree(stage, ignore_errors=True)
         raise
+    finally:
+        _OWN_TEMPS.difference_update((stage, old))

@@ -102,7 +102,7 @@ def remove_earlier_outputs(output_dir: str | Path, names: Iterable[str]) -> list
     removed = []
     for name in names:
         path = Path(output_dir) / name
-        pattern = re.compile(rf"{re.escape(TMP_PREFIX + name)}-(?:removed-|old-)?(\d+)")
+        pattern = re.compile(rf"{re.escape(TMP_PREFIX + name)}-(?:removed-|old-)?(\d+)(?:-[0-9a-f]{{8}})?")
         for leftover in path.parent.glob(glob.escape(f"{TMP_PREFIX}{name}-") + "*"):  # of killed removals, saves
             match = pattern.fullmatch(leftover.name)
             if match and not pid_alive(int(match.group(1))) and leftover.is_dir() and not leftover.is_symlink():

@@ -640,6 +640,27 @@ def test_restore_aside_with_glob_characters_in_the_name(tmp_path, dead_pid):
     assert (tmp_path / "run[a]" / "recipe.json").is_file()
 
 
+def test_final_save_after_a_killed_one_with_the_same_pid(tmp_path):
+    """Truth: a requeued container run gets its killed predecessor's PID (often 1), so a leftover stage
+    ``.tmp-model-<own pid>`` or aside copy ``.tmp-model-old-<own pid>`` is no writer's in progress (this
+    process made neither): restore_aside puts the aside copy back (its file as first written), and the
+    save replaces the folder with this run's file, leaving no temp folder. Observed: the PID counts as
+    alive, the leftover stays and ``stage.mkdir()`` raises FileExistsError on every retry."""
+    aside = tmp_path / f"{common.TMP_PREFIX}model-old-{os.getpid()}"
+    aside.mkdir()
+    (aside / "recipe.json").write_text('{"v": 1}')
+    assert common.restore_aside(tmp_path / "model") == tmp_path / "model"
+    assert common.read_recipe_json(tmp_path / "model") == {"v": 1}
+    killed = tmp_path / f"{common.TMP_PREFIX}model-{os.getpid()}"  # a half-written stage of the killed save
+    killed.mkdir()
+    (killed / "model.safetensors").write_bytes(b"\0" * 10)
+    with common.replaced_dir(tmp_path / "model") as stage:
+        (stage / "recipe.json").write_text('{"v": 2}')
+    assert sorted(p.name for p in (tmp_path / "model").iterdir()) == ["recipe.json"]
+    assert common.read_recipe_json(tmp_path / "model") == {"v": 2}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]
+
+
 def test_read_recipe_json_through_a_symlink_after_a_kill(tmp_path, dead_pid):
     """Truth: replaced_dir(link) writes the link's target; killed between its two renames it leaves the
     target aside as ``.tmp-real-old-<pid>``; read_recipe_json(link) puts it back and reads it. Observed:
