@@ -397,14 +397,16 @@ def safe_torch_load(path: str | os.PathLike, *, trust_pickle: bool = False, what
     and plain values only); a file that needs more (a pickled ``nn.Module``, or a crafted pickle)
     raises :class:`LoadError` naming the file and the ``--trust-pickle`` flag, and nothing in it
     runs. ``trust_pickle=True`` unpickles everything: only for files from a trusted source.
-    ``what`` (e.g. ``"--checkpoint"``) prefixes messages.
+    ``what`` (e.g. ``"--checkpoint"``) prefixes messages. A missing path raises ``FileNotFoundError``; a folder,
+    FIFO, device or socket :class:`LoadError` saying which (:func:`check_regular`), before anything is opened.
     """
     import torch
 
     path = Path(path)
     label = f"{what} {path}" if what else str(path)
-    if not path.is_file():
+    if not path.exists():
         raise FileNotFoundError(f"{label}: no such file")
+    check_regular(path, f"{what} file (a .pt file saved by torch.save)" if what else "PyTorch file")
     try:
         return torch.load(path, map_location="cpu", weights_only=not trust_pickle)
     except Exception as err:  # a decoder of arbitrary bytes: refusal, truncated zip, garbage, wrong format

@@ -250,6 +250,19 @@ def test_report_checkpoint_with_invalid_unit_state_is_refused(tmp_path, bad):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("kind", ["folder", "fifo"])
+def test_a_checkpoint_that_is_a_folder_or_fifo_is_named_as_such(tmp_path, cli_refusal, kind):
+    """``--checkpoint`` naming a folder (a recipe's ``step_N/``) or a FIFO: the path exists, so the error says what
+    it is, where it said 'no such file'; nothing waits on the FIFO."""
+    torch.save(nn.Sequential(nn.Linear(64, 8), nn.ReLU(), nn.Linear(8, 10)), tmp_path / "mlp.pt")
+    ckpt = tmp_path / "step_3.pt"
+    ckpt.mkdir() if kind == "folder" else os.mkfifo(ckpt)
+    line = cli_refusal(["report", str(tmp_path / "mlp.pt"), "--trust-pickle", "--checkpoint", str(ckpt), "--data",
+                        "digits", "--output-dir", str(tmp_path / "out")])
+    what = "a folder" if kind == "folder" else "not a regular file (a FIFO"
+    assert f"{ckpt} is {what}" in line and "where a --checkpoint file" in line and "no such file" not in line, line
+
+
 @pytest.mark.parametrize("argv, why", [
     (["demo", "--epochs", "0"], r"--epochs must be an int from 1 to 10000, got 0"),
     (["demo", "--epochs", "-3"], r"--epochs must be an int from 1 to 10000, got -3"),
