@@ -250,6 +250,25 @@ def test_report_checkpoint_with_invalid_unit_state_is_refused(tmp_path, bad):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("other, says", [
+    ("head size", r"\(2 tensor\(s\) of another shape, e.g. 2.weight \[5, 8\] vs \[10, 8\]\)"),
+    ("architecture", r"2 key\(s\) missing, e.g. 2.weight; 2 unexpected key\(s\), e.g. 1.weight"),
+])
+def test_a_checkpoint_of_another_head_or_architecture_is_a_one_line_error(tmp_path, cli_refusal, other, says):
+    """A valid state_dict that does not fit MODEL (trained with another number of classes, or of another
+    architecture): one line naming --checkpoint, the mismatch and the fix, exit 2, not load_state_dict's traceback.
+    Truth: the shapes and keys of the two models built here."""
+    torch.save(nn.Sequential(nn.Linear(64, 8), nn.ReLU(), nn.Linear(8, 10)), tmp_path / "mlp.pt")
+    ckpt = nn.Sequential(nn.Linear(64, 8), nn.ReLU(), nn.Linear(8, 5)) if other == "head size" else \
+        nn.Sequential(nn.Linear(64, 8), nn.Linear(8, 10))
+    torch.save(ckpt.state_dict(), tmp_path / "ckpt.pt")
+    line = cli_refusal(["report", str(tmp_path / "mlp.pt"), "--trust-pickle", "--checkpoint", str(tmp_path / "ckpt.pt"),
+                        "--data", "digits", "--output-dir", str(tmp_path / "out")])
+    assert f"--checkpoint {tmp_path / 'ckpt.pt'} does not fit {tmp_path / 'mlp.pt'} (" in line, line
+    assert re.search(says, line) and line.endswith("pass the MODEL (and --num-classes) it was trained with"), line
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.parametrize("kind", ["folder", "fifo"])
 def test_a_checkpoint_that_is_a_folder_or_fifo_is_named_as_such(tmp_path, cli_refusal, kind):
     """``--checkpoint`` naming a folder (a recipe's ``step_N/``) or a FIFO: the path exists, so the error says what

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from .._files import open_regular
+from .._files import LoadError, open_regular
 from .._optional import require
 from ..inputs import (MAX_TOTAL_PIXELS, Batches, call_model, check_total_bytes, describe_inputs, eval_mode,
                       image_size, read_image_file, read_tar_image)
@@ -68,7 +68,7 @@ def load_model_and_data(args: argparse.Namespace) -> tuple[nn.Module, Any]:
     """The model and data of ``linearize report``'s arguments; a model without units is converted (slopes 0)."""
     import linearize
 
-    from .._files import LoadError, safe_torch_load
+    from .._files import safe_torch_load
     from ..models import load_model
 
     spec = Path(args.model)
@@ -96,6 +96,9 @@ def load_model_and_data(args: argparse.Namespace) -> tuple[nn.Module, Any]:
     if not converted and state is not None and any(k.endswith(".slope") for k in state):
         model, converted = linearize.convert(model, example_inputs=example), True
     if state is not None:
+        with reading(f"--checkpoint {args.checkpoint}"):
+            check_state_fits(model, state, f"--checkpoint {args.checkpoint}",
+                             args.model + (f" --num-classes {args.num_classes}" if args.num_classes else ""))
         model.load_state_dict(state)
         from ..serialization import unit_problem
 
@@ -108,6 +111,23 @@ def load_model_and_data(args: argparse.Namespace) -> tuple[nn.Module, Any]:
         print(f"{type(model).__name__} has no linearizable units: converting it (every channel nonlinear)")
         model = linearize.convert(model, example_inputs=example)
     return model.eval(), data
+
+
+def check_state_fits(model: nn.Module, state: Mapping[str, Any], given: str, model_arg: str) -> None:
+    """:class:`~linearize.LoadError` naming ``given`` (e.g. ``"--checkpoint ckpt.pt"``), ``model_arg`` (the model as
+    the command line built it), the first mismatch and the fix, when the state_dict ``state`` does not fit ``model``:
+    keys it lacks or has beyond the model's, or a tensor of another shape (a head of another size, another
+    architecture), where ``load_state_dict`` would raise torch's multi-line error."""
+    own = model.state_dict()
+    shapes = [f"{k} {list(v.shape)} vs {list(own[k].shape)}" for k, v in state.items()
+              if k in own and isinstance(v, torch.Tensor) and isinstance(own[k], torch.Tensor) and v.shape != own[k].shape]
+    missing, unexpected = [k for k in own if k not in state], [k for k in state if k not in own]
+    problems = [f"{len(shapes)} tensor(s) of another shape, e.g. {shapes[0]}"] if shapes else []
+    problems += [f"{len(missing)} key(s) missing, e.g. {missing[0]}"] if missing else []
+    problems += [f"{len(unexpected)} unexpected key(s), e.g. {unexpected[0]}"] if unexpected else []
+    if problems:
+        raise LoadError(f"{given} does not fit {model_arg} ({'; '.join(problems)}): pass the MODEL (and "
+                        "--num-classes) it was trained with")
 
 
 def load_data(args: argparse.Namespace, model: nn.Module, hf_dir: Path | None) -> Any:
