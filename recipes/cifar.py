@@ -842,7 +842,6 @@ def train_run(args: argparse.Namespace, start_time: float) -> dict:
             except (TypeError, ValueError, NotImplementedError) as e:
                 warnings.warn(f"average path length not computed: {e}")
         save_final(raw, out_dir / "model", args, classes, mean, std)
-        common.write_metrics(out_dir, metrics, args, start_time, n_proc, str(accelerator.device), run.earlier_s)
         raw.eval()
         if args.fold:  # linear parts folded into the layers around them (a plain nn.Module, no units left)
             folded = linearize.fold(raw, probe)
@@ -856,8 +855,9 @@ def train_run(args: argparse.Namespace, start_time: float) -> dict:
                              skip=[m for m in args.report_skip.split(",") if m],
                              history=history if history.exists() else None).save(out_dir / "report")
             metrics["report"] = str(out_dir / "report")
-        if args.fold or args.report:
-            common.write_metrics(out_dir, metrics, args, start_time, n_proc, str(accelerator.device), run.earlier_s)
+        # last: a metrics.json of the whole schedule marks the run finished (recipes/reproduce's is_done), so a
+        # run killed before its outputs are all written is resumed, never taken as finished without them
+        common.write_metrics(out_dir, metrics, args, start_time, n_proc, str(accelerator.device), run.earlier_s)
         accelerator.print(json.dumps({k: v for k, v in metrics.items() if not isinstance(v, dict)}))
     if args.with_tracking:
         accelerator.end_training()

@@ -853,7 +853,6 @@ def train_run(args: argparse.Namespace, start_time: float) -> dict:
         for s in eval_splits:
             (out_dir / f"{s}_hypotheses.txt").write_text("\n".join(hyps[s]) + "\n")
         save_final(raw, tokenizer, out_dir / "model", args)
-        common.write_metrics(out_dir, metrics, args, start_time, accelerator.num_processes, str(accelerator.device), run.earlier_s)
         probe = {k: v.to(accelerator.device) for k, v in collate(evaluated[:16]).items() if k != "labels"}
         raw.eval()
         if args.fold:  # linear parts folded into the layers around them (a plain nn.Module, no units left)
@@ -882,8 +881,9 @@ def train_run(args: argparse.Namespace, start_time: float) -> dict:
                 "kept_channels": {n: m.out_features for n, m in raw.named_modules() if n.endswith(".fc1")},
                 "kept_indices": str(out_dir / KEPT_FILE), "ffn_macs_per_token": macs,
                 "flops_before": linearize.count_flops(whole, probe), "flops_after": linearize.count_flops(raw, probe)}
-        if args.fold or args.report or args.prune:
-            common.write_metrics(out_dir, metrics, args, start_time, accelerator.num_processes, str(accelerator.device), run.earlier_s)
+        # last: a metrics.json of the whole schedule marks the run finished (recipes/reproduce's is_done), so a
+        # run killed before its outputs are all written is resumed, never taken as finished without them
+        common.write_metrics(out_dir, metrics, args, start_time, accelerator.num_processes, str(accelerator.device), run.earlier_s)
         accelerator.print(json.dumps({k: v for k, v in metrics.items() if not isinstance(v, dict)}))
     if args.with_tracking:
         accelerator.end_training()

@@ -63,15 +63,19 @@ def write_json(path: Path, obj: Any) -> None:
 
 
 def is_done(run: Path) -> bool:
-    """A run is done when its ``model/`` and a ``metrics.json`` of the whole schedule are there (a damaged
-    ``metrics.json``: not done, with a warning naming it)."""
+    """A run is done when its ``model/`` and a ``metrics.json`` of the whole schedule are there, with the
+    entries of every output its arguments asked for (``fold`` for ``--fold``, ``report`` for ``--report``: a
+    ``metrics.json`` of an older recipe, written before them, is not a finished run); a damaged
+    ``metrics.json``: not done, with a warning naming it."""
     m = read_json(run / "metrics.json", damaged_ok=True)
     steps, total = m.get("steps", 0), m.get("total_steps", 0)
     if not all(isinstance(v, (int, float)) for v in (steps, total)):
         warnings.warn(f"{run / 'metrics.json'}: steps {steps!r} and total_steps {total!r} must be numbers; the run "
                       "is taken as not done: repair or remove the file", RuntimeWarning, stacklevel=2)
         return False
-    return bool(m) and steps >= total and (run / "model" / "recipe.json").is_file()
+    args = m.get("args") if isinstance(m.get("args"), dict) else {}
+    outputs = [k for k in ("fold", "report") if args.get(k)]
+    return bool(m) and steps >= total and all(k in m for k in outputs) and (run / "model" / "recipe.json").is_file()
 
 
 def has_checkpoint(run: Path) -> bool:

@@ -255,6 +255,68 @@ open(os.path.join(out, "metrics.json"), "w").write(json.dumps({"steps": 1, "tota
 """
 
 
+KILLED_AT_FOLD = """import os, signal, sys
+marker = os.environ["KILLED_AT_FOLD_MARKER"]
+sys.path.insert(0, {recipes!r})
+import cifar, linearize
+real = linearize.save_folded
+def save_folded(*args, **kwargs):
+    if not os.path.exists(marker):  # the first attempt: SIGKILLed after model/ is saved, before folded/
+        open(marker, "w").close()
+        os.kill(os.getpid(), signal.SIGKILL)
+    return real(*args, **kwargs)
+linearize.save_folded = save_folded
+cifar.main(sys.argv[1:])
+"""
+
+
+def test_a_run_killed_before_its_fold_is_resumed_and_ends_as_an_uninterrupted_one(tree, tmp_path, monkeypatch):
+    """A run with ``--fold`` SIGKILLed after its ``model/`` is saved and before ``folded/`` is written is not
+    done (the harness must not count it finished without folded/); the runner resumes it from its
+    checkpoint, and it ends with the model, folded model and metrics of the same run never interrupted
+    (truth: that run, in another folder). Observed before: metrics.json of the whole schedule was written
+    before the fold, is_done said True and the run was never resumed: folded/ missing for good."""
+    from safetensors.torch import load_file as load
+
+    monkeypatch.setenv("LINEARIZE_CACHE", str(tree["root"] / "cache"))
+    monkeypatch.setenv("TQDM_DISABLE", "1")
+    monkeypatch.delenv("LINEARIZE_CIFAR10", raising=False)
+    script = tmp_path / "wrapper" / "cifar.py"  # named as the recipe: the harness reads its arguments with cifar's
+    script.parent.mkdir()
+    script.write_text(KILLED_AT_FOLD.format(recipes=str(RECIPES)))
+    args = ["--data-dir", str(tree["data"]), "--arch", "resnet20", "--cpu", "--image-size", "8", "--batch-size", "4",
+            "--eval-batch-size", "10", "--checkpointing_steps", "390", "--linearize", "prelu", "--target", "0.5",
+            "--schedule", "early", "--epochs", "1", "--freeze", "--fold", "--seed", "0"]
+    runs, ref = tmp_path / "runs", tmp_path / "uninterrupted"
+    runs.mkdir()
+    done = tmp_path / "no kill"
+    done.touch()
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", KILLED_AT_FOLD_MARKER=str(done))  # the runner's
+    subprocess.run([sys.executable, str(script), *args, "--output_dir", str(ref)], check=True, capture_output=True,
+                   timeout=600, env=env)
+    monkeypatch.setenv("KILLED_AT_FOLD_MARKER", str(tmp_path / "killed once"))
+    job = sweep.Job("killed", [str(script), *args, "--output_dir", str(runs / "killed")])
+    assert sweep.train([job], runs, n_jobs=1, threads=1, poll_s=0.1, max_hours=1 / 60) == 1  # the SIGKILLed attempt
+    assert (runs / "killed" / "model" / "recipe.json").is_file() and not (runs / "killed" / "folded").exists()
+    assert not sweep.is_done(runs / "killed")
+    assert sweep.train([job], runs, n_jobs=1, threads=1, poll_s=0.1, max_hours=1 / 60) == 0
+    assert "--resume_from_checkpoint latest" in json.loads((runs / "jobs.json").read_text())["killed"]["command"]
+    assert sweep.is_done(runs / "killed")
+    folded = [f"folded/{p.name}" for p in (ref / "folded").glob("*.safetensors")]
+    assert len(folded) == 1 and (runs / "killed" / "folded" / "folded.json").is_file()
+    for rel in ("model/model.safetensors", *folded):
+        got, want = load(str(runs / "killed" / rel)), load(str(ref / rel))
+        assert got.keys() == want.keys(), rel
+        for k in want:
+            torch.testing.assert_close(got[k], want[k], rtol=0, atol=0, equal_nan=True, msg=f"{rel}: {k}")
+
+    def metrics(out: Path) -> dict:
+        m = json.loads((out / "metrics.json").read_text().replace(str(out), "OUT"))
+        return {k: v for k, v in m.items() if k not in ("wall_time_s", "wall_time_this_process_s", "command", "args")}
+
+    assert metrics(runs / "killed") == metrics(ref)
+
+
 @pytest.mark.parametrize("damage", {
     "not UTF-8": lambda p: p.write_bytes(b"\xff\xfe{\x00}\x00"),
     "a folder": lambda p: p.mkdir(),
