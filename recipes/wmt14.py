@@ -780,15 +780,16 @@ def train_run(args: argparse.Namespace, start_time: float) -> dict:
     one_shot = None  # what --one-shot did (ONE_SHOT_FILE), once it has
     if act_at is not None and args.resume_from_checkpoint:
         common.remove_partial_checkpoints(out_dir)  # as common.start does: the checkpoint it will load
-        ckpt = common.find_checkpoint(args.resume_from_checkpoint, out_dir)[0]
-        common.check_args(ckpt, args)  # before the pre-load: a run of other flags is refused naming them
-        if ckpt.step > act_at and args.prune:
-            # the pruned shapes (the kept channels do not matter: the checkpoint's weights replace them)
-            prune_ffns(run, keep, "magnitude", calibration_batches(train, sampler, 0, 1), rebuild)
-        elif ckpt.step > act_at:  # its ends, learnable or fixed as saved, then an optimizer that holds them
-            accelerator.unwrap_model(model).load_state_dict(ckpt.model, strict=False)
-            run.optimizer, run.scheduler = rebuild(accelerator.unwrap_model(model))
-            one_shot = read_one_shot(out_dir)
+        ckpt = common.resume_checkpoint(args.resume_from_checkpoint, out_dir)[0]
+        if ckpt is not None:  # None: `latest` before the run's first checkpoint, which starts at step 0
+            common.check_args(ckpt, args)  # before the pre-load: a run of other flags is refused naming them
+            if ckpt.step > act_at and args.prune:
+                # the pruned shapes (the kept channels do not matter: the checkpoint's weights replace them)
+                prune_ffns(run, keep, "magnitude", calibration_batches(train, sampler, 0, 1), rebuild)
+            elif ckpt.step > act_at:  # its ends, learnable or fixed as saved, then an optimizer that holds them
+                accelerator.unwrap_model(model).load_state_dict(ckpt.model, strict=False)
+                run.optimizer, run.scheduler = rebuild(accelerator.unwrap_model(model))
+                one_shot = read_one_shot(out_dir)
     step, last_step = common.start(run, total_steps)
     accelerator.print(f"{args.model_size} Transformer, {args.source_lang}->{args.target_lang}: {len(train)} pairs, "
                       f"vocab {len(tokenizer)}, {steps_per_epoch} steps/epoch, {total_steps} steps, "

@@ -32,8 +32,8 @@ from .args import (LINEARIZE_MODES, PRESSURE_FLAGS, add_linearize_args, add_run_
                    check_run_args, flag, schedule_start)
 from .checkpoints import (MODEL_FILE, NEUTRAL_ARGS, OPTIMIZER_FILE, STATE_FILE, Checkpoint, CheckpointError,
                           check_args, checkpoint_dir, find_checkpoint, first_nonfinite, json_value, load_checkpoint,
-                          model_fingerprint, read_checkpoint, remove_partial_checkpoints, save_checkpoint,
-                          state_digest, state_problem, state_sha256)
+                          model_fingerprint, read_checkpoint, remove_partial_checkpoints, resume_checkpoint,
+                          save_checkpoint, state_digest, state_problem, state_sha256)
 from .files import (RUN_LOCK, TMP_PREFIX, file_sha256, hold_output_dir, release_output_dir, replaced_dir,
                     restore_aside, writing)
 from .outputs import (check_files, file_records, fold_metrics, read_recipe_json, remove_earlier_outputs, unit_stats,
@@ -47,7 +47,8 @@ __all__ = [
     "check_run_args", "flag", "schedule_start",
     "MODEL_FILE", "NEUTRAL_ARGS", "OPTIMIZER_FILE", "STATE_FILE", "Checkpoint", "CheckpointError", "check_args",
     "checkpoint_dir", "find_checkpoint", "first_nonfinite", "json_value", "load_checkpoint", "model_fingerprint",
-    "read_checkpoint", "remove_partial_checkpoints", "save_checkpoint", "state_digest", "state_problem",
+    "read_checkpoint", "remove_partial_checkpoints", "resume_checkpoint", "save_checkpoint", "state_digest",
+    "state_problem",
     "state_sha256",
     "RUN_LOCK", "TMP_PREFIX", "file_sha256", "hold_output_dir", "release_output_dir", "replaced_dir", "restore_aside",
     "writing",

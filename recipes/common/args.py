@@ -28,7 +28,8 @@ def add_run_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--keep_checkpoints", "--keep-checkpoints", dest="keep_checkpoints", type=int,
                    default=2, help="keep only the newest N step checkpoints")
     g.add_argument("--resume_from_checkpoint", "--resume-from-checkpoint", dest="resume_from_checkpoint",
-                   default=None, help="a checkpoint directory, or 'latest' (newest under output_dir)")
+                   default=None, help="a checkpoint directory, or 'latest' (newest under output_dir; none yet: "
+                   "start at step 0)")
     g.add_argument("--max_steps", "--max-steps", dest="max_steps", type=int, default=None,
                    help="the run's length in optimizer steps, instead of --epochs (as Hugging Face's max_steps "
                    "and Accelerate's --max_train_steps): the LR and sparsity schedules span these steps")

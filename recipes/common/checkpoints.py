@@ -425,6 +425,17 @@ def find_checkpoint(arg: str, output_dir: str | Path) -> tuple[Checkpoint, list[
                           "\nstart again without --resume_from_checkpoint (in a fresh --output_dir)")
 
 
+def resume_checkpoint(arg: str | None, output_dir: str | Path) -> tuple[Checkpoint | None, list[str]]:
+    """The checkpoint that ``--resume_from_checkpoint arg`` resumes from and why newer folders were skipped
+    (:func:`find_checkpoint`), or ``(None, [])``: start at step 0. ``None`` without the flag, and for ``latest``
+    before the run's first checkpoint (no ``step_*`` folder under ``OUTPUT_DIR/checkpoints``: a run killed in its
+    first steps or while writing its first checkpoint, started again with the same command, begins where the
+    uninterrupted run began)."""
+    if not arg or (arg == "latest" and not any(p.is_dir() for p in (Path(output_dir) / "checkpoints").glob("step_*"))):
+        return None, []
+    return find_checkpoint(arg, output_dir)
+
+
 def _load_model_state(model: nn.Module, state: dict[str, torch.Tensor], path: Path) -> None:
     """``load_state_dict`` that accepts tied tensors stored once (safetensors drops their aliases)."""
     own = model.state_dict()

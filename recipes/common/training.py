@@ -13,7 +13,7 @@ import torch
 from tqdm.auto import tqdm
 
 from .accelerator import init_tracking
-from .checkpoints import find_checkpoint, load_checkpoint, remove_partial_checkpoints, save_checkpoint
+from .checkpoints import load_checkpoint, remove_partial_checkpoints, resume_checkpoint, save_checkpoint
 from .outputs import unit_stats
 from .run import NONFINITE_ADVICE, Run
 
@@ -64,14 +64,17 @@ def start(run: Run, total_steps: int) -> tuple[int, int]:
         remove_partial_checkpoints(run.out_dir)
     acc.wait_for_everyone()  # it may rename a restored checkpoint into place: every process then sees it
     step = 0
-    if args.resume_from_checkpoint:
-        ckpt, skipped = find_checkpoint(args.resume_from_checkpoint, run.out_dir)
+    ckpt, skipped = resume_checkpoint(args.resume_from_checkpoint, run.out_dir)
+    if ckpt is not None:
         if acc.is_main_process:
             for reason in skipped:
                 warnings.warn(f"skipping a damaged checkpoint: {reason}", RuntimeWarning, stacklevel=2)
         load_checkpoint(run, ckpt)
         step = ckpt.step
         acc.print(f"resumed from {ckpt.path} at step {step}")
+    elif args.resume_from_checkpoint:
+        acc.print(f"--resume_from_checkpoint {args.resume_from_checkpoint}: no checkpoint under "
+                  f"{run.out_dir / 'checkpoints'} yet: starting at step 0")
     init_tracking(acc, args, run.recipe)
     return step, min(total_steps, args.stop_after) if args.stop_after else total_steps
 

@@ -514,6 +514,22 @@ def test_resume_falls_back_past_a_damaged_newest_checkpoint(cifar_runs, cifar_ar
     assert_same_run(cifar_runs.full, tmp_path, cifar_runs.total, logged_from=newest)
 
 
+def test_latest_before_the_first_checkpoint_starts_at_step_0(cifar_runs, cifar_args, tmp_path, dead_pid, capsys):
+    """A run killed while writing its first checkpoint (only a half-written ``.tmp-step_00000001-<pid>``; a kill
+    in the first steps leaves no checkpoint either) started again with the same command and
+    ``--resume_from_checkpoint latest`` (a requeue script's form) starts at step 0, saying so, and ends bit for
+    bit like the uninterrupted run. Observed before: FileNotFoundError "no checkpoint under ...", no run."""
+    import cifar
+
+    partial = tmp_path / "checkpoints" / f".tmp-step_00000001-{dead_pid}"
+    partial.mkdir(parents=True)
+    (partial / common.MODEL_FILE).write_bytes(b"\0" * 10)
+    cifar.main(cifar_args + ["--output_dir", str(tmp_path), "--resume_from_checkpoint", "latest"])
+    assert f"no checkpoint under {tmp_path / 'checkpoints'} yet: starting at step 0" in capsys.readouterr().out
+    assert not partial.exists()
+    assert_same_run(cifar_runs.full, tmp_path, cifar_runs.total)
+
+
 # ----------------------------------------------------------------------------- non-finite training
 
 

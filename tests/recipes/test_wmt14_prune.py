@@ -124,6 +124,20 @@ def test_stopped_at_the_prune_point_prunes_as_the_uninterrupted_run(prune_args, 
                      load_file(str(tmp_path / "part" / "model" / "model.safetensors")), "final weights")
 
 
+def test_latest_before_the_first_checkpoint_prunes_as_the_uninterrupted_run(prune_args, tmp_path, capsys):
+    """A --prune run killed in its first step (no checkpoint yet), started again with the same command and
+    ``--resume_from_checkpoint latest`` (a requeue script's form): it starts at step 0, saying so, prunes the
+    same channels and ends with the uninterrupted run's weights. Observed before: FileNotFoundError."""
+    args = prune_args + ["--prune", "magnitude"]
+    wmt14.main(args + ["--output_dir", str(tmp_path / "full")])
+    (tmp_path / "part" / "checkpoints").mkdir(parents=True)  # what a kill in the first step leaves
+    wmt14.main(args + ["--output_dir", str(tmp_path / "part"), "--resume_from_checkpoint", "latest"])
+    assert f"no checkpoint under {tmp_path / 'part' / 'checkpoints'} yet: starting at step 0" in capsys.readouterr().out
+    assert (tmp_path / "full" / wmt14.KEPT_FILE).read_text() == (tmp_path / "part" / wmt14.KEPT_FILE).read_text()
+    assert_same_tree(load_file(str(tmp_path / "full" / "model" / "model.safetensors")),
+                     load_file(str(tmp_path / "part" / "model" / "model.safetensors")), "final weights")
+
+
 def test_marian_ffns_are_prune_sites_behind_their_functional_dropout():
     """Marian calls ``F.dropout`` between the activation and ``fc2`` (the input itself in eval mode): the FFNs
     are still sites. Channels whose ``fc2`` columns are zero are removed with no change of the output."""
