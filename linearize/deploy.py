@@ -377,6 +377,10 @@ def _base_of(model: nn.Module, builder: str | None, builder_kwargs: dict | None,
         family, _, name = builder.partition(":")
         if family not in ("torchvision", "timm") or not name:
             raise ValueError(f"builder must be 'torchvision:NAME', 'timm:NAME' or 'plain', got {builder!r}")
+        reserved = [k for k in _RESERVED_KWARGS[family] if k in (builder_kwargs or {})]
+        if reserved:
+            raise ValueError(f"builder_kwargs {reserved} would make load_folded fetch or read weights or other files; "
+                             "it builds the bare model and loads the saved weights: leave them out")
         return {"kind": family, "name": name, "kwargs": _jsonable_dict(builder_kwargs or {})}
     if is_hf_model(model):
         config = {k: v for k, v in model.config.to_dict().items()
@@ -750,7 +754,10 @@ def _rebuild(meta: dict[str, Any], base: nn.Module | None, path: Path,
     return built[""]
 
 
-_RESERVED_KWARGS = {"torchvision": ("weights",), "timm": ("pretrained",)}  # set by load_folded: no weights fetched
+# builder kwargs that fetch or read weights or other files: load_folded builds the bare model (weights=None,
+# pretrained=False) and loads the saved weights, so a folded.json holding one is refused before anything is opened
+_RESERVED_KWARGS = {"torchvision": ("weights", "weights_backbone", "progress"),
+                    "timm": ("pretrained", "checkpoint_path", "pretrained_cfg", "pretrained_cfg_overlay", "cache_dir")}
 
 
 def _check_description(meta: dict[str, Any], path: Path) -> None:
@@ -791,7 +798,8 @@ def _check_description(meta: dict[str, Any], path: Path) -> None:
                 raise bad("base", f"of kind {kind} must hold a builder name and kwargs (an object)")
             reserved = [k for k in _RESERVED_KWARGS[kind] if k in kwargs]
             if reserved:
-                raise bad("base.kwargs", f"holds {reserved}, which load_folded sets itself (it fetches no weights)")
+                raise bad("base.kwargs", f"holds {reserved}, which would make {kind} fetch or read weights or "
+                          "other files (load_folded builds the bare model and loads the saved weights)")
         elif kind == "transformers" and not (isinstance(base.get("class"), str)
                                              and isinstance(base.get("config"), dict)):
             raise bad("base", "of kind transformers must hold a class name and a config (an object)")

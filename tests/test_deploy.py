@@ -210,7 +210,7 @@ def test_unknown_classes_and_damage_are_refused(tmp_path):
     (lambda j: j.__setitem__("base", {"kind": "torchvision", "name": "resnet18", "kwargs": [1]}),
      r"base of kind torchvision must hold a builder name and kwargs"),
     (lambda j: j.__setitem__("base", {"kind": "torchvision", "name": "resnet18", "kwargs": {"weights": "x"}}),
-     r"base\.kwargs holds \['weights'\]"),
+     r"base\.kwargs holds \['weights'\], which would make torchvision fetch or read weights"),
     (lambda j: j.__setitem__("base", {"kind": "torchvision", "name": "nosuchnet"}),
      r"base torchvision model 'nosuchnet' cannot be built"),
     (lambda j: j.__setitem__("base", {"kind": "timm", "name": "resnet18", "kwargs": {"pretrained": True}}),
@@ -230,6 +230,39 @@ def test_an_edited_folded_json_is_a_load_error_naming_the_file_and_field(tmp_pat
     (tmp_path / "folded.json").write_text(json.dumps(meta))
     with pytest.raises(LoadError, match=r"folded\.json: " + match):
         linearize.load_folded(tmp_path)
+
+
+@pytest.mark.parametrize("kind, key, value", [
+    ("timm", "checkpoint_path", "{file}"), ("timm", "pretrained_cfg", {"file": "{file}"}),
+    ("timm", "pretrained_cfg_overlay", {"file": "{file}"}), ("timm", "cache_dir", "{dir}"),
+    ("torchvision", "weights_backbone", "DEFAULT"), ("torchvision", "progress", True),
+])
+def test_base_kwargs_that_read_files_or_weights_are_refused_before_anything_is_opened(tmp_path, monkeypatch, kind,
+                                                                                      key, value):
+    """A crafted folded.json whose base kwargs make timm / torchvision read a file of the machine (checkpoint_path:
+    torch.load of any path, twice) or fetch weights: it reached the builder, which opened the file and failed with
+    its own error (IndexError, an empty FileNotFoundError). Now it is a LoadError naming folded.json and the field,
+    and no file is read (torch.load is never called); save_folded refuses such builder_kwargs."""
+    if kind == "timm":
+        pytest.importorskip("timm")
+    secret = tmp_path / "elsewhere.pth"
+    torch.save({"w": torch.zeros(1)}, secret)
+    x = torch.randn(2, 3, 8, 8, generator=torch.Generator().manual_seed(0))
+    seq = _half_linear(nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 6 * 6, 5)), x)
+    save = tmp_path / "save"
+    linearize.save_folded(seq, save, example_inputs=x)
+    meta = json.loads((save / "folded.json").read_text())
+    filled = json.loads(json.dumps(value).replace("{file}", str(secret)).replace("{dir}", str(tmp_path)))
+    meta["base"] = {"kind": kind, "name": "resnet18", "kwargs": {"num_classes": 5, key: filled}}
+    (save / "folded.json").write_text(json.dumps(meta))
+    loads = []
+    monkeypatch.setattr(torch, "load", lambda *a, **k: loads.append(a) or pytest.fail("torch.load was called"))
+    with pytest.raises(LoadError, match=rf"folded\.json: base\.kwargs holds \['{key}'\], which would make {kind} "
+                                        r"fetch or read weights"):
+        linearize.load_folded(save)
+    assert loads == []
+    with pytest.raises(ValueError, match=rf"builder_kwargs \['{key}'\] would make load_folded fetch or read"):
+        linearize.save_folded(seq, tmp_path / "other", builder=f"{kind}:resnet18", builder_kwargs={key: filled})
 
 
 @pytest.mark.parametrize("kind", ["torchvision", "transformers"])
