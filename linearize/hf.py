@@ -42,7 +42,7 @@ from ._files import LoadError, check_regular, read_json, safe_torch_load
 
 __all__ = ["CONFIG_KEY", "GUARD_KEY", "is_guard", "lift_guard", "is_hf_model", "mark", "unmark", "refuse_stripped",
            "has_manifest", "has_weights", "weights_file", "unreadable_weights_file", "read_unit_tensors", "stored_names",
-           "load_plain", "load_weights", "variant_name"]
+           "load_plain", "load_weights", "variant_name", "weight_variants"]
 
 CONFIG_KEY = "linearize"
 GUARD_KEY = "quantization_config"  # transformers refuses to load a config whose entry has no quant_method
@@ -212,6 +212,24 @@ def variant_name(name: str, variant: str | None) -> str:
         return name
     stem, suffix = name.rsplit(".", 1)
     return f"{stem}.{variant}.{suffix}"
+
+
+def weight_variants(directory: str | os.PathLike) -> list[str]:
+    """The variants (``save_pretrained(variant=)``) whose weights :func:`weights_file` finds in ``directory``, sorted.
+
+    Example:
+        >>> import tempfile, pathlib
+        >>> d = pathlib.Path(tempfile.mkdtemp()); _ = (d / "model.fp16.safetensors").write_bytes(b"")
+        >>> weight_variants(d)
+        ['fp16']
+    """
+    directory = Path(directory)
+    found = set()
+    for name in (_SAFE, _SAFE_INDEX, _BIN, _BIN_INDEX):
+        stem, _, suffix = name.rpartition(".")
+        found |= {p.name[len(stem) + 1:-len(suffix) - 1] for p in directory.glob(f"{stem}.*.{suffix}")}
+    shard = re.compile(r".*-\d+-of-\d+")  # a shard's name (model.fp16-00001-of-00002.safetensors), not a variant
+    return sorted(v for v in found if v and not shard.fullmatch(v) and weights_file(directory, v) is not None)
 
 
 def weights_file(directory: str | os.PathLike, variant: str | None = None) -> Path | None:

@@ -350,9 +350,13 @@ def save_pretrained(model: nn.Module, directory: str | os.PathLike, *, weights: 
     elsewhere = not gated and (not weights or (beside and _holds(stored, model, digests)))
     tensors = saved_tensors(model, gated, base=not elsewhere)
     # the HF save this sidecar is written after (the load refuses a folder whose two saves differ, unless the
-    # HF save is still this one: then the sidecar is the newer save)
+    # HF save is still this one: then the sidecar is the newer save): that of the default variant, or where there
+    # is none the one variant save there (model.save_pretrained(d, variant="fp16"))
+    variants = [] if beside or gated or not hf.is_hf_model(model) else hf.weight_variants(directory)
+    if len(variants) == 1:
+        stored = _stored_digests(Path(directory), [*_base_state(model), *_unit_keys(model)], variants[0])
     supersedes = _fingerprint({k: stored[k][1] for k in (k.removeprefix(MODEL_PREFIX) for k in tensors)
-                               if k in stored}) if beside and hf.has_manifest(directory) else None
+                               if k in stored}) if (beside or len(variants) == 1) and hf.has_manifest(directory) else None
     data = safetensors.torch.save(tensors, {"format": "pt"})
     digest = hashlib.sha256(data).hexdigest()
     name = weights_name(digest)
@@ -708,10 +712,12 @@ def _check_agree(directory: Path, tensors: dict[str, torch.Tensor], state: dict[
     """Refuse a directory whose HF weights (of ``variant``) hold unit tensors, or model weights (``state``: those
     the sidecar holds, compared by name), other than the sidecar's: one of them was saved later
     (``model.save_pretrained`` into a folder with an older sidecar), unless they are still those the sidecar was
-    saved beside (``supersedes``, their :func:`_fingerprint`): then the sidecar is the newer save."""
+    saved beside (``supersedes``, their :func:`_fingerprint`): then the sidecar is the newer save. A folder with no
+    HF weights of ``variant`` (only those of other variants) has none to agree with when the sidecar holds the
+    weights (``state``)."""
     from . import hf
 
-    if not hf.has_manifest(directory):
+    if not hf.has_manifest(directory) or (state is not None and hf.weights_file(directory, variant) is None):
         return
     ours = {**tensors, **(state or {})}
     found, path = hf.read_unit_tensors(directory, sorted(ours), variant=variant)
@@ -791,7 +797,10 @@ def from_pretrained(model: nn.Module | type, directory: str | os.PathLike, examp
     keys = [f"{s['name']}.{k}" for s in meta["sites"] for k in ("slope", "frozen") + END_KEYS]
     weights_from_folder = isinstance(model, type) or config.mode != "prelu" or state is not None
     if isinstance(model, type):
-        model = hf.load_plain(model, directory, keys, {**hf_kwargs, "variant": variant})
+        built_from = variant  # a sidecar holding the weights beside variant saves only: built from one, then replaced
+        if state is not None and variant is None and hf.weights_file(directory) is None:
+            built_from = next(iter(hf.weight_variants(directory)), None)
+        model = hf.load_plain(model, directory, keys, {**hf_kwargs, "variant": built_from})
     elif hf_kwargs:
         raise TypeError(f"unexpected keyword arguments {sorted(hf_kwargs)} (only with a model class)")
     elif not weights_from_folder and hf.is_hf_model(model) and hf.has_weights(directory, variant):

@@ -373,6 +373,33 @@ def test_variant_loads_the_weights_and_units_of_that_variant(tmp_path):
         linearize.from_pretrained(hf.BertModel, tmp_path / "single", variant="../single/model")
 
 
+@pytest.mark.parametrize("kwargs", [{}, {"max_shard_size": "20KB"}], ids=["single", "sharded"])
+def test_a_sidecar_saved_after_a_variant_only_save_loads_as_the_last_save(tmp_path, kwargs):
+    """``model.save_pretrained(dir, variant="v1")`` alone (no default weights), then, after more training,
+    ``linearize.save_pretrained(model, dir)``: the sidecar holds the weights and is the newer save. Every load was
+    refused (without a variant: 'no weights ... save the model again with model.save_pretrained(dir)'; with
+    ``variant="v1"``: 'stale'); now a class and an instance, with and without the variant, get the model saved
+    last (its own outputs, computed before saving). The other order (the variant saved after the sidecar) is
+    still refused as stale when that variant is asked for."""
+    first, last = _trained(tiny_bert()), _trained(tiny_bert())
+    with torch.no_grad():  # trained further: other slopes on the free channels, other weights
+        for _, u in linearize.units(last):
+            u.slope.copy_(torch.where(u.frozen.isnan(), torch.rand_like(u.slope), u.slope))
+        last.embeddings.word_embeddings.weight.mul_(1.5)
+    ref = _out(last, X)
+    assert not torch.equal(ref, _out(first, X))
+    first.save_pretrained(tmp_path / "d", variant="v1", **kwargs)
+    assert hf.utils.SAFE_WEIGHTS_NAME not in {p.name for p in (tmp_path / "d").iterdir()}
+    linearize.save_pretrained(last, tmp_path / "d")
+    for variant in (None, "v1"):
+        assert torch.equal(_out(linearize.from_pretrained(hf.AutoModel, tmp_path / "d", variant=variant), X), ref)
+        assert torch.equal(_out(linearize.from_pretrained(tiny_bert(), tmp_path / "d", variant=variant), X), ref)
+    linearize.save_pretrained(last, tmp_path / "e")
+    first.save_pretrained(tmp_path / "e", variant="v1", **kwargs)  # the variant is now the newer save
+    with pytest.raises(LoadError, match="one of them is stale"):
+        linearize.from_pretrained(tiny_bert(), tmp_path / "e", variant="v1")
+
+
 def test_a_mixtral_saved_by_transformers_names_its_renamed_units_and_the_fix(tmp_path):
     """transformers' save_pretrained renames Mixtral's module paths on save (mlp -> block_sparse_moe), units
     included: the load is refused naming the renamed unit and linearize.save_pretrained, not called incomplete;
