@@ -240,17 +240,25 @@ def atomic_write(path: str | os.PathLike, data: bytes | str) -> Path:
     return path
 
 
-def atomic_write_all(directory: Path, files: Mapping[str, bytes | str]) -> dict[str, Path]:
+def atomic_write_all(directory: Path, files: Mapping[str, bytes | str],
+                     marker: tuple[str, str] | None = None) -> dict[str, Path]:
     """Write the files ``{name: data}`` into the existing folder ``directory`` as one save: every file is first
     written to a hidden temporary sibling and flushed to disk (as by :func:`atomic_write`), and only once all are
     written are they renamed over their names, in order. A failure while writing (disk full, interrupt) removes
     the temporary files and leaves every file of ``directory`` as it was, so it never holds some new files beside
     old ones. Returns ``{name: path}``; ``IsADirectoryError`` naming the path, before writing, where one is a folder.
+
+    The renames are not one step: a process killed between two of them leaves new files beside old ones.
+    ``marker`` ``(name, text)``: a file written (atomically) once every temporary file is written, before the first
+    rename, and left there for the caller to remove once the save is complete; readers that find it know the folder
+    may hold files of two saves.
     """
     temps: dict[Path, Path] = {}
     try:
         for name, data in files.items():
             temps[directory / name] = _write_temp(directory / name, data)
+        if marker is not None:
+            atomic_write(directory / marker[0], marker[1])
         for path, tmp in list(temps.items()):
             os.replace(tmp, path)
             del temps[path]

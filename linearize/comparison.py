@@ -36,6 +36,7 @@ from ._files import LoadError, check_given_folder, read_json
 from .checks import is_real
 from .html_pages import img, page, table
 from .plots import figure, literal, png, site_axis
+from .reporting import INCOMPLETE_NAME
 
 __all__ = ["RunSummary", "compare", "load_run", "main"]
 
@@ -66,6 +67,10 @@ def load_run(path: str | Path, name: str | None = None) -> RunSummary:
                                 "(recipes/cifar.py or recipes/wmt14.py --output_dir)")
     run = RunSummary(name or path.name, path, _check_metrics(read_json(path / "metrics.json"), path / "metrics.json"))
     report_json = path / "report" / "report.json"
+    if (path / "report" / INCOMPLETE_NAME).exists():
+        raise LoadError(f"{path / 'report'} holds {INCOMPLETE_NAME}: a save of its report was killed part-way, so "
+                        "report.json, report.html and the plots may come from two reports; save the report again "
+                        "(linearize report, or the run again with --report), or remove report/")
     if report_json.is_file():
         rep = _check_report(read_json(report_json), report_json)
         units = rep.get("units")

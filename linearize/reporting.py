@@ -159,12 +159,15 @@ class Report:
         written to a temporary name and, once all are written, renamed over the old one, and the files an earlier
         report wrote there that this one does not (the plots of measures that did not run this time) are removed,
         so the folder holds this report only, never files of two reports (a failed write leaves the earlier
-        report as it was). Other files in it are left alone; saves into one folder take turns on its save lock
+        report as it was). The renames are not one step: while they run, the folder holds ``report.incomplete``
+        (written after every file, removed last), so a save killed between two renames leaves that file, saying
+        the folder may hold files of two reports, and readers (``linearize report --compare``) refuse it until
+        the report is saved again. Other files in it are left alone; saves into one folder take turns on its save lock
         (``.linearize.lock``, left there). A plot that fails (a registered measure's ``plot``) loses no measure:
         the report is saved without that plot (its old PNG removed, its error shown in ``report.html``), then its
         error is raised. ``NotADirectoryError`` naming ``out_dir`` when it (or a parent) is a file.
         """
-        from ._files import atomic_write_all, check_folder, remove_stale, save_lock
+        from ._files import atomic_write_all, check_folder, fsync_path, remove_stale, save_lock
 
         out = Path(out_dir)
         check_folder(out, "report folder")
@@ -173,9 +176,11 @@ class Report:
         out.mkdir(parents=True, exist_ok=True)
         ours = {"report.json", "report.html", *(m.plot_file for m in MEASURES.values() if m.plot_file)}
         with save_lock(out) as outermost:
-            written = atomic_write_all(out, files)
+            written = atomic_write_all(out, files, marker=(INCOMPLETE_NAME, INCOMPLETE_TEXT))
             if outermost:
-                remove_stale(out, set(written), ours.__contains__)
+                remove_stale(out, {*written, INCOMPLETE_NAME}, lambda name: name in ours or name == INCOMPLETE_NAME)
+            (out / INCOMPLETE_NAME).unlink()  # the commit point: the folder holds this report, whole
+            fsync_path(out)
         if failed:
             file, err = next(iter(failed.items()))
             err.add_note(f"Report.save: {out} holds this report without the plot {file} (its error is shown in "
@@ -185,6 +190,11 @@ class Report:
 
 
 _FIELDS = {f.name for f in dataclasses.fields(Report)} - {"custom"}
+# in a report folder while Report.save replaces its files: left there, the save was killed part-way
+INCOMPLETE_NAME = "report.incomplete"
+INCOMPLETE_TEXT = ("A save of the report in this folder was interrupted (the process was killed while it renamed "
+                   "the files into place): report.json, report.html and the PNG plots may come from two different "
+                   "reports. Save the report again (Report.save, linearize report, the recipe's --report).\n")
 
 
 def _empty(value: Any) -> bool:

@@ -121,6 +121,62 @@ def test_a_report_saved_over_an_earlier_one_leaves_only_its_own_files(trained, t
     assert fresh == {"report.json", "report.html", reporting.PLOTS["fraction"]}
 
 
+_SAVE_KILLED = r"""
+import os, sys, torch, torch.nn as nn, linearize
+torch.manual_seed(0)
+m = linearize.convert(nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 2)), example_inputs=torch.randn(1, 4))
+with torch.no_grad():
+    linearize.units(m)[0][1].slope.fill_(float(sys.argv[2]))
+rep = linearize.report(m, torch.randn(32, 4), skip=["regions", "affinity", "path_length"], progress=False)
+if sys.argv[3] == "kill":
+    real = os.replace
+    def replace(a, b):
+        real(a, b)
+        if os.path.basename(b) == "report.json":
+            os._exit(9)  # killed right after the first of the report's own renames
+    os.replace = replace
+rep.save(sys.argv[1])
+"""
+
+
+def test_a_report_save_killed_between_its_renames_is_marked_and_refused_until_saved_again(tmp_path: Path) -> None:
+    """A process killed (kill -9; here os._exit) after Report.save renamed the new report.json over the old one but
+    before report.html: the folder held the new JSON beside the old HTML with nothing to tell, and --compare read it
+    as one report. Now the folder holds report.incomplete, compare refuses the run naming it, and the next save
+    leaves exactly what the same report saved into a fresh folder holds (truth: an uninterrupted save)."""
+    import os
+    import sys
+
+    from linearize.comparison import load_run
+
+    run, report = tmp_path / "run", tmp_path / "run" / "report"
+    run.mkdir()
+    (run / "metrics.json").write_text(json.dumps({"test_accuracy": 0.5}))
+
+    def save(folder: Path, slope: str, how: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-c", _SAVE_KILLED, str(folder), slope, how], capture_output=True,
+                              text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+    assert save(report, "0.0", "ok").returncode == 0
+    assert load_run(run).sites is not None and not (report / "report.incomplete").exists()
+    old_html = (report / "report.html").read_bytes()
+    killed = save(report, "1.0", "kill")
+    assert killed.returncode == 9, killed.stderr
+    assert json.loads((report / "report.json").read_text())["units"]["fraction"] == 0.0  # the new report's
+    assert (report / "report.html").read_bytes() == old_html  # the old report's: the folder is mixed
+    assert "may come from two different reports" in (report / "report.incomplete").read_text()
+    with pytest.raises(linearize.LoadError, match=r"report holds report.incomplete: a save of its report was killed"):
+        load_run(run)
+    assert save(report, "1.0", "ok").returncode == 0
+    assert save(tmp_path / "fresh", "1.0", "ok").returncode == 0
+
+    def files(folder: Path) -> dict[str, bytes]:
+        return {p.name: p.read_bytes() for p in folder.iterdir()}
+
+    assert files(report) == files(tmp_path / "fresh")
+    assert load_run(run).sites is not None
+
+
 def test_site_names_holding_dollar_signs_are_saved_and_plotted_as_written(tmp_path: Path) -> None:
     """Module names are free text: ``$\\foo$`` (not mathtext matplotlib knows) used to fail the save after every
     measure ran, ``$\\alpha$`` was drawn as a Greek letter. Truth: each name drawn as plain text."""
