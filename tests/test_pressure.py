@@ -75,6 +75,62 @@ def test_free_slope_moves_the_same_per_step_under_any_optimizer(make_opt):
         assert slopes(model) == pytest.approx(torch.full((8,), expected), abs=1e-6)
 
 
+@pytest.mark.parametrize("scheduler", ["warmup", "onecycle"])
+def test_free_slope_follows_an_lr_warmup_from_weak_to_full(scheduler):
+    """lr_peak was the largest LR seen so far: during a warmup every step is a new peak, so the push ran at full
+    strength while the LR was tiny (slope 0.5 after a 50-step warmup of a 100-step run, not 0.255). Truth: the
+    documented displacement (1 / total) * lr_t / lr_peak summed, with lr_peak the schedule's peak LR."""
+    total, peak = 100, 0.1
+    model = nn.Sequential(nn.Linear(4, 8), LinearizableActivation("relu", 8, -1))
+    opt = torch.optim.SGD(linearize.param_groups(model, weight_decay=0.0), lr=peak)
+    if scheduler == "warmup":
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda t: min(1.0, (t + 1) / 50))
+    else:
+        sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=peak, total_steps=total)
+    linearize.Sparsifier(model, S.constant(), total_steps=total).attach(opt)
+    expected = 0.0
+    for t in range(total):
+        for p in model.parameters():
+            p.grad = torch.zeros_like(p)  # nothing resists the pressure
+        expected += (1.0 / total) * opt.param_groups[0]["lr"] / peak
+        opt.step()
+        sched.step()
+        assert slopes(model) == pytest.approx(torch.full((8,), min(expected, 1.0)), abs=1e-5), t
+
+
+def test_a_resume_during_an_lr_warmup_is_exact():
+    """The push reads its peak from the scheduler's param groups: a run resumed from the state dicts in the
+    middle of the warmup ends at the slopes of the uninterrupted run. Truth: the uninterrupted run."""
+    total = 60
+
+    def run(stop: int | None = None, state: dict | None = None) -> tuple[torch.Tensor, dict]:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 8), LinearizableActivation("relu", 8, -1))
+        opt = torch.optim.SGD(linearize.param_groups(model, weight_decay=0.0), lr=0.1)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda t: min(1.0, (t + 1) / 30))
+        sp = linearize.Sparsifier(model, S.early(), total_steps=total).attach(opt)
+        start = 0
+        if state is not None:
+            model.load_state_dict(state["model"])
+            opt.load_state_dict(state["opt"])
+            sched.load_state_dict(state["sched"])
+            sp.load_state_dict(state["sp"])
+            start = state["step"]
+        for t in range(start, total if stop is None else stop):
+            for p in model.parameters():
+                p.grad = torch.full_like(p, 0.01 * (t % 3 - 1))
+            opt.step()
+            sched.step()
+        saved = {"model": copy.deepcopy(model.state_dict()), "opt": copy.deepcopy(opt.state_dict()),
+                 "sched": sched.state_dict(), "sp": copy.deepcopy(sp.state_dict()), "step": stop}
+        return slopes(model), saved
+
+    whole, _ = run()
+    _, saved = run(stop=12)
+    resumed, _ = run(state=saved)
+    assert torch.equal(resumed, whole)
+
+
 def test_rate_and_lam_are_exclusive_and_lam_keeps_the_legacy_step():
     model = nn.Sequential(nn.Linear(4, 8), LinearizableActivation("relu", 8, -1))
     with pytest.raises(ValueError, match="either rate"):

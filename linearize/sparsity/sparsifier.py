@@ -12,7 +12,9 @@ independent of the optimizer's scale::
     delta_t = rate * shape_t * (lr_t / lr_peak)
 
 ``shape_t`` is the schedule's multiplier in ``[0, 1]``; ``lr_t / lr_peak`` is the current learning
-rate of the slopes' param group over the largest one seen so far (1 without an optimizer), so the
+rate of the slopes' param group over its peak (1 without an optimizer): the peak an LR scheduler recorded in the
+group (OneCycleLR's ``max_lr``, else the ``initial_lr`` every torch scheduler sets, so a warmup starts the push
+weak), or the largest LR seen so far where that is higher or none was recorded. So the
 push follows the *shape* of the LR schedule but not its scale: the same ``rate`` means the same
 under SGD at lr 0.1 and AdamW at lr 2e-5, from scratch or fine-tuning. The default ``rate=None``
 is ``1 / ramp_steps`` (``end - start`` of a :func:`~linearize.schedules.target` schedule, else
@@ -557,6 +559,19 @@ class Sparsifier:
             if id(p) in slope_ids
         }
 
+    def _scheduled_peaks(self) -> dict[int, float]:
+        """``{id(slope): peak LR}`` for the slopes whose param group an LR scheduler gave a peak: OneCycleLR's
+        ``max_lr``, else the ``initial_lr`` every torch scheduler records (the LR before its warmup scales it)."""
+        if self.optimizer is None:
+            return {}
+        slope_ids = {id(u.slope) for _, u in self._units}
+        peaks = {}
+        for group in self.optimizer.param_groups:
+            peak = group.get("max_lr", group.get("initial_lr"))
+            if is_real(peak) and math.isfinite(peak) and peak > 0:
+                peaks.update((id(p), float(peak)) for p in group["params"] if id(p) in slope_ids)
+        return peaks
+
     # ------------------------------------------------------------------ schedule
     def ramp_steps(self) -> int:
         """Steps over which the pressure acts: ``end - start`` of a target schedule, else ``total_steps``
@@ -726,6 +741,7 @@ class Sparsifier:
 
     def _proximal(self, lam_t: float) -> None:
         lrs = self._lr_by_slope()
+        scheduled = self._scheduled_peaks()
         steps = []
         for i, ((name, unit), w) in enumerate(zip(self._units, self._weights)):
             lr = lrs.get(id(unit.slope), self.lr)
@@ -739,8 +755,8 @@ class Sparsifier:
                 continue
             scale = 1.0
             if lr is not None and lr > 0:  # follow the LR schedule's shape, not its scale
-                peak = self._lr_peak[i] = max(lr, self._lr_peak[i] or 0.0)
-                scale = lr / peak
+                self._lr_peak[i] = max(lr, self._lr_peak[i] or 0.0)
+                scale = lr / max(self._lr_peak[i], scheduled.get(id(unit.slope), 0.0))
             steps.append(lam_t * scale * w)
         if self.granularity == "channel":
             for (_, unit), step in zip(self._units, steps):
