@@ -34,7 +34,7 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from .folding.layers import CONVS, dense_shape, dense_wb, is_dense, is_hf_conv1d, is_pointwise_conv
-from .inputs import Batches, call_model, eval_mode, hooks, model_device, num_rows
+from .inputs import Batches, call_model, eval_mode, hooks, inputs_fit, model_device, num_rows
 from .checks import is_real
 from .unit import LinearizableActivation, require_units
 
@@ -294,7 +294,8 @@ def _run(model: nn.Module, data: Any, recorder: Any) -> None:
             recorder.mask = inputs.get("attention_mask") if isinstance(inputs, Mapping) else None
             if isinstance(recorder, _Recorder):
                 recorder.batch = index
-            call_model(model, inputs)
+            with inputs_fit(inputs, "data batch"):
+                call_model(model, inputs)
             recorder.clear()
 
 

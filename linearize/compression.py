@@ -22,8 +22,8 @@ from torch import nn
 
 from ._optional import require
 from .checks import FoldVerificationError, check_positive, check_positive_int
-from .inputs import Batches, eval_mode, model_device, to_device
-from .stability import MLP_TYPES, StabilityResult, as_box, build_network, stable_units
+from .inputs import Batches, eval_mode, inputs_fit, model_device, to_device
+from .stability import BOX_FIX, MLP_TYPES, StabilityResult, as_box, build_network, stable_units
 
 __all__ = ["compress", "CompressionReport"]
 
@@ -348,7 +348,8 @@ def compress(
             raise TypeError(f"compress runs an nn.Sequential on one input tensor: give data whose inputs are "
                             f"tensors (a tensor batch, (x, y) pairs, a loader of them), got {type(first).__name__}")
         in_shape = tuple(first.shape[1:])
-    affines, sites = build_network(model, in_shape)
+    with inputs_fit(box.lower, "Box bounds", BOX_FIX) if box is not None else inputs_fit(first, "data batch"):
+        affines, sites = build_network(model, in_shape)
     stability = stable_units(model, domain, method, progress=progress)
     dtype = next(model.parameters()).dtype
     # the MLP head: the affine blocks from `start` on hold only Linear/BatchNorm1d/Flatten/...

@@ -13,6 +13,7 @@ of an owner (:mod:`~linearize.functional_sites`).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import re
 import weakref
@@ -59,7 +60,7 @@ from .dispatch import (
     watch_child,
 )
 from .functional_sites import ATTR
-from .inputs import call_model, eval_mode, output_tensors
+from .inputs import call_model, eval_mode, inputs_fit, output_tensors
 from .module_stack import ModuleStack
 from .unit import LinearizableActivation
 
@@ -919,7 +920,8 @@ def plan_conversion(
     guessed = example_inputs is None
     inputs = guess_example_inputs(model) if guessed else example_inputs
     try:
-        probe.run(model, inputs)
+        with inputs_fit(inputs) if not guessed else contextlib.nullcontext():
+            probe.run(model, inputs)
     except Exception as err:  # a guessed input the model cannot take: say so, not a deep torch error
         if not guessed or isinstance(err, FunctionalSiteError):
             raise

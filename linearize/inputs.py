@@ -128,6 +128,39 @@ def describe_inputs(inputs: Any) -> str:
     return type(inputs).__name__
 
 
+_PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep  # linearize's own code, whose errors name the fix
+
+
+@contextmanager
+def inputs_fit(inputs: Any, what: str = "example_inputs",
+               fix: str = "pass a batch shaped like its real inputs") -> Iterator[None]:
+    """Run a block that calls the model on ``inputs``: the model's own error there (a shape mismatch deep in
+    torch) is raised again as a ``ValueError`` naming ``what``, the inputs' shapes and ``fix``; linearize's own
+    errors (its own classes, or raised in its code: they name their fix; a RuntimeError or IndexError raised
+    there is torch's, from an op linearize called for the model) and out-of-memory pass unchanged.
+
+    Example:
+        >>> with inputs_fit(torch.ones(2, 7)):
+        ...     nn.Linear(4, 2)(torch.ones(2, 7))
+        Traceback (most recent call last):
+        ...
+        ValueError: example_inputs Tensor(2, 7) do not fit the model (RuntimeError: mat1 and mat2 shapes cannot be multiplied (2x7 and 4x2)); pass a batch shaped like its real inputs
+    """
+    try:
+        yield
+    except Exception as exc:
+        innermost = exc.__traceback__
+        while innermost is not None and innermost.tb_next is not None:
+            innermost = innermost.tb_next
+        ours = type(exc).__module__.split(".")[0] == "linearize" or (
+            innermost is not None and innermost.tb_frame.f_code.co_filename.startswith(_PACKAGE)
+            and not isinstance(exc, (RuntimeError, IndexError)))
+        if ours or isinstance(exc, torch.OutOfMemoryError):
+            raise
+        raise ValueError(f"{what} {describe_inputs(inputs)} do not fit the model ({type(exc).__name__}: {exc}); "
+                         f"{fix}") from exc
+
+
 def float_outputs(out: Any) -> list[torch.Tensor]:
     """The floating-point tensors of a model output (:func:`output_tensors`), in order."""
     return [t for t in output_tensors(out) if t.is_floating_point()]
@@ -508,7 +541,8 @@ def record_preactivations(
             it = tqdm(it, desc="recording pre-activations", leave=False)
         for inputs in it:
             if num_rows(inputs):
-                call_model(model, inputs)
+                with inputs_fit(inputs, "data batch"):
+                    call_model(model, inputs)
     missing = [n for n, _ in sites if n not in stats]
     if missing:
         raise ValueError(f"sites {missing} were never called on the data")

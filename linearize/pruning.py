@@ -35,7 +35,7 @@ from ._optional import require
 from .activations import activation_kind
 from .folding import count_flops
 from .folding.layers import CONVS, is_hf_conv1d
-from .inputs import Batches, call_model, eval_mode, float_outputs, hooks, model_device, num_rows
+from .inputs import Batches, call_model, eval_mode, float_outputs, hooks, inputs_fit, model_device, num_rows
 from .unit import LinearizableActivation, units
 
 __all__ = ["prune", "PruneSite", "PruneSummary", "IMPORTANCES"]
@@ -149,7 +149,7 @@ def _trace(model: nn.Module, example_inputs: Any) -> tuple[list[_Call], list[tup
             if name and (not any(True for _ in m.children()) or _is_activation(m)):
                 handles.append(m.register_forward_pre_hook(before))
                 handles.append(m.register_forward_hook(hook(name)))
-        with free:
+        with free, inputs_fit(example_inputs):
             call_model(model, example_inputs)
     return calls, free.uses
 

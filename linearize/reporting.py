@@ -30,7 +30,7 @@ from .checks import check_positive, check_positive_int, check_tol
 from .gated import GaLU, GatedNetwork
 from .history import load_history, read_history
 from .html_pages import img, page
-from .inputs import Batches, call_model, eval_mode, hooks, model_device
+from .inputs import Batches, call_model, eval_mode, hooks, inputs_fit, model_device
 from .report_measures import (MEASURES, PLOTS, REGIONS_MAX_REGIONS, REGIONS_SECONDS, Measure, MeasureContext,
                               SkipMeasure, register_measure)
 from .unit import check_finite_slopes, sites as unit_sites, units
@@ -349,4 +349,5 @@ def _check_finite(model: nn.Module, batches: Batches) -> None:
     with hooks() as handles, eval_mode(model):
         handles += [m.register_forward_hook(hook_for(name)) for name, m in sites]
         for batch in batches:
-            call_model(model, batch)
+            with inputs_fit(batch, "data batch"):
+                call_model(model, batch)

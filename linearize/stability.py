@@ -35,7 +35,7 @@ from torch import nn
 from ._optional import require
 from .activations import negative_slope
 from .checks import NonFiniteSlopeError
-from .inputs import Batches, record_preactivations, site_channel_dim
+from .inputs import Batches, inputs_fit, record_preactivations, site_channel_dim
 from .unit import LinearizableActivation, check_finite_slopes, refuse_element_units, sites as unit_sites
 
 __all__ = ["stable_units", "Box", "StabilityResult", "SiteStability", "record_preactivations"]
@@ -157,6 +157,10 @@ def _dense(modules: list[tuple[str, nn.Module]], in_shape: tuple[int, ...]) -> _
             )
         W = (f(torch.eye(n, dtype=torch.float64).reshape(n, *in_shape)) - b).reshape(n, -1).T
     return _Affine(modules, W.contiguous(), b.reshape(-1), in_shape, out_shape)
+
+
+# what to do when a Box's bounds do not fit the model
+BOX_FIX = "pass Box(lower, upper) shaped like one real input, without the batch dim"
 
 
 def build_network(model: nn.Module, in_shape: tuple[int, ...]) -> tuple[list[_Affine], list[_Site]]:
@@ -555,7 +559,8 @@ def stable_units(
         raise ValueError(f"method={method!r} needs an input box: pass domain=linearize.Box(lower, upper); got "
                          "data (a tuple is data, an (inputs, targets) batch)")
     xl, xu = box
-    affines, sites = build_network(model, tuple(xl.shape))
+    with inputs_fit(xl, "Box bounds", BOX_FIX):
+        affines, sites = build_network(model, tuple(xl.shape))
     bounds = _box_bounds(affines, sites, xl, xu, method, time_limit, progress)
     result = {
         s.name: _site_result(s.name, s.module, l.reshape(s.shape), u.reshape(s.shape), s.channel_dim)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import warnings
 from collections import OrderedDict
 
 import pytest
@@ -415,3 +416,47 @@ def test_sparsifier_refuses_bad_lr_and_log_every():
     for kwargs in ({"lr": NAN}, {"lr": -0.1}, {"log_every": 0}):
         with pytest.raises(ValueError, match=next(iter(kwargs))):
             linearize.Sparsifier(two_units(), total_steps=10, **kwargs)
+
+
+# ----------------------------------------------------------------------------- inputs that do not fit the model
+
+
+def _gelu_mlp(act: type[nn.Module] = nn.GELU) -> nn.Module:
+    torch.manual_seed(1)
+    return linearize.convert(nn.Sequential(nn.Linear(16, 64), act(), nn.Linear(64, 4)))
+
+
+SEVEN = torch.randn(2, 7)  # the model takes 16 features
+BOX = linearize.Box(-torch.ones(7), torch.ones(7))
+_target = linearize.schedules.target
+
+
+@pytest.mark.parametrize("call, named", [
+    (lambda: linearize.fold(_gelu_mlp().eval(), SEVEN), "example_inputs"),
+    (lambda: linearize.Sparsifier(_gelu_mlp(), _target(relus=10), total_steps=10, example_inputs=SEVEN),
+     "example_inputs"),
+    (lambda: linearize.Sparsifier(_gelu_mlp(), _target(0.5), total_steps=10, weights="flops", example_inputs=SEVEN),
+     "example_inputs"),
+    (lambda: linearize.Sparsifier(_gelu_mlp(), _target(0.5), total_steps=10, weights="latency",
+                                  example_inputs=SEVEN), "example_inputs"),
+    (lambda: linearize.measures.count_relus(_gelu_mlp(), SEVEN), "example_inputs"),
+    (lambda: linearize.convert(nn.Sequential(nn.Linear(16, 64), nn.GELU()), example_inputs=SEVEN), "example_inputs"),
+    (lambda: linearize.one_shot(_gelu_mlp(), SEVEN, target=0.25), "data batch"),
+    (lambda: linearize.fit_linear_ends(_gelu_mlp(), SEVEN), "data batch"),
+    (lambda: linearize.measures.affinity_signature(_gelu_mlp(), SEVEN, progress=False), "inputs batch"),
+    (lambda: linearize.measures.average_path_length(_gelu_mlp(), SEVEN, method="record"), "example_inputs"),
+    (lambda: linearize.report(_gelu_mlp(), SEVEN), "data batch"),
+    (lambda: linearize.stable_units(_gelu_mlp(nn.ReLU).eval(), SEVEN), "data batch"),
+    (lambda: linearize.stable_units(_gelu_mlp(nn.ReLU).eval(), BOX), "Box bounds"),
+    (lambda: linearize.compress(_gelu_mlp(nn.ReLU).eval(), BOX), "Box bounds"),
+], ids=["fold", "relus", "weights-flops", "weights-latency", "count_relus", "convert", "one_shot", "fit_linear_ends",
+        "affinity_signature", "average_path_length", "report", "stable_units-data", "stable_units-box", "compress"])
+def test_inputs_that_do_not_fit_the_model_are_named_with_the_fix(call, named):
+    """Only fold and cost targets named the argument: elsewhere a batch of the wrong shape raised torch's raw
+    'mat1 and mat2 shapes cannot be multiplied' from deep inside the forward. Truth: the model takes 16
+    features, the inputs have 7."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(ValueError, match=rf"^{named} .*7.* do not fit the model \(RuntimeError: mat1 and mat2 "
+                                             r"shapes cannot be multiplied.*\); pass "):
+            call()

@@ -20,7 +20,7 @@ from ..distributed import refuse_sharded
 from ..functional_sites import FunctionalSites
 from ..injection import CallSites, settle_placed_modules
 from ..hf import mark_folded
-from ..inputs import describe_inputs, eval_mode, float_outputs, is_empty_batch
+from ..inputs import describe_inputs, eval_mode, float_outputs, inputs_fit, is_empty_batch
 from ..unit import ElementBlend, ElementPReLU, LinearizableActivation, check_finite_slopes, gated_error, units
 from .flops import FlopCounterError
 from .layers import ORIGIN, set_path
@@ -208,15 +208,8 @@ def fold(
         module.__dict__.setdefault(ORIGIN, path)
     probe = Probe(keep=list(folded.modules()))
     before_fold = dict(folded.named_modules())  # path -> layer, to find the layers fold left alone
-    try:  # the untouched eval copy gives the reference output, shapes and FLOPs in one forward
+    with inputs_fit(example_inputs):  # the untouched eval copy gives the reference output, shapes and FLOPs
         summary.flops_before, reference = run_counting(folded, example_inputs, probe)
-    except FlopCounterError:  # fold's own failure: not the inputs' fault
-        raise
-    except Exception as exc:  # the model's own error, re-raised with what to do
-        raise ValueError(
-            f"example_inputs {describe_inputs(example_inputs)} do not fit the model "
-            f"({type(exc).__name__}: {exc}); pass a batch shaped like its real inputs"
-        ) from exc
     ref_out = float_outputs(reference)
     if not ref_out:
         raise ValueError("the model returned no floating-point tensor to verify against")

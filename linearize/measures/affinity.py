@@ -67,7 +67,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from ..activations import MODULE_KINDS, OTHER_ELEMENTWISE
-from ..inputs import Batches, call_model, eval_mode, model_device
+from ..inputs import Batches, call_model, eval_mode, inputs_fit, model_device
 from ..unit import LinearizableActivation, sites as unit_sites
 
 __all__ = ["affinity_score", "affinity_signature"]
@@ -404,7 +404,8 @@ def affinity_signature(
         with eval_mode(model), torch.no_grad():
             for batch in tqdm(batches, desc="affinity: forward", disable=not progress):
                 recorder.start_forward()
-                call_model(model, batch)
+                with inputs_fit(batch, "inputs batch"):
+                    call_model(model, batch)
                 recorder.end_forward()
     finally:
         recorder.remove()

@@ -58,7 +58,7 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakTensorKeyDictionary
 
 from ..checks import check_tol
-from ..inputs import call_model, eval_mode
+from ..inputs import call_model, eval_mode, inputs_fit
 from ..unit import LinearizableActivation, check_finite_slopes, require_units, units
 
 __all__ = ["average_path_length", "PathLengthResult"]
@@ -263,7 +263,8 @@ def _record(model: nn.Module, example_inputs: Any, srcs: list[torch.Tensor], gra
         tags[s] = _SOURCE
     try:
         with torch.no_grad(), mode:
-            out = call_model(model, example_inputs)
+            with inputs_fit(example_inputs):
+                out = call_model(model, example_inputs)
     finally:
         for h in handles:
             h.remove()

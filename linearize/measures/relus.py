@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..inputs import call_model, describe_inputs, eval_mode, hooks, num_rows
+from ..inputs import call_model, describe_inputs, eval_mode, hooks, inputs_fit, num_rows
 from ..unit import linear_masks, require_units
 
 __all__ = ["count_relus"]
@@ -66,7 +66,8 @@ def count_relus(model: nn.Module, example_inputs: Any, tol: float = 0.0) -> dict
 
     with hooks() as handles, eval_mode(model), torch.no_grad():
         handles += [unit.register_forward_pre_hook(hook_for(name, unit)) for name, unit in named]
-        call_model(model, example_inputs)
+        with inputs_fit(example_inputs):
+            call_model(model, example_inputs)
     missing = [name for name, _ in named if name not in positions]
     if missing:
         raise ValueError(f"count_relus: unit(s) {', '.join(map(repr, missing))} were not called on example_inputs "

@@ -23,7 +23,7 @@ from ..checks import check_positive
 from ..folding.blocks import residual_block_types
 from ..folding.flops import module_flops
 from ..folding.layers import CONVS, is_hf_conv1d
-from ..inputs import call_model
+from ..inputs import call_model, inputs_fit
 from ..timing import median_ms
 from ..unit import LinearizableActivation, require_units, units
 
@@ -146,7 +146,7 @@ def _neighbour_layers(model: nn.Module, example_inputs) -> tuple[dict[str, tuple
         elif id(module) in names:
             hooks.append(module.register_forward_hook(unit_hook))
     try:
-        with torch.no_grad():
+        with torch.no_grad(), inputs_fit(example_inputs):
             call_model(model, example_inputs)
     finally:
         for h in hooks:
