@@ -1100,9 +1100,12 @@ class NonfiniteInputs:
                     for f in finite:
                         self.batch_finite = f if self.batch_finite is None else self.batch_finite & f.to(
                             self.batch_finite.device)
-                rows = _unit_rows(module, args[0].detach(), None) if is_unit and args else None
-                if rows is not None:
-                    bad = (~torch.isfinite(rows).all(1)).sum()
+                x = args[0] if is_unit and args and isinstance(args[0], torch.Tensor) and args[0].ndim else None
+                if x is not None:  # positions (a sample of an element unit) holding NaN/inf in any channel
+                    bad = ~torch.isfinite(x.detach())
+                    bad = bad.flatten(1).any(1) if module.granularity == "element" else bad.any(
+                        module.channel_dim % x.ndim)
+                    bad = bad.sum()
                     self.bad[name] = bad if name not in self.bad else self.bad[name] + bad.to(self.bad[name].device)
         return hook
 
