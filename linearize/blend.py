@@ -1,12 +1,11 @@
 """The blend conversion (``linearize.convert`` with a :class:`~linearize.config.BlendConfig`): a
-linearizable unit in place of every selected activation call site, and the check that in-place
-activations whose input the model reads again keep that semantics. Low in the package: the gated
-split (:mod:`linearize.gated`) uses the same check, and ``linearize.conversion`` dispatches to both."""
+linearizable unit in place of every selected activation call site (the units of in-place activation
+modules write into their input, as those did). Low in the package: ``linearize.conversion`` dispatches
+to it and to the gated split (:mod:`linearize.gated`)."""
 
 from __future__ import annotations
 
 import copy
-import math
 import warnings
 from typing import Any
 
@@ -19,8 +18,8 @@ from .example_inputs import guess_example_inputs
 from .functional_sites import FunctionalSites, install_functional_sites
 from .injection import (call_channels, install_call_sites, plan_conversion, restored_on_error, settle_placed_modules,
                         wrap_function_attributes)
-from .dispatch import THREAD_CALL, FunctionalSiteError
-from .inputs import call_model, eval_mode, map_tensors, max_difference, output_tensors
+from .dispatch import THREAD_CALL
+from .inputs import call_model, eval_mode, map_tensors, output_tensors
 from .unit import LinearizableActivation, install_optimizer_hooks, make_unit
 
 
@@ -36,13 +35,6 @@ def convert_blend(model: nn.Module, config: BlendConfig, example_inputs: Any) ->
         param = next(model.parameters(), None)
         # new units go to the model's device; float64 models get float64 slopes, low precision ones float32
         dtype = param.dtype if param is not None and param.dtype == torch.float64 else None
-        # an in-place activation whose input the model reads again after the call (out = act(h) + h), in
-        # either mode: an out-of-place unit would change the function, so compare with the original before and after
-        inplace_sites = any(getattr(act, "inplace", False) for _, _, act, _ in plan)
-        if inplace_sites:
-            inputs = example_inputs if example_inputs is not None else guess_example_inputs(model)
-            reference = _reference(model, inputs)
-        from_inplace: list[LinearizableActivation] = []
         hooked: list[nn.Module] = []
         placed: list[tuple[nn.Module, nn.Module, nn.Module]] = []  # (owner, the replaced module, what replaced it)
         for owner, attr, act, calls in plan:
@@ -54,8 +46,10 @@ def convert_blend(model: nn.Module, config: BlendConfig, example_inputs: Any) ->
             ]
             if param is not None:
                 made = [u.to(param.device, dtype) for u in made]
-            if getattr(act, "inplace", False):
-                from_inplace += [u for u in made if isinstance(u, LinearizableActivation)]
+            if getattr(act, "inplace", False):  # write into the input as act did: any later read of it (another
+                for unit in made:  # path, a hook, a buffer) sees what it saw in the original
+                    if isinstance(unit, LinearizableActivation):
+                        unit.inplace = True
             install_call_sites(owner, attr, made, [c.check for c in calls])
             getattr(owner, attr).train(act.training)  # new units (and dispatcher) take the replaced flag
             if getattr(owner, attr) is not act:
@@ -81,8 +75,6 @@ def convert_blend(model: nn.Module, config: BlendConfig, example_inputs: Any) ->
         _restore_unreached(model, example_inputs, placed, report)
         if not report.sites:
             raise _nothing_to_convert(model, config, report)
-        if inplace_sites:
-            _keep_inplace(model, inputs, reference, from_inplace)
         model.linearize_config = config
         model.linearize_report = report
         install_optimizer_hooks()
@@ -162,64 +154,6 @@ def _outputs(model: nn.Module, inputs: Any, training: bool = False) -> list[torc
             torch.cuda.manual_seed_all(0)
         out = call_model(model, map_tensors(inputs, torch.clone))
     return [t.clone() for t in output_tensors(out)]
-
-
-def _reference(model: nn.Module, inputs: Any) -> dict[bool, list[torch.Tensor]]:
-    """The outputs of ``model`` on ``inputs`` (:func:`_outputs`) keyed by the mode, ``training`` True or False:
-    a model may read an in-place activation's input again only in training (an auxiliary head). Training mode
-    is left out when the model cannot run it on these inputs (a BatchNorm seeing one value per channel) or
-    cannot be deep-copied (the training forward must not change the model itself)."""
-    reference = {False: _outputs(model, inputs)}
-    try:
-        reference[True] = _outputs(model, inputs, training=True)
-    except Exception:  # noqa: BLE001 -- nothing to compare with in that mode: the eval comparison alone decides
-        pass
-    return reference
-
-
-def _keep_inplace(model: nn.Module, inputs: Any, reference: dict[bool, list[torch.Tensor]],
-                  units: list[LinearizableActivation]) -> None:
-    """If the converted ``model`` at slopes 0 differs from its ``reference`` outputs (:func:`_reference`, in
-    eval and in training mode), make the ``units`` of in-place activations write into their input as those
-    did (``unit.inplace``: a copy per call when gradients flow), and warn if that does not restore the
-    original function either. The units' slopes are restored afterwards (``init_slope`` may be other than 0)."""
-    every = [m for m in model.modules() if isinstance(m, LinearizableActivation)]
-    slopes = [u.slope.detach().clone() for u in every]
-
-    def error() -> float:
-        with torch.no_grad():
-            for u in every:
-                u.slope.zero_()
-        errors = [0.0]
-        for training, ref in reference.items():
-            try:
-                errors.append(difference(ref, _outputs(model, inputs, training)))
-            except FunctionalSiteError:  # a call made only in training: the model's training forward says so
-                if not training:
-                    raise
-        return max(errors)
-
-    def difference(reference: list[torch.Tensor], out: list[torch.Tensor]) -> float:
-        if len(out) != len(reference) or any(a.shape != b.shape or a.dtype != b.dtype for a, b in zip(reference, out)):
-            return math.inf
-        if any(not torch.equal(a, b) for a, b in zip(reference, out) if not a.is_floating_point()):
-            return math.inf  # integer outputs (predicted classes) must not change at all
-        floats = [(a, b) for a, b in zip(reference, out) if a.is_floating_point()]
-        err, scale = max_difference([a for a, _ in floats], [b for _, b in floats])
-        return err if err > 1e-5 * max(scale, 1e-12) else 0.0
-
-    try:
-        if error():
-            for unit in units:
-                unit.inplace = True
-            left = error()
-            if left:
-                warnings.warn(f"linearize.convert: the converted {type(model).__name__} differs from the original "
-                              f"by {left:.3g} at slopes 0 on the probe input; please report this model", stacklevel=4)
-    finally:
-        with torch.no_grad():
-            for u, a in zip(every, slopes):
-                u.slope.copy_(a)
 
 
 def _nothing_to_convert(model: nn.Module, config: BlendConfig, report: Any) -> ValueError:

@@ -68,7 +68,6 @@ from torch.overrides import TorchFunctionMode
 from tqdm.auto import tqdm
 
 from .activations import activation_kind, negative_slope
-from .blend import convert_blend
 from .config import BlendConfig, GatedConfig, LinearizeConfig
 from .example_inputs import guess_example_inputs
 from .injection import (
@@ -80,7 +79,7 @@ from .injection import (
 )
 from .inputs import Batches, as_call, call_model, eval_mode, map_tensors, model_device
 from .module_stack import ModuleStack
-from .unit import LinearizableActivation, write_into
+from .unit import write_into
 
 __all__ = ["GATED_KINDS", "GaLU", "FeatureTap", "GatedNetwork", "convert_gated", "gate_statistics"]
 
@@ -161,7 +160,7 @@ class FeatureTap(nn.Module):
     """Feature-network side of one call site: stores the pre-activation ``q`` and continues.
 
     DGN: returns ``act(q)`` (the original ReLU / LeakyReLU / ReLU6), written into ``q`` when ``inplace``
-    (the model reads an in-place activation's input again: see :func:`_reads_inplace_input`).
+    (as the replaced in-place activation did: a later read of ``q`` sees what it saw).
     DLGN: returns a copy of ``q`` (identity; a copy so later in-place ops cannot alter ``q``; an identity
     written in place would leave ``q`` as it is, so ``inplace`` changes nothing).
     """
@@ -199,7 +198,7 @@ class GaLU(nn.Module):
 
     Attributes for counters and reports: ``site`` (name), ``kind``, ``num_channels`` (``C``),
     ``channel_dim`` (1 for ``[N, C, H, W]``, -1 for ``[..., C]``), ``beta``, ``hard``; ``inplace``: the
-    result is written into ``z``, as the replaced in-place activation did (see :func:`_reads_inplace_input`).
+    result is written into ``z``, as the replaced in-place activation did.
     """
 
     inplace = False
@@ -243,7 +242,7 @@ class GaLU(nn.Module):
             )
         if self._store.recording:
             self._record(q)
-        if self.inplace:  # the replaced in-place activation's input is read again: write as it did
+        if self.inplace:  # the replaced activation was in place: write as it did
             return write_into(z, lambda t: self._gated(t, q), (q,))
         return self._gated(z, q)
 
@@ -441,16 +440,6 @@ def _audit_dlgn_feature(feature: nn.Module, inputs: Any) -> None:
         )
 
 
-def _reads_inplace_input(model: nn.Module, config: BlendConfig, inputs: Any) -> bool:
-    """Whether ``model`` reads the input of an in-place activation after the call (``out = relu_(h) + h``),
-    so that the gated sites of in-place activations must write into their input too. Decided as
-    ``linearize.convert`` decides it for blend units: on a converted copy, compared with the original."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # the gated conversion reports its own problems
-        probe = convert_blend(copy.deepcopy(model), config, inputs)
-    return any(getattr(m, "inplace", False) for m in probe.modules() if isinstance(m, LinearizableActivation))
-
-
 def _reset_parameters(net: nn.Module) -> None:
     for module in net.modules():
         reset = getattr(module, "reset_parameters", None)
@@ -518,8 +507,6 @@ def convert_gated(model: nn.Module, config: GatedConfig, example_inputs: Any = N
     store = _GateStore()
     sites = iter(report.sites)
     linear = config.mode == "dlgn"
-    inplace = any(getattr(act, "inplace", False) for _, _, act, _ in plan) and _reads_inplace_input(
-        model, probe_config, inputs)
     for owner, attr, act, calls in plan:
         owner_name = names[id(owner)]
         feature_owner = feature.get_submodule(owner_name) if owner_name else feature
@@ -530,7 +517,7 @@ def convert_gated(model: nn.Module, config: GatedConfig, example_inputs: Any = N
             galus.append(GaLU(site.name, site.kind, site.num_channels, site.channel_dim, leak,
                               float(config.beta), config.hard_gates, store))
             taps.append(FeatureTap(site.name, site.kind, leak, linear, store))
-        if inplace and getattr(act, "inplace", False):
+        if getattr(act, "inplace", False):  # write into the input as act did (any later read sees what it saw)
             for m in galus + taps:
                 m.inplace = True
         install_call_sites(owner, attr, galus)

@@ -463,8 +463,8 @@ class LinearizableActivation(nn.Module):
         act: the activation it replaces: a module (``nn.ReLU()``, an HF ``GELUActivation``...),
             a callable (``F.gelu``) or the name ``"relu"``. In-place modules are copied with
             ``inplace=False``: the unit does not write into its input, unless ``unit.inplace`` is set
-            (``linearize.convert`` sets it where the model reads an in-place activation's input
-            after the call, so that the converted model computes what the original did).
+            (``linearize.convert`` sets it for the units of in-place activation modules, so that every
+            later read of their input sees what it saw in the original).
         num_channels: ``C``, the size of the input along ``channel_dim``.
         channel_dim: ``1`` for conv feature maps ``[N, C, H, W]``, ``-1`` for ``[B, T, D]`` hidden
             states and ``[N, D]`` features.
