@@ -62,8 +62,9 @@ class _SiteMode(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func in FUNCTIONAL_SPECS:
-            scope = self._scope_of(func)
+        x = args[0] if args else kwargs.get("input")
+        if func in FUNCTIONAL_SPECS and not (isinstance(x, torch.Tensor) and not x.is_floating_point()):
+            scope = self._scope_of(func)  # an integer call (index clamping) is no site: the probe skipped it
             if scope is not None:
                 return scope.data.mode.sites.call(scope, func, args, kwargs)
         return func(*args, **kwargs)

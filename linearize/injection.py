@@ -436,6 +436,8 @@ class _Probe:
         return owner, f"{where or type(owner).__name__}: {getattr(func, '__name__', str(func))}"
 
     def record_functional(self, func: Callable, args: tuple, kwargs: dict, out: Any) -> None:
+        if isinstance(out, torch.Tensor) and not out.is_floating_point():
+            return  # torch.relu on integers (index clamping): no slope to learn, the dispatch passes it through
         owner, where = self._where(func)
         inner = self.running.stack[-1] if self.running.stack else None
         if inner is not None and id(inner) not in self.names:  # a module made in forward (HF's ACT2FN[...](x)):

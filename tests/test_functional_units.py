@@ -420,6 +420,35 @@ def test_a_call_on_a_scalar_keeps_its_place_in_the_order_and_runs_as_it_is():
         assert torch.equal(model(x), model.lin(x))  # relu(-0.5) = 0 still: the scalar call is not a unit
 
 
+def test_a_call_on_integers_is_no_site_and_runs_as_it_is():
+    """``torch.relu`` on an integer tensor (index clamping) got a unit, and every forward of the converted model
+    then raised inside it ("prelu not implemented for 'Long'"). Truth: the unconverted model, at slope 0 and
+    (the integer call has no slope) at slope 1 against the float calls made linear by hand; calls after it keep
+    their own units."""
+    class Clamped(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin, self.out = nn.Linear(4, 8), nn.Linear(8, 2)
+
+        def forward(self, x):
+            h = F.relu(self.lin(x))
+            idx = torch.relu((x * 3).long()) + (x * 2).long().relu_()  # integer calls, a function and a method
+            return F.gelu(self.out(h)) + idx.sum(1, keepdim=True)
+
+    torch.manual_seed(0)
+    model, x = Clamped(), torch.randn(5, 4)
+    original = copy.deepcopy(model)
+    linearize.convert(model, example_inputs=x)
+    assert [n for n, _ in linearize.units(model)] == ["linearize_functional.relu_0", "linearize_functional.gelu_1"]
+    for grad in (True, False):
+        with torch.set_grad_enabled(grad):
+            assert torch.equal(model(x), original(x))
+    _set_slopes(model, 1.0)
+    with torch.no_grad():
+        idx = torch.relu((x * 3).long()) + (x * 2).long().relu()
+        assert torch.equal(model(x), original.out(original.lin(x)) + idx.sum(1, keepdim=True))
+
+
 class Mixed(nn.Module):
     """Functional calls around a ReLU module child: the child's own F.relu is not the owner's."""
 
