@@ -33,7 +33,7 @@ from .dispatch import (FunctionalSiteError, Scope, attach_owner, caller_scope, c
                        loop_error, prime_eager, refuse_fx_root, refuse_scripting, watch_child)
 from .unit import write_into
 
-__all__ = ["FunctionalSites", "FunctionalSiteError", "ATTR", "install_functional_sites"]
+__all__ = ["FunctionalSites", "FunctionalSiteError", "ATTR", "install_functional_sites", "drop_site_modes"]
 
 ATTR = "linearize_functional"  # the owner's child that holds its functional units
 
@@ -278,6 +278,17 @@ class FunctionalSites(nn.Module):
                 f"({', '.join(self.kinds)}){' (a kind or an input width differs)' if calls.mismatch else ''}. "
                 f"Its calls are matched to their units by order, which fails when {why}"
             )
+
+
+def drop_site_modes(model: nn.Module) -> None:
+    """Take the dispatch modes of ``model``'s functional sites off this thread's torch-function mode stack. A
+    forward interrupted inside an owner (Ctrl-C in convert's check run) leaves its mode there until that owner
+    runs again; a model that ``convert`` gives back unconverted never will, and the mode would stay for good
+    (every torch op on the thread slower, ``torch.compile(fullgraph=True)`` of unrelated code refused)."""
+    ours = {id(m) for m in model.modules() if isinstance(m, FunctionalSites)}
+    stack = map(torch._C._get_function_stack_at, range(torch._C._len_torch_function_stack()))
+    for mode in [m for m in stack if isinstance(m, _SiteMode) and id(m.sites) in ours]:
+        _remove_mode(mode)
 
 
 def _on_stack(mode: TorchFunctionMode) -> bool:

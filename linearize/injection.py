@@ -59,7 +59,7 @@ from .dispatch import (
     unreachable_call,
     watch_child,
 )
-from .functional_sites import ATTR
+from .functional_sites import ATTR, drop_site_modes
 from .inputs import call_model, eval_mode, inputs_fit, output_tensors
 from .module_stack import ModuleStack
 from .unit import LinearizableActivation
@@ -687,12 +687,14 @@ def restored_on_error(model: nn.Module) -> Iterator[None]:
     """The body may change ``model`` (submodules put in place, hooks moved or added, attributes set); when it
     raises, every module of ``model`` gets back the attributes it had, and its registries (the dicts in its
     ``__dict__``: submodules, parameters, hooks ...) their entries, in the same dict objects, so the user's hook
-    handles still remove their hooks: the model is left exactly as given."""
+    handles still remove their hooks: the model is left exactly as given; and no dispatch mode of its new
+    functional sites stays on the thread (:func:`~linearize.functional_sites.drop_site_modes`)."""
     saved = [(m, dict(vars(m)), {k: dict(v) for k, v in vars(m).items() if isinstance(v, dict)})
              for m in model.modules()]
     try:
         yield
     except BaseException:
+        drop_site_modes(model)  # an interrupted check run's dispatch mode: no forward of the model will drop it
         for m, attrs, registries in saved:
             vars(m).clear()
             vars(m).update(attrs)

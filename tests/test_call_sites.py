@@ -231,6 +231,36 @@ def test_a_ctrl_c_on_any_line_of_the_dispatch_leaves_nothing_behind():
     assert line > 20  # the interrupts did land inside the dispatch
 
 
+def test_a_ctrl_c_in_converts_check_run_leaves_no_mode_on_the_thread():
+    """A KeyboardInterrupt in the second forward convert makes (its check run on the converted model) is rolled
+    back, but the dispatch mode of the given-back model stayed on the thread's torch-function stack for good:
+    every torch op paid for it and torch.compile(fullgraph=True) of unrelated code raised. Truth: the stack as
+    before convert, a fullgraph compile of an unrelated function computing it, and the model as given."""
+
+    class Stops(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b, self.act, self.calls = nn.Linear(4, 8), nn.Linear(8, 8), nn.GELU(), 0
+
+        def forward(self, x):
+            self.calls += 1
+            h = self.act(F.relu(self.a(x)))
+            if self.calls == 2:
+                raise KeyboardInterrupt("Ctrl-C")
+            return self.act(self.b(h))
+
+    torch.manual_seed(0)
+    model, x = Stops(), torch.randn(3, 4)
+    original = copy.deepcopy(model)
+    depth = torch._C._len_torch_function_stack()
+    with pytest.raises(KeyboardInterrupt):
+        linearize.convert(model, example_inputs=x)
+    assert torch._C._len_torch_function_stack() == depth
+    assert not linearize.units(model) and torch.equal(model(x), original(x))
+    fn = torch.compile(lambda t: torch.relu(t) * 2, backend="eager", fullgraph=True)
+    assert torch.equal(fn(x), torch.relu(x) * 2)
+
+
 def test_an_outer_forward_that_catches_an_inner_ones_interrupt_computes_its_function():
     """The inner owner's closing hook never runs (a KeyboardInterrupt skips it) and its interception stays on
     top: the outer forward's own calls must still reach the outer units, and nothing stays behind after it."""
