@@ -168,14 +168,18 @@ def _prelu(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     which computes the same values: ``F.prelu``'s, but ReLU's exactly where ``weight`` is 0 (``F.prelu``
     gives NaN there for ``x = -inf``). Under a torch-function mode or with tensor subclasses the call
     is dispatched as a plain ``F.prelu``, so tools that intercept functions (linear regions, FLOP
-    counting, graph recording) see the same call as before.
+    counting, graph recording) see the same call as before. Under ``torch.jit.trace`` it runs as plain ops
+    (``torch.where`` of ``F.relu`` and ``F.prelu``), which ``torch.jit.save`` can keep.
     """
     if foreign_torch_function(x, weight):
         with _input_precision(x):
             y = handle_torch_function(F.prelu, (x, weight), x, weight)
         return _exact_ends(y, _channels(weight == 0, x.ndim), F.relu, x)
+    if torch.jit.is_tracing():  # plain ops: a Python autograd Function or the kernel would make the trace unsavable
+        with _input_precision(x):
+            return torch.where(_channels(weight == 0, x.ndim), F.relu(x), F.prelu(x, weight.to(x.dtype)))
     _refuse_functorch()
-    if x.device.type != "cpu" or torch.jit.is_tracing():  # the tracer cannot record the kernel's C++ loops
+    if x.device.type != "cpu":
         return _PReLU.apply(x, weight)
     if x.ndim == 4 and x.numel() and not x.is_contiguous() and x.is_contiguous(memory_format=torch.channels_last):
         # channels_last: the same memory as a contiguous [N*H*W, C], channels innermost; the result keeps the layout
@@ -333,7 +337,7 @@ class _AffineEnd(torch.autograd.Function):
 def _affine_end(x: torch.Tensor, alpha: torch.Tensor, beta: torch.Tensor) -> torch.Tensor:
     """``beta + alpha * x`` with the gradients of :class:`_AffineEnd`; under a torch-function mode or with tensor
     subclasses the plain ``torch.addcmul``, the call that tools intercepting functions know."""
-    if foreign_torch_function(x, alpha, beta):
+    if foreign_torch_function(x, alpha, beta) or torch.jit.is_tracing():  # traced: a savable op
         return torch.addcmul(beta, alpha, x)
     return _AffineEnd.apply(x, alpha, beta)
 
@@ -347,15 +351,18 @@ def _blend(act: torch.Tensor, x: torch.Tensor, slope: torch.Tensor, dim: int) ->
     PyTorch-ops path 2x as slow as the old ``torch.lerp``), outside ``torch.compile`` and forward-mode
     AD; the rest, and every call when it is switched off or cannot be built, runs :class:`_Blend`. Under a
     torch-function mode or with tensor subclasses it is dispatched as a plain ``torch.lerp``, so tools that
-    intercept functions see the call they know.
+    intercept functions see the call they know; under ``torch.jit.trace`` it is :func:`exact_lerp`'s plain
+    ops, which ``torch.jit.save`` can keep.
     """
     shape = [1] * x.ndim
     shape[dim] = slope.numel()
     weight = slope.view(shape)
     if foreign_torch_function(act, x, weight):
         return _exact_ends(torch.lerp(act, x, weight), (weight == 0) | (weight == 1), torch.where, weight == 0, act, x)
+    if torch.jit.is_tracing():  # plain ops: a Python autograd Function or the kernel would make the trace unsavable
+        return exact_lerp(act, x, weight)
     _refuse_functorch()
-    if (x.device.type == "cpu" and not torch.jit.is_tracing() and dim in (1, x.ndim - 1) and x.numel() and x.is_contiguous() and act.is_contiguous()
+    if (x.device.type == "cpu" and dim in (1, x.ndim - 1) and x.numel() and x.is_contiguous() and act.is_contiguous()
             and act.dtype == x.dtype == slope.dtype and fwAD._current_level < 0 and not torch.compiler.is_compiling()):
         kernel = cpu_blend()
         if kernel is not None:

@@ -8,6 +8,7 @@ same converted model without threads or checkpointing.
 from __future__ import annotations
 
 import copy
+import math
 import sys
 import threading
 from collections import OrderedDict
@@ -594,6 +595,39 @@ def test_trace_and_export_compute_the_converted_function_and_script_is_refused_w
         assert torch.allclose(exported(x), expected, atol=1e-6)
     with pytest.raises(TypeError, match=r"torch.jit.script cannot compile.*Fix: linearize.fold"):
         torch.jit.script(model)
+
+
+@pytest.mark.parametrize("kernel", ["kernel", "pytorch-ops"])
+def test_a_traced_converted_model_saves_and_loads_with_the_converted_function(kernel, tmp_path, monkeypatch):
+    """torch.jit.save of a traced converted model failed ("Could not export Python function call '_PReLU'"): the
+    units recorded their autograd Functions. Traced, they record plain ops. Truth: the unconverted model at
+    slopes 0 (bit for bit, -inf and NaN inputs included) and the model without its activations at slopes 1."""
+    if kernel == "pytorch-ops":
+        monkeypatch.setattr(linearize.kernels, "_state", {})
+        monkeypatch.setenv(linearize.kernels.ENV_SWITCH, "0")
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv, self.act, self.fc = nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Linear(4 * 36, 2)
+
+        def forward(self, x, linear=False):
+            h = self.conv(x) if linear else self.act(self.conv(x))
+            h = h.flatten(1) if linear else F.gelu(h.flatten(1))
+            return self.fc(h)
+
+    torch.manual_seed(0)
+    original, x = Net().eval(), torch.randn(2, 3, 8, 8)
+    x[0, :, 0, :3] = torch.tensor([-math.inf, math.nan, math.inf])
+    model = linearize.convert(copy.deepcopy(original), example_inputs=x)
+    for slope, want in ((0.0, original(x)), (1.0, original(x, linear=True))):
+        for _, unit in linearize.units(model):
+            with torch.no_grad():
+                unit.slope.fill_(slope)
+        with torch.no_grad():
+            torch.jit.save(torch.jit.trace(model, x, check_trace=False), tmp_path / "traced.pt")
+            got = torch.jit.load(tmp_path / "traced.pt")(x)
+        torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
 
 
 def test_a_zero_width_activation_is_refused_naming_it_and_the_fix():
