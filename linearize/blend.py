@@ -50,7 +50,7 @@ def convert_blend(model: nn.Module, config: BlendConfig, example_inputs: Any) ->
                 for unit in made:  # path, a hook, a buffer) sees what it saw in the original
                     if isinstance(unit, LinearizableActivation):
                         unit.inplace = True
-            install_call_sites(owner, attr, made, [c.check for c in calls])
+            install_call_sites(owner, attr, made, [c.check for c in calls], [c.position for c in calls])
             getattr(owner, attr).train(act.training)  # new units (and dispatcher) take the replaced flag
             if getattr(owner, attr) is not act:
                 placed.append((owner, act, getattr(owner, attr)))
@@ -69,7 +69,7 @@ def convert_blend(model: nn.Module, config: BlendConfig, example_inputs: Any) ->
                 made = {k: u.to(param.device, dtype) for k, u in made.items()}
             sites = FunctionalSites(p.name, [c.kind for c in p.calls], [call_channels(c) for c in p.calls], made,
                                     [module_arguments(c.act) if c.act is not None else None for c in p.calls],
-                                    p.repeat, [c.check for c in p.calls])
+                                    p.repeat, [c.check for c in p.calls], [c.position for c in p.calls])
             install_functional_sites(p.owner, sites)
         settle_placed_modules(model)
         _restore_unreached(model, example_inputs, placed, report)

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import os
 import sys
 import threading
 from collections.abc import Iterable, Iterator
@@ -48,7 +49,7 @@ __all__ = ["Scope", "attach_owner", "detach_owner", "caller_scope", "hooked_modu
            "compiled_submodules", "refuse_scripting", "unreachable_call", "checkpoint_error", "foreign_torch_function",
            "SITE_MODE", "FunctionalSiteError", "COMPILE_REASON", "fx_leaf_call", "fx_tracer", "refuse_fx_root",
            "ThreadWatch", "THREAD_CALL", "eager", "prime_eager", "code_position", "watch_child",
-           "loop_error"]
+           "loop_error", "Positions", "moved_call", "position_name"]
 
 _CALL_IMPL: CodeType = nn.Module._call_impl.__code__
 # the code of ``Tracer.trace`` itself: once anything was passed to ``torch.compile``, torch._dynamo has replaced
@@ -173,6 +174,11 @@ def _function_forwards() -> dict[CodeType, type]:
     return codes
 
 
+# linearize's own code (see code_position), spelled as its code objects spell their files
+_OWN_DIR = os.path.dirname(inspect.currentframe().f_code.co_filename) + os.sep
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+_OWN, _TORCH = "linearize", "torch"
+_CODE_INFO: dict[CodeType, tuple[bool, bool, Any]] = {}  # see _code_info
 _MODULE_FILE = nn.Module._call_impl.__code__.co_filename  # its nested ``inner`` runs hooks and forward
 _LOCAL = threading.local()  # .scopes: {id(owner's _call_impl frame): Scope} of this thread
 _MARK = "_linearize_dispatch"  # owner attribute: the handles of its two hooks
@@ -210,7 +216,8 @@ class Scope:
     checkpointed: list[str] = field(default_factory=list)  # calls made inside torch.utils.checkpoint, left as they are
     data: Any = None  # what the owner's functional sites keep for this forward (their mode)
     last_child: nn.Module | None = None  # the last module watched by watch_child that the owner's code called
-    loops: dict[int, str] = field(default_factory=dict)  # call sites (as positions) -> a loop_error of this forward
+    loops: dict[int, str] = field(default_factory=dict)  # call sites (as positions) -> a loop_error or moved_call
+    where: tuple = ()  # the code position (code_position) of the call caller_scope last found this scope for
 
     def next_position(self, sites: nn.Module) -> int:
         """The position of ``sites``' call now being made (0 for the first in this forward). Keyed by the
@@ -278,6 +285,7 @@ class _Caller:
     codes: set[CodeType]
     checkpointed: bool
     functions: list[FrameType]
+    position: tuple[tuple[CodeType, tuple], ...] = ()  # see code_position
 
     @property
     def in_function(self) -> bool:
@@ -289,41 +297,92 @@ class _Caller:
         return all(_backward_reruns(_function_class(f)) for f in self.functions)
 
 
+def _code_info(frame: FrameType) -> tuple[bool, bool, Any]:
+    """What :func:`_calling_module_frame` needs of the code ``frame`` runs (cached per code): whether it is a custom
+    autograd.Function's forward, whether it is ``torch.utils.checkpoint``'s, and ``_OWN`` (linearize's), ``_TORCH``
+    (torch's) or the source span of each of its instructions (the model's code: see :func:`code_position`)."""
+    code = frame.f_code
+    spans = _OWN if code.co_filename.startswith(_OWN_DIR) else _TORCH if code.co_filename.startswith(_TORCH_DIR) \
+        else tuple(code.co_positions())
+    return _function_forward(frame), code.co_filename == _CHECKPOINT_FILE, spans
+
+
 def _calling_module_frame(skip: int) -> _Caller:
     """Walk up from here to the innermost running module's ``Module._call_impl`` frame, past ``skip`` of them
     (the frames of this module's own functions and their callers count as "between": none is a user hook,
     a checkpoint or an autograd.Function, so no call depth is assumed)."""
-    frame, codes, checkpointed, functions = sys._getframe(1), set(), False, []
+    frame, codes, checkpointed, functions, position = sys._getframe(1), set(), False, [], []
     while frame is not None:
         code = frame.f_code
         if code is _CALL_IMPL:
             if not skip:
                 break
-            skip, codes, checkpointed, functions = skip - 1, set(), False, []
+            skip, codes, checkpointed, functions, position = skip - 1, set(), False, [], []
         else:
             codes.add(code)
-            checkpointed = checkpointed or code.co_filename == _CHECKPOINT_FILE
-            if _function_forward(frame):
+            info = _CODE_INFO.get(code)
+            if info is None:
+                info = _CODE_INFO[code] = _code_info(frame)
+            function, checkpoint, spans = info
+            checkpointed = checkpointed or checkpoint
+            if function:
                 functions.append(frame)
+            if spans is _OWN:  # linearize's own frames (the probe's, the dispatch's) and those they call
+                position = []
+            elif spans is not _TORCH:
+                position.append((code, spans[frame.f_lasti // 2]))
         frame = frame.f_back
-    return _Caller(frame, codes, checkpointed, functions)
+    return _Caller(frame, codes, checkpointed, functions, tuple(position))
 
 
-def code_position(skip: int = 0) -> tuple[tuple[CodeType, int], ...]:
+def code_position(skip: int = 0) -> tuple[tuple[CodeType, tuple], ...]:
     """Where in the innermost running module's code (past ``skip`` module calls: 1 for an activation module's own
-    call) the call this function's caller handles is made: the code and instruction of every frame between (its
-    forward and the helpers it calls). Calls with one position in one forward are the iterations of a loop."""
-    frame, found = sys._getframe(1), []
-    while frame is not None:
-        if frame.f_code is _CALL_IMPL:
-            if not skip:
-                break
-            skip, found = skip - 1, []
-        else:
-            found.append((frame.f_code, frame.f_lasti))
-        frame = frame.f_back
-    return tuple(found)
+    call) the call this function's caller handles is made: the code and the source span of the call expression
+    (the instruction offset is not: Python 3.11 reports a call at its PRECALL or its CALL) of every frame between
+    (its forward and the helpers it calls), innermost first, less torch's frames (``F.relu``'s, a module call's, a
+    tracer's, which differ with the way the model is run) and linearize's own frames and those they call (the
+    probe's recorder, the dispatch), so that the probe and the dispatch see one call at one position. Calls with
+    one position in one forward are the iterations of a loop; empty for a module of torch's own (its forward is
+    torch's code)."""
+    return _calling_module_frame(skip).position
 
+
+class Positions(tuple):
+    """The probe's :func:`code_position` of each call of a call-site dispatcher (``()`` where none is known). They
+    name code objects of this process: ``copy.deepcopy`` keeps them, a pickled copy (``torch.save`` of the whole
+    model, a spawned process) holds none, and then no call's position is checked."""
+
+    def __reduce__(self) -> tuple:
+        return Positions, ()
+
+    def __copy__(self) -> "Positions":
+        return self
+
+    def __deepcopy__(self, memo: dict) -> "Positions":
+        return self
+
+
+def position_name(position: tuple[tuple[CodeType, tuple], ...]) -> str:
+    """The line of a :func:`code_position` for messages: ``"Net.forward, line 12"`` (its innermost frame)."""
+    if not position:
+        return "an unknown place"
+    code, span = position[0]
+    return f"{getattr(code, 'co_qualname', code.co_name)}, line {span[0]}"
+
+
+def moved_call(what: str, k: int, expected: tuple, scope: Scope, fix: str) -> str:
+    """The message for call ``k`` of ``what`` (an activation module, a functional call) made in a forward of
+    ``scope``'s owner at another place in its code (``scope.where``) than the probe's call ``k`` (``expected``),
+    "" when it is made there, or when the two cannot be compared: unknown, or the forward's code is not the one
+    the probe ran (``torch.compile`` runs its own)."""
+    where = scope.where
+    if not expected or where == expected or not where or where[-1][0] is not expected[-1][0]:
+        return ""  # the same place; or the forward's code is not the probe's (torch.compile's own)
+    return (f"linearize: {what} has one unit per call site, matched by the order of the calls in one forward of "
+            f"{type(scope.owner).__name__}. Call {k} of this forward is made at {position_name(where)}, where the "
+            f"probe forward of linearize.convert made call {k} at {position_name(expected)}: this forward makes its "
+            "calls in another order, or a call the probe did not see (control flow on the input), so it would run "
+            f"another call's unit. Fix: {fix}")
 
 def hooked_module(skip: int = 0) -> nn.Module | None:
     """The innermost running module (past ``skip`` module calls: 1 for an activation module's own call) if one
@@ -379,6 +438,7 @@ def caller_scope(what: Callable[[], str], skip: int = 0) -> Scope | None:
         return None
     if caller.in_function:
         return None  # a custom Function's forward: left as it is, as the probe did
+    scope.where = caller.position
     return scope
 
 

@@ -29,8 +29,8 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from .activations import FUNCTIONAL_SPECS, call_arguments, in_place
-from .dispatch import (FunctionalSiteError, Scope, attach_owner, caller_scope, checkpoint_error, eager, fx_tracer,
-                       loop_error, prime_eager, refuse_fx_root, refuse_scripting, watch_child)
+from .dispatch import (FunctionalSiteError, Positions, Scope, attach_owner, caller_scope, checkpoint_error, eager,
+                       fx_tracer, loop_error, moved_call, prime_eager, refuse_fx_root, refuse_scripting, watch_child)
 from .unit import write_into
 
 __all__ = ["FunctionalSites", "FunctionalSiteError", "ATTR", "install_functional_sites", "drop_site_modes"]
@@ -49,6 +49,7 @@ class _Calls:
     width: str = ""  # a call of the probe's kind whose input width is not its unit's
     arguments: str = ""  # a call of the probe's kind made with other arguments than the probe's
     loop: str = ""  # a loop's call made after another module than the probe's (loop_error)
+    moved: str = ""  # a call made at another place in the owner's code than the probe's call (moved_call)
 
 
 class _SiteMode(TorchFunctionMode):
@@ -98,6 +99,9 @@ class FunctionalSites(nn.Module):
             loop over modules (``for layer in self.layers: x = F.relu(layer(x))``): a call made after another
             module (a loop over another subset of them) raises :class:`FunctionalSiteError` at the end of the
             forward instead of running another iteration's unit.
+        positions: per call, the probe's :func:`~linearize.dispatch.code_position` (``()``: not checked): a call
+            made elsewhere in the owner's code (``if``/``else`` branches calling them in another order) raises
+            :class:`FunctionalSiteError` at the end of the forward instead of running another call's unit.
 
     Call ``k`` runs the module registered as ``f"{kinds[k]}_{k}"`` (a unit, or the plain module
     :func:`linearize.fold` put in its place). An in-place call (``F.relu(x, inplace=True)``,
@@ -106,7 +110,7 @@ class FunctionalSites(nn.Module):
 
     def __init__(self, owner_name: str, kinds: list[str], channels: list[tuple[int, int] | None],
                  modules: dict[int, nn.Module], arguments: list[tuple] | None = None, repeat: bool = False,
-                 after: list[str | None] | None = None) -> None:
+                 after: list[str | None] | None = None, positions: list[tuple] | None = None) -> None:
         super().__init__()
         self.owner_name = owner_name
         self.kinds = list(kinds)
@@ -114,6 +118,7 @@ class FunctionalSites(nn.Module):
         self.arguments = list(arguments) if arguments is not None else [None] * len(kinds)
         self.repeat = repeat
         self.after = list(after) if after is not None else [None] * len(kinds)
+        self.positions = Positions(positions or ())
         self.slots: list[str | None] = [f"{k}_{i}" if i in modules else None for i, k in enumerate(kinds)]
         for i, module in modules.items():
             self.add_module(self.slots[i], module)
@@ -122,6 +127,7 @@ class FunctionalSites(nn.Module):
         prime_eager()
         state.setdefault("repeat", False)  # pickled before loops were told apart
         state.setdefault("after", [None] * len(state.get("kinds", ())))
+        state.setdefault("positions", Positions())
         super().__setstate__(state)
 
     def extra_repr(self) -> str:
@@ -185,6 +191,13 @@ class FunctionalSites(nn.Module):
             calls.mismatch, calls.seen = True, self.kinds[:k]
             calls.loop = loop_error(f"the functional {kind} call of module {self.owner_name or '<root>'!r}", k,
                                     expected, scope)
+        if not calls.mismatch and k < len(self.positions) and (moved := moved_call(
+                f"the functional {kind} call of module {self.owner_name or '<root>'!r}", k, self.positions[k], scope,
+                "make each of these calls through an activation module of its own (self.act_a = nn.ReLU(), "
+                "converted to a unit of its own, whatever the order), or convert with "
+                f"exclude_modules=[{self.owner_name or ATTR + '.*'!r}] to keep this module's functional calls as "
+                "they are")):
+            calls.mismatch, calls.seen, calls.moved = True, self.kinds[:k], moved
         if calls.mismatch:
             calls.seen.append(kind)
             return func(*args, **kwargs)
@@ -247,6 +260,8 @@ class FunctionalSites(nn.Module):
                     "torch.jit.trace, which see every call, or linearize.fold(model, example_inputs)")
             if calls.loop and not counted:  # as many calls, after other modules (fewer: the count says why)
                 raise FunctionalSiteError(calls.loop)
+            if calls.moved:
+                raise FunctionalSiteError(calls.moved)
             if calls.arguments:
                 raise FunctionalSiteError(
                     f"linearize: in module {name!r}, {calls.arguments}. Fix: give the call the same arguments in "

@@ -53,7 +53,9 @@ from .dispatch import (
     code_position,
     compiled_submodules,
     hooked_module,
+    Positions,
     loop_error,
+    moved_call,
     refuse_fx_root,
     refuse_scripting,
     unreachable_call,
@@ -108,18 +110,22 @@ class CallSites(nn.Module):
     exceptions and re-runs of the owner (gradient checkpointing of a module) all dispatch the same way.
     ``after[k]`` (when not None) names the module of the owner that its code calls right before call ``k`` (a loop's
     iteration: ``for layer in self.layers: x = self.act(layer(x))``); a call made after another one raises
-    :class:`~linearize.dispatch.FunctionalSiteError` instead of running another iteration's unit.
+    :class:`~linearize.dispatch.FunctionalSiteError` instead of running another iteration's unit. ``positions[k]``
+    (when not empty) is where in the owner's code the probe saw call ``k`` (:func:`~linearize.dispatch.code_position`):
+    a call made elsewhere (branches calling the module in another order) raises that error too.
     """
 
     def __init__(self, calls: list[LinearizableActivation], where: str = "",
-                 after: list[str | None] | None = None) -> None:
+                 after: list[str | None] | None = None, positions: list[tuple] | None = None) -> None:
         super().__init__()
         self.calls = nn.ModuleList(calls)
         self.where = where  # "<owner class>.<attribute>", for errors
         self.after = list(after) if after is not None else []
+        self.positions = Positions(positions or ())
 
     def __setstate__(self, state: dict) -> None:  # unpickled (torch.load of a whole model, spawn): no __init__
         prime_eager()
+        state.setdefault("positions", Positions())
         super().__setstate__(state)
 
     @eager  # the position is per-forward state, not a graph input
@@ -138,6 +144,11 @@ class CallSites(nn.Module):
         expected = self.after[k] if k < len(self.after) else None
         if expected is not None and scope.last_child is not scope.owner.get_submodule(expected):
             scope.loops.setdefault(id(self.__dict__), loop_error(f"the activation module {where}", k, expected, scope))
+        if k < len(self.positions) and (moved := moved_call(
+                f"the activation module {where}", k, self.positions[k], scope, "give each call its own activation "
+                "module (self.act_a = nn.ReLU(), converted to a unit of its own, whatever the order), or convert "
+                "with exclude_modules= naming this owner to keep its activation as it is")):
+            scope.loops.setdefault(id(self.__dict__), moved)
         if k >= len(self.calls):
             raise FunctionalSiteError(
                 f"linearize: the activation module {where} was called more than "
@@ -170,7 +181,7 @@ class CallSites(nn.Module):
                 "exit) the later calls ran the units of earlier ones. Fix: give each call its own activation "
                 "module (self.acts = nn.ModuleList(...)), or convert with exclude_modules= naming this owner to "
                 "keep its activation as it is.")
-        if id(self.__dict__) in scope.loops:  # as many calls, after other modules: the end of the forward says so
+        if id(self.__dict__) in scope.loops:  # as many calls, after other modules or elsewhere: the end says so
             raise FunctionalSiteError(scope.loops[id(self.__dict__)])
 
     def __prepare_scriptable__(self) -> nn.Module:
@@ -229,14 +240,15 @@ def _shadowed_on_copy(m: nn.Module) -> list[str]:
 
 
 def install_call_sites(owner: nn.Module, attr: str, modules: list[nn.Module],
-                       after: list[str | None] | None = None) -> None:
+                       after: list[str | None] | None = None, positions: list[tuple] | None = None) -> None:
     """Put one module per call at ``owner.attr``: the module itself, or a :class:`CallSites`
     dispatcher (counted per forward of ``owner``: :func:`~linearize.dispatch.attach_owner`) when the site is
     called several times (then :func:`settle_placed_modules` on the model). Every other attribute of ``owner``
     holding the same module (``act`` twice in an ``nn.Sequential``, ``self.a1 = self.a2 = nn.ReLU()``) gets
-    the same replacement: its calls are among those the probe counted. ``after``: see :class:`CallSites`."""
+    the same replacement: its calls are among those the probe counted. ``after``, ``positions``: see
+    :class:`CallSites`."""
     old = owner._modules[attr]
-    new = modules[0] if len(modules) == 1 else CallSites(modules, f"{type(owner).__name__}.{attr}", after)
+    new = modules[0] if len(modules) == 1 else CallSites(modules, f"{type(owner).__name__}.{attr}", after, positions)
     for name in [n for n, m in owner._modules.items() if m is old]:
         setattr(owner, name, new)
     if len(modules) > 1:
@@ -800,7 +812,7 @@ def _plan_functional(
         for call in owner_calls:
             per_call[call.invocation].append(call)
         runs = list(per_call.values())
-        signature = [[(c.kind, call_channels(c)) for c in run] for run in runs]
+        signature = [[(c.kind, call_channels(c), c.position) for c in run] for run in runs]
         if isinstance(owner, (nn.Sequential, nn.ModuleList, nn.ModuleDict)) and id(owner) in names:
             left += [c for c in owner_calls if c.act is None or c.gate is not None and config.gates == "exclude"]
             for where, n in Counter(c.where for c in owner_calls if c.act is not None and (

@@ -1323,3 +1323,48 @@ def test_an_activation_called_before_a_fixed_count_loop_and_in_it_keeps_one_unit
         model.depth = 2
         with pytest.raises(FunctionalSiteError):
             model(x)
+
+
+class Branches(nn.Module):
+    """Two activation call sites (functional, or one activation module reused) that the forward makes in the
+    input's order: ``a`` first when the input's sum is positive, ``b`` first otherwise."""
+
+    def __init__(self, functional: bool) -> None:
+        super().__init__()
+        self.a, self.b, self.o = nn.Linear(4, 8), nn.Linear(4, 8), nn.Linear(16, 2)
+        self.act = None if functional else nn.ReLU()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        act = F.relu if self.act is None else self.act
+        if x.sum() > 0:
+            u = act(self.a(x))
+            v = act(self.b(x))
+        else:
+            v = act(self.b(x))
+            u = act(self.a(x))
+        return self.o(torch.cat([u, v], -1))
+
+
+@pytest.mark.parametrize("functional", [False, True])
+def test_call_sites_made_in_another_order_than_the_probes_are_refused_not_swapped(functional):
+    """Units are matched by call order: the branch the probe did not take makes the same calls (kinds, widths) in
+    the other order, and each ran the other site's unit, silently. Now the probe's branch computes each site with
+    its own unit (written out by hand) and the other branch raises, naming the place and the fix."""
+    torch.manual_seed(0)
+    model, positive, negative = Branches(functional), torch.ones(2, 4), -torch.ones(2, 4)
+    linearize.convert(model, example_inputs=positive)
+    (_, unit_a), (_, unit_b) = linearize.units(model)
+    with torch.no_grad():
+        unit_a.slope.fill_(1.0)  # the site relu(a(x)): linear
+        unit_b.slope.fill_(0.0)  # the site relu(b(x)): ReLU
+        by_hand = lambda x: model.o(torch.cat([model.a(x), model.b(x).clamp(min=0)], -1))  # noqa: E731
+        torch.testing.assert_close(model(positive), by_hand(positive))
+        with pytest.raises(FunctionalSiteError, match=r"Call 0 of this forward is made at Branches.forward, line \d+, "
+                                                      r"where the probe .* made call 0 at Branches.forward.*Fix: \w+ "
+                                                      r"each (call|of these calls)"):
+            model(negative)
+        torch.testing.assert_close(model(positive), by_hand(positive))  # nothing left behind
+        torch.testing.assert_close(copy.deepcopy(model)(positive), by_hand(positive))
+        with pytest.raises(FunctionalSiteError):
+            copy.deepcopy(model)(negative)
+
