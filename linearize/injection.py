@@ -727,6 +727,20 @@ def _called_once_by_one_other(probe: "_Probe", act: nn.Module) -> bool:
             and len(calls) == probe.invocations[id(caller)])
 
 
+def _hookless_call(owner: nn.Module, probe: "_Probe") -> str:
+    """Why the activation modules of ``owner`` seem called by another module, when the probe never saw ``owner``
+    called through ``nn.Module.__call__`` because its class overrides ``__call__`` (``def __call__(self, x): return
+    self.forward(x)``): its module hooks never run, so its calls look like its caller's. "" otherwise."""
+    call = getattr(type(owner), "__call__", None)
+    if probe.invocations[id(owner)] or call is nn.Module.__call__:
+        return ""
+    where = getattr(call, "__qualname__", f"{type(owner).__name__}.__call__")
+    return (f"its owner {type(owner).__name__} overrides __call__ ({where}), which runs its forward without "
+            "nn.Module.__call__, so no module hook runs for it and its activation calls look like its caller's; "
+            f"fix: remove {where} (or return super().__call__(*args, **kwargs) from it), so that the module is "
+            "called as torch calls modules")
+
+
 def activation_registrations(model: nn.Module) -> list[tuple[str, nn.Module, str, nn.Module]]:
     """Every ``(qualified_name, owner, attribute, activation)``, shared modules once per owner."""
     found = []
@@ -1034,7 +1048,7 @@ def plan_conversion(
             plan.append((owner, attr, act, calls))
     for name, owner, attr, act in chosen:
         if probe.calls[id(act)] and owned_calls[id(act)] < len(probe.calls[id(act)]):
-            report.unreachable.setdefault(name, "called by a module that does not own it (a parent looping over "
-                                                "a ModuleList, another module); fix: give each caller its own "
-                                                "activation module")
+            report.unreachable.setdefault(name, _hookless_call(owner, probe) or (
+                "called by a module that does not own it (a parent looping over a ModuleList, another module); fix: "
+                "give each caller its own activation module"))
     return report, plan, owner_plans

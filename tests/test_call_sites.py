@@ -1368,3 +1368,29 @@ def test_call_sites_made_in_another_order_than_the_probes_are_refused_not_swappe
         with pytest.raises(FunctionalSiteError):
             copy.deepcopy(model)(negative)
 
+
+class CallOverride(nn.Module):
+    """A block whose ``__call__`` runs its forward directly (no module hooks run), one ReLU module used twice."""
+
+    def __init__(self, d: int = 8) -> None:
+        super().__init__()
+        self.a, self.b, self.act = nn.Linear(d, d), nn.Linear(d, d), nn.ReLU()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.forward(x)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.act(self.b(self.act(self.a(x))))
+
+
+def test_a_block_overriding_call_is_refused_naming_the_override_and_the_fix():
+    """Its activation looked called by another module, and the refusal said "give each caller its own activation
+    module", which it has; now it names the __call__ override and its fix, and leaves the model as given."""
+    torch.manual_seed(0)
+    model, x = nn.Sequential(CallOverride(), CallOverride()), torch.randn(3, 8)
+    original = copy.deepcopy(model)
+    with pytest.raises(ValueError, match=r"0\.act: its owner CallOverride overrides __call__ "
+                                         r"\(CallOverride\.__call__\).*fix: remove CallOverride\.__call__"):
+        linearize.convert(model, example_inputs=x)
+    torch.testing.assert_close(model(x), original(x))
+    assert not linearize.units(model)
