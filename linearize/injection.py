@@ -353,6 +353,7 @@ class ActivationCall:
     position: tuple = ()  # where in its caller's code the call is made (dispatch.code_position)
     after: tuple[nn.Module | None, int] = (None, 0)  # the last module its caller's own code called before it
     # (not an activation) and how many it called before it
+    called: list[nn.Module] = field(default_factory=list)  # the modules its caller's own code called in that call
     check: str | None = None  # a loop's call: the name (in its owner) of the module that must run before it
 
 
@@ -432,6 +433,7 @@ class _Probe:
         self.recursive: set[int] = set()  # modules called while already running (a forward that calls itself)
         # module id -> the last module its own code called in its call now running, and how many it called
         self.last_called: dict[int, tuple[nn.Module | None, int]] = {}
+        self.called: dict[int, list[nn.Module]] = {}  # module id -> every module its own code called (ditto)
         # functional activation calls made by a module's user hooks in its call now running: module id -> names
         self.hook_calls: dict[int, list[str]] = defaultdict(list)
         # a module with user hooks -> its call's arguments / output before them, and their tensors' versions
@@ -462,6 +464,7 @@ class _Probe:
         if func in FUNCTIONAL_SPECS and owner is not None and isinstance(out, torch.Tensor):
             call.owner, call.invocation = owner, self.invocations[id(owner)]  # a call the owner's mode will see
             call.position, call.after = code_position(), self.last_called.get(id(owner), (None, 0))
+            call.called = self.called.get(id(owner), [])
             if out.ndim:  # a scalar has no channels: that call runs as it is
                 if args:  # its input's width (a conv's channels) is its output's
                     self.follow(args[0], out)
@@ -542,7 +545,8 @@ class _Probe:
                 hook = "" if hooked is None else self.names.get(id(hooked)) or type(hooked).__name__
                 call = ActivationCall(caller, tuple(x.shape), dim, activation_kind(module) or "",
                                       unreachable=unreachable_call(skip=1), hook=hook, position=code_position(skip=1),
-                                      after=self.last_called.get(id(caller), (None, 0)))
+                                      after=self.last_called.get(id(caller), (None, 0)),
+                                      called=self.called.get(id(caller), []))
                 self.calls[id(module)].append(call)
                 self.pending[id(module)] = call
                 if not sure:
@@ -554,7 +558,9 @@ class _Probe:
         if self.running.stack and id(module) not in self.activations:
             parent = id(self.running.stack[-1])
             self.last_called[parent] = (module, self.last_called.get(parent, (None, 0))[1] + 1)
+            self.called.setdefault(parent, []).append(module)
         self.last_called[id(module)] = (None, 0)  # its own calls start
+        self.called[id(module)] = []
         self.invocations[id(module)] += 1
 
     def leave(self, module: nn.Module, args: tuple, output: Any, _: None) -> None:
@@ -789,12 +795,36 @@ def _loops(owner: nn.Module, calls: list[ActivationCall], names: dict[int, str])
                and call_channels(calls[k]) == call_channels(first) for k in group):
             shared.append(group)
             continue
-        if all(calls[k].after[0] is first.after[0] for k in group):
-            continue  # one module before each (a weight-tied loop): nothing to check
-        for k in group:
-            name = names.get(id(calls[k].after[0])) if calls[k].after[0] is not None else None
+        before = [calls[k].after[0] for k in group]
+        if all(m is before[0] for m in before):  # one module right before each (a shared norm, a weight-tied layer)
+            before = _told_apart(calls, group)
+            if before is None:  # told apart by order only: never matched by order, whatever the routing
+                if all(calls[k].kind == first.kind and call_channels(calls[k]) == call_channels(first) for k in group):
+                    shared.append(group)
+                continue
+        for k, module in zip(group, before):
+            name = names.get(id(module)) if module is not None else None
             calls[k].check = name[len(prefix):] if name is not None and name.startswith(prefix) else None
     return shared
+
+
+def _told_apart(calls: list[ActivationCall], group: list[int]) -> list[nn.Module] | None:
+    """For a loop's calls (positions ``group``) that come right after one module each (a shared norm): per
+    iteration, the last module its owner called in that iteration and in no other (an expert, before the shared
+    norm), which tells the iterations apart; None when an iteration has none (experts held as weights, a
+    weight-tied layer)."""
+    windows, start = [], calls[group[0] - 1].after[1] if group[0] else 0
+    for k in group:
+        windows.append(calls[k].called[start:calls[k].after[1]])
+        start = calls[k].after[1]
+    found = []
+    for i, window in enumerate(windows):
+        others = {id(m) for j, w in enumerate(windows) if j != i for m in w}
+        module = next((m for m in reversed(window) if id(m) not in others), None)
+        if module is None:
+            return None
+        found.append(module)
+    return found
 
 
 def _loop_last(shared: list[list[int]], count: int) -> bool:

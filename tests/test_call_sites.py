@@ -1394,3 +1394,85 @@ def test_a_block_overriding_call_is_refused_naming_the_override_and_the_fix():
         linearize.convert(model, example_inputs=x)
     torch.testing.assert_close(model(x), original(x))
     assert not linearize.units(model)
+
+
+class NormedExperts(nn.Module):
+    """A routed loop whose iterations each call one shared LayerNorm right before the activation (a functional
+    call, or one activation module): experts held as weights (``norm(x) @ w[e]``) or as modules
+    (``norm(experts[e](x))``); ``self.routing`` is the experts a batch is routed to, in order."""
+
+    def __init__(self, as_modules: bool, functional: bool, experts: int = 4, d: int = 8) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(experts, d, d) / 3)
+        self.experts = nn.ModuleList(nn.Linear(d, d) for _ in range(experts)) if as_modules else None
+        self.norm, self.act = nn.LayerNorm(d), None if functional else nn.ReLU()
+        self.routing = [1, 3]
+
+    def pre(self, x: torch.Tensor, e: int) -> torch.Tensor:
+        return self.norm(self.experts[e](x)) if self.experts is not None else self.norm(x) @ self.w[e]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        act = F.relu if self.act is None else self.act
+        out = 0
+        for e in self.routing:
+            out = out + act(self.pre(x, e))
+        return out
+
+
+@pytest.mark.parametrize("functional", [False, True])
+@pytest.mark.parametrize("as_modules", [False, True])
+def test_a_routed_loop_through_a_shared_norm_never_matches_experts_by_iteration(as_modules, functional):
+    """Each iteration got its own unit, matched by the bare iteration index (the module right before each call is
+    the shared norm, so nothing was checked): another routing ran expert e on another expert's unit. Now experts
+    held as weights share one unit (nothing but the order tells them apart), right for any routing, and experts
+    held as modules keep one unit each, checked by the expert: the probe's routing computes each expert with its
+    own slopes (written out by hand), another order raises."""
+    torch.manual_seed(0)
+    model, x = NormedExperts(as_modules, functional), torch.randn(6, 8)
+    linearize.convert(model, example_inputs=x)
+    units = [u for _, u in linearize.units(model)]
+    assert len(units) == (2 if as_modules else 1)
+    random_slopes(model)
+    leaky = lambda h, unit: (1 - unit.slope) * h.clamp(min=0) + unit.slope * h  # noqa: E731
+    with torch.no_grad():
+        for routing in ([1, 3], [3, 1], [0, 2]):
+            model.routing = routing
+            if as_modules and routing != [1, 3]:
+                with pytest.raises(FunctionalSiteError, match=r"loop of the forward of NormedExperts.*after "
+                                                              r"'experts\.\d'"):
+                    model(x)
+                continue
+            unit_of = dict(zip(routing, units)) if as_modules else dict.fromkeys(routing, units[0])
+            torch.testing.assert_close(model(x), sum(leaky(model.pre(x, e), unit_of[e]) for e in routing))
+
+
+class TiedSteps(nn.Module):
+    """A weight-tied recurrence: one layer and one activation (a functional call or a module), ``steps`` times."""
+
+    def __init__(self, functional: bool) -> None:
+        super().__init__()
+        self.lin, self.act, self.steps = nn.Linear(8, 8), None if functional else nn.ReLU(), 3
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        act = F.relu if self.act is None else self.act
+        for _ in range(self.steps):
+            x = act(self.lin(x))
+        return x
+
+
+@pytest.mark.parametrize("functional", [False, True])
+def test_a_weight_tied_loop_shares_one_unit_for_any_number_of_steps(functional):
+    """Its iterations are told apart by their order only (the same layer before each), so they share one unit
+    (they got one unit each, matched by the iteration index): every step runs it, written out by hand."""
+    torch.manual_seed(0)
+    model, x = TiedSteps(functional), torch.randn(4, 8)
+    linearize.convert(model, example_inputs=x)
+    (_, unit), = linearize.units(model)
+    random_slopes(model)
+    with torch.no_grad():
+        for steps in (3, 2, 5):
+            model.steps, want = steps, x
+            for _ in range(steps):
+                h = model.lin(want)
+                want = (1 - unit.slope) * h.clamp(min=0) + unit.slope * h
+            torch.testing.assert_close(model(x), want)

@@ -510,8 +510,9 @@ def test_a_layer_width_counts_only_for_its_own_output_and_its_views(build, dims)
         model(torch.randn(1, 3, 20, 20))  # another size runs on the feature axis
 
 
-class _Loop(nn.Module):
-    """One activation module called ``steps`` times (weight-tied recurrence)."""
+class _Steps(nn.Module):
+    """One activation module called ``steps`` times, each call written out (a loop's iterations, which nothing but
+    their order tells apart, share one unit instead)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -519,13 +520,16 @@ class _Loop(nn.Module):
         self.steps = 2
 
     def forward(self, x):
-        for _ in range(self.steps):
+        x = self.act(self.lin(x))
+        if self.steps > 1:
+            x = self.act(self.lin(x))
+        if self.steps > 2:
             x = self.act(self.lin(x))
         return x
 
 
 def test_a_reused_module_called_more_or_less_often_than_in_the_probe_is_refused():
-    model = linearize.convert(_Loop(), example_inputs=torch.randn(2, 4))
+    model = linearize.convert(_Steps(), example_inputs=torch.randn(2, 4))
     model(torch.randn(2, 4))
     model.steps = 1  # fewer calls: which were left out (the last, or a skipped layer's) cannot be told
     with pytest.raises(FunctionalSiteError, match="called 1 times.*saw 2 calls.*Fix"):
