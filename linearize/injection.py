@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import re
+import warnings
 import weakref
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
@@ -87,6 +88,7 @@ _SAME_VALUES: set[Callable] = {
     torch.clone, torch.Tensor.__getitem__, torch.Tensor.float, torch.Tensor.half, torch.Tensor.bfloat16,
     F.dropout,
 }
+_MOVES_AXES = {torch.Tensor.permute, torch.permute, torch.Tensor.transpose, torch.transpose}  # of _SAME_VALUES
 # what the probe records of a call (a user's hook calling one of these is not the model's own code)
 _WATCHED = {*FUNCTIONAL_SPECS, *_PRODUCTS, *OTHER_FUNCTIONS}
 _CHANNEL_FIRST = (nn.modules.conv._ConvNd, nn.modules.batchnorm._NormBase, nn.GroupNorm)
@@ -400,7 +402,7 @@ class _FunctionalRecorder(TorchFunctionMode):
             if func in FUNCTIONAL_SPECS:
                 self.probe.record_functional(func, args, kwargs or {}, out)
             elif func in _SAME_VALUES and args:
-                self.probe.follow(args[0], out)
+                self.probe.follow(args[0], out, moved=func in _MOVES_AXES)
             elif func in _PRODUCTS:
                 self.probe.record_product(func, args, out)
             elif func in OTHER_FUNCTIONS and not any(isinstance(m, _UNSUPPORTED) for m in self.probe.running.stack):
@@ -428,6 +430,7 @@ class _Probe:
         self.last_leaf: nn.Module | None = None
         self.unsupported: Counter[str] = Counter()  # functional calls of OTHER_FUNCTIONS ("owner: fn") -> calls
         self.widths: dict[int, tuple[weakref.ref, int]] = {}  # layer outputs (and their views) -> layer width
+        self.moved: dict[int, weakref.ref] = {}  # those of them whose axes a transpose or permute moved
         self.unsure: list[ActivationCall] = []  # calls whose channel dim the next layer settles (_settle)
         self.threads: dict[str, int] = {}  # activation calls on threads the forward started (ThreadWatch)
         self.recursive: set[int] = set()  # modules called while already running (a forward that calls itself)
@@ -500,14 +503,22 @@ class _Probe:
         entry = self.outputs.get(id(x)) if isinstance(x, torch.Tensor) else None
         return entry[1] if entry is not None and entry[0]() is x else None
 
-    def follow(self, x: Any, out: Any) -> None:
-        """``out`` holds the values of ``x`` (a view, reshape, cast): it inherits ``x``'s source and width."""
+    def follow(self, x: Any, out: Any, moved: bool = False) -> None:
+        """``out`` holds the values of ``x`` (a view, reshape, cast; ``moved``: a transpose or permute): it
+        inherits ``x``'s source and width."""
         call = self._source(x)
         if call is not None and out is not x:
             self._tag(out, call)
         width = self._width_of(x)
         if width is not None and isinstance(out, torch.Tensor) and out is not x:
             self.widths[id(out)] = (weakref.ref(out), width)
+            if moved or self._moved(x):
+                self.moved[id(out)] = weakref.ref(out)
+
+    def _moved(self, x: torch.Tensor) -> bool:
+        """Whether ``x`` holds a layer's output with its axes moved (a transpose or permute of it)."""
+        ref = self.moved.get(id(x))
+        return ref is not None and ref() is x
 
     def _width_of(self, x: Any) -> int | None:
         """The output width of the layer that made ``x`` (or the tensor ``x`` is a view or reshape of)."""
@@ -598,6 +609,13 @@ class _Probe:
         fits = [d for d in (1, -1) if x.shape[d] == self._width_of(x)]
         if len(fits) == 1:
             return fits[0], True
+        if len(fits) == 2 and self._moved(x):
+            warnings.warn(
+                f"linearize.convert: {where}: the layer before it has {x.shape[1]} features, and a transpose or "
+                f"permute left dims 1 and -1 both of that size on the probe input, so its channel axis cannot be "
+                "told (a sequence as long as the features are wide); its slopes may act on positions instead. Fix: "
+                "convert with channel_dim= set to the feature axis (-1 for (batch, length, features) tokens, 1 for "
+                "(batch, features, length) maps), or example_inputs of another length", stacklevel=2)
         if isinstance(self.last_leaf, _CHANNEL_FIRST):
             return 1, False
         if isinstance(self.last_leaf, (nn.Linear, nn.LayerNorm, nn.Embedding)) or (

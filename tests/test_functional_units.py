@@ -670,3 +670,34 @@ def test_a_functional_call_of_a_container_subclass_is_listed_with_the_reason_and
     want = fixed(x)
     linearize.convert(fixed, example_inputs=x)
     assert [n for n, _ in linearize.units(fixed)] == ["1"] and torch.equal(fixed(x), want)
+
+
+class ConvThenTokens(nn.Module):
+    """A conv over (batch, 8 channels, length) maps, transposed to (batch, length, 8) tokens before the ReLU."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.c, self.l = nn.Conv1d(8, 8, 1), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.l(F.relu(self.c(x).transpose(1, 2)))
+
+
+def test_a_channel_axis_a_transpose_made_ambiguous_warns_naming_the_call_and_channel_dim():
+    """Probed with length == channels, dims 1 and -1 both had the conv's width after the transpose: convert took the
+    time axis silently. Now it warns, naming the call and channel_dim=; with channel_dim=-1 each slope acts on its
+    own feature (channel 0 linear, the rest ReLU, written out by hand)."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 8, 8)
+    with pytest.warns(UserWarning, match=r"functional call .*relu.*dims 1 and -1 both.*channel_dim="):
+        linearize.convert(ConvThenTokens(), example_inputs=x)
+    model = ConvThenTokens()
+    linearize.convert(model, example_inputs=x, channel_dim=-1)
+    (_, unit), = linearize.units(model)
+    with torch.no_grad():
+        unit.slope.zero_()
+        unit.slope[0] = 1.0
+        h = model.c(x).transpose(1, 2)
+        want = h.clamp(min=0)
+        want[..., 0] = h[..., 0]
+        torch.testing.assert_close(model(x), model.l(want))
