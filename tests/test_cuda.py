@@ -15,10 +15,9 @@ import torch
 import torch.nn.functional as F
 import torchvision
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 import linearize
-from test_call_sites import Functional, Reused, random_slopes
+from test_call_sites import Functional, Reused, assert_checkpointing_gives_the_plain_gradients, random_slopes
 from test_unit_exactness import ACTS, assert_same_bits, unit_and_input
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -110,36 +109,10 @@ def test_threads_on_a_converted_resnet18_on_cuda_give_the_serial_outputs(monkeyp
     assert _threads(model, x, reference) == (0, [])
 
 
-class Outer(nn.Module):
-    """Checkpoints its child (as Hugging Face's gradient checkpointing does with layers) when ``use``."""
-
-    def __init__(self, cls: type[nn.Module], use: bool, reentrant: bool) -> None:
-        super().__init__()
-        self.inner, self.use, self.reentrant = cls(), use, reentrant
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return checkpoint(self.inner, x, use_reentrant=self.reentrant) if self.use else self.inner(x)
-
-
 @pytest.mark.parametrize("reentrant", [True, False])
 @pytest.mark.parametrize("cls", [Functional, Reused])
 def test_checkpointing_on_cuda_gives_the_gradients_of_the_plain_run(cls, reentrant):
-    torch.manual_seed(0)
-    x = torch.randn(32, 6)
-    plain = linearize.convert(Outer(cls, False, reentrant), example_inputs=x)
-    random_slopes(plain)
-    plain = plain.to(CUDA)
-    ckpt = copy.deepcopy(plain)
-    ckpt.use = True
-    x = x.to(CUDA).requires_grad_(True)
-    grads = []
-    for model in (plain, ckpt):
-        model(x).square().sum().backward()
-        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
-    assert grads[0].keys() == grads[1].keys()
-    for n in grads[0]:
-        assert torch.allclose(grads[0][n], grads[1][n], atol=1e-6), n
-    assert all(grads[1][n].abs().sum() > 0 for n in grads[1] if n.endswith("slope"))
+    assert_checkpointing_gives_the_plain_gradients(cls, reentrant, CUDA)
 
 
 class SmallNet(nn.Module):
