@@ -625,13 +625,20 @@ class LinearizableActivation(nn.Module):
         return float(act.negative_slope) if isinstance(act, nn.LeakyReLU) else 0.0
 
     def __getattr__(self, name: str) -> Any:
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            act = self.__dict__.get("_modules", {}).get("act")
-            if act is not None and not name.startswith("_") and name not in ("alpha", "beta") and hasattr(act, name):
-                return getattr(act, name)  # the activation's hyper-parameters (unit.negative_slope, unit.max_val)
-            raise
+        # nn.Module.__getattr__'s lookup written out (wrapping it cost a frame on every parameter access of a
+        # forward), then the activation's hyper-parameters (unit.negative_slope, unit.max_val)
+        d = self.__dict__
+        if name in d.get("_parameters", ()):
+            return d["_parameters"][name]
+        if name in d.get("_buffers", ()):
+            return d["_buffers"][name]
+        modules = d.get("_modules", {})
+        if name in modules:
+            return modules[name]
+        act = modules.get("act")
+        if act is not None and not name.startswith("_") and name not in ("alpha", "beta") and hasattr(act, name):
+            return getattr(act, name)
+        raise AttributeError(f"'{type(self).__name__}' object has no attribute '{name}'")
 
     def __setattr__(self, name: str, value: Any) -> None:
         act = self.__dict__.get("_modules", {}).get("act")
