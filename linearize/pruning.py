@@ -9,8 +9,9 @@ A *site* is a layer, the activation after it and the layer that takes the activa
   (``conv1 -> bn1 -> relu -> conv2``; MobileNet-V2's ``expand -> bn -> relu6 -> depthwise -> bn -> relu6 ->
   project``, where the depthwise conv couples two sites: they lose the same channels).
 
-:func:`prune` keeps a number or fraction of each site's channels, ranked by an importance signal, and
-returns the model with the others removed: a real, smaller ``nn.Module`` with the same call signature.
+:func:`prune` keeps a number or fraction of each site's channels, ranked by an importance signal (or the
+channels it is given by index: a pruned model rebuilt from its recorded indices), and returns the model
+with the others removed: a real, smaller ``nn.Module`` with the same call signature.
 
 How: the sites are found by running the example inputs with hooks (a dropout or identity between the
 layers is followed; any other consumer of the channels, such as a residual add, a gate or a reshape,
@@ -54,7 +55,8 @@ class PruneSite:
     or ``None``), the ``activation`` (module name), the ``consumer`` layer; ``channels`` before pruning,
     ``unit`` (the name ``linearize.convert`` gives the activation's unit at this call), ``kept`` (sorted
     indices of the channels kept), ``score`` (float64 ``[channels]``, the importance; for coupled sites, the
-    sum over the group) and ``coupled`` (the other sites that lost the same channels)."""
+    sum over the group; ``None`` for indices given in ``keep``) and ``coupled`` (the other sites that lost the
+    same channels)."""
 
     producer: str
     norm: str | None
@@ -70,7 +72,7 @@ class PruneSite:
 @dataclass
 class PruneSummary:
     """What :func:`prune` did: ``sites`` by name, parameters and FLOPs (:func:`linearize.count_flops` on the
-    example inputs) before and after, and the ``importance`` used."""
+    example inputs) before and after, and the ``importance`` used (``"indices"``: given in ``keep``)."""
 
     sites: dict[str, PruneSite]
     importance: str
@@ -430,9 +432,25 @@ def _keep_count(keep: int | float, site: str, channels: int) -> int:
     return keep
 
 
+def _given_indices(name: str, value: Any, channels: int) -> torch.Tensor:
+    """The channel indices ``value`` that ``keep={name: value}`` keeps of site ``name`` (``channels`` wide),
+    checked: integers, at least one, none twice, each in ``[0, channels)``; sorted."""
+    t = torch.as_tensor(value) if not isinstance(value, torch.Tensor) else value.detach().cpu()
+    if t.dtype == torch.bool or t.is_floating_point() or t.is_complex() or t.ndim != 1 or not len(t):
+        raise ValueError(f"keep[{name!r}]: give a non-empty list of channel indices (ints), got {value!r}")
+    t = t.long()
+    bad = t[(t < 0) | (t >= channels)]
+    if len(bad):
+        raise ValueError(f"keep[{name!r}]: index {int(bad[0])} is not a channel of the site (it has {channels}: "
+                         f"0 to {channels - 1})")
+    if len(t.unique()) != len(t):
+        raise ValueError(f"keep[{name!r}]: indices repeat (each channel is kept once): give each index once")
+    return t.sort().values
+
+
 def prune(
     model: nn.Module,
-    keep: int | float,
+    keep: int | float | Mapping[str, Any],
     importance: str = "magnitude",
     data: Any = None,
     example_inputs: Any = None,
@@ -442,7 +460,10 @@ def prune(
     """Remove the least important channels of each site (see the module docstring), in place.
 
     Each site keeps ``keep`` channels (an int) or ``round(keep * C)`` of its ``C`` (a float in ``(0, 1]``,
-    at least one), ranked by ``importance``:
+    at least one), ranked by ``importance``, or the channels ``keep[site]`` names (a mapping ``{site name:
+    kept channel indices}``, as :attr:`PruneSite.kept` records them: the sites pruned are its keys, importance
+    is not used, and sites coupled by a depthwise conv must be given the same indices), so a pruned model can
+    be rebuilt from its builder, the recorded indices and its state dict. Importances:
 
     - ``"magnitude"``: the L2 norm of the channel's weights in and out (its producer row and consumer
       column);
@@ -460,7 +481,7 @@ def prune(
 
     Args:
         model: a plain (unconverted) model; changed in place. A converted one (with linearize units) is refused.
-        keep: channels kept per site: an int ``>= 1`` or a fraction in ``(0, 1]``.
+        keep: channels kept per site: an int ``>= 1``, a fraction in ``(0, 1]``, or ``{site: indices}``.
         importance: ``"magnitude"``, ``"taylor"`` or ``"residual"``.
         data: calibration data for ``"taylor"`` and ``"residual"`` (the forms of :mod:`linearize.inputs`).
         example_inputs: one batch to find the sites on and count FLOPs (default: the first batch of ``data``).
@@ -482,7 +503,15 @@ def prune(
         raise ValueError(f"prune takes a plain model; this one was converted by linearize.convert (it holds units "
                          f"{converted[:3]}{' ...' if len(converted) > 3 else ''}). Fix: prune a copy of the model made "
                          "before convert (copy.deepcopy(model) first), or convert the pruned model")
-    if importance in ("taylor", "residual") and data is None:
+    given = keep if isinstance(keep, Mapping) else None
+    if given is not None:
+        if sites is not None:
+            raise ValueError("prune: keep={site: indices} names the sites to prune; drop sites= (or pass only "
+                             "those sites in keep)")
+        if not given:
+            raise ValueError("prune: keep={} names no site: give {site name: kept channel indices}")
+        sites = list(given)
+    elif importance in ("taylor", "residual") and data is None:
         raise ValueError(f"prune(importance={importance!r}) needs calibration data: pass data=<batches>")
     if example_inputs is None:
         if data is None:
@@ -515,19 +544,32 @@ def prune(
         raise ValueError("prune: the model has no prunable site (a Linear / conv, an activation, and one Linear / "
                          f"conv taking all its channels){': ' + why if why else ''}")
     groups = conv_groups + [[n] for n, s in found.items() if not isinstance(modules[s.producer], CONVS)]
-    counts = {g[0]: _keep_count(keep, g[0], found[g[0]].channels) for g in groups}
-    if importance == "magnitude":
-        scores = _magnitude(found, modules)
-    elif importance == "taylor":
-        scores = _taylor(model, found, modules, data, loss)
+    if given is not None:
+        indices = {n: _given_indices(n, given[n], s.channels) for n, s in found.items()}
+        for group in groups:
+            differ = [n for n in group[1:] if not torch.equal(indices[n], indices[group[0]])]
+            if differ:
+                raise ValueError(f"prune: sites {group[0]!r} and {differ[0]!r} are coupled (a depthwise conv "
+                                 "between them): they lose the same channels, so give them the same indices")
+        chosen = {g[0]: (indices[g[0]], None) for g in groups}  # (kept, score) per group
+        importance = "indices"
     else:
-        scores = _residual(model, found, data, example_inputs)
+        counts = {g[0]: _keep_count(keep, g[0], found[g[0]].channels) for g in groups}
+        if importance == "magnitude":
+            scores = _magnitude(found, modules)
+        elif importance == "taylor":
+            scores = _taylor(model, found, modules, data, loss)
+        else:
+            scores = _residual(model, found, data, example_inputs)
+        chosen = {}
+        for group in groups:
+            score = sum(scores[n] for n in group)
+            order = torch.sort(score, descending=True, stable=True).indices
+            chosen[group[0]] = (order[:counts[group[0]]].sort().values, score)
     params_before = sum(p.numel() for p in model.parameters())
     flops_before = count_flops(model, example_inputs)
     for group in groups:
-        score = sum(scores[n] for n in group)
-        order = torch.sort(score, descending=True, stable=True).indices
-        kept = order[:counts[group[0]]].sort().values
+        kept, score = chosen[group[0]]
         for n in group:
             found[n].kept, found[n].score, found[n].coupled = kept, score, tuple(m for m in group if m != n)
         head = modules[group[0]]

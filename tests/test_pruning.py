@@ -230,6 +230,44 @@ def test_mobilenet_v2_expand_and_depthwise_sites_lose_the_same_channels():
     assert model(x).shape == (1, 1000)
 
 
+def test_a_model_rebuilt_from_the_kept_indices_has_the_pruned_shapes_and_outputs():
+    """MobileNet-V2 (coupled expand and depthwise sites) and an MLP: a fresh model pruned to the indices a
+    ranked prune kept has that pruned model's shapes, and with its state dict its outputs."""
+    pytest.importorskip("torch_pruning")
+    cases = [(lambda: torchvision.models.mobilenet_v2(width_mult=0.35, num_classes=10).eval(), torch.randn(2, 3, 32, 32)),
+             (lambda: _mlp([3, 5]), torch.randn(4, 6, dtype=torch.float64))]
+    for build, x in cases:
+        torch.manual_seed(0)
+        pruned = linearize.prune(build(), 0.5, "taylor", data=[x])
+        kept = {n: s.kept.tolist() for n, s in pruned.linearize_prune_summary.sites.items()}
+        torch.manual_seed(1)  # other initial weights: only the state dict makes the outputs equal
+        rebuilt = linearize.prune(build(), kept, example_inputs=x)
+        assert rebuilt.linearize_prune_summary.importance == "indices"
+        assert {k: v.shape for k, v in rebuilt.state_dict().items()} == {k: v.shape for k, v in pruned.state_dict().items()}
+        rebuilt.load_state_dict(pruned.state_dict())
+        with torch.no_grad():
+            assert torch.equal(rebuilt(x), pruned(x))
+
+
+def test_wrong_kept_indices_are_refused_by_site_and_leave_the_model_alone():
+    x = torch.randn(2, 6, dtype=torch.float64)
+    for keep, message in [({"nope": [0]}, r"no site named 'nope'"), ({"0": [0, 12]}, r"index 12 is not a channel .*has 12"),
+                          ({"0": [-1]}, "index -1"), ({"0": [1, 1]}, "indices repeat"), ({"0": []}, "non-empty list"),
+                          ({"0": [0.5]}, "non-empty list"), ({}, "names no site")]:
+        net = _mlp([])
+        with pytest.raises(ValueError, match=message):
+            linearize.prune(net, keep, example_inputs=x)
+        assert net[0].out_features == 12
+    with pytest.raises(ValueError, match="drop sites="):
+        linearize.prune(_mlp([]), {"0": [1]}, example_inputs=x, sites=["0"])
+    pytest.importorskip("torch_pruning")
+    model = torchvision.models.mobilenet_v2(width_mult=0.35, num_classes=10).eval()
+    x = torch.randn(1, 3, 32, 32)
+    with pytest.raises(ValueError, match=r"'features.2.conv.0.0' and 'features.2.conv.1.0' are coupled"):
+        linearize.prune(model, {"features.2.conv.0.0": [0, 1], "features.2.conv.1.0": [0, 2]}, example_inputs=x)
+    assert model.features[2].conv[0][0].out_channels == model.features[2].conv[1][0].out_channels == 48
+
+
 def test_keep_errors_name_the_site_and_the_fix():
     x = torch.randn(2, 6, dtype=torch.float64)
     with pytest.raises(ValueError, match=r"keep=13 channels, but site '0' has only 12"):
