@@ -15,11 +15,18 @@ The calls of linearize, in :func:`main`: ``linearize.convert`` once the model is
 ``--schedule``: it steps after every optimizer step), then after training ``linearize.freeze`` (``--freeze``),
 ``linearize.fold`` + ``linearize.save_folded`` (``--fold``) and ``linearize.report`` (``--report``).
 ``recipes/common/`` holds the plumbing: flags, the Accelerate loop, checkpoints, ``metrics.json``.
+
+The comparison a user would make instead: ``--linearize none --prune magnitude|taylor --target-latency R
+--init-from RUN/model`` prunes the trained network's sites at step 0 (``linearize.prune``, one keep fraction for
+all) to the largest fraction whose BN-folded CPU latency is at most R of the original's (:func:`prune_to_latency`),
+then trains on. The kept channels go to ``OUTPUT_DIR/pruned_channels.json`` and the saved model's folder; a
+resumed run and :func:`load_model` rebuild the pruned shapes from them (:func:`rebuild_pruned`).
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import functools
 import hashlib
 import io
@@ -43,6 +50,7 @@ import common  # noqa: E402
 
 import linearize  # noqa: E402
 from linearize.inputs import image_size, read_image_file, read_tar_image  # noqa: E402
+from linearize.pruning import PruneSite  # noqa: E402
 from linearize.serialization import UnitsOnlyWarning  # noqa: E402
 
 RECIPE = "cifar"
@@ -57,6 +65,9 @@ VGG_CFG = {
     "vgg16_bn": [64, 64, "M", 128, 128, "M", 256, 256, 256, "M", 512, 512, 512, "M", 512, 512, 512, "M"],
 }
 IMAGE_EXTS = (".jpg", ".jpeg", ".png")
+PRUNE_BATCHES = 4  # training batches (of --batch-size) the Taylor importance of --prune sums over
+PRUNE_SEARCH_STEPS = 7  # bisection steps over --prune's keep fraction: within 1/128 of the largest under the budget
+PRUNE_TIMING_S = 3.0  # seconds of interleaved batch-1 timing (one thread) of each candidate against the original
 
 
 # ----------------------------------------------------------------------------- models
@@ -169,6 +180,7 @@ def read_meta(directory: str | Path) -> dict:
          f"linearize {meta['linearize']!r} is not one of {common.LINEARIZE_MODES}"),
         (type(meta["image_size"]) is not int or not 1 <= meta["image_size"] <= MAX_IMAGE_SIZE,
          f"image_size {meta['image_size']!r} is not a whole number in [1, {MAX_IMAGE_SIZE}]"),
+        ("pruned" in meta and not isinstance(meta["pruned"], bool), f"pruned {meta.get('pruned')!r} is not true/false"),
         ("classes" in meta and not (isinstance(meta["classes"], list) and len(meta["classes"]) == n
                                     and all(isinstance(c, str) for c in meta["classes"])),
          f"classes is not a list of num_classes ({n!r}) names")) if bad]
@@ -241,6 +253,9 @@ def load_model(directory: str | Path) -> nn.Module:
     mode, as from ``transformers``' ``from_pretrained`` and :func:`wmt14.load_model`: ready to evaluate or
     fold (call ``.train()`` to train it on).
 
+    A ``--prune`` run's model (``recipe.json``'s ``pruned``) is built pruned to the channels its folder's
+    ``pruned_channels.json`` records (:func:`rebuild_pruned`) before its weights are loaded.
+
     Example::
 
         model = cifar.load_model("recipes/results/mnv2_x0_5_lat_70_sal_kd_s0/model")
@@ -251,13 +266,24 @@ def load_model(directory: str | Path) -> nn.Module:
     common.check_files(directory, meta)
     path = directory / "model.safetensors"
     weights = _read_weights(path)
+
+    def build() -> nn.Module:  # a --prune run's model: the pruned shapes rebuilt from the kept channels
+        model = build_model(meta["arch"], meta["num_classes"])
+        if not meta.get("pruned"):
+            return model
+        try:
+            return rebuild_pruned(model, common.read_kept(directory)["sites"], meta["image_size"])
+        except (ValueError, KeyError, TypeError) as e:
+            raise linearize.LoadError(f"{directory / common.KEPT_FILE}: {e}; the save is damaged or was edited: "
+                                      "train again or restore it") from e
+
     with torch.device("meta"):  # sizes first: recipe.json's numbers must not allocate what the weights do not hold
-        sized = build_model(meta["arch"], meta["num_classes"])
+        sized = build()
     gated = meta["linearize"] in ("dgn", "dlgn")  # two copies of the network: feature.* (gates) and value.*
     for prefix in ("feature.", "value.") if gated else ("",):
         _check_fit({k[len(prefix):]: v for k, v in weights.items() if k.startswith(prefix)}, sized.state_dict(),
                    set(), path, meta, plain=meta["linearize"] != "none" and not gated)
-    model = build_model(meta["arch"], meta["num_classes"])
+    model = build()
     if meta["linearize"] != "none":  # the weights first: the sidecar checks them by their digests
         if not gated:  # the gated split's weights come from its sidecar (from_pretrained)
             plain = model.state_dict()
@@ -283,6 +309,9 @@ def trained_weights(directory: str | Path, arch: str, classes: list[str]) -> dic
     if meta["linearize"] != "none":
         raise ValueError(f"--init-from {directory} holds a --linearize {meta['linearize']} model; start from an "
                          "unlinearized (--linearize none) run")
+    if meta.get("pruned"):
+        raise ValueError(f"--init-from {directory} holds a pruned (--prune) model, not the {arch} --arch builds; "
+                         "start from an unpruned run")
     if (meta["arch"], meta["num_classes"]) != (arch, num_classes):
         raise ValueError(f"--init-from {directory} is a {meta['arch']} with {meta['num_classes']} classes, "
                          f"not a {arch} with {num_classes}")
@@ -290,6 +319,109 @@ def trained_weights(directory: str | Path, arch: str, classes: list[str]) -> dic
         raise ValueError(f"--init-from {directory} was trained on the classes {meta['classes']}, "
                          f"this run has {classes}")
     return load_model(directory).state_dict()
+
+
+# ----------------------------------------------------------------------------- pruning
+
+
+class TrainingLoss(nn.Module):
+    """The cross-entropy of a batch as a module call (``x``: normalized images, ``y``: labels), for
+    ``linearize.prune``'s Taylor importance. A ``--distill`` term adds no gradient at step 0, where the
+    student is its teacher."""
+
+    def __init__(self, model: nn.Module, label_smoothing: float) -> None:
+        super().__init__()
+        self.model, self.label_smoothing = model, label_smoothing
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(self.model(x), y, label_smoothing=self.label_smoothing)
+
+
+def rebuild_pruned(model: nn.Module, sites: dict[str, list[int]], image_size: int) -> nn.Module:
+    """``model`` as :func:`build_model` makes it (on any device, ``meta`` included), pruned in place to the
+    channels ``sites`` kept (``pruned_channels.json``'s ``sites``): the shapes of a ``--prune`` run's model,
+    whose state dict then loads into it. ``ValueError`` naming a site that does not fit."""
+    device = next(model.parameters()).device
+    return linearize.prune(model, sites, example_inputs=torch.zeros(2, 3, image_size, image_size, device=device))
+
+
+def kept_channels(sites: dict[str, PruneSite], fraction: float) -> dict[str, list[int]]:
+    """The channels each of ``sites`` (of a ranked ``linearize.prune``'s summary) keeps at ``fraction`` of its
+    channels, ranked by their scores as ``linearize.prune(model, fraction)`` ranks them."""
+    return {n: s.score.sort(descending=True, stable=True).indices[:max(1, round(fraction * s.channels))].sort()
+            .values.tolist() for n, s in sites.items()}
+
+
+def bn_folded(model: nn.Module, image: torch.Tensor) -> nn.Module:
+    """A copy of the plain ``model`` with its BatchNorms folded into the convs before them (``linearize.fold``,
+    checked on ``image``): what a user deploys, and what latencies are compared on."""
+    with warnings.catch_warnings():  # a plain model has no units: folding its BatchNorms is all there is to do
+        warnings.filterwarnings("ignore", "the model has no linearize units", UserWarning)
+        return linearize.fold(model, image, latency=False)
+
+
+def latency_ratio(original: nn.Module, candidate: nn.Module, image: torch.Tensor) -> float:
+    """CPU latency of ``candidate`` over ``original`` on ``image`` (batch 1): medians of repetitions
+    interleaved for ``PRUNE_TIMING_S`` seconds on one thread (``linearize.timing``)."""
+    from linearize.timing import median_latency_ms
+
+    base, ms = median_latency_ms([original, candidate], image, budget_s=PRUNE_TIMING_S, threads=1)
+    return ms / base
+
+
+def prune_to_latency(model: nn.Module, importance: str, target: float, batches: list[dict[str, torch.Tensor]],
+                     image: torch.Tensor, label_smoothing: float = 0.0) -> dict:
+    """Prune every site of ``model`` (in place; ``linearize.prune``) to the largest keep fraction, one for all
+    sites, whose BN-folded CPU latency at batch 1 (``image``, :func:`latency_ratio` against the original folded)
+    is at most ``target`` of the original's: ``PRUNE_SEARCH_STEPS`` bisection steps over the fraction, the
+    channels ranked once by ``importance`` (``"taylor"``: on ``batches`` ``{"x", "y"}`` with the training loss,
+    :class:`TrainingLoss`). Returns the record of ``pruned_channels.json``: the importance, the target, the
+    fraction kept, its measured latency ratio, every fraction tried with its ratio, and the kept ``sites``."""
+    net = TrainingLoss(copy.deepcopy(model), label_smoothing)
+    linearize.prune(net, 1.0, importance, data=batches, example_inputs=batches[0], loss=lambda loss: loss)
+    scored = {n.removeprefix("model."): s for n, s in net.linearize_prune_summary.sites.items()}
+    model.eval()
+    original = bn_folded(model, image)
+    low, high, best, tried = 0.0, 1.0, None, []
+    for _ in range(PRUNE_SEARCH_STEPS):
+        fraction = (low + high) / 2
+        sites = kept_channels(scored, fraction)
+        candidate = rebuild_pruned(copy.deepcopy(model), sites, image.shape[-1]).eval()
+        ratio = latency_ratio(original, bn_folded(candidate, image), image)
+        tried.append([fraction, ratio])
+        if ratio <= target:
+            low, best = fraction, {"keep": fraction, "latency_ratio": ratio, "sites": sites}
+        else:
+            high = fraction
+    if best is None:
+        raise ValueError(f"--target-latency {target}: keeping {tried[-1][0]:g} of every site's channels still runs at "
+                         f"{tried[-1][1]:.3f} of the original's CPU latency (folded, batch 1): the layers outside the "
+                         "sites cost more than that; give a larger --target-latency")
+    rebuild_pruned(model, best["sites"], image.shape[-1])
+    return {"importance": importance, "target_latency": target, "keep": best["keep"],
+            "latency_ratio": best["latency_ratio"], "tried": tried, "sites": best["sites"]}
+
+
+def prune_step(model: nn.Module, args: argparse.Namespace, train: dict, image: torch.Tensor, mean: torch.Tensor,
+               std: torch.Tensor) -> dict:
+    """``--prune`` at step 0, on ``model`` in place: resuming from a checkpoint (every one comes after the prune),
+    the pruned shapes rebuilt from ``OUTPUT_DIR/pruned_channels.json`` (the checkpoint's weights then replace
+    the model's); else :func:`prune_to_latency` on the first ``PRUNE_BATCHES`` training batches of epoch 0, its
+    record written there. Returns the record."""
+    out_dir = Path(args.output_dir)
+    common.remove_partial_checkpoints(out_dir)  # as common.start does: the checkpoint it will load
+    ckpt = common.resume_checkpoint(args.resume_from_checkpoint, out_dir)[0]
+    if ckpt is not None:
+        common.check_args(ckpt, args)  # before the rebuild: a run of other flags is refused naming them
+        record = common.read_kept(out_dir)
+        rebuild_pruned(model, record["sites"], args.image_size)
+        return record
+    order = torch.tensor(list(common.EpochSampler(len(train["y"]), args.seed)))  # epoch 0's, as training's
+    batches = [{"x": normalize(train["x"][idx], mean, std), "y": train["y"][idx]}
+               for idx in order[:PRUNE_BATCHES * args.batch_size].split(args.batch_size)]
+    record = prune_to_latency(model, args.prune, args.target_latency, batches, image, args.label_smoothing)
+    common.write_kept(out_dir, record)
+    return record
 
 
 # ----------------------------------------------------------------------------- data
@@ -623,6 +755,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--target-relus", "--target_relus", dest="target_relus", type=float, default=None, metavar="N",
                    help="instead of --target: at most N nonlinear ReLUs per image (activation elements, as SNL and "
                         "AutoReP count them: linearize.schedules.target(relus=N))")
+    p.add_argument("--prune", choices=common.PRUNE_IMPORTANCES, default=None,
+                   help="with --linearize none, --init-from and --target-latency R: at step 0 remove the channels of "
+                        "every site of the trained network (linearize.prune, ranked by this importance, one keep "
+                        "fraction for all sites) down to the largest fraction whose BN-folded CPU latency at batch 1 "
+                        "is at most R of the original's, then train on: the comparison to linearizing at equal latency")
     common.add_run_args(p)
     first = argparse.ArgumentParser(add_help=False)
     first.add_argument("--arch")
@@ -641,7 +778,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     "none turn off: drop it, or use --linearize prelu with a schedule")
     if args.units == "element" and args.linearize != "prelu":
         p.error(f"--units element makes blend units (--linearize prelu), got --linearize {args.linearize}")
+    if args.prune:
+        what = f"--prune {args.prune}"
+        if args.linearize != "none":
+            p.error(f"{what} removes channels of the plain model, and --linearize {args.linearize} (the default is "
+                    "prelu) converts its activations: add --linearize none")
+        if args.init_from is None:
+            p.error(f"{what} prunes a trained network at step 0: give it with --init-from (OUTPUT_DIR/model of a "
+                    "--linearize none run)")
+        if args.target_latency is None or not 0.0 < args.target_latency < 1.0:
+            p.error(f"{what} prunes to a CPU latency budget: add --target-latency R with R in (0, 1), the pruned model's "
+                    f"BN-folded latency over the original's (got {args.target_latency})")
+        latency, args.target_latency = args.target_latency, None  # common's check refuses it without units
     common.check_linearize_args(args)
+    if args.prune:
+        args.target_latency, args.target = latency, None
     if args.target_relus is not None:
         args.target = None
     for name in ("subset", "eval_subset", "batch_size", "eval_batch_size", "image_size"):
@@ -743,6 +894,12 @@ def train_run(args: argparse.Namespace, start_time: float) -> dict:
             args.teacher_sha256 = common.state_sha256(weights)  # recorded: a resume with another teacher is refused
     elif args.arch in airbench.ARCHS:  # the whitening filters from (normalized) training patches
         airbench.init_whitening(model.whiten, normalize(train["x"][:5000], mean, std))
+    pruned = None  # what --prune kept (common.KEPT_FILE)
+    if args.prune:  # at step 0, before the shapes are fingerprinted and the optimizer holds the parameters
+        pruned = prune_step(model, args, train, normalize(test["x"][:1], mean, std), mean, std)
+        accelerator.print(f"pruned ({args.prune}): {pruned['keep']:.4f} of every site's channels kept, CPU latency "
+                          f"{pruned['latency_ratio']:.3f} of the original's (folded, batch 1; target "
+                          f"{args.target_latency})")
     if args.linearize != "none":  # every activation becomes a unit with a learnable slope (or a gated split)
         model = linearize.convert(model, mode=args.linearize,
                                   example_inputs=torch.zeros(2, 3, args.image_size, args.image_size),
@@ -829,7 +986,7 @@ def train_run(args: argparse.Namespace, start_time: float) -> dict:
         # an earlier run's, in a reused --output_dir, that this run does not write again (those it writes below
         # replace the earlier ones: a symlinked folded/ or report/ keeps its link, and its target gets this run's)
         common.remove_earlier_outputs(out_dir, [*(["folded"] * (not args.fold)), *(["report"] * (not args.report)),
-                                                history.name])
+                                                history.name, *([] if args.prune else [common.KEPT_FILE])])
         if sparsifier is not None:
             sparsifier.save_history(history)
         probe = normalize(test["x"][:64].to(accelerator.device), mean, std)
@@ -841,7 +998,10 @@ def train_run(args: argparse.Namespace, start_time: float) -> dict:
                                                                                               normalized=True))
             except (TypeError, ValueError, NotImplementedError) as e:
                 warnings.warn(f"average path length not computed: {e}")
-        save_final(raw, out_dir / "model", args, classes, mean, std)
+        if pruned is not None:
+            metrics["prune"] = {**{k: v for k, v in pruned.items() if k != "sites"},
+                                "kept_indices": str(out_dir / common.KEPT_FILE)}
+        save_final(raw, out_dir / "model", args, classes, mean, std, pruned)
         raw.eval()
         if args.fold:  # linear parts folded into the layers around them (a plain nn.Module, no units left)
             folded = linearize.fold(raw, probe)
@@ -866,9 +1026,10 @@ def train_run(args: argparse.Namespace, start_time: float) -> dict:
 
 
 def save_final(model: nn.Module, directory: Path, args: argparse.Namespace, classes: list[str],
-               mean: torch.Tensor, std: torch.Tensor) -> None:
-    """Weights (``model.safetensors``), the linearize sidecar and ``recipe.json`` (what
-    :func:`load_model` needs to rebuild the model)."""
+               mean: torch.Tensor, std: torch.Tensor, pruned: dict | None = None) -> None:
+    """Weights (``model.safetensors``), the linearize sidecar, the kept channels of a ``--prune`` run
+    (``pruned``, as ``pruned_channels.json``) and ``recipe.json`` (what :func:`load_model` needs to rebuild
+    the model)."""
     from safetensors.torch import save_file
 
     with common.writing(directory), common.replaced_dir(directory) as stage:  # the three files replace the old ones
@@ -876,9 +1037,12 @@ def save_final(model: nn.Module, directory: Path, args: argparse.Namespace, clas
             linearize.save_pretrained(model, stage, weights=False)
         save_file({k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()},
                   str(stage / "model.safetensors"))
+        if pruned is not None:
+            common.write_kept(stage, pruned)
         meta = {"arch": args.arch, "num_classes": len(classes), "classes": classes, "dataset": args.dataset,
                 "image_size": args.image_size, "linearize": args.linearize, "mean": mean.tolist(),
-                "std": std.tolist(), "files": common.file_records(stage)}
+                "std": std.tolist(), **({"pruned": True} if pruned is not None else {}),
+                "files": common.file_records(stage)}
         (stage / "recipe.json").write_text(json.dumps(meta, indent=2))
 
 

@@ -68,9 +68,9 @@ PAD, EOS = 0, 1
 SELECT_DEFAULT = "saliency"  # AdamW: channels chosen by saliency (see common.add_linearize_args)
 VOCAB_SIZE = 8000  # of the joint BPE trained here (without --tokenizer)
 PROVENANCE = "provenance.json"  # beside OUTPUT_DIR/tokenizer: what it was trained on
-PRUNE_IMPORTANCES = ("magnitude", "taylor")  # of linearize.prune (its "residual" ranks for linearizing)
+PRUNE_IMPORTANCES = common.PRUNE_IMPORTANCES
 PRUNE_BATCHES = 32  # training batches the Taylor importance sums over
-KEPT_FILE = "pruned_channels.json"  # OUTPUT_DIR/: the indices each pruned FFN kept
+KEPT_FILE = common.KEPT_FILE  # OUTPUT_DIR/: the indices each pruned FFN kept
 ONE_SHOT_ENDS = ("affine", "hybrid", "constant", "identity")  # linearize.one_shot's ends
 ONE_SHOT_PAIRS = 1024  # calibration pairs of --one-shot (as recipes/benchmarks/hybrid_one_shot.py --calibration 1024)
 ONE_SHOT_FILE = "one_shot.json"  # OUTPUT_DIR/: what --one-shot did (the metrics' one_shot block)
@@ -807,7 +807,7 @@ def train_run(args: argparse.Namespace, start_time: float) -> dict:
                                           PRUNE_BATCHES if args.prune == "taylor" else 1)
             kept = prune_ffns(run, keep, args.prune, batches, rebuild)
             if accelerator.is_main_process:
-                (out_dir / KEPT_FILE).write_text(json.dumps(kept))
+                common.write_kept(out_dir, kept)
             accelerator.print(f"pruned at step {act_at} ({args.prune}): {keep} of {PRESETS[args.model_size]['ffn']} "
                               f"channels per FFN, {ffn_macs_per_token(accelerator.unwrap_model(model))} FFN MACs per "
                               "token")

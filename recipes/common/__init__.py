@@ -20,7 +20,7 @@ The modules, one concept each (this package re-exports the names the recipes and
 ``args`` (flags and their checks), ``accelerator`` (the Accelerator, whose main process locks the
 OUTPUT_DIR; FSDP2 sharding), ``run`` (the :class:`Run` record), ``files`` (sha256 of a file; folders replaced
 whole; a failed write named; the run lock of an OUTPUT_DIR), ``checkpoints`` (write, verify, resume), ``outputs`` (the model
-folder's ``recipe.json``; ``metrics.json``) and ``training`` (the loop).
+folder's ``recipe.json``; ``metrics.json``; the channels a ``--prune`` run kept) and ``training`` (the loop).
 Imports go one way: ``training`` -> ``checkpoints``, ``outputs`` -> ``args``, ``accelerator``, ``run``,
 ``files``.
 """
@@ -36,8 +36,8 @@ from .checkpoints import (MODEL_FILE, NEUTRAL_ARGS, OPTIMIZER_FILE, STATE_FILE, 
                           save_checkpoint, state_digest, state_problem, state_sha256)
 from .files import (RUN_LOCK, TMP_PREFIX, file_sha256, hold_output_dir, release_output_dir, replaced_dir,
                     restore_aside, writing)
-from .outputs import (check_files, file_records, fold_metrics, read_recipe_json, remove_earlier_outputs, unit_stats,
-                      write_metrics)
+from .outputs import (KEPT_FILE, PRUNE_IMPORTANCES, check_files, file_records, fold_metrics, read_kept,
+                      read_recipe_json, remove_earlier_outputs, unit_stats, write_kept, write_metrics)
 from .run import Run
 from .training import EpochSampler, LossWatch, run_length, start, train
 
@@ -52,8 +52,8 @@ __all__ = [
     "state_sha256",
     "RUN_LOCK", "TMP_PREFIX", "file_sha256", "hold_output_dir", "release_output_dir", "replaced_dir", "restore_aside",
     "writing",
-    "check_files", "file_records", "fold_metrics", "read_recipe_json", "remove_earlier_outputs", "unit_stats",
-    "write_metrics",
+    "KEPT_FILE", "PRUNE_IMPORTANCES", "check_files", "file_records", "fold_metrics", "read_kept", "read_recipe_json",
+    "remove_earlier_outputs", "unit_stats", "write_kept", "write_metrics",
     "Run",
     "EpochSampler", "LossWatch", "run_length", "start", "train",
 ]

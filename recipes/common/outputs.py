@@ -89,6 +89,28 @@ def unit_stats(model: nn.Module, tol: float) -> dict:
             "units_nonlinear": c["nonlinear"]}
 
 
+PRUNE_IMPORTANCES = ("magnitude", "taylor")  # of linearize.prune for --prune (its "residual" ranks for linearizing)
+KEPT_FILE = "pruned_channels.json"  # OUTPUT_DIR/: the channel indices each site a --prune run pruned kept
+
+
+def write_kept(directory: str | Path, record: dict) -> Path:
+    """Write ``record`` (what a ``--prune`` run kept: the channel indices by site, as ``linearize.prune``
+    takes them back) to ``directory/pruned_channels.json``, atomically (a reader sees the old file or the new)."""
+    return atomic_write(Path(directory) / KEPT_FILE, json.dumps(record))
+
+
+def read_kept(directory: str | Path) -> dict:
+    """The record :func:`write_kept` wrote in ``directory``; ``ValueError`` naming the file when it is missing
+    or damaged (a run resumed after its prune, or a pruned model loaded, needs it to rebuild the shapes)."""
+    path = Path(directory) / KEPT_FILE
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{path} cannot be read ({type(e).__name__}: {e}): the --prune step wrote the kept channel "
+                         "indices there, and the pruned shapes are rebuilt from them; restore the file, or start "
+                         "again in a fresh --output_dir") from e
+
+
 def remove_earlier_outputs(output_dir: str | Path, names: Iterable[str]) -> list[Path]:
     """Remove the outputs ``names`` (files or folders directly in ``output_dir``: ``folded``, ``report``, ...)
     that an earlier run into the folder left, before this run writes its own: those this run does not write
