@@ -52,6 +52,7 @@ import linearize  # noqa: E402
 from linearize.inputs import image_size, read_image_file, read_tar_image  # noqa: E402
 from linearize.pruning import PruneSite  # noqa: E402
 from linearize.serialization import UnitsOnlyWarning  # noqa: E402
+from linearize.timing import busy_cpu, median_latency_ms  # noqa: E402
 
 RECIPE = "cifar"
 MOBILENET_WIDTHS = {"mobilenet_v2": 1.0, "mobilenet_v2_x0_75": 0.75, "mobilenet_v2_x0_5": 0.5,
@@ -363,8 +364,6 @@ def bn_folded(model: nn.Module, image: torch.Tensor) -> nn.Module:
 def latency_ratio(original: nn.Module, candidate: nn.Module, image: torch.Tensor) -> float:
     """CPU latency of ``candidate`` over ``original`` on ``image`` (batch 1): medians of repetitions
     interleaved for ``PRUNE_TIMING_S`` seconds on one thread (``linearize.timing``)."""
-    from linearize.timing import median_latency_ms
-
     base, ms = median_latency_ms([original, candidate], image, budget_s=PRUNE_TIMING_S, threads=1)
     return ms / base
 
@@ -380,6 +379,10 @@ def prune_to_latency(model: nn.Module, importance: str, target: float, batches: 
     net = TrainingLoss(copy.deepcopy(model), label_smoothing)
     linearize.prune(net, 1.0, importance, data=batches, example_inputs=batches[0], loss=lambda loss: loss)
     scored = {n.removeprefix("model."): s for n, s in net.linearize_prune_summary.sites.items()}
+    if busy := busy_cpu():
+        warnings.warn(f"--prune: the CPU is busy while the search times pruned models ({busy}), so their times are "
+                      "noisy, up to 2x either way, and the kept fraction may miss the budget: prune on a quieter "
+                      "machine", RuntimeWarning, stacklevel=2)
     model.eval()
     original = bn_folded(model, image)
     low, high, best, tried = 0.0, 1.0, None, []

@@ -6,7 +6,9 @@ The plan (full CIFAR-10 train and test sets, one seed, every run ``--channels-la
 * **MobileNet-V2 x0.5** with the CIFAR stem: a baseline (15 epochs), then late (6 epochs) linearization of it
   under CPU latency budgets (``--target-latency`` R of the original model folded, whole inverted-residual
   blocks at a time: ``--granularity block``), and the honest alternative: MobileNet-V2 x0.35 trained from
-  scratch for the same CPU time as baseline + late run together (``NARROW_TIME``).
+  scratch for the same CPU time as baseline + late run together (``NARROW_TIME``), and structured pruning of
+  the baseline to the same latency budget with the same epochs and distillation (``--linearize none --prune
+  taylor --target-latency``: ``PRUNE_BUDGETS``), timed BatchNorm-folded as the linearized models are folded.
 * **ResNet-20 is not trained here**: with every site linear it folds to 0.95-0.96 of its BatchNorm-folded
   latency at batch 1 on an idle machine (``python recipes/benchmarks/fold_merges.py --arch resnet20 --linear
   all``; its 3x3 convs cannot merge into anything cheaper), so no budget buys more than 4-5%, less than
@@ -55,6 +57,9 @@ SALIENCY_BUDGETS, SALIENCY_START = (0.7, 0.6), 0.05
 # budget 0.7 by saliency again, learning from the original model too (--distill ALPHA: knowledge distillation
 # from the network before linearization): with labels alone budget 0.7 cost 2.67 points (1.38x, median of 5 measurements)
 DISTILL_BUDGETS, DISTILL = (0.7,), 0.5
+# the comparison a user would make instead: the baseline's channels pruned at step 0 (Taylor importance) to the
+# same latency budget, then trained as the distilled linearized run of that budget is (epochs, LR, distillation)
+PRUNE_BUDGETS, PRUNE_IMPORTANCE = (0.7,), "taylor"
 FAMILIES = {"mnv2": "MobileNet-V2 (x0.5; narrower: x0.35)"}
 # x0.35's step time over x0.5's (median of 3 measurements of recipes/benchmarks/train_step.py): the narrower
 # network trains (base + late epochs) / NARROW_TIME epochs, the same CPU time as the linearized pipeline
@@ -63,18 +68,23 @@ SPEEDUP_GOAL, LOSS_GOAL = 1.4, 1.0  # the issue's MobileNet goal: >= 1.4x at bat
 
 
 def _meta(family: str, arch: str, budget: float | None = None, narrow: bool = False, select: str = "slope",
-          distill: float = 0.0) -> dict:
+          distill: float = 0.0, prune: str | None = None) -> dict:
     """What the analysis needs to know about a run (seed 0; a budget makes it a late run; ``select``: how
-    its blocks were chosen; ``distill``: the weight of distillation from the original, 0 for labels alone)."""
+    its blocks were chosen; ``distill``: the weight of distillation from the original, 0 for labels alone;
+    ``prune``: the importance of a pruned run, which has a budget but no blocks chosen)."""
     late = budget is not None
     return {"family": family, "arch": arch, "budget": budget, "narrow": narrow, "seed": 0,
-            "schedule": "late" if late else "none", "select": select if late else None,
-            "distill": distill if late else None}
+            "schedule": "late" if late else "none", "select": select if late and not prune else None,
+            "distill": distill if late else None, "prune": prune}
 
 
 def _method(row: dict) -> str:
-    """How a linearized run chose its blocks, and whether it learned from the original too ("" for a baseline)."""
-    return "" if row.get("select") is None else f"{row['select']}{', distilled' if row.get('distill') else ''}"
+    """How a linearized run chose its blocks or a pruned run its channels, and whether it learned from the
+    original too ("" for a baseline)."""
+    distilled = ", distilled" if row.get("distill") else ""
+    if row.get("prune"):
+        return f"pruned ({row['prune']}{distilled})"
+    return "" if row.get("select") is None else f"{row['select']}{distilled}"
 
 
 def plan(scale: str, data: str | None, runs: Path) -> list[sweep.Job]:
@@ -83,10 +93,10 @@ def plan(scale: str, data: str | None, runs: Path) -> list[sweep.Job]:
     s = SCALES[scale]
 
     def job(name: str, arch: str, argv: list[str], deps: tuple[str, ...] = (), budget: float | None = None,
-            narrow: bool = False, select: str = "slope", distill: float = 0.0) -> sweep.Job:
+            narrow: bool = False, select: str = "slope", distill: float = 0.0, prune: str | None = None) -> sweep.Job:
         argv = [str(M.RECIPES / "cifar.py")] + (["--data-dir", data] if data else []) + ["--arch", arch] + FLAGS \
             + s["extra"] + argv + ["--seed", "0", "--output_dir", str(runs / name)]
-        return sweep.Job(name, argv, deps, _meta("mnv2", arch, budget, narrow, select, distill))
+        return sweep.Job(name, argv, deps, _meta("mnv2", arch, budget, narrow, select, distill, prune))
 
     def late(budget: float, select: str, distill: float = 0.0) -> sweep.Job:
         name = f"mnv2_x0_5_lat_{round(100 * budget)}{'_sal' if select == 'saliency' else ''}{'_kd' if distill else ''}_s0"
@@ -97,11 +107,19 @@ def plan(scale: str, data: str | None, runs: Path) -> list[sweep.Job]:
             "0.67", "--epochs", str(s["late_epochs"]), "--lr", "0.02"], (base.name,), budget, select=select,
             distill=distill)
 
+    def pruned(budget: float) -> sweep.Job:  # the flags of the distilled late run of the budget, pruning instead
+        name = f"mnv2_x0_5_prune_{round(100 * budget)}_{PRUNE_IMPORTANCE}_kd_s0"
+        return job(name, "mobilenet_v2_x0_5", ["--distill", f"{DISTILL:g}", "--linearize", "none", "--prune",
+            PRUNE_IMPORTANCE, "--target-latency", f"{budget:g}", "--init-from", str(runs / base.name / "model"),
+            "--epochs", str(s["late_epochs"]), "--lr", "0.02"], (base.name,), budget, distill=DISTILL,
+            prune=PRUNE_IMPORTANCE)
+
     base = job("mnv2_x0_5_base_s0", "mobilenet_v2_x0_5", ["--linearize", "none", "--epochs", str(s["base_epochs"])])
     jobs = [base] + [late(b, "slope") for b in MNV2_BUDGETS]
     jobs.append(job("mnv2_x0_35_base_s0", "mobilenet_v2_x0_35", [
         "--linearize", "none", "--epochs", str(round((s["base_epochs"] + s["late_epochs"]) / NARROW_TIME))], narrow=True))
-    return jobs + [late(b, "saliency") for b in SALIENCY_BUDGETS] + [late(b, "saliency", DISTILL) for b in DISTILL_BUDGETS]
+    return (jobs + [late(b, "saliency") for b in SALIENCY_BUDGETS] + [late(b, "saliency", DISTILL) for b in DISTILL_BUDGETS]
+            + [pruned(b) for b in PRUNE_BUDGETS])
 
 
 # ----------------------------------------------------------------------------- analysis
@@ -158,7 +176,8 @@ def _table(jobs: list[sweep.Job], runs: dict, latency: dict) -> list[dict]:
                for k in ("b1", "b64")}
         fold = r.get("fold") or {}
         rows.append({
-            "run": j.name, **{k: j.meta.get(k) for k in ("family", "arch", "budget", "narrow", "select", "distill")},
+            "run": j.name, **{k: j.meta.get(k) for k in ("family", "arch", "budget", "narrow", "select", "distill",
+                                                        "prune")},
             "accuracy": r["test_accuracy"], "nonlinear_fraction": r["nonlinear_fraction"],
             "vs_baseline_points": 100 * (r["test_accuracy"] - b["test_accuracy"]) if b else None,
             "latency_ms": lat,
@@ -186,7 +205,8 @@ def _claims(table: list[dict]) -> list[str]:
     out = []
     for family, label in FAMILIES.items():
         rows = [r for r in table if r["family"] == family]
-        late = [r for r in rows if r["budget"] is not None and r["speedup"]["b1"] and r["vs_baseline_points"] is not None]
+        measured = [r for r in rows if r["budget"] is not None and r["speedup"]["b1"] and r["vs_baseline_points"] is not None]
+        late = [r for r in measured if not r.get("prune")]
         narrow = next((r for r in rows if r["narrow"] and r["latency_ms"]["b1"]), None)
         if not late:
             out.append(f"**{label}**: no linearized run measured yet.")
@@ -205,7 +225,20 @@ def _claims(table: list[dict]) -> list[str]:
                   + (f"is beaten at equal or lower latency by {', '.join(r['run'] for r in better)}" if better else
                      f"is not beaten: no linearized run is at least as fast and more accurate"
                      + ("" if faster else " (none is as fast)")))
-        out.append(f"**{label}** (one seed): {speed}; {vs}.")
+        out.append(f"**{label}** (one seed): {speed}; {vs}{_against_pruning(measured)}.")
+    return out
+
+
+def _against_pruning(rows: list[dict]) -> str:
+    """``; structured pruning (...) at budget B: ...`` for each measured pruned run of ``rows``, beside the
+    linearized runs of the same budget and distillation ("" without pruned runs)."""
+    out = ""
+    for p in [r for r in rows if r.get("prune")]:
+        same = [r for r in rows if not r.get("prune") and r["budget"] == p["budget"] and r["distill"] == p["distill"]]
+        out += (f"; structured pruning ({_method(p)}) at budget {p['budget']:g}: {p['speedup']['b1']:.2f}x, "
+                f"{p['vs_baseline_points']:+.2f} points"
+                + (", linearized at the same budget and distillation: " + ", ".join(
+                    f"{r['run']} {r['speedup']['b1']:.2f}x, {r['vs_baseline_points']:+.2f}" for r in same) if same else ""))
     return out
 
 
@@ -213,7 +246,7 @@ def _report(res: dict) -> list[str]:
     lat = res["latency"]
     md = ["# Issue 20: linearize for speed (full CIFAR-10)", "",
           "Made by `python recipes/reproduce --scale speed --stage analyze` from `recipes/results/<run>/`. "
-          "Latency: the folded model (baselines also as trained), median of interleaved repetitions on one "
+          "Latency: the folded model (baselines also as trained; a pruned model with its BatchNorms folded), median of interleaved repetitions on one "
           f"thread, batch 1 and {lat.get('batch', {}).get('b64', 64)} test images"
           + (f", {lat['machine']}, " + F.measured(lat) if lat.get("machine") else "")
           + ". Speed-up: against the family's baseline folded (BatchNorm folded into the convolutions: what a user "
@@ -255,13 +288,15 @@ def _draw(ax: Any, table: list[dict], batch: str) -> None:
         color, name = f"C{i}", label.split(" (")[0]
         base = [r for r in rows if r["budget"] is None and not r["narrow"]]
         # one line per way of choosing the blocks (and of learning)
-        for style, method in (("o-", "slope"), ("s--", "saliency"), ("^:", "saliency, distilled")):
+        for style, method in (("o-", "slope"), ("s--", "saliency"), ("^:", "saliency, distilled"),
+                              ("v-.", f"pruned ({PRUNE_IMPORTANCE}, distilled)")):
             runs = [r for r in rows if r["budget"] is not None and _method(r) == method]
             if not runs:
                 continue
             line = sorted(base + runs, key=lambda r: r["latency_ms"][batch])
+            how = method if method.startswith("pruned") else f"blocks by {method}"
             ax.plot([r["latency_ms"][batch] for r in line], [r["accuracy"] for r in line], style, color=color,
-                    mfc=color if method == "slope" else "none", label=f"{name}: latency budgets, blocks by {method}")
+                    mfc=color if method == "slope" else "none", label=f"{name}: latency budgets, {how}")
             for r in runs:
                 ax.annotate(f"{r['budget']:g}", (r["latency_ms"][batch], r["accuracy"]), fontsize=6, xytext=(3, 3),
                             textcoords="offset points")

@@ -24,11 +24,17 @@ def test_every_planned_run_parses_and_the_narrower_network_trains_as_long(tmp_pa
 
     jobs = {j.name: j for j in S.plan("speed", "/data", tmp_path)}
     assert len([j for j in jobs.values() if j.meta["budget"] is not None]) == len(S.MNV2_BUDGETS) + len(S.SALIENCY_BUDGETS) \
-        + len(S.DISTILL_BUDGETS)
+        + len(S.DISTILL_BUDGETS) + len(S.PRUNE_BUDGETS)
     for j in jobs.values():
         args = cifar.parse_args(j.argv[1:])
         assert Path(args.output_dir) == tmp_path / j.name and args.channels_last
-        if j.meta["budget"] is not None:  # late, under a latency budget, from the baseline
+        if j.meta["prune"]:  # the flags of the distilled linearized run of its budget, pruning instead
+            twin = vars(cifar.parse_args(jobs[f"mnv2_x0_5_lat_{round(100 * j.meta['budget'])}_sal_kd_s0"].argv[1:]))
+            differ = {k for k, v in vars(args).items() if twin[k] != v}
+            assert differ == {"output_dir", "linearize", "prune", "select", "granularity", "freeze", "late_start",
+                              "ramp_end"}
+            assert (args.linearize, args.prune, args.target_latency) == ("none", S.PRUNE_IMPORTANCE, j.meta["budget"])
+        elif j.meta["budget"] is not None:  # late, under a latency budget, from the baseline
             assert j.deps == ("mnv2_x0_5_base_s0",) and args.init_from == str(tmp_path / j.deps[0] / "model")
             assert (args.target_latency, args.granularity, args.arch) == (j.meta["budget"], "block", j.meta["arch"])
             # saliency needs gradients before it plans: its pressure starts later
@@ -80,6 +86,33 @@ def test_narrower_network_is_beaten_only_at_equal_or_lower_latency_and_higher_ac
     claim = S._claims(rows)[0]
     assert ("is beaten at equal or lower latency by lat" in claim) is beaten
     assert ("is not beaten" in claim) is not beaten
+
+
+def test_a_pruned_run_is_compared_with_the_linearized_run_of_its_budget_not_counted_as_one(tmp_path):
+    """The prune job's row: its method, its speed-up against the baseline folded, and in the claims beside the
+    distilled linearized run of the same budget, outside the count of linearized runs; the plot draws it."""
+    from reproduce import measure as M
+
+    jobs = [j for j in S.plan("speed", None, tmp_path)
+            if j.name in ("mnv2_x0_5_base_s0", "mnv2_x0_5_lat_70_sal_kd_s0", "mnv2_x0_5_prune_70_taylor_kd_s0")]
+    accuracy, ms = {"base": 0.90, "lat": 0.893, "prune": 0.88}, {"base": 4.0, "lat": 2.5, "prune": 2.0}
+    key = {"mnv2_x0_5_base_s0": "base", "mnv2_x0_5_lat_70_sal_kd_s0": "lat", "mnv2_x0_5_prune_70_taylor_kd_s0": "prune"}
+    runs = {n: {"test_accuracy": accuracy[k], "nonlinear_fraction": 1.0, "wall_time_s": 3600.0, "model_digest": n}
+            for n, k in key.items()}
+    lat = {"ms": {f"{n}/folded": {"b1": ms[k], "b64": 10 * ms[k]} for n, k in key.items()}}
+    rows = {r["run"]: r for r in S._table(jobs, runs, lat)}
+    row = rows["mnv2_x0_5_prune_70_taylor_kd_s0"]
+    assert (row["budget"], row["prune"], row["select"], S._method(row)) == (0.7, "taylor", None, "pruned (taylor, distilled)")
+    assert row["speedup"]["b1"] == 2.0 and row["vs_baseline_points"] == pytest.approx(-2.0)
+    claim = S._claims(list(rows.values()))[0]
+    assert "1 of 1 linearized runs reach" in claim
+    assert ("structured pruning (pruned (taylor, distilled)) at budget 0.7: 2.00x, -2.00 points, linearized at the "
+            "same budget and distillation: mnv2_x0_5_lat_70_sal_kd_s0 1.60x, -0.70") in claim
+    md = S._report({"latency": lat, "claims": [claim], "table": list(rows.values()), "unverified": {}, "missing": [],
+                    "skipped": []})
+    assert any(line.startswith("| mnv2_x0_5_prune_70_taylor_kd_s0 | 0.70 (pruned (taylor, distilled)) |") for line in md)
+    M.plot(tmp_path / "plot.png", lambda ax: S._draw(ax, list(rows.values()), "b1"))
+    assert (tmp_path / "plot.png").stat().st_size > 10_000
 
 
 BASE, LAT = "mnv2_x0_5_base_s0", "mnv2_x0_5_lat_70_s0"
