@@ -232,6 +232,21 @@ def _channels(v: torch.Tensor, ndim: int) -> torch.Tensor:
     return v.view([1, -1] + [1] * (ndim - 2)) if ndim > 1 else v
 
 
+def _zero_safe_prelu(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``F.prelu(x, weight)`` (``weight`` ``[C]`` along dim 1 of ``x``, or one element for every element), but a zero,
+    not NaN, where ``weight`` is 0 and ``x`` is -inf (``F.prelu`` computes ``0 * -inf``; ReLU and a unit at slope 0
+    give 0): the plain forms' PReLU. ``x`` is first raised to the lowest finite value of its dtype in the channels
+    whose weight is 0, by ``torch.maximum`` with a bound computed from ``weight`` at every call (no device sync, a
+    changed weight applies; one more elementwise pass). Every other value (-inf where the weight is not 0, NaN, the
+    -0 of a negative input at weight 0) and every gradient of a finite input are ``F.prelu``'s."""
+    if not x.is_floating_point():
+        return F.prelu(x, weight)  # torch's own error for the dtype
+    lowest = torch.finfo(x.dtype).min
+    floor = torch.full_like(weight, -math.inf, dtype=x.dtype).masked_fill_(weight.logical_not(), lowest)
+    floor = floor.reshape(()) if weight.numel() == 1 else _channels(floor, x.ndim)
+    return F.prelu(torch.maximum(x, floor), weight)
+
+
 def exact_lerp(act: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``torch.lerp(act, x, weight)``, exact at both ends for every input: ``act`` where ``weight`` is 0
     and ``x`` where it is 1, +-inf, NaN and -0 included (``lerp`` computes ``act + 0 * (x - act)``: NaN
@@ -397,7 +412,8 @@ class ChannelPReLU(nn.PReLU):
 
     ``weight`` ``[C]`` is the slope for negative inputs. Input ``[..., C, ...]`` with ``C`` at
     ``channel_dim``; output has the same shape. A ReLU-family unit's plain form
-    (:meth:`LinearizableActivation.plain_activation`).
+    (:meth:`LinearizableActivation.plain_activation`): where the weight is 0, an input of -inf gives 0 as the
+    unit does, not ``F.prelu``'s NaN (:func:`_zero_safe_prelu`).
     """
 
     def __init__(self, weight: torch.Tensor, channel_dim: int = 1, inplace: bool = False) -> None:
@@ -412,13 +428,13 @@ class ChannelPReLU(nn.PReLU):
 
     def _prelu(self, x: torch.Tensor) -> torch.Tensor:
         if self.num_parameters == 1:  # one slope for every element, whatever the shape
-            return F.prelu(x, self.weight)
+            return _zero_safe_prelu(x, self.weight)
         dim = _channel_axis(x, self.channel_dim, self.num_parameters, "ChannelPReLU")
         if dim == 1:
-            return F.prelu(x, self.weight)
+            return _zero_safe_prelu(x, self.weight)
         if dim == x.ndim - 1:
-            return F.prelu(x.reshape(-1, self.num_parameters), self.weight).reshape(x.shape)
-        return F.prelu(x.movedim(dim, 1), self.weight).movedim(1, dim)
+            return _zero_safe_prelu(x.reshape(-1, self.num_parameters), self.weight).reshape(x.shape)
+        return _zero_safe_prelu(x.movedim(dim, 1), self.weight).movedim(1, dim)
 
     def extra_repr(self) -> str:
         return (f"num_parameters={self.num_parameters}, channel_dim={self.channel_dim}"
@@ -856,7 +872,8 @@ def map_view(x: torch.Tensor, map_shape: tuple[int, ...], owner: str) -> torch.T
 
 class ElementPReLU(nn.Module):
     """PReLU with one negative slope per position of a fixed-shape map: ``weight`` ``[*map_shape]``, input
-    ``[N, *map_shape]``; other maps raise ``ValueError``. An element-level ReLU unit's plain form.
+    ``[N, *map_shape]``; other maps raise ``ValueError``. An element-level ReLU unit's plain form (0, not NaN, for
+    an input of -inf where the weight is 0, as :class:`ChannelPReLU`).
 
     Example:
         >>> ElementPReLU(torch.tensor([[0.0, 0.5]]))(torch.tensor([[[-2.0, -2.0]]])).tolist()
@@ -874,7 +891,7 @@ class ElementPReLU(nn.Module):
 
     def _prelu(self, x: torch.Tensor) -> torch.Tensor:
         flat = map_view(x, self.map_shape, "ElementPReLU")
-        return F.prelu(flat, self.weight.reshape(-1)).view(x.shape)
+        return _zero_safe_prelu(flat, self.weight.reshape(-1)).view(x.shape)
 
     def extra_repr(self) -> str:
         return f"map_shape={list(self.map_shape)}" + (", inplace=True" if self.inplace else "")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import math
 import re
 import warnings
 
@@ -128,6 +129,37 @@ def test_channel_prelu_channels_last():
     ref = torch.where(x > 0, x, x * w)
     torch.testing.assert_close(ChannelPReLU(w, channel_dim=-1)(x), ref)
     torch.testing.assert_close(ChannelPReLU(w, channel_dim=2)(x), ref)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("act", [nn.ReLU(), nn.LeakyReLU(0.1)], ids=["relu", "leaky_relu"])
+@pytest.mark.parametrize("granularity", ["channel", "element"])
+def test_folded_prelu_gives_the_original_zero_at_minus_inf_where_its_weight_is_0(dtype, act, granularity):
+    """A partly linear ReLU-family site folds to a ChannelPReLU / ElementPReLU. A Linear overflowing to -inf fed
+    it -inf: at weight 0 (a ReLU channel at slope 0) it gave NaN (F.prelu's 0 * -inf) where the original ReLU and
+    the unfolded unit give 0. The folded model must give the unfolded model's values (-inf stays -inf at a
+    weight above 0, NaN stays NaN, +inf and finite values unchanged), and the original's in the slope-0 channel;
+    a weight set to 0 after the fold applies at the next call."""
+    original = nn.Sequential(nn.Linear(3, 3), act)
+    with torch.no_grad():
+        original[0].weight.copy_(2 * torch.eye(3))
+        original[0].bias.zero_()
+    model = linearize.convert(copy.deepcopy(original), example_inputs=torch.randn(4, 3), granularity=granularity)
+    with torch.no_grad():
+        linearize.units(model)[0][1].slope.copy_(torch.tensor([0.0, 0.5, 1.0]))
+    folded = linearize.fold(model, torch.randn(4, 3), latency=False)
+    prelu = folded[1]
+    assert type(prelu).__name__ == ("ChannelPReLU" if granularity == "channel" else "ElementPReLU")
+    big = 0.9 * torch.finfo(dtype).max  # doubled by the Linear: -inf / +inf at the activation
+    x = torch.tensor([[-big] * 3, [math.nan] * 3, [big] * 3, [-1.0] * 3, [2.0] * 3, [0.0] * 3]).to(dtype)
+    original, model, folded = (m.to(dtype) for m in (original, model, folded))
+    with torch.no_grad():
+        want, got = model(x), folded(x)
+        assert want[0].isneginf().tolist() == [isinstance(act, nn.LeakyReLU), True, True] and got[1].isnan().all()
+        torch.testing.assert_close(got, want, equal_nan=True)
+        torch.testing.assert_close(got[:, 0], original(x)[:, 0], equal_nan=True)
+        prelu.weight.view(-1)[1] = 0.0  # the PReLU's own weight, changed after the fold
+        torch.testing.assert_close(folded(x)[:, 1], torch.relu(original[0](x))[:, 1], equal_nan=True)
 
 
 @pytest.mark.parametrize("plain", [lambda w: ChannelPReLU(w), lambda w: ChannelBlend(nn.GELU(), w),

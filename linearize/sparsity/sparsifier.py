@@ -101,7 +101,7 @@ model with exactly those groups linear and every other free channel at slope 0
 model), as a fraction of the **original** model folded (every slope 0, frozen or not: each unit is
 its own activation, BatchNorm merged), so a budget counts only what linearization saves. A site
 left partly linear folds to a PReLU/blend that costs more than its original activation (on a CPU at
-batch 1 a ``ChannelPReLU`` call takes about twice a ReLU's), so a cost target glides the free
+batch 1 a ``ChannelPReLU`` call takes several times a ReLU's), so a cost target glides the free
 channels of every group outside its plan down to exactly 0 (at ``1 / G`` per step, like the glide
 up) and holds them there: those sites fold back to their original activation (a site with a channel
 frozen linear stays a PReLU/blend, and is counted so) and the folded model costs what the plan
