@@ -357,6 +357,7 @@ class ActivationCall:
     # (not an activation) and how many it called before it
     called: list[nn.Module] = field(default_factory=list)  # the modules its caller's own code called in that call
     check: str | None = None  # a loop's call: the name (in its owner) of the module that must run before it
+    integer: bool = False  # a module call on an integer or bool tensor: no slope to learn, no site
 
 
 def _first_width(layer: nn.Module, attrs: tuple[str, ...]) -> int | None:
@@ -453,8 +454,9 @@ class _Probe:
         return owner, f"{where or type(owner).__name__}: {getattr(func, '__name__', str(func))}"
 
     def record_functional(self, func: Callable, args: tuple, kwargs: dict, out: Any) -> None:
-        if isinstance(out, torch.Tensor) and not out.is_floating_point():
-            return  # torch.relu on integers (index clamping): no slope to learn, the dispatch passes it through
+        x = args[0] if args else kwargs.get("input")
+        if isinstance(x, torch.Tensor) and not x.is_floating_point():
+            return  # torch.relu on integers (index clamping), torch.tanh too (a float result): the dispatch passes it
         owner, where = self._where(func)
         inner = self.running.stack[-1] if self.running.stack else None
         if inner is not None and id(inner) not in self.names:  # a module made in forward (HF's ACT2FN[...](x)):
@@ -557,7 +559,8 @@ class _Probe:
                 call = ActivationCall(caller, tuple(x.shape), dim, activation_kind(module) or "",
                                       unreachable=unreachable_call(skip=1), hook=hook, position=code_position(skip=1),
                                       after=self.last_called.get(id(caller), (None, 0)),
-                                      called=self.called.get(id(caller), []))
+                                      called=self.called.get(id(caller), []),
+                                      integer=not (x.is_floating_point() or x.is_complex()))
                 self.calls[id(module)].append(call)
                 self.pending[id(module)] = call
                 if not sure:
@@ -1059,6 +1062,12 @@ def plan_conversion(
                 report.uncalled.append(name)
             continue
         per_forward = len(calls) // max(1, probe.invocations[id(caller)])
+        if any(c.integer for c in calls):  # its unit would run the activation itself there (slopes unused)
+            report.unreachable[name] = (
+                "called on an integer or bool tensor, which has no slope to learn: it runs as it is (as a functional "
+                "call on integers does); fix: none needed if every call is on integers, else give its floating-point "
+                "calls an activation module of their own")
+            continue
         calls = calls[: max(1, per_forward)]
         shared = _loops(owner, calls, probe.names) if caller is owner else []
         if shared and _loop_last(shared, len(calls)):  # by order: the loop's count cannot shift the calls before

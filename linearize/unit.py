@@ -768,8 +768,23 @@ class LinearizableActivation(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if (traced := fx_leaf_call(self, x)) is not None:  # torch.fx.symbolic_trace: one call_module node
             return traced
+        if not (x.is_floating_point() or x.is_complex()):
+            return self._integer_call(x)
         # every parameter: an act module may hold its own (a learnable activation), beside the slopes
         return write_into(x, self._blend, self.parameters()) if self.inplace else self._blend(x)
+
+    def _integer_call(self, x: torch.Tensor) -> torch.Tensor:
+        """The original activation of an integer or bool input, whatever the slopes (as a functional call on
+        integers, which is no site: such an input has no slope to learn); ``TypeError`` naming the unit, the
+        dtype and the fix where that activation refuses the dtype (a raw error of the kernels otherwise)."""
+        try:
+            return write_into(x, self.activation) if self.inplace else self.activation(x)
+        except (RuntimeError, NotImplementedError) as e:
+            raise TypeError(
+                f"linearize: a {type(self).__name__}({self.extra_repr()}) unit got an input of dtype {x.dtype}, "
+                f"which the {self.kind} activation it replaced does not take either ({str(e).splitlines()[0]}). "
+                "Fix: convert the input to a floating dtype (x.float(), or the model's dtype) before the activation"
+            ) from e
 
     def _blend(self, x: torch.Tensor) -> torch.Tensor:
         dim = _channel_axis(x, self.channel_dim, self.num_channels, f"{type(self).__name__}({self.kind})",

@@ -449,6 +449,38 @@ def test_a_call_on_integers_is_no_site_and_runs_as_it_is():
         assert torch.equal(model(x), original.out(original.lin(x)) + idx.sum(1, keepdim=True))
 
 
+def test_integer_calls_of_activation_modules_and_float_valued_functions_run_as_they_are():
+    """``torch.tanh`` / ``torch.sigmoid`` on an integer tensor return floats: the probe recorded them as sites while
+    the dispatch passed them through, and convert failed with a call-order error; an ``nn.ReLU`` / ``nn.Tanh``
+    module called on integers got a unit that raised inside the kernels. Truth: the unconverted model, at slope 0
+    and at slope 1 (integer calls have no slope: only the float call changes); the modules are reported, not
+    converted."""
+    class Indexing(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin, self.act, self.squash = nn.Linear(4, 4), nn.ReLU(), nn.Tanh()
+
+        def forward(self, x):
+            n = (x * 3).long()
+            ints = self.act(n) + F.relu(n - 1) + torch.tanh(n) + torch.sigmoid(n.bool().float().long())
+            return F.relu(self.lin(x)), ints, self.squash(n)
+
+    torch.manual_seed(0)
+    model, x = Indexing(), torch.randn(5, 4)
+    original = copy.deepcopy(model)
+    with pytest.warns(UserWarning, match=r"act: called on an integer or bool tensor"):
+        linearize.convert(model, example_inputs=x)
+    assert [n for n, _ in linearize.units(model)] == ["linearize_functional.relu_0"]
+    assert {"act", "squash"} <= set(model.linearize_report.unreachable)
+    for slope in (0.0, 1.0):
+        _set_slopes(model, slope)
+        with torch.no_grad():
+            got, want = model(x), original(x)
+        for g, w in zip(got[1:], want[1:]):
+            assert g.dtype == w.dtype and torch.equal(g, w)
+        assert torch.equal(got[0], want[0] if slope == 0 else original.lin(x))
+
+
 class Mixed(nn.Module):
     """Functional calls around a ReLU module child: the child's own F.relu is not the owner's."""
 

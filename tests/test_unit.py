@@ -47,6 +47,34 @@ def test_blend_matches_formula_and_is_exact_at_the_ends(act, kind, shape, dim):
     torch.testing.assert_close(unit(x), (1 - a) * reference + a * x, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("cls", [cls for cls, _ in linearize.activations.MODULE_KINDS])
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.uint8, torch.bool])
+@pytest.mark.parametrize("granularity", ["channel", "element"])
+def test_a_unit_on_an_integer_input_gives_the_original_or_names_the_dtype_and_the_fix(cls, dtype, granularity):
+    """A unit called on an integer or bool tensor raised the kernels' raw error ("linearize_prelu_forward not
+    implemented for 'Long'", "expected dtype float for `end`"), also where the original takes the dtype (torch.relu
+    on int64, torch.tanh on int64 -> float). Truth: the original module, at slope 0 and at slope 1 (an integer
+    input has no slope to learn, as a functional call on integers); where it raises, the unit raises TypeError
+    naming itself, the dtype and the fix. An in-place ReLU unit writes into its input as the original does."""
+    x = torch.tensor([[-3, -1, 0, 2, 7]]).to(dtype)
+    for slope in (0.0, 1.0):
+        unit = linearize.unit.make_unit(cls(), x.shape, -1, None, slope, granularity)
+        try:
+            want = cls()(x.clone())
+        except (RuntimeError, NotImplementedError):
+            with pytest.raises(TypeError, match=rf"{type(unit).__name__}\(.*got an input of dtype {dtype}.*"
+                                                 r"Fix: convert the input to a floating dtype"):
+                unit(x.clone())
+            continue
+        got = unit(x.clone())
+        assert got.dtype == want.dtype and torch.equal(got, want)
+    if cls is nn.ReLU and dtype is torch.int64:
+        unit = linearize.unit.make_unit(nn.ReLU(), x.shape, -1, None, 1.0, granularity)
+        unit.inplace = True
+        given = x.clone()
+        assert unit(given) is given and torch.equal(given, torch.relu(x))
+
+
 def test_relu_unit_is_a_prelu_with_negative_slope_a():
     x = torch.randn(8, 4, 5, 5)
     unit = LinearizableActivation("relu", 4)
