@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import copy
 import math
+import sys
 import warnings
 import weakref
 from contextlib import contextmanager
@@ -170,20 +171,53 @@ class _Hook:
     """A :class:`_Recorder`'s hook on a model's module (``hook``: the closure that records). A deep copy or a
     pickle of the module holds a hook that does nothing in its place: the closure records for the original
     module only, and holds the recorder, which does not pickle, so the model pickles (``torch.save(model)``)
-    while it is recorded, and so do its copies."""
+    while it is recorded, and so do its copies. Retired (:func:`_retire`) inside a module call, it does nothing
+    and removes itself at its next call."""
 
     def __init__(self, hook: Callable[..., None] | None = None) -> None:
         self.hook = hook
+        self.handle: Any = None  # set by _retire: this hook, inert, removes itself at its next call
 
     def __call__(self, *args: Any) -> None:
         if self.hook is not None:
             self.hook(*args)
+        elif self.handle is not None:  # torch calls a module's hooks from a copy of its dict: removing is safe here
+            self.handle.remove()
+            self.handle = None
 
     def __reduce__(self) -> tuple:
         return _Hook, ()
 
     def __deepcopy__(self, memo: dict) -> "_Hook":
         return _Hook()
+
+
+def _module_call_running() -> bool:
+    """Whether an ``nn.Module`` call is on this thread's stack (torch may be iterating a module's hook dict)."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code is _CALL_IMPL:
+            return True
+        frame = frame.f_back
+    return False
+
+
+_CALL_IMPL = nn.Module._call_impl.__code__
+
+
+def _retire(handles: list) -> None:
+    """Remove the :class:`_Hook` hooks of ``handles`` (emptied). A garbage collection that drops their owner may
+    run while torch builds its list of a module's hooks, when removing one would change the dict it iterates:
+    called inside a module call, the hooks are made inert instead and each removes itself at its next call."""
+    later = _module_call_running()
+    for handle in handles:
+        hooks = handle.hooks_dict_ref()
+        wrapper = None if hooks is None else hooks.get(handle.id)
+        if not later:
+            handle.remove()
+        elif isinstance(wrapper, _Hook):
+            wrapper.hook, wrapper.handle = None, handle
+    handles.clear()
 
 
 class _Recorder:
@@ -260,16 +294,12 @@ class _Recorder:
         self.layer_outputs.clear()
 
     def stop_finding_layers(self) -> None:
-        for h in self.layer_handles:
-            h.remove()
-        self.layer_handles = []
+        _retire(self.layer_handles)
         self.clear()
 
     def close(self) -> None:
         self.stop_finding_layers()
-        for h in self.handles:
-            h.remove()
-        self.handles = []
+        _retire(self.handles)
 
 
 @contextmanager
@@ -1070,8 +1100,8 @@ class NonfiniteInputs:
     held NaN/inf (counted on the device, no sync), the order the units and the modules holding parameters first
     ran, and whether every tensor input of the first of them to run (the batch) was finite. Forward pre-hooks,
     training-mode calls only; the :class:`~linearize.Sparsifier` keeps one for every selection to name where a
-    divergence began (:meth:`cause`). The hooks hold it weakly: once it is gone they do nothing (they are not
-    removed then, as a garbage collection may run while torch iterates a module's hooks)."""
+    divergence began (:meth:`cause`) and :meth:`close` s it when it is dropped. The hooks hold it weakly: once it
+    is gone they do nothing."""
 
     def __init__(self, model: nn.Module, named: list[tuple[str, LinearizableActivation]]) -> None:
         units = {id(u) for _, u in named}
@@ -1082,10 +1112,10 @@ class NonfiniteInputs:
         self.batch_finite: torch.Tensor | None = None  # every tensor input of the first module to run was finite
         # hooks in _Hook wrappers, as the _Recorder's: a deep copy or pickle of the model does not take them along
         ref = weakref.ref(self)
-        for name, module in named:
-            module.register_forward_pre_hook(_Hook(self._hook(ref, name, module, True)))
-        for name, module in self._layers.items():
-            module.register_forward_pre_hook(_Hook(self._hook(ref, name, module, False)))
+        self.handles = [module.register_forward_pre_hook(_Hook(self._hook(ref, name, module, True)))
+                        for name, module in named]
+        self.handles += [module.register_forward_pre_hook(_Hook(self._hook(ref, name, module, False)))
+                         for name, module in self._layers.items()]
 
     @staticmethod
     def _hook(ref: weakref.ref, name: str, module: nn.Module, is_unit: bool):
@@ -1108,6 +1138,10 @@ class NonfiniteInputs:
                     bad = bad.sum()
                     self.bad[name] = bad if name not in self.bad else self.bad[name] + bad.to(self.bad[name].device)
         return hook
+
+    def close(self) -> None:
+        """Remove the hooks."""
+        _retire(self.handles)
 
     def clear(self) -> None:
         """Start a new step."""

@@ -614,3 +614,65 @@ def test_sparsifier_weights_survive_huge_values():
     assert equal == {a: 1.0, b: 1.0}
     ratio = linearize.Sparsifier(model, total_steps=10, weights={a: 1e308, b: 0.5e308}).weights
     assert ratio[a] == pytest.approx(4 / 3) and ratio[b] == pytest.approx(2 / 3)  # 4 channels each
+
+
+def _model_hooks(model: nn.Module) -> dict:
+    """Every hook dict of every module of ``model``, as ``{module: {kind: [(id, hook), ...]}}``."""
+    kinds = ("_forward_pre_hooks", "_forward_hooks", "_backward_hooks", "_backward_pre_hooks")
+    return {name: {k: list(getattr(m, k).items()) for k in kinds} for name, m in model.named_modules()}
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw", "attached"])
+def test_a_dropped_sparsifier_leaves_the_models_hooks_as_they_were(optimizer):
+    """A Sparsifier hooks the model (the non-finite input tracker, and the running fit under AdamW); once it is
+    dropped (garbage collected; an attached one with its optimizer) the model's hook dicts hold what they held
+    before it was built (truth: the dicts read before), and the model still trains and runs."""
+    import gc
+
+    torch.manual_seed(0)
+    model = linearize.convert(nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)))
+    model[0].register_forward_hook(lambda *args: None)  # the user's own hooks stay
+    before = _model_hooks(model)
+    opt = (torch.optim.SGD if optimizer != "adamw" else torch.optim.AdamW)(linearize.param_groups(model), lr=0.1)
+    sp = linearize.Sparsifier(model, S.target(0.5), total_steps=10, optimizer=opt)
+    if optimizer == "attached":
+        sp.attach(opt)
+    assert _model_hooks(model) != before
+    for _ in range(2):
+        opt.zero_grad()
+        model(torch.randn(16, 4)).square().mean().backward()
+        opt.step()
+        if optimizer != "attached":
+            sp.step()
+    assert sp.step_count == 2
+    del sp, opt
+    gc.collect()
+    assert _model_hooks(model) == before
+    model(torch.randn(3, 4)).sum().backward()
+
+
+def test_a_sparsifier_collected_during_a_forward_leaves_inert_hooks_that_remove_themselves():
+    """A garbage collection may run inside a module call, while torch lists a module's hooks: the dropped
+    Sparsifier's hooks then do nothing and each removes itself at its next call, leaving the hook dicts as they
+    were before it was built (truth: the dicts read before)."""
+    import gc
+
+    class Collect(nn.Module):
+        def forward(self, x):
+            gc.collect()  # the dropped Sparsifier (a reference cycle) goes here, inside the model's call
+            return x
+
+    torch.manual_seed(0)
+    model = linearize.convert(nn.Sequential(nn.Linear(4, 4), Collect(), nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)))
+    before = _model_hooks(model)
+    opt = torch.optim.AdamW(linearize.param_groups(model), lr=0.1)
+    sp = linearize.Sparsifier(model, S.target(0.5), total_steps=10).attach(opt)
+    gc.disable()
+    try:
+        del sp, opt
+        model(torch.randn(3, 4))  # the forward collects it: its hooks are left inert
+        assert _model_hooks(model) != before  # the first layer's, called before the collection
+        model(torch.randn(3, 4))  # each inert hook removes itself when called
+    finally:
+        gc.enable()
+    assert _model_hooks(model) == before

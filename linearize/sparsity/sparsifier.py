@@ -385,6 +385,8 @@ class Sparsifier:
         self._fit: RunningFit | None = RunningFit(model, [n for n, _ in self._units]) if could_fit else None
         # where NaN/inf entered this step's training forwards, for every selection: names it when the slopes diverge
         self._inputs = NonfiniteInputs(model, self._units)
+        # the trackers' hooks go with this Sparsifier (the model outlives it)
+        weakref.finalize(self, _close_trackers, self._inputs, self._fit)
         self.select, self.linear_end = self._choose()
         self.importance = selection(self.select)(self._units, self._weights, self._warn_once, self._fit)
         if self.optimizer is not None:
@@ -1029,6 +1031,13 @@ def _number(value: object) -> object:
         return float(value)
     except (TypeError, ValueError, RuntimeError):  # RuntimeError: a tensor of more than one element
         return value
+
+
+def _close_trackers(inputs: NonfiniteInputs, fit: RunningFit | None) -> None:
+    """Remove the hooks a dropped Sparsifier's trackers put on the model."""
+    inputs.close()
+    if fit is not None:
+        fit.close()
 
 
 def _fit_state(fit: RunningFit) -> dict:
