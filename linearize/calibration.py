@@ -97,6 +97,15 @@ class _Stats:
         self.sums = s if self.sums is None else self.sums + s.to(self.sums.device)
         self.count += x.shape[0]
 
+    def merge(self, other: "_Stats") -> None:
+        """Add ``other``'s sums, count and dropped rows to these."""
+        if other.sums is not None:
+            self.sums = other.sums if self.sums is None else self.sums + other.sums.to(self.sums.device)
+        if other.dropped is not None:
+            self.dropped = other.dropped if self.dropped is None else self.dropped + other.dropped.to(
+                self.dropped.device)
+        self.count += other.count
+
     def fit(self, name: str) -> LinearEndFit:
         if self.sums is None or self.count == 0:
             raise ValueError(f"unit {name!r} saw no data position (it was never called, or every position was "
@@ -418,10 +427,15 @@ class RunningFit:
     BatchNorm's running statistics), summed over all processes first when ``torch.distributed`` is
     initialized (every process then holds the same fits). Every position counts (padding too: the hooks do
     not see the batch's mask), but a position whose input or activation holds NaN/inf in any channel (NaN
-    padding, a batch that overflowed, e.g. one a loss scaler then skipped) is left out of the unit's sums,
-    so such positions do not end the fit; ``left_out`` counts them per unit (and the positions of a step
-    whose float64 sums still overflowed: that step is dropped), ``empty_steps`` the steps whose training
-    forwards held no position (empty batches). The first training forward also finds the
+    padding, a batch that overflowed) is left out of the unit's sums, so such positions do not end the fit;
+    ``left_out`` counts them per unit (and the positions of a step whose float64 sums still overflowed: that
+    step is dropped), ``empty_steps`` the steps whose training forwards held no position (empty batches). The
+    forwards whose gradients no optimizer step took are left out whole, as if their batches had not been run:
+    when a backward finds that the slopes' gradients of an earlier backward since the last :meth:`step` were
+    dropped (set to ``None`` by ``zero_grad()``: the step a loss scaler such as ``torch.amp.GradScaler``
+    skipped), the forwards before that earlier backward are left out (``skipped_batches`` counts those backwards; a
+    post-accumulate-grad hook on each slope, no device sync; gradients zeroed in place, ``zero_grad(
+    set_to_none=False)``, look accumulated and are kept). The first training forward also finds the
     layer each unit's output feeds, for
     the outgoing weight norms of :meth:`fits` (``outgoing`` stays ``None`` for a unit that feeds no single
     Linear / Conv1D / conv layer). Eval-mode calls are not recorded. The :class:`~linearize.Sparsifier` uses
@@ -450,12 +464,49 @@ class RunningFit:
         self.steps = 0
         self.left_out: dict[str, float] = {name: 0.0 for name, _ in self._named}  # NaN/inf positions, this run
         self.empty_steps = 0  # steps whose training forwards (empty batches) gave the units no position, this run
+        self.skipped_batches = 0  # backwards (with their forwards) no optimizer step took, left out, this run
+        # the statistics of the forwards before the backwards since the last step, and how many backwards
+        self._backward: tuple[dict[str, _Stats], int] | None = None
+        self._grads: dict[int, torch.Tensor] = {}  # slope index -> its gradient at the last backward since the step
+        self._grad_handles = [u.slope.register_post_accumulate_grad_hook(_Hook(self._backward_hook(i, u.slope)))
+                              for i, (_, u) in enumerate(self._named) if u.slope.requires_grad]
+
+    def _backward_hook(self, index: int, slope: torch.Tensor):
+        def hook(param: torch.Tensor) -> None:
+            grad = param.grad
+            if param is not slope or grad is None:
+                return
+            stats = self._recorder.stats
+            if any(s.sums is not None for s in stats.values()):  # the first slope of a backward after forwards
+                seen = self._grads.get(index)
+                if self._backward is not None and seen is not None and seen is not grad:  # dropped, not stepped
+                    self.skipped_batches += self._backward[1]
+                    self._backward = None
+                self._recorder.stats = {name: _Stats() for name in stats}
+                if self._backward is None:
+                    self._backward = (stats, 0)
+                else:
+                    for name, s in stats.items():
+                        self._backward[0][name].merge(s)
+                self._backward = (self._backward[0], self._backward[1] + 1)
+            self._grads[index] = grad
+        return hook
+
+    def _taken(self) -> dict[str, _Stats]:
+        """This step's statistics without the forwards whose gradients were dropped (see the class docs)."""
+        pending = self._recorder.stats
+        if self._backward is not None:
+            for name, s in self._backward[0].items():
+                pending[name].merge(s)
+        self._backward, self._grads = None, {}
+        self._recorder.stats = {name: _Stats() for name, _ in self._named}
+        return pending
 
     def step(self) -> None:
         """Fold this step's statistics into the running sums (all processes' summed under ``torch.distributed``),
         without the positions that held NaN/inf; a unit's step whose sums are still not finite is dropped (the
         running sums stay finite). Both are counted in ``left_out``."""
-        pending = self._recorder.stats
+        pending = self._taken()
         if self._outgoing is None and any(s.count for s in pending.values()):
             self._outgoing = {n: (_outgoing(u, self._recorder.fed[n]) if self._recorder.fed[n] else None)
                               for n, u in self._named}
@@ -482,7 +533,6 @@ class RunningFit:
             run.count = run.count * self.decay + float(count)
             sums = sums.cpu()
             run.sums = sums if run.sums is None else run.sums * self.decay + sums
-            pending[name] = _Stats()
         self.steps += 1
 
     def fits(self) -> dict[str, LinearEndFit]:
@@ -553,6 +603,7 @@ class RunningFit:
     def close(self) -> None:
         """Remove the hooks (the fits stay readable)."""
         self._recorder.close()
+        _retire(self._grad_handles)
 
 
 @dataclass

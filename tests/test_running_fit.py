@@ -223,3 +223,29 @@ def test_processes_share_one_fit_over_all_their_batches(tmp_path):
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-q"]))
+
+
+def test_batches_whose_gradients_no_step_took_are_left_out_and_accumulated_ones_kept():
+    """A batch run forward and backward whose gradients are then dropped with no optimizer step (set to None by
+    zero_grad: the step a loss scaler skipped) used to count in the fit; micro-batches accumulated into one step
+    count all. Truth: numpy's least squares over exactly the batches the optimizer steps took."""
+    net = _net()
+    unit = linearize.units(net)[0][1]
+    tracker = linearize.RunningFit(net, decay=0.0)  # the last step's batches alone
+    opt = torch.optim.SGD(net.parameters(), lr=0.0)  # the weights stay: the truth reruns them
+    g = torch.Generator().manual_seed(3)
+    skipped, first, second = (torch.randn(40, 4, generator=g) for _ in range(3))
+    net(skipped).sum().backward()  # its step skipped: no opt.step()
+    opt.zero_grad()
+    net(first).sum().backward()  # two micro-batches accumulated into one step
+    net(second).sum().backward()
+    opt.step()
+    tracker.step()
+    tracker.close()
+    taken = torch.cat([first, second])
+    h = _pre_activations(net, taken)
+    alpha, beta, _ = _weighted_lstsq(h, unit.activation(torch.from_numpy(h)).numpy(), np.ones(len(h)))
+    fit = tracker.fits()["1"]
+    np.testing.assert_allclose(fit.alpha.numpy(), alpha, rtol=1e-6, atol=1e-9)
+    np.testing.assert_allclose(fit.beta.numpy(), beta, rtol=1e-6, atol=1e-9)
+    assert tracker.skipped_batches == 1 and fit.count == 80

@@ -676,3 +676,48 @@ def test_a_sparsifier_collected_during_a_forward_leaves_inert_hooks_that_remove_
     finally:
         gc.enable()
     assert _model_hooks(model) == before
+
+
+def _scaled_run(stepping: str, optimizer: str, skip: int | None) -> tuple[nn.Module, linearize.Sparsifier, float]:
+    """20 steps under a ``torch.amp.GradScaler``; batch 5 of 21 overflows the scaled loss (its forward is finite),
+    so the scaler skips its optimizer step; ``skip=5`` leaves that batch out instead."""
+    torch.manual_seed(0)
+    model = linearize.convert(nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 2)))
+    opt = (torch.optim.SGD(linearize.param_groups(model), lr=0.05) if optimizer == "sgd"
+           else torch.optim.AdamW(model.parameters(), lr=1e-2))  # AdamW: select="fit", affine ends
+    sp = linearize.Sparsifier(model, S.target(0.5, start=0, end=0.8), total_steps=20, optimizer=opt)
+    if stepping == "attached":
+        sp.attach(opt)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 16, growth_interval=1000)
+    g = torch.Generator().manual_seed(1)
+    batches = [torch.randn(32, 4, generator=g) for _ in range(21)]
+    batches[5] = batches[5] * 1e30  # the loss is finite in float32, the scaled loss's gradients are not
+    for i, x in enumerate(batches):
+        if i == skip:
+            continue
+        opt.zero_grad()
+        scaler.scale(model(x).square().mean()).backward()
+        scaler.step(opt)
+        scaler.update()
+        if stepping == "by hand":
+            sp.step()  # after every scaler.step, the skipped one too
+    return model, sp, scaler.get_scale()
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+@pytest.mark.parametrize("stepping", ["attached", "by hand"])
+def test_a_step_a_grad_scaler_skips_is_not_counted_as_an_uninterrupted_run_without_its_batch(stepping, optimizer):
+    """A step a GradScaler skips (inf gradients, no optimizer step) is not a step of the Sparsifier: stepped by
+    hand it used to advance the schedule and push the slopes, and under AdamW the running fit took the skipped
+    batch's (finite, huge) activations into the affine ends. Truth: the same run without that batch, which ends
+    with the same weights, slopes, ends, schedule position and history, exactly."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the kept channels' mean slope at the target's end (SGD)
+        model, sp, scale = _scaled_run(stepping, optimizer, None)
+        truth, truth_sp, truth_scale = _scaled_run(stepping, optimizer, 5)
+    assert scale == truth_scale / 2  # the scaler did skip one step
+    assert sp.step_count == truth_sp.step_count == 20 and sp.history == truth_sp.history
+    for (name, value), (_, expected) in zip(model.state_dict().items(), truth.state_dict().items()):
+        torch.testing.assert_close(value, expected, rtol=0, atol=0, equal_nan=True, msg=name)
+    if optimizer == "adamw":
+        assert sp.select == "fit" and linearize.units(model)[0][1].linear_end is not None

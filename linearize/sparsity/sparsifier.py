@@ -52,6 +52,13 @@ Gradients are read at each :meth:`Sparsifier.step` (after ``optimizer.step()``, 
 ``zero_grad()``; :meth:`attach` does); a step with NaN/inf gradients (a step a loss scaler skipped)
 is not counted, and a warning says when the ramp runs without any slope gradient.
 
+**Skipped optimizer steps** (a ``torch.amp.GradScaler`` skips a step whose gradients hold NaN/inf) are not
+steps of the Sparsifier: attached, its hook does not run; stepped by hand, a :meth:`~Sparsifier.step` after
+an optimizer step not taken (the slopes unchanged since the last step, a gradient of the optimizer's
+parameters non-finite) does nothing. The running fit leaves out the batches whose gradients no step took
+(:class:`~linearize.calibration.RunningFit`), so the run follows the optimizer steps taken, as the same run
+without the skipped batches.
+
 ``select="fit"`` needs no gradient either: each unit's least-squares affine fit ``alpha * x + beta`` of its
 activation is tracked on the training batches (:class:`~linearize.calibration.RunningFit`, a decayed window
 of about 20 steps), and a channel's cost is the output error its replacement by that fit puts on the layer it
@@ -543,6 +550,18 @@ class Sparsifier:
             if ref is not None and ref() is self:
                 del _ATTACHED[self.optimizer]
 
+    def _optimizer_skipped(self) -> bool:
+        """Whether the optimizer step this :meth:`step` follows was not taken, as a loss scaler skips a step whose
+        gradients hold NaN/inf: the slopes did not change since the last step and a gradient of the optimizer's
+        parameters (the slopes' where no optimizer is known) is not finite. The gradients are read only when the
+        slopes did not change."""
+        if self._slope_versions() != self._versions:
+            return False
+        params = ([p for group in self.optimizer.param_groups for p in group["params"]] if self.optimizer is not None
+                  else self.slopes())
+        grads = [p.grad.detach() for p in params if p.grad is not None]
+        return any(not bool(torch.isfinite(g).all()) for g in grads)
+
     def _optimizer_moves_slopes(self) -> bool:
         """Whether an optimizer step moves a slope of this Sparsifier: one requires grad and, where the optimizer
         is known, is in it (frozen slopes, or slopes left out of it, move by the Sparsifier alone)."""
@@ -626,6 +645,8 @@ class Sparsifier:
         check_finite_slopes(self._units, f"Sparsifier.step (step {self.step_count})", self._inputs.cause)
         self._inputs.clear()
         watch.stepped(self)
+        if self._optimizer_skipped():  # not counted: the run follows the optimizer steps taken
+            return
         if self._slope_versions() == self._versions and not self._warned and self._optimizer_moves_slopes():
             warnings.warn(
                 "Sparsifier.step() was called but the slopes did not change since the last call: "
