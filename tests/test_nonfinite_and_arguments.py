@@ -460,3 +460,35 @@ def test_inputs_that_do_not_fit_the_model_are_named_with_the_fix(call, named):
         with pytest.raises(ValueError, match=rf"^{named} .*7.* do not fit the model \(RuntimeError: mat1 and mat2 "
                                              r"shapes cannot be multiplied.*\); pass "):
             call()
+
+
+@pytest.mark.parametrize("case", ["float16 weights", "huge learning rate"])
+def test_nonfinite_weights_are_reported_at_the_optimizer_step_that_wrote_them(case):
+    """An optimizer step that overflows the weights (float16 weights under a large update; a huge learning rate)
+    while the slopes stay finite was reported one step later, when the next forward had made every slope and
+    gradient NaN. Truth: the weights themselves, finite before the step that raises and not finite after it."""
+    torch.manual_seed(0)
+    model = linearize.convert(nn.Sequential(nn.Linear(3, 8), nn.ReLU(), nn.Linear(8, 2)))
+    half = case == "float16 weights"
+    if half:  # the layers in float16, the slopes float32 (as the docs advise)
+        model[0].half(), model[2].half()
+    weights = [p for name, p in model.named_parameters() if "slope" not in name]
+    opt = torch.optim.SGD([{"params": weights, "lr": 1e-3}, {"params": [model[1].slope], "lr": 1e-3}])
+    sp = linearize.Sparsifier(model, linearize.schedules.target(0.5), total_steps=10).attach(opt)
+    x = torch.randn(16, 3, dtype=torch.float16 if half else torch.float32)
+    for step in range(4):
+        if step == 2:  # this step's update overflows the weights
+            for group in opt.param_groups[:1] if half else opt.param_groups:
+                group["lr"] = 6e4 if half else 3e38
+        opt.zero_grad()
+        (100 * model(x).float().square().mean()).backward()
+        finite = bool(torch.isfinite(model[0].weight).all())
+        if step < 2:
+            opt.step()
+            continue
+        with pytest.raises(linearize.NonFiniteSlopeError, match=r"Sparsifier\.step \(step 2\).*'0\.weight'"):
+            opt.step()
+        break
+    assert finite and not bool(torch.isfinite(model[0].weight).all()) and sp.step_count == 2
+    if half:
+        assert bool(torch.isfinite(model[1].slope).all())  # the slopes stayed finite: only the weights tell

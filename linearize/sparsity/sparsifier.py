@@ -169,7 +169,7 @@ import torch
 from torch import nn
 
 from .. import schedules as _schedules
-from ..checks import check_positive, check_positive_int, finite_nonnegative, is_real
+from ..checks import NonFiniteSlopeError, check_positive, check_positive_int, finite_nonnegative, is_real
 from ..calibration import NonfiniteInputs, RunningFit
 from ..distributed import full_value, is_sharded, refuse_sharded, write_full
 from ..unit import (LinearizableActivation, check_finite_slopes, count_channels, linear_masks, project_slopes,
@@ -392,6 +392,7 @@ class Sparsifier:
         self._fit: RunningFit | None = RunningFit(model, [n for n, _ in self._units]) if could_fit else None
         # where NaN/inf entered this step's training forwards, for every selection: names it when the slopes diverge
         self._inputs = NonfiniteInputs(model, self._units)
+        self._names = {id(p): name for name, p in model.named_parameters()}  # to name non-finite weights
         # the trackers' hooks go with this Sparsifier (the model outlives it)
         weakref.finalize(self, _close_trackers, self._inputs, self._fit)
         self.select, self.linear_end = self._choose()
@@ -550,6 +551,63 @@ class Sparsifier:
             if ref is not None and ref() is self:
                 del _ATTACHED[self.optimizer]
 
+    def _weights_of_optimizer(self) -> list[torch.Tensor]:
+        """The parameters the optimizer steps but the slopes (none when no optimizer is known, or on a sharded
+        model, whose shards each process checks alone)."""
+        if self.optimizer is None or self._sharded:
+            return []
+        slopes = {id(s) for s in self.slopes()}
+        return [p for group in self.optimizer.param_groups for p in group["params"] if id(p) not in slopes]
+
+    def _nonfinite_weights(self) -> str | None:
+        """The optimizer's parameters holding NaN/inf now, named, or ``None`` (one device sync per parameter)."""
+        bad = [p for p in self._weights_of_optimizer() if not bool(torch.isfinite(p.detach()).all())]
+        if not bad:
+            return None
+        named = [f"{self._names.get(id(p), f'a {tuple(p.shape)} parameter')!r} ({int(torch.isnan(p.detach()).sum())} "
+                 f"NaN, {int(torch.isinf(p.detach()).sum())} inf of {p.numel()})" for p in bad[:5]]
+        return f"{', '.join(named)}{f' and {len(bad) - 5} more' if len(bad) > 5 else ''}"
+
+    def _written(self) -> str | None:
+        """Why the slopes are not finite, for :func:`check_finite_slopes`: where NaN/inf entered this step's
+        forward (:meth:`NonfiniteInputs.cause`), else the weights this optimizer step wrote NaN/inf into."""
+        cause = self._inputs.cause()
+        if cause is not None:
+            return cause
+        weights = self._nonfinite_weights()
+        return None if weights is None else (
+            f"The optimizer step just taken also wrote NaN/inf into the weights {weights}: a NaN/inf loss or "
+            "gradient, or a too-high learning rate. Restore a checkpoint and lower the learning rate or lam.")
+
+    @torch.no_grad()
+    def _check_finite_weights(self) -> None:
+        """Raise :class:`~linearize.NonFiniteSlopeError` (the divergence error) naming the parameters the optimizer
+        step just taken wrote NaN/inf into while the slopes stayed finite, at that step (the next forward would
+        turn every slope NaN, one step later). Not a scan of every weight at every step: the float16 / bfloat16
+        parameters (whose updates overflow at ordinary values, e.g. Adam's eps underflows) are checked at every
+        step, all of them only after a step that moved a slope out of [-1, 2] (an update of more than one slope
+        unit: a huge learning rate or gradient, which overflows float32 weights only at far larger values). A
+        parameter's sum is not finite when it holds NaN/inf; one whose sum overflowed is checked element-wise."""
+        params = self._weights_of_optimizer()
+        if not params:
+            return
+        slopes = torch.cat([u.slope.detach().float().flatten() for _, u in self._units])
+        wild = bool(((slopes < -1) | (slopes > 2)).any())  # this step's update, before the projection
+        sums: dict[torch.device, list[torch.Tensor]] = {}
+        for p in params:
+            if p.is_floating_point() and (wild or p.dtype in (torch.float16, torch.bfloat16)):
+                sums.setdefault(p.device, []).append(p.detach().sum(dtype=torch.float32))
+        if all(bool(torch.isfinite(torch.stack(s)).all()) for s in sums.values()):
+            return
+        weights = self._nonfinite_weights()
+        if weights is not None:
+            raise NonFiniteSlopeError(
+                f"Sparsifier.step (step {self.step_count}): the optimizer step just taken wrote NaN/inf into the "
+                f"weights {weights}, the slopes still finite: the next forward would make them NaN. Float16 "
+                "parameters under Adam (whose eps underflows: keep them float32 under autocast), an update that "
+                "overflowed (a too-high learning rate, a huge gradient). Restore a checkpoint and lower the "
+                "learning rate.")
+
     def _optimizer_skipped(self) -> bool:
         """Whether the optimizer step this :meth:`step` follows was not taken, as a loss scaler skips a step whose
         gradients hold NaN/inf: the slopes did not change since the last step and a gradient of the optimizer's
@@ -633,7 +691,11 @@ class Sparsifier:
         """Apply the schedule once: proximal step, target projection, log. Call after optimizer.step().
 
         Raises :class:`~linearize.unit.NonFiniteSlopeError` naming the units when a slope is NaN or
-        inf (the training diverged): nothing is projected or logged then (one device sync per step).
+        inf (the training diverged): nothing is projected or logged then (one device sync per step); and naming
+        the parameters, at this step, when the optimizer step it follows wrote NaN/inf into weights while the
+        slopes stayed finite (float16 / bfloat16 weights after every step, all weights after a step that moved a
+        slope out of [-1, 2]). A step after an optimizer step that was not taken (a loss scaler skipped it)
+        does nothing.
         Raises ``RuntimeError`` when called by hand on an attached Sparsifier (its hook steps it already).
         """
         if self._hook is not None and not self._hook_stepping:
@@ -642,7 +704,8 @@ class Sparsifier:
                 "hook already steps it after every optimizer.step(): both would step it twice per optimizer step "
                 "(the schedule at double speed). Fix: remove the sparsifier.step() call, or call "
                 "sparsifier.detach() to step it by hand")
-        check_finite_slopes(self._units, f"Sparsifier.step (step {self.step_count})", self._inputs.cause)
+        check_finite_slopes(self._units, f"Sparsifier.step (step {self.step_count})", self._written)
+        self._check_finite_weights()
         self._inputs.clear()
         watch.stepped(self)
         if self._optimizer_skipped():  # not counted: the run follows the optimizer steps taken
