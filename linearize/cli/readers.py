@@ -12,9 +12,10 @@ import gzip
 import io
 import json
 import os
+import re
 import stat
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, BinaryIO, Iterator, Mapping
 
 import numpy as np
 import torch
@@ -250,27 +251,65 @@ def _read_texts(path: Path, n: int, text_field: str | None) -> list[str]:
 
     f, _ = open_regular(path, check)
     with f:
-        lines = gzip.GzipFile(fileobj=f) if path.name.lower().endswith(".gz") else f
+        stream = gzip.GzipFile(fileobj=f) if path.name.lower().endswith(".gz") else f
         texts: list[str] = []
-        budget, number = MAX_TEXT_BYTES, 0
-        while len(texts) < n:
-            line = lines.readline(budget + 1)
-            budget -= len(line)
-            if not line:
-                return texts
-            # old-Mac line ends (a CR alone) end records too: a JSON text holds no raw CR
-            records = line.replace(b"\r\n", b"\n").split(b"\r")
-            if records[-1] == b"" or budget < 0:  # after a final CR; or cut by the budget
-                records.pop()
-            for record in records:
-                number += 1
-                if record.strip() and len(texts) < n:
-                    texts.append(_record_text(record, text_field, f"{path}, line {number}"))
-            if budget < 0 and len(texts) < n:
-                raise ValueError(f"{path}: more than {MAX_TEXT_BYTES:,} bytes read before its first {n} records "
-                                 "were found (a line without end, or a compressed file that expands without end): "
-                                 "refusing to read on; give a JSONL file of one short record per line")
+        try:
+            for number, record in _records(stream, MAX_TEXT_BYTES):
+                texts.append(_record_text(record, text_field, f"{path}, line {number}"))
+                if len(texts) == n:
+                    break
+        except OverflowError:
+            raise ValueError(f"{path}: more than {MAX_TEXT_BYTES:,} bytes read before its first {n} records "
+                             "were found (a line without end, or a compressed file that expands without end): "
+                             "refusing to read on; give a JSONL file of one short record per line") from None
     return texts
+
+
+_TEXT_BLOCK = 2**20  # the bytes _records reads at a time
+_LINE_ENDS = (b"\n", b"\r")  # a CR alone (old-Mac line ends) ends a record too: a JSON text holds no raw CR
+_BLANKS = re.compile(rb"[ \t\n\r\x0b\x0c]*")  # what bytes.strip() and isspace() take for blank
+
+
+def _records(stream: BinaryIO, limit: int) -> Iterator[tuple[int, bytearray]]:
+    """The line number and bytes of each record of ``stream`` that is not blank, read in blocks of
+    ``_TEXT_BLOCK`` bytes; ``OverflowError`` once more than ``limit`` bytes are read. A line ends at LF, CR or
+    CR LF. Blank lines are skipped in bulk (searched and counted by bytes methods, without a Python turn each),
+    and memory stays within about ``limit``: only an unfinished record is kept between blocks."""
+    def line_ends(start: int, stop: int) -> int:
+        lf = buf.count(b"\n", start, stop)
+        if buf.find(b"\r", start, stop) < 0:  # (counting CR LF pairs takes the longest)
+            return lf
+        return lf + buf.count(b"\r", start, stop) - (buf.count(b"\r\n", start, stop) if lf else 0)
+
+    buf, number, read = bytearray(), 0, 0  # buf starts at a record's start (or at a CR whose LF may follow)
+    while True:
+        block = stream.read(min(_TEXT_BLOCK, limit + 1 - read))
+        read += len(block)
+        over = read > limit
+        if over:
+            block = block[:-1]  # what a record may hold is read; one more byte shows there is more
+        buf += block
+        if block or over:  # records up to the last line end are complete (the new block holds it, or buf[0])
+            end = max(buf.rfind(e, max(0, len(buf) - len(block) - 1)) for e in _LINE_ENDS) + 1
+            if end == len(buf) and buf.endswith(b"\r") and not over:
+                end -= 1  # an LF in the next block ends the same line
+        else:  # the end of the file ends the last record
+            end = len(buf)
+        pos = 0
+        first = end if not end or buf.isspace() else _BLANKS.match(buf, 0, end).end()  # blank lines at once
+        while first < end:  # the first byte of a record that is not blank
+            start = max(buf.rfind(e, pos, first) for e in _LINE_ENDS) + 1
+            stop = min((i for i in (buf.find(e, first, end) for e in _LINE_ENDS) if i >= 0), default=end)
+            number += line_ends(pos, start)
+            yield number + 1, buf[start:stop]
+            pos = stop
+            first = _BLANKS.match(buf, pos, end).end()
+        number += line_ends(pos, end)
+        del buf[:end]
+        if over:
+            raise OverflowError(f"more than {limit} bytes")
+        if not block:
+            return
 
 
 def _record_text(line: bytes, text_field: str | None, where: str) -> str:
