@@ -377,6 +377,10 @@ def _base_of(model: nn.Module, builder: str | None, builder_kwargs: dict | None,
         family, _, name = builder.partition(":")
         if family not in ("torchvision", "timm") or not name:
             raise ValueError(f"builder must be 'torchvision:NAME', 'timm:NAME' or 'plain', got {builder!r}")
+        if not _MODEL_NAME.fullmatch(name):
+            raise ValueError(f"builder {builder!r}: NAME must be a plain {family} model name (letters, digits, '_', "
+                             "'.', '-'), not a source such as 'hf-hub:ORG/NAME' or 'local-dir:PATH', which would make "
+                             "load_folded fetch or read files; it builds the bare model and loads the saved weights")
         reserved = [k for k in _RESERVED_KWARGS[family] if k in (builder_kwargs or {})]
         if reserved:
             raise ValueError(f"builder_kwargs {reserved} would make load_folded fetch or read weights or other files; "
@@ -758,6 +762,41 @@ def _rebuild(meta: dict[str, Any], base: nn.Module | None, path: Path,
 # pretrained=False) and loads the saved weights, so a folded.json holding one is refused before anything is opened
 _RESERVED_KWARGS = {"torchvision": ("weights", "weights_backbone", "progress"),
                     "timm": ("pretrained", "checkpoint_path", "pretrained_cfg", "pretrained_cfg_overlay", "cache_dir")}
+# a torchvision or timm model name a save records (and a timm architecture or backbone in a transformers config): a
+# registered name, never a source prefix ('hf-hub:ORG/NAME', 'local-dir:PATH') or a path, with which timm fetches
+# from the Hugging Face Hub or reads any folder of the machine
+_MODEL_NAME = re.compile(r"[\w.-]+", re.ASCII)
+
+
+def _config_fetch(config: dict[str, Any]) -> tuple[str, str] | None:
+    """The field of a transformers base ``config`` (nested configs included) that would make building the model
+    fetch or read files, and why; None when none does. A timm ``architecture`` (``TimmWrapperModel``) or
+    ``backbone`` (``TimmBackbone``) must be a plain model name, ``model_args`` (kwargs to ``timm.create_model``)
+    hold no reserved kwarg, and a ``backbone`` outside a timm backbone's config (transformers looks it up on the
+    Hub or in a folder; a save records a ``backbone_config`` instead) is refused."""
+    stack: list[tuple[str, Any]] = [("base.config", config)]
+    while stack:
+        field, value = stack.pop()
+        if isinstance(value, list):
+            stack.extend((f"{field}[{i}]", v) for i, v in enumerate(value))
+            continue
+        if not isinstance(value, dict):
+            continue
+        for key in ("architecture", "backbone"):
+            name = value.get(key)
+            if key == "backbone" and name is not None and value.get("model_type") != "timm_backbone":
+                return f"{field}.backbone", ("names a backbone, which would make transformers fetch or read its "
+                                             "config (a Hub repository or a folder; a save records a backbone_config "
+                                             "instead)")
+            if name is not None and not (isinstance(name, str) and _MODEL_NAME.fullmatch(name)):
+                return f"{field}.{key}", (f"{name!r:.80} is not a plain timm model name (a source such as 'hf-hub:' "
+                                          "or 'local-dir:', or a path, would make timm fetch or read files)")
+        model_args = value.get("model_args")
+        reserved = [k for k in _RESERVED_KWARGS["timm"] if k in model_args] if isinstance(model_args, dict) else []
+        if reserved:
+            return f"{field}.model_args", f"holds {reserved}, which would make timm fetch or read weights or other files"
+        stack.extend((f"{field}.{k}", v) for k, v in value.items())
+    return None
 
 
 def _check_description(meta: dict[str, Any], path: Path) -> None:
@@ -796,13 +835,20 @@ def _check_description(meta: dict[str, Any], path: Path) -> None:
             kwargs = base.get("kwargs", {})
             if not isinstance(base.get("name"), str) or not isinstance(kwargs, dict):
                 raise bad("base", f"of kind {kind} must hold a builder name and kwargs (an object)")
+            if not _MODEL_NAME.fullmatch(base["name"]):
+                raise bad("base.name", f"{base['name']!r:.80} is not a plain {kind} model name (letters, digits, "
+                          "'_', '.', '-'; a timm source such as 'hf-hub:' or 'local-dir:', or a path, would make the "
+                          "builder fetch or read files)")
             reserved = [k for k in _RESERVED_KWARGS[kind] if k in kwargs]
             if reserved:
                 raise bad("base.kwargs", f"holds {reserved}, which would make {kind} fetch or read weights or "
                           "other files (load_folded builds the bare model and loads the saved weights)")
-        elif kind == "transformers" and not (isinstance(base.get("class"), str)
-                                             and isinstance(base.get("config"), dict)):
-            raise bad("base", "of kind transformers must hold a class name and a config (an object)")
+        elif kind == "transformers":
+            if not (isinstance(base.get("class"), str) and isinstance(base.get("config"), dict)):
+                raise bad("base", "of kind transformers must hold a class name and a config (an object)")
+            fetch = _config_fetch(base["config"])
+            if fetch is not None:
+                raise bad(*fetch)
     if not isinstance(meta.get("probe", {}), (dict, type(None))):
         raise bad("probe", "must be an object")
 

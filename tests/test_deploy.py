@@ -4,6 +4,7 @@ torch.export and ONNX (ONNX Runtime within 1e-4 of torch)."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -263,6 +264,74 @@ def test_base_kwargs_that_read_files_or_weights_are_refused_before_anything_is_o
     assert loads == []
     with pytest.raises(ValueError, match=rf"builder_kwargs \['{key}'\] would make load_folded fetch or read"):
         linearize.save_folded(seq, tmp_path / "other", builder=f"{kind}:resnet18", builder_kwargs={key: filled})
+
+
+_TIMM_WRAPPER = {"model_type": "timm_wrapper", "num_classes": 3}
+
+
+@pytest.mark.parametrize("base, field", [
+    ({"kind": "timm", "name": "local-dir:{dir}", "kwargs": {}}, "base.name"),
+    ({"kind": "timm", "name": "hf-hub:timm/resnet18.a1_in1k", "kwargs": {}}, "base.name"),
+    ({"kind": "timm", "name": "hf_hub:timm/resnet18.a1_in1k", "kwargs": {}}, "base.name"),
+    ({"kind": "torchvision", "name": "{dir}", "kwargs": {}}, "base.name"),
+    ({"kind": "transformers", "class": "TimmWrapperModel", "config": {**_TIMM_WRAPPER, "architecture": "local-dir:{dir}"}},
+     "base.config.architecture"),
+    ({"kind": "transformers", "class": "TimmWrapperModel",
+      "config": {**_TIMM_WRAPPER, "architecture": "hf-hub:timm/resnet18.a1_in1k"}}, "base.config.architecture"),
+    ({"kind": "transformers", "class": "TimmWrapperModel",
+      "config": {**_TIMM_WRAPPER, "architecture": "resnet18", "model_args": {"pretrained_cfg_overlay":
+                                                                           {"file": "{dir}/config.json"}}}},
+     "base.config.model_args"),
+    ({"kind": "transformers", "class": "DetrModel",
+      "config": {"backbone_config": {"model_type": "timm_backbone", "backbone": "local-dir:{dir}"}}},
+     "base.config.backbone_config.backbone"),
+    ({"kind": "transformers", "class": "RfDetrModel", "config": {"backbone": "{dir}"}},
+     "base.config.backbone"),
+])
+def test_base_names_that_fetch_or_read_files_are_refused_before_anything_is_opened(tmp_path, monkeypatch, base,
+                                                                                    field):
+    """A crafted folded.json whose base name (or a transformers config's timm architecture, backbone or
+    model_args) is a timm source, 'local-dir:PATH' or 'hf-hub:ORG/NAME', or a path: timm read that folder's
+    config.json (any folder of the machine) or looked the name up on the Hugging Face Hub (offline:
+    LocalEntryNotFoundError, naming neither folded.json nor the fix). Now it is a LoadError naming folded.json and
+    the field: no file outside the save is opened, nothing connects; save_folded refuses such a builder name."""
+    import builtins
+    import io
+    import os
+    import socket
+
+    pytest.importorskip("timm")
+    if base["kind"] == "transformers":
+        pytest.importorskip("transformers")
+    elsewhere = tmp_path / "elsewhere"  # a timm model folder outside the save
+    elsewhere.mkdir()
+    (elsewhere / "config.json").write_text(json.dumps({"architecture": "resnet18", "num_classes": 5}))
+    x = torch.randn(2, 3, 8, 8, generator=torch.Generator().manual_seed(0))
+    seq = _half_linear(nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 6 * 6, 5)), x)
+    save = tmp_path / "save"
+    linearize.save_folded(seq, save, example_inputs=x)
+    meta = json.loads((save / "folded.json").read_text())
+    meta["base"] = json.loads(json.dumps(base).replace("{dir}", str(elsewhere)))
+    (save / "folded.json").write_text(json.dumps(meta))
+    seen: list[str] = []
+
+    def recorded(real):
+        def call(file, *args, **kwargs):
+            if isinstance(file, (str, os.PathLike)):
+                seen.append(os.fspath(file))
+            return real(file, *args, **kwargs)
+        return call
+
+    for module, name in ((builtins, "open"), (io, "open"), (os, "open"), (os, "stat"), (os, "listdir")):
+        monkeypatch.setattr(module, name, recorded(getattr(module, name)))
+    monkeypatch.setattr(socket.socket, "connect", lambda *a: pytest.fail(f"a connection to {a[1:]}"))
+    with pytest.raises(LoadError, match=rf"folded\.json: {re.escape(field)} .*fetch or read"):
+        linearize.load_folded(save)
+    assert [p for p in seen if str(elsewhere) in p] == []
+    if base["kind"] != "transformers":
+        builder = f"{base['kind']}:{meta['base']['name']}"
+        with pytest.raises(ValueError, match=rf"builder '{re.escape(builder)}': NAME must be a plain"):
+            linearize.save_folded(seq, tmp_path / "other", builder=builder)
 
 
 @pytest.mark.parametrize("kind", ["torchvision", "transformers"])
