@@ -205,7 +205,7 @@ def settle_placed_modules(model: nn.Module) -> None:
       plain one: ``nn.TransformerEncoderLayer`` in eval mode under ``no_grad`` runs relu/gelu inside one
       kernel when ``activation_relu_or_gelu`` (set at its init) says so, bypassing a unit or a folded
       ChannelPReLU; an ``nn.TransformerEncoder`` over such layers stops making nested tensors, which
-      units do not take.
+      units do not take, and gets a hook that zeroes the padded positions as its nested tensors did.
     - A module placed at a name its owner's ``__setstate__`` fills in when the name is missing from the
       state (``nn.TransformerDecoderLayer`` puts ``F.relu`` at ``activation``) is kept in the instance
       dict too: ``copy.deepcopy`` or unpickling would otherwise shadow the module with that default, a
@@ -217,13 +217,51 @@ def settle_placed_modules(model: nn.Module) -> None:
         if getattr(m, "activation_relu_or_gelu", 0) and not (act in (F.relu, F.gelu) or type(act) in (nn.ReLU, nn.GELU)):
             m.activation_relu_or_gelu = 0  # torch's fast-path check then names "activation_relu_or_gelu"
     for m in model.modules():
-        if isinstance(m, nn.TransformerEncoder) and any(
+        if not isinstance(m, nn.TransformerEncoder):
+            continue
+        if getattr(m, "use_nested_tensor", False) and any(
             not getattr(layer, "activation_relu_or_gelu", 1) for layer in m.layers
         ):
             m.use_nested_tensor = False
+            m.padded_like_nested = True  # a plain attribute: save_folded records it, load_folded hooks again
+        if m.__dict__.get("padded_like_nested") and _padded_like_nested not in m._forward_hooks.values():
+            m.register_forward_hook(_padded_like_nested, with_kwargs=True)
     for m in model.modules():
         for name in _shadowed_on_copy(m):
             m.__dict__[name] = m._modules[name]
+
+
+def _padded_like_nested(encoder: nn.TransformerEncoder, args: tuple, kwargs: dict, output: torch.Tensor) -> torch.Tensor | None:
+    """Forward hook of an ``nn.TransformerEncoder`` whose nested tensors :func:`settle_placed_modules` switched
+    off: where its own forward would have made one (the conditions of ``nn.TransformerEncoder.forward``: eval,
+    a batched input, a left-aligned ``src_key_padding_mask`` and no ``mask``, no autocast, no grad to track,
+    a supported device), the layers' output is zero at the padded positions before ``norm``, as the original's
+    ``to_padded_tensor(0.0)`` makes it. With a ``norm``, those positions get the norm of a zero row (exact for
+    row-wise norms such as ``LayerNorm``)."""
+    given = dict(zip(("src", "mask", "src_key_padding_mask"), args), **kwargs)
+    src, pad = given["src"], given.get("src_key_padding_mask")
+    if pad is None or given.get("mask") is not None or not isinstance(output, torch.Tensor):
+        return None
+    first = encoder.layers[0]
+    pad = F._canonical_mask(mask=pad, mask_name="src_key_padding_mask", other_type=None, other_name="",
+                            target_type=src.dtype, check_other=False)
+    pad = pad != 0 if pad.is_floating_point() else pad  # _canonical_mask makes a float mask, -inf where padded
+    tensors = (src, first.self_attn.in_proj_weight, first.self_attn.in_proj_bias, first.self_attn.out_proj.weight,
+               first.self_attn.out_proj.bias, first.norm1.weight, first.norm1.bias, first.norm2.weight,
+               first.norm2.bias, first.linear1.weight, first.linear1.bias, first.linear2.weight, first.linear2.bias)
+    mask_check = getattr(encoder, "mask_check", True)
+    nested = (torch.backends.mha.get_fastpath_enabled() and not first.training and src.dim() == 3
+              and not src.is_nested and not torch.is_autocast_enabled()
+              and not (mask_check and (torch.compiler.is_compiling()
+                                       or not torch._nested_tensor_from_mask_left_aligned(src, pad.logical_not())))
+              and not torch.overrides.has_torch_function(tensors)
+              and src.device.type in ("cpu", "cuda", "xpu", torch.utils.backend_registration._privateuse1_backend_name)
+              and not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)))
+    if not nested:
+        return None
+    if encoder.norm is None:  # batch first: use_nested_tensor needs it
+        return output.masked_fill(pad[..., None], 0.0)
+    return torch.where(pad[..., None], encoder.norm.forward(torch.zeros_like(output)), output)
 
 
 def _shadowed_on_copy(m: nn.Module) -> list[str]:

@@ -473,6 +473,29 @@ def test_encoder_nested_tensors_excluded_layers_and_loaded_folds_keep_the_right_
         torch.testing.assert_close(back(x), encoder(x), rtol=0, atol=1e-5)
 
 
+@pytest.mark.parametrize("norm", [False, True])
+def test_converted_encoder_returns_the_originals_padded_positions(norm, tmp_path):
+    """Under no_grad in eval with a padding mask the original encoder runs nested tensors and returns zeros at
+    the padded positions (before its norm); convert switches nested tensors off, and the converted encoder
+    returned other values there. Truth: the unconverted encoder (valid positions: fused vs unfused kernels)."""
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True)
+    original = nn.TransformerEncoder(layer, 2, norm=nn.LayerNorm(16) if norm else None).eval()
+    encoder = linearize.convert(copy.deepcopy(original), example_inputs=torch.randn(2, 5, 16))
+    x, pad = torch.randn(3, 5, 16), torch.tensor([[False] * 5, [False] * 3 + [True] * 2, [False] + [True] * 4])
+    with torch.no_grad():
+        ref = original(x, src_key_padding_mask=pad)
+        assert ref[pad].abs().max() == 0 or norm  # the original's nested tensors
+        folded = linearize.fold(encoder, x, latency=False)
+        linearize.save_folded(folded, tmp_path, example_inputs=x)
+        for model in (encoder, copy.deepcopy(encoder), folded, linearize.load_folded(tmp_path)):
+            for out in (model(x, src_key_padding_mask=pad), model(x, None, pad)):
+                assert torch.equal(out[pad], ref[pad])
+                torch.testing.assert_close(out[~pad], ref[~pad], rtol=0, atol=1e-5)
+    grad_ref, grad_out = original(x, src_key_padding_mask=pad), encoder(x, src_key_padding_mask=pad)
+    assert torch.equal(grad_out, grad_ref) and grad_ref[pad].abs().max() > 0  # no nested tensors: all computed
+
+
 def test_a_converted_decoder_layer_keeps_its_unit_through_deepcopy():
     """nn.TransformerDecoderLayer.__setstate__ puts F.relu at 'activation' when the state lacks that key (the
     unit lives in _modules): every deepcopy (fold's, the user's) silently computed relu again, and fold refused
