@@ -396,6 +396,7 @@ class ActivationCall:
     called: list[nn.Module] = field(default_factory=list)  # the modules its caller's own code called in that call
     check: str | None = None  # a loop's call: the name (in its owner) of the module that must run before it
     integer: bool = False  # a module call on an integer or bool tensor: no slope to learn, no site
+    transformed: bool = False  # made under a torch.func transform (torch.vmap in the forward), where no unit runs
 
 
 def _first_width(layer: nn.Module, attrs: tuple[str, ...]) -> int | None:
@@ -503,7 +504,7 @@ class _Probe:
         elif why := unreachable_call():  # a unit there could never train
             where, owner = f"{where} ({why})", None
         kind = FUNCTIONAL_SPECS[func][0]
-        call = ActivationCall(None, tuple(getattr(out, "shape", ())), -1, kind, where=where)
+        call = ActivationCall(None, tuple(getattr(out, "shape", ())), -1, kind, where=where, transformed=_transformed())
         if func in FUNCTIONAL_SPECS and owner is not None and isinstance(out, torch.Tensor):
             call.owner, call.invocation = owner, self.invocations[id(owner)]  # a call the owner's mode will see
             call.position, call.after = code_position(), self.last_called.get(id(owner), (None, 0))
@@ -598,7 +599,7 @@ class _Probe:
                                       unreachable=unreachable_call(skip=1), hook=hook, position=code_position(skip=1),
                                       after=self.last_called.get(id(caller), (None, 0)),
                                       called=self.called.get(id(caller), []),
-                                      integer=not (x.is_floating_point() or x.is_complex()))
+                                      integer=not (x.is_floating_point() or x.is_complex()), transformed=_transformed())
                 self.calls[id(module)].append(call)
                 self.pending[id(module)] = call
                 if not sure:
@@ -1082,6 +1083,8 @@ def plan_conversion(
     report.hooks = {where: n for where, n in probe.hooks.items() if not _matches(where.split(":")[0], excludes)}
 
     plan = []
+    transformed = [f"{p.units[k].name} (functional call {call.where})" for p in owner_plans
+                   for k, call in enumerate(p.calls) if k in p.units and call.transformed]
     owned_calls: Counter[int] = Counter()
     registered: dict[int, set[int]] = defaultdict(set)  # activation -> the modules registering it
     for _, owner, _, act in regs:
@@ -1135,6 +1138,8 @@ def plan_conversion(
                 report.gates[unit_name] = call.gate
                 continue
             call.gate = None  # converted: convert() builds a unit for every call without a gate
+            if call.transformed:
+                transformed.append(f"{unit_name} ({type(act).__name__} called by {type(caller).__name__})")
             report.sites.append(
                 SiteInfo(unit_name, activation_kind(act) or "", _width_of_call(unit_name, call),
                          call.channel_dim, list(call.shape))
@@ -1146,4 +1151,16 @@ def plan_conversion(
             report.unreachable.setdefault(name, _hookless_call(owner, probe) or (
                 "called by a module that does not own it (a parent looping over a ModuleList, another module); fix: "
                 "give each caller its own activation module"))
+    if transformed:
+        names = [t.split(" ", 1)[0] for t in transformed]
+        raise ValueError(
+            f"linearize: {', '.join(transformed)}: called under a torch.func transform (torch.vmap, grad, "
+            "jacrev, functional_call of stacked ensembles ...) inside the model's own forward, where a unit cannot "
+            "run (its custom backward cannot be transformed), so the converted model could not run. Fix: "
+            f"convert with exclude_modules={names!r}, which leaves those calls as they are")
     return report, plan, owner_plans
+
+
+def _transformed() -> bool:
+    """Whether a torch.func transform (``torch.vmap``, ``grad``, ...) is running the current call."""
+    return torch._C._functorch.peek_interpreter_stack() is not None

@@ -655,6 +655,38 @@ def test_torch_func_transforms_are_refused_with_the_fix(cls):
             transform()
 
 
+class _VmapInside(nn.Module):
+    """torch.vmap inside its own forward: a functional relu and an activation module under it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.act, self.inner = nn.Linear(6, 6), nn.GELU(), nn.ReLU()
+        self.w = nn.Parameter(torch.randn(6, 6))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.act(self.fc(x))
+        return torch.vmap(lambda r: self.inner(F.relu(self.w @ r)))(h)
+
+
+def test_activations_under_torch_vmap_in_the_forward_are_refused_at_convert_naming_them():
+    """Converted, every forward (and fold) raised an error naming neither the call nor a fix that works. Truth:
+    the unconverted model, which the convert refused leaves as given, and which the suggested exclusion keeps."""
+    torch.manual_seed(0)
+    model, x = _VmapInside(), torch.randn(4, 6)
+    want = model(x)
+    with pytest.raises(ValueError, match=r"linearize_functional.relu_0 \(functional call _VmapInside: relu\), inner "
+                                         r"\(ReLU called by _VmapInside\): called under a torch.func transform.*Fix: "
+                                         r"convert with exclude_modules=\['linearize_functional.relu_0', 'inner'\]"):
+        linearize.convert(model, example_inputs=x)
+    assert torch.equal(model(x), want)
+    linearize.convert(model, example_inputs=x, exclude_modules=["linearize_functional.relu_0", "inner"])
+    assert [n for n, _ in linearize.units(model)] == ["act"]
+    assert torch.equal(model(x), want)
+    with torch.no_grad():
+        linearize.units(model)[0][1].slope.fill_(1.0)
+        torch.testing.assert_close(model(x), torch.vmap(lambda r: F.relu(model.w @ r).relu())(model.fc(x)))
+
+
 @pytest.mark.parametrize("act", [nn.ReLU(), nn.GELU()])
 @pytest.mark.parametrize("over", ["act.slope", "l.weight"])
 def test_torch_func_over_the_parameters_is_refused_with_the_fix(act, over):
