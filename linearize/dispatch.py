@@ -300,10 +300,10 @@ class _Caller:
 def _code_info(frame: FrameType) -> tuple[bool, bool, Any]:
     """What :func:`_calling_module_frame` needs of the code ``frame`` runs (cached per code): whether it is a custom
     autograd.Function's forward, whether it is ``torch.utils.checkpoint``'s, and ``_OWN`` (linearize's), ``_TORCH``
-    (torch's) or the source span of each of its instructions (the model's code: see :func:`code_position`)."""
+    (torch's, or a method of a ``torch.fx.Tracer`` subclass) or the source span of each of its instructions (the model's code: see :func:`code_position`)."""
     code = frame.f_code
     spans = _OWN if code.co_filename.startswith(_OWN_DIR) else _TORCH if code.co_filename.startswith(_TORCH_DIR) \
-        else tuple(code.co_positions())
+        or isinstance(frame.f_locals.get("self"), torch.fx.Tracer) else tuple(code.co_positions())
     return _function_forward(frame), code.co_filename == _CHECKPOINT_FILE, spans
 
 
@@ -340,7 +340,8 @@ def code_position(skip: int = 0) -> tuple[tuple[CodeType, tuple], ...]:
     call) the call this function's caller handles is made: the code and the source span of the call expression
     (the instruction offset is not: Python 3.11 reports a call at its PRECALL or its CALL) of every frame between
     (its forward and the helpers it calls), innermost first, less torch's frames (``F.relu``'s, a module call's, a
-    tracer's, which differ with the way the model is run) and linearize's own frames and those they call (the
+    tracer's, also a ``torch.fx.Tracer`` subclass's methods as torchvision's feature extractor's, which differ with
+    the way the model is run) and linearize's own frames and those they call (the
     probe's recorder, the dispatch), so that the probe and the dispatch see one call at one position. Calls with
     one position in one forward are the iterations of a loop; empty for a module of torch's own (its forward is
     torch's code)."""

@@ -7,12 +7,14 @@ network with every activation replaced by the identity (slope 1), and the plain 
 
 from __future__ import annotations
 
+import copy
 import threading
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
+import torchvision
 from test_call_sites import Functional, Reused, by_hand, converted, random_slopes, failing
 from test_functional_units import W, AllCalls, calls
 from torch import nn
@@ -85,6 +87,32 @@ def test_fx_trace_of_module_units_runs_the_units():
     h = model[2](torch.where(model[0](x) >= 0, model[0](x), a1 * model[0](x)))
     with torch.no_grad():
         assert torch.allclose(torch.fx.symbolic_trace(model)(x), (1 - a2) * F.gelu(h) + a2 * h, atol=1e-6)
+
+
+class _CallModuleTracer(torch.fx.Tracer):
+    """A tracer defined outside torch, as fx-based tools write them (torchvision's NodePathTracer)."""
+
+    def call_module(self, m: nn.Module, forward, args: tuple, kwargs: dict):
+        return super().call_module(m, forward, args, kwargs)
+
+
+def test_fx_tracer_subclasses_and_torchvision_feature_extractors_trace_converted_models():
+    """A Tracer subclass's own frames moved the probe's call positions: its trace was refused as control flow, and
+    create_feature_extractor left the model in training mode. Truth: the unconverted model, traced the same way."""
+    from torchvision.models.feature_extraction import create_feature_extractor
+
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 32, 32)
+    original = torchvision.models.resnet18(num_classes=10).eval()
+    model = linearize.convert(copy.deepcopy(original), example_inputs=x)
+    with torch.no_grad():
+        want = create_feature_extractor(original, {"layer2": "feat"})(x)["feat"]
+        assert torch.equal(create_feature_extractor(model, {"layer2": "feat"})(x)["feat"], want)
+        assert not model.training
+        for cls in (Functional, Reused):
+            small, y, by_hand_output = converted(cls)  # random slopes, its output written out by hand
+            traced = torch.fx.GraphModule(nn.Sequential(small), _CallModuleTracer().trace(nn.Sequential(small)))
+            assert torch.allclose(traced(y), by_hand_output, atol=1e-6)
 
 
 @pytest.mark.parametrize("cls", [Functional, Reused])
