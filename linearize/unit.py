@@ -127,6 +127,19 @@ class _PReLU(torch.autograd.Function):
         return torch.zeros_like(x) if out is None else out
 
 
+def _without_jvp(cls: type[torch.autograd.Function]) -> type[torch.autograd.Function]:
+    """``cls`` without its ``jvp``: the Function a unit applies under ``torch.compile`` when no forward-mode AD
+    runs, as TorchDynamo cannot trace a Function that defines one (a graph break at every unit, an error under
+    ``fullgraph=True``); with forward-mode AD on, ``cls`` itself runs (eagerly, past a graph break)."""
+    return type(f"{cls.__name__}Compiled", (cls,), {"jvp": staticmethod(torch.autograd.Function.jvp),
+                                                   "__module__": cls.__module__})
+
+
+def _compiled(cls: type[torch.autograd.Function], compiled: type[torch.autograd.Function]) -> type[torch.autograd.Function]:
+    """``compiled`` (``cls`` without its ``jvp``) inside ``torch.compile`` when no forward-mode AD runs, else ``cls``."""
+    return compiled if torch.compiler.is_compiling() and fwAD._current_level < 0 else cls
+
+
 def _prelu_grad(g: torch.Tensor, x: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
     """``g`` where ``x > 0`` (and NaN, as ReLU's ``threshold_backward``), else ``a * g``, 0 where ``a = 0``:
     ReLU's and LeakyReLU's gradients bit for bit, also for ``g = +-inf`` or NaN (``0 * inf`` is NaN) and -0."""
@@ -180,7 +193,7 @@ def _prelu(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
             return torch.where(_channels(weight == 0, x.ndim), F.relu(x), F.prelu(x, weight.to(x.dtype)))
     _refuse_functorch()
     if x.device.type != "cpu":
-        return _PReLU.apply(x, weight)
+        return _compiled(_PReLU, _PReLUCompiled).apply(x, weight)
     if x.ndim == 4 and x.numel() and not x.is_contiguous() and x.is_contiguous(memory_format=torch.channels_last):
         # channels_last: the same memory as a contiguous [N*H*W, C], channels innermost; the result keeps the layout
         n, c, h, w = x.shape
@@ -190,7 +203,7 @@ def _prelu(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         kernel = cpu_prelu()
         if kernel is not None:
             return kernel(x, weight)
-    return _PReLU.apply(x, weight)
+    return _compiled(_PReLU, _PReLUCompiled).apply(x, weight)
 
 
 def _exact_ends(y: torch.Tensor, ends: torch.Tensor, exact: Callable[..., torch.Tensor], *args: object) -> torch.Tensor:
@@ -306,6 +319,9 @@ class _Blend(torch.autograd.Function):
         return out
 
 
+_PReLUCompiled, _BlendCompiled = _without_jvp(_PReLU), _without_jvp(_Blend)
+
+
 def _finite_part(slope_term: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """``slope_term`` with 0 where ``x`` is infinite: an infinite (overflowed) input carries no slope gradient.
 
@@ -349,12 +365,15 @@ class _AffineEnd(torch.autograd.Function):
         return out
 
 
+_AffineEndCompiled = _without_jvp(_AffineEnd)
+
+
 def _affine_end(x: torch.Tensor, alpha: torch.Tensor, beta: torch.Tensor) -> torch.Tensor:
     """``beta + alpha * x`` with the gradients of :class:`_AffineEnd`; under a torch-function mode or with tensor
     subclasses the plain ``torch.addcmul``, the call that tools intercepting functions know."""
     if foreign_torch_function(x, alpha, beta) or torch.jit.is_tracing():  # traced: a savable op
         return torch.addcmul(beta, alpha, x)
-    return _AffineEnd.apply(x, alpha, beta)
+    return _compiled(_AffineEnd, _AffineEndCompiled).apply(x, alpha, beta)
 
 
 def _blend(act: torch.Tensor, x: torch.Tensor, slope: torch.Tensor, dim: int) -> torch.Tensor:
@@ -384,7 +403,7 @@ def _blend(act: torch.Tensor, x: torch.Tensor, slope: torch.Tensor, dim: int) ->
             if dim == 1 and x.ndim > 1:
                 return kernel(act, x, slope)
             return kernel(act.view(-1, slope.numel()), x.view(-1, slope.numel()), slope).view(x.shape)
-    return _Blend.apply(act, x, weight)
+    return _compiled(_Blend, _BlendCompiled).apply(act, x, weight)
 
 
 def _channel_axis(x: torch.Tensor, channel_dim: int, channels: int, owner: str, ndim: int | None = None) -> int:

@@ -136,6 +136,29 @@ def test_compile_fullgraph_says_why_and_the_fix_and_leaves_nothing_behind(cls):
     assert torch.allclose(torch.compile(model, backend="eager")(x), expected, atol=1e-6)
 
 
+def test_compile_fullgraph_of_module_units_compiles_with_the_blends_values_and_gradients():
+    """Dynamo refused the units' autograd Functions for their jvp ("Unsupported custom jvp"): fullgraph=True failed
+    on a plain converted Sequential. Truth: the blend written out by hand, ``(1 - a) act(h) + a h``, in autograd."""
+    torch.manual_seed(0)
+    model = linearize.convert(nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 2)),
+                              example_inputs=torch.randn(2, 6))
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    x = torch.randn(5, 6, requires_grad=True)
+    for seed in (None, 1):  # slope 0 (the original), then random slopes
+        if seed is not None:
+            random_slopes(model, seed=seed)
+        (_, relu), (_, gelu) = linearize.units(model)
+        h = model[0](x)
+        h = model[2]((1 - relu.slope) * F.relu(h) + relu.slope * h)
+        want = model[4]((1 - gelu.slope) * F.gelu(h) + gelu.slope * h)
+        got = compiled(x)
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+        leaves = [x, relu.slope, gelu.slope, *model.parameters()]
+        for g, w in zip(torch.autograd.grad(got.square().sum(), leaves, allow_unused=True),
+                        torch.autograd.grad(want.square().sum(), leaves, allow_unused=True)):
+            torch.testing.assert_close(g, w, rtol=0, atol=1e-5)
+
+
 @pytest.mark.parametrize("error", [RuntimeError, KeyboardInterrupt])
 @pytest.mark.parametrize("fullgraph", [False, True])
 def test_an_exception_inside_a_compiled_forward_leaves_no_interception_behind(error, fullgraph):
