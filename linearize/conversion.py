@@ -58,13 +58,20 @@ def _resolve_config(config: LinearizeConfig | dict | None, overrides: dict) -> L
 def _check_model(model: object) -> None:
     if not isinstance(model, nn.Module):
         raise TypeError(f"linearize.convert expects a torch.nn.Module, got {type(model).__name__}")
-    if hasattr(model, "linearize_config") or any(
-        isinstance(m, (LinearizableActivation, CallSites, FunctionalSites)) for m in model.modules()
-    ):
+    converted = _converted_submodules(model)
+    if "" in converted:
         raise ValueError(
             "this model is already converted (it has linearize units); convert the original model, "
             "or load saved units with linearize.from_pretrained(fresh_model, directory)"
         )
+    if converted:
+        raise ValueError(
+            f"linearize.convert: submodule(s) {converted} already converted (they hold linearize units), and one "
+            "model cannot hold the units of two conversions (units, count_units, the Sparsifier and saves would mix "
+            f"them; exclude_modules cannot leave them out). Fix: put the original of {converted[0]!r} in its place "
+            "and convert the whole model; or, for a converted teacher or frozen backbone, hold it outside the "
+            f"module tree (self._{converted[0].rpartition('.')[2]} = [converted], a list is no submodule), where "
+            "it runs as it is; the model is left as given")
     from .hf import refuse_stripped
 
     refuse_stripped(model)  # saved converted, loaded plain: its units were dropped
@@ -79,6 +86,18 @@ def _check_model(model: object) -> None:
             f"linearize.convert: {'the model' if not name else repr(name)} is a torch.compile'd module "
             "(OptimizedModule): convert probes and swaps the Python modules and activation calls, which "
             f"TorchDynamo runs as compiled code instead. Fix: {fix}; the model is left as given")
+
+
+def _converted_submodules(model: nn.Module) -> list[str]:
+    """The names of the outermost modules of ``model`` that a conversion made or changed (``""``: ``model``
+    itself): converted models (``linearize_config``), else the units and call-site dispatchers outside them."""
+    found: list[str] = []
+    for name, m in model.named_modules():
+        if any(name.startswith(f + ".") for f in found if f) or "" in found:
+            continue
+        if hasattr(m, "linearize_config") or isinstance(m, (LinearizableActivation, CallSites, FunctionalSites)):
+            found.append(name)
+    return found
 
 
 def _is_compiled(module: nn.Module) -> bool:

@@ -484,7 +484,9 @@ class _Probe:
         self.hooks: Counter[str] = Counter()  # "<module>: fn (forward hook)" -> calls whose result its hook changed
 
     def inside_activation(self) -> bool:
-        return any(id(m) in self.activations for m in self.running.stack)
+        """Whether an activation module of the model, or a unit of an already converted model that the forward
+        calls (a teacher held outside the module tree), is running: calls inside it are its own, not the model's."""
+        return any(id(m) in self.activations or isinstance(m, LinearizableActivation) for m in self.running.stack)
 
     def _where(self, func: Callable) -> tuple[nn.Module | None, str]:
         """The innermost registered module now running and ``"<its name>: <func>"`` for reports."""

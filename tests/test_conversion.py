@@ -5,6 +5,7 @@ import warnings
 
 import pytest
 import torch
+import torch.nn.functional as F
 import torchvision
 import transformers as hf
 from torch import nn
@@ -432,6 +433,63 @@ def test_channel_dim_is_the_feature_axis_by_the_widths_around_the_activation(tok
             assert model(torch.randn(3, tokens + 5, 6)).shape == (3, tokens + 5, 6)  # other lengths run
     with torch.no_grad():
         assert torch.equal(model(x), ref)  # exact at init whatever the axis
+
+
+class _TeacherNet(nn.Module):
+    """A teacher with a module activation and a functional call (units of both kinds once converted)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.act, self.b = nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.silu(self.b(self.act(self.a(x))))
+
+
+class _Student(nn.Module):
+    """A student calling a teacher, registered as a submodule or held in a list (outside the module tree)."""
+
+    def __init__(self, teacher: nn.Module, register: bool) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        if register:
+            self.teacher = teacher
+        else:
+            self._teacher = [teacher]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        teacher = self.teacher if "teacher" in self._modules else self._teacher[0]
+        with torch.no_grad():
+            t = teacher(x)
+        return F.relu(self.fc(x)) + t
+
+
+def test_a_converted_teacher_is_named_when_registered_and_its_units_are_its_own_when_held_outside():
+    """A converted submodule was refused as 'this model is already converted' naming nothing (exclude_modules too);
+    held in a list, its units' own internal calls were listed as the student's unconverted activations, and
+    count_units warned. Truth: the unconverted student and teacher."""
+    torch.manual_seed(0)
+    x = torch.randn(4, 8)
+    original = _Student(_TeacherNet(), register=True)
+    want = original(x)
+    teacher = linearize.convert(copy.deepcopy(original.teacher), example_inputs=x)
+    for kw in ({}, {"exclude_modules": ["teacher"]}):
+        student = _Student(teacher, register=True)
+        student.fc.load_state_dict(original.fc.state_dict())
+        with pytest.raises(ValueError, match=r"submodule\(s\) \['teacher'\] already converted.*Fix: put the "
+                                             r"original of 'teacher' in its place.*self._teacher = \[converted\]"):
+            linearize.convert(student, example_inputs=x, **kw)
+        assert not hasattr(student, "linearize_config") and torch.equal(student(x), want)
+    student = _Student(teacher, register=False)
+    student.fc.load_state_dict(original.fc.state_dict())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing left unconverted to warn about
+        linearize.convert(student, example_inputs=x)
+        assert linearize.count_units(student)["nonlinear"] == 8
+    report = student.linearize_report
+    assert [n for n, _ in linearize.units(student)] == ["linearize_functional.relu_0"]
+    assert not (report.functional_calls or report.unsupported or report.unreachable)
+    assert torch.equal(student(x), want)
 
 
 def test_a_model_whose_only_activation_is_a_gate_is_told_how_to_convert_it():
