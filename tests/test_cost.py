@@ -20,6 +20,7 @@ import linearize
 from linearize import schedules as S
 from linearize.sparsity import planning as cost_planning
 from linearize.folding import count_flops
+from linearize.folding.core import fold_in_place
 from linearize.sparsifier import flops_weights, latency_weights, site_groups
 from linearize.unit import ChannelPReLU
 
@@ -832,3 +833,69 @@ def test_load_state_dict_checks_the_cost_plan():
         for bad in ({"plan": [7], "plan_costs": [1.0, 0.5]}, {"plan": [0], "plan_costs": [1.0]}):
             with pytest.raises(ValueError):
                 build().load_state_dict({**state, **bad})
+
+
+def _small_mobilenet_v2() -> nn.Module:
+    """torchvision's MobileNet-V2 with four inverted residuals (two with a skip): 5 block groups."""
+    from torchvision.models import mobilenet_v2
+    torch.manual_seed(0)
+    model = mobilenet_v2(num_classes=3, inverted_residual_setting=[[1, 8, 1, 1], [6, 8, 2, 1], [6, 16, 1, 2]])
+    return linearize.convert(model.eval(), example_inputs=torch.randn(1, 3, 16, 16))
+
+
+def _fold_copy_by_fold(self, linear):
+    """The planner's folded copy made as before :func:`fold_in_place`: the public ``fold`` of a copy of its copy."""
+    probe = copy.deepcopy(self.base)
+    on = {i for g in linear or () for i in self.groups[g]}
+    with torch.no_grad():
+        for i, (_, unit) in enumerate(linearize.units(probe)):
+            unit.slope.fill_(1.0 if i in on else 0.0)
+            if linear is None:
+                unit.unfreeze_()
+    return linearize.fold(probe, self.inputs, latency=False, verify=False)
+
+
+def _flops_and_layers(models, inputs, budget_s):
+    """A deterministic latency: FLOPs plus 10^5 per layer (a leaf module but Identity: a linear site costs none)."""
+    return [float(count_flops(m, inputs)) + 1e5 * sum(type(c) is not nn.Identity and not list(c.children())
+                                                      for c in m.modules()) for m in models]
+
+
+@pytest.mark.parametrize("build, shape, kind, goal", [(_small_mobilenet_v2, (2, 3, 16, 16), "flops", 0.9),
+                                                       (_small_mobilenet_v2, (2, 3, 16, 16), "latency", 0.9),
+                                                       (_resnet, (2, 3, 8, 8), "latency", 0.9)])  # (no fewer FLOPs)
+def test_plan_is_the_one_made_by_folding_copies_with_fold(monkeypatch, build, shape, kind, goal):
+    """The planner folds its own copies in place (and counts FLOPs only for a FLOPs target): the plan (order
+    and costs) is the one made by the public fold of a copy of each, on a MobileNet-V2 and a ResNet (latency:
+    a deterministic fake time)."""
+    monkeypatch.setattr(cost_planning, "median_latency_ms", _flops_and_layers)
+    x = torch.randn(*shape)
+    plans = []
+    for fold_copy in (None, _fold_copy_by_fold):
+        with monkeypatch.context() as m:
+            if fold_copy is not None:
+                m.setattr(cost_planning.CostPlanner, "fold_copy", fold_copy)
+            sp = linearize.Sparsifier(build(), S.target(**{kind: goal}, end=5), total_steps=10, granularity="block",
+                                      example_inputs=x)
+            _quiet_steps(sp, 1)
+            plans.append((sp.planner.plan, sp.planner.plan_costs, sp.planner.reference))
+    assert plans[0] == plans[1] and plans[0][0]
+
+
+def test_fold_in_place_is_fold_of_a_copy():
+    """``fold_in_place`` returns what ``fold(copy, latency=False, verify=False)`` does (structure, summary, outputs);
+    ``count_flops=False`` the same structure without counting the folded FLOPs."""
+    model, x = _small_mobilenet_v2(), torch.randn(2, 3, 16, 16)
+    with torch.no_grad():
+        for i, (_, u) in enumerate(linearize.units(model)):
+            u.slope.fill_(float(i % 2))
+    ref = linearize.fold(copy.deepcopy(model), x, latency=False, verify=False)
+    for count in (True, False):
+        folded = fold_in_place(copy.deepcopy(model), x, count_flops=count)
+        assert str(folded) == str(ref)
+        a, b = folded.linearize_fold_summary, ref.linearize_fold_summary
+        same = ("merged", "skipped", "merges", "units_left", "params_before", "params_after", "flops_before")
+        assert [getattr(a, k) for k in same] == [getattr(b, k) for k in same]
+        assert a.flops_after == (b.flops_after if count else 0)
+        with torch.no_grad():
+            assert torch.equal(folded(x), ref(x))

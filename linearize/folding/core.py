@@ -31,7 +31,7 @@ from .summary import FoldSummary
 from ..timing import median_latency_ms
 from .verify import check_reference, merged_hooks, untouched_layers, verify_fold
 
-__all__ = ["fold"]
+__all__ = ["fold", "fold_in_place"]
 
 
 def _visit(module: nn.Module, ctx: FoldContext, rules: list[FoldRuleLike]) -> nn.Module:
@@ -168,6 +168,23 @@ def fold(
             or at the verified inner signal when the output is zero or the same for every sample;
             see ``FoldSummary.verified_on``), or no signal that varies can be verified.
     """
+    return _fold(model, example_inputs, objective, tol, atol, rtol, dtype, latency, rules, merge_latency, verify)
+
+
+def fold_in_place(model: nn.Module, example_inputs: Any, count_flops: bool = True) -> nn.Module:
+    """``fold(model, example_inputs, latency=False, verify=False)`` that folds ``model`` itself, not a copy: for
+    a throwaway copy whose folded structure alone is measured (a cost target's planning). ``model`` is taken
+    apart: use only the result. ``count_flops=False`` does not run the folded model, for a caller that times
+    it instead (``summary.flops_after`` stays 0: not counted)."""
+    return _fold(model, example_inputs, latency=False, verify=False, in_place=True, count_flops=count_flops)
+
+
+def _fold(model: nn.Module, example_inputs: Any, objective: str | Objective = "flops", tol: float = 0.0,
+          atol: float | None = None, rtol: float = 1e-4, dtype: torch.dtype | None = None, latency: bool = True,
+          rules: Iterable[FoldRuleLike] | None = None, merge_latency: bool = False, verify: bool = True,
+          in_place: bool = False, count_flops: bool = True) -> nn.Module:
+    """:func:`fold`, of ``model`` itself with ``in_place`` (only unverified and untimed), not counting the folded
+    model's FLOPs without ``count_flops`` (nor ``verify``)."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"fold expects an nn.Module, got {type(model).__name__}")
     refuse_sharded(model, "fold")  # FSDP2: gather first (the error names how)
@@ -203,7 +220,7 @@ def fold(
             "verified. Fix: fold the Python model (before torch.jit.script / trace), then script the folded one")
 
     summary = FoldSummary(objective=objective.name, tol=tol)
-    folded = copy.deepcopy(model).eval()
+    folded = model.eval() if in_place else copy.deepcopy(model).eval()
     for path, module in folded.named_modules():  # where each module was: save_folded finds moved ones in the base
         module.__dict__.setdefault(ORIGIN, path)
     probe = Probe(keep=list(folded.modules()))
@@ -219,7 +236,7 @@ def fold(
     if summary.units_before == 0:
         msg = "the model has no linearize units (never converted): folded BatchNorm only"
         summary.skipped.append(msg)
-        warnings.warn(msg + "; call linearize.convert(model) and train it to fold more", stacklevel=2)
+        warnings.warn(msg + "; call linearize.convert(model) and train it to fold more", stacklevel=3)
 
     folded = _visit(folded, FoldContext(objective, tol, probe, summary, time_merges=merge_latency), rules)
     folded = _replace_units(folded, tol, summary)
@@ -231,7 +248,8 @@ def fold(
     mark_folded(folded)  # no manifest (no units); a plain reload of its HF saves fails with the fix
     summary.units_left = sum(isinstance(m, LinearizableActivation) for m in folded.modules())
     summary.params_after = sum(p.numel() for p in folded.parameters())
-    summary.flops_after, output = run_counting(folded, example_inputs)
+    if count_flops or verify:
+        summary.flops_after, output = run_counting(folded, example_inputs)
 
     untouched = functools.partial(untouched_layers, model, folded, before_fold, probe)
     if verify:

@@ -20,7 +20,7 @@ from torch import nn
 from .. import schedules as _schedules
 from ..checks import finite_nonnegative
 from ..distributed import full_copy
-from ..folding.core import fold
+from ..folding.core import fold_in_place
 from ..inputs import map_tensors
 from ..timing import busy_cpu, median_latency_ms
 from ..unit import LinearizableActivation, project_slopes, require_units
@@ -151,7 +151,8 @@ class CostPlanner:
         """A float32 CPU copy of the model folded with the groups ``linear`` at slope 1, every other channel
         at 0 (frozen ones keep their value; ``None``: all at 0, unfrozen). Not verified: this measures the
         folded structure; a float32 model whose own rounding exceeds fold's 1e-4 (badly conditioned
-        BatchNorm) must not stop planning."""
+        BatchNorm) must not stop planning. Folded in place (the copy is its own), FLOPs counted only for
+        a FLOPs target."""
         probe = copy.deepcopy(self.base)
         units_ = require_units(probe)
         on = {i for g in linear or () for i in self.groups[g]}
@@ -161,7 +162,7 @@ class CostPlanner:
                 if linear is None:
                     unit.unfreeze_()
         project_slopes(u for _, u in units_)
-        return fold(probe, self.inputs, latency=False, verify=False)
+        return fold_in_place(probe, self.inputs, count_flops=self.schedule.cost == "flops")
 
     @contextmanager
     def copied(self) -> Iterator[None]:
