@@ -142,14 +142,47 @@ def _compiled(cls: type[torch.autograd.Function], compiled: type[torch.autograd.
 
 def _prelu_grad(g: torch.Tensor, x: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
     """``g`` where ``x > 0`` (and NaN, as ReLU's ``threshold_backward``), else ``a * g``, 0 where ``a = 0``:
-    ReLU's and LeakyReLU's gradients bit for bit, also for ``g = +-inf`` or NaN (``0 * inf`` is NaN) and -0."""
-    return torch.where(x <= 0, (g * a).masked_fill(a == 0, 0), g)
+    ReLU's and LeakyReLU's gradients bit for bit, also for ``g = +-inf`` or NaN (``0 * inf`` is NaN) and -0;
+    differentiated as ``a * g`` (:func:`_filled`)."""
+    return torch.where(x <= 0, _filled(g * a, a == 0, 0.0), g)
 
 
 def _times_slope(g: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
     """``g * a`` with -0 where ``a`` is 0: the gradient a slope-0 branch adds is nothing (-0 is the additive
-    identity of IEEE floats), also where ``g`` is +-inf or NaN (``0 * inf`` is NaN; ReLU's backward gives 0)."""
-    return (g * a).masked_fill(a == 0, -0.0)
+    identity of IEEE floats), also where ``g`` is +-inf or NaN (``0 * inf`` is NaN; ReLU's backward gives 0);
+    differentiated as ``g * a`` (:func:`_filled`)."""
+    return _filled(g * a, a == 0, -0.0)
+
+
+class _Fill(torch.autograd.Function):
+    """``v.masked_fill(mask, value)`` whose derivatives are ``v``'s: see :func:`_filled`."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(v: torch.Tensor, mask: torch.Tensor, value: float) -> torch.Tensor:
+        return v.masked_fill(mask, value)
+
+    @staticmethod
+    def setup_context(ctx, inputs: tuple, output: torch.Tensor) -> None:
+        pass
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, None, None]:
+        return grad, None, None
+
+    @staticmethod
+    def jvp(ctx, v_t: torch.Tensor | None, mask_t: None, value_t: None) -> torch.Tensor | None:
+        return v_t
+
+
+def _filled(v: torch.Tensor, mask: torch.Tensor, value: float) -> torch.Tensor:
+    """``v.masked_fill(mask, value)``, for a backward's ``v = g * a`` where ``a`` is 0 (``value`` is the zero the
+    original's backward gives there, also for an infinite or NaN ``g``). When a graph is being built (double
+    backward: ``create_graph=True``, a gradient penalty) its derivatives are ``v``'s: ``masked_fill`` would make
+    them 0 at the filled elements, and the slopes start at 0 and end at 1, where the penalty's gradient to
+    them (``d(g * a)/da = g``) would be lost."""
+    return _Fill.apply(v, mask, value) if torch.is_grad_enabled() else v.masked_fill(mask, value)
 
 
 def _refuse_functorch() -> None:

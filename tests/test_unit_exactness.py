@@ -339,3 +339,40 @@ def test_at_slope_0_a_non_finite_upstream_gradient_reaches_x_as_through_the_acti
     (want,) = torch.autograd.grad(act(xa), xa, g)
     (got,) = torch.autograd.grad(unit(xu), xu, g)
     assert_same_bits(got, want, f"{name} {dtype} a=0, upstream +-inf/NaN")
+
+
+@pytest.mark.parametrize("act", [nn.ReLU(), nn.LeakyReLU(0.2), nn.GELU(), nn.SiLU(), nn.Tanh()],
+                         ids=["relu", "leaky_relu", "gelu", "silu", "tanh"])
+def test_a_gradient_penalty_gives_slopes_at_0_and_1_the_formulas_gradient(act, path):
+    """A loss on the input gradient (a gradient penalty: WGAN-GP, R1, double backprop) reaches each slope through
+    d(dL/dx)/da. The backward's ``a * g`` was a constant 0 where ``a`` is 0 (and ``(1 - a) * g`` where it is 1),
+    so slopes at 0 and 1, where every unit starts and the Sparsifier ends, got 0 or a wrong gradient there.
+    Truth: the same penalty through ``(1 - a) * act(x) + a * x`` in plain autograd, float64."""
+    from linearize.unit import _blend, _prelu
+
+    gen = torch.Generator().manual_seed(0)
+    slopes = torch.tensor([0.0, 1.0, 0.4, 0.0, 1.0], dtype=torch.float64)
+    x = torch.randn(6, 5, 3, generator=gen, dtype=torch.float64)
+    r = torch.randn(6, 5, 3, generator=gen, dtype=torch.float64)  # a weighted sum: the gradient differs per element
+    unit = LinearizableActivation(copy.deepcopy(act), 5).double()
+    with torch.no_grad():
+        unit.slope.copy_(slopes)
+    a = slopes.clone().requires_grad_()
+
+    def penalty(fn, x, a):
+        (gx,) = torch.autograd.grad((fn(x) * r).sum(), x, create_graph=True)
+        return torch.autograd.grad(((gx - 1) ** 2).sum(), (x, a), materialize_grads=True)  # ReLU: none to x
+
+    got = penalty(unit, x.clone().requires_grad_(), unit.slope)
+    want = penalty(lambda x: (1 - a.view(5, 1)) * act(x) + a.view(5, 1) * x, x.clone().requires_grad_(), a)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    if path:
+        assert path["prelu" if unit.is_prelu else "blend"] > 0
+
+    # the unit's two functions, as gradgradcheck sees them (slopes exactly 0 and 1 among the inputs)
+    xs = x.clone().requires_grad_()
+    if unit.is_prelu:
+        leak = act.negative_slope if isinstance(act, nn.LeakyReLU) else 0.0
+        assert torch.autograd.gradgradcheck(lambda x, a: _prelu(x, a + (1 - a) * leak), (xs, a))
+    else:
+        assert torch.autograd.gradgradcheck(lambda x, a: _blend(act(x), x, a, 1), (xs, a))

@@ -201,6 +201,21 @@ bool ops_backward(const Tensor& grad) {
   return torch::autograd::GradMode::is_enabled() || !grad.has_storage();
 }
 
+// v.masked_fill(mask, value) differentiated as v itself: the zero a backward puts where a slope turns a branch
+// off (w * g at w = 0), whose graph must keep w * g's derivatives when the backward is differentiated (a gradient
+// penalty's gradient to a slope at 0 or 1 is d(w * g)/dw = g; masked_fill's would be 0).
+struct FillFunction : public torch::autograd::Function<FillFunction> {
+  static Tensor forward(AutogradContext* ctx, const Tensor& v, const Tensor& mask, double value) {
+    return v.masked_fill(mask, value);
+  }
+
+  static tensor_list backward(AutogradContext* ctx, tensor_list grads) { return {grads[0], Tensor(), Tensor()}; }
+};
+
+Tensor filled(const Tensor& v, const Tensor& mask, double value) {
+  return torch::autograd::GradMode::is_enabled() ? FillFunction::apply(v, mask, value) : v.masked_fill(mask, value);
+}
+
 struct PReLUFunction : public torch::autograd::Function<PReLUFunction> {
   static Tensor forward(AutogradContext* ctx, const Tensor& x, const Tensor& w) {
     ctx->save_for_backward({x, w});
@@ -218,7 +233,7 @@ struct PReLUFunction : public torch::autograd::Function<PReLUFunction> {
     Tensor grad_x, grad_w;
     if (ops_backward(grads[0])) {
       const Tensor neg = flat_g.masked_fill(flat_x > 0, 0);
-      grad_x = at::where(flat_x <= 0, (flat_g * w_rep).masked_fill(w_rep == 0, 0), flat_g);  // 0 * inf: NaN
+      grad_x = at::where(flat_x <= 0, filled(flat_g * w_rep, w_rep == 0, 0), flat_g);  // 0 * inf: NaN
       grad_w = at::where(flat_x.isinf(), 0, neg * flat_x).sum(0);  // neg is 0 at +inf: 0 * inf = NaN
     } else {
       std::tie(grad_x, grad_w) = fused_backward(flat_g.contiguous(), flat_x, w_rep.contiguous());
@@ -245,8 +260,8 @@ struct BlendFunction : public torch::autograd::Function<BlendFunction> {
     const Tensor w_rep = repeat_slopes(w, s);
     Tensor grad_a, grad_x, grad_w;
     if (ops_backward(grads[0])) {
-      grad_a = (flat_g * (1 - w_rep)).masked_fill(w_rep == 1, -0.0);
-      grad_x = (flat_g * w_rep).masked_fill(w_rep == 0, -0.0);
+      grad_a = filled(flat_g * (1 - w_rep), w_rep == 1, -0.0);
+      grad_x = filled(flat_g * w_rep, w_rep == 0, -0.0);
       grad_w = at::where(flat_x.isinf(), 0, flat_g * (flat_x - flat_a)).sum(0);
     } else {
       std::tie(grad_a, grad_x, grad_w) = fused_blend_backward(flat_g.contiguous(), flat_a, flat_x, w_rep.contiguous());
