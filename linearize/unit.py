@@ -297,8 +297,9 @@ def exact_lerp(act: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> torc
     """``torch.lerp(act, x, weight)``, exact at both ends for every input: ``act`` where ``weight`` is 0
     and ``x`` where it is 1, +-inf, NaN and -0 included (``lerp`` computes ``act + 0 * (x - act)``: NaN
     wherever ``x - act`` is infinite, e.g. ``tanh`` at ``x = -inf``, and +0 for ``act = -0``); between the
-    ends, an infinite ``x`` gets the definition ``(1 - weight) * act + weight * x`` (+-inf, where ``lerp``
-    computes inf - inf).
+    ends, where ``x - act`` is not finite (an infinite ``x``, an activation that overflowed to +-inf on a finite
+    ``x``, a difference that overflows) the value is the definition's ``(1 - weight) * act + weight * x`` (+-inf
+    where ``lerp`` computes inf - inf).
 
     Example:
         >>> x = torch.tensor([-math.inf, -0.0, 2.0])
@@ -306,7 +307,7 @@ def exact_lerp(act: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> torc
         (tensor([-1.0000, -0.0000,  0.9640]), tensor([-inf, -0., 2.]))
     """
     mixed = torch.lerp(act, x, weight)
-    mixed = torch.where(x.isinf(), torch.addcmul(act * (1 - weight), x, weight), mixed)  # lerp: inf - inf
+    mixed = torch.where((x - act).isfinite(), mixed, torch.addcmul(act * (1 - weight), x, weight))  # lerp: inf - inf
     return torch.where(weight == 0, act, torch.where(weight == 1, x, mixed))
 
 

@@ -391,3 +391,30 @@ def test_at_slope_1_the_input_gradient_is_the_identitys_bit_for_bit(name, act, d
         xu = x.clone().requires_grad_()
         (got,) = torch.autograd.grad(unit(xu), xu, g)
         assert_same_bits(got, g, f"{name} {dtype} channel_dim={channel_dim} a=1")
+
+
+@pytest.mark.parametrize("name,act", ACTS, ids=[n for n, _ in ACTS])
+def test_between_the_ends_an_activation_that_overflows_gives_the_definitions_value(name, act, path):
+    """At slope 0.3 a unit is ``0.7 * act(x) + 0.3 * x``: where the activation overflows to +-inf on a finite input
+    (torch's hardswish computes x * (x + 3): inf for float32 x >= ~1.9e19; SELU near the float16 maximum) that is
+    +-inf, as the original's output; ``lerp``'s ``x - act`` made it inf - inf = NaN. Truth: the definition in
+    float64 from the activation's value, rounded to the dtype; the folded forms (ChannelBlend, ElementBlend) too."""
+    from linearize.unit import ElementBlend
+
+    checked = 0
+    for dtype, channel_dim in ((d, c) for d in DTYPES for c in (1, -1)):
+        unit, x = unit_and_input(act, dtype, channel_dim, 0.3)
+        x = torch.cat([x, x * 1e-2, x * 1e-4], 1 if channel_dim == -1 else 2)  # finite values near the overflow
+        with torch.no_grad():
+            a = torch.tensor(0.3, dtype=dtype).double()  # the slope as the unit holds it in this dtype
+            want = ((1 - a) * act(x).double() + a * x.double()).to(dtype)
+            got = {"unit": unit(x)}
+            if channel_dim == 1 and isinstance(act, nn.Module):
+                got["ChannelBlend"] = ChannelBlend(act, torch.full((3,), 0.3, dtype=dtype))(x)
+                got["ElementBlend"] = ElementBlend(act, torch.full(x.shape[1:], 0.3, dtype=dtype))(x)
+        overflow = act(x).isinf() & x.isfinite()
+        checked += int(overflow.sum())
+        for form, y in got.items():
+            assert_same_bits(y[overflow], want[overflow], f"{name} {form} {dtype} channel_dim={channel_dim} a=0.3")
+    if name in ("Hardswish", "SELU"):
+        assert checked > 0

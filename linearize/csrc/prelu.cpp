@@ -118,7 +118,8 @@ Tensor repeat_slopes(const Tensor& w, int64_t s) {
 // Smooth units: y = w == 0 ? a : w == 1 ? x : lerp(a, x, w), with a = act(x) computed before; lerp as ATen's
 // vectorized one, fma(c, x - a, base) with (c, base) = (w, a) for |w| < 0.5 and (w - 1, x) otherwise. The ends
 // are selected, not computed: lerp gives NaN there wherever x - a is infinite, and +0 for a = -0. Between
-// them, an infinite x takes the definition (1 - w) a + w x (+-inf where lerp's x - a is inf - inf).
+// them, where x - a is not finite (an infinite x, an activation that overflowed on a finite x, a difference that
+// overflows) the value is the definition's (1 - w) a + w x (+-inf where lerp's x - a is inf - inf).
 template <typename scalar_t>
 void blend_forward_row(const scalar_t* __restrict__ a, const scalar_t* __restrict__ x, const scalar_t* __restrict__ w,
                        scalar_t* __restrict__ y, int64_t len) {
@@ -126,8 +127,9 @@ void blend_forward_row(const scalar_t* __restrict__ a, const scalar_t* __restric
   for (int64_t k = 0; k < len; ++k) {
     const acc_t av = a[k], xv = x[k], wv = w[k];
     const bool small = std::abs(wv) < acc_t(0.5);
-    const acc_t mixed = std::isinf(xv) ? (acc_t(1) - wv) * av + wv * xv
-                                       : std::fma(small ? wv : wv - acc_t(1), xv - av, small ? av : xv);
+    const acc_t diff = xv - av;
+    const acc_t mixed = std::isfinite(diff) ? std::fma(small ? wv : wv - acc_t(1), diff, small ? av : xv)
+                                            : (acc_t(1) - wv) * av + wv * xv;
     y[k] = wv == acc_t(0) ? av : (wv == acc_t(1) ? xv : mixed);
   }
 }
