@@ -86,8 +86,9 @@ class _PReLU(torch.autograd.Function):
     from vectorized passes; PyTorch's CPU PReLU backward broadcasts ``a`` inside
     one kernel whose inner loop runs over the (small) spatial dims and takes about 2x as long on
     ResNet-sized maps. Maps of at most 16 elements per channel (4x4, 2x2) run on a flat view
-    (:func:`_flat`). ``jvp`` gives the tangent ``where(x > 0, x_t, a x_t) + min(x, 0) a_t`` for
-    ``torch.autograd.forward_ad`` (linear regions).
+    (:func:`_flat`); the output is a tensor of its own, never a view made inside the Function (autograd would
+    refuse an in-place op after the unit, which the original activation allows). ``jvp`` gives the tangent
+    ``where(x > 0, x_t, a x_t) + min(x, 0) a_t`` for ``torch.autograd.forward_ad`` (linear regions).
     """
 
     @staticmethod
@@ -96,8 +97,14 @@ class _PReLU(torch.autograd.Function):
         ctx.save_for_forward(x, weight)
         flat_x, flat_w, _ = _flat(x, weight)
         with _input_precision(x):
-            y = torch.where(_channels(flat_w == 0, flat_x.ndim), F.relu(flat_x), F.prelu(flat_x, flat_w.to(x.dtype)))
-        return y.view(x.shape)
+            relu, prelu = F.relu(flat_x), F.prelu(flat_x, flat_w.to(x.dtype))
+            zero = _channels(flat_w == 0, flat_x.ndim)
+            if flat_x is x:
+                return torch.where(zero, relu, prelu)
+            # the output itself, not a view made here: autograd refuses in-place ops on those (h.mul_(2), h += r)
+            y = torch.empty_like(x)
+            torch.where(zero, relu, prelu, out=y.view(flat_x.shape))
+        return y
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:

@@ -352,3 +352,101 @@ def test_an_activation_setting_changed_after_convert_applies_as_in_the_unconvert
         assert attr in ("alpha", "beta") or getattr(model[1], attr) == value  # read through the unit too
         with torch.no_grad():
             assert torch.equal(model(x), reference(x)), via
+
+
+class _InPlaceAfterAct(nn.Module):
+    """``head(act(lin(x)))`` with in-place ops on the activation's output (``mul_``, ``+=``, an in-place
+    ``relu_``), or, with ``inplace=False``, the same ops out of place: the same values, the truth to compare
+    with (the original ReLU itself refuses a backward after them: its backward reads its output)."""
+
+    def __init__(self, act: nn.Module, map_size: int | None, inplace: bool = True) -> None:
+        super().__init__()
+        self.lin = nn.Conv2d(3, 6, 1) if map_size else nn.Linear(3, 6)
+        self.act, self.head, self.inplace = act, nn.Linear(6, 2), inplace
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.act(self.lin(x))
+        if self.inplace:
+            h.mul_(2)
+            h += 1.5
+            h.add_(3).relu_()
+        else:
+            h = (h * 2 + 1.5).add(3).relu()
+        return self.head(h.flatten(2).mean(2) if h.ndim > 2 else h)
+
+
+@pytest.mark.parametrize("path", ["kernel", "ops"])
+@pytest.mark.parametrize("act", [nn.ReLU(), nn.LeakyReLU(0.1), nn.GELU(), nn.SiLU(), nn.Tanh()],
+                         ids=lambda a: type(a).__name__)
+@pytest.mark.parametrize("map_size", [None, 2, 5], ids=["features", "map2x2", "map5x5"])
+def test_an_in_place_op_on_a_units_output_runs_and_trains_as_after_the_original(path, act, map_size, monkeypatch):
+    """``h = act(z); h.mul_(2); h += r`` (also ``nn.Dropout(inplace=True)`` after an activation) runs with
+    gradients on, as in the original model: the unit's output is no view made inside its autograd Function
+    (which autograd refuses to modify in place), on the compiled kernels' path and the PyTorch-ops one, for
+    features and for maps of both PReLU paths (flat view, as given). The truth: the original activation (slope
+    0, bit for bit) or the blend's formula (random slopes, float64), with the same ops out of place."""
+    if path == "kernel" and (kernels.cpu_prelu() is None or kernels.cpu_blend() is None):
+        pytest.skip("the compiled kernels are switched off or unavailable")
+    if path == "ops":
+        monkeypatch.setitem(kernels._state, "prelu", None)
+        monkeypatch.setitem(kernels._state, "blend", None)
+    torch.manual_seed(0)
+    shape = (4, 3, map_size, map_size) if map_size else (4, 3)
+    x = torch.randn(*shape, dtype=torch.float64) * 2
+    for slopes in ("zero", "random"):
+        model = _InPlaceAfterAct(copy.deepcopy(act), map_size).double()
+        truth = copy.deepcopy(model)
+        truth.inplace = False
+        linearize.convert(model, example_inputs=x)
+        if slopes == "random":
+            unit = model.act
+            with torch.no_grad():
+                unit.slope.uniform_(0.1, 0.9)
+            a = unit.slope.detach().view(unit.broadcast_shape(x.ndim))
+            truth.act = _Formula(act, a)
+        xs = [x.clone().requires_grad_() for _ in range(2)]
+        out, ref = model(xs[0]), truth(xs[1])
+        out.backward(torch.ones_like(out))
+        ref.backward(torch.ones_like(ref))
+        got = [out, xs[0].grad] + [p.grad for n, p in model.named_parameters() if "slope" not in n]
+        want = [ref, xs[1].grad] + [p.grad for p in truth.parameters()]
+        for g, w in zip(got, want, strict=True):
+            if slopes == "zero":
+                assert torch.equal(g, w)
+            else:
+                torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12)
+        assert model.act.slope.grad is not None and model.act.slope.grad.isfinite().all()
+
+
+class _Formula(nn.Module):
+    """``(1 - a) * act(x) + a * x``, the blend's definition (the truth at slopes between 0 and 1)."""
+
+    def __init__(self, act: nn.Module, a: torch.Tensor) -> None:
+        super().__init__()
+        self.act, self.a = act, a
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (1 - self.a) * self.act(x) + self.a * x
+
+
+@pytest.mark.parametrize("path", ["kernel", "ops"])
+def test_an_in_place_dropout_after_a_unit_trains_as_after_the_original(path, monkeypatch):
+    """``Sequential(Linear, GELU, Dropout(inplace=True), Linear)`` in training: the same output and gradients as
+    the original (the same dropout mask from the same seed)."""
+    if path == "kernel" and kernels.cpu_blend() is None:
+        pytest.skip("the compiled kernels are switched off or unavailable")
+    if path == "ops":
+        monkeypatch.setitem(kernels._state, "blend", None)
+    torch.manual_seed(0)
+    x = torch.randn(16, 8)
+    model = nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Dropout(0.5, inplace=True), nn.Linear(8, 2)).train()
+    original = copy.deepcopy(model)
+    linearize.convert(model, example_inputs=x)
+    results = []
+    for m in (model, original):
+        torch.manual_seed(1)
+        out = m(x)
+        out.sum().backward()
+        results.append([out] + [p.grad for n, p in m.named_parameters() if "slope" not in n])
+    for got, want in zip(*results, strict=True):
+        assert torch.equal(got, want)

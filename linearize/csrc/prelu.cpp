@@ -46,7 +46,8 @@ void forward_row(const scalar_t* __restrict__ x, const scalar_t* __restrict__ w,
   }
 }
 
-// x: contiguous [N, K]; w_rep: [K]. Rows are split over threads in blocks of about 32k elements.
+// x: contiguous, read as [N, K]; w_rep: [K]. Rows are split over threads in blocks of about 32k elements. The
+// result has x's shape: a view made inside a Function would make autograd refuse in-place ops after the unit.
 Tensor fused_forward(const Tensor& x, const Tensor& w_rep) {
   const int64_t K = w_rep.numel(), N = x.numel() / K;
   Tensor y = at::empty_like(x);
@@ -134,7 +135,7 @@ void blend_forward_row(const scalar_t* __restrict__ a, const scalar_t* __restric
   }
 }
 
-// a, x: contiguous [N, K]; w_rep: [K].
+// a, x: contiguous, read as [N, K]; w_rep: [K]. The result has x's shape (as fused_forward's).
 Tensor fused_blend_forward(const Tensor& a, const Tensor& x, const Tensor& w_rep) {
   const int64_t K = w_rep.numel(), N = x.numel() / K;
   Tensor y = at::empty_like(x);
@@ -222,7 +223,7 @@ struct PReLUFunction : public torch::autograd::Function<PReLUFunction> {
   static Tensor forward(AutogradContext* ctx, const Tensor& x, const Tensor& w) {
     ctx->save_for_backward({x, w});
     const int64_t s = inner_size(x);
-    return fused_forward(x.view({x.size(0), -1}), repeat_slopes(w, s).contiguous()).view(x.sizes());
+    return fused_forward(x, repeat_slopes(w, s).contiguous());
   }
 
   static tensor_list backward(AutogradContext* ctx, tensor_list grads) {
@@ -248,9 +249,7 @@ struct PReLUFunction : public torch::autograd::Function<PReLUFunction> {
 struct BlendFunction : public torch::autograd::Function<BlendFunction> {
   static Tensor forward(AutogradContext* ctx, const Tensor& a, const Tensor& x, const Tensor& w) {
     ctx->save_for_backward({a, x, w});
-    const int64_t n = x.size(0);
-    const Tensor w_rep = repeat_slopes(w, inner_size(x)).contiguous();
-    return fused_blend_forward(a.view({n, -1}), x.view({n, -1}), w_rep).view(x.sizes());
+    return fused_blend_forward(a, x, repeat_slopes(w, inner_size(x)).contiguous());
   }
 
   static tensor_list backward(AutogradContext* ctx, tensor_list grads) {
