@@ -205,10 +205,15 @@ def _refuse_functorch() -> None:
 
 def _input_precision(x: torch.Tensor) -> contextlib.AbstractContextManager:
     """Autocast off on ``x``'s device while a unit runs ``F.prelu``, which autocast lists as a lower-precision
-    op: the ReLU a unit replaces keeps its input's dtype (an fp32 input after a LayerNorm stays fp32)."""
-    if torch.is_autocast_enabled(x.device.type):
-        return torch.autocast(x.device.type, enabled=False)
-    return contextlib.nullcontext()
+    op: the ReLU a unit replaces keeps its input's dtype (an fp32 input after a LayerNorm stays fp32). Devices
+    without autocast (``meta``: shape-only forwards, models built under ``torch.device("meta")``) have none to
+    turn off (torch's query raises for them; asking ``torch.amp.is_autocast_available`` first doubled the cost)."""
+    device = x.device.type
+    try:
+        enabled = torch.is_autocast_enabled(device)
+    except RuntimeError:  # unknown device type for autocast
+        enabled = False
+    return torch.autocast(device, enabled=False) if enabled else contextlib.nullcontext()
 
 
 def _prelu(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

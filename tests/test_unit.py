@@ -450,3 +450,33 @@ def test_an_in_place_dropout_after_a_unit_trains_as_after_the_original(path, mon
         results.append([out] + [p.grad for n, p in m.named_parameters() if "slope" not in n])
     for got, want in zip(*results, strict=True):
         assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("where", ["built_on_meta", "moved_to_meta"])
+def test_a_model_on_the_meta_device_converts_and_runs_shape_only_as_the_original(where):
+    """A model built under ``torch.device("meta")`` (how big models are set up before their weights load)
+    converts, and a converted model moved to meta runs: the units' autocast query skips a device autocast does
+    not know. The truth: the original's meta output, in eval and in training (backward too), channels-last too."""
+
+    def build() -> nn.Module:
+        return nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(inplace=True), nn.Conv2d(8, 8, 1),
+                             nn.LeakyReLU(0.1), nn.Conv2d(8, 8, 1), nn.GELU(), nn.Flatten(), nn.Linear(8 * 6 * 6, 4))
+
+    x = torch.empty(2, 3, 8, 8, device="meta")
+    with torch.device("meta"):
+        original = build()
+    if where == "built_on_meta":
+        with torch.device("meta"):
+            model = build()
+        linearize.convert(model, example_inputs=x)
+    else:
+        model = linearize.convert(build(), example_inputs=torch.randn(2, 3, 8, 8)).to("meta")
+    assert len(linearize.units(model)) == 3
+    for train in (False, True):
+        for inputs in (x, x.to(memory_format=torch.channels_last)):
+            want = original.train(train)(inputs)
+            got = model.train(train)(inputs)
+            assert got.is_meta and got.shape == want.shape and got.dtype == want.dtype
+            if train:
+                got.sum().backward()
+                assert model[0].weight.grad.is_meta and model[2].slope.grad.shape == (8,)
