@@ -872,8 +872,29 @@ class LinearizableActivation(nn.Module):
             return traced
         if not (x.is_floating_point() or x.is_complex()):
             return self._integer_call(x)
+        blend = self._nested_blend if x.is_nested else self._blend
         # every parameter: an act module may hold its own (a learnable activation), beside the slopes
-        return write_into(x, self._blend, self.parameters()) if self.inplace else self._blend(x)
+        return write_into(x, blend, self.parameters()) if self.inplace else blend(x)
+
+    def _nested_blend(self, x: torch.Tensor) -> torch.Tensor:
+        """The unit on a nested tensor (``torch.nested``), elementwise as the original activation: a jagged one's
+        values (``[1, T, ...]``, the batch and ragged dims merged) keep its offsets, so the result combines with
+        ``x`` again; a strided one's tensors run one by one. ``ValueError`` naming the unit when its channels are a
+        ragged dim, or for an element unit (one slope per position of a fixed map)."""
+        owner = f"{type(self).__name__}({self.kind})"
+        ragged = [d for d, n in enumerate(x.shape) if not isinstance(n, int)] if x.layout == torch.jagged else []
+        dim = self.channel_dim if self.channel_dim >= 0 else x.dim() + self.channel_dim
+        if self.granularity != "channel" or dim in ragged or ragged not in ([], [1]):
+            where = "one slope per position of a fixed map" if self.granularity != "channel" else (
+                f"its {self.num_channels} channels at dim {self.channel_dim}, next to the ragged dim {ragged}")
+            raise ValueError(
+                f"{owner} cannot run on a nested tensor of shape {tuple(x.shape)} ({where}). Fix: pass a padded "
+                "tensor (nt.to_padded_tensor(0.0)), or convert with exclude_modules=[...] naming this activation")
+        if x.layout == torch.jagged:
+            values = self._blend(x.values().unsqueeze(0))[0]
+            return torch.nested.nested_tensor_from_jagged(values, x.offsets(), x.lengths())
+        return torch.nested.as_nested_tensor([self._blend(t.unsqueeze(0))[0] for t in x.unbind()],
+                                             layout=torch.strided)
 
     def _integer_call(self, x: torch.Tensor) -> torch.Tensor:
         """The original activation of an integer or bool input, whatever the slopes (as a functional call on

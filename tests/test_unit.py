@@ -3,6 +3,7 @@
 import copy
 import math
 import os
+import warnings
 
 import pytest
 import torch
@@ -480,3 +481,61 @@ def test_a_model_on_the_meta_device_converts_and_runs_shape_only_as_the_original
             if train:
                 got.sum().backward()
                 assert model[0].weight.grad.is_meta and model[2].slope.grad.shape == (8,)
+
+
+def _nested_model() -> nn.Module:
+    """``h + gelu(lin2(relu(lin1(x))))``: the residual adds a unit's output to its input's nested tensor."""
+
+    class Residual(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin1, self.relu, self.lin2, self.gelu = nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8), nn.GELU()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.lin2(self.relu(self.lin1(x)))
+            return h + self.gelu(h)
+
+    return Residual()
+
+
+@pytest.mark.parametrize("layout", [torch.jagged, torch.strided], ids=["jagged", "strided"])
+def test_units_take_nested_tensors_as_the_original_activations_do(layout):
+    """A nested tensor (``torch.nested``, jagged or strided) through a converted model: at slope 0 the original's
+    values and gradients, bit for bit; at other slopes each sequence's result is the dense model's on that
+    sequence (the units are elementwise along the sequence)."""
+    torch.manual_seed(0)
+    model = _nested_model()
+    original = copy.deepcopy(model)
+    linearize.convert(model, example_inputs=torch.randn(2, 3, 8))
+    seqs = [torch.randn(3, 8), torch.randn(5, 8)]
+
+    def run(m: nn.Module) -> list[torch.Tensor]:
+        parts = [s.clone().requires_grad_() for s in seqs]
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # torch: the strided layout is a prototype
+            out = m(torch.nested.as_nested_tensor(parts, layout=layout))
+        values = list(out.unbind())
+        torch.autograd.backward(values, [torch.linspace(-1, 1, v.numel()).view_as(v) for v in values])
+        return values + [p.grad for p in parts] + [p.grad for n, p in m.named_parameters() if "slope" not in n]
+
+    for got, want in zip(run(model), run(original), strict=True):
+        assert torch.equal(got, want)
+    with torch.no_grad():
+        for unit in (model.relu, model.gelu):
+            unit.slope.uniform_(0.2, 0.8)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            out = model(torch.nested.as_nested_tensor(seqs, layout=layout))
+        for got, s in zip(out.unbind(), seqs, strict=True):
+            torch.testing.assert_close(got, model(s.unsqueeze(0))[0], rtol=1e-6, atol=1e-6)
+
+
+def test_a_unit_whose_channels_are_a_nested_tensors_ragged_dim_is_refused_naming_it_and_the_fix():
+    """Channels at the ragged dim of a jagged tensor (or an element unit, one slope per position of a fixed map)
+    cannot broadcast their slopes: a ValueError naming the unit and the fix, not an error from deep inside."""
+    nt = torch.nested.nested_tensor([torch.randn(3, 8), torch.randn(5, 8)], layout=torch.jagged)
+    with pytest.raises(ValueError, match=r"LinearizableActivation\(relu\) cannot run on a nested tensor.*"
+                                         r"to_padded_tensor\(0\.0\).*exclude_modules"):
+        LinearizableActivation("relu", 3, channel_dim=1)(nt)
+    with pytest.raises(ValueError, match=r"ElementActivation\(gelu\) cannot run on a nested tensor.*one slope per"):
+        linearize.unit.ElementActivation(nn.GELU(), (3, 8))(nt)
