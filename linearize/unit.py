@@ -157,8 +157,12 @@ def _prelu_grad(g: torch.Tensor, x: torch.Tensor, a: torch.Tensor) -> torch.Tens
 def _times_slope(g: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
     """``g * a`` with -0 where ``a`` is 0: the gradient a slope-0 branch adds is nothing (-0 is the additive
     identity of IEEE floats), also where ``g`` is +-inf or NaN (``0 * inf`` is NaN; ReLU's backward gives 0);
-    differentiated as ``g * a`` (:func:`_filled`)."""
-    return _filled(g * a, a == 0, -0.0)
+    differentiated as ``g * a`` (:func:`_filled`). Outside a double backward the fresh product is filled in place:
+    ``masked_fill`` with a broadcast mask returns a contiguous tensor, and a channels_last gradient made contiguous
+    changes the last bits of the original activation's backward (``gelu_backward``) after it."""
+    if torch.is_grad_enabled():
+        return _filled(g * a, a == 0, -0.0)
+    return (g * a).masked_fill_(a == 0, -0.0)
 
 
 class _Fill(torch.autograd.Function):
@@ -189,7 +193,9 @@ def _filled(v: torch.Tensor, mask: torch.Tensor, value: float) -> torch.Tensor:
     backward: ``create_graph=True``, a gradient penalty) its derivatives are ``v``'s: ``masked_fill`` would make
     them 0 at the filled elements, and the slopes start at 0 and end at 1, where the penalty's gradient to
     them (``d(g * a)/da = g``) would be lost."""
-    return _Fill.apply(v, mask, value) if torch.is_grad_enabled() else v.masked_fill(mask, value)
+    if torch.is_grad_enabled():
+        return _Fill.apply(v, mask, value)
+    return v.clone(memory_format=torch.preserve_format).masked_fill_(mask, value)  # v's layout (see _times_slope)
 
 
 def _refuse_functorch() -> None:

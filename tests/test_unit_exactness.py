@@ -418,3 +418,25 @@ def test_between_the_ends_an_activation_that_overflows_gives_the_definitions_val
             assert_same_bits(y[overflow], want[overflow], f"{name} {form} {dtype} channel_dim={channel_dim} a=0.3")
     if name in ("Hardswish", "SELU"):
         assert checked > 0
+
+
+@pytest.mark.parametrize("act", [nn.GELU(), nn.SiLU(), nn.Hardswish(), nn.Tanh(), nn.ReLU()],
+                         ids=lambda a: type(a).__name__)
+def test_at_slope_0_gradients_on_channels_last_maps_are_the_originals_bit_for_bit(act, path):
+    """``Conv -> act -> Conv`` on channels_last maps: at slope 0 the output, the input gradient and every parameter
+    gradient are the original model's bit for bit. The gradient the unit passes to the activation keeps the
+    channels_last layout (torch's GELU / SiLU backward round differently on a contiguous gradient, and the
+    convolutions' gradients after them)."""
+    torch.manual_seed(0)
+    original = nn.Sequential(nn.Conv2d(8, 32, 1), act, nn.Conv2d(32, 8, 3, padding=1))
+    model = copy.deepcopy(original)
+    x = torch.randn(2, 8, 6, 6).to(memory_format=torch.channels_last)
+    linearize.convert(model, example_inputs=x)
+    results = []
+    for m in (model, original):
+        xi = x.clone().requires_grad_()
+        out = m(xi)
+        (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
+        results.append([out, xi.grad] + [p.grad for n, p in m.named_parameters() if "slope" not in n])
+    for got, want in zip(*results, strict=True):
+        assert torch.equal(got, want)
