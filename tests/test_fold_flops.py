@@ -121,3 +121,106 @@ def test_a_failure_of_the_counter_is_not_blamed_on_the_inputs(monkeypatch):
     with pytest.raises(FlopCounterError, match="FLOP counter failed on .*linear.*IndexError") as info:
         linearize.fold(model, torch.randn(3, 4), latency=False)
     assert "do not fit" not in str(info.value)
+
+
+def _brute_conv(x: torch.Tensor, w: torch.Tensor, stride: tuple, padding: tuple, dilation: tuple, groups: int,
+                transposed: bool, output_padding: tuple = ()) -> tuple[torch.Tensor, int]:
+    """A (transposed) conv computed from its definition, one multiply-add at a time: ``(output, multiply-adds)``.
+    Zero-padding products count, as the dense op does them; a transposed conv scatters every input element
+    into a full output that padding then crops."""
+    import itertools
+
+    import numpy as np
+
+    unbatched = x.ndim == w.ndim - 1
+    xs, ws = (x.unsqueeze(0) if unbatched else x).double().numpy(), w.detach().double().numpy()
+    n, cin, space, kernel = xs.shape[0], xs.shape[1], xs.shape[2:], ws.shape[2:]
+    macs = 0
+    if not transposed:  # out[b, o, p] = sum over the group's inputs c and kernel taps k of w[o, c, k] x_pad[b, c, p*s + k*d]
+        cout, cin_g = ws.shape[0], ws.shape[1]
+        xs = np.pad(xs, [(0, 0), (0, 0), *((p, p) for p in padding)])
+        size = [(s + 2 * p - d * (k - 1) - 1) // st + 1 for s, p, d, k, st in zip(space, padding, dilation, kernel, stride)]
+        out = np.zeros((n, cout, *size))
+        for b, o, pos, c, k in itertools.product(range(n), range(cout), itertools.product(*map(range, size)),
+                                                 range(cin_g), itertools.product(*map(range, kernel))):
+            src = tuple(p * st + kk * d for p, st, kk, d in zip(pos, stride, k, dilation))
+            out[(b, o, *pos)] += ws[(o, c, *k)] * xs[(b, o // (cout // groups) * cin_g + c, *src)]
+            macs += 1
+    else:  # full[b, g*cout_g + o, i*s + k*d] += x[b, c, i] w[c, o, k], then crop padding from both ends
+        cout_g = ws.shape[1]
+        full_size = [(s - 1) * st + d * (k - 1) + 1 + op for s, st, d, k, op in
+                     zip(space, stride, dilation, kernel, output_padding)]
+        full = np.zeros((n, cout_g * groups, *full_size))
+        for b, c, pos, o, k in itertools.product(range(n), range(cin), itertools.product(*map(range, space)),
+                                                 range(cout_g), itertools.product(*map(range, kernel))):
+            dst = tuple(p * st + kk * d for p, st, kk, d in zip(pos, stride, k, dilation))
+            full[(b, c // (cin // groups) * cout_g + o, *dst)] += xs[(b, c, *pos)] * ws[(c, o, *k)]
+            macs += 1
+        out = full[(slice(None), slice(None), *(slice(p, f - p) for p, f in zip(padding, full_size)))]
+    out = torch.from_numpy(np.ascontiguousarray(out))
+    return (out[0] if unbatched else out), macs
+
+
+def _brute_matmul(x: torch.Tensor, w_in_out: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """``x @ W`` over the last dim from its definition: ``(output, multiply-adds)``."""
+    rows, w = x.reshape(-1, x.shape[-1]).double().tolist(), w_in_out.detach().double().tolist()
+    out, macs = [[0.0] * len(w[0]) for _ in rows], 0
+    for r, row in enumerate(rows):
+        for j in range(len(w[0])):
+            for i in range(len(w)):
+                out[r][j] += row[i] * w[i][j]
+                macs += 1
+    return torch.tensor(out, dtype=torch.float64).reshape(*x.shape[:-1], len(w[0])), macs
+
+
+
+# name: (layer, input shape); strides, padding, dilation, groups and output_padding all differ from 1 / 0
+LAYERS = {
+    "Conv1d": (lambda: nn.Conv1d(4, 6, 3, stride=2, padding=1, dilation=2, groups=2), (2, 4, 9)),
+    "Conv1d, unbatched": (lambda: nn.Conv1d(4, 6, 3, stride=2, padding=1, dilation=2, groups=2), (4, 9)),
+    "Conv2d": (lambda: nn.Conv2d(4, 6, (3, 2), stride=(2, 1), padding=(1, 0), dilation=(1, 2), groups=2), (2, 4, 7, 6)),
+    "Conv3d": (lambda: nn.Conv3d(2, 4, 2, stride=(1, 2, 1), padding=1, dilation=(2, 1, 1), groups=2), (1, 2, 4, 5, 3)),
+    "ConvTranspose1d": (lambda: nn.ConvTranspose1d(4, 6, 3, stride=2, padding=1, output_padding=1, dilation=2,
+                                                   groups=2), (2, 4, 5)),
+    "ConvTranspose2d": (lambda: nn.ConvTranspose2d(4, 6, (3, 2), stride=(2, 3), padding=(1, 0), output_padding=(1, 2),
+                                                   dilation=(1, 2), groups=2), (2, 4, 3, 4)),
+    "ConvTranspose3d": (lambda: nn.ConvTranspose3d(2, 4, 2, stride=2, padding=(0, 1, 0), groups=2), (1, 2, 3, 2, 3)),
+    "Linear": (lambda: nn.Linear(5, 3), (2, 4, 5)),
+    "LinearWithPassthrough": (lambda: linearize.folding.LinearWithPassthrough(5, 3), (2, 4, 5)),
+    "ConvWithPassthrough": (lambda: linearize.folding.ConvWithPassthrough(4, 6, 1), (2, 4, 3, 3)),
+    "HF Conv1D": (lambda: __import__("transformers.pytorch_utils").pytorch_utils.Conv1D(3, 5), (2, 4, 5)),
+}
+
+
+def _brute_layer(m: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """The layer's op (without bias) from its definition: ``(output, multiply-adds)``."""
+    if isinstance(m, nn.Linear):
+        return _brute_matmul(x, m.weight.T)
+    if isinstance(m, nn.modules.conv._ConvNd):
+        transposed = isinstance(m, nn.modules.conv._ConvTransposeNd)
+        return _brute_conv(x, m.weight, m.stride, m.padding, m.dilation, m.groups, transposed,
+                           m.output_padding if transposed else ())
+    return _brute_matmul(x, m.weight)  # HF Conv1D: weight [in, out]
+
+
+@pytest.mark.parametrize("name", list(LAYERS))
+def test_module_flops_and_count_flops_equal_the_multiply_adds_of_the_layers_definition(name):
+    """Truth: the op computed from its definition, counting each multiply-add (its output checked against
+    the layer's); fold's planner and the sparsifier's weights (module_flops, also on meta shapes) and the
+    summary (count_flops) must both give 2 FLOPs per multiply-add."""
+    torch.manual_seed(0)
+    make, shape = LAYERS[name]
+    m = make().double()
+    if getattr(m, "bias", None) is not None:
+        nn.init.zeros_(m.bias)
+    x = torch.randn(*shape, dtype=torch.float64)
+    with torch.no_grad():
+        out = m(x)
+    brute, macs = _brute_layer(m, x)
+    op_out = out[..., :m.out_features] if isinstance(m, linearize.folding.LinearWithPassthrough) else out
+    op_out = op_out[:, :m.out_channels] if isinstance(m, linearize.folding.ConvWithPassthrough) else op_out
+    assert torch.allclose(op_out, brute, atol=1e-12)
+    assert flops_module.module_flops(m, (x,), out) == 2 * macs
+    meta = (torch.empty(x.shape, device="meta"),), torch.empty(out.shape, device="meta")
+    assert flops_module.module_flops(m, *meta) == 2 * macs
+    assert count_flops(m, x) == 2 * macs

@@ -256,6 +256,23 @@ def test_flops_weights_follow_layer_sizes():
     assert raw[names[1]] == pytest.approx((8 * 100 + 100 * 2) / 100)
 
 
+
+def test_flops_weights_count_the_transposed_convs_next_to_a_unit():
+    """A decoder: each unit's neighbours are the layers that run just before and after it, transposed convs
+    included; hand count of multiply-adds per sample."""
+    from linearize.sparsity.weights import flops_weights
+
+    x = torch.randn(2, 3, 8, 8)
+    model = linearize.convert(nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.ConvTranspose2d(8, 8, 4, stride=2, padding=1), nn.ReLU(),
+        nn.ConvTranspose2d(8, 8, 4, stride=2, padding=1, groups=2), nn.ReLU(), nn.Conv2d(8, 3, 1)), example_inputs=x)
+    conv0 = 8 * 8 * 8 * 3 * 9  # outputs x (inputs x kernel) each
+    tconv2 = 8 * 8 * 8 * 8 * 16  # inputs x (outputs / groups x kernel) each
+    tconv4 = 8 * 16 * 16 * 4 * 16
+    conv6 = 3 * 32 * 32 * 8
+    assert flops_weights(model, x) == pytest.approx(
+        {"1": (conv0 + tconv2) / 8, "3": (tconv2 + tconv4) / 8, "5": (tconv4 + conv6) / 8})
+
 def test_param_groups_exclude_slopes_from_weight_decay():
     model = nn.Sequential(nn.Linear(4, 8), nn.LayerNorm(8), LinearizableActivation("relu", 8, -1), nn.Linear(8, 2))
     groups = linearize.param_groups(model, weight_decay=0.1, slope_lr=0.5, betas=(0.9, 0.99))

@@ -17,27 +17,39 @@ from torch.overrides import TorchFunctionMode
 from ..inputs import call_model
 from .layers import CONVS, is_hf_conv1d
 
-__all__ = ["count_flops", "module_flops", "FlopCounter", "FlopCounterError"]
+__all__ = ["count_flops", "module_flops", "is_counted_layer", "FlopCounter", "FlopCounterError"]
+
+
+CONV_TRANSPOSES = (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
+_CONV_OPS = {1: torch.conv1d, 2: torch.conv2d, 3: torch.conv3d}
+_CONV_T_OPS = {1: torch.conv_transpose1d, 2: torch.conv_transpose2d, 3: torch.conv_transpose3d}
+
+
+def is_counted_layer(m: nn.Module) -> bool:
+    """Whether :func:`module_flops` counts ``m``: a conv (transposed too), ``nn.Linear`` or HF ``Conv1D``."""
+    return isinstance(m, (nn.Linear, *CONVS, *CONV_TRANSPOSES)) or is_hf_conv1d(m)
 
 
 def module_flops(m: nn.Module, inp: tuple, out: Any) -> int:
-    """FLOPs of one call of a linear layer (conv / ``nn.Linear`` / HF ``Conv1D``) from its input and
-    output shapes (tensors, or meta tensors of those shapes); 0 for any other module.
+    """FLOPs of one call of a linear layer (conv, transposed conv, ``nn.Linear``, HF ``Conv1D``) from its
+    input and output shapes (tensors, or meta tensors of those shapes); 0 for any other module. Counted by
+    the op the layer runs, as :func:`count_flops` counts it, so the two cannot disagree.
 
     Example:
         >>> module_flops(nn.Linear(4, 6), (torch.empty(5, 4),), torch.empty(5, 6))
         240
     """
-    if not isinstance(out, torch.Tensor):
+    if not isinstance(out, torch.Tensor) or not is_counted_layer(m):
         return 0
-    if isinstance(m, CONVS):
-        k = math.prod(m.kernel_size)
-        return 2 * out.numel() * (m.in_channels // m.groups) * k
-    if isinstance(m, nn.Linear):  # LinearWithPassthrough counts only its matmul
-        return 2 * m.in_features * m.out_features * (inp[0].numel() // m.in_features)
-    if is_hf_conv1d(m):
-        return 2 * m.weight.shape[0] * m.weight.shape[1] * (inp[0].numel() // m.weight.shape[0])
-    return 0
+    x = inp[0]
+    if isinstance(m, (*CONVS, *CONV_TRANSPOSES)):  # a passthrough conv's output also holds its input channels
+        dims = len(m.kernel_size)
+        op = (_CONV_T_OPS if isinstance(m, CONV_TRANSPOSES) else _CONV_OPS)[dims]
+        return _op_flops(op, (x, m.weight), {}, out.narrow(out.ndim - dims - 1, 0, m.out_channels))
+    if isinstance(m, nn.Linear):  # LinearWithPassthrough: only its matmul's outputs
+        return _op_flops(F.linear, (x, m.weight), {}, out.narrow(-1, 0, m.out_features))
+    # HF Conv1D: addmm(bias, x [-1, in], weight [in, out])
+    return _op_flops(torch.addmm, (m.bias, x.reshape(-1, x.shape[-1]), m.weight), {}, out.reshape(-1, m.nf))
 
 
 def _op_flops(func: Callable, args: tuple, kwargs: dict, out: Any) -> int:

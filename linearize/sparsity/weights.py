@@ -21,8 +21,7 @@ from torch import nn
 
 from ..checks import check_positive
 from ..folding.blocks import residual_block_types
-from ..folding.flops import module_flops
-from ..folding.layers import CONVS, is_hf_conv1d
+from ..folding.flops import is_counted_layer, module_flops
 from ..inputs import call_model, inputs_fit
 from ..timing import median_ms
 from ..unit import LinearizableActivation, require_units, units
@@ -141,7 +140,7 @@ def _neighbour_layers(model: nn.Module, example_inputs) -> tuple[dict[str, tuple
         events.append(("unit", names[id(module)]))
 
     for module in model.modules():
-        if isinstance(module, (nn.Linear, *CONVS)) or is_hf_conv1d(module):
+        if is_counted_layer(module):
             hooks.append(module.register_forward_hook(layer_hook))
         elif id(module) in names:
             hooks.append(module.register_forward_hook(unit_hook))
@@ -178,7 +177,8 @@ def flops_weights(model: nn.Module, example_inputs) -> dict[str, float]:
     dict of keyword inputs) and orders layer and unit calls by execution. A channel made linear
     lets these two layers fold, so its weight is ``(macs(prev) + macs(next)) / C`` per sample, the
     layers' multiply-adds counted as fold counts them (:func:`~linearize.folding.flops.module_flops`:
-    ``nn.Linear``, HF ``Conv1D``, convs); units without a neighbouring layer get the mean weight.
+    ``nn.Linear``, HF ``Conv1D``, convs and transposed convs); units without a neighbouring layer get
+    the mean weight.
 
     Example:
         >>> net = linearize.convert(nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)))
