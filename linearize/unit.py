@@ -59,6 +59,7 @@ __all__ = [
     "check_finite_slopes",
     "NonFiniteSlopeError",
     "project_slopes",
+    "fixed_values",
     "install_optimizer_hooks",
     "require_units",
 ]
@@ -1382,6 +1383,22 @@ def nonlinear_fraction(model: nn.Module, tol: float = 0.0) -> float:
     """Fraction in ``[0, 1]`` of channels (over all units) whose slope is below ``1 - tol`` (see :func:`count_units`)."""
     counts = count_units(model, tol)
     return counts["nonlinear"] / counts["total"]
+
+
+@torch.no_grad()
+def fixed_values(unit: LinearizableActivation) -> torch.Tensor:
+    """Every channel's fixed slope as the :class:`~linearize.Sparsifier` sees it, NaN where free: the unit's frozen
+    values (:meth:`~LinearizableActivation.freeze_`), and where its slope has ``requires_grad=False`` every channel
+    at its slope now: nothing trains such a slope, so the Sparsifier leaves it where it is.
+
+    Example:
+        >>> unit = LinearizableActivation("relu", 2, -1); _ = unit.slope.requires_grad_(False)
+        >>> fixed_values(unit)
+        tensor([0., 0.])
+    """
+    if unit.slope.requires_grad:
+        return unit.frozen
+    return torch.where(torch.isnan(unit.frozen), full_value(unit.slope.detach()).to(unit.frozen), unit.frozen)
 
 
 @torch.no_grad()

@@ -255,7 +255,9 @@ def test_a_plan_that_could_only_count_channels_says_so(slopes, select, warned):
 def test_a_saliency_plan_without_every_gradient_names_the_sites_it_lacks():
     model, x = _mlp().train(), torch.randn(8, 16)
     names = [n for n, _ in linearize.units(model)]
-    dict(linearize.units(model))[names[0]].slope.requires_grad_(False)  # never gets a gradient
+    # trainable but never given a gradient (as in a branch the loss does not reach); a slope with
+    # requires_grad=False would be fixed where it is, out of the plan
+    dict(linearize.units(model))[names[0]].slope.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None))
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.01)
     sp = linearize.Sparsifier(model, S.target(flops=0.5, start=2, end=6), total_steps=8, granularity="site",
                               select="saliency", example_inputs=x[:2]).attach(opt)

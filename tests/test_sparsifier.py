@@ -295,9 +295,10 @@ def test_warns_when_step_is_called_before_the_optimizer_stepped():
 
 @pytest.mark.parametrize("slopes", ["frozen", "left out of the optimizer"])
 def test_slopes_no_optimizer_moves_give_no_unstepped_warning(slopes):
-    """Slopes moved by the Sparsifier alone (select="fit" needs no gradient): frozen (requires_grad=False), or
-    trainable but in no optimizer. step(), run after every optimizer.step(), warned that the slopes did not
-    change since the last call. Truth: the run reaches the target, counted slope by slope."""
+    """Slopes no optimizer moves: frozen (requires_grad=False: nothing moves them, the Sparsifier neither), or
+    trainable but in no optimizer (the Sparsifier moves them alone: select="fit" needs no gradient). step(), run
+    after every optimizer.step(), warned that the slopes did not change since the last call. Truth: the run
+    reaches the target, counted slope by slope; the frozen slopes stay at 0, which the floor's warning says."""
     torch.manual_seed(0)
     model = linearize.convert(nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 16), nn.GELU(),
                                             nn.Linear(16, 3)))
@@ -316,7 +317,9 @@ def test_slopes_no_optimizer_moves_give_no_unstepped_warning(slopes):
             opt.step()
     assert sp.select == "fit"
     assert not [w for w in caught if "did not change" in str(w.message)]
-    assert float((torch.cat([s.detach() for s in unit_slopes]) < 1).float().mean()) == 0.25
+    frozen = slopes == "frozen"
+    assert float((torch.cat([s.detach() for s in unit_slopes]) < 1).float().mean()) == (1.0 if frozen else 0.25)
+    assert bool([w for w in caught if "32 of 32 channels are frozen nonlinear" in str(w.message)]) == frozen
 
 
 def test_bad_inputs_raise():
@@ -544,7 +547,8 @@ def test_a_fraction_target_that_frozen_channels_keep_out_of_reach_warns():
     for _, u in linearize.units(model):
         u.frozen.fill_(0.0)  # every channel frozen nonlinear: the fraction cannot leave 1
     sp = linearize.Sparsifier(model, S.target(0.25, end=10), total_steps=10)
-    with pytest.warns(UserWarning, match=r"28 of 28 channels are frozen nonlinear \(slope 0\), a floor of 1.0000"):
+    with pytest.warns(UserWarning, match=r"28 of 28 channels are frozen nonlinear \(slope 0, or a slope below 1 "
+                      r"with requires_grad=False\), a floor of 1.0000"):
         for _ in range(10):
             sp.step()
     assert sp.nonlinear_fraction() == 1.0
@@ -738,3 +742,55 @@ def test_a_step_a_grad_scaler_skips_is_not_counted_as_an_uninterrupted_run_witho
         torch.testing.assert_close(value, expected, rtol=0, atol=0, equal_nan=True, msg=name)
     if optimizer == "adamw":
         assert sp.select == "fit" and linearize.units(model)[0][1].linear_end is not None
+
+
+def _train_with_a_frozen_block(how: str, value: float, fraction: float | None) -> tuple[nn.Module, list[str]]:
+    """30 SGD steps of a Sparsifier at target(fraction) (``None``: target(flops=0.8) by sites) on a model whose
+    first block (layer '0' and unit '1', its slopes at ``value``) is frozen: by ``requires_grad_(False)`` on both,
+    or ``how="freeze_"``: the unit by the library's own :meth:`freeze_`. Returns the model and the warnings about
+    an unreachable target."""
+    torch.manual_seed(0)
+    x, y = torch.randn(64, 16), torch.randint(0, 4, (64,))
+    model = linearize.convert(nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(),
+                                            nn.Linear(32, 4)))
+    model[0].requires_grad_(False)
+    with torch.no_grad():
+        model[1].slope.fill_(value)
+    if how == "requires_grad":
+        model[1].requires_grad_(False)
+    else:
+        model[1].freeze_(torch.ones(32, dtype=torch.bool), value)
+    opt = torch.optim.SGD([p for n, p in model.named_parameters() if p.requires_grad and n != "1.slope"],
+                          lr=0.05, momentum=0.9)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if fraction is None:
+            linearize.Sparsifier(model, linearize.schedules.target(flops=0.8, start=0.2, end=0.8), total_steps=30,
+                                 select="slope", granularity="site", example_inputs=x[:2]).attach(opt)
+        else:
+            linearize.Sparsifier(model, linearize.schedules.target(fraction, start=0.2, end=0.8), total_steps=30,
+                                 select="slope").attach(opt)
+        for _ in range(30):
+            loss = nn.functional.cross_entropy(model(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    return model, [str(w.message) for w in caught if "cannot be reached" in str(w.message)]
+
+
+@pytest.mark.parametrize("value, fraction, reachable", [(0.0, 0.5, True), (0.0, 0.25, False), (1.0, 0.75, False),
+                                                       (0.0, None, True)])
+def test_slopes_with_requires_grad_false_stay_where_they_are_as_if_frozen(value, fraction, reachable):
+    """A block frozen with requires_grad_(False), its unit's slope included, had 15 of its 32 channels made
+    linear by the Sparsifier. Truth: the same run with that unit frozen by the library's freeze_: the same
+    slopes everywhere, the target met with the other unit's channels, or the same floor / ceiling warning."""
+    held, held_warnings = _train_with_a_frozen_block("requires_grad", value, fraction)
+    frozen, frozen_warnings = _train_with_a_frozen_block("freeze_", value, fraction)
+    assert bool((held[1].slope == value).all())
+    for (_, a), (_, b) in zip(linearize.units(held), linearize.units(frozen)):
+        assert torch.equal(a.slope, b.slope)
+    assert held_warnings == frozen_warnings and bool(held_warnings) == (not reachable)
+    if fraction is not None and reachable:
+        assert linearize.nonlinear_fraction(held) == pytest.approx(fraction)
+    if fraction is None:  # the plan makes the one site it can linear
+        assert bool((held[3].slope == 1).all())

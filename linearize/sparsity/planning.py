@@ -23,7 +23,7 @@ from ..distributed import full_copy
 from ..folding.core import fold_in_place
 from ..inputs import map_tensors
 from ..timing import busy_cpu, median_latency_ms
-from ..unit import LinearizableActivation, project_slopes, require_units
+from ..unit import LinearizableActivation, fixed_values, project_slopes, require_units
 from .selection import Importance
 
 __all__ = ["CostPlanner", "greedy", "check_cost_arguments", "check_plan", "no_plan", "SLOPE_SPREAD", "LATENCY_BUDGET_S",
@@ -115,10 +115,11 @@ class CostPlanner:
 
     # ------------------------------------------------------------------ measures
     def group_frozen(self) -> tuple[list[bool], list[bool]]:
-        """Per group: all its channels frozen linear; any channel frozen nonlinear (never linear)."""
-        frozen = torch.cat([u.frozen.cpu() for _, u in self.units])
+        """Per group: all its channels frozen linear; any channel frozen nonlinear (never linear). Frozen: as
+        :func:`~linearize.unit.fixed_values` (a slope with ``requires_grad=False`` too)."""
+        frozen = torch.cat([fixed_values(u).cpu() for _, u in self.units])
         always = [bool((frozen[self.channel_group == g] == 1).all()) for g in range(len(self.groups))]
-        never = [bool((frozen[self.channel_group == g] == 0).any()) for g in range(len(self.groups))]
+        never = [bool((frozen[self.channel_group == g] < 1).any()) for g in range(len(self.groups))]
         return always, never
 
     def start_groups(self) -> list[int]:
@@ -149,16 +150,19 @@ class CostPlanner:
 
     def fold_copy(self, linear: frozenset | None) -> nn.Module:
         """A float32 CPU copy of the model folded with the groups ``linear`` at slope 1, every other channel
-        at 0 (frozen ones keep their value; ``None``: all at 0, unfrozen). Not verified: this measures the
+        at 0 (frozen ones, and slopes with ``requires_grad=False``, keep their value; ``None``: all at 0,
+        unfrozen). Not verified: this measures the
         folded structure; a float32 model whose own rounding exceeds fold's 1e-4 (badly conditioned
         BatchNorm) must not stop planning. Folded in place (the copy is its own), FLOPs counted only for
         a FLOPs target."""
         probe = copy.deepcopy(self.base)
         units_ = require_units(probe)
         on = {i for g in linear or () for i in self.groups[g]}
+        kept = {i for i, (_, unit) in enumerate(self.units) if not unit.slope.requires_grad}
         with torch.no_grad():
             for i, (_, unit) in enumerate(units_):
-                unit.slope.fill_(1.0 if i in on else 0.0)
+                if linear is None or i not in kept:
+                    unit.slope.fill_(1.0 if i in on else 0.0)
                 if linear is None:
                     unit.unfreeze_()
         project_slopes(u for _, u in units_)
@@ -209,7 +213,7 @@ class CostPlanner:
 
     def frozen_now(self) -> torch.Tensor:
         """Every channel's frozen value, free ones as -1 (NaN would never compare equal)."""
-        return torch.cat([u.frozen.detach().cpu() for _, u in self.units]).nan_to_num(nan=-1.0)
+        return torch.cat([fixed_values(u).detach().cpu() for _, u in self.units]).nan_to_num(nan=-1.0)
 
     # ------------------------------------------------------------------ the plan
     def make_plan(self, before: torch.Tensor, importance: Importance) -> float:
@@ -234,7 +238,7 @@ class CostPlanner:
             start = {g for g in range(len(self.groups))
                      if always[g] or bool(linear_before[self.channel_group == g].all())}
             self.plan_start = start
-            free = torch.cat([torch.isnan(u.frozen).cpu() for _, u in self.units])
+            free = torch.cat([torch.isnan(fixed_values(u)).cpu() for _, u in self.units])
             importance_ = torch.zeros(len(self.groups), dtype=torch.float64).index_add_(
                 0, self.channel_group, importance.values(before, free)).tolist()
             budget = self.schedule.goal
@@ -292,10 +296,10 @@ class CostPlanner:
         k = next(k for k, c in enumerate(self.plan_costs) if c <= wanted or k == len(self.plan))
         groups = torch.tensor(self.start_groups() + self.plan[:k], dtype=torch.long)
         held = torch.isin(self.channel_group.to(device), groups.to(device))
-        frozen = torch.cat([u.frozen for _, u in self.units]).to(device)
-        if bool((held & (frozen == 0)).any()):  # frozen nonlinear since the plan was made: never linear now
+        frozen = torch.cat([fixed_values(u) for _, u in self.units]).to(device)
+        if bool((held & (frozen < 1)).any()):  # frozen nonlinear since the plan was made: never linear now
             stuck = [self.units[i][0] for g in groups.tolist() for i in self.groups[g]
-                     if bool((self.units[i][1].frozen == 0).any())]
+                     if bool((fixed_values(self.units[i][1]) < 1).any())]
             self.warn(
                 f"cost target: sites {stuck} of the plan were frozen nonlinear after it was made, so the folded "
                 f"model cannot reach {self.schedule.cost}={self.schedule.goal}: unfreeze them (unit.unfreeze_()), "

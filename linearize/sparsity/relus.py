@@ -87,8 +87,8 @@ class ReluBudget:
         return int(self.sizes[~linear.cpu()].sum())
 
     def floor(self, frozen: torch.Tensor) -> int:
-        """ReLUs per sample of the channels frozen nonlinear (slope 0): no target goes below it."""
-        return int(self.sizes[frozen.cpu() == 0].sum())
+        """ReLUs per sample of the channels frozen nonlinear (a fixed slope below 1): no target goes below it."""
+        return int(self.sizes[frozen.cpu() < 1].sum())
 
     def check_state(self, state: Mapping) -> None:
         """``ValueError`` when ``state`` counted other ReLUs per channel (inputs of another shape)."""

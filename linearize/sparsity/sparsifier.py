@@ -172,8 +172,8 @@ from .. import schedules as _schedules
 from ..checks import NonFiniteSlopeError, check_positive, check_positive_int, finite_nonnegative, is_real
 from ..calibration import NonfiniteInputs, RunningFit
 from ..distributed import full_value, is_sharded, refuse_sharded, write_full
-from ..unit import (LinearizableActivation, check_finite_slopes, count_channels, linear_masks, project_slopes,
-                    require_units)
+from ..unit import (LinearizableActivation, check_finite_slopes, count_channels, fixed_values, linear_masks,
+                    project_slopes, require_units)
 from .planning import CostPlanner, check_cost_arguments, check_plan, no_plan
 from .projection import by_group, glide, glide_down, glide_steps, max_step, rank
 from .relus import ReluBudget
@@ -459,7 +459,7 @@ class Sparsifier:
                 continue
             slope = unit.slope.detach()
             alpha, beta = (t.to(slope.device, slope.dtype) for t in (fit.alpha, fit.beta))
-            free = torch.isnan(unit.frozen).to(slope.device) & alpha.isfinite() & beta.isfinite()
+            free = torch.isnan(fixed_values(unit)).to(slope.device) & alpha.isfinite() & beta.isfinite()
             moving = free & (slope < 1)
             end = unit.linear_end
             if end is None:  # fixed buffers, in no optimizer (also after a load): the fit sets them, not the loss
@@ -622,7 +622,8 @@ class Sparsifier:
 
     def _optimizer_moves_slopes(self) -> bool:
         """Whether an optimizer step moves a slope of this Sparsifier: one requires grad and, where the optimizer
-        is known, is in it (frozen slopes, or slopes left out of it, move by the Sparsifier alone)."""
+        is known, is in it (slopes left out of it move by the Sparsifier alone; those with ``requires_grad=False``
+        by nothing)."""
         trained = {id(u.slope) for _, u in self._units if u.slope.requires_grad}
         return bool(trained) if self.optimizer is None else bool(trained & self._lr_by_slope().keys())
 
@@ -769,26 +770,30 @@ class Sparsifier:
         self._versions = self._slope_versions()
 
     def _check_reachable(self) -> None:
-        """Warn (once) when channels frozen nonlinear (slope 0) keep a fraction or ReLU target out of reach, or
-        channels frozen linear (slope 1: :func:`linearize.freeze`, ``one_shot``) keep a fraction target out of reach."""
+        """Warn (once) when channels frozen nonlinear (slope 0, or a nonlinear slope with ``requires_grad=False``) keep
+        a fraction or ReLU target out of reach, or channels frozen linear (slope 1: :func:`linearize.freeze`,
+        ``one_shot``, or a linear slope with ``requires_grad=False``) keep a fraction target out of reach."""
         if self.relus is not None:
-            floor = self.relus.floor(torch.cat([u.frozen for _, u in self._units]))
+            floor = self.relus.floor(torch.cat([fixed_values(u) for _, u in self._units]))
             if floor > self.relus.goal:
                 self._warn_once(f"target relus={self.relus.goal} cannot be reached: channels frozen nonlinear (slope "
-                                f"0) hold {floor} of the {self.relus.total} ReLUs per sample; unfreeze them "
-                                "(unit.frozen.fill_(float('nan'))) or set a target at or above the floor")
+                                f"0, or a slope below 1 with requires_grad=False) hold {floor} of the "
+                                f"{self.relus.total} ReLUs per sample; unfreeze them (unit.frozen.fill_(float('nan')), "
+                                "unit.slope.requires_grad_(True)) or set a target at or above the floor")
             return
         total = sum(u.num_channels for _, u in self._units)
-        frozen = sum(int((u.frozen == 0).sum()) for _, u in self._units)
+        frozen = sum(int((fixed_values(u) < 1).sum()) for _, u in self._units)
         if frozen / total > self.schedule.fraction + 0.5 / total:
             self._warn_once(f"target fraction {self.schedule.fraction} cannot be reached: {frozen} of {total} channels "
-                            f"are frozen nonlinear (slope 0), a floor of {frozen / total:.4f}; unfreeze them "
-                            "(unit.frozen.fill_(float('nan'))) or set a target at or above the floor")
-        linear = sum(int((u.frozen == 1).sum()) for _, u in self._units)
+                            f"are frozen nonlinear (slope 0, or a slope below 1 with requires_grad=False), a floor of "
+                            f"{frozen / total:.4f}; unfreeze them (unit.frozen.fill_(float('nan')), "
+                            "unit.slope.requires_grad_(True)) or set a target at or above the floor")
+        linear = sum(int((fixed_values(u) == 1).sum()) for _, u in self._units)
         if 1 - linear / total < self.schedule.fraction - 0.5 / total:
             self._warn_once(f"target fraction {self.schedule.fraction} cannot be reached: {linear} of {total} channels "
-                            f"are frozen linear (slope 1, by linearize.freeze or one_shot), a ceiling of "
-                            f"{1 - linear / total:.4f}; unfreeze them (unit.frozen.fill_(float('nan'))) or set a "
+                            f"are frozen linear (slope 1, by linearize.freeze or one_shot, or with "
+                            f"requires_grad=False), a ceiling of {1 - linear / total:.4f}; unfreeze them "
+                            "(unit.frozen.fill_(float('nan')), unit.slope.requires_grad_(True)) or set a "
                             "target at or below the ceiling")
 
     def nonlinear_mean_slope(self) -> float | None:
@@ -801,7 +806,7 @@ class Sparsifier:
             0.0
         """
         slopes = torch.cat([full_value(u.slope.detach()).float().flatten() for _, u in self._units])
-        frozen = torch.cat([u.frozen.flatten() for _, u in self._units]).to(slopes.device)
+        frozen = torch.cat([fixed_values(u).flatten() for _, u in self._units]).to(slopes.device)
         kept = torch.isnan(frozen) & ~torch.cat(self._linear_masks("Sparsifier.nonlinear_mean_slope")).to(slopes.device)
         return float(slopes[kept].mean()) if bool(kept.any()) else None
 
@@ -846,7 +851,8 @@ class Sparsifier:
             steps.append(lam_t * scale * w)
         if self.granularity == "channel":
             for (_, unit), step in zip(self._units, steps):
-                unit.slope.add_(step)
+                if unit.slope.requires_grad:  # a slope nothing trains stays where it is (fixed_values)
+                    unit.slope.add_(step)
         else:
             for group in self._groups:
                 self._push_group([self._units[i][1] for i in group], [steps[i] for i in group])
@@ -858,7 +864,7 @@ class Sparsifier:
         or a block's sites), scaled by ``sqrt(C)``: a group whose channels sit at the same slope moves
         by the channel-weighted mean of ``steps`` and reaches 1 all at once."""
         slopes = [full_value(u.slope.detach()) for u in members]  # FSDP2: the global slopes
-        frees = [torch.isnan(u.frozen).to(a.device) for u, a in zip(members, slopes)]
+        frees = [torch.isnan(fixed_values(u)).to(a.device) for u, a in zip(members, slopes)]
         gaps = [(1.0 - a.double()) * free for a, free in zip(slopes, frees)]
         counts = [int(free.sum()) for free in frees]
         n = sum(counts)
@@ -880,7 +886,7 @@ class Sparsifier:
         before the proximal step (a slope rises by at most :attr:`max_step` from there).
         """
         slopes = torch.cat([full_value(u.slope.detach()).float() for _, u in self._units])
-        frozen = torch.cat([u.frozen for _, u in self._units]).to(slopes.device)
+        frozen = torch.cat([fixed_values(u) for _, u in self._units]).to(slopes.device)
         before = before.to(slopes.device)
         free = torch.isnan(frozen)
         total = slopes.numel()
@@ -936,12 +942,12 @@ class Sparsifier:
         how it differs from the proximal step.
         """
         lam_t = self.lam_at()
-        gaps = [(1.0 - full_value(unit.slope)) * torch.isnan(unit.frozen) for _, unit in self._units]
+        gaps = [(1.0 - full_value(unit.slope)) * torch.isnan(fixed_values(unit)) for _, unit in self._units]
         if self.granularity == "channel":
             return lam_t * torch.stack([w * gap.sum() for gap, w in zip(gaps, self._weights)]).sum()
         terms = []
         for group in self._groups:  # group lasso: w * sqrt(C) * ||1 - a||_2, w the channel-weighted mean
-            counts = [int(torch.isnan(self._units[i][1].frozen).sum()) for i in group]
+            counts = [int(torch.isnan(fixed_values(self._units[i][1])).sum()) for i in group]
             n = max(sum(counts), 1)
             w = sum(self._weights[i] * c for i, c in zip(group, counts)) / n
             # vector_norm's gradient at 0 is 0 (a linear or frozen group), sqrt(sum of squares)'s is NaN
