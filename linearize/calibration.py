@@ -214,11 +214,12 @@ def _module_call_running() -> bool:
 _CALL_IMPL = nn.Module._call_impl.__code__
 
 
-def _retire(handles: list) -> None:
-    """Remove the :class:`_Hook` hooks of ``handles`` (emptied). A garbage collection that drops their owner may
-    run while torch builds its list of a module's hooks, when removing one would change the dict it iterates:
-    called inside a module call, the hooks are made inert instead and each removes itself at its next call."""
-    later = _module_call_running()
+def _retire(handles: list, deferred: bool = False) -> None:
+    """Remove the :class:`_Hook` hooks of ``handles`` (emptied). ``deferred`` (from a garbage collection's
+    finalizer, which may run anywhere: while torch lists a module's hooks, while ``copy.deepcopy`` iterates a hook
+    dict), or called inside a module call: the hooks are made inert instead and each removes itself at its next
+    call, so no hook dict changes under an iteration."""
+    later = deferred or _module_call_running()
     for handle in handles:
         hooks = handle.hooks_dict_ref()
         wrapper = None if hooks is None else hooks.get(handle.id)
@@ -302,13 +303,14 @@ class _Recorder:
         self.outputs.clear()
         self.layer_outputs.clear()
 
-    def stop_finding_layers(self) -> None:
-        _retire(self.layer_handles)
+    def stop_finding_layers(self, deferred: bool = False) -> None:
+        _retire(self.layer_handles, deferred)
         self.clear()
 
-    def close(self) -> None:
-        self.stop_finding_layers()
-        _retire(self.handles)
+    def close(self, deferred: bool = False) -> None:
+        """Remove the hooks (``deferred``: see :func:`_retire`)."""
+        self.stop_finding_layers(deferred)
+        _retire(self.handles, deferred)
 
 
 @contextmanager
@@ -600,10 +602,10 @@ class RunningFit:
             checked[name] = norms
         return checked
 
-    def close(self) -> None:
-        """Remove the hooks (the fits stay readable)."""
-        self._recorder.close()
-        _retire(self._grad_handles)
+    def close(self, deferred: bool = False) -> None:
+        """Remove the hooks (the fits stay readable; ``deferred``: see :func:`_retire`)."""
+        self._recorder.close(deferred)
+        _retire(self._grad_handles, deferred)
 
 
 @dataclass
@@ -1190,9 +1192,9 @@ class NonfiniteInputs:
                     self.bad[name] = bad if name not in self.bad else self.bad[name] + bad.to(self.bad[name].device)
         return hook
 
-    def close(self) -> None:
-        """Remove the hooks."""
-        _retire(self.handles)
+    def close(self, deferred: bool = False) -> None:
+        """Remove the hooks (``deferred``: see :func:`_retire`)."""
+        _retire(self.handles, deferred)
 
     def clear(self) -> None:
         """Start a new step."""

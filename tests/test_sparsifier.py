@@ -667,9 +667,46 @@ def test_a_dropped_sparsifier_leaves_the_models_hooks_as_they_were(optimizer):
             sp.step()
     assert sp.step_count == 2
     del sp, opt
-    gc.collect()
+    gc.collect()  # its hooks are made inert: a finalizer may run while a hook dict is being iterated
+    model(torch.randn(3, 4)).sum().backward()  # each removes itself at its next call
     assert _model_hooks(model) == before
-    model(torch.randn(3, 4)).sum().backward()
+
+
+def test_a_sparsifier_collected_while_the_model_is_deep_copied_changes_no_hook_dict_under_the_copy():
+    """``copy.deepcopy`` iterates each module's hook dicts; a garbage collection inside it (here: a user's hook
+    object that collects when copied, before the Sparsifier's hooks in the same dict) that drops a Sparsifier must
+    not remove hooks from the dict being copied ("OrderedDict mutated during iteration"). Truth: the copy runs as
+    the original, and the original's hook dicts end as before the Sparsifier once its inert hooks ran."""
+    import copy
+    import gc
+
+    class Collecting:
+        def __call__(self, module, args):
+            return None
+
+        def __deepcopy__(self, memo):
+            gc.collect()  # the dropped Sparsifier (a reference cycle) goes here, inside the dict's iteration
+            return Collecting()
+
+    torch.manual_seed(0)
+    model = linearize.convert(nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)))
+    before_user = _model_hooks(model)
+    opt = torch.optim.AdamW(linearize.param_groups(model), lr=0.1)
+    sp = linearize.Sparsifier(model, S.target(0.5), total_steps=10).attach(opt)
+    handle = model[0].register_forward_pre_hook(Collecting(), prepend=True)  # copied before the Sparsifier's hooks
+    gc.disable()
+    try:
+        trainer = {"sparsifier": sp, "optimizer": opt}
+        trainer["self"] = trainer  # a reference cycle: only a collection frees it
+        del sp, opt, trainer
+        twin = copy.deepcopy(model)
+    finally:
+        gc.enable()
+    x = torch.randn(3, 4)
+    assert torch.equal(twin(x), model(x))
+    handle.remove()
+    model(x).sum().backward()  # the inert hooks remove themselves
+    assert _model_hooks(model) == before_user
 
 
 def test_a_sparsifier_collected_during_a_forward_leaves_inert_hooks_that_remove_themselves():

@@ -1124,10 +1124,12 @@ def _number(value: object) -> object:
 
 
 def _close_trackers(inputs: NonfiniteInputs, fit: RunningFit | None) -> None:
-    """Remove the hooks a dropped Sparsifier's trackers put on the model."""
-    inputs.close()
+    """Retire the hooks a dropped Sparsifier's trackers put on the model: a finalizer runs wherever a garbage
+    collection does (inside a forward, inside a ``copy.deepcopy`` of the model), so the hooks are made inert and
+    each removes itself at its next call (a hook dict never changes under an iteration)."""
+    inputs.close(deferred=True)
     if fit is not None:
-        fit.close()
+        fit.close(deferred=True)
 
 
 def _fit_state(fit: RunningFit) -> dict:
