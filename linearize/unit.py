@@ -375,43 +375,6 @@ class _Blend(torch.autograd.Function):
 _PReLUCompiled, _BlendCompiled = _without_jvp(_PReLU), _without_jvp(_Blend)
 
 
-class _ActInput(torch.autograd.Function):
-    """``x`` as a smooth unit hands it to its activation, whose gradient back to ``x`` is -0 in the channels at
-    slope 1 (``ends``: bool, broadcasting against ``x``): there the blend passes the activation ``0 * g``, which
-    the activation's backward turns into NaN wherever its own derivative is NaN or infinite (GELU, SiLU and Mish
-    at +-inf, tanh-GELU at huge float32 inputs), though the unit is the identity; -0 leaves ``x`` the identity's
-    gradient ``g``, bit for bit. Differentiated as ``x`` itself (:func:`_filled`) when a graph is being built.
-    """
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(ends)
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        (ends,) = ctx.saved_tensors
-        return _filled(grad, ends, -0.0), None
-
-    @staticmethod
-    def jvp(ctx, x_t: torch.Tensor, ends_t: None) -> torch.Tensor:
-        return x_t.view_as(x_t)
-
-
-def _act_input(x: torch.Tensor, slope: torch.Tensor, dim: int) -> torch.Tensor:
-    """``x`` for the activation of a smooth unit with slopes ``slope`` ``[C]`` along ``dim``: through
-    :class:`_ActInput` when ``x`` needs a gradient (as given under another tool's torch-function mode or a trace,
-    whose plain calls the tool must see)."""
-    if not (x.requires_grad and torch.is_grad_enabled()) or foreign_torch_function(x) or torch.jit.is_tracing():
-        return x
-    shape = [1] * x.ndim
-    shape[dim] = slope.numel()
-    return _compiled(_ActInput, _ActInputCompiled).apply(x, (slope == 1).view(shape))
-
-
-_ActInputCompiled = _without_jvp(_ActInput)
-
-
 def _finite_part(slope_term: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """``slope_term`` with 0 where ``x`` is infinite: an infinite (overflowed) input carries no slope gradient.
 
@@ -926,7 +889,7 @@ class LinearizableActivation(nn.Module):
         if end is not None:  # affine end: (1 - a) act(x) + a (alpha x + beta), exact at a = 0 and 1
             shape = self.broadcast_shape(x.ndim)
             alpha, beta = (t.to(x.dtype).view(shape) for t in end)
-            return _blend(self.activation(_act_input(x, a, dim)), _affine_end(x, alpha, beta), a, dim)
+            return _blend(self.activation(x), _affine_end(x, alpha, beta), a, dim)
         if self.leak and x.dtype in (torch.float16, torch.bfloat16):
             # the PReLU weight a + (1 - a) * leak would round leak to 8 or 11 bits: leaky_relu keeps it exact
             return _blend(F.leaky_relu(x, self.leak), x, a, dim)
@@ -937,7 +900,7 @@ class LinearizableActivation(nn.Module):
             if dim == x.ndim - 1:
                 return _prelu(x.reshape(-1, self.num_channels), w).reshape(x.shape)
             return _prelu(x.movedim(dim, 1), w).movedim(1, dim)
-        return _blend(self.activation(_act_input(x, a, dim)), x, a, dim)  # exact at a = 0 and 1
+        return _blend(self.activation(x), x, a, dim)  # exact at a = 0 and 1
 
     def broadcast_shape(self, ndim: int) -> list[int]:
         """Shape that broadcasts a ``[C]`` vector along ``channel_dim`` of an ``ndim`` input."""
