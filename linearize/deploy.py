@@ -773,7 +773,8 @@ def _config_fetch(config: dict[str, Any]) -> tuple[str, str] | None:
     fetch or read files, and why; None when none does. A timm ``architecture`` (``TimmWrapperModel``) or
     ``backbone`` (``TimmBackbone``) must be a plain model name, ``model_args`` (kwargs to ``timm.create_model``)
     hold no reserved kwarg, and a ``backbone`` outside a timm backbone's config (transformers looks it up on the
-    Hub or in a folder; a save records a ``backbone_config`` instead) is refused."""
+    Hub or in a folder; a save records a ``backbone_config`` instead) is refused. Only the config and its
+    sub-configs (dicts with a ``model_type`` or under a ``*_config`` key) are read so: label maps hold such words as data."""
     stack: list[tuple[str, Any]] = [("base.config", config)]
     while stack:
         field, value = stack.pop()
@@ -782,6 +783,9 @@ def _config_fetch(config: dict[str, Any]) -> tuple[str, str] | None:
             continue
         if not isinstance(value, dict):
             continue
+        stack.extend((f"{field}.{k}", v) for k, v in value.items())
+        if field != "base.config" and "model_type" not in value and not field.endswith("_config"):
+            continue  # not a (sub)config: a label map (id2label, label2id) or other data holds these words as data
         for key in ("architecture", "backbone"):
             name = value.get(key)
             if key == "backbone" and name is not None and value.get("model_type") != "timm_backbone":
@@ -795,7 +799,6 @@ def _config_fetch(config: dict[str, Any]) -> tuple[str, str] | None:
         reserved = [k for k in _RESERVED_KWARGS["timm"] if k in model_args] if isinstance(model_args, dict) else []
         if reserved:
             return f"{field}.model_args", f"holds {reserved}, which would make timm fetch or read weights or other files"
-        stack.extend((f"{field}.{k}", v) for k, v in value.items())
     return None
 
 

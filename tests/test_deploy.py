@@ -949,3 +949,20 @@ def test_functional_slots_must_name_their_children(tmp_path):
         return
     with torch.no_grad():
         torch.testing.assert_close(loaded(x), model(x), rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("labels", [["cat", "dog"], ["architecture", "nature"], ["backbone", "head"]])
+def test_a_folded_transformers_model_whose_labels_name_builder_fields_loads_back(tmp_path, labels):
+    """The checks of a transformers base's builder fields (a timm ``architecture``, a ``backbone``) read the
+    config and its sub-configs only: class labels that happen to be those words (``id2label`` / ``label2id``) are
+    data, and such a save loads back. Truth: the folded model's own logits."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.ResNetConfig(embedding_size=8, hidden_sizes=[8, 8], depths=[1, 1], num_labels=2,
+                                    id2label=dict(enumerate(labels)), label2id={n: i for i, n in enumerate(labels)})
+    x = torch.randn(1, 3, 32, 32)
+    folded = linearize.fold(linearize.convert(transformers.ResNetForImageClassification(cfg).eval(), example_inputs=x),
+                            x, latency=False)
+    linearize.save_folded(folded, tmp_path / "save", example_inputs=x)
+    back = linearize.load_folded(tmp_path / "save")
+    torch.testing.assert_close(back(x).logits, folded(x).logits, rtol=0, atol=0)
