@@ -267,6 +267,7 @@ def _read_texts(path: Path, n: int, text_field: str | None) -> list[str]:
 
 _TEXT_BLOCK = 2**20  # the bytes _records reads at a time
 _LINE_ENDS = (b"\n", b"\r")  # a CR alone (old-Mac line ends) ends a record too: a JSON text holds no raw CR
+_LINE_END = re.compile(rb"[\r\n]")
 _BLANKS = re.compile(rb"[ \t\n\r\x0b\x0c]*")  # what bytes.strip() and isspace() take for blank
 
 
@@ -299,7 +300,8 @@ def _records(stream: BinaryIO, limit: int) -> Iterator[tuple[int, bytearray]]:
         first = end if not end or buf.isspace() else _BLANKS.match(buf, 0, end).end()  # blank lines at once
         while first < end:  # the first byte of a record that is not blank
             start = max(buf.rfind(e, pos, first) for e in _LINE_ENDS) + 1
-            stop = min((i for i in (buf.find(e, first, end) for e in _LINE_ENDS) if i >= 0), default=end)
+            found = _LINE_END.search(buf, first, end)  # the nearer of LF and CR, in one scan
+            stop = found.start() if found else end
             number += line_ends(pos, start)
             yield number + 1, buf[start:stop]
             pos = stop
