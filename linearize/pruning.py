@@ -435,9 +435,15 @@ def _keep_count(keep: int | float, site: str, channels: int) -> int:
 def _given_indices(name: str, value: Any, channels: int) -> torch.Tensor:
     """The channel indices ``value`` that ``keep={name: value}`` keeps of site ``name`` (``channels`` wide),
     checked: integers, at least one, none twice, each in ``[0, channels)``; sorted."""
-    t = value.detach().cpu() if isinstance(value, torch.Tensor) else torch.as_tensor(value, device="cpu")
+    form = f"keep[{name!r}]: give a non-empty list of channel indices (ints), got {value!r:.80}"
+    if isinstance(value, (str, bytes, Mapping)):
+        raise ValueError(form)
+    try:
+        t = value.detach().cpu() if isinstance(value, torch.Tensor) else torch.as_tensor(value, device="cpu")
+    except (TypeError, ValueError, RuntimeError) as e:  # strings in a list, ragged nesting, objects
+        raise ValueError(form) from e
     if t.dtype == torch.bool or t.is_floating_point() or t.is_complex() or t.ndim != 1 or not len(t):
-        raise ValueError(f"keep[{name!r}]: give a non-empty list of channel indices (ints), got {value!r}")
+        raise ValueError(form)
     t = t.long()
     bad = t[(t < 0) | (t >= channels)]
     if len(bad):

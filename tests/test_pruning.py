@@ -253,7 +253,10 @@ def test_wrong_kept_indices_are_refused_by_site_and_leave_the_model_alone():
     x = torch.randn(2, 6, dtype=torch.float64)
     for keep, message in [({"nope": [0]}, r"no site named 'nope'"), ({"0": [0, 12]}, r"index 12 is not a channel .*has 12"),
                           ({"0": [-1]}, "index -1"), ({"0": [1, 1]}, "indices repeat"), ({"0": []}, "non-empty list"),
-                          ({"0": [0.5]}, "non-empty list"), ({}, "names no site")]:
+                          ({"0": [0.5]}, "non-empty list"), ({}, "names no site"),
+                          ({"0": "0,2,4"}, r"keep\['0'\]: give a non-empty list"),  # as read from a text file
+                          ({"0": ["0", "2"]}, r"keep\['0'\]: give"), ({"0": {0: 1}}, r"keep\['0'\]: give"),
+                          ({"0": [[0, 1], [2]]}, r"keep\['0'\]: give")]:
         net = _mlp([])
         with pytest.raises(ValueError, match=message):
             linearize.prune(net, keep, example_inputs=x)
