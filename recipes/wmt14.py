@@ -488,13 +488,9 @@ def one_shot_ffns(run: common.Run, batches: list[dict[str, torch.Tensor]],
 def read_one_shot(out_dir: Path) -> dict:
     """What the one-shot step of the run in ``out_dir`` did (``ONE_SHOT_FILE``, written at that step), for a
     run resumed after it; ``ValueError`` naming the file when it is missing or damaged."""
-    path = out_dir / ONE_SHOT_FILE
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        raise ValueError(f"{path} cannot be read ({type(e).__name__}: {e}): the run's one-shot step wrote it, and "
-                         "the checkpoint resumed from comes after that step; restore the file, resume from a "
-                         "checkpoint before the step, or start again in a fresh --output_dir") from e
+    return common.read_record(out_dir / ONE_SHOT_FILE, "the run's one-shot step wrote it, and the checkpoint resumed "
+                              "from comes after that step; restore the file, resume from a checkpoint before the "
+                              "step, or start again in a fresh --output_dir")
 
 
 def calibration_batches(train: list, sampler: TokenBatchSampler, epoch: int, n: int) -> list[dict[str, torch.Tensor]]:

@@ -36,7 +36,7 @@ from .checkpoints import (MODEL_FILE, NEUTRAL_ARGS, OPTIMIZER_FILE, STATE_FILE, 
                           save_checkpoint, state_digest, state_problem, state_sha256)
 from .files import (RUN_LOCK, TMP_PREFIX, file_sha256, hold_output_dir, release_output_dir, replaced_dir,
                     restore_aside, writing)
-from .outputs import (KEPT_FILE, PRUNE_IMPORTANCES, check_files, file_records, fold_metrics, read_kept,
+from .outputs import (KEPT_FILE, PRUNE_IMPORTANCES, check_files, file_records, fold_metrics, read_kept, read_record,
                       read_recipe_json, remove_earlier_outputs, unit_stats, write_kept, write_metrics)
 from .run import Run
 from .training import EpochSampler, LossWatch, run_length, start, train
@@ -52,8 +52,8 @@ __all__ = [
     "state_sha256",
     "RUN_LOCK", "TMP_PREFIX", "file_sha256", "hold_output_dir", "release_output_dir", "replaced_dir", "restore_aside",
     "writing",
-    "KEPT_FILE", "PRUNE_IMPORTANCES", "check_files", "file_records", "fold_metrics", "read_kept", "read_recipe_json",
-    "remove_earlier_outputs", "unit_stats", "write_kept", "write_metrics",
+    "KEPT_FILE", "PRUNE_IMPORTANCES", "check_files", "file_records", "fold_metrics", "read_kept", "read_record",
+    "read_recipe_json", "remove_earlier_outputs", "unit_stats", "write_kept", "write_metrics",
     "Run",
     "EpochSampler", "LossWatch", "run_length", "start", "train",
 ]

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 import linearize
-from linearize._files import atomic_write, check_given_folder, check_regular
+from linearize._files import atomic_write, check_given_folder, check_regular, read_json
 
 from .files import TMP_PREFIX, file_sha256, pid_alive, restore_aside
 
@@ -99,16 +99,31 @@ def write_kept(directory: str | Path, record: dict) -> Path:
     return atomic_write(Path(directory) / KEPT_FILE, json.dumps(record))
 
 
+def read_record(path: str | Path, why: str) -> dict:
+    """The JSON object a run wrote at ``path`` for a later step (a resume, a load); ``ValueError`` naming the file,
+    what went wrong and ``why`` (what wrote it, what needs it, the fix) when it is missing, damaged, or not a
+    JSON object (read without blocking: a FIFO is refused, never waited on).
+
+    Example:
+        >>> import tempfile; p = Path(tempfile.mkdtemp()) / "step.json"; _ = p.write_text('{"step": 3}')
+        >>> read_record(p, "the step wrote it")
+        {'step': 3}
+    """
+    path = Path(path)
+    try:
+        record = read_json(path, path.name)
+    except (OSError, ValueError) as e:  # LoadError is a ValueError
+        raise ValueError(f"{path} cannot be read ({type(e).__name__}: {e}): {why}") from e
+    if not isinstance(record, dict):
+        raise ValueError(f"{path} holds a JSON {type(record).__name__}, not an object: {why}")
+    return record
+
+
 def read_kept(directory: str | Path) -> dict:
     """The record :func:`write_kept` wrote in ``directory``; ``ValueError`` naming the file when it is missing
     or damaged (a run resumed after its prune, or a pruned model loaded, needs it to rebuild the shapes)."""
-    path = Path(directory) / KEPT_FILE
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        raise ValueError(f"{path} cannot be read ({type(e).__name__}: {e}): the --prune step wrote the kept channel "
-                         "indices there, and the pruned shapes are rebuilt from them; restore the file, or start "
-                         "again in a fresh --output_dir") from e
+    return read_record(Path(directory) / KEPT_FILE, "the --prune step wrote the kept channel indices there, and the "
+                       "pruned shapes are rebuilt from them; restore the file, or start again in a fresh --output_dir")
 
 
 def remove_earlier_outputs(output_dir: str | Path, names: Iterable[str]) -> list[Path]:

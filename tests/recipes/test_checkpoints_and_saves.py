@@ -786,3 +786,23 @@ def test_removal_sweeps_temp_folders_of_ended_processes_only(tmp_path, dead_pid)
     common.remove_earlier_outputs(tmp_path, ["report"])
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
         f"{common.TMP_PREFIX}{n}" for n in [f"report-removed-{live}", f"report-best-{dead_pid}"])
+
+
+@pytest.mark.parametrize("content", [None, "", '{"sites": ', "[1, 2]", "nan" * 3, "folder", "fifo"])
+def test_a_runs_record_that_is_missing_damaged_or_not_an_object_is_refused_by_name(tmp_path, content):
+    """The kept channels of a pruned run and the one-shot record of a Multi30k run are read back on resume and
+    load: a missing, truncated or non-object file (or a folder, or a FIFO that no one writes: never waited on) is
+    a ValueError naming the file and the fix, never a raw JSON error or a hang."""
+    path = tmp_path / common.KEPT_FILE
+    if content == "folder":
+        path.mkdir()
+    elif content == "fifo":
+        os.mkfifo(path)
+    elif content is not None:
+        path.write_text(content)
+    with pytest.raises(ValueError, match=rf"{path.name} .*restore the file"):
+        common.read_kept(tmp_path)
+    path_ok = tmp_path / "ok"
+    path_ok.mkdir()
+    (path_ok / common.KEPT_FILE).write_text('{"sites": {"a": [0, 2]}}')
+    assert common.read_kept(path_ok) == {"sites": {"a": [0, 2]}}

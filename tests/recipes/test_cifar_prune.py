@@ -19,7 +19,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 import linearize
 
@@ -29,8 +28,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import cifar  # noqa: E402
 import common  # noqa: E402
-from test_resume import (CIFAR_CLASSES, assert_same_tree, env, final_metrics, kernel, kill_and_resume,  # noqa: E402,F401
-                         write_images)
+from test_resume import (CIFAR_CLASSES, assert_resumed_as_uninterrupted, env, kernel,  # noqa: E402,F401
+                         kill_and_resume, write_images)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -129,15 +128,7 @@ def test_killed_after_the_prune_resumes_bit_exact_from_the_kept_channels(prune_r
     snapshot = common.read_checkpoint(max(runs.snapshot.glob("step_*")))
     kept = common.read_kept(runs.full)
     assert all(snapshot.model[f"{n}.weight"].shape[0] == len(k) for n, k in kept["sites"].items())
-    a, b = final_metrics(runs.full), final_metrics(runs.resumed)
-    assert a["prune"].pop("kept_indices") != b["prune"].pop("kept_indices")  # the paths
-    assert a == b
-    assert (runs.full / common.KEPT_FILE).read_text() == (runs.resumed / common.KEPT_FILE).read_text()
-    assert_same_tree(load_file(str(runs.full / "model" / "model.safetensors")),
-                     load_file(str(runs.resumed / "model" / "model.safetensors")), "final weights")
-    a, b = (common.read_checkpoint(common.checkpoint_dir(r, runs.total)) for r in (runs.full, runs.resumed))
-    for field in ("model", "optimizer", "scheduler"):
-        assert_same_tree(getattr(a, field), getattr(b, field), f"final checkpoint {field}")
+    assert_resumed_as_uninterrupted(runs.full, runs.resumed, runs.total, common.KEPT_FILE, (("prune", "kept_indices"),))
 
 
 def test_the_saved_model_loads_as_the_speed_analysis_loads_it_and_evaluates_as_trained(prune_runs):

@@ -219,6 +219,23 @@ def assert_same_tree(a, b, what: str) -> None:
         assert a == b, f"{what}: {a!r} != {b!r}"
 
 
+def assert_resumed_as_uninterrupted(full: Path, resumed: Path, total: int, record: str,
+                                    paths: tuple[tuple[str, str], ...]) -> None:
+    """The run ``resumed`` (killed and resumed) ends as the uninterrupted ``full`` one: final metrics equal but for
+    the output paths ``paths`` (``(section, key)`` pairs, which must differ), the step's record file ``record``
+    equal, the final weights and the final checkpoint's model, optimizer and scheduler equal bit for bit."""
+    a, b = final_metrics(full), final_metrics(resumed)
+    for section, key in paths:
+        assert a[section].pop(key) != b[section].pop(key), f"{section}.{key}: each run's own path"
+    assert a == b
+    assert (full / record).read_text() == (resumed / record).read_text()
+    assert_same_tree(load_file(str(full / "model" / "model.safetensors")),
+                     load_file(str(resumed / "model" / "model.safetensors")), "final weights")
+    a, b = (common.read_checkpoint(common.checkpoint_dir(r, total)) for r in (full, resumed))
+    for field in ("model", "optimizer", "scheduler"):
+        assert_same_tree(getattr(a, field), getattr(b, field), f"final checkpoint {field}")
+
+
 def final_metrics(run: Path) -> dict:
     m = json.loads((run / "metrics.json").read_text())
     for k in ("wall_time_s", "wall_time_this_process_s", "command", "args"):  # times; --resume_from_checkpoint

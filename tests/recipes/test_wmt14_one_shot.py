@@ -29,8 +29,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import common  # noqa: E402
 import wmt14  # noqa: E402
-from test_resume import (EPOCHS, assert_same_tree, env, final_metrics, kernel, kill_and_resume,  # noqa: E402,F401
-                         tiny_late_start_args)
+from test_resume import (EPOCHS, assert_resumed_as_uninterrupted, assert_same_tree, env, kernel,  # noqa: E402,F401
+                         kill_and_resume, tiny_late_start_args)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -138,16 +138,8 @@ def test_killed_after_the_one_shot_step_resumes_bit_exact(affine_runs):
     latest = max(int(p.name[5:]) for p in runs.snapshot.glob("step_*"))
     assert one_shot_step(runs.full) < latest < runs.total  # the resumed process starts from one-shot weights
     assert "alpha" in unit_tensors(common.read_checkpoint(runs.snapshot / f"step_{latest:08d}"), UNITS[0])
-    a, b = final_metrics(runs.full), final_metrics(runs.resumed)
-    assert a["one_shot"].pop("file") != b["one_shot"].pop("file")  # the paths
-    assert a["fold"].pop("path") != b["fold"].pop("path")
-    assert a == b
-    assert (runs.full / wmt14.ONE_SHOT_FILE).read_text() == (runs.resumed / wmt14.ONE_SHOT_FILE).read_text()
-    assert_same_tree(load_file(str(runs.full / "model" / "model.safetensors")),
-                     load_file(str(runs.resumed / "model" / "model.safetensors")), "final weights")
-    a, b = (common.read_checkpoint(common.checkpoint_dir(r, runs.total)) for r in (runs.full, runs.resumed))
-    for field in ("model", "optimizer", "scheduler"):
-        assert_same_tree(getattr(a, field), getattr(b, field), f"final checkpoint {field}")
+    assert_resumed_as_uninterrupted(runs.full, runs.resumed, runs.total, wmt14.ONE_SHOT_FILE,
+                                    (("one_shot", "file"), ("fold", "path")))
 
 
 def test_stopped_at_the_one_shot_step_resumes_into_it_as_the_uninterrupted_run(one_shot_args, tmp_path):

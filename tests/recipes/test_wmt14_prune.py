@@ -27,8 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import common  # noqa: E402
 import wmt14  # noqa: E402
-from test_resume import (assert_same_tree, env, final_metrics, kernel, kill_and_resume,  # noqa: E402,F401
-                         tiny_late_start_args)
+from test_resume import (assert_resumed_as_uninterrupted, assert_same_tree, env, kernel,  # noqa: E402,F401
+                         kill_and_resume, tiny_late_start_args)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -100,15 +100,7 @@ def test_killed_after_the_prune_point_resumes_bit_exact(magnitude_runs):
     latest = max(int(p.name[5:]) for p in runs.snapshot.glob("step_*"))
     assert prune_step(runs.full) < latest < runs.total  # the resumed process starts from a pruned checkpoint
     assert set(fc1_rows(common.read_checkpoint(runs.snapshot / f"step_{latest:08d}")).values()) == {64}
-    a, b = final_metrics(runs.full), final_metrics(runs.resumed)
-    assert a["prune"].pop("kept_indices") != b["prune"].pop("kept_indices")  # the paths
-    assert a == b
-    assert (runs.full / wmt14.KEPT_FILE).read_text() == (runs.resumed / wmt14.KEPT_FILE).read_text()
-    assert_same_tree(load_file(str(runs.full / "model" / "model.safetensors")),
-                     load_file(str(runs.resumed / "model" / "model.safetensors")), "final weights")
-    a, b = (common.read_checkpoint(common.checkpoint_dir(r, runs.total)) for r in (runs.full, runs.resumed))
-    for field in ("model", "optimizer", "scheduler"):
-        assert_same_tree(getattr(a, field), getattr(b, field), f"final checkpoint {field}")
+    assert_resumed_as_uninterrupted(runs.full, runs.resumed, runs.total, wmt14.KEPT_FILE, (("prune", "kept_indices"),))
 
 
 def test_stopped_at_the_prune_point_prunes_as_the_uninterrupted_run(prune_args, tmp_path):
