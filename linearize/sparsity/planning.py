@@ -10,6 +10,7 @@ path holds linear. Its part of the Sparsifier's state (plan, costs, reference) i
 from __future__ import annotations
 
 import copy
+import heapq
 import math
 from contextlib import contextmanager
 from typing import Callable, Iterator, Mapping
@@ -340,6 +341,12 @@ def greedy(start: set[int], rest: list[int], importance: list[float], budget: fl
     """The plan (groups of ``rest`` in order) and the cost of each of its prefixes (after ``start``), by
     ``cost`` of a set of linear groups (see :meth:`CostPlanner.make_plan`).
 
+    Each round adds the group of least importance per unit of marginal saving. Savings are measured
+    lazily: a group's last measured saving stands in until it would be chosen, or might complete the
+    budget (within the largest change of a saving seen so far), and is then measured again; where
+    savings add up (FLOPs of independent blocks) that is the full greedy's plan from about one measure
+    per round instead of one per group.
+
     Example (additive savings 0.5, 0.3, 0.3 of cost 1; importance 1, 1, 3; budget 0.5):
         >>> saving = [0.5, 0.3, 0.3]
         >>> greedy(set(), [0, 1, 2], [1.0, 1.0, 3.0], 0.5, lambda s: 1 - sum(saving[g] for g in s))
@@ -347,19 +354,51 @@ def greedy(start: set[int], rest: list[int], importance: list[float], budget: fl
     """
     taken: list[int] = []
     best: tuple[float, list[int]] | None = (0.0, []) if cost(start) <= budget else None
+    saving: dict[int, float] = {}  # each group's marginal saving when last measured
+    slack = 1e-9  # the largest change of a saving between two measures seen so far (0 when savings add up)
     while best is None or best[1]:  # (while the best plan needs a group at all)
         now = cost(start | set(taken))
-        after = {g: cost(start | set(taken) | {g}) for g in rest}
         lost = sum(importance[g] for g in taken)
-        for g in rest:
-            if after[g] <= budget and (best is None or lost + importance[g] < best[0]):
+        after: dict[int, float] = {}  # cost with one more group, measured this round
+
+        def measure(g: int) -> None:
+            nonlocal slack
+            after[g] = cost(start | set(taken) | {g})
+            if g in saving:
+                slack = max(slack, abs(now - after[g] - saving[g]))
+            saving[g] = now - after[g]
+
+        def key(g: int) -> tuple[float, int]:  # importance per unit of saving; never measured: first
+            if g not in saving:
+                return -math.inf, g
+            return (importance[g] / saving[g] if saving[g] > 0 else math.inf), g
+
+        # lazy evaluation: the best group by its last saving, measured again until it stays the best
+        heap = [key(g) for g in rest]
+        heapq.heapify(heap)
+        grow = None
+        while heap:
+            g = heapq.heappop(heap)[1]
+            if g not in after:
+                measure(g)
+                heapq.heappush(heap, key(g))
+            elif budget < after[g] < now:
+                grow = g
+                break
+        while True:  # completions, least importance first: a group its last saving (give or take the slack)
+            near = [g for g in rest if now - saving[g] <= budget + slack  # may take to the budget, measured again
+                    and (g not in after or after[g] <= budget) and (best is None or lost + importance[g] < best[0])]
+            if not near:
+                break
+            g = min(near, key=lambda g: importance[g])  # (the first of equals in ``rest``)
+            if g not in after:
+                measure(g)
+            elif after[g] <= budget:
                 best = (lost + importance[g], taken + [g])
-        grow = [g for g in rest if after[g] > budget and after[g] < now]
-        if not grow:
+        if grow is None:
             break
-        g = min(grow, key=lambda g: (importance[g] / (now - after[g]), g))
-        taken.append(g)
-        rest.remove(g)
+        taken.append(grow)
+        rest.remove(grow)
     plan = best[1] if best is not None else taken + rest  # rest: every group (>= the floor, checked)
     for g in sorted(plan, key=lambda g: -importance[g]):  # drop what the budget does not need
         if cost(start | set(plan) - {g}) <= budget:
