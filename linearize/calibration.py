@@ -1160,6 +1160,10 @@ class NonfiniteInputs:
         units = {id(u) for _, u in named}
         self._layers = {n: m for n, m in model.named_modules()
                         if id(m) not in units and next(m.parameters(recurse=False), None) is not None}
+        # every module in registration order, a parameter-less leaf marked: named as a candidate when NaN/inf arose
+        # where no layer holds any (an operation such as x / 0)
+        self._tree = [(n, id(m) in units, not list(m.children()) and next(m.parameters(), None) is None)
+                      for n, m in model.named_modules()]
         self.ran: dict[str, bool] = {}  # name -> is a unit, in the order the training forwards first ran them
         self.bad: dict[str, torch.Tensor] = {}  # unit -> positions whose input held NaN/inf
         self.batch_finite: torch.Tensor | None = None  # every tensor input of the first module to run was finite
@@ -1203,9 +1207,12 @@ class NonfiniteInputs:
         self.batch_finite = None
 
     def cause(self) -> str | None:
-        """Why NaN/inf reached the slopes when this step's training forwards fed a unit NaN/inf inputs: the first
-        such unit in the order the forward ran them, and where they came from (the batch, or the weights run
-        before it, whose parameters are tested); ``None`` when no unit saw any (the training diverged)."""
+        """Why NaN/inf reached the slopes: when this step's training forwards fed a unit NaN/inf inputs, the first
+        such unit in the order the forward ran them and where they came from (the batch, the layers run before it,
+        whose parameters are tested, or an operation without parameters there); when they fed every unit finite
+        inputs but a layer's gradient is not finite, the layers and operations after the last unit or the loss;
+        else ``None`` (the optimizer step made them: the training diverged). Work done only once NaN/inf is
+        found: the forwards only record which units and layers ran."""
         seen = {n: int(c) for n, c in self.bad.items() if int(c)}  # one device sync per unit
         order: list[tuple[str, list[str]]] = []
         layers: list[str] = []
@@ -1215,30 +1222,59 @@ class NonfiniteInputs:
                 layers = []
             else:
                 layers.append(name)
-        first = next((i for i, (name, _) in enumerate(order) if name in seen), None)
-        if first is None:
-            return None
-        name, layers = order[first]
-        positions = f"{seen[name]} position{'s' if seen[name] > 1 else ''}"
-        listed = ", ".join(repr(n) for n in layers[:3]) + (f" and {len(layers) - 3} more" if len(layers) > 3 else "")
         restore = ("A NaN/inf forward makes every gradient NaN, and the optimizer step wrote them into the weights: "
                    "restore a checkpoint.")
+        first = next((i for i, (name, _) in enumerate(order) if name in seen), None)
+        if first is None:
+            grads = [p.grad for m in self._layers.values() for p in m.parameters(recurse=False) if p.grad is not None]
+            if not order or all(bool(torch.isfinite(g).all()) for g in grads):
+                return None
+            last = order[-1][0]
+            return (f"This step's forward fed every unit finite inputs but the gradients hold NaN/inf: they arose "
+                    f"after the last unit {last!r}, {self._origin(layers, last, None)}, or in the loss (check it "
+                    f"and the targets). {restore}")
+        name, layers = order[first]
+        positions = f"{seen[name]} position{'s' if seen[name] > 1 else ''}"
         if first > 0:
             previous = order[first - 1][0]
-            between = f"in {listed}" if layers else "in the computation between them"
-            return (f"This step's forward fed unit {name!r} NaN/inf inputs ({positions}), where unit "
-                    f"{previous!r} before it got finite ones: they arose between the two, {between}: non-finite "
-                    f"weights there (a damaged checkpoint, or an earlier step that overflowed them) or an overflow. "
+            return (f"This step's forward fed unit {name!r} NaN/inf inputs ({positions}), where unit {previous!r} "
+                    f"before it got finite ones: they arose between the two, {self._origin(layers, previous, name)}. "
                     f"{restore}")
         if self.batch_finite is None or not bool(self.batch_finite):
             return (f"This step's forward fed unit {name!r}, the first, NaN/inf inputs ({positions}): the batch "
                     f"held them (check the data). {restore} The learning rate is not the cause.")
-        where = f"the weights before it ({listed})" if layers else "the computation before it"
-        held = [f"{n}.{p}" for n in layers for p, t in self._layers[n].named_parameters(recurse=False)
-                if not bool(torch.isfinite(t).all())]
-        if held:
-            where += f" (NaN/inf now in {', '.join(held[:4])}{' and more' if len(held) > 4 else ''})"
         return (f"This step's forward fed unit {name!r}, the first, NaN/inf inputs ({positions}) from a finite "
-                f"batch: {where} were not finite in that forward or overflowed: a damaged checkpoint, or an earlier "
-                "optimizer step that wrote NaN/inf into them (float16 parameters under Adam, whose eps underflows: "
-                f"keep them float32 under autocast; a too-high learning rate). {restore}")
+                f"batch: they arose before it, {self._origin(layers, None, name)}. {restore}")
+
+    def _origin(self, layers: list[str], after: str | None, before: str | None) -> str:
+        """Where NaN/inf arose among ``layers`` (the layers with parameters that ran between the units ``after``
+        and ``before``; ``None``: the model's start or end). A parameter holding NaN/inf whose gradient is finite
+        held them in the forward; one whose gradient is not may have got them from this step's NaN gradients (the
+        optimizer step ran before this check); when none holds any, an operation without parameters made them,
+        in one of the parameter-less modules registered between the two units if that is where it runs."""
+        listed = ", ".join(repr(n) for n in layers[:3]) + (f" and {len(layers) - 3} more" if len(layers) > 3 else "")
+        held, written = [], []
+        for n in layers:
+            for p, t in self._layers[n].named_parameters(recurse=False):
+                if not bool(torch.isfinite(t).all()):
+                    (held if t.grad is None or bool(torch.isfinite(t.grad).all()) else written).append(f"{n}.{p}")
+        damaged = ("a damaged checkpoint, or an earlier optimizer step that wrote NaN/inf into them, e.g. float16 "
+                   "parameters under Adam, whose eps underflows: keep them float32 under autocast")
+        if held:
+            return (f"in the weights {', '.join(held[:4])}{' and more' if len(held) > 4 else ''}, which hold NaN/inf "
+                    f"that this step's gradients did not write ({damaged})")
+        names = [n for n, _, _ in self._tree]
+        lo = names.index(after) + 1 if after in names else 0
+        hi = names.index(before) if before in names else len(names)
+        units = tuple(f"{n}." for n, is_unit, _ in self._tree if is_unit)
+        free = [n for n, is_unit, leaf in self._tree[lo:hi] if leaf and not is_unit and not n.startswith(units)]
+        ops = "an operation without parameters (x / 0, the log of a negative number, an overflow)" + (
+            f", e.g. in {', '.join(repr(n) for n in free[:4])}{' and more' if len(free) > 4 else ''}" if free else "")
+        if written:
+            more = " and more" if len(written) > 4 else ""
+            return (f"in {ops}, or in the weights of {listed} if they held NaN/inf in that forward ({damaged}): "
+                    f"this step's NaN gradients have since made {', '.join(written[:4])}{more} NaN/inf, so which it "
+                    "was cannot be told now")
+        where = (f"no layer with parameters there ({listed}) holds NaN/inf" if layers
+                 else "no layer with parameters ran there")
+        return f"{where}: {ops} produced them"

@@ -133,7 +133,8 @@ def one_finite_default_step(model: nn.Module) -> tuple[torch.optim.Optimizer, to
 @pytest.mark.parametrize("poisoned, named", [
     ("input", r"unit 'a', the first, NaN/inf inputs \(1 position\): the batch held them \(check the data\)"),
     ("weight", r"unit 'b' NaN/inf inputs \(8 positions\), where unit 'a' before it got finite ones: they arose "
-               r"between the two, in 'fc2': non-finite weights"),
+               r"between the two, in the weights fc2.weight, which hold NaN/inf that this step's gradients did not "
+               r"write"),
     ("gradient", r"Training diverged \(a NaN/inf loss or gradient reached the slopes\).*lower the learning rate")])
 def test_the_divergence_error_names_where_nan_entered_the_forward(poisoned, named):
     """The default loop (AdamW, a fraction target: the fit tracker records the units' inputs). One NaN in the
@@ -196,10 +197,10 @@ class RunsInAnotherOrder(nn.Module):
 
 
 @pytest.mark.parametrize("poisoned, named", [
-    ("l1", r"unit 'a1', the first, NaN/inf inputs \(8 positions\) from a finite batch: the weights before it "
-           r"\('l1'\) \(NaN/inf now in l1.weight\) were not finite"),
+    ("l1", r"unit 'a1', the first, NaN/inf inputs \(8 positions\) from a finite batch: they arose before it, in "
+           r"the weights l1.weight, which hold NaN/inf that this step's gradients did not write"),
     ("l2", r"unit 'a2' NaN/inf inputs \(8 positions\), where unit 'a1' before it got finite ones: they arose "
-           r"between the two, in 'l2': non-finite weights")])
+           r"between the two, in the weights l2.weight, which hold NaN/inf that this step's gradients did not")])
 def test_the_divergence_error_names_where_nan_entered_in_the_order_the_forward_ran(poisoned, named):
     """The units and layers named were taken in registration order: a NaN weight in l1 (registered after l2,
     run before it) was reported as reaching a2 first, from the batch or l2, never naming l1. Now they are taken
@@ -227,10 +228,70 @@ def test_nan_weights_written_by_an_optimizer_step_are_not_blamed_on_the_finite_b
     opt.zero_grad()
     model(x).sum().backward()
     with pytest.raises(linearize.NonFiniteSlopeError, match=r"unit 'a', the first, NaN/inf inputs \(8 positions\) "
-                       r"from a finite batch: the weights before it \('fc1'\) \(NaN/inf now in fc1.weight\)"
-                       r".*an earlier optimizer step that wrote NaN/inf") as raised:
+                       r"from a finite batch: they arose before it, in the weights fc1.weight, which hold NaN/inf "
+                       r"that this step's gradients did not write.*an earlier optimizer step that wrote NaN/inf") \
+            as raised:
         opt.step()
     assert "check the data" not in str(raised.value)
+
+
+class DivideByZero(nn.Module):
+    """No parameters: divides by zero (NaN/inf) once ``bad`` is set, else the identity."""
+
+    bad = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x / torch.zeros_like(x) if self.bad else x
+
+
+@pytest.mark.parametrize("trained", ["all", "frozen"])
+@pytest.mark.parametrize("poisoned", ["head", "op", "between"])
+def test_the_divergence_error_names_the_layer_or_operation_that_made_nan(poisoned, trained):
+    """Two cases were blamed on the wrong place: a NaN weight in the head (after the last unit) got 'training
+    diverged, lower the learning rate'; NaN made by the parameter-less module '3' between units '1' and '4'
+    got 'in '2': non-finite weights there', whose weights were finite. Truth: what the test poisoned at step 2
+    ('5.weight', the module '3', or '2.weight'). With every layer trained the step's NaN gradients overwrite
+    the weights before the check, so both candidates are named; with the layers frozen (their weights not
+    written by the step) only the poisoned one is."""
+    torch.manual_seed(0)
+    model = linearize.convert(nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), DivideByZero(),
+                                            nn.ReLU(), nn.Linear(16, 3)))
+    if trained == "frozen":
+        model[2].requires_grad_(False), model[5].requires_grad_(False)
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.05)
+    linearize.Sparsifier(model, linearize.schedules.target(0.5, start=0.0, end=0.5), total_steps=10).attach(opt)
+    x, y = torch.randn(32, 8), torch.randint(0, 3, (32,))
+    for step in range(3):
+        if step == 2:
+            with torch.no_grad():
+                if poisoned == "head":
+                    model[5].weight[0, 0] = NAN
+                elif poisoned == "between":
+                    model[2].weight[0, 0] = NAN
+            model[3].bad = poisoned == "op"
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        if step < 2:
+            opt.step()
+    with pytest.raises(linearize.NonFiniteSlopeError) as raised:
+        opt.step()
+    message = str(raised.value)
+    assert "lower the learning rate" not in message
+    if poisoned == "head":
+        assert "fed every unit finite inputs but the gradients hold NaN/inf: they arose after the last unit '4'" \
+            in message and "or in the loss" in message and "'2'" not in message
+        assert ("in the weights 5.weight, which hold NaN/inf that this step's gradients did not write"
+                if trained == "frozen" else "in the weights of '5' if they held NaN/inf") in message
+        return
+    assert "where unit '1' before it got finite ones: they arose between the two" in message and "'5'" not in message
+    if trained == "all":  # both candidates, the weights of '2' not claimed non-finite
+        assert "an operation without parameters (x / 0, the log of a negative number, an overflow), e.g. in '3', " \
+               "or in the weights of '2' if they held NaN/inf in that forward" in message
+    elif poisoned == "op":
+        assert "no layer with parameters there ('2') holds NaN/inf: an operation without parameters (x / 0, the " \
+               "log of a negative number, an overflow), e.g. in '3' produced them" in message
+    else:
+        assert "in the weights 2.weight, which hold NaN/inf" in message and "'3'" not in message
 
 
 def test_infinite_slope_is_not_projected_to_one():
