@@ -655,18 +655,25 @@ def refuse_fx_root(sites: nn.Module, prefix: str) -> None:
     their units. Called from the dispatchers' ``named_modules``, which ``Tracer.trace`` walks first."""
     if not prefix or "." in prefix:
         return
-    root = getattr(fx_tracer(), "root", None)
+    tracer = fx_tracer()
+    root = getattr(tracer, "root", None)
     if not isinstance(root, nn.Module) or root._modules.get(prefix) is not sites:
         return
     if isinstance(root, torch.fx.graph_module._CodeOnlyModule):  # torch unpickling a GraphModule owner: its
         return  # graph is the original's, and _rebuilt_owner gives the result its hooks
     name = type(root).__name__
+    tool = type(tracer).__module__.partition(".")[0] != "torch"  # a tool's tracer (torchvision's NodePathTracer)
     raise FunctionalSiteError(
         f"linearize: torch.fx.symbolic_trace of {name} itself would record the original activation functions: "
         f"the tracer runs the root module's forward without its hooks, and {name}'s own forward makes activation "
         f"calls that linearize sends to their units ({type(sites).__name__} {prefix!r}) only through them. Fix: "
         f"trace a wrapper, torch.fx.symbolic_trace(torch.nn.Sequential(model)) (each unit becomes a call_module "
-        "node of the GraphModule), or linearize.fold(model, example_inputs) for a plain model")
+        "node of the GraphModule), or linearize.fold(model, example_inputs) for a plain model" + (
+            f". The model is in {'training' if root.training else 'eval'} mode now: a tool that sets the mode for "
+            f"its trace ({type(tracer).__name__}: torchvision's create_feature_extractor does) does not put it back "
+            "after this error, so set it again (model.eval()); and give the wrapper the model's mode, which such a "
+            "tool restores at its end: create_feature_extractor(torch.nn.Sequential(model).eval(), {'0.layer': "
+            "'name'}) (the wrapper's names start with '0.')" if tool else ""))
 
 
 def refuse_scripting(module: nn.Module) -> None:

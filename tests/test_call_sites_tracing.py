@@ -125,6 +125,93 @@ def test_fx_trace_of_an_owner_itself_is_refused_with_the_wrapper_fix(cls):
     assert torch.allclose(model(x), expected, atol=1e-6)
 
 
+def test_a_tool_tracing_an_owner_is_refused_naming_the_mode_it_left_and_a_wrapper_fix_that_works():
+    """create_feature_extractor of a model whose own forward makes functional calls is refused (the root's forward
+    runs without its hooks), and torchvision leaves the model in training mode after the error: the refusal did not
+    say so, and its wrapper fix, nn.Sequential(model), put the model in training mode for good (torchvision restores
+    the wrapper's mode, training for a new Sequential). Truth: the output written out by hand, in eval mode."""
+    from torchvision.models.feature_extraction import create_feature_extractor
+
+    model, x, expected = converted(Functional)
+    assert not model.training
+    with pytest.raises(FunctionalSiteError, match=r"The model is in training mode now: a tool that sets the mode "
+                       r"for its trace \(NodePathTracer: .*set it again \(model.eval\(\)\).*create_feature_extractor"
+                       r"\(torch.nn.Sequential\(model\).eval\(\), \{'0.layer'"):
+        create_feature_extractor(model, {"c": "out"})
+    assert model.training  # torchvision's doing: the error says so
+    model.eval()
+    features = create_feature_extractor(nn.Sequential(model).eval(), {"0.c": "out"})
+    assert not model.training and torch.allclose(features(x)["out"], expected, atol=1e-6)
+    with pytest.raises(FunctionalSiteError) as raised:  # torch's own tracer sets no mode: nothing to say about it
+        torch.fx.symbolic_trace(model)
+    assert "is in training mode now" not in str(raised.value)
+
+
+class _Raises(nn.Module):
+    """The identity, or raises: in every forward (``when="forward"``) or under an fx trace (``"trace"``)."""
+
+    when: str | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if _Raises.when == "forward" or (_Raises.when == "trace" and isinstance(x, torch.fx.Proxy)):
+            raise RuntimeError("injected")
+        return x
+
+
+class _WithRaises(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.bn, self.b, self.raises, self.c = nn.Linear(6, 8), nn.BatchNorm1d(8), nn.Linear(8, 8), \
+            _Raises(), nn.Linear(8, 3)
+        self.act, self.act2 = nn.ReLU(), nn.GELU()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c(self.act2(self.raises(self.b(self.act(self.bn(self.a(x)))))))
+
+
+_PROBES = {
+    "convert": lambda m, x: linearize.convert(m, example_inputs=x),
+    "average_path_length fx": lambda m, x: linearize.measures.average_path_length(m, x, method="fx"),
+    "average_path_length record": lambda m, x: linearize.measures.average_path_length(m, x, method="record"),
+    "fold": lambda m, x: linearize.fold(m, x, latency=False),
+    "count_flops": lambda m, x: linearize.count_flops(m, x),
+    "freeze": lambda m, x: linearize.freeze(m, data=[x]),
+    "report": lambda m, x: linearize.report(m, x, progress=False),
+    "Sparsifier weights='flops'": lambda m, x: linearize.Sparsifier(
+        m, linearize.schedules.target(0.5), total_steps=10, weights="flops", example_inputs=x),
+    "symbolic_trace of a wrapper": lambda m, x: torch.fx.symbolic_trace(nn.Sequential(m)),
+}
+
+
+@pytest.mark.parametrize("probe, when", [(p, "forward") for p in _PROBES] + [
+    ("average_path_length fx", "trace"), ("symbolic_trace of a wrapper", "trace")])
+def test_an_exception_mid_probe_or_mid_trace_leaves_every_mode_and_hook_as_it_was(probe, when):
+    """The paths of linearize that probe or trace a model, with an exception raised inside its forward (or only
+    under an fx trace): every module's training flag (a BatchNorm kept in eval mode inside a model in training mode)
+    and its hooks are as before, and the model computes what it did. Truth: the state taken before the call."""
+    torch.manual_seed(0)
+    x = torch.randn(5, 6)
+    model = _WithRaises()
+    if probe != "convert":
+        linearize.convert(model, example_inputs=x)
+    model.train()
+    model.bn.eval()
+
+    def state() -> list:
+        return [(n, m.training, *map(len, (m._forward_hooks, m._forward_pre_hooks, m._backward_hooks,
+                                           m._backward_pre_hooks, m._forward_hooks_always_called)))
+                for n, m in model.named_modules()]
+
+    before, want = state(), model(x)
+    _Raises.when = when
+    try:
+        with pytest.raises((RuntimeError, ValueError), match="injected"):
+            _PROBES[probe](model, x)
+    finally:
+        _Raises.when = None
+    assert state() == before and torch.equal(model(x), want)
+
+
 @pytest.mark.parametrize("cls", [Functional, Reused])
 def test_compile_fullgraph_says_why_and_the_fix_and_leaves_nothing_behind(cls):
     model, x, expected = converted(cls)
