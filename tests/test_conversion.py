@@ -492,6 +492,39 @@ def test_a_converted_teacher_is_named_when_registered_and_its_units_are_its_own_
     assert torch.equal(student(x), want)
 
 
+def test_the_fix_the_converted_teacher_refusal_names_works_through_training_saving_and_folding(tmp_path):
+    """convert(student, exclude_modules=['teacher']) with a converted teacher registered is refused, naming it and
+    the fix: hold the teacher outside the module tree. That fix is followed here through a Sparsifier's training,
+    save_pretrained / from_pretrained and fold. Truth: the unconverted student at init, the teacher's state and
+    output taken before (its slopes random), the student's own units the only ones counted and trained."""
+    torch.manual_seed(0)
+    x = torch.randn(16, 8)
+    teacher = linearize.convert(_TeacherNet(), example_inputs=x)
+    with torch.no_grad():
+        for _, unit in linearize.units(teacher):
+            unit.slope.uniform_(0, 1)
+    state, out = copy.deepcopy(teacher.state_dict()), teacher(x)
+    student = _Student(teacher, register=False)
+    want = student(x)
+    linearize.convert(student, example_inputs=x)
+    assert torch.equal(student(x), want) and [n for n, _ in linearize.units(student)] == ["linearize_functional.relu_0"]
+    opt = torch.optim.AdamW(linearize.param_groups(student), lr=1e-2)
+    linearize.Sparsifier(student, linearize.schedules.target(0.25, start=0.0, end=0.5), total_steps=8).attach(opt)
+    student.train()
+    for _ in range(8):
+        opt.zero_grad()
+        F.mse_loss(student(x), torch.zeros(16, 8)).backward()
+        opt.step()
+    student.eval()
+    assert linearize.count_units(student)["nonlinear"] == 2  # the student's 8 channels, a quarter kept
+    assert teacher.state_dict().keys() == state.keys() and torch.equal(teacher(x), out)
+    assert all(torch.allclose(v, state[k], rtol=0, atol=0, equal_nan=True) for k, v in teacher.state_dict().items())
+    linearize.save_pretrained(student, tmp_path)
+    reloaded = linearize.from_pretrained(_Student(teacher, register=False), tmp_path)
+    assert torch.equal(reloaded(x), student(x))
+    assert torch.allclose(linearize.fold(student, x, latency=False)(x), student(x), atol=1e-5)
+
+
 def test_a_model_whose_only_activation_is_a_gate_is_told_how_to_convert_it():
     class Gated(nn.Module):
         def __init__(self) -> None:
