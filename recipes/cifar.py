@@ -58,7 +58,7 @@ RECIPE = "cifar"
 MOBILENET_WIDTHS = {"mobilenet_v2": 1.0, "mobilenet_v2_x0_75": 0.75, "mobilenet_v2_x0_5": 0.5,
                     "mobilenet_v2_x0_35": 0.35}
 # CIFAR ResNets: (depth, width of the first stage); the narrower ResNet-20s are the alternative a user
-# would train for a faster model (issue 20)
+# would train for a faster model (the speed study, recipes/reproduce/speed.py)
 CIFAR_RESNETS = {"resnet20": (20, 16), "resnet56": (56, 16), "resnet20_x0_75": (20, 12), "resnet20_x0_5": (20, 8)}
 ARCHS = ("resnet18", "resnet34", "resnet50", *CIFAR_RESNETS, "vgg11_bn", "vgg16_bn", *MOBILENET_WIDTHS, *airbench.ARCHS)
 VGG_CFG = {

@@ -242,7 +242,7 @@ def test_constant_output_scores_one():
     assert affinity_score(x, np.full((50, 3), 0.1)) == 1.0
 
 
-# ---------------------------------------------------------------------------- scale (issue 16, item 7)
+# ---------------------------------------------------------------------------- scale
 
 
 def _paper_score(x: np.ndarray, y: np.ndarray) -> float:

@@ -1,6 +1,6 @@
-"""Block pressure, latency weights and cost targets (issue 20, items 1 and 2). Truths: the model's
-block layout, the closed form of the group proximal step, layer sizes, and a brute force over every
-set of linear sites, each folded (``freeze`` + ``fold``) and counted (``count_flops``)."""
+"""Block pressure, latency weights and cost targets (for the speed study, ``recipes/reproduce/speed.py``).
+Truths: the model's block layout, the closed form of the group proximal step, layer sizes, and a brute force
+over every set of linear sites, each folded (``freeze`` + ``fold``) and counted (``count_flops``)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
-"""Folds that pay (issue 20): per-block merges of inverted residuals (torchvision MobileNet-V2/V3,
-timm), Bottleneck pieces and conv-BN-(linear)-conv chains, decided by FLOPs and optionally by a
-batch-1 latency probe, recorded per merge. Truth: the unfolded model in float64, FLOPs counted by
-hand from the layer shapes."""
+"""Folds that pay (for the speed study, ``recipes/reproduce/speed.py``): per-block merges of inverted
+residuals (torchvision MobileNet-V2/V3, timm), Bottleneck pieces and conv-BN-(linear)-conv chains, decided
+by FLOPs and optionally by a batch-1 latency probe, recorded per merge. Truth: the unfolded model in
+float64, FLOPs counted by hand from the layer shapes."""
 
 from __future__ import annotations
 

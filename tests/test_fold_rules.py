@@ -1,7 +1,7 @@
-"""fold's rule registry (issue 17, item 2) and fold by shape (issue 18, item 3): users' blocks fold
-through registered rules; FFN-shaped blocks of any model (timm Mlp in ViT / ConvNeXt / MLP-Mixer,
-torchvision MLPBlock, a user's Linear -> ReLU -> Linear) fold without a rule naming their class.
-Truths: the unfolded model in float64, hand-counted multiply-adds, hand-built expected weights."""
+"""fold's rule registry and fold by shape: users' blocks fold through registered rules; FFN-shaped blocks of
+any model (timm Mlp in ViT / ConvNeXt / MLP-Mixer, torchvision MLPBlock, a user's Linear -> ReLU -> Linear)
+fold without a rule naming their class. Truths: the unfolded model in float64, hand-counted multiply-adds,
+hand-built expected weights."""
 
 from __future__ import annotations
 

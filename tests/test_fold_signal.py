@@ -1,6 +1,6 @@
-"""fold's verification is never vacuous (issue 21, item 9): when the model's output is zero or
-the same for every sample (a zero-initialised head), fold verifies the input of the last layer it
-left untouched (the features before the head), says so, and catches a broken fold there."""
+"""fold's verification is never vacuous: when the model's output is zero or the same for every sample (a
+zero-initialised head), fold verifies the input of the last layer it left untouched (the features before the
+head), says so, and catches a broken fold there."""
 
 import warnings
 

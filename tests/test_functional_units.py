@@ -553,8 +553,8 @@ def real_cifar(tmp_path_factory) -> tuple[torch.Tensor, torch.Tensor]:
     lambda: torchvision.models.googlenet(weights=None, aux_logits=False, init_weights=True, num_classes=10),
 ], ids=["functional-cifar-resnet", "googlenet"])
 def test_functional_models_train_to_a_target_on_real_cifar_and_fold_exactly(build, real_cifar):
-    """Issue 18: models whose activations are all functional train under the Sparsifier to a 10%
-    target on real images, reach it exactly, and fold to the same function."""
+    """Models whose activations are all functional train under the Sparsifier to a 10% target on real
+    images, reach it exactly, and fold to the same function."""
     x, y = real_cifar
     torch.manual_seed(0)
     model = _convert(build(), x[:2])

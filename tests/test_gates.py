@@ -1,5 +1,5 @@
-"""Multiplicative gates (issue 21, item 7): squeeze-excitation and other gates are not converted
-by default, are listed with the reason, and are not counted; ``gates="include"`` converts them.
+"""Multiplicative gates: squeeze-excitation and other gates are not converted by default, are listed with
+the reason, and are not counted; ``gates="include"`` converts them.
 
 The truth is enumerated here from each model's own modules (the gate activation of every SE
 module), never from what ``convert`` reports.

@@ -1,5 +1,5 @@
-"""The core install and its extras (issue 21.4): pyproject's dependency lists, and a missing optional
-package failing with an ImportError that names it and the extra to install.
+"""The core install and its extras: pyproject's dependency lists, and a missing optional package failing
+with an ImportError that names it and the extra to install.
 
 The extras are hidden from a subprocess by an import hook (as if not installed); the real core-only
 venv check is ``tests/core_install_check.py``, run by ``.ci/run`` in a venv holding ``pip install .``.

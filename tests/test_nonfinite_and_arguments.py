@@ -1,4 +1,4 @@
-"""Issue 16, items 6 and 11: NaN/inf slopes never become a number, and arguments are validated.
+"""NaN/inf slopes never become a number, and arguments are validated.
 
 Expected counts are worked out by hand from slopes set by the test; every entry point must agree
 on them (one definition of a linear channel) and must raise, naming the unit, on a NaN/inf slope.

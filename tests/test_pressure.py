@@ -1,4 +1,4 @@
-"""Scale-free pressure, the gentle target and distillation (issue 22), on the real digits data."""
+"""Scale-free pressure, the gentle target and distillation, on the real digits data."""
 
 from __future__ import annotations
 

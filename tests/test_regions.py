@@ -1,8 +1,8 @@
 """Linear regions and absolute deviation (seed 001) against independent computations.
 
-Independent references: activation patterns recorded by plain forward hooks on a dense grid,
-closed-form breakpoints of one-hidden-layer networks, the hand-derived reference function of the
-issue, and dense trapezoid quadrature of the plain model output.
+Independent references: activation patterns recorded by plain forward hooks on a dense grid, closed-form
+breakpoints of one-hidden-layer networks, the hand-derived reference function
+``f(x) = relu(x) - 2 relu(x - 1) + relu(x - 2)``, and dense trapezoid quadrature of the plain model output.
 """
 
 from __future__ import annotations
@@ -415,7 +415,7 @@ def test_pieces_give_the_unsplit_result_cnn():
 
 
 def test_pieces_reference_function_and_boundaries_on_breakpoints():
-    """The issue's reference on -1 -> 3 has kinks at t = 1/4, 1/2, 3/4: with 2 and 4 pieces every
+    """The reference function on -1 -> 3 has kinks at t = 1/4, 1/2, 3/4: with 2 and 4 pieces every
     piece boundary is a breakpoint, with 3, 7, 8 pieces some are not."""
     net = _reference_net()
     for pieces in (1, 2, 3, 4, 7, 8):
@@ -461,7 +461,7 @@ def test_pieces_bad_values():
             linear_regions(net, torch.zeros(1, 1), torch.ones(1, 1), pieces=bad)
 
 
-# ---------------------------------------------------------------------------- budgets (issue 16, item 10)
+# ---------------------------------------------------------------------------- budgets
 
 
 def _kinks_net(kinks: torch.Tensor) -> nn.Module:

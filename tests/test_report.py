@@ -258,8 +258,8 @@ def test_regions_budget_gives_a_marked_partial_result(tmp_path: Path, one_thread
 
 
 def test_default_regions_budget_stops_an_untrained_cifar_resnet20(one_thread) -> None:
-    """The issue's case: one segment through an untrained CIFAR ResNet-20 holds thousands of
-    regions (it ran for minutes); the report's time budget stops it, marked partial."""
+    """The slow case that motivated the budget: one segment through an untrained CIFAR ResNet-20 holds
+    thousands of regions (it ran for minutes); the report's time budget stops it, marked partial."""
     import sys
     import time
 

@@ -1,5 +1,5 @@
-"""stable_units and compress: reference cases of the issue, soundness against MILP and dense
-sampling, and lossless compression checked on fresh samples of the box."""
+"""stable_units and compress: reference cases with bounds worked out by hand, soundness against MILP and
+dense sampling, and lossless compression checked on fresh samples of the box."""
 
 import warnings
 

@@ -1,7 +1,7 @@
-"""Structured pressure (issue 20): ``Sparsifier(granularity="site")`` moves the channels of a call site
-together (group lasso) and a target makes whole sites linear, the only linearity fold can turn into
-fewer layers of a convolutional network. Truths: the closed form of the group proximal step, and
-the site layout of the model."""
+"""Structured pressure (for the speed study, ``recipes/reproduce/speed.py``):
+``Sparsifier(granularity="site")`` moves the channels of a call site together (group lasso) and a target
+makes whole sites linear, the only linearity fold can turn into fewer layers of a convolutional network.
+Truths: the closed form of the group proximal step, and the site layout of the model."""
 
 from __future__ import annotations
 

@@ -17,7 +17,8 @@ The affinity score of a map ``x -> y`` sampled as paired point clouds ``x, y: [n
   of ``W2^2``, so ``0 <= rho <= 1``; ``rho = 1`` iff ``y`` is a positive semi-definite affine
   image of ``x``.
 
-This is the definition that reproduces the reference values of the seed and of issue 5, e.g.
+This is the definition that reproduces the reference values of the seed paper and those that
+``tests/test_affinity.py`` checks, e.g.
 ``x = linspace(-1, 1, 1000)``: ``rho(x, x**3) = .7112`` (with ``W2^2`` it would be .9166), and
 ``x ~ N(0, I_64)``, ``n = 2048``: ``rho(x, relu(x)) = .622``.
 

@@ -12,7 +12,7 @@ them on 256 calibration sentences (the English side of Multi30k's training split
 Measured on Multi30k's 1,000 test sentences: mean cosine of the student's sentence embeddings (mean-pooled,
 normalized) to the original's, and the Spearman correlation of all pairwise similarities (student against
 teacher, the 499,500 pairs). The affine student is then folded (``linearize.fold``, verified there) and its
-FFN FLOPs counted. ``--steps N`` adds the user loop of issue 37 (AdamW 5e-5, N steps of 32 sentences, cosine
+FFN FLOPs counted. ``--steps N`` adds the obvious user loop (AdamW 5e-5, N steps of 32 sentences, cosine
 distillation to the teacher embedding, a ``Sparsifier`` with ``schedules.target(0.25)`` and its defaults)
 from the original model and from each one-shot start (``--starts`` picks them).
 
@@ -76,7 +76,7 @@ def quality(student, test: list[dict], reference: torch.Tensor) -> dict:
 
 def user_loop(student, teacher, train: list[dict], test: list[dict], reference: torch.Tensor, steps: int,
               sparsify: bool = True, settings: dict | None = None) -> dict:
-    """Issue 37's obvious loop: AdamW 5e-5, ``steps`` batches of 32, cosine to the teacher embedding, and a
+    """The obvious user loop: AdamW 5e-5, ``steps`` batches of 32, cosine to the teacher embedding, and a
     Sparsifier to 25% nonlinear with the library's defaults, or with ``settings`` (``sparsify=False``: none,
     for a pruned model)."""
     student.train()

@@ -26,7 +26,7 @@ barriers for peers that are descheduled (a 2-core machine under a load of ~3 ran
 
     python recipes/benchmarks/affinity.py [--n 1024] [--reps 3] [--threads 1]
 
-Target (issue 5): speed-up >= 5x with equal values.
+Target: speed-up >= 5x with equal values.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """What each residual block of a trained CIFAR model costs to make linear, and what folding it saves
-(issue 20: why a latency budget costs the accuracy it does).
+(for the speed study, ``recipes/reproduce/speed.py``: why a latency budget costs the accuracy it does).
 
 For every block (the sites grouped by :func:`linearize.sparsifier.site_groups`; the stem and the last
 conv are groups of one site) of a model saved by ``recipes/cifar.py`` (``OUTPUT_DIR/model``):

@@ -14,7 +14,7 @@ skip in its centre tap), so the sequential conv layers drop while FLOPs rise.
     python recipes/benchmarks/fold.py --threads 2 --batch 16
     python recipes/benchmarks/fold.py --objective depth
 
-Targets (issue 4): error <= 1e-4 relative everywhere; latency ratio within 15% of the FLOP ratio
+Targets: error <= 1e-4 relative everywhere; latency ratio within 15% of the FLOP ratio
 where FLOPs drop by at least 2x; the fully linear FFN stack at least 3x faster.
 """
 

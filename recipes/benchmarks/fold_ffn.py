@@ -1,4 +1,4 @@
-"""Benchmark fold by shape (issue 18, item 3): FFNs of models nobody wrote a fold rule for.
+"""Benchmark fold by shape: FFNs of models nobody wrote a fold rule for.
 
 timm ViT-Tiny, ConvNeXt-Atto (1x1-conv and channels-last Linear MLPs), MLP-Mixer and torchvision's
 ViT (``MLPBlock``), created from scratch (no download); every unit gets 90% of its channels exactly

@@ -1,5 +1,6 @@
-"""Benchmark the folds that pay (issue 20): CPU latency of a CIFAR model with about half its blocks
-linear (or all its sites), before and after ``linearize.fold``, at batch 1 and batch 64 on one thread.
+"""Benchmark the folds that pay (for the speed study, ``recipes/reproduce/speed.py``): CPU latency of a CIFAR
+model with about half its blocks linear (or all its sites), before and after ``linearize.fold``, at batch 1 and
+batch 64 on one thread.
 
 The model is ``recipes/cifar.py``'s ``--arch`` (default MobileNet-V2 x0.5 with the CIFAR stem: stem conv
 and the first stride-2 block at stride 1, 32x32 inputs end at 4x4), random weights and BatchNorm

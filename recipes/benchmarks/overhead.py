@@ -33,7 +33,7 @@ time: on a shared, busy machine other processes' load then stretches neither mod
     python recipes/benchmarks/overhead.py [--reps 30] [--threads 2] [--malloc glibc|tcmalloc|jemalloc] [--profile]
                                           [--functional] [--clock wall|cpu]
 
-Targets (issue 2): time ratio <= 1.05, memory ratio <= 1.10.
+Targets: time ratio <= 1.05, memory ratio <= 1.10.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Linearize against structured pruning on MiniLM's FFNs, at equal FFN FLOPs (issue 37, items 1 and 5).
+"""Linearize against structured pruning on MiniLM's FFNs, at equal FFN FLOPs.
 
 The real all-MiniLM-L6-v2 and Multi30k's English sentences, with the helpers of ``affine_one_shot.py``:
 
@@ -8,7 +8,7 @@ The real all-MiniLM-L6-v2 and Multi30k's English sentences, with the helpers of 
 - **prune**: ``linearize.prune`` keeps 576 of the 1,536 channels of each FFN (``2*d*576``: the same count; the
   script checks the equality on the two real models), ranked by magnitude, Taylor or the affine-fit residual.
 
-Each is measured one-shot (no fine-tune) and after issue 37's user loop (``affine_one_shot.user_loop``: AdamW
+Each is measured one-shot (no fine-tune) and after the obvious user loop (``affine_one_shot.user_loop``: AdamW
 5e-5, ``--steps`` batches of 32 unseen sentences, cosine distillation to the original; the linearize students
 with the Sparsifier to 25% as that script's ``--steps`` runs them, the pruned ones without). Metrics on the
 1,000 test sentences against the original model: mean cosine, Spearman correlation of all pairwise

@@ -2,7 +2,7 @@
 (forward, backward, SGD step; batch 128, 32x32, channels-last as the speed plan trains, one thread),
 repetitions interleaved, and each model's time relative to the first one.
 
-Issue 20 compares a linearized MobileNet-V2 x0.5 with the narrower x0.35 "trained for the same total
+The speed study compares a linearized MobileNet-V2 x0.5 with the narrower x0.35 "trained for the same total
 time": ``recipes/reproduce/speed.py`` gives x0.35 as many epochs as the x0.5 pipeline (baseline + late
 run) divided by the ratio printed here, so both spend about the same CPU time on their steps::
 

@@ -8,8 +8,8 @@ Two sweeps (``--scale``):
       python recipes/reproduce --cifar /path/cifar10-jpeg.tar.gz --multi30k /path/multi30k
       python recipes/reproduce --stage analyze       # only redo tables and plots from finished runs
 
-* ``full``: issue 19 on the full CIFAR-10 train and test sets, on the CPU (``recipes/reproduce/full.py``:
-  the run list and the analysis): ResNet-20 baselines (40 epochs, seeds 0 and 1), late linearization
+* ``full``: the late-vs-early linearization study of ResNet-20 on the full CIFAR-10 train and test sets,
+  on the CPU (``recipes/reproduce/full.py``: the run list and the analysis): ResNet-20 baselines (40 epochs, seeds 0 and 1), late linearization
   of each baseline (15 epochs) to 25 / 10 / 5 / 2 % nonlinear channels, early linearization from
   scratch (55 epochs) to 10 / 2 %, and late linearization to 5 % on 2- and 5-class subsets, two
   single-thread runs side by side. Runs go to ``runs/reproduce/full/<run>`` (git-ignored), the small
@@ -32,7 +32,7 @@ Two sweeps (``--scale``):
       # resumes from them
       python recipes/reproduce --scale full --stage park && git add recipes/results/inflight
 
-* ``speed``: issue 20 (``recipes/reproduce/speed.py``): MobileNet-V2 x0.5 linearized late under CPU
+* ``speed``: the speed study (``recipes/reproduce/speed.py``): MobileNet-V2 x0.5 linearized late under CPU
   latency budgets (whole blocks), folded, against MobileNet-V2 x0.35 trained for as many epochs; the same
   stages, runs in ``runs/reproduce/speed/``, collected runs in
   ``recipes/results/<run>/``, tables and the accuracy-vs-latency plot in ``recipes/results/speed/``::
@@ -94,8 +94,8 @@ def main(argv: list[str] | None = None) -> int:
     plans = {**{s: full for s in full.SCALES}, **{s: speed for s in speed.SCALES}}  # scale -> its plan and analysis
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--scale", choices=[*small.SCALES, *plans], default="cpu-small",
-                   help="cpu-small, full (issue 19), speed (issue 20), or tiny / speed-tiny (their miniatures for "
-                        "the tests)")
+                   help="cpu-small, full (late vs early linearization of ResNet-20), speed (linearize MobileNet-V2 "
+                        "for speed), or tiny / speed-tiny (their miniatures for the tests)")
     p.add_argument("--stage", choices=["all", "train", "collect", "analyze", "park"], default="all",
                    help="all = train, collect (full), analyze; park (full): copy the newest checkpoint of every "
                         "unfinished run to RESULTS_DIR/inflight/<run>/ to commit, which train resumes from on a "

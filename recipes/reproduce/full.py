@@ -1,7 +1,7 @@
-"""Issue 19 at full scale, for ``python recipes/reproduce --scale full``: the run plan, the collection of
-each finished run's small results into ``recipes/results/<run>/`` and the analysis of those folders
-(tables and plots in ``recipes/results/full/``). How to start, resume, collect and analyze: see the
-docstring of ``recipes/reproduce/cli.py``.
+"""The late-vs-early linearization study of ResNet-20 on CIFAR-10 at full scale, for ``python recipes/reproduce
+--scale full``: the run plan, the collection of each finished run's small results into ``recipes/results/<run>/``
+and the analysis of those folders (tables and plots in ``recipes/results/full/``). How to start, resume, collect and
+analyze: see the docstring of ``recipes/reproduce/cli.py``.
 
 Class subsets (``--classes``): the first 2 and the first 5 classes of CIFAR-10's label order
 (airplane, automobile | + bird, cat, deer). Nested, so every smaller task is part of the bigger one
@@ -534,7 +534,7 @@ def _report(res: dict, jobs: list[sweep.Job]) -> list[str]:
     first = next((r for r in runs.values() if r["task"] == "c10"), {})
     s = SCALES[res["scale"]]
     args = first.get("args", {})
-    md = [f"# Issue 19: late vs early linearization of ResNet-20 on CIFAR-10 ({res['scale']})", "",
+    md = [f"# Late vs early linearization of ResNet-20 on CIFAR-10 ({res['scale']})", "",
           f"{first.get('train_images', '-')} training / {first.get('test_images', '-')} test images (10 classes), "
           f"batch {args.get('batch_size', '-')}, SGD with cosine decay, one CPU thread per run. Baselines "
           f"{s['base_epochs']} epochs (seeds {', '.join(map(str, SEEDS))}); late: {s['late_epochs']} epochs from the "

@@ -1,4 +1,4 @@
-"""Issue 20 at full scale, for ``python recipes/reproduce --scale speed``: does linearizing a trained network
+"""The speed study at full scale, for ``python recipes/reproduce --scale speed``: does linearizing a trained network
 under a latency budget, then folding it, give a faster model than training a narrower one?
 
 The plan (full CIFAR-10 train and test sets, one seed, every run ``--channels-last``):
@@ -12,7 +12,8 @@ The plan (full CIFAR-10 train and test sets, one seed, every run ``--channels-la
 * **ResNet-20 is not trained here**: with every site linear it folds to 0.95-0.96 of its BatchNorm-folded
   latency at batch 1 on an idle machine (``python recipes/benchmarks/fold_merges.py --arch resnet20 --linear
   all``; its 3x3 convs cannot merge into anything cheaper), so no budget buys more than 4-5%, less than
-  the timing noise between processes; its linearized runs are issue 19's (``recipes/results/full/``).
+  the timing noise between processes; its linearized runs are those of the late-vs-early study
+  (``recipes/reproduce/full.py``, ``recipes/results/full/``).
 
 Equal time, not equal epochs: a training step of x0.35 takes 0.49-0.63x as long as one of x0.5 (three
 measurements, ``python recipes/benchmarks/train_step.py``, one thread, other runs sharing the cores;
@@ -20,7 +21,7 @@ median 0.58), so x0.35 trains 21 / 0.58 = 36 epochs against x0.5's 15 + 6; the r
 pipeline's measured training time next to its accuracy.
 
 Runs go to ``runs/reproduce/speed/<run>``, the small results of each finished run to
-``recipes/results/<run>/`` (collected, parked and resumed as the issue 19 runs are:
+``recipes/results/<run>/`` (collected, parked and resumed as the late-vs-early runs are:
 ``full.collect / park / unpark``), tables and plots to ``recipes/results/speed/``: accuracy
 against the CPU latency of the folded model at batch 1 and 64 (one thread, interleaved in one process),
 each linearized model next to its baseline and the narrower network.
@@ -46,7 +47,7 @@ SCALES = {
     # model folded with every block linear timed 0.83 of the original on a busy CPU, above budget 0.6)
     "speed-tiny": dict(base_epochs=1, late_epochs=1, extra=["--batch-size", "4", "--eval-batch-size", "10"]),
 }
-# latency budgets (fraction of the original model folded); 0.7 is the issue's 1.4x at batch 1. Blocks chosen
+# latency budgets (fraction of the original model folded); 0.7 is SPEEDUP_GOAL's 1.4x at batch 1. Blocks chosen
 # by slope gap (channel count: the slopes all start at 0) lost 15.2 points at 0.7, channel count ranks the
 # blocks against what each costs (recipes/results/speed/block_sensitivity.txt), so 0.6 runs by saliency only
 MNV2_BUDGETS = (0.8, 0.7)
@@ -64,7 +65,7 @@ FAMILIES = {"mnv2": "MobileNet-V2 (x0.5; narrower: x0.35)"}
 # x0.35's step time over x0.5's (median of 3 measurements of recipes/benchmarks/train_step.py): the narrower
 # network trains (base + late epochs) / NARROW_TIME epochs, the same CPU time as the linearized pipeline
 NARROW_TIME = 0.58
-SPEEDUP_GOAL, LOSS_GOAL = 1.4, 1.0  # the issue's MobileNet goal: >= 1.4x at batch 1, <= 1.0 point lost
+SPEEDUP_GOAL, LOSS_GOAL = 1.4, 1.0  # the MobileNet goal: >= 1.4x at batch 1, <= 1.0 point lost
 
 
 def _meta(family: str, arch: str, budget: float | None = None, narrow: bool = False, select: str = "slope",
@@ -201,7 +202,7 @@ def _train_hours(job: sweep.Job, runs: dict) -> float | None:
 
 
 def _claims(table: list[dict]) -> list[str]:
-    """The goals of the issue, from the numbers (nothing claimed for missing runs)."""
+    """The goals (``SPEEDUP_GOAL``, ``LOSS_GOAL``), from the numbers (nothing claimed for missing runs)."""
     out = []
     for family, label in FAMILIES.items():
         rows = [r for r in table if r["family"] == family]
@@ -215,7 +216,7 @@ def _claims(table: list[dict]) -> list[str]:
         best = max(late, key=lambda r: (r["vs_baseline_points"] >= -LOSS_GOAL, r["speedup"]["b1"]))
         speed = (f"{len(ok)} of {len(late)} linearized runs reach >= {SPEEDUP_GOAL}x at batch 1 with <= {LOSS_GOAL} point "
                  f"lost" + (f" (best: {best['run']}, {best['speedup']['b1']:.2f}x, {best['vs_baseline_points']:+.2f})"
-                            if best else "")) + ": the issue's goal " + ("**is met**" if ok else "**is missed**")
+                            if best else "")) + ": the goal " + ("**is met**" if ok else "**is missed**")
         if narrow is None:
             vs = "the narrower network is not measured yet"
         else:
@@ -244,7 +245,7 @@ def _against_pruning(rows: list[dict]) -> str:
 
 def _report(res: dict) -> list[str]:
     lat = res["latency"]
-    md = ["# Issue 20: linearize for speed (full CIFAR-10)", "",
+    md = ["# Linearize for speed (full CIFAR-10)", "",
           "Made by `python recipes/reproduce --scale speed --stage analyze` from `recipes/results/<run>/`. "
           "Latency: the folded model (baselines also as trained; a pruned model with its BatchNorms folded), median of interleaved repetitions on one "
           f"thread, batch 1 and {lat.get('batch', {}).get('b64', 64)} test images"

@@ -1,5 +1,6 @@
-"""The full-scale sweep of ``recipes/reproduce`` (issue 19), run as its ``tiny`` miniature: the same
-plan, 1-2 epochs on a fake image-folder tree of 8x8 images (no real data, a few minutes of CPU).
+"""The full-scale sweep of ``recipes/reproduce`` (the late-vs-early study of ResNet-20,
+``recipes/reproduce/full.py``), run as its ``tiny`` miniature: the same plan, 1-2 epochs on a fake
+image-folder tree of 8x8 images (no real data, a few minutes of CPU).
 
 Checked against what the test itself sets up or reads from the files: a late run waits for its
 baseline without blocking the other slot; a failed run is reported with its log and not retried; a
@@ -552,6 +553,22 @@ def test_analyze_table_and_plots(tree, swept, tmp_path, monkeypatch):
 
 @pytest.mark.skipif(not _has_classes_option(), reason="recipes/cifar.py has no --classes option yet (the class-subset "
                     "runs r20_c2_*/r20_c5_* need it)")
+def test_help_and_report_title_say_what_each_sweep_studies(capsys):
+    """``--help`` and the title of the full sweep's page name the studies in words, never an internal issue."""
+    from reproduce import cli
+    from reproduce import full as F
+
+    with pytest.raises(SystemExit):
+        cli.main(["--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "full (late vs early linearization of ResNet-20), speed (linearize MobileNet-V2 for speed)" in out
+    assert "issue" not in out.lower()
+    md = F._report({"configs": {}, "runs": {}, "latency": {}, "scale": "tiny", "claims": [], "missing": [],
+                    "skipped": []}, [])
+    assert md[0] == "# Late vs early linearization of ResNet-20 on CIFAR-10 (tiny)"
+    assert "issue" not in "\n".join(md).lower()
+
+
 def test_class_subset_runs(tree, swept):
     reproduce(tree, "--stage", "all", "--only", "r20_c2_late_5_s0,r20_c2_base_s0")
     recipe = json.loads((tree["results"] / "r20_c2_late_5_s0" / "model" / "recipe.json").read_text())
