@@ -435,9 +435,10 @@ class RunningFit:
     forwards whose gradients no optimizer step took are left out whole, as if their batches had not been run:
     when a backward finds that the slopes' gradients of an earlier backward since the last :meth:`step` were
     dropped (set to ``None`` by ``zero_grad()``: the step a loss scaler such as ``torch.amp.GradScaler``
-    skipped), the forwards before that earlier backward are left out (``skipped_batches`` counts those backwards; a
-    post-accumulate-grad hook on each slope, no device sync; gradients zeroed in place, ``zero_grad(
-    set_to_none=False)``, look accumulated and are kept). The first training forward also finds the
+    skipped), the forwards before that earlier backward are left out (``skipped_batches`` counts those backwards;
+    hooks on each slope's gradient, before and after it is accumulated into ``.grad``, no device sync; gradients
+    zeroed in place, ``zero_grad(set_to_none=False)``, look accumulated and are kept, and so do the ones
+    ``backward(create_graph=True)`` accumulates). The first training forward also finds the
     layer each unit's output feeds, for
     the outgoing weight norms of :meth:`fits` (``outgoing`` stays ``None`` for a unit that feeds no single
     Linear / Conv1D / conv layer). Eval-mode calls are not recorded. The :class:`~linearize.Sparsifier` uses
@@ -469,19 +470,28 @@ class RunningFit:
         self.skipped_batches = 0  # backwards (with their forwards) no optimizer step took, left out, this run
         # the statistics of the forwards before the backwards since the last step, and how many backwards
         self._backward: tuple[dict[str, _Stats], int] | None = None
-        self._grads: dict[int, torch.Tensor] = {}  # slope index -> its gradient at the last backward since the step
-        self._grad_handles = [u.slope.register_post_accumulate_grad_hook(_Hook(self._backward_hook(i, u.slope)))
-                              for i, (_, u) in enumerate(self._named) if u.slope.requires_grad]
+        self._accumulated: set[int] = set()  # slope indices that got a gradient from a backward since the last step
+        self._was_none: dict[int, bool] = {}  # slope index -> its .grad was None as this backward's gradient came
+        trained = [(i, u.slope) for i, (_, u) in enumerate(self._named) if u.slope.requires_grad]
+        self._grad_handles = [slope.register_hook(_Hook(self._gradient_hook(i, slope))) for i, slope in trained]
+        self._grad_handles += [slope.register_post_accumulate_grad_hook(_Hook(self._backward_hook(i, slope)))
+                               for i, slope in trained]
+
+    def _gradient_hook(self, index: int, slope: torch.Tensor):
+        # before the gradient is accumulated into .grad: whether zero_grad() dropped the earlier one (an object
+        # identity test after it cannot tell: backward(create_graph=True) accumulates out of place, a new .grad)
+        def hook(grad: torch.Tensor) -> None:
+            self._was_none[index] = slope.grad is None
+        return hook
 
     def _backward_hook(self, index: int, slope: torch.Tensor):
         def hook(param: torch.Tensor) -> None:
-            grad = param.grad
-            if param is not slope or grad is None:
+            if param is not slope or param.grad is None:
                 return
             stats = self._recorder.stats
             if any(s.sums is not None for s in stats.values()):  # the first slope of a backward after forwards
-                seen = self._grads.get(index)
-                if self._backward is not None and seen is not None and seen is not grad:  # dropped, not stepped
+                dropped = index in self._accumulated and self._was_none.get(index, False)
+                if self._backward is not None and dropped:  # the earlier backward's gradient dropped, not stepped
                     self.skipped_batches += self._backward[1]
                     self._backward = None
                 self._recorder.stats = {name: _Stats() for name in stats}
@@ -491,7 +501,7 @@ class RunningFit:
                     for name, s in stats.items():
                         self._backward[0][name].merge(s)
                 self._backward = (self._backward[0], self._backward[1] + 1)
-            self._grads[index] = grad
+            self._accumulated.add(index)
         return hook
 
     def _taken(self) -> dict[str, _Stats]:
@@ -500,7 +510,8 @@ class RunningFit:
         if self._backward is not None:
             for name, s in self._backward[0].items():
                 pending[name].merge(s)
-        self._backward, self._grads = None, {}
+        self._backward = None
+        self._accumulated.clear()
         self._recorder.stats = {name: _Stats() for name, _ in self._named}
         return pending
 

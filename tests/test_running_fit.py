@@ -225,21 +225,26 @@ if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-q"]))
 
 
-def test_batches_whose_gradients_no_step_took_are_left_out_and_accumulated_ones_kept():
+@pytest.mark.filterwarnings("ignore:Using backward\\(\\) with create_graph=True")  # torch's note on the cycle
+@pytest.mark.parametrize("create_graph", [False, True])
+def test_batches_whose_gradients_no_step_took_are_left_out_and_accumulated_ones_kept(create_graph):
     """A batch run forward and backward whose gradients are then dropped with no optimizer step (set to None by
     zero_grad: the step a loss scaler skipped) used to count in the fit; micro-batches accumulated into one step
-    count all. Truth: numpy's least squares over exactly the batches the optimizer steps took."""
+    count all, under backward(create_graph=True) too (which accumulates into a new .grad object at every
+    backward: every micro-batch but the last was left out as dropped). Truth: numpy's least squares over
+    exactly the batches the optimizer steps took."""
     net = _net()
     unit = linearize.units(net)[0][1]
     tracker = linearize.RunningFit(net, decay=0.0)  # the last step's batches alone
     opt = torch.optim.SGD(net.parameters(), lr=0.0)  # the weights stay: the truth reruns them
     g = torch.Generator().manual_seed(3)
     skipped, first, second = (torch.randn(40, 4, generator=g) for _ in range(3))
-    net(skipped).sum().backward()  # its step skipped: no opt.step()
+    net(skipped).sum().backward(create_graph=create_graph)  # its step skipped: no opt.step()
     opt.zero_grad()
-    net(first).sum().backward()  # two micro-batches accumulated into one step
-    net(second).sum().backward()
+    net(first).sum().backward(create_graph=create_graph)  # two micro-batches accumulated into one step
+    net(second).sum().backward(create_graph=create_graph)
     opt.step()
+    opt.zero_grad()  # create_graph: .grad holds the graph, a reference cycle with the parameter
     tracker.step()
     tracker.close()
     taken = torch.cat([first, second])
