@@ -479,13 +479,86 @@ def _channel_axis(x: torch.Tensor, channel_dim: int, channels: int, owner: str, 
     return dim
 
 
+def _owner(module: nn.Module) -> str:
+    """How errors name a unit (``LinearizableActivation(relu)``) or a plain form (``ChannelBlend(channels=3, ...)``)."""
+    kind = getattr(module, "kind", None)
+    return f"{type(module).__name__}({module.extra_repr() if kind is None else kind})"
+
+
+def _integer_call(module: nn.Module, x: torch.Tensor, original: Callable[[torch.Tensor], torch.Tensor] | None
+                  ) -> torch.Tensor:
+    """``original(x)`` on an integer or bool ``x`` (written into ``x`` for an in-place ``module``); ``TypeError``
+    naming ``module``, the dtype and the fix where it refuses the dtype (a raw error of the kernels otherwise),
+    or where ``module`` records no original activation (``None``)."""
+    fix = "Fix: convert the input to a floating dtype (x.float(), or the model's dtype) before the activation"
+    if original is None:
+        raise TypeError(f"linearize: a {_owner(module)} got an input of dtype {x.dtype}, and it records no original "
+                        f"activation to compute on one. {fix}")
+    try:
+        return write_into(x, original) if module.inplace else original(x)
+    except (RuntimeError, NotImplementedError) as e:
+        raise TypeError(f"linearize: a {_owner(module)} got an input of dtype {x.dtype}, which the original "
+                        f"activation does not take either ({str(e).splitlines()[0]}). {fix}") from e
+
+
+def nested_parts(x: torch.Tensor, channel_dim: int | None) -> list[torch.Tensor] | None:
+    """The dense tensors an elementwise activation, channels at ``channel_dim``, runs on for a nested tensor ``x``
+    (``torch.nested``): a jagged one's values (``[1, T, ...]``, the batch and ragged dims merged), or a strided
+    one's tensors (``[1, ...]``, in order); ``None`` where the channels cannot broadcast: at a ragged dim, or
+    one slope per position of a fixed map (``channel_dim`` ``None``)."""
+    if channel_dim is None:
+        return None
+    if x.layout == torch.strided:
+        return [t.unsqueeze(0) for t in x.unbind()]
+    ragged = [d for d, n in enumerate(x.shape) if not isinstance(n, int)]
+    dim = channel_dim if channel_dim >= 0 else x.dim() + channel_dim
+    return [x.values().unsqueeze(0)] if ragged == [1] and dim != 1 else None
+
+
+def _nested_call(module: nn.Module, x: torch.Tensor, dense: Callable[[torch.Tensor], torch.Tensor],
+                 channel_dim: int | None) -> torch.Tensor:
+    """``dense`` on a nested tensor, elementwise as the original activation, on its :func:`nested_parts`: a
+    jagged result keeps ``x``'s offsets, so it combines with ``x`` again. ``ValueError`` naming ``module`` and
+    the fix where those are ``None``."""
+    parts = nested_parts(x, channel_dim)
+    if parts is None:
+        where = "one slope per position of a fixed map" if channel_dim is None else (
+            f"its channels at dim {channel_dim}, next to a ragged dim")
+        shape = tuple(x.shape) if x.layout == torch.jagged else [tuple(t.shape) for t in x.unbind()]  # strided: none
+        raise ValueError(
+            f"{_owner(module)} cannot run on a nested tensor of shape {shape} ({where}). Fix: pass a padded "
+            "tensor (nt.to_padded_tensor(0.0)), or convert with exclude_modules=[...] naming this activation")
+    if x.layout == torch.jagged:
+        return torch.nested.nested_tensor_from_jagged(dense(parts[0])[0], x.offsets(), x.lengths())
+    return torch.nested.as_nested_tensor([dense(t)[0] for t in parts], layout=torch.strided)
+
+
+def _activation_forward(module: nn.Module, x: torch.Tensor, dense: Callable[[torch.Tensor], torch.Tensor],
+                       original: Callable[[torch.Tensor], torch.Tensor] | None, weights: Iterable[torch.Tensor],
+                       channel_dim: int | None) -> torch.Tensor:
+    """The forward of a unit and of its plain forms (``module``): ``dense``, the computation on a floating tensor,
+    which uses ``weights``; written into ``x`` when ``module.inplace`` (:func:`write_into`).
+
+    An integer or bool ``x`` gets ``original``, the activation the unit replaced, whatever the slopes (as a
+    functional call on integers, which is no site: such an input has no slope to learn), or ``TypeError`` naming
+    ``module``, the dtype and the fix. A nested tensor runs ``dense`` on its values, its channels at
+    ``channel_dim`` (``None``: one slope per position of a fixed map, refused naming ``module`` and the fix).
+    Units and plain forms share it, so a folded model takes the inputs the converted model takes, alike.
+    """
+    if not (x.is_floating_point() or x.is_complex()):
+        return _integer_call(module, x, original)
+    fn = functools.partial(_nested_call, module, dense=dense, channel_dim=channel_dim) if x.is_nested else dense
+    return write_into(x, fn, weights) if module.inplace else fn(x)
+
+
 class ChannelPReLU(nn.PReLU):
     """``nn.PReLU`` whose channels sit at ``channel_dim`` (``nn.PReLU`` assumes dim 1).
 
     ``weight`` ``[C]`` is the slope for negative inputs. Input ``[..., C, ...]`` with ``C`` at
     ``channel_dim``; output has the same shape. A ReLU-family unit's plain form
     (:meth:`LinearizableActivation.plain_activation`): where the weight is 0, an input of -inf gives 0 as the
-    unit does, not ``F.prelu``'s NaN (:func:`_zero_safe_prelu`).
+    unit does, not ``F.prelu``'s NaN (:func:`_zero_safe_prelu`); nested inputs as the unit
+    (:func:`_activation_forward`), integer and bool inputs refused with ``TypeError``.
     """
 
     def __init__(self, weight: torch.Tensor, channel_dim: int = 1, inplace: bool = False) -> None:
@@ -496,7 +569,7 @@ class ChannelPReLU(nn.PReLU):
         self.inplace = inplace  # write the result into the input (the plain form of an in-place unit)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return write_into(x, self._prelu, (self.weight,)) if self.inplace else self._prelu(x)
+        return _activation_forward(self, x, self._prelu, None, (self.weight,), self.channel_dim)
 
     def _prelu(self, x: torch.Tensor) -> torch.Tensor:
         if self.num_parameters == 1:  # one slope for every element, whatever the shape
@@ -519,7 +592,8 @@ class ChannelBlend(nn.Module):
     :meth:`LinearizableActivation.set_linear_end`).
 
     ``slope`` ``[C]`` (a buffer) broadcast along ``channel_dim``; ``alpha`` and ``beta`` ``[C]`` buffers,
-    or ``None`` (the identity end).
+    or ``None`` (the identity end). Nested inputs run as the unit's (:func:`_activation_forward`), integer and
+    bool inputs are refused with ``TypeError``.
     """
 
     def __init__(self, act: nn.Module, slope: torch.Tensor, channel_dim: int = 1, inplace: bool = False,
@@ -535,7 +609,7 @@ class ChannelBlend(nn.Module):
         self.register_buffer("beta", None if beta is None else beta.detach().clone().reshape(-1))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return write_into(x, self._blend, self.act.parameters()) if self.inplace else self._blend(x)
+        return _activation_forward(self, x, self._blend, None, self.act.parameters(), self.channel_dim)
 
     def _blend(self, x: torch.Tensor) -> torch.Tensor:
         shape = [1] * x.ndim
@@ -840,44 +914,9 @@ class LinearizableActivation(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if (traced := fx_leaf_call(self, x)) is not None:  # torch.fx.symbolic_trace: one call_module node
             return traced
-        if not (x.is_floating_point() or x.is_complex()):
-            return self._integer_call(x)
-        blend = self._nested_blend if x.is_nested else self._blend
         # every parameter: an act module may hold its own (a learnable activation), beside the slopes
-        return write_into(x, blend, self.parameters()) if self.inplace else blend(x)
-
-    def _nested_blend(self, x: torch.Tensor) -> torch.Tensor:
-        """The unit on a nested tensor (``torch.nested``), elementwise as the original activation: a jagged one's
-        values (``[1, T, ...]``, the batch and ragged dims merged) keep its offsets, so the result combines with
-        ``x`` again; a strided one's tensors run one by one. ``ValueError`` naming the unit when its channels are a
-        ragged dim, or for an element unit (one slope per position of a fixed map)."""
-        owner = f"{type(self).__name__}({self.kind})"
-        ragged = [d for d, n in enumerate(x.shape) if not isinstance(n, int)] if x.layout == torch.jagged else []
-        dim = self.channel_dim if self.channel_dim >= 0 else x.dim() + self.channel_dim
-        if self.granularity != "channel" or dim in ragged or ragged not in ([], [1]):
-            where = "one slope per position of a fixed map" if self.granularity != "channel" else (
-                f"its {self.num_channels} channels at dim {self.channel_dim}, next to the ragged dim {ragged}")
-            raise ValueError(
-                f"{owner} cannot run on a nested tensor of shape {tuple(x.shape)} ({where}). Fix: pass a padded "
-                "tensor (nt.to_padded_tensor(0.0)), or convert with exclude_modules=[...] naming this activation")
-        if x.layout == torch.jagged:
-            values = self._blend(x.values().unsqueeze(0))[0]
-            return torch.nested.nested_tensor_from_jagged(values, x.offsets(), x.lengths())
-        return torch.nested.as_nested_tensor([self._blend(t.unsqueeze(0))[0] for t in x.unbind()],
-                                             layout=torch.strided)
-
-    def _integer_call(self, x: torch.Tensor) -> torch.Tensor:
-        """The original activation of an integer or bool input, whatever the slopes (as a functional call on
-        integers, which is no site: such an input has no slope to learn); ``TypeError`` naming the unit, the
-        dtype and the fix where that activation refuses the dtype (a raw error of the kernels otherwise)."""
-        try:
-            return write_into(x, self.activation) if self.inplace else self.activation(x)
-        except (RuntimeError, NotImplementedError) as e:
-            raise TypeError(
-                f"linearize: a {type(self).__name__}({self.extra_repr()}) unit got an input of dtype {x.dtype}, "
-                f"which the {self.kind} activation it replaced does not take either ({str(e).splitlines()[0]}). "
-                "Fix: convert the input to a floating dtype (x.float(), or the model's dtype) before the activation"
-            ) from e
+        return _activation_forward(self, x, self._blend, self.activation, self.parameters(),
+                                  self.channel_dim if self.granularity == "channel" else None)
 
     def _blend(self, x: torch.Tensor) -> torch.Tensor:
         dim = _channel_axis(x, self.channel_dim, self.num_channels, f"{type(self).__name__}({self.kind})",
@@ -981,7 +1020,8 @@ def map_view(x: torch.Tensor, map_shape: tuple[int, ...], owner: str) -> torch.T
 class ElementPReLU(nn.Module):
     """PReLU with one negative slope per position of a fixed-shape map: ``weight`` ``[*map_shape]``, input
     ``[N, *map_shape]``; other maps raise ``ValueError``. An element-level ReLU unit's plain form (0, not NaN, for
-    an input of -inf where the weight is 0, as :class:`ChannelPReLU`).
+    an input of -inf where the weight is 0; integer inputs as :class:`ChannelPReLU`'s, nested ones refused as by
+    element units).
 
     Example:
         >>> ElementPReLU(torch.tensor([[0.0, 0.5]]))(torch.tensor([[[-2.0, -2.0]]])).tolist()
@@ -995,7 +1035,7 @@ class ElementPReLU(nn.Module):
         self.inplace = inplace  # write the result into the input (the plain form of an in-place unit)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return write_into(x, self._prelu, (self.weight,)) if self.inplace else self._prelu(x)
+        return _activation_forward(self, x, self._prelu, None, (self.weight,), None)
 
     def _prelu(self, x: torch.Tensor) -> torch.Tensor:
         flat = map_view(x, self.map_shape, "ElementPReLU")
@@ -1008,7 +1048,8 @@ class ElementPReLU(nn.Module):
 class ElementBlend(nn.Module):
     """Fixed blend ``(1 - a) * act(x) + a * x`` (or ``+ a * (alpha * x + beta)``, an affine end) with one ``a``
     per position of a fixed-shape map: ``slope``, ``alpha``, ``beta`` ``[*map_shape]`` buffers (the last two
-    ``None`` for the identity end), input ``[N, *map_shape]``. An element-level smooth unit's plain form.
+    ``None`` for the identity end), input ``[N, *map_shape]``. An element-level smooth unit's plain form (integer
+    and nested inputs as :class:`ChannelBlend`'s, nested ones refused as by element units).
 
     Example:
         >>> ElementBlend(nn.Tanh(), torch.tensor([0.0, 1.0]))(torch.tensor([[-9.0, -9.0]])).tolist()
@@ -1028,7 +1069,7 @@ class ElementBlend(nn.Module):
         self.register_buffer("beta", None if beta is None else beta.detach().clone().reshape(self.map_shape))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return write_into(x, self._blend, self.act.parameters()) if self.inplace else self._blend(x)
+        return _activation_forward(self, x, self._blend, None, self.act.parameters(), None)
 
     def _blend(self, x: torch.Tensor) -> torch.Tensor:
         flat = map_view(x, self.map_shape, "ElementBlend")

@@ -753,3 +753,35 @@ def test_a_bfloat16_fold_failing_from_rounding_gets_the_rounding_diagnosis_despi
         messages.append(str(err.value))
         assert bool(seen) == hooked
     assert messages[1] == messages[0] and "forward hooks" not in messages[1]
+
+
+@pytest.mark.parametrize("layout", [torch.jagged, torch.strided], ids=["jagged", "strided"])
+@pytest.mark.parametrize("act, affine", [(nn.ReLU, False), (nn.LeakyReLU, False), (nn.GELU, False), (nn.GELU, True)],
+                         ids=["relu", "leaky_relu", "gelu", "gelu-affine-end"])
+def test_a_folded_model_takes_the_nested_batches_the_converted_model_takes(layout, act, affine):
+    """The converted model runs nested tensors (torch.nested) through its units, but its folded model crashed on
+    them deep in torch where a site kept mixed slopes (ChannelPReLU: "view(): cannot view shape (2, j1, 16)",
+    ChannelBlend: "aten.lerp.Tensor"). Truth: each sequence run dense through the folded model, and the
+    converted model on the same nested batch. Element-level plain forms are refused by name, as element units."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 5, 8)
+    converted = linearize.convert(nn.Sequential(nn.Linear(8, 16), act(), nn.Linear(16, 4)), example_inputs=x).eval()
+    unit = converted[1]
+    with torch.no_grad():
+        unit.slope.copy_(torch.linspace(0, 1, 16))  # a partly linear site
+    if affine:
+        unit.set_linear_end(torch.linspace(0.5, 1.5, 16), torch.linspace(-0.2, 0.2, 16))
+    folded = linearize.fold(converted, x, latency=False).eval()
+    assert isinstance(folded[1], ChannelPReLU if act is not nn.GELU else ChannelBlend)
+    seqs = [torch.randn(3, 8), torch.randn(5, 8)]
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # torch: the strided layout is a prototype
+        nested = torch.nested.as_nested_tensor(seqs, layout=layout)
+        got, want = folded(nested), converted(nested)
+        for g, w, s in zip(got.unbind(), want.unbind(), seqs, strict=True):
+            torch.testing.assert_close(g, folded(s.unsqueeze(0))[0], rtol=1e-6, atol=1e-6)
+            torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-6)
+        element = linearize.unit.ElementBlend(nn.GELU(), torch.zeros(5, 8))
+        with pytest.raises(ValueError, match=r"ElementBlend\(map_shape=\[5, 8\]\) cannot run on a nested tensor.*"
+                                             r"one slope per position.*to_padded_tensor\(0\.0\)"):
+            element(nested)
