@@ -40,6 +40,7 @@ import hashlib
 import importlib
 import inspect
 import json
+import math
 import os
 import re
 import warnings
@@ -232,14 +233,16 @@ def _spec(module: nn.Module) -> dict[str, Any]:
         return {"fn": name, "kind": module.kind}
     if isinstance(module, modules.ChannelPReLU):
         return {"num_parameters": module.num_parameters, "channel_dim": module.channel_dim,
-                **({"inplace": True} if module.inplace else {})}
+                **({"inplace": True} if module.inplace else {}),
+                **({"leak": module.leak} if module.leak is not None else {})}  # what integer inputs get
     if isinstance(module, modules.ChannelBlend):
         return {"channels": module.slope.numel(), "channel_dim": module.channel_dim,
                 **({"inplace": True} if module.inplace else {}),
                 **({"affine": True} if module._buffers.get("alpha") is not None else {})}  # alpha / beta buffers
     if isinstance(module, (ElementPReLU, ElementBlend)):  # element-level units kept by fold
         return {"map_shape": list(module.map_shape), **({"inplace": True} if module.inplace else {}),
-                **({"affine": True} if module._buffers.get("alpha") is not None else {})}
+                **({"affine": True} if module._buffers.get("alpha") is not None else {}),
+                **({"leak": module.leak} if getattr(module, "leak", None) is not None else {})}
     if isinstance(module, conv.BorderBiasConv):
         return {"tap_bias": list(module.tap_bias.shape), "inner_stride": _jsonable(module.inner_stride),
                 "stride": _jsonable(module.stride), "padding": _jsonable(module.padding),
@@ -290,6 +293,15 @@ def _functional_sites(args: dict[str, Any]) -> FunctionalSites:
     return sites
 
 
+def _leak(args: dict[str, Any]) -> float | None:
+    """The recorded ``leak`` of a PReLU plain form (the negative slope of the unit's original activation); ``None``
+    when absent (saved before it was recorded: integer inputs are then refused)."""
+    leak = args.get("leak")
+    if leak is not None and (type(leak) not in (int, float) or not math.isfinite(leak)):
+        raise ValueError(f"leak must be a finite number or absent, got {leak!r}")
+    return None if leak is None else float(leak)
+
+
 def _build(cls: type, args: dict[str, Any]) -> nn.Module:
     """A module of the allow-listed ``cls`` from its recorded ``args`` (weights are loaded later)."""
     from .activations import FunctionalActivation
@@ -300,7 +312,8 @@ def _build(cls: type, args: dict[str, Any]) -> nn.Module:
             raise ValueError(f"unknown activation function {args.get('fn')!r}")
         return FunctionalActivation(_FUNCTIONS[args["fn"]], str(args.get("kind")))
     if cls is modules.ChannelPReLU:
-        return cls(torch.zeros(int(args["num_parameters"])), int(args["channel_dim"]), args.get("inplace") is True)
+        return cls(torch.zeros(int(args["num_parameters"])), int(args["channel_dim"]), args.get("inplace") is True,
+                   _leak(args))
     if cls is modules.ChannelBlend:
         ends = (torch.ones(int(args["channels"])), torch.zeros(int(args["channels"]))) if args.get("affine") is True \
             else (None, None)
@@ -311,7 +324,7 @@ def _build(cls: type, args: dict[str, Any]) -> nn.Module:
         if not shape or min(shape) < 1:
             raise ValueError(f"map_shape must be positive sizes, got {shape}")
         if cls is ElementPReLU:
-            return cls(torch.zeros(shape), args.get("inplace") is True)
+            return cls(torch.zeros(shape), args.get("inplace") is True, _leak(args))
         ends = (torch.ones(shape), torch.zeros(shape)) if args.get("affine") is True else (None, None)
         return cls(nn.Identity(), torch.zeros(shape), args.get("inplace") is True, *ends)
     if cls is conv.BorderBiasConv:

@@ -479,6 +479,11 @@ def _channel_axis(x: torch.Tensor, channel_dim: int, channels: int, owner: str, 
     return dim
 
 
+def _relu_family(x: torch.Tensor, leak: float) -> torch.Tensor:
+    """ReLU (``leak`` 0) or LeakyReLU of negative slope ``leak``: the original activation of a ReLU-family unit."""
+    return F.leaky_relu(x, leak) if leak else F.relu(x)
+
+
 def _owner(module: nn.Module) -> str:
     """How errors name a unit (``LinearizableActivation(relu)``) or a plain form (``ChannelBlend(channels=3, ...)``)."""
     kind = getattr(module, "kind", None)
@@ -493,7 +498,7 @@ def _integer_call(module: nn.Module, x: torch.Tensor, original: Callable[[torch.
     fix = "Fix: convert the input to a floating dtype (x.float(), or the model's dtype) before the activation"
     if original is None:
         raise TypeError(f"linearize: a {_owner(module)} got an input of dtype {x.dtype}, and it records no original "
-                        f"activation to compute on one. {fix}")
+                        f"activation to compute on one (made by hand, or saved before plain forms recorded it). {fix}")
     try:
         return write_into(x, original) if module.inplace else original(x)
     except (RuntimeError, NotImplementedError) as e:
@@ -557,19 +562,25 @@ class ChannelPReLU(nn.PReLU):
     ``weight`` ``[C]`` is the slope for negative inputs. Input ``[..., C, ...]`` with ``C`` at
     ``channel_dim``; output has the same shape. A ReLU-family unit's plain form
     (:meth:`LinearizableActivation.plain_activation`): where the weight is 0, an input of -inf gives 0 as the
-    unit does, not ``F.prelu``'s NaN (:func:`_zero_safe_prelu`); nested inputs as the unit
-    (:func:`_activation_forward`), integer and bool inputs refused with ``TypeError``.
+    unit does, not ``F.prelu``'s NaN (:func:`_zero_safe_prelu`); nested and integer inputs as the unit
+    (:func:`_activation_forward`): ``leak`` is the negative slope of the unit's original activation (0: ReLU),
+    which integer and bool inputs get; ``None`` (the default) refuses them with ``TypeError``.
     """
 
-    def __init__(self, weight: torch.Tensor, channel_dim: int = 1, inplace: bool = False) -> None:
+    leak: float | None = None  # also for modules pickled before it was recorded
+
+    def __init__(self, weight: torch.Tensor, channel_dim: int = 1, inplace: bool = False,
+                 leak: float | None = None) -> None:
         super().__init__(num_parameters=weight.numel(), device=weight.device, dtype=weight.dtype)
         with torch.no_grad():
             self.weight.copy_(weight.reshape(-1))
         self.channel_dim = channel_dim
         self.inplace = inplace  # write the result into the input (the plain form of an in-place unit)
+        self.leak = leak
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _activation_forward(self, x, self._prelu, None, (self.weight,), self.channel_dim)
+        original = None if self.leak is None else functools.partial(_relu_family, leak=self.leak)
+        return _activation_forward(self, x, self._prelu, original, (self.weight,), self.channel_dim)
 
     def _prelu(self, x: torch.Tensor) -> torch.Tensor:
         if self.num_parameters == 1:  # one slope for every element, whatever the shape
@@ -592,8 +603,8 @@ class ChannelBlend(nn.Module):
     :meth:`LinearizableActivation.set_linear_end`).
 
     ``slope`` ``[C]`` (a buffer) broadcast along ``channel_dim``; ``alpha`` and ``beta`` ``[C]`` buffers,
-    or ``None`` (the identity end). Nested inputs run as the unit's (:func:`_activation_forward`), integer and
-    bool inputs are refused with ``TypeError``.
+    or ``None`` (the identity end). Nested inputs run as the unit's, and integer and bool inputs get ``act``, as
+    the unit's do (:func:`_activation_forward`).
     """
 
     def __init__(self, act: nn.Module, slope: torch.Tensor, channel_dim: int = 1, inplace: bool = False,
@@ -609,7 +620,7 @@ class ChannelBlend(nn.Module):
         self.register_buffer("beta", None if beta is None else beta.detach().clone().reshape(-1))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _activation_forward(self, x, self._blend, None, self.act.parameters(), self.channel_dim)
+        return _activation_forward(self, x, self._blend, self.act, self.act.parameters(), self.channel_dim)
 
     def _blend(self, x: torch.Tensor) -> torch.Tensor:
         shape = [1] * x.ndim
@@ -822,7 +833,7 @@ class LinearizableActivation(nn.Module):
     def activation(self, x: torch.Tensor) -> torch.Tensor:
         """The original activation ``act(x)`` (what the unit computes at ``a = 0``)."""
         if self.leak is not None:
-            return F.leaky_relu(x, self.leak) if self.leak else F.relu(x)
+            return _relu_family(x, self.leak)
         return self.act(x) if "act" in self._modules else self.act_fn(x)
 
     def prelu_weight(self, slope: torch.Tensor | None = None) -> torch.Tensor:
@@ -889,7 +900,7 @@ class LinearizableActivation(nn.Module):
 
     def _plain_prelu(self, weight: torch.Tensor) -> nn.Module:
         """The plain PReLU module of negative-side slopes ``weight`` (:meth:`plain_activation`)."""
-        return ChannelPReLU(weight, self.channel_dim, self.inplace)
+        return ChannelPReLU(weight, self.channel_dim, self.inplace, self.leak)
 
     def _plain_blend(self, act: nn.Module, slope: torch.Tensor, inplace: bool,
                      alpha: torch.Tensor | None = None, beta: torch.Tensor | None = None) -> nn.Module:
@@ -1020,22 +1031,26 @@ def map_view(x: torch.Tensor, map_shape: tuple[int, ...], owner: str) -> torch.T
 class ElementPReLU(nn.Module):
     """PReLU with one negative slope per position of a fixed-shape map: ``weight`` ``[*map_shape]``, input
     ``[N, *map_shape]``; other maps raise ``ValueError``. An element-level ReLU unit's plain form (0, not NaN, for
-    an input of -inf where the weight is 0; integer inputs as :class:`ChannelPReLU`'s, nested ones refused as by
-    element units).
+    an input of -inf where the weight is 0; ``leak``, integer and nested inputs as :class:`ChannelPReLU`'s,
+    nested ones refused as by element units).
 
     Example:
         >>> ElementPReLU(torch.tensor([[0.0, 0.5]]))(torch.tensor([[[-2.0, -2.0]]])).tolist()
         [[[0.0, -1.0]]]
     """
 
-    def __init__(self, weight: torch.Tensor, inplace: bool = False) -> None:
+    leak: float | None = None  # also for modules pickled before it was recorded
+
+    def __init__(self, weight: torch.Tensor, inplace: bool = False, leak: float | None = None) -> None:
         super().__init__()
         self.map_shape = tuple(weight.shape)
         self.weight = nn.Parameter(weight.detach().clone())
         self.inplace = inplace  # write the result into the input (the plain form of an in-place unit)
+        self.leak = leak
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _activation_forward(self, x, self._prelu, None, (self.weight,), None)
+        original = None if self.leak is None else functools.partial(_relu_family, leak=self.leak)
+        return _activation_forward(self, x, self._prelu, original, (self.weight,), None)
 
     def _prelu(self, x: torch.Tensor) -> torch.Tensor:
         flat = map_view(x, self.map_shape, "ElementPReLU")
@@ -1069,7 +1084,7 @@ class ElementBlend(nn.Module):
         self.register_buffer("beta", None if beta is None else beta.detach().clone().reshape(self.map_shape))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _activation_forward(self, x, self._blend, None, self.act.parameters(), None)
+        return _activation_forward(self, x, self._blend, self.act, self.act.parameters(), None)
 
     def _blend(self, x: torch.Tensor) -> torch.Tensor:
         flat = map_view(x, self.map_shape, "ElementBlend")
@@ -1122,7 +1137,7 @@ class ElementActivation(LinearizableActivation):
         return LinearizableActivation._blend(self, flat).view(x.shape)
 
     def _plain_prelu(self, weight: torch.Tensor) -> nn.Module:
-        return ElementPReLU(weight.reshape(self.map_shape), self.inplace)
+        return ElementPReLU(weight.reshape(self.map_shape), self.inplace, self.leak)
 
     def _plain_blend(self, act: nn.Module, slope: torch.Tensor, inplace: bool,
                      alpha: torch.Tensor | None = None, beta: torch.Tensor | None = None) -> nn.Module:

@@ -150,3 +150,53 @@ def test_folded_files_naming_the_fold_modules_module_still_load(tmp_path):
     loaded = linearize.load_folded(tmp_path)
     with torch.no_grad():
         torch.testing.assert_close(loaded(x), model(x), rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("cls", [cls for cls, _ in linearize.activations.MODULE_KINDS])
+@pytest.mark.parametrize("dtype", [torch.int64, torch.uint8, torch.bool])
+@pytest.mark.parametrize("granularity", ["channel", "element"])
+def test_plain_forms_on_integer_inputs_give_the_original_or_name_the_dtype_and_the_fix(cls, dtype, granularity):
+    """A unit on an integer or bool tensor computes its original activation (or raises a TypeError naming it),
+    but its plain form, what fold puts in its place, raised torch's raw errors ("prelu: Type promoting not
+    supported", "lerp_kernel_tensor not implemented for 'Long'"): the folded model refused inputs the
+    converted model takes. Truth: the original module on the same input; where it raises, a TypeError naming
+    the plain form, the dtype and the fix. An in-place one writes into its input, as the original."""
+    x = torch.tensor([[-3, -1, 0, 2, 7]]).to(dtype)
+    unit = linearize.unit.make_unit(cls(), x.shape, -1, None, 0.0, granularity)
+    with torch.no_grad():
+        unit.slope.copy_(torch.tensor([0.0, 0.5, 1.0, 0.25, 0.0]))
+    plain = unit.plain_activation()
+    assert "Channel" in type(plain).__name__ or "Element" in type(plain).__name__
+    try:
+        want = cls()(x.clone())
+    except (RuntimeError, NotImplementedError):
+        with pytest.raises(TypeError, match=rf"{type(plain).__name__}\(.*got an input of dtype {dtype}.*"
+                                             r"Fix: convert the input to a floating dtype"):
+            plain(x.clone())
+        return
+    got = plain(x.clone())
+    assert got.dtype == want.dtype and torch.equal(got, want)
+    if cls is nn.ReLU and dtype is torch.int64:
+        unit.inplace = True
+        given = x.clone()
+        assert unit.plain_activation()(given) is given and torch.equal(given, torch.relu(x))
+
+
+def test_a_saved_folded_prelu_site_computes_relu_on_integer_inputs_after_loading(tmp_path):
+    """The negative slope of the activation a folded ChannelPReLU replaced (what integer inputs get) is saved
+    with it. Truth: torch.relu on the integer input, and a LeakyReLU site's TypeError (leaky_relu refuses int64)."""
+    torch.manual_seed(0)
+    x = torch.randn(5, 4)
+    for act in (nn.ReLU(), nn.LeakyReLU(0.1)):
+        model = linearize.convert(nn.Sequential(nn.Linear(4, 5), act), example_inputs=x)
+        with torch.no_grad():
+            model[1].slope.copy_(torch.tensor([0.0, 0.5, 1.0, 0.25, 0.0]))
+        linearize.save_folded(linearize.fold(model, x), tmp_path / type(act).__name__)
+        site = linearize.load_folded(tmp_path / type(act).__name__)[1]
+        assert isinstance(site, ChannelPReLU)
+        idx = torch.tensor([[-3, -1, 0, 2, 7]])
+        if isinstance(act, nn.ReLU):
+            assert torch.equal(site(idx), torch.relu(idx))
+        else:
+            with pytest.raises(TypeError, match=r"ChannelPReLU\(.*dtype torch.int64, which the original activation"):
+                site(idx)
