@@ -37,7 +37,7 @@ from torch.nn.utils import parametrize
 from .folding.layers import CONVS, dense_shape, dense_wb, is_dense, is_hf_conv1d, is_pointwise_conv
 from .inputs import Batches, call_model, eval_mode, hooks, inputs_fit, model_device, num_rows
 from .checks import is_real
-from .unit import LinearizableActivation, require_units
+from .unit import LinearizableActivation, nested_parts, require_units
 
 __all__ = ["fit_linear_ends", "one_shot", "LinearEndFit", "OneShotSite", "FFNPlan", "RunningFit", "NonfiniteInputs"]
 
@@ -164,8 +164,13 @@ def _outgoing_norms(layer: nn.Module, unit: LinearizableActivation, ndim: int) -
 
 def _unit_rows(unit: LinearizableActivation, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor | None:
     """A unit's input ``x`` as ``[positions, C]`` rows (padding left out where ``mask`` ``[B, T]`` fits a
-    channels-last ``[B, T, C]`` input; an element unit: a row per sample), or ``None`` when ``x`` does not fit
-    the unit (its own call raises the clear error)."""
+    channels-last ``[B, T, C]`` input; an element unit: a row per sample; a nested tensor: the rows of its
+    :func:`~linearize.unit.nested_parts`, which hold no padding), or ``None`` when ``x`` does not fit the unit
+    (its own call raises the clear error)."""
+    if x.is_nested:
+        parts = nested_parts(x, unit.channel_dim if unit.granularity == "channel" else None)
+        rows = None if parts is None else [_unit_rows(unit, part, None) for part in parts]
+        return None if rows is None or any(r is None for r in rows) else torch.cat(rows)
     dim = unit.channel_dim % x.ndim
     if unit.granularity == "element":  # one "channel" per position of the map: a row per sample
         return x.reshape(x.shape[0], unit.num_channels) if x.numel() == x.shape[0] * unit.num_channels else None
@@ -428,8 +433,9 @@ class RunningFit:
     running sums that decay by ``decay`` per step, a moving window of about ``1 / (1 - decay)`` steps (as
     BatchNorm's running statistics), summed over all processes first when ``torch.distributed`` is
     initialized (every process then holds the same fits). Every position counts (padding too: the hooks do
-    not see the batch's mask), but a position whose input or activation holds NaN/inf in any channel (NaN
-    padding, a batch that overflowed) is left out of the unit's sums, so such positions do not end the fit;
+    not see the batch's mask; of a nested tensor, those of its sequences), but a position whose input or
+    activation holds NaN/inf in any channel (NaN padding, a batch that overflowed) is left out of the unit's
+    sums, so such positions do not end the fit;
     ``left_out`` counts them per unit (and the positions of a step whose float64 sums still overflowed: that
     step is dropped), ``empty_steps`` the steps whose training forwards held no position (empty batches). The
     forwards whose gradients no optimizer step took are left out whole, as if their batches had not been run:
@@ -1194,12 +1200,17 @@ class NonfiniteInputs:
             self.ran.setdefault(name, is_unit)
             with torch.no_grad():
                 if next(iter(self.ran)) == name:  # the first module of the forward: its inputs are the batch's
-                    finite = [torch.isfinite(a).all() for a in args if isinstance(a, torch.Tensor)]
+                    finite = [torch.isfinite(a.to_padded_tensor(0) if a.is_nested else a).all()  # nested: 0-padded
+                              for a in args if isinstance(a, torch.Tensor)]
                     for f in finite:
                         self.batch_finite = f if self.batch_finite is None else self.batch_finite & f.to(
                             self.batch_finite.device)
                 x = args[0] if is_unit and args and isinstance(args[0], torch.Tensor) and args[0].ndim else None
-                if x is not None:  # positions (a sample of an element unit) holding NaN/inf in any channel
+                if x is not None and x.is_nested:  # None where the unit refuses it (its own call names why)
+                    parts = nested_parts(x, module.channel_dim if module.granularity == "channel" else None) or []
+                else:
+                    parts = [] if x is None else [x]
+                for x in parts:  # positions (a sample of an element unit) holding NaN/inf in any channel
                     bad = ~torch.isfinite(x.detach())
                     bad = bad.flatten(1).any(1) if module.granularity == "element" else bad.any(
                         module.channel_dim % x.ndim)

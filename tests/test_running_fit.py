@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import socket
 import sys
+import warnings
 
 import numpy as np
 import pytest
@@ -184,6 +185,39 @@ def test_element_units_fit_each_position_and_read_their_channels_outgoing_weight
     per_channel = (w ** 2).sum((0, 2, 3))
     np.testing.assert_allclose(fit.outgoing.numpy(), per_channel.repeat_interleave(16).numpy(), rtol=1e-12)
     tracker.close()
+
+
+@pytest.mark.parametrize("layout", [torch.jagged, torch.strided], ids=["jagged", "strided"])
+def test_nested_batches_fit_their_sequences_positions_and_name_where_nan_entered(layout):
+    """A nested tensor (torch.nested, which channel units take) through a recorded model crashed the statistics
+    hook deep inside torch ("view(): cannot view shape (3, j1, 6) as [-1, 6]"), and the NaN/inf tracker of every
+    Sparsifier with it. Truth: numpy's least squares over the positions of the sequences, each run dense; the
+    position holding NaN left out, and counted by the tracker as one position."""
+    torch.manual_seed(0)
+    net = linearize.convert(nn.Sequential(nn.Linear(4, 6), nn.GELU(), nn.Linear(6, 3)),
+                            example_inputs=torch.randn(2, 5, 4))
+    named = linearize.units(net)
+    tracker = linearize.RunningFit(net, decay=0.0)
+    inputs = linearize.calibration.NonfiniteInputs(net, named)
+    seqs = [torch.randn(n, 4) * (k + 1) for k, n in enumerate((3, 5, 7))]
+    seqs[1][2, 0] = float("nan")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # torch: the strided layout is a prototype
+        net(torch.nested.as_nested_tensor(seqs, layout=layout))
+    tracker.step()
+    fit = tracker.fits()["1"]
+    h = np.concatenate([_pre_activations(net, x) for x in seqs])
+    h = h[np.isfinite(h).all(1)]
+    y = torch.nn.functional.gelu(torch.from_numpy(h).float()).double().numpy()
+    alpha, beta, _ = _weighted_lstsq(h, y, np.ones(len(h)))
+    np.testing.assert_allclose(fit.alpha.numpy(), alpha, rtol=1e-9, atol=1e-12)
+    np.testing.assert_allclose(fit.beta.numpy(), beta, rtol=1e-9, atol=1e-12)
+    assert fit.count == 14 and tracker.left_out["1"] == 1
+    np.testing.assert_allclose(fit.outgoing.numpy(), (net[2].weight.detach().double() ** 2).sum(0).numpy())
+    assert "unit '1', the first, NaN/inf inputs (1 position) from a finite batch" not in inputs.cause()
+    assert "unit '1', the first, NaN/inf inputs (1 position): the batch held them" in inputs.cause()
+    tracker.close()
+    inputs.close()
 
 
 def _free_port() -> int:

@@ -831,3 +831,38 @@ def test_slopes_with_requires_grad_false_stay_where_they_are_as_if_frozen(value,
         assert linearize.nonlinear_fraction(held) == pytest.approx(fraction)
     if fraction is None:  # the plan makes the one site it can linear
         assert bool((held[3].slope == 1).all())
+
+
+@pytest.mark.parametrize("layout", [torch.jagged, torch.strided], ids=["jagged", "strided"])
+def test_a_sparsifier_with_a_running_fit_trains_on_nested_batches_as_on_their_sequences(layout):
+    """Under AdamW (select="fit": a running fit of the units) a Sparsifier crashed at the first forward of a nested
+    batch (torch.nested, which the units take) in its statistics hook, deep in torch. Truth: the same run fed
+    each batch's sequences one by one as dense micro-batches of one step: the same slopes and linear ends."""
+    def run(nested: bool) -> nn.Module:
+        torch.manual_seed(0)
+        model = linearize.convert(nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 4)),
+                                  example_inputs=torch.randn(2, 5, 8))
+        opt = torch.optim.AdamW(linearize.param_groups(model), lr=1e-2)
+        sp = linearize.Sparsifier(model, S.target(0.5, end=0.5), total_steps=6, optimizer=opt,
+                                  linear_end="affine")
+        data = torch.Generator().manual_seed(1)
+        for _ in range(6):
+            seqs = [torch.randn(n, 8, generator=data) for n in (3, 5)]
+            opt.zero_grad()
+            if nested:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore", UserWarning)  # torch: the strided layout is a prototype
+                    out = model(torch.nested.as_nested_tensor(seqs, layout=layout))
+                sum(o.square().sum() for o in out.unbind()).backward()
+            else:
+                for s in seqs:
+                    model(s.unsqueeze(0)).square().sum().backward()
+            opt.step()
+            sp.step()
+        return model
+
+    got, want = run(True), run(False)
+    [(_, unit)], [(_, twin)] = linearize.units(got), linearize.units(want)
+    assert 0 < int((twin.slope == 1).sum()) < 16 and twin.linear_end is not None
+    torch.testing.assert_close(unit.slope, twin.slope, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(unit.linear_end, twin.linear_end, rtol=1e-5, atol=1e-6)
