@@ -942,7 +942,6 @@ def test_the_lazy_plan_is_the_full_greedys_for_additive_savings_from_far_fewer_f
 
         want = _full_greedy(set(), range(n), importance, budget, lambda s: cost(s, "full"))
         plan, costs = cost_planning.greedy(set(), list(range(n)), importance, budget, lambda s: cost(s, "lazy"))
-        want = [g for g in want if True]
         for g in sorted(want, key=lambda g: -importance[g]):  # the pass that drops what the budget does not need
             if 1 - sum(saving[h] for h in set(want) - {g}) <= budget:
                 want.remove(g)
