@@ -1,8 +1,8 @@
 """The compiled CPU kernels of the units (``csrc/prelu.cpp``), built on first use.
 
-:func:`cpu_prelu` returns the library's ``prelu(x, w)`` (the PReLU of ReLU-family units) and
-:func:`cpu_blend` its ``blend(act, x, w)`` (the blend of smooth units), both with channels at dim 1
-and autograd in C++, or ``None`` when the kernels are switched off or cannot be had;
+:func:`cpu_prelu` returns the library's ``prelu(x, w)`` (the PReLU of ReLU-family units, channels at dim 1)
+and :func:`cpu_blend` its ``blend(act, x, w, inner)`` (the blend of smooth units, channels at dim 1 or last),
+both with autograd in C++, or ``None`` when the kernels are switched off or cannot be had;
 :class:`linearize.unit.LinearizableActivation` then runs the PyTorch-ops paths, which compute the same
 values (``tests/test_unit.py`` and ``tests/test_unit_exactness.py`` compare both).
 
@@ -87,7 +87,7 @@ _state: dict[str, object] = {}  # "prelu", "blend": the loaded functions or None
 _FUNCTIONS = ("prelu", "blend")
 
 PReLU = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-Blend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+Blend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int], torch.Tensor]
 
 
 class KernelUnavailable(RuntimeError):
@@ -337,6 +337,9 @@ def cpu_prelu() -> PReLU | None:
 
 
 def cpu_blend() -> Blend | None:
-    """The compiled ``blend(act, x, w)``: ``(1 - w) * act + w * x`` with slopes ``w [C]`` along dim 1, ``act``
-    where ``w`` is 0 and ``x`` where it is 1, exactly; or ``None`` (switched off, or unavailable)."""
+    """The compiled ``blend(act, x, w, inner)``: ``(1 - w) * act + w * x`` with slopes ``w [C]``, each for ``inner``
+    consecutive elements of ``x`` in rows of ``C * inner`` (channels at dim 1: ``inner = prod(x.shape[2:])``;
+    channels last: 1), ``act`` where ``w`` is 0 and ``x`` where it is 1,
+    exactly; where every slope is 0 the activation's gradient is the output's own. Or ``None`` (switched off, or
+    unavailable)."""
     return _kernel("blend")

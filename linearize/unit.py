@@ -166,6 +166,17 @@ def _times_slope(g: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
     return (g * a).masked_fill_(a == 0, -0.0)
 
 
+def _act_grad(g: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """The blend's gradient to ``act``, ``g * (1 - w)`` (:func:`_times_slope`); ``g`` itself where every slope is 0
+    on the CPU outside a double backward: the original activation's backward then gets the very gradient it got
+    in the original, in its layout (torch's CPU gelu / silu / mish backward round differently on a copy of a strided
+    or expanded gradient, such as ``y.sum()``'s, in another layout). On other devices ``g * 1`` has ``g``'s values,
+    and a look at the slopes would cost a device sync per unit and step."""
+    if g.device.type == "cpu" and not torch.is_grad_enabled() and not bool(w.any()):
+        return g
+    return _times_slope(g, 1 - w)
+
+
 class _Fill(torch.autograd.Function):
     """``v.masked_fill(mask, value)`` whose derivatives are ``v``'s: see :func:`_filled`."""
 
@@ -356,7 +367,7 @@ class _Blend(torch.autograd.Function):
     def backward(ctx, g: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         act, x, w = ctx.saved_tensors
         need_act, need_x, need_w = ctx.needs_input_grad
-        return (_times_slope(g, 1 - w) if need_act else None, _times_slope(g, w) if need_x else None,
+        return (_act_grad(g, w) if need_act else None, _times_slope(g, w) if need_x else None,
                 _finite_part(g * (x - act), x).sum_to_size(w.shape) if need_w else None)
 
     @staticmethod
@@ -435,11 +446,12 @@ def _blend(act: torch.Tensor, x: torch.Tensor, slope: torch.Tensor, dim: int) ->
 
     On the CPU, contiguous inputs with channels at dim 1 or last run the compiled kernel
     (:func:`linearize.kernels.cpu_blend`: one pass forward, one backward; ``torch.where`` passes made the
-    PyTorch-ops path 2x as slow as the old ``torch.lerp``), outside ``torch.compile`` and forward-mode
-    AD; the rest, and every call when it is switched off or cannot be built, runs :class:`_Blend`. Under a
-    torch-function mode or with tensor subclasses it is dispatched as a plain ``torch.lerp``, so tools that
-    intercept functions see the call they know; under ``torch.jit.trace`` it is :func:`exact_lerp`'s plain
-    ops, which ``torch.jit.save`` can keep.
+    PyTorch-ops path 2x as slow as the old ``torch.lerp``) on ``act`` and ``x`` themselves, no view of them (a
+    view's backward would copy a strided gradient before the activation's backward gets it), outside
+    ``torch.compile`` and forward-mode AD; the rest, and every call when it is switched off or cannot be built,
+    runs :class:`_Blend`. Under a torch-function mode or with tensor subclasses it is dispatched as a plain
+    ``torch.lerp``, so tools that intercept functions see the call they know; under ``torch.jit.trace`` it is
+    :func:`exact_lerp`'s plain ops, which ``torch.jit.save`` can keep.
     """
     shape = [1] * x.ndim
     shape[dim] = slope.numel()
@@ -452,10 +464,8 @@ def _blend(act: torch.Tensor, x: torch.Tensor, slope: torch.Tensor, dim: int) ->
     if (x.device.type == "cpu" and dim in (1, x.ndim - 1) and x.numel() and x.is_contiguous() and act.is_contiguous()
             and act.dtype == x.dtype == slope.dtype and fwAD._current_level < 0 and not torch.compiler.is_compiling()):
         kernel = cpu_blend()
-        if kernel is not None:
-            if dim == 1 and x.ndim > 1:
-                return kernel(act, x, slope)
-            return kernel(act.view(-1, slope.numel()), x.view(-1, slope.numel()), slope).view(x.shape)
+        if kernel is not None:  # each slope for the `inner` elements after it in memory: the map at dim 1, else 1
+            return kernel(act, x, slope, math.prod(x.shape[2:]) if dim == 1 else 1)
     return _compiled(_Blend, _BlendCompiled).apply(act, x, weight)
 
 

@@ -425,3 +425,49 @@ def test_at_slope_0_gradients_on_channels_last_maps_are_the_originals_bit_for_bi
         results.append([out, xi.grad] + [p.grad for n, p in m.named_parameters() if "slope" not in n])
     for got, want in zip(*results, strict=True):
         assert torch.equal(got, want)
+
+
+UPSTREAM = {  # losses whose gradients reach the activation's output in different layouts
+    "sum": lambda y: y.sum(),  # expanded: every stride 0
+    "mean": lambda y: y.mean(),
+    "dense": lambda y: (y * torch.linspace(-1, 1, y.numel(), dtype=y.dtype).view(y.shape)).sum(),  # contiguous
+    "broadcast-last": lambda y: (y * torch.linspace(-1, 1, y.shape[-1], dtype=y.dtype)).sum(),  # strides (0, ..., 0, 1)
+    "broadcast-batch": lambda y: (y * torch.linspace(-1, 1, y.shape[0], dtype=y.dtype).view(
+        -1, *[1] * (y.ndim - 1))).sum(),
+    "transposed": lambda y: (y.transpose(-1, -2) * torch.linspace(-1, 1, y.numel(), dtype=y.dtype).view(
+        y.transpose(-1, -2).shape)).sum(),
+}
+
+
+SMOOTH = [("GELU", nn.GELU()), ("GELU(tanh)", nn.GELU(approximate="tanh")), ("SiLU", nn.SiLU()), ("Mish", nn.Mish()),
+          ("ELU", nn.ELU()), ("Softplus", nn.Softplus()), ("Tanh", nn.Tanh())]
+
+
+@pytest.mark.parametrize("name,act", SMOOTH, ids=[n for n, _ in SMOOTH])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("layout", ["nchw", "nhwc", "nhwc-view", "channels_last"])
+def test_at_slope_0_the_input_gradient_is_the_originals_for_every_layout_of_the_upstream_gradient(name, act, dtype,
+                                                                                                  layout, path):
+    """A unit at slope 0 on ``[N, C, H, W]`` maps (channels at dim 1), on ``[N, H, W, C]`` ones (channels last,
+    contiguous or the ``x.permute(0, 2, 3, 1)`` view of ConvNeXt / Swin) and on channels_last maps, with upstream
+    gradients of every layout (``y.sum()``'s and ``y.mean()``'s expanded ones, broadcast ones, dense, transposed):
+    the output and the input gradient are the original activation's on the same tensor, bit for bit. Torch's CPU
+    gelu / silu / mish backward round differently when the gradient they get is a copy in another layout."""
+    torch.manual_seed(0)
+    base = (torch.randn(4, 16, 8, 8) * 3).to(dtype)
+    x, dim = {"nchw": (base, 1), "nhwc": (base.permute(0, 2, 3, 1).contiguous(), -1),
+              "nhwc-view": (base.permute(0, 2, 3, 1), -1),
+              "channels_last": (base.contiguous(memory_format=torch.channels_last), 1)}[layout]
+    unit = LinearizableActivation(copy.deepcopy(act), 16, dim)
+    for what, loss in UPSTREAM.items():
+        results = []
+        for m in (act, unit):
+            xi = x.detach().clone(memory_format=torch.preserve_format).requires_grad_()
+            y = m(xi)
+            loss(y).backward()
+            results.append((y, xi.grad))
+        (y_want, g_want), (y_got, g_got) = results
+        assert torch.equal(y_got, y_want) and y_got.stride() == y_want.stride(), what
+        assert torch.equal(g_got, g_want), f"{what}: {int((g_got != g_want).sum())} input gradients differ"
+    if path and layout in ("nchw", "nhwc"):
+        assert path["blend"] > 0

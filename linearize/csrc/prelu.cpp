@@ -3,7 +3,9 @@
 //
 // Input x: contiguous [N, C, *S] (channels at dim 1) or [N, C]; slopes w: [C]. The maps are viewed as
 // [N, K] rows with K = C * prod(S) and the slopes repeated prod(S) times, so every loop runs over
-// contiguous memory whatever the map size (PyTorch's broadcasting kernels loop innermost over S).
+// contiguous memory whatever the map size (PyTorch's broadcasting kernels loop innermost over S). The blend
+// takes that repeat count (inner) as an argument: channels last ([..., C], inner 1) and one slope per
+// position of a map ([N, *map] with P slopes, inner 1) run on the caller's tensors, never on a view of them.
 //
 //   forward:  y = x > 0 ? x : w * x, and ReLU's 0 where w == 0 and x < 0 (w * x would give -0, and
 //             NaN at x = -inf): a zero slope computes ReLU bit for bit, a slope of 1 the identity
@@ -246,16 +248,30 @@ struct PReLUFunction : public torch::autograd::Function<PReLUFunction> {
   }
 };
 
+// Whether every slope is 0 (-0 too): a loop over the C slopes, no ATen reduction (any() and item() cost more than
+// the small maps' whole backward)
+bool all_zero(const Tensor& w) {
+  const Tensor v = w.contiguous();
+  bool zero = true;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, v.scalar_type(), "linearize_all_zero", [&] {
+    const scalar_t* p = v.const_data_ptr<scalar_t>();
+    for (int64_t k = 0; k < v.numel() && zero; ++k) zero = p[k] == scalar_t(0);
+  });
+  return zero;
+}
+
 struct BlendFunction : public torch::autograd::Function<BlendFunction> {
-  static Tensor forward(AutogradContext* ctx, const Tensor& a, const Tensor& x, const Tensor& w) {
+  // inner: how many consecutive elements share a slope (the rows are [C * inner] blocks of x's memory)
+  static Tensor forward(AutogradContext* ctx, const Tensor& a, const Tensor& x, const Tensor& w, int64_t inner) {
     ctx->save_for_backward({a, x, w});
-    return fused_blend_forward(a, x, repeat_slopes(w, inner_size(x)).contiguous());
+    ctx->saved_data["inner"] = inner;
+    return fused_blend_forward(a, x, repeat_slopes(w, inner).contiguous());
   }
 
   static tensor_list backward(AutogradContext* ctx, tensor_list grads) {
     const auto saved = ctx->get_saved_variables();
     const Tensor &a = saved[0], &x = saved[1], &w = saved[2];
-    const int64_t n = x.size(0), c = w.numel(), s = inner_size(x);
+    const int64_t c = w.numel(), s = ctx->saved_data["inner"].toInt(), n = x.numel() / (c * s);
     const Tensor flat_a = a.view({n, c * s}), flat_x = x.view({n, c * s});
     const Tensor flat_g = grads[0].reshape({n, c * s});
     const Tensor w_rep = repeat_slopes(w, s);
@@ -268,7 +284,10 @@ struct BlendFunction : public torch::autograd::Function<BlendFunction> {
       std::tie(grad_a, grad_x, grad_w) = fused_blend_backward(flat_g.contiguous(), flat_a, flat_x, w_rep.contiguous());
     }
     if (s > 1) grad_w = grad_w.view({c, s}).sum(1);
-    return {grad_a.view(x.sizes()), grad_x.view(x.sizes()), grad_w.to(w.scalar_type())};
+    // every slope 0 (outside a double backward): the activation gets g itself, in its own layout, as the original's
+    // backward does (torch's CPU gelu/silu backward round differently on a contiguous copy of a strided gradient)
+    grad_a = ops_backward(grads[0]) || !all_zero(w) ? grad_a.view(x.sizes()) : grads[0];
+    return {grad_a, grad_x.view(x.sizes()), grad_w.to(w.scalar_type()), Tensor()};
   }
 };
 
@@ -280,19 +299,21 @@ Tensor prelu(const Tensor& x, const Tensor& w) {
   return PReLUFunction::apply(x, w);
 }
 
-Tensor blend(const Tensor& a, const Tensor& x, const Tensor& w) {
-  TORCH_CHECK(x.device().is_cpu() && x.dim() >= 2 && x.is_contiguous() && x.numel() > 0,
-              "linearize blend kernel: expected a non-empty contiguous CPU tensor [N, C, ...]");
+Tensor blend(const Tensor& a, const Tensor& x, const Tensor& w, int64_t inner) {
+  TORCH_CHECK(x.device().is_cpu() && x.dim() >= 1 && x.is_contiguous() && x.numel() > 0,
+              "linearize blend kernel: expected a non-empty contiguous CPU tensor");
   TORCH_CHECK(a.device().is_cpu() && a.is_contiguous() && a.sizes() == x.sizes() && a.scalar_type() == x.scalar_type(),
               "linearize blend kernel: expected act(x) of the input's shape and dtype, contiguous");
-  TORCH_CHECK(w.dim() == 1 && w.numel() == x.size(1) && w.scalar_type() == x.scalar_type(),
-              "linearize blend kernel: expected slopes [C] of the input's dtype");
-  return BlendFunction::apply(a, x, w);
+  TORCH_CHECK(w.dim() == 1 && w.numel() > 0 && inner > 0 && x.numel() % (w.numel() * inner) == 0 &&
+                  w.scalar_type() == x.scalar_type(),
+              "linearize blend kernel: expected slopes [C] of the input's dtype, each for inner consecutive elements");
+  return BlendFunction::apply(a, x, w, inner);
 }
 
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("prelu", &prelu, "PReLU with per-channel slopes (channels at dim 1), fused CPU backward");
-  m.def("blend", &blend, "(1 - w) * a + w * x with per-channel slopes w (channels at dim 1), exact at w = 0 and 1");
+  m.def("blend", &blend, "(1 - w) * a + w * x, each slope w[c] for inner consecutive elements in rows of C * inner, "
+                        "exact at w = 0 and 1");
 }
