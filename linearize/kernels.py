@@ -1,8 +1,8 @@
 """The compiled CPU kernels of the units (``csrc/prelu.cpp``), built on first use.
 
 :func:`cpu_prelu` returns the library's ``prelu(x, w)`` (the PReLU of ReLU-family units, channels at dim 1)
-and :func:`cpu_blend` its ``blend(act, x, w, inner)`` (the blend of smooth units, channels at dim 1 or last),
-both with autograd in C++, or ``None`` when the kernels are switched off or cannot be had;
+and :func:`cpu_blend` its ``blend(act, x, w, inner)`` (the blend of smooth units, channels at dim 1 or last, or
+one slope per position), both with autograd in C++, or ``None`` when the kernels are switched off or cannot be had;
 :class:`linearize.unit.LinearizableActivation` then runs the PyTorch-ops paths, which compute the same
 values (``tests/test_unit.py`` and ``tests/test_unit_exactness.py`` compare both).
 
@@ -339,7 +339,7 @@ def cpu_prelu() -> PReLU | None:
 def cpu_blend() -> Blend | None:
     """The compiled ``blend(act, x, w, inner)``: ``(1 - w) * act + w * x`` with slopes ``w [C]``, each for ``inner``
     consecutive elements of ``x`` in rows of ``C * inner`` (channels at dim 1: ``inner = prod(x.shape[2:])``;
-    channels last: 1), ``act`` where ``w`` is 0 and ``x`` where it is 1,
+    channels last, or one slope per position of a map: 1), ``act`` where ``w`` is 0 and ``x`` where it is 1,
     exactly; where every slope is 0 the activation's gradient is the output's own. Or ``None`` (switched off, or
     unavailable)."""
     return _kernel("blend")

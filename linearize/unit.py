@@ -440,12 +440,13 @@ def _affine_end(x: torch.Tensor, alpha: torch.Tensor, beta: torch.Tensor) -> tor
     return _compiled(_AffineEnd, _AffineEndCompiled).apply(x, alpha, beta)
 
 
-def _blend(act: torch.Tensor, x: torch.Tensor, slope: torch.Tensor, dim: int) -> torch.Tensor:
-    """The blend ``(1 - a) * act + a * x`` of a smooth unit, ``a = slope [C]`` along ``dim`` of ``x``, exact at
-    ``a`` 0 and 1 (:func:`exact_lerp`), with the slope gradients of :class:`_Blend`.
+def _blend(act: torch.Tensor, x: torch.Tensor, slope: torch.Tensor, dim: int | None) -> torch.Tensor:
+    """The blend ``(1 - a) * act + a * x`` of a smooth unit, ``a = slope [C]`` along ``dim`` of ``x`` (``None``: one
+    slope per position of the map ``x.shape[1:]``, an element unit's), exact at ``a`` 0 and 1
+    (:func:`exact_lerp`), with the slope gradients of :class:`_Blend`.
 
-    On the CPU, contiguous inputs with channels at dim 1 or last run the compiled kernel
-    (:func:`linearize.kernels.cpu_blend`: one pass forward, one backward; ``torch.where`` passes made the
+    On the CPU, contiguous inputs with channels at dim 1 or last, or one slope per position, run the compiled
+    kernel (:func:`linearize.kernels.cpu_blend`: one pass forward, one backward; ``torch.where`` passes made the
     PyTorch-ops path 2x as slow as the old ``torch.lerp``) on ``act`` and ``x`` themselves, no view of them (a
     view's backward would copy a strided gradient before the activation's backward gets it), outside
     ``torch.compile`` and forward-mode AD; the rest, and every call when it is switched off or cannot be built,
@@ -453,20 +454,39 @@ def _blend(act: torch.Tensor, x: torch.Tensor, slope: torch.Tensor, dim: int) ->
     ``torch.lerp``, so tools that intercept functions see the call they know; under ``torch.jit.trace`` it is
     :func:`exact_lerp`'s plain ops, which ``torch.jit.save`` can keep.
     """
-    shape = [1] * x.ndim
-    shape[dim] = slope.numel()
-    weight = slope.view(shape)
+    if dim is None:
+        weight = slope.view(1, *x.shape[1:])
+    else:
+        shape = [1] * x.ndim
+        shape[dim] = slope.numel()
+        weight = slope.view(shape)
     if foreign_torch_function(act, x, weight):
         return _exact_ends(torch.lerp(act, x, weight), (weight == 0) | (weight == 1), torch.where, weight == 0, act, x)
     if torch.jit.is_tracing():  # plain ops: a Python autograd Function or the kernel would make the trace unsavable
         return exact_lerp(act, x, weight)
     _refuse_functorch()
-    if (x.device.type == "cpu" and dim in (1, x.ndim - 1) and x.numel() and x.is_contiguous() and act.is_contiguous()
-            and act.dtype == x.dtype == slope.dtype and fwAD._current_level < 0 and not torch.compiler.is_compiling()):
+    if (x.device.type == "cpu" and dim in (None, 1, x.ndim - 1) and x.numel() and act.dtype == x.dtype == slope.dtype
+            and fwAD._current_level < 0 and not torch.compiler.is_compiling()):
         kernel = cpu_blend()
-        if kernel is not None:  # each slope for the `inner` elements after it in memory: the map at dim 1, else 1
+        if kernel is not None and x.is_contiguous() and act.is_contiguous():
+            # each slope for the `inner` elements after it in memory: the map at dim 1, else 1
             return kernel(act, x, slope, math.prod(x.shape[2:]) if dim == 1 else 1)
+        order = _memory_order(x) if kernel is not None and dim is None and act.stride() == x.stride() else None
+        if order is not None:  # a strided map (x.permute(0, 2, 3, 1)): the kernel in its memory order, the slopes
+            # in that order too; permutes are views both ways, so the gradients keep their layouts
+            back = sorted(range(x.ndim), key=order.__getitem__)
+            w = slope.view(x.shape[1:]).permute([d - 1 for d in order[1:]]).reshape(-1)
+            return kernel(act.permute(order), x.permute(order), w, 1).permute(back)
+    if dim is None and x.numel() and not x.is_contiguous():  # the slopes in x's layout: the result keeps it
+        weight = torch.empty_like(x[:1], dtype=slope.dtype).copy_(weight)
     return _compiled(_Blend, _BlendCompiled).apply(act, x, weight)
+
+
+def _memory_order(x: torch.Tensor) -> list[int] | None:
+    """The dims of ``x`` in the order of its memory, the batch dim first (``x.permute(order)`` is contiguous), or
+    ``None`` when there is none such (gaps, overlaps, the batch dim inside a sample)."""
+    order = sorted(range(x.ndim), key=lambda d: -x.stride(d))
+    return order if order[0] == 0 and x.permute(order).is_contiguous() else None
 
 
 def _channel_axis(x: torch.Tensor, channel_dim: int, channels: int, owner: str, ndim: int | None = None) -> int:
@@ -942,6 +962,11 @@ class LinearizableActivation(nn.Module):
     def _blend(self, x: torch.Tensor) -> torch.Tensor:
         dim = _channel_axis(x, self.channel_dim, self.num_channels, f"{type(self).__name__}({self.kind})",
                             self.input_ndim)
+        return self._mix(x, dim)
+
+    def _mix(self, x: torch.Tensor, dim: int | None) -> torch.Tensor:
+        """The unit on ``x``, its slopes along ``dim`` (``None``: one per position of the map ``x.shape[1:]``, a smooth
+        element unit's)."""
         a = self.slope  # one module attribute lookup: the forward runs at every call site, every step
         if a.dtype != x.dtype:
             a = a.to(x.dtype)
@@ -1027,6 +1052,12 @@ class LinearizableActivation(nn.Module):
 def map_view(x: torch.Tensor, map_shape: tuple[int, ...], owner: str) -> torch.Tensor:
     """``x`` as ``[N, P]``: its batch dim, then the ``P = prod(map_shape)`` positions of its map. ``ValueError``
     naming ``owner``, the expected and the got shape and the fix unless ``x.shape[1:] == map_shape``."""
+    _check_map(x, map_shape, owner)
+    return x.reshape(x.shape[0], math.prod(map_shape))  # no -1: an empty batch has no size to infer
+
+
+def _check_map(x: torch.Tensor, map_shape: tuple[int, ...], owner: str) -> None:
+    """The ``ValueError`` of :func:`map_view` unless ``x.shape[1:] == map_shape``."""
     if tuple(x.shape[1:]) != map_shape:
         raise ValueError(
             f"{owner} holds one slope per position of a {list(map_shape)} map (granularity='element', the shape "
@@ -1035,7 +1066,6 @@ def map_view(x: torch.Tensor, map_shape: tuple[int, ...], owner: str) -> torch.T
             f"[batch, {', '.join(map(str, map_shape))}] maps (the image size / sequence length the model was "
             "converted at), or convert with granularity='channel' (one slope per channel) for inputs whose size varies"
         )
-    return x.reshape(x.shape[0], math.prod(map_shape))  # no -1: an empty batch has no size to infer
 
 
 class ElementPReLU(nn.Module):
@@ -1114,8 +1144,10 @@ class ElementActivation(LinearizableActivation):
     dim, e.g. ``[C, H, W]``): one slope per ReLU of the private-inference literature (SNL, AutoReP). The
     slopes are stored flat, ``slope`` ``[P]`` with ``P = prod(map_shape)`` in row-major order of the map
     (``slope.view(map_shape)`` is the slope map), and ``num_channels`` is ``P``: counts, fractions, freezing,
-    saving and the :class:`~linearize.Sparsifier` see every position as one channel. The unit runs on the
-    ``[N, P]`` view of its input (channels at dim 1: the PReLU and blend kernels of channel units, unchanged);
+    saving and the :class:`~linearize.Sparsifier` see every position as one channel. A ReLU-family unit
+    runs on the ``[N, P]`` view of its input (channels at dim 1: the PReLU kernel of channel units); a smooth one
+    calls its activation and blends on the input as it comes (a strided input keeps its layout: torch's CPU
+    activations round otherwise on a contiguous copy), with the blend kernel on contiguous and dense strided inputs;
     ``channel_dim`` is 1. Inputs of another map shape raise ``ValueError`` (the size is fixed at conversion).
 
     Args:
@@ -1143,8 +1175,18 @@ class ElementActivation(LinearizableActivation):
         self.map_shape = shape
 
     def _blend(self, x: torch.Tensor) -> torch.Tensor:
-        flat = map_view(x, self.map_shape, f"ElementActivation({self.kind})")
-        return LinearizableActivation._blend(self, flat).view(x.shape)
+        owner = f"ElementActivation({self.kind})"
+        if self.leak is not None:  # a PReLU, on the [N, P] view (its kernel): values and gradients are selections
+            return LinearizableActivation._blend(self, map_view(x, self.map_shape, owner)).view(x.shape)
+        # the activation and the blend on x as it comes: a strided input copied to a contiguous [N, P] made
+        # torch's CPU GELU round otherwise than the original on x, and copied the gradient the activation gets
+        _check_map(x, self.map_shape, owner)
+        return self._mix(x, None)
+
+    def broadcast_shape(self, ndim: int) -> list[int]:
+        """``[1, *map_shape]``, the slopes against the unit's input; ``[1, P]`` against its ``[N, P]`` view (``ndim``
+        2: a ReLU-family unit's PReLU)."""
+        return [1, self.num_channels] if ndim == 2 else [1, *self.map_shape]
 
     def _plain_prelu(self, weight: torch.Tensor) -> nn.Module:
         return ElementPReLU(weight.reshape(self.map_shape), self.inplace, self.leak)

@@ -18,6 +18,7 @@ from torch import nn
 import linearize
 from linearize import schedules
 from linearize.unit import ElementActivation, ElementBlend, ElementPReLU
+from test_unit_exactness import DTYPES, UPSTREAM
 from test_unit_exactness import path  # noqa: F401  (the fixture: compiled kernels, counted, or PyTorch ops)
 
 torchvision = pytest.importorskip("torchvision")
@@ -91,7 +92,7 @@ def test_element_unit_is_the_float64_elementwise_blend_with_its_gradients(name, 
         ref = act(x)
         assert same_bits(y[:, 0].detach(), ref[:, 0])
         assert same_bits(y[:, 1, :2].detach(), x[:, 1, :2].detach())
-    if path:  # the compiled kernels computed it (element units run the [N, P] view)
+    if path:  # the compiled kernels computed it
         assert path["prelu" if unit.is_prelu else "blend"] > 0
 
 
@@ -363,3 +364,37 @@ def test_an_empty_batch_in_a_fit_sparsifier_loop_leaves_the_run_as_without_it():
             opt.zero_grad()
         slopes.append(torch.cat([u.slope.detach().flatten() for _, u in linearize.units(model)]))
     assert torch.equal(slopes[0], slopes[1]) and 0 < (slopes[1] == 1).float().mean() < 1
+
+
+STRIDED = [("GELU", nn.GELU()), ("GELU(tanh)", nn.GELU(approximate="tanh")), ("SiLU", nn.SiLU()), ("Mish", nn.Mish()),
+           ("Tanh", nn.Tanh()), ("ELU", nn.ELU()), ("Hardswish", nn.Hardswish()), ("ReLU", nn.ReLU())]
+
+
+@pytest.mark.parametrize("name,act", STRIDED, ids=[n for n, _ in STRIDED])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_at_slope_0_an_element_unit_on_a_strided_input_is_the_original_bit_for_bit(name, act, dtype, path):
+    """An element unit at slope 0 on the ``x.permute(0, 2, 3, 1)`` view of a map (a ConvNeXt / Swin MLP's input), on a
+    channels_last map, on a transposed sequence and on a contiguous map, with upstream gradients of every layout:
+    the output (its strides too) and the input gradient are the original activation's on the same tensor, bit for
+    bit. A strided input copied to a contiguous ``[N, P]`` made torch's CPU GELU round otherwise (348 of 2048
+    outputs), and the activation's backward get a gradient in another layout."""
+    torch.manual_seed(0)
+    base = (torch.randn(2, 16, 8, 8) * 3).to(dtype)
+    inputs = {"permuted": base.permute(0, 2, 3, 1), "channels_last": base.contiguous(memory_format=torch.channels_last),
+              "transposed": base.flatten(2).transpose(1, 2), "contiguous": base}
+    for layout, x in inputs.items():
+        unit = ElementActivation(copy.deepcopy(act), tuple(x.shape[1:]))
+        for what, loss in UPSTREAM.items():
+            results = []
+            for m in (act, unit):
+                xi = x.detach().clone(memory_format=torch.preserve_format).requires_grad_()
+                y = m(xi)
+                loss(y).backward()
+                results.append((y, xi.grad))
+            (y_want, g_want), (y_got, g_got) = results
+            assert torch.equal(y_got, y_want), f"{layout} {what}: {int((y_got != y_want).sum())} outputs differ"
+            if name != "ReLU":  # a ReLU unit is a PReLU on the [N, P] view: a contiguous output
+                assert y_got.stride() == y_want.stride(), f"{layout} {what}"
+            assert torch.equal(g_got, g_want), f"{layout} {what}: {int((g_got != g_want).sum())} input gradients differ"
+    if path:
+        assert path["prelu" if name == "ReLU" else "blend"] > 0

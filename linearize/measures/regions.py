@@ -257,7 +257,7 @@ class _Tracer(TorchFunctionMode):
         unit = next((m for m in reversed(self.running.stack) if isinstance(m, LinearizableActivation)), None)
         if unit is None:
             return None
-        # the act sees the unit's input as it comes ([N, P] for an element unit, channel_dim 1)
+        # the act sees the unit's input as it comes (a ReLU-family element unit's: its [N, P] view)
         return (unit.slope.detach() == 1).view(unit.broadcast_shape(p.ndim))
 
     def run(self, x: torch.Tensor, direction: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
