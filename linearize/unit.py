@@ -974,7 +974,7 @@ class LinearizableActivation(nn.Module):
         if end is not None:  # affine end: (1 - a) act(x) + a (alpha x + beta), exact at a = 0 and 1
             shape = self.broadcast_shape(x.ndim)
             alpha, beta = (t.to(x.dtype).view(shape) for t in end)
-            return _blend(self.activation(x), _affine_end(x, alpha, beta), a, dim)
+            return _blend(self._act_of(x), _affine_end(x, alpha, beta), a, dim)
         if self.leak and x.dtype in (torch.float16, torch.bfloat16):
             # the PReLU weight a + (1 - a) * leak would round leak to 8 or 11 bits: leaky_relu keeps it exact
             return _blend(F.leaky_relu(x, self.leak), x, a, dim)
@@ -985,7 +985,19 @@ class LinearizableActivation(nn.Module):
             if dim == x.ndim - 1:
                 return _prelu(x.reshape(-1, self.num_channels), w).reshape(x.shape)
             return _prelu(x.movedim(dim, 1), w).movedim(1, dim)
-        return _blend(self.activation(x), x, a, dim)  # exact at a = 0 and 1
+        return _blend(self._act_of(x), x, a, dim)  # exact at a = 0 and 1
+
+    def _act_of(self, x: torch.Tensor) -> torch.Tensor:
+        """``act(x)`` for the blend. The unit of an in-place ELU / CELU / SELU module, where ``x`` (a copy of the input,
+        :func:`write_into`) needs a gradient, runs that in-place form on a copy of ``x``: its backward computes from
+        the result (torch's ``elu_backward(is_result=True)``), as the original's did, and rounds otherwise than the
+        out-of-place form's, which computes from the input."""
+        act = self._modules.get("act")
+        if self.inplace and type(act) in _RESULT_BACKWARD and x.requires_grad and torch.is_grad_enabled():
+            act = copy.copy(act)  # the module's own forward, in place: elu_(x, alpha), selu_(x), celu_(x, alpha)
+            act.inplace = True
+            return act(x.clone())
+        return self.activation(x)
 
     def broadcast_shape(self, ndim: int) -> list[int]:
         """Shape that broadcasts a ``[C]`` vector along ``channel_dim`` of an ``ndim`` input."""
@@ -1248,6 +1260,10 @@ def write_into(x: torch.Tensor, fn: Callable[[torch.Tensor], torch.Tensor],
     """
     grads = torch.is_grad_enabled() and (x.requires_grad or any(w.requires_grad for w in weights))
     return x.copy_(fn(x.clone() if grads else x))
+
+
+# activation modules whose in-place form's backward computes from the result, not the input
+_RESULT_BACKWARD = (nn.ELU, nn.CELU, nn.SELU)
 
 
 def _without_inplace(act: nn.Module) -> nn.Module:

@@ -19,6 +19,7 @@ from linearize.gated import convert_gated, gate_statistics
 from linearize.inputs import max_difference
 from linearize.unit import ChannelBlend, ChannelPReLU
 from linearize.unit import LinearizableActivation
+from test_unit_exactness import path  # noqa: F401  (the fixture: compiled kernels, counted, or PyTorch ops)
 from zoo import random_slopes
 
 
@@ -366,3 +367,29 @@ def test_convert_leaves_every_random_generator_as_it_was(monkeypatch):
     before = torch.get_rng_state()
     linearize.convert(model, example_inputs=x)
     assert torch.equal(torch.get_rng_state(), before) and seeded == []
+
+
+@pytest.mark.parametrize("act", [nn.ELU(inplace=True), nn.ELU(0.5, inplace=True), nn.CELU(0.7, inplace=True),
+                                 nn.SELU(inplace=True)], ids=["elu", "elu(0.5)", "celu(0.7)", "selu"])
+@pytest.mark.parametrize("granularity", ["channel", "element"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+def test_at_slope_0_an_in_place_elu_family_unit_has_the_originals_gradients_bit_for_bit(act, granularity, dtype,
+                                                                                          path):
+    """A converted model whose ELU / CELU / SELU module works in place: at slope 0 its output, input gradient and
+    parameter gradients are the unconverted model's bit for bit. Torch's in-place ELU differentiates from its
+    result (``elu_backward(is_result=True)``), which rounds otherwise than the out-of-place form's (input-based)
+    backward: 1e-8 apart in float32, so the unit runs that in-place form too."""
+    torch.manual_seed(0)
+    original = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), act, nn.Conv2d(8, 4, 1)).to(dtype)
+    model = copy.deepcopy(original)
+    x = torch.randn(2, 3, 6, 6, dtype=dtype) * 2
+    linearize.convert(model, example_inputs=x, granularity=granularity)
+    assert model[1].inplace
+    results = []
+    for m in (model, original):
+        xi = x.clone().requires_grad_()
+        out = m(xi)
+        (out * torch.linspace(-1, 1, out.numel(), dtype=dtype).view_as(out)).sum().backward()
+        results.append([out, xi.grad] + [p.grad for n, p in m.named_parameters() if "slope" not in n])
+    for got, want in zip(*results, strict=True):
+        assert torch.equal(got, want)
