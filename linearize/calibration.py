@@ -767,6 +767,8 @@ def one_shot(
     parametrization computes (``weight_norm``, ``prune``) and weights tied to another module are not refit; each
     site's ``refit`` says which layer was, or why not.
 
+    A call that raises leaves the model as it was (slopes, frozen flags, ends and refit layers put back).
+
     Returns: ``{unit name: OneShotSite}``.
 
     Example:
@@ -781,6 +783,50 @@ def one_shot(
         >>> plan.mode in ("linear", "removed"), plan.flops <= 0.5 * plan.flops_full
         (True, True)
     """
+    undo = _Undo()
+    try:
+        return _one_shot(model, data, target, end, units, outgoing, freeze, flops, refit, undo)
+    except BaseException:  # a failed call leaves the model as it was
+        undo.restore()
+        raise
+
+
+class _Undo:
+    """What :func:`one_shot` may change, kept to put back when it fails: each unit's parameters and buffers (the
+    same tensors, with their values) and each refit layer's weight and bias, kept before the refit writes them."""
+
+    def __init__(self) -> None:
+        self.units: list[tuple[nn.Module, dict, dict, dict[str, torch.Tensor]]] = []
+        self.layers: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def keep_units(self, named: list[tuple[str, LinearizableActivation]]) -> None:
+        for _, unit in named:
+            tensors = {**{k: t for k, t in unit._buffers.items() if t is not None},
+                       **{k: t for k, t in unit._parameters.items() if t is not None}}
+            self.units.append((unit, dict(unit._parameters), dict(unit._buffers),
+                               {k: t.detach().clone() for k, t in tensors.items()}))
+
+    def keep_layer(self, layer: nn.Module) -> None:
+        self.layers += [(p, p.detach().clone()) for p in (layer.weight, layer.bias) if p is not None]
+
+    @torch.no_grad()
+    def restore(self) -> None:
+        for p, value in self.layers:
+            p.copy_(value)
+        for unit, parameters, buffers, values in self.units:
+            unit._parameters.clear()
+            unit._parameters.update(parameters)
+            unit._buffers.clear()
+            unit._buffers.update(buffers)
+            for k, value in values.items():
+                t = parameters.get(k)
+                (buffers[k] if t is None else t).copy_(value)
+
+
+def _one_shot(model: nn.Module, data: Any, target: float | None, end: str, units: list[str] | None,
+              outgoing: Mapping[str, torch.Tensor] | None, freeze: bool, flops: float | None, refit: bool,
+              undo: _Undo) -> dict[str, OneShotSite]:
+    """:func:`one_shot` (under its ``no_grad``), keeping in ``undo`` what it changes."""
     if end not in _ENDS:
         raise ValueError(f"end must be one of {_ENDS}, got {end!r}")
     if end == "hybrid":
@@ -794,6 +840,7 @@ def one_shot(
             raise ValueError(f"flops must be a fraction in [0, 1] (of each FFN's FLOPs, its folded form's budget), "
                              f"got {flops!r}")
         named = _selected(model, units, "one_shot")
+        undo.keep_units(named)
         started = [n for n, u in named if bool(u.linear_mask(name=n).any())]
         if started:
             raise ValueError(f"one_shot(end='hybrid') plans every FFN from the start, and unit(s) {started[:3]} already "
@@ -801,7 +848,7 @@ def one_shot(
                              "converted model (linearize.convert of the original)")
         before = _snapshot(named, refit)
         sites, options = _hybrid(model, data, float(flops), named, freeze)
-        return _refit(model, data, named, sites, before, options, freeze)
+        return _refit(model, data, named, sites, before, undo, options, freeze)
     if flops is not None:
         raise ValueError(f"flops={flops!r} is the budget of end='hybrid'; end={end!r} takes target= (the fraction of "
                          "each unit's channels kept nonlinear)")
@@ -809,6 +856,7 @@ def one_shot(
     if isinstance(target, bool) or not isinstance(target, (int, float)) or not 0.0 <= target <= 1.0:
         raise ValueError(f"target must be a fraction in [0, 1] (of each unit's channels kept nonlinear), got {target!r}")
     named = _selected(model, units, "one_shot")
+    undo.keep_units(named)
     before = _snapshot(named, refit)
     given = dict(outgoing or {})
     unknown = sorted(set(given) - {n for n, _ in named})
@@ -842,8 +890,9 @@ def one_shot(
     if short:
         warnings.warn(f"one_shot(target={target}): {len(short)} unit(s) had fewer channels left nonlinear than the "
                       f"target keeps, so all of those stay nonlinear: {', '.join(short[:5])}. Linear channels (a = 1) "
-                      "are not made nonlinear again; to start over, convert the original model", stacklevel=2)
-    return _refit(model, data, named, result, before)
+                      "are not made nonlinear again; to start over, convert the original model",
+                      stacklevel=4)  # the caller of one_shot (through its no_grad wrapper)
+    return _refit(model, data, named, result, before, undo)
 
 
 def _is_ffn_layer(m: nn.Module) -> bool:
@@ -1001,8 +1050,8 @@ class _Refit:
 
     def _outputs(self, rows: torch.Tensor) -> dict[str | None, torch.Tensor]:
         """The unit's new output of ``rows`` ([P, C], float64) per option."""
-        if self.options is None:  # the units' own forward (no hooks); a copy for an in-place unit
-            return {None: self.unit.forward(rows.clone() if self.unit.inplace else rows).double()}
+        if self.options is None:  # the units' own forward (no hooks)
+            return {None: _forward_rows(self.unit, rows)}
         x, y = rows.double(), self.unit.activation(rows.clone()).double()
         return {mode: torch.where(linear.to(x.device), alpha.to(x.device) * x + beta.to(x.device), y)
                 for mode, (linear, alpha, beta) in self.options.items()}
@@ -1011,7 +1060,7 @@ class _Refit:
         rows = _unit_rows(self.unit, args[0].detach(), self.mask) if mod is self.unit else None
         if rows is None:
             return
-        target = self.before.forward(rows.clone()).double() @ self.weight.to(rows.device).T
+        target = _forward_rows(self.before, rows) @ self.weight.to(rows.device).T
         self.energy += float((target * target).sum())
         self.count += rows.shape[0]
         for key, new in self._outputs(rows).items():
@@ -1029,6 +1078,16 @@ class _Refit:
 
     def clear(self) -> None:
         self.output = None
+
+
+def _forward_rows(unit: LinearizableActivation, rows: torch.Tensor) -> torch.Tensor:
+    """A channel unit's forward (no hooks) of ``rows`` ``[P, C]``, as float64 ``[P, C]``: the rows laid out as the
+    unit's inputs, ``P`` samples with the channels at its ``channel_dim`` and size-1 axes elsewhere (a unit built on
+    ``[N, C, H, W]`` inputs refuses 2-D ones); a copy, which an in-place unit may overwrite."""
+    ndim = max(unit.input_ndim or 2, 2)
+    dim = unit.channel_dim % ndim
+    x = rows.reshape(*rows.shape, *[1] * (ndim - 2)).movedim(1, dim).clone()
+    return unit.forward(x).movedim(dim, 1).reshape(rows.shape).double()
 
 
 def _refit_target(name: str, unit: LinearizableActivation, rec_fed: list[tuple[nn.Module, int]]) -> nn.Module | str:
@@ -1088,7 +1147,7 @@ def _refit_layer(layer: nn.Module, owners: dict[int, list[str]]) -> str | None:
 
 @torch.no_grad()
 def _refit(model: nn.Module, data: Any, named: list[tuple[str, LinearizableActivation]],
-           sites: dict[str, OneShotSite], before: dict[str, LinearizableActivation] | None,
+           sites: dict[str, OneShotSite], before: dict[str, LinearizableActivation] | None, undo: _Undo,
            options: _Options | None = None, freeze: bool = True) -> dict[str, OneShotSite]:
     """:func:`one_shot`'s refit of the layer each unit feeds (see its docstring), unit after unit in model order,
     each on the data as the refits before it left the model; sets each site's ``refit``. With a hybrid's
@@ -1130,6 +1189,7 @@ def _refit(model: nn.Module, data: Any, named: list[tuple[str, LinearizableActiv
             sites[name].refit = reason
             continue
         weight, _ = next(iter(solved.values()))
+        undo.keep_layer(target)
         _write_dense(target, weight[:unit.num_channels].T,
                      weight[unit.num_channels] if target.bias is not None else None)
         sites[name].refit = names.get(id(target), type(target).__name__)

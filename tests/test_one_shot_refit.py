@@ -197,3 +197,57 @@ def test_a_second_call_keeps_the_linear_channels_and_the_fraction():
     second = linearize.one_shot(net, x, target=0.25)
     assert all(torch.equal(second[n].linear, first[n]) for n in first)
     assert linearize.nonlinear_fraction(net) == 0.25
+
+
+@pytest.mark.parametrize("conv", [nn.Conv2d, nn.Conv1d])
+def test_a_1x1_conv_is_refit_to_the_ridge_least_squares_solution(conv):
+    """A unit on ``[N, C, H, W]`` (or ``[N, C, L]``) inputs feeding a 1x1 conv: the refit ran the unit on 2-D rows,
+    which it refuses as unbatched (a ValueError from inside the unit). Truth: the stacked float64 least squares."""
+    torch.manual_seed(0)
+    base = nn.Sequential(conv(4, 12, 1), nn.GELU(), conv(12, 5, 1)).double()
+    x = torch.randn(40, 4, *([3, 3] if conv is nn.Conv2d else [7]), dtype=torch.float64)
+    net = linearize.convert(copy.deepcopy(base), example_inputs=x[:2])
+    sites = linearize.one_shot(net, x, target=0.25)
+    assert sites["1"].refit == "2"
+    with torch.no_grad():
+        h = base[0](x).movedim(1, -1).reshape(-1, 12)  # one row per position
+        w = base[2].weight.reshape(5, 12)
+        target = F.gelu(h) @ w.T
+        alpha, beta = net[1].linear_end
+        u = torch.where(sites["1"].linear, alpha * h + beta, F.gelu(h))
+        a = torch.cat([u, torch.ones(len(u), 1, dtype=u.dtype)], 1)
+        r = 1e-3 * float((u * u).sum(0).mean())
+        reg = torch.zeros(12, 13, dtype=a.dtype)
+        reg[:, :12] = math.sqrt(r) * torch.eye(12, dtype=a.dtype)
+        sol = torch.linalg.lstsq(torch.cat([a, reg]), torch.cat([target, math.sqrt(r) * w.T])).solution
+    torch.testing.assert_close(net[2].weight.reshape(5, 12), sol[:12].T, rtol=1e-8, atol=1e-10)
+    torch.testing.assert_close(net[2].bias, base[2].bias + sol[12], rtol=1e-8, atol=1e-10)
+
+
+@pytest.mark.parametrize("end", ["affine", "constant", "hybrid"])
+def test_a_failed_call_leaves_the_model_as_it_was(end):
+    """one_shot raising midway (here the data fails on the second unit's refit pass, after the first unit's layer
+    was refit) had already set slopes, frozen flags, ends and a layer's weights: every tensor is put back, the same
+    parameter objects, with the same values."""
+    torch.manual_seed(1)
+    base = nn.Sequential(nn.Linear(6, 16), nn.GELU(), nn.Linear(16, 16), nn.GELU(), nn.Linear(16, 3)).double()
+    x = torch.randn(200, 6, dtype=torch.float64)
+    net = linearize.convert(copy.deepcopy(base), example_inputs=x[:2])
+    state = copy.deepcopy(net.state_dict())
+    params = dict(net.named_parameters())
+    passes, written = [], []
+
+    def fail_on_the_second_refit(module, args, out):  # 1 calibration, 1 finding the layers, 1 per refit
+        passes.append(1)
+        if len(passes) == (5 if end == "hybrid" else 4):  # the hybrid measures its plans in one more pass
+            written.append(not torch.equal(net[2].weight, base[2].weight))
+            raise RuntimeError("data failed")
+
+    net[4].register_forward_hook(fail_on_the_second_refit)
+    kw = {"flops": 0.5} if end == "hybrid" else {"target": 0.25}
+    with pytest.raises(ValueError, match="data failed"):
+        linearize.one_shot(net, x, end=end, **kw)
+    assert written == [True]  # the first refit had changed that layer
+    torch.testing.assert_close(net.state_dict(), state, rtol=0, atol=0, equal_nan=True)
+    assert dict(net.named_parameters()) == params and net[1].linear_end is None
+    assert linearize.nonlinear_fraction(net) == 1.0
