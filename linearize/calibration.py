@@ -764,7 +764,8 @@ def one_shot(
     (0.375x FFN FLOPs, 1,024 calibration sentences, no fine-tune): mean cosine to the original 0.90 without,
     0.96 with it (``recipes/benchmarks/hybrid_one_shot.py``). Units feeding anything else, element units, layers
     wider than 8,192 inputs (the normal equations take ``(C + 1)^2`` float64), layers whose weight a hook or
-    parametrization computes (``weight_norm``, ``prune``) and weights tied to another module are not refit; each
+    parametrization computes (``weight_norm``, ``prune``), weights tied to another module and units whose output is
+    0 on all the data are not refit; each
     site's ``refit`` says which layer was, or why not.
 
     A call that raises leaves the model as it was (slopes, frozen flags, ends and refit layers put back).
@@ -1206,13 +1207,20 @@ def _solve(refits: _Refit, key: str | None) -> tuple[torch.Tensor, float] | str:
     if refits.layer.bias is None:  # no intercept: the column of ones is left out
         gram, cross = gram[:-1, :-1], cross[:-1]
     k = refits.unit.num_channels
+    if not bool(torch.isfinite(gram).all() and torch.isfinite(cross).all()):
+        return "its input or its layer's output is not finite on the data (not refit)"
     ridge = _RIDGE * float(gram.diagonal()[:k].mean())  # towards the layer's own weights
+    if not ridge > 0:  # the unit's output is 0 at every position: the normal equations are singular
+        return "its input is 0 on the data (not refit)"
     ridged, rhs = gram.clone(), cross.clone()
     ridged.diagonal()[:k] += ridge
     rhs[:k] += ridge * refits.weight.to(cross.device).T
-    solution = torch.linalg.solve(ridged, rhs)
-    if not ridge > 0 or not bool(torch.isfinite(solution).all()):
-        return "its input is 0 on the data (not refit)"
+    try:
+        solution = torch.linalg.solve(ridged, rhs)
+    except torch.linalg.LinAlgError:
+        solution = None
+    if solution is None or not bool(torch.isfinite(solution).all()):
+        return "its normal equations could not be solved in float64 (not refit)"
     error = refits.energy - 2 * float((solution * cross).sum()) + float((solution * (gram @ solution)).sum())
     return solution, max(error, 0.0) / max(refits.count, 1)
 

@@ -251,3 +251,25 @@ def test_a_failed_call_leaves_the_model_as_it_was(end):
     torch.testing.assert_close(net.state_dict(), state, rtol=0, atol=0, equal_nan=True)
     assert dict(net.named_parameters()) == params and net[1].linear_end is None
     assert linearize.nonlinear_fraction(net) == 1.0
+
+
+@pytest.mark.parametrize("end", ["affine", "constant", "hybrid"])
+def test_a_unit_whose_output_is_0_on_the_data_leaves_its_layer_and_says_why(end):
+    """A unit whose output is 0 at every position (fed by a zero-initialised layer) makes the normal equations
+    singular: torch's solve raised its raw singular-matrix error before the check meant for it. Truth: the same call
+    with refit=False, which the refit must leave as it is."""
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 4)).double()
+    with torch.no_grad():
+        base[0].weight.zero_()
+        base[0].bias.zero_()
+    x = torch.randn(256, 8, dtype=torch.float64)
+    kw = {"flops": 0.5} if end == "hybrid" else {"target": 0.25}
+    states = {}
+    for refit in (False, True):
+        net = linearize.convert(copy.deepcopy(base), example_inputs=x[:2])
+        sites = linearize.one_shot(net, x, end=end, refit=refit, **kw)
+        states[refit] = net.state_dict()
+    assert sites["1"].refit == "its input is 0 on the data (not refit)"
+    torch.testing.assert_close(states[True], states[False], rtol=0, atol=0, equal_nan=True)
+    assert torch.equal(states[True]["2.weight"], base[2].weight)
