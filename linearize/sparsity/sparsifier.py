@@ -404,6 +404,7 @@ class Sparsifier:
         self._hook = None
         self._versions = self._slope_versions()
         self._warned = False
+        self._resumed = False  # load_state_dict ran since the last step (no "slopes did not change" warning)
         self._hook_stepping = False  # step() runs from attach()'s hook (a call by hand then is a second step)
         watch.watch(self)
 
@@ -534,6 +535,7 @@ class Sparsifier:
 
     def __setstate__(self, state: dict) -> None:
         attached = state.pop("_attached", False)
+        state.setdefault("_resumed", False)  # pickled before it was kept
         self.__dict__.update(state)
         other = _ATTACHED.get(self.optimizer) if self.optimizer is not None else None
         other = other() if other is not None else None
@@ -711,7 +713,8 @@ class Sparsifier:
         watch.stepped(self)
         if self._optimizer_skipped():  # not counted: the run follows the optimizer steps taken
             return
-        if self._slope_versions() == self._versions and not self._warned and self._optimizer_moves_slopes():
+        if self._slope_versions() == self._versions and not (self._warned or self._resumed) and \
+                self._optimizer_moves_slopes():
             warnings.warn(
                 "Sparsifier.step() was called but the slopes did not change since the last call: "
                 "call it after optimizer.step() (or use sparsifier.attach(optimizer)), and check "
@@ -767,7 +770,7 @@ class Sparsifier:
         self.step_count += 1
         if self.step_count % self.log_every == 0 or self.step_count == 1:
             self._record(lam_t, wanted)
-        self._versions = self._slope_versions()
+        self._versions, self._resumed = self._slope_versions(), False
 
     def _check_reachable(self) -> None:
         """Warn (once) when channels frozen nonlinear (slope 0, or a nonlinear slope with ``requires_grad=False``) keep
@@ -1108,7 +1111,9 @@ class Sparsifier:
         if weights is not None:
             self._weights = [float(w) for w in weights]
             self.importance.weights = self._weights
-        self._versions = [-1] * len(self._units)  # the model was loaded: do not warn on the next step
+        # the slopes as loaded: a next step() whose optimizer step a loss scaler skipped is not counted (as in the
+        # uninterrupted run); the model was loaded, so that step does not warn that the slopes did not change
+        self._versions, self._resumed = self._slope_versions(), True
         watch.watch(self)  # counted afresh: a resumed run must step it again (attach() after load_state_dict)
 
 
