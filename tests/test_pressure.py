@@ -75,27 +75,34 @@ def test_free_slope_moves_the_same_per_step_under_any_optimizer(make_opt):
         assert slopes(model) == pytest.approx(torch.full((8,), expected), abs=1e-6)
 
 
-@pytest.mark.parametrize("scheduler", ["warmup", "onecycle"])
+@pytest.mark.parametrize("scheduler", ["warmup", "onecycle", "warmup from 0", "cosine to 0"])
 def test_free_slope_follows_an_lr_warmup_from_weak_to_full(scheduler):
     """lr_peak was the largest LR seen so far: during a warmup every step is a new peak, so the push ran at full
-    strength while the LR was tiny (slope 0.5 after a 50-step warmup of a 100-step run, not 0.255). Truth: the
+    strength while the LR was tiny (slope 0.5 after a 50-step warmup of a 100-step run, not 0.255); and a step at
+    an LR of exactly 0 (a linear warmup's first, CosineAnnealingLR(eta_min=0)'s last) got the full push. Truth: the
     documented displacement (1 / total) * lr_t / lr_peak summed, with lr_peak the schedule's peak LR."""
     total, peak = 100, 0.1
     model = nn.Sequential(nn.Linear(4, 8), LinearizableActivation("relu", 8, -1))
     opt = torch.optim.SGD(linearize.param_groups(model, weight_decay=0.0), lr=peak)
     if scheduler == "warmup":
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda t: min(1.0, (t + 1) / 50))
+    elif scheduler == "warmup from 0":
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda t: min(1.0, t / 50))
+    elif scheduler == "cosine to 0":
+        sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=total - 1, eta_min=0.0)
     else:
         sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=peak, total_steps=total)
     linearize.Sparsifier(model, S.constant(), total_steps=total).attach(opt)
-    expected = 0.0
+    expected, zero_lrs = 0.0, 0
     for t in range(total):
         for p in model.parameters():
             p.grad = torch.zeros_like(p)  # nothing resists the pressure
         expected += (1.0 / total) * opt.param_groups[0]["lr"] / peak
+        zero_lrs += opt.param_groups[0]["lr"] == 0
         opt.step()
         sched.step()
         assert slopes(model) == pytest.approx(torch.full((8,), min(expected, 1.0)), abs=1e-5), t
+    assert zero_lrs == (scheduler in ("warmup from 0", "cosine to 0"))
 
 
 def test_a_resume_during_an_lr_warmup_is_exact():

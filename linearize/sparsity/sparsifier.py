@@ -14,7 +14,8 @@ independent of the optimizer's scale::
 ``shape_t`` is the schedule's multiplier in ``[0, 1]``; ``lr_t / lr_peak`` is the current learning
 rate of the slopes' param group over its peak (1 without an optimizer): the peak an LR scheduler recorded in the
 group (OneCycleLR's ``max_lr``, else the ``initial_lr`` every torch scheduler sets, so a warmup starts the push
-weak), or the largest LR seen so far where that is higher or none was recorded. So the
+weak, and an LR of 0 pushes nothing), or the largest LR seen so far where that is higher or none was recorded
+(1 while no LR above 0 was seen). So the
 push follows the *shape* of the LR schedule but not its scale: the same ``rate`` means the same
 under SGD at lr 0.1 and AdamW at lr 2e-5, from scratch or fine-tuning. The default ``rate=None``
 is ``1 / ramp_steps`` (``end - start`` of a :func:`~linearize.schedules.target` schedule, else
@@ -847,10 +848,13 @@ class Sparsifier:
                     )
                 steps.append(lr * lam_t * w)
                 continue
-            scale = 1.0
-            if lr is not None and lr > 0:  # follow the LR schedule's shape, not its scale
-                self._lr_peak[i] = max(lr, self._lr_peak[i] or 0.0)
-                scale = lr / max(self._lr_peak[i], scheduled.get(id(unit.slope), 0.0))
+            scale = 1.0  # no LR known, or only LRs of 0 so far and no scheduler's peak: the full push
+            if lr is not None:  # follow the LR schedule's shape, not its scale (an LR of 0: no push)
+                if lr > 0:
+                    self._lr_peak[i] = max(lr, self._lr_peak[i] or 0.0)
+                peak = max(self._lr_peak[i] or 0.0, scheduled.get(id(unit.slope), 0.0))
+                if peak > 0:
+                    scale = lr / peak
             steps.append(lam_t * scale * w)
         if self.granularity == "channel":
             for (_, unit), step in zip(self._units, steps):
