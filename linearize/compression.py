@@ -374,12 +374,15 @@ def compress(
     err, scale, count = _max_error(model, small, _verification_batches(box, datasets, samples, seed))
     if count == 0:
         raise ValueError("compress: the verification data holds no sample (empty batches); pass data with samples")
-    if scale <= 1e-12:  # every output is zero: any compressed model would pass, so nothing is verified
+    zero = torch.finfo(dtype).tiny  # the smallest normal number: below it an output has no relative precision
+    if scale <= zero:  # every output is zero: any compressed model would pass, so nothing is verified
         raise FoldVerificationError(
-            f"compress cannot verify the compressed model: the model's output is zero on all {count} samples "
-            "(a zero-initialised last layer?); give it a last layer that is not zero to compress it"
+            f"compress cannot verify the compressed model: the model's output is zero on all {count} samples (its "
+            f"largest magnitude {scale:.3g} is at most {zero:.3g}, the smallest normal {dtype}). If it is meant to "
+            "be 0 (a zero-initialised last layer), give it a last layer that is not zero to compress it; if its "
+            "values are merely that small, scale its inputs (the domain) or its last layer up"
         )
-    if err > rtol * max(scale, 1e-12) + 1e-7:
+    if err > rtol * scale:
         raise FoldVerificationError(
             f"compression is not lossless: max abs output difference {err:.3g} at output scale {scale:.3g} "
             f"on {count} samples (rtol {rtol}); please report this model"

@@ -2,6 +2,7 @@
 zero-initialised head), fold verifies the input of the last layer it left untouched (the features before the
 head), says so, and catches a broken fold there."""
 
+import copy
 import warnings
 
 import pytest
@@ -143,3 +144,65 @@ def test_a_user_dict_input_is_verified_as_a_dict():
         assert "same for every sample" in summary.verified_why
         with pytest.raises(ValueError, match=r"example_inputs \{x: Tensor\(0, 4\)\} is an empty batch"):
             linearize.fold(model, type(inputs)({"x": x[:0]}), latency=False)
+
+
+def _tiny_net() -> nn.Module:
+    """A bias-free ReLU net (positively homogeneous), half of its first site linear."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(8, 16, bias=False), nn.ReLU(), nn.Linear(16, 16, bias=False), nn.ReLU(),
+                        nn.Linear(16, 3, bias=False))
+    model = linearize.convert(net).eval()
+    with torch.no_grad():
+        model[1].slope[:8] = 1.0
+    return model
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"atol": 1e-22}, {"dtype": torch.float64}, {"rtol": 1e-2}])
+def test_outputs_far_below_1e_12_are_verified_relative_to_their_scale(kwargs):
+    """Inputs of scale 1e-15 (SI units) give outputs near 4e-16, ordinary float32 numbers: fold refused them as a
+    "zero" output (an absolute floor of 1e-12), whatever atol / dtype / rtol was given. Truth: the model run in
+    float64 on fresh inputs, which the folded model must match relative to the output scale."""
+    model = _tiny_net()
+    x, fresh = torch.randn(16, 8) * 1e-15, torch.randn(32, 8) * 1e-15
+    folded = linearize.fold(model, x, latency=False, **kwargs)
+    assert folded.linearize_fold_summary.verified_on == "output"
+    with torch.no_grad():
+        truth = copy.deepcopy(model).double()(fresh.double())
+        assert 1e-17 < float(truth.abs().max()) < 1e-14
+        torch.testing.assert_close(folded(fresh).double(), truth, rtol=0, atol=1e-5 * float(truth.abs().max()))
+
+
+def test_a_broken_fold_of_tiny_outputs_is_caught(monkeypatch):
+    """At a 1e-15 input scale a 5% error in a merged layer is far below any absolute tolerance: it must still fail
+    the relative check."""
+    model = _tiny_net()
+    perturb(monkeypatch, "0")
+    with pytest.raises(FoldVerificationError, match="folded model differs"):
+        linearize.fold(model, torch.randn(16, 8) * 1e-15, latency=False)
+
+
+def test_compress_verifies_tiny_outputs_relative_to_their_scale(monkeypatch):
+    """compress refused a box of side 1e-13 as a "zero" output, and its check added an absolute 1e-7, which passed
+    any compressed model whose outputs are below about 1e-3. Truth: the model itself on samples of the box, and a
+    compressed model broken on purpose, which must be refused."""
+    torch.manual_seed(0)
+    mlp = nn.Sequential(nn.Linear(2, 16, bias=False), nn.ReLU(), nn.Linear(16, 1, bias=False)).eval()
+    box = linearize.Box(torch.zeros(2), torch.full((2,), 1e-13))
+    small = linearize.compress(mlp, box, samples=64)
+    x = torch.rand(64, 2) * 1e-13
+    with torch.no_grad():
+        scale = float(mlp(x).abs().max())
+        assert scale < 1e-12
+        torch.testing.assert_close(small(x), mlp(x), rtol=0, atol=1e-4 * scale)
+    import linearize.compression as compression
+    original = compression._mlp_part
+
+    def broken(*args, **kwargs):
+        layers, stats, folded = original(*args, **kwargs)
+        with torch.no_grad():
+            layers[0].weight.mul_(1.05)
+        return layers, stats, folded
+
+    monkeypatch.setattr(compression, "_mlp_part", broken)
+    with pytest.raises(FoldVerificationError, match="not lossless"):
+        linearize.compress(mlp, box, samples=64)

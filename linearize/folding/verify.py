@@ -82,7 +82,7 @@ def verify_fold(
         )
     err, scale = max_difference(ref_out, new_out)
     summary.max_abs_error, summary.output_scale = err, scale
-    summary.tolerance = atol if atol is not None else rtol * max(scale, _ZERO)
+    summary.tolerance = atol if atol is not None else rtol * max(scale, _zero(ref_out))
     changing, hooks_off = _hook_effects(model_v, inputs, ref_out, hooked(), summary.tolerance) \
         if not err <= summary.tolerance else ([], 0.0)
     if changing:
@@ -138,7 +138,7 @@ def _rounding(model: nn.Module, inputs: Any, signal: Callable[[nn.Module, Any], 
         return ""
     dt = ref[0].dtype
     eps = torch.finfo(dt).eps
-    merged_exact = 10 * eps <= tolerance / max(scale, _ZERO)  # the merged weights' rounding is far below it
+    merged_exact = 10 * eps <= tolerance / max(scale, _zero(ref))  # the merged weights' rounding is far below it
     if dtype is not None and merged_exact:
         return ""
     try:
@@ -155,7 +155,7 @@ def _rounding(model: nn.Module, inputs: Any, signal: Callable[[nn.Module, Any], 
         if merged_exact:
             text += " (a badly conditioned model): verify the fold's algebra with dtype=torch.float64"
         else:
-            rtol = _round_up(2 * own / max(scale, _ZERO))
+            rtol = _round_up(2 * own / max(scale, _zero(ref)))
             text += (f" (the merged weights are rounded to {dt}, eps {eps:.2g}, in any verification dtype: "
                      "dtype=torch.float64 does not remove that)")
             if error <= rtol * scale:
@@ -169,7 +169,11 @@ def _round_up(value: float) -> float:
     return math.ceil(value / unit * (1 - 1e-9)) * unit
 
 
-_ZERO = 1e-12  # an output scale at or below this is zero: it verifies nothing (the tolerance floor)
+def _zero(signal: list[torch.Tensor]) -> float:
+    """The scale at or below which ``signal`` counts as zero and verifies nothing (the tolerance floor): the
+    smallest normal number of its dtype (below it a value has lost relative precision), so that any scale of a
+    model's inputs or weights that its dtype represents is verified relative to it."""
+    return max(torch.finfo(t.dtype).tiny for t in signal)
 
 
 def _row_spread(t: torch.Tensor) -> float:
@@ -185,12 +189,14 @@ def _samples_differ(inputs: Any) -> bool:
 
 
 def _vacuous(signal: list[torch.Tensor], rtol: float, inputs: Any) -> str:
-    """Why ``signal`` cannot tell a wrong fold from a right one ("" if it can): it is zero (below
-    ``_ZERO``), or every sample gives the same values (within ``rtol`` times the scale) although the
-    samples of ``inputs`` differ: the model ignores its input there (a zero-weight head)."""
+    """Why ``signal`` cannot tell a wrong fold from a right one ("" if it can): it is zero (at most
+    :func:`_zero`, the smallest normal number of its dtype), or every sample gives the same values (within
+    ``rtol`` times the scale) although the samples of ``inputs`` differ: the model ignores its input there (a
+    zero-weight head)."""
     scale = max(float(t.double().abs().max()) for t in signal)
-    if scale <= _ZERO:
-        return "zero"
+    if scale <= _zero(signal):
+        return f"zero (its largest magnitude {scale:.3g} is at most {_zero(signal):.3g}, the smallest normal " \
+               f"{signal[0].dtype})"
     if _samples_differ(inputs) and max(_row_spread(t) for t in signal) <= rtol * scale:
         return "the same for every sample of example_inputs"
     return ""
@@ -293,9 +299,10 @@ def _verify_signal(
                f"{constant[:3]} have every channel linear with alpha = 0 (their mean output, as "
                "one_shot(end='hybrid', flops=0) leaves an FFN), so nothing of the input passes them. If that is "
                "the model you want, fold(..., verify=False); else give them a budget that passes the input")
-    elif why == "zero":
-        fix = ("Pass example_inputs with at least 2 different samples, or give the model a head that is not zero "
-               "(e.g. a random one) to verify the fold")
+    elif why.startswith("zero"):
+        fix = ("If the model's output is meant to be 0 (a zero-initialised head), give it a head that is not zero "
+               "(e.g. a random one) to verify the fold; if its values are merely that small, scale its inputs (or "
+               "weights) up to verify it, or verify in dtype=torch.float64, whose smallest normal is 2.2e-308")
     else:
         fix = ("The model computes a constant on these samples: something cuts every path from the input (a "
                "zero-weight head?). If that is the model you want, fold(..., verify=False)")
