@@ -31,7 +31,7 @@ from torch.overrides import TorchFunctionMode
 from .activations import FUNCTIONAL_SPECS, call_arguments, in_place
 from .dispatch import (FunctionalSiteError, Positions, Scope, attach_owner, caller_scope, checkpoint_error, eager,
                        fx_tracer, loop_error, moved_call, prime_eager, refuse_fx_root, refuse_scripting, watch_child)
-from .unit import write_into
+from .unit import nested_parts, write_into
 
 __all__ = ["FunctionalSites", "FunctionalSiteError", "ATTR", "install_functional_sites", "drop_site_modes"]
 
@@ -182,7 +182,7 @@ class FunctionalSites(nn.Module):
             calls.seen = self.kinds[:k]
             if k < len(self.kinds) and self.kinds[k] == kind and self.channels[k] is not None:
                 dim, width = self.channels[k]
-                calls.width = (f"call {k} ({kind}) has input shape {tuple(getattr(x, 'shape', ()))}, its unit "
+                calls.width = (f"call {k} ({kind}) has input shape {_shape(x)}, its unit "
                                f"{width} channels at dim {dim}")
         if not calls.mismatch and self.slots[k] is not None and (args_now := self._changed(k, func, x, args, kwargs)):
             calls.mismatch, calls.seen, calls.arguments = True, self.kinds[:k], args_now
@@ -238,7 +238,11 @@ class FunctionalSites(nn.Module):
         dim, width = self.channels[k]
         if x.ndim < (getattr(self._modules[self.slots[k]], "input_ndim", None) or 0):
             return True  # no batch dim (an unbatched map): its unit refuses it, naming the fix
-        return -x.ndim <= dim < x.ndim and x.shape[dim] == width
+        if not -x.ndim <= dim < x.ndim:
+            return False
+        if x.is_nested and x.layout == torch.strided:  # no sizes of its own: its tensors', as its unit runs them
+            return all(t.shape[dim] == width for t in nested_parts(x, dim))
+        return x.shape[dim] == width
 
     def check_forward(self, scope: Scope) -> None:
         """An owner forward returned: raise :class:`FunctionalSiteError` if its calls were not the probe's."""
@@ -293,6 +297,13 @@ class FunctionalSites(nn.Module):
                 f"({', '.join(self.kinds)}){' (a kind or an input width differs)' if calls.mismatch else ''}. "
                 f"Its calls are matched to their units by order, which fails when {why}"
             )
+
+
+def _shape(x: Any) -> Any:
+    """``x``'s shape for a message: a strided nested tensor's (which has none) as its tensors' shapes."""
+    if isinstance(x, torch.Tensor) and x.is_nested and x.layout == torch.strided:
+        return [tuple(t.shape) for t in x.unbind()]
+    return tuple(getattr(x, "shape", ()))
 
 
 def drop_site_modes(model: nn.Module) -> None:

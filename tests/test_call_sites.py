@@ -11,6 +11,7 @@ import copy
 import math
 import sys
 import threading
+import warnings
 from collections import OrderedDict
 
 import pytest
@@ -1515,3 +1516,24 @@ def test_a_weight_tied_loop_shares_one_unit_for_any_number_of_steps(functional):
                 h = model.lin(want)
                 want = (1 - unit.slope) * h.clamp(min=0) + unit.slope * h
             torch.testing.assert_close(model(x), want)
+
+
+def test_a_strided_nested_tensor_runs_through_functional_calls_as_through_the_original():
+    """A strided nested tensor (the default torch.nested layout), which has no sizes of its own, crashed the call
+    check of a functional call ("NestedTensorImpl doesn't support sizes"), in the converted and the folded model;
+    activation modules took it. Truths: the unconverted model at slope 0, bit for bit, and each sequence run
+    dense through the converted model at mixed slopes, converted and folded."""
+    torch.manual_seed(0)
+    original = Functional()
+    model = linearize.convert(copy.deepcopy(original), example_inputs=torch.randn(2, 5, 6))
+    seqs = [torch.randn(3, 6), torch.randn(5, 6)]
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # torch: the strided layout is a prototype
+        nested = torch.nested.as_nested_tensor(seqs, layout=torch.strided)
+        for got, want in zip(model(nested).unbind(), original(nested).unbind(), strict=True):
+            assert torch.equal(got, want)
+        random_slopes(model)
+        folded = linearize.fold(model.eval(), torch.randn(2, 5, 6), latency=False)
+        for net in (model, folded):
+            for got, s in zip(net(nested).unbind(), seqs, strict=True):
+                torch.testing.assert_close(got, model(s.unsqueeze(0))[0], rtol=1e-6, atol=1e-6)
