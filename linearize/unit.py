@@ -171,8 +171,9 @@ def _act_grad(g: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     on the CPU outside a double backward: the original activation's backward then gets the very gradient it got
     in the original, in its layout (torch's CPU gelu / silu / mish backward round differently on a copy of a strided
     or expanded gradient, such as ``y.sum()``'s, in another layout). On other devices ``g * 1`` has ``g``'s values,
-    and a look at the slopes would cost a device sync per unit and step."""
-    if g.device.type == "cpu" and not torch.is_grad_enabled() and not bool(w.any()):
+    and a look at the slopes would cost a device sync per unit and step; slopes without data (``FakeTensorMode``)
+    cannot be looked at."""
+    if g.device.type == "cpu" and not torch.is_grad_enabled() and _has_data(w) and not bool(w.any()):
         return g
     return _times_slope(g, 1 - w)
 
@@ -234,11 +235,26 @@ def _input_precision(x: torch.Tensor) -> contextlib.AbstractContextManager:
     return torch.autocast(device, enabled=False) if enabled else contextlib.nullcontext()
 
 
+def _has_data(*tensors: torch.Tensor) -> bool:
+    """Whether ``tensors`` hold data of their own to read: none is a tensor that handles its own ops or has no
+    storage (a ``FakeTensor`` of ``torch.export``, compile tracing and memory estimators; a functionalization
+    wrapper)."""
+    return all(type(t).__torch_dispatch__ is torch.Tensor.__torch_dispatch__ and not torch._is_functional_tensor(t)
+               for t in tensors)
+
+
+def _kernel_can_read(*tensors: torch.Tensor) -> bool:
+    """Whether the compiled CPU kernel can run on ``tensors``: they hold data (:func:`_has_data`) and no
+    ``FakeTensorMode`` is on, which would make the kernel's results data-less. The rest runs the PyTorch ops."""
+    return _has_data(*tensors) and torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is None
+
+
 def _prelu(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``F.prelu(x, weight)``; on the CPU through the compiled kernel of :mod:`linearize.kernels`.
 
     That kernel (autograd in C++, one fused backward pass) takes contiguous non-empty inputs outside
-    ``torch.compile`` and forward-mode AD (it has no ``jvp``), and channels_last maps as the
+    ``torch.compile``, forward-mode AD (it has no ``jvp``) and tensors without data of their own
+    (:func:`_kernel_can_read`: ``FakeTensorMode``), and channels_last maps as the
     ``[N * H * W, C]`` matrix they are in memory (the result stays channels_last); the rest (other
     devices too), and every call when it is switched off or cannot be built, runs :class:`_PReLU`,
     which computes the same values: ``F.prelu``'s, but ReLU's exactly where ``weight`` is 0 (``F.prelu``
@@ -262,7 +278,7 @@ def _prelu(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         n, c, h, w = x.shape
         return _prelu(x.permute(0, 2, 3, 1).view(-1, c), weight).view(n, h, w, c).permute(0, 3, 1, 2)
     if (x.ndim >= 2 and x.is_contiguous() and x.numel() and weight.dtype == x.dtype and fwAD._current_level < 0
-            and not torch.compiler.is_compiling()):
+            and not torch.compiler.is_compiling() and _kernel_can_read(x, weight)):
         kernel = cpu_prelu()
         if kernel is not None:
             return kernel(x, weight)
@@ -449,7 +465,8 @@ def _blend(act: torch.Tensor, x: torch.Tensor, slope: torch.Tensor, dim: int | N
     kernel (:func:`linearize.kernels.cpu_blend`: one pass forward, one backward; ``torch.where`` passes made the
     PyTorch-ops path 2x as slow as the old ``torch.lerp``) on ``act`` and ``x`` themselves, no view of them (a
     view's backward would copy a strided gradient before the activation's backward gets it), outside
-    ``torch.compile`` and forward-mode AD; the rest, and every call when it is switched off or cannot be built,
+    ``torch.compile``, forward-mode AD and tensors without data of their own (:func:`_kernel_can_read`); the rest,
+    and every call when it is switched off or cannot be built,
     runs :class:`_Blend`. Under a torch-function mode or with tensor subclasses it is dispatched as a plain
     ``torch.lerp``, so tools that intercept functions see the call they know; under ``torch.jit.trace`` it is
     :func:`exact_lerp`'s plain ops, which ``torch.jit.save`` can keep.
@@ -466,7 +483,7 @@ def _blend(act: torch.Tensor, x: torch.Tensor, slope: torch.Tensor, dim: int | N
         return exact_lerp(act, x, weight)
     _refuse_functorch()
     if (x.device.type == "cpu" and dim in (None, 1, x.ndim - 1) and x.numel() and act.dtype == x.dtype == slope.dtype
-            and fwAD._current_level < 0 and not torch.compiler.is_compiling()):
+            and fwAD._current_level < 0 and not torch.compiler.is_compiling() and _kernel_can_read(act, x, slope)):
         kernel = cpu_blend()
         if kernel is not None and x.is_contiguous() and act.is_contiguous():
             # each slope for the `inner` elements after it in memory: the map at dim 1, else 1

@@ -6,6 +6,7 @@ that ``tests/test_unit.py`` needs anyway (one compile per session and environmen
 
 from __future__ import annotations
 
+import copy
 import os
 import re
 import shutil
@@ -24,6 +25,7 @@ import torch
 import torch.nn.functional as F
 import torch.utils.cpp_extension
 
+import linearize
 from linearize import LinearizableActivation, kernels
 
 REPO = Path(__file__).resolve().parents[1]
@@ -305,3 +307,31 @@ def test_batched_backward_through_the_kernel_gives_the_exact_jacobian(act):
     batched_x, batched_a = torch.autograd.grad(y, (xr, unit.slope), basis, is_grads_batched=True)
     for got, want in ((got_x, want_x), (batched_x.view(want_x.shape), want_x), (batched_a.view(want_a.shape), want_a)):
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-15)
+
+
+@pytest.mark.parametrize("act", [torch.nn.ReLU(), torch.nn.GELU()], ids=["relu", "gelu"])
+def test_fake_tensors_run_through_units_as_through_the_original_with_the_kernel_on(act):
+    """Under FakeTensorMode (shape-only forwards: torch.export, compile tracing, memory estimators) the kernel read
+    FakeTensors' data ("data is not allocated yet"). Units take the PyTorch ops there, as for FakeTensors passed
+    outside the mode. Truth: the unconverted model's fake outputs and input gradients (shapes, dtypes)."""
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+    if os.environ.get(kernels.ENV_SWITCH) == "0":
+        pytest.skip(f"the compiled kernel is switched off ({kernels.ENV_SWITCH}=0)")
+    assert kernels.cpu_prelu() is not None and kernels.cpu_blend() is not None, "the kernels did not build"
+    torch.manual_seed(0)
+    original = torch.nn.Sequential(torch.nn.Linear(4, 6), act, torch.nn.Linear(6, 2))
+    converted = linearize.convert(copy.deepcopy(original), example_inputs=torch.randn(2, 4))
+    with torch.no_grad():
+        linearize.units(converted)[0][1].slope.fill_(0.5)
+    results = []
+    for model in (original, converted):
+        mode = FakeTensorMode(allow_non_fake_inputs=True)
+        with mode:
+            x = torch.randn(3, 4, requires_grad=True)
+            y = model(x)
+            y.sum().backward()
+        z = model(mode.from_tensor(torch.randn(5, 4)))  # fake tensors outside their mode
+        assert all(isinstance(t, FakeTensor) for t in (y, x.grad, z))
+        results.append([(t.shape, t.dtype) for t in (y, x.grad, z)])
+    assert results[1] == results[0]
