@@ -474,6 +474,7 @@ class _Probe:
         self.unsure: list[ActivationCall] = []  # calls whose channel dim the next layer settles (_settle)
         self.threads: dict[str, int] = {}  # activation calls on threads the forward started (ThreadWatch)
         self.recursive: set[int] = set()  # modules called while already running (a forward that calls itself)
+        self.keyword_input: set[int] = set()  # candidates called with no positional input (act(input=h))
         # module id -> the last module its own code called in its call now running, and how many it called
         self.last_called: dict[int, tuple[nn.Module | None, int]] = {}
         self.called: dict[int, list[nn.Module]] = {}  # module id -> every module its own code called (ditto)
@@ -590,6 +591,8 @@ class _Probe:
         if id(module) in self.given:  # a module with user hooks: its arguments before them (the probe's are global)
             self.given[id(module)] = (args, _versions(args))
         if id(module) in self.candidates:
+            if not args:  # the global pre-hook sees no keyword arguments: a call the probe cannot record
+                self.keyword_input.add(id(module))
             x = args[0] if args else None
             if isinstance(x, torch.Tensor):
                 caller = self.running.stack[-1] if self.running.stack else None
@@ -1100,6 +1103,11 @@ def plan_conversion(
         others = [c for c in probe.calls[id(act)] if c.hook or id(c.caller) not in registered[id(act)]] \
             if calls and caller is owner else []
         owned_calls[id(act)] += len(calls) + len(others)
+        if id(act) in probe.keyword_input:  # a unit takes its input positionally, and the probe saw no such call
+            report.unreachable[name] = (
+                "called with its input as a keyword argument (act(input=h)), which convert cannot follow: it runs as "
+                "it is; fix: call it positionally (act(h))")
+            continue
         if not calls:
             if not probe.calls[id(act)]:
                 report.uncalled.append(name)

@@ -951,3 +951,31 @@ def test_a_compiled_module_is_refused_naming_it_and_the_fix_which_converts(where
     linearize.convert(model, example_inputs=x)
     assert [n for n, _ in linearize.units(model)] == ["block.1", "linearize_functional.silu_0"]
     assert torch.equal(torch.compile(model, backend="eager")(x), want)
+
+
+def test_an_activation_module_called_with_a_keyword_input_is_listed_with_that_reason_and_the_fix():
+    """``self.act(input=h)`` (legal for nn.ReLU.forward(input)) was left unconverted and listed as "never called
+    during the probe forward", which is false and names no fix. It is listed with the true reason and the fix,
+    count_units warns, and the model stays the original's function (truth: the unconverted model, bit for bit)."""
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b, self.act, self.act2 = nn.Linear(4, 6), nn.Linear(6, 2), nn.ReLU(), nn.GELU()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.b(self.act2(self.act(input=self.a(x))))
+
+    torch.manual_seed(0)
+    original, x = Net(), torch.randn(5, 4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        model = linearize.convert(copy.deepcopy(original), example_inputs=x[:2])
+    assert [n for n, _ in linearize.units(model)] == ["act2"] and type(model.act) is nn.ReLU
+    report = model.linearize_report
+    assert report.uncalled == []
+    assert "keyword" in report.unreachable["act"] and "act(h)" in report.unreachable["act"]
+    with pytest.warns(RuntimeWarning, match=r"act: called with its input as a keyword argument"):
+        linearize.count_units(model)
+    with torch.no_grad():
+        assert torch.equal(model(x), original(x))
