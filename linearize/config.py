@@ -83,7 +83,9 @@ class LinearizeConfig:
             (1 after convs and batch norms and for inputs of 4+ dims, -1 after linear layers).
         gates: ``"exclude"`` (default) leaves multiplicative gates unconverted, ``"include"``
             converts them like any activation. A call is a gate when, in the probe forward, its
-            output (or a view of it) multiplies another tensor and either its kind is in
+            output (or a view of it, or it with a scalar added, subtracted, multiplied or divided: a
+            hand-written ``relu6(x + 3) / 6``) multiplies another tensor (``*``, ``mul``, ``addcmul``, an
+            ``einsum`` that sums none of its letters) and either its kind is in
             ``GATE_KINDS`` (sigmoid, hardsigmoid: squeeze-excitation, attention and GLU gates,
             ``x * sigmoid(x)``) or it is broadcast over the other factor (a ``[N, C, 1, 1]``
             channel gate of any kind). Making a gate linear leaves a product, not a linear map, so

@@ -88,9 +88,17 @@ _SAME_VALUES: set[Callable] = {
     torch.clone, torch.Tensor.__getitem__, torch.Tensor.float, torch.Tensor.half, torch.Tensor.bfloat16,
     F.dropout,
 }
+# elementwise ops with a scalar (a Python number or a 0-dim tensor): ``relu6(x + 3) / 6`` (a hand-written hard
+# sigmoid) and ``2 * sigmoid(s)`` keep their source's role (a gate stays a gate); multiplications by a scalar are
+# among _PRODUCTS
+_SCALAR_OPS: set[Callable] = {
+    torch.add, torch.Tensor.add, torch.Tensor.__add__, torch.Tensor.__radd__, torch.sub, torch.Tensor.sub,
+    torch.Tensor.__sub__, torch.Tensor.__rsub__, torch.rsub, torch.div, torch.Tensor.div, torch.true_divide,
+    torch.Tensor.__truediv__, torch.Tensor.__rtruediv__,
+}
 _MOVES_AXES = {torch.Tensor.permute, torch.permute, torch.Tensor.transpose, torch.transpose}  # of _SAME_VALUES
 # what the probe records of a call (a user's hook calling one of these is not the model's own code)
-_WATCHED = {*FUNCTIONAL_SPECS, *_PRODUCTS, *OTHER_FUNCTIONS}
+_WATCHED = {*FUNCTIONAL_SPECS, *_PRODUCTS, torch.einsum, *OTHER_FUNCTIONS}
 _CHANNEL_FIRST = (nn.modules.conv._ConvNd, nn.modules.batchnorm._NormBase, nn.GroupNorm)
 # functional convs: their weight has one dim more than an unbatched input ([C, *spatial]) and its output
 _CONVS = {F.conv1d, F.conv2d, F.conv3d, F.conv_transpose1d, F.conv_transpose2d, F.conv_transpose3d}
@@ -443,8 +451,12 @@ class _FunctionalRecorder(TorchFunctionMode):
                 self.probe.record_functional(func, args, kwargs or {}, out)
             elif func in _SAME_VALUES and args:
                 self.probe.follow(args[0], out, moved=func in _MOVES_AXES)
+            elif func in _SCALAR_OPS and args:
+                self.probe.follow_scalar_op(args, out)
             elif func in _PRODUCTS:
                 self.probe.record_product(func, args, out)
+            elif func is torch.einsum and args:
+                self.probe.record_einsum(args, out)
             elif func in OTHER_FUNCTIONS and not any(isinstance(m, _UNSUPPORTED) for m in self.probe.running.stack):
                 self.probe.record_unsupported(func)
         return out
@@ -569,22 +581,61 @@ class _Probe:
         entry = self.widths.get(id(x)) if isinstance(x, torch.Tensor) else None
         return entry[1] if entry is not None and entry[0]() is x else None
 
+    def follow_scalar_op(self, args: tuple, out: Any) -> None:
+        """``out`` is an elementwise op (:data:`_SCALAR_OPS`) of ``args``: where one of them is an activation's
+        output and the others are scalars, ``out`` inherits its source (``relu6(x + 3) / 6``, ``1 - sigmoid(s)``)."""
+        tensors = [a for a in args if isinstance(a, torch.Tensor) and a.ndim > 0]
+        if len(tensors) == 1 and all(isinstance(a, (torch.Tensor, int, float)) for a in args):
+            call = self._source(tensors[0])
+            if call is not None and out is not tensors[0]:
+                self._tag(out, call)
+
+    def _gate(self, call: ActivationCall, mine: torch.Tensor, other: torch.Tensor, out: torch.Tensor) -> None:
+        """Mark ``call``, whose output ``mine`` multiplies ``other`` into ``out``, as a gate where it is one: a
+        sigmoid-like kind scaling a tensor, or any kind broadcast."""
+        if mine.numel() < out.numel():
+            call.gate = f"{call.kind} output {list(mine.shape)} scales a {list(other.shape)} tensor (broadcast gate)"
+        elif call.kind in GATE_KINDS:
+            call.gate = f"{call.kind} output multiplies a {list(other.shape)} tensor (gate)"
+
     def record_product(self, func: Callable, args: tuple, out: Any) -> None:
         """Mark the activation calls whose outputs are factors of this product as gates (see
-        ``LinearizeConfig.gates``): a sigmoid-like kind scaling a tensor, or any kind broadcast."""
+        ``LinearizeConfig.gates`` and :meth:`_gate`); a product by a scalar (``2 * sigmoid(s)``) keeps the factor's
+        source (:meth:`follow_scalar_op`)."""
         i, j = _PRODUCTS[func]
         if len(args) <= j or not isinstance(out, torch.Tensor):
             return
         for mine, other in ((args[i], args[j]), (args[j], args[i])):
             call = self._source(mine)
-            if call is None or call.gate is not None or not isinstance(other, torch.Tensor):
+            if call is None or call.gate is not None:
                 continue
-            if isinstance(other, nn.Parameter) or other.numel() <= 1:  # a constant scale keeps it linear
+            if isinstance(other, (int, float)) or isinstance(other, torch.Tensor) and other.ndim == 0:
+                if out is not mine:
+                    self._tag(out, call)
                 continue
-            if mine.numel() < out.numel():
-                call.gate = f"{call.kind} output {list(mine.shape)} scales a {list(other.shape)} tensor (broadcast gate)"
-            elif call.kind in GATE_KINDS:
-                call.gate = f"{call.kind} output multiplies a {list(other.shape)} tensor (gate)"
+            if not isinstance(other, torch.Tensor) or isinstance(other, nn.Parameter) or other.numel() <= 1:
+                continue  # a constant scale keeps it linear
+            self._gate(call, mine, other, out)
+
+    def record_einsum(self, args: tuple, out: Any) -> None:
+        """Mark the activation calls whose outputs are factors of ``torch.einsum(*args)`` as gates where they scale
+        another operand elementwise: none of their letters is summed (``"bchw,bc->bchw"``), as in a product."""
+        equation, operands = args[0], args[1:]
+        if len(operands) == 1 and isinstance(operands[0], (list, tuple)):  # torch.einsum(equation, [a, b])
+            operands = operands[0]
+        if not isinstance(equation, str) or "->" not in equation or not isinstance(out, torch.Tensor):
+            return  # an implicit output sums every letter seen twice: no elementwise factor to tell apart
+        inputs, result = equation.replace(" ", "").split("->")
+        specs = inputs.split(",")
+        if len(specs) != len(operands) or len(operands) < 2:
+            return
+        kept = set(result)
+        for k, (mine, spec) in enumerate(zip(operands, specs)):
+            call = self._source(mine)
+            others = [t for n, t in enumerate(operands) if n != k and isinstance(t, torch.Tensor)]
+            if call is None or call.gate is not None or not others or not set(spec) <= kept:
+                continue
+            self._gate(call, mine, max(others, key=torch.Tensor.numel), out)
 
     def enter(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         """A module call starts (``self.running.stack[-1]`` is its caller)."""

@@ -178,3 +178,53 @@ def test_report_lists_the_excluded_gates():
     assert set(rep.excluded) == {"se_gate", "relu_gate", "swish_sig", "shared.calls.0", "linearize_functional.sigmoid_0"}
     assert rep.units["total"] == sum(u.num_channels for _, u in linearize.units(model))
     assert "swish_sig" in rep.to_html({}) and "Not converted on purpose" in rep.to_html({})
+
+
+class ScaledGates(nn.Module):
+    """Gates with scalar arithmetic before their product, or applied through einsum, and hidden activations
+    with scalar arithmetic or an einsum contraction after them; the truth by construction."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+        self.fc1, self.fc2, self.fc3, self.fc4 = (nn.Linear(8, 8) for _ in range(4))
+        self.h_sigmoid = nn.ReLU6(inplace=True)  # ReLU6(x + 3) / 6 broadcast over a map (MobileNetV3 SE): a gate
+        self.hidden = nn.ReLU()  # 2 * relu(t) + 1 into a layer: converted
+        self.mix = nn.GELU()  # contracted by einsum ("bc,cd->bd"): converted
+        self.w = nn.Parameter(torch.randn(8, 8))
+
+    def forward(self, x):
+        h = self.conv(x)
+        n, c = h.shape[:2]
+        s = h.mean((2, 3))
+        h = h * (self.h_sigmoid(self.fc1(s) + 3) / 6).view(n, c, 1, 1)
+        h = h * (2 * torch.sigmoid(self.fc2(s)))[..., None, None]  # functional sigmoid_0: a gate
+        h = torch.einsum("bchw,bc->bchw", h, torch.sigmoid(self.fc3(s)))  # functional sigmoid_1: a gate
+        t = self.fc4(2 * self.hidden(h.mean((2, 3))) + 1)
+        return torch.einsum("bc,cd->bd", self.mix(t), self.w)
+
+
+def test_gates_behind_scalar_arithmetic_or_einsum_are_excluded_and_not_counted():
+    """A hand-written hard sigmoid (ReLU6(x + 3) / 6), a scaled sigmoid (2 * sigmoid(s)) and a sigmoid applied by
+    torch.einsum were converted and counted as channels: the probe lost the activation's output at the scalar op
+    and did not watch einsum. They are gates now, left as they are and out of the counts; activations whose
+    outputs only meet scalars or an einsum contraction stay units. Truth: by construction, and the unconverted
+    model's output, bit for bit."""
+    torch.manual_seed(0)
+    model = ScaledGates().eval()
+    x = torch.randn(2, 3, 6, 6)
+    with torch.no_grad():
+        before = model(x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        linearize.convert(model, example_inputs=x)
+    assert set(model.linearize_report.gates) == {"h_sigmoid", "linearize_functional.sigmoid_0",
+                                                 "linearize_functional.sigmoid_1"}
+    assert [n for n, _ in linearize.units(model)] == ["hidden", "mix"]
+    assert type(model.h_sigmoid) is nn.ReLU6
+    counts = linearize.count_units(model)
+    assert counts["total"] == 16 and set(counts["sites"]) == {"hidden", "mix"}
+    with torch.no_grad():
+        assert torch.equal(model(x), before)
+        model.hidden.slope.fill_(1.0)
+    assert linearize.nonlinear_fraction(model) == 0.5
