@@ -24,7 +24,7 @@ from linearize._files import fsync_path
 
 from .accelerator import is_sharded, state_dict_options
 from .args import flag
-from .files import TMP_PREFIX, file_sha256, pid_alive, writing
+from .files import TMP_PREFIX, file_sha256, follow_umask, pid_alive, writing
 from .run import NONFINITE_ADVICE, Run
 
 
@@ -196,6 +196,7 @@ def save_checkpoint(run: Run, step: int) -> Path:
                 save_model(raw, str(tmp / MODEL_FILE))
         with writing(tmp / OPTIMIZER_FILE):
             torch.save(optimizer_state, tmp / OPTIMIZER_FILE)
+        follow_umask(tmp)
         state["files"] = {}
         for name in (MODEL_FILE, OPTIMIZER_FILE):
             with writing(tmp / name):

@@ -37,6 +37,17 @@ def file_sha256(path: Path) -> str:
     return h.hexdigest()
 
 
+def follow_umask(folder: Path) -> None:
+    """Give every file under ``folder`` (a save being written) the mode ``open()`` gives a new file (``0o666``
+    less the process umask): safetensors' ``save_file`` (and transformers' ``save_pretrained`` through it) creates
+    its file owner-only, which would leave the weights unreadable to whoever may read the files beside them."""
+    mask = os.umask(0o077)  # read by setting it (Python has no getter); owner-only meanwhile, never looser
+    os.umask(mask)
+    for path in folder.rglob("*"):
+        if path.is_file() and not path.is_symlink():
+            os.chmod(path, 0o666 & ~mask)
+
+
 @contextlib.contextmanager
 def writing(path: str | Path) -> Iterator[None]:
     """The body writes the file or folder ``path``: a failure that names no file (a full disk or a file-size
@@ -177,6 +188,7 @@ def replaced_dir(directory: str | Path):
     _OWN_TEMPS.update((stage, old))
     try:
         yield stage
+        follow_umask(stage)
         for f in stage.iterdir():
             if f.is_file():
                 fsync_path(f)

@@ -306,6 +306,27 @@ def test_a_final_save_onto_a_full_disk_names_the_folder_and_keeps_the_earlier_mo
     assert _same_state(cifar.load_model(directory), old)
 
 
+def test_every_file_of_a_final_save_and_a_checkpoint_has_the_mode_open_gives(tmp_path):
+    """Under umask 022, every file cifar's final save (model/: weights, sidecar, recipe.json) and a checkpoint
+    (model.safetensors, optimizer.pt, state.json) write has the mode a plain open() gives a new file: safetensors
+    created the weights owner-only (0600), unreadable to another user of a shared results folder."""
+    import stat
+
+    old = os.umask(0o022)
+    try:
+        with open(tmp_path / "plain", "w"):
+            pass
+        expected = stat.S_IMODE((tmp_path / "plain").stat().st_mode)
+        _save(_cifar_model(0), tmp_path / "model")
+        checkpoint = common.save_checkpoint(tiny_run(tmp_path / "run", keep=1), 1)
+    finally:
+        os.umask(old)
+    files = [p for folder in (tmp_path / "model", checkpoint) for p in folder.rglob("*") if p.is_file()]
+    assert {"model.safetensors", "recipe.json", "optimizer.pt"} <= {p.name for p in files}
+    assert {p.relative_to(tmp_path).as_posix(): oct(stat.S_IMODE(p.stat().st_mode)) for p in files} == {
+        p.relative_to(tmp_path).as_posix(): oct(expected) for p in files}
+
+
 def test_a_file_given_for_the_model_folder_or_a_fifo_in_a_save_is_named_not_missing(tmp_path):
     """cifar.load_model given the model folder's recipe.json instead of the folder, a FIFO where recipe.json should
     be, and a checkpoint whose optimizer.pt is a FIFO: each error names the file and what it is (they said the file
