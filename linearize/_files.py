@@ -16,6 +16,7 @@ import pickle
 import re
 import secrets
 import stat
+import sys
 import threading
 import warnings
 from collections.abc import Callable, Collection, Iterator, Mapping
@@ -131,7 +132,7 @@ def check_regular(path: str | os.PathLike, what: str = "file") -> None:
 
 def parse_json(raw: bytes | str, path: str | os.PathLike) -> Any:
     """The JSON value of ``raw`` (the contents of ``path``); :class:`LoadError` naming ``path`` when it is not
-    UTF-8 JSON, or nests too deep for Python to parse.
+    UTF-8 JSON, nests too deep for Python to parse, or holds an integer longer than Python converts.
 
     Example:
         >>> parse_json(b'{"a": [1]}', "x.json")
@@ -143,6 +144,9 @@ def parse_json(raw: bytes | str, path: str | os.PathLike) -> Any:
         problem = "the file is empty" if not raw.strip() else f"not valid JSON ({err})"
     except RecursionError:
         problem = "not valid JSON for this reader: it nests deeper than Python can parse"
+    except ValueError:  # Python's limit on converting long digit strings to int
+        problem = ("not valid JSON for this reader: it holds an integer of more than "
+                   f"{sys.get_int_max_str_digits():,} digits")
     raise LoadError(f"{path}: {problem}; a damaged or partly written file, or not the file it should be")
 
 

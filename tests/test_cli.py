@@ -438,6 +438,8 @@ DEEP = "[" * 100_000 + "]" * 100_000  # valid JSON that Python's parser cannot n
     ('{"translation": "a b"}', [], r"no text field in the record"),
     ('{"text": "a b"', [], r"not valid JSON \(Expecting"),
     (DEEP, [], r"not valid JSON for this reader: it nests deeper than Python can parse"),
+    ('{"text": "a", "id": ' + "9" * 5000 + "}", [], r"not valid JSON for this reader: it holds an integer of more "
+                                                    r"than 4,300 digits"),
     (b'{"text": "\xff"}', [], r"not valid JSON \('utf-8' codec can't decode"),
 ])
 def test_jsonl_records_not_of_the_expected_form_are_one_line_errors_naming_the_line(tmp_path, text_model, cli_refusal,

@@ -208,6 +208,17 @@ def test_compare_refuses_a_run_file_of_another_form_naming_it(tmp_path, cli_refu
     assert not (tmp_path / "c.html").exists()
 
 
+def test_a_metrics_json_holding_an_integer_too_long_for_python_is_refused_naming_it(tmp_path, cli_refusal):
+    """A metrics.json with an integer of more than 4,300 digits (Python's int-string limit): one line naming the
+    file, as for any other damaged JSON (it was a bare ValueError naming no run or file)."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.json").write_text('{"recipe": "cifar", "steps": ' + "9" * 5000 + "}")
+    line = cli_refusal(["report", "--compare", str(run), "--out", str(tmp_path / "c.html")])
+    assert f"{run / 'metrics.json'}: not valid JSON for this reader: it holds an integer of more than 4,300" in line
+    assert not (tmp_path / "c.html").exists()
+
+
 def test_compare_reads_the_good_forms_of_the_crafted_files(tmp_path):
     """The files the refusals above edit, as written: the page shows their numbers."""
     run = tmp_path / "run"

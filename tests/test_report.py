@@ -296,6 +296,15 @@ def test_cli_regions_budget_flags(tmp_path: Path, capsys, one_thread) -> None:
         assert message in capsys.readouterr().err
 
 
+def test_a_history_holding_an_integer_too_long_for_python_is_a_load_error_naming_it(tmp_path: Path) -> None:
+    """A history file with an integer of more than 4,300 digits (Python's int-string limit): report(history=)
+    refuses it naming the file, as any other damaged JSON (it was a bare ValueError naming no file)."""
+    path = tmp_path / "history.json"
+    path.write_text('{"1": {"a": ' + "9" * 5000 + "}}")
+    with pytest.raises(linearize.LoadError, match=rf"{path}: not valid JSON for this reader: it holds an integer"):
+        linearize.report(_mlp(), _digits(16), history=path, progress=False, skip=["regions"])
+
+
 def test_history_formats_and_weighting() -> None:
     counts = linearize.count_units(_mlp())  # sites "1" (24 channels) and "3" (16 channels)
     plain = {"100": {"1": 0.5, "3": 1.0}, "0": {"1": 1.0, "3": 1.0}}

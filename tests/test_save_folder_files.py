@@ -54,6 +54,23 @@ def test_json_nested_too_deep_is_a_load_error_naming_the_file(tmp_path):
         linearize.load_folded(tmp_path / "folded")
 
 
+def test_json_holding_an_integer_too_long_for_python_is_a_load_error_naming_the_file(tmp_path):
+    """An integer of more than 4,300 digits (Python's int-string limit; a bare ValueError naming no file) in the
+    sidecar's config or folded.json: refused like any other damaged JSON, naming the file."""
+    model = _mlp()
+    linearize.save_pretrained(model, tmp_path / "units")
+    config = tmp_path / "units" / CONFIG_NAME
+    config.write_text(config.read_text().replace('"format": ', '"format": ' + "9" * 5000 + ", \"was\": ", 1))
+    with pytest.raises(linearize.LoadError, match=rf"{config}: not valid JSON for this reader: it holds an integer "
+                                                  r"of more than 4,300 digits; a damaged"):
+        linearize.from_pretrained(_fresh(), tmp_path / "units", example_inputs=torch.randn(1, 4))
+    linearize.save_folded(linearize.fold(_mlp(), torch.randn(8, 4)), tmp_path / "folded")
+    folded = tmp_path / "folded" / FOLDED_CONFIG
+    folded.write_text(folded.read_text().replace('"format": ', '"format": ' + "9" * 5000 + ", \"was\": ", 1))
+    with pytest.raises(linearize.LoadError, match=rf"{folded}: not a folded-model description"):
+        linearize.load_folded(tmp_path / "folded")
+
+
 def test_an_hf_config_nested_too_deep_is_no_manifest(tmp_path):
     from linearize import hf
 

@@ -14,6 +14,7 @@ import json
 import os
 import re
 import stat
+import sys
 from pathlib import Path
 from typing import Any, BinaryIO, Iterator, Mapping
 
@@ -325,6 +326,9 @@ def _record_text(line: bytes, text_field: str | None, where: str) -> str:
         problem = f"not valid JSON ({err})"
     except RecursionError:
         problem = "not valid JSON for this reader: it nests deeper than Python can parse"
+    except ValueError:  # Python's limit on converting long digit strings to int
+        problem = ("not valid JSON for this reader: it holds an integer of more than "
+                   f"{sys.get_int_max_str_digits():,} digits")
     else:
         if not isinstance(record, dict):
             problem = f"a JSON {type(record).__name__}, not an object"

@@ -40,7 +40,7 @@ def read_recipe_json(directory: str | Path, required: Iterable[str] = ()) -> dic
     check_regular(path, "recipe.json")  # a FIFO: refused by name (reading it would wait for a writer)
     try:
         meta = json.loads(path.read_text())
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:  # RecursionError: nested too deep
+    except (ValueError, RecursionError) as e:  # RecursionError: nested too deep; ValueError: also an integer too long
         raise ValueError(f"{path} is not valid JSON ({e}); the save is damaged: train again or restore it") from e
     if not isinstance(meta, dict):
         raise ValueError(f"{path} holds {type(meta).__name__}, not a JSON object; the save is damaged")

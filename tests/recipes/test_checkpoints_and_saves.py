@@ -602,6 +602,9 @@ def test_read_recipe_json_names_the_folder(tmp_path):
     (tmp_path / "recipe.json").write_bytes(b"\xff{")
     with pytest.raises(ValueError, match="not valid JSON"):
         common.read_recipe_json(tmp_path)
+    (tmp_path / "recipe.json").write_text('{"arch": ' + "9" * 5000 + "}")  # past Python's int-string limit
+    with pytest.raises(ValueError, match=f"{tmp_path}/recipe.json is not valid JSON"):
+        common.read_recipe_json(tmp_path)
 
 
 def test_wall_time_adds_up_over_resumes(tmp_path):
