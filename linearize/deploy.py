@@ -485,7 +485,10 @@ def _build_recorded_base(base: dict[str, Any], path: Path) -> nn.Module | None:
     if kind == "torchvision":
         import torchvision
 
-        return torchvision.models.get_model(str(base["name"]), weights=None, **base.get("kwargs", {}))
+        builder = torchvision.models.get_model_builder(str(base["name"]))
+        # bare: segmentation and detection builders fetch ImageNet weights for their backbone by default
+        bare = {"weights_backbone": None} if "weights_backbone" in inspect.signature(builder).parameters else {}
+        return builder(weights=None, **bare, **base.get("kwargs", {}))
     if kind == "timm":
         import timm
 

@@ -75,6 +75,28 @@ def test_folded_torchvision_and_timm_round_trip(tmp_path):
     assert torch.equal(_call(linearize.load_folded(tmp_path / "timm"), x), _call(folded, x))
 
 
+def test_a_folded_torchvision_segmentation_model_loads_offline_without_fetching_its_backbone(tmp_path, monkeypatch):
+    """lraspp's builder (as deeplabv3, fcn, fasterrcnn, ...) fetched ImageNet weights for its backbone by default:
+    load_folded of its folded save downloaded them (offline: a URLError), though a load never fetches. With every
+    download made to fail, it loads, and computes as the model saved."""
+    tv = pytest.importorskip("torchvision")
+    x = torch.randn(1, 3, 32, 32, generator=torch.Generator().manual_seed(0))
+    model = tv.models.get_model("lraspp_mobilenet_v3_large", weights=None, weights_backbone=None, num_classes=3)
+    folded = _half_linear(model, x)
+    linearize.save_folded(folded, tmp_path / "seg", builder="torchvision:lraspp_mobilenet_v3_large",
+                          builder_kwargs={"num_classes": 3})
+
+    def offline(url, *args, **kwargs):
+        raise OSError(f"offline: fetched {url}")
+
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch"))  # nothing cached there
+    monkeypatch.setattr(torch.hub, "download_url_to_file", offline)
+    monkeypatch.setattr("urllib.request.urlopen", offline)
+    loaded = linearize.load_folded(tmp_path / "seg")
+    assert torch.equal(_call(loaded, x)["out"], _call(folded, x)["out"])
+    assert not (tmp_path / "torch").exists()
+
+
 def test_plain_models(tmp_path):
     x = torch.randn(2, 3, 8, 8, generator=torch.Generator().manual_seed(0))
     seq = _half_linear(nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Flatten(), nn.Linear(144, 3)), x)
