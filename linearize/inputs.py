@@ -648,7 +648,8 @@ def image_size(data: bytes, where: str, max_pixels: int = MAX_IMAGE_PIXELS) -> t
             with Image.open(io.BytesIO(data)) as img:
                 width, height = img.size
     except Exception as e:  # PIL's UnidentifiedImageError, DecompressionBombError, a truncated header
-        raise ValueError(f"{where} is not an image that can be read ({type(e).__name__}: {e})") from None
+        raise ValueError(f"{where} is not an image that can be read ({type(e).__name__}: {e}): a damaged image or "
+                         "another file; replace it or remove it") from None
     if width * height > max_pixels:
         raise ValueError(f"{where} is a {width} x {height} image ({width * height:,} pixels, more than {max_pixels:,}): "
                          "refusing to decode it (a decompression bomb, or not the data meant); resize it first")

@@ -37,6 +37,7 @@ import sys
 import tarfile
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -439,10 +440,16 @@ def _select(names: list[str], n: int | None) -> list[int]:
 
 
 def _decode(data: bytes, size: int, where: str) -> torch.Tensor:
+    """The image ``data`` as uint8 ``[3, size, size]``; ``ValueError`` naming ``where`` (its file) and the fix when it
+    is damaged (cut short by an interrupted copy) or would decode to a huge map."""
     from torchvision.io import ImageReadMode, decode_image
 
     image_size(data, where)  # refuses an image that would decode to a huge map
-    img = decode_image(torch.frombuffer(bytearray(data), dtype=torch.uint8), mode=ImageReadMode.RGB)
+    try:
+        img = decode_image(torch.frombuffer(bytearray(data), dtype=torch.uint8), mode=ImageReadMode.RGB)
+    except RuntimeError as err:  # torchvision's decoders: truncated or corrupt data
+        raise ValueError(f"{where}: damaged image, it cannot be decoded ({str(err).strip().splitlines()[-1]}): "
+                         "replace it or remove it from the dataset") from None
     if img.shape[-1] != size or img.shape[-2] != size:
         img = F.interpolate(img[None].float(), size=(size, size), mode="bilinear", antialias=True,
                             align_corners=False).round().clamp(0, 255).to(torch.uint8)[0]
@@ -487,12 +494,14 @@ def _pick(items: list[tuple[str, str]], split: str, subset: int | None, classes:
     return [items[i] for i in _select([p for p, _ in items], subset)], list(classes)
 
 
-def _tensors(chosen: list[tuple[str, str]], classes: list[str], read, split: str, size: int, show: bool) -> dict:
-    """Decode the chosen ``(path, class)`` items with ``read(path) -> bytes`` into uint8 tensors."""
+def _tensors(chosen: list[tuple[str, str]], classes: list[str], read, split: str, size: int, show: bool,
+             name: Callable[[str], str]) -> dict:
+    """Decode the chosen ``(path, class)`` items with ``read(path) -> bytes`` into uint8 tensors; errors name an
+    item by ``name(path)`` (its file, or archive and member)."""
     x = torch.empty(len(chosen), 3, size, size, dtype=torch.uint8)
     y = torch.empty(len(chosen), dtype=torch.long)
     for i, (p, c) in enumerate(tqdm(chosen, desc=f"decode {split}", disable=not show, leave=False)):
-        x[i] = _decode(read(p), size, p)
+        x[i] = _decode(read(p), size, name(p))
         y[i] = classes.index(c)
     return {"x": x, "y": y, "classes": classes}
 
@@ -521,7 +530,7 @@ def _from_tar(path: Path, split: str, subset: int | None, size: int, show: bool,
     with tarfile.open(path, "r:*") as tar:
         for name in sorted({p for p, _ in chosen}, key=lambda n: files[n].offset_data):
             blobs[name] = read_tar_image(tar, files[name], f"{path}:{name}")
-    return _tensors(chosen, classes, blobs.__getitem__, split, size, show)
+    return _tensors(chosen, classes, blobs.__getitem__, split, size, show, lambda p: f"{path}:{p}")
 
 
 def _from_folder(root: Path, split: str, subset: int | None, size: int, show: bool, classes: list[str] | None,
@@ -529,7 +538,7 @@ def _from_folder(root: Path, split: str, subset: int | None, size: int, show: bo
     base = root / split
     items = [(str(p.relative_to(root)), p.parent.name) for p in base.glob("*/*") if p.suffix.lower() in IMAGE_EXTS]
     chosen, classes = _pick(items, split, subset, classes, drop_others)
-    return _tensors(chosen, classes, lambda p: read_image_file(root / p), split, size, show)
+    return _tensors(chosen, classes, lambda p: read_image_file(root / p), split, size, show, lambda p: str(root / p))
 
 
 def _from_torchvision(root: Path, dataset: str, split: str, subset: int | None, size: int, download: bool,

@@ -258,6 +258,35 @@ def test_an_image_folder_file_that_no_image_can_be_is_refused_before_it_is_read(
             cifar.load_split(folder, "cifar10", "test", None, 8, tmp_path / "cache2", show=False)
 
 
+@pytest.mark.parametrize("reader", ["recipe", "cli"])
+@pytest.mark.parametrize("fmt", ["PNG", "JPEG"])
+def test_a_truncated_image_among_good_ones_is_named_with_the_fix(tmp_path, capsys, reader, fmt):
+    """One image of a folder cut short (its header intact, as an interrupted copy leaves it): the recipe raised
+    torchvision's decoder error naming no file, the command line named only the folder; both name the file, that
+    it is damaged, and the fix."""
+    from PIL import Image
+
+    import cifar
+
+    folder = tmp_path / "tree"
+    (folder / "test/cat").mkdir(parents=True)
+    for i in range(4):
+        buf = io.BytesIO()
+        Image.effect_noise((64, 64), 60 + i).convert("RGB").save(buf, fmt)
+        (folder / f"test/cat/{i}.{fmt.lower()}").write_bytes(buf.getvalue())
+    bad = folder / f"test/cat/2.{fmt.lower()}"
+    bad.write_bytes(bad.read_bytes()[:len(bad.read_bytes()) // 2])  # its header whole: only decoding fails
+    if reader == "recipe":
+        with pytest.raises(ValueError) as err:
+            cifar.load_split(folder, "cifar10", "test", None, 8, tmp_path / "cache", show=False)
+        refusal = str(err.value)
+    else:
+        assert main(["report", "resnet18", "--data", str(folder / "test"), "--output-dir", str(tmp_path / "out")]) == 2
+        refusal = capsys.readouterr().err
+    assert f"{bad}: damaged image, it cannot be decoded (" in refusal and "replace it or remove it" in refusal, refusal
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.parametrize("kind", ["directory", "socket"])
 def test_a_directory_or_socket_named_like_an_image_is_refused_by_name_and_leaks_no_descriptor(tmp_path, kind):
     import os

@@ -196,7 +196,8 @@ def _decode(images: list[tuple[str, bytes]], size: int | None, norm: str, source
     """``(where, encoded image)`` pairs of ``--data source`` as one float batch (resized to ``size``, normalized
     by ``norm``), decoded into one preallocated tensor; ``ValueError`` from the image headers, before decoding, when
     one image or all of them together would decode to too many pixels (:data:`~linearize.inputs.MAX_IMAGE_PIXELS`,
-    :data:`~linearize.inputs.MAX_TOTAL_PIXELS`) or their sizes differ without ``size``."""
+    :data:`~linearize.inputs.MAX_TOTAL_PIXELS`) or their sizes differ without ``size``, and naming the image and the
+    fix when one is damaged (cut short by an interrupted copy)."""
     from PIL import Image
 
     sizes = [image_size(raw, where) for where, raw in images]  # from the headers: refuses one huge image
@@ -215,7 +216,11 @@ def _decode(images: list[tuple[str, bytes]], size: int | None, norm: str, source
             f"decoded; e.g. --image-size 224){f' or --num-samples {fits} or fewer' if fits >= 2 else ''}")
     x = torch.empty(len(images), 3, height, width)  # filled in place: no second copy of the batch
     for i, (where, raw) in enumerate(tqdm(images, desc="images", leave=False)):
-        img = Image.open(io.BytesIO(raw)).convert("RGB")
+        try:
+            img = Image.open(io.BytesIO(raw)).convert("RGB")
+        except (OSError, ValueError, SyntaxError) as err:  # PIL: truncated or corrupt data
+            raise ValueError(f"{where}: damaged image, it cannot be decoded ({err}): replace it or remove it from "
+                             "the data") from None
         if size:
             img = img.resize((size, size), Image.BILINEAR)
         x[i].copy_(torch.from_numpy(np.array(img)).permute(2, 0, 1)).div_(255.0)
