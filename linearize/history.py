@@ -16,6 +16,7 @@ from ._files import read_json
 __all__ = ["load_history", "read_history", "summarize_history"]
 
 Record = tuple[int, dict[str, float], "float | None"]
+MAX_STEP = 2**63 - 1  # the largest step a history may hold: the sparsifier's step count is an int64
 
 
 def load_history(history: str | Path | Mapping, counts: dict | None = None) -> dict:
@@ -38,7 +39,8 @@ def load_history(history: str | Path | Mapping, counts: dict | None = None) -> d
 def read_history(history: str | Path | Mapping) -> list[Record]:
     """Records ``(step, {site: fraction}, logged total or None)`` of a sparsifier history, by step.
 
-    Every fraction must be a number in ``[0, 1]``; errors name the file.
+    Every fraction must be a number in ``[0, 1]``, every step an integer of at most :data:`MAX_STEP`; errors name
+    the file.
     """
     source = "the sparsifier history"
     if isinstance(history, (str, Path)):
@@ -72,6 +74,11 @@ def read_history(history: str | Path | Mapping) -> list[Record]:
 def _step(step: Any) -> int:
     if isinstance(step, bool) or not isinstance(step, (int, str)) or not str(step).lstrip("-").isdigit():
         raise ValueError(f"step {step!r} is not an integer")
+    text = str(step)
+    digits = text.lstrip("-").lstrip("0")  # counted before converting: a long key is past Python's int limits
+    if len(digits) > len(str(MAX_STEP)) or abs(int(step)) > MAX_STEP:
+        shown = text if len(text) <= 24 else f"{text[:12]}... ({len(digits)} digits)"
+        raise ValueError(f"step {shown} is out of range: a sparsifier counts at most {MAX_STEP:,} steps (an int64)")
     return int(step)
 
 

@@ -321,6 +321,25 @@ def test_history_formats_and_weighting() -> None:
         reporting.load_history({})
 
 
+@pytest.mark.parametrize("step", ["1" + "0" * 400, str(2**63), "9" * 5000, 2**63, -(2**63) - 1])
+def test_a_history_step_past_an_int64_is_refused_naming_the_file(tmp_path: Path, step) -> None:
+    """A step too large for the sparsifier's int64 count (and for a float: the plot broke in matplotlib when the
+    report was saved, with a note blaming the measure's plot) is refused when the history is read, naming the file
+    and the step; the largest int64 is read, and its report saves with the plot."""
+    path = tmp_path / "history.json"
+    largest = torch.iinfo(torch.int64).max
+    path.write_text(json.dumps({"history": [{"step": 1, "sites": {"1": 1.0}}, {"step": step, "sites": {"1": 0.5}}]})
+                    if isinstance(step, int) else json.dumps({"1": {"1": 1.0}, step: {"1": 0.5}}))
+    with pytest.raises(ValueError, match=rf"sparsifier history '{path}': step -?\d+.* is out of range: a sparsifier "
+                                         rf"counts at most {largest:,} steps"):
+        linearize.report(_mlp(), _digits(32), history=path, progress=False, skip=["regions"])
+    path.write_text(json.dumps({"1": {"1": 1.0}, str(largest): {"1": 0.5}}))
+    rep = linearize.report(_mlp(), _digits(32), history=path, progress=False, skip=["regions"])
+    assert rep.history["steps"] == [1, largest]
+    rep.save(tmp_path / "report")
+    assert (tmp_path / "report" / "fraction_history.png").is_file()
+
+
 def test_bad_input() -> None:
     model = _mlp()
     with pytest.raises(ValueError, match="at least 2 samples"):
