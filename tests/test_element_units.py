@@ -18,7 +18,7 @@ from torch import nn
 import linearize
 from linearize import schedules
 from linearize.unit import ElementActivation, ElementBlend, ElementPReLU
-from test_unit_exactness import DTYPES, UPSTREAM
+from test_unit_exactness import DTYPES, UPSTREAM, outputs_and_input_grads
 from test_unit_exactness import path  # noqa: F401  (the fixture: compiled kernels, counted, or PyTorch ops)
 
 torchvision = pytest.importorskip("torchvision")
@@ -385,13 +385,7 @@ def test_at_slope_0_an_element_unit_on_a_strided_input_is_the_original_bit_for_b
     for layout, x in inputs.items():
         unit = ElementActivation(copy.deepcopy(act), tuple(x.shape[1:]))
         for what, loss in UPSTREAM.items():
-            results = []
-            for m in (act, unit):
-                xi = x.detach().clone(memory_format=torch.preserve_format).requires_grad_()
-                y = m(xi)
-                loss(y).backward()
-                results.append((y, xi.grad))
-            (y_want, g_want), (y_got, g_got) = results
+            (y_want, g_want), (y_got, g_got) = outputs_and_input_grads(act, unit, x, loss)
             assert torch.equal(y_got, y_want), f"{layout} {what}: {int((y_got != y_want).sum())} outputs differ"
             if name != "ReLU":  # a ReLU unit is a PReLU on the [N, P] view: a contiguous output
                 assert y_got.stride() == y_want.stride(), f"{layout} {what}"

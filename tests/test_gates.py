@@ -135,15 +135,21 @@ class Probe(nn.Module):
         return self.shared(x)
 
 
-def test_gate_rule_case_by_case():
+def converted_quietly(build) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
+    """``build()`` (seed 0) converted in place with no warning allowed, its example batch and its output before."""
     torch.manual_seed(0)
-    model = Probe().eval()
+    model = build().eval()
     x = torch.randn(2, 3, 6, 6)
     with torch.no_grad():
         before = model(x)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         linearize.convert(model, example_inputs=x)
+    return model, x, before
+
+
+def test_gate_rule_case_by_case():
+    model, x, before = converted_quietly(Probe)
     report = model.linearize_report
     assert set(report.gates) == {"se_gate", "relu_gate", "swish_sig", "shared.calls.0", "linearize_functional.sigmoid_0"}
     assert not report.functional_calls
@@ -210,14 +216,7 @@ def test_gates_behind_scalar_arithmetic_or_einsum_are_excluded_and_not_counted()
     and did not watch einsum. They are gates now, left as they are and out of the counts; activations whose
     outputs only meet scalars or an einsum contraction stay units. Truth: by construction, and the unconverted
     model's output, bit for bit."""
-    torch.manual_seed(0)
-    model = ScaledGates().eval()
-    x = torch.randn(2, 3, 6, 6)
-    with torch.no_grad():
-        before = model(x)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        linearize.convert(model, example_inputs=x)
+    model, x, before = converted_quietly(ScaledGates)
     assert set(model.linearize_report.gates) == {"h_sigmoid", "linearize_functional.sigmoid_0",
                                                  "linearize_functional.sigmoid_1"}
     assert [n for n, _ in linearize.units(model)] == ["hidden", "mix"]

@@ -439,6 +439,17 @@ UPSTREAM = {  # losses whose gradients reach the activation's output in differen
 }
 
 
+def outputs_and_input_grads(original: nn.Module, unit: nn.Module, x: torch.Tensor, loss) -> list[tuple]:
+    """``(y, dloss/dx)`` of ``original`` and of ``unit`` on fresh copies of ``x`` in its own layout."""
+    results = []
+    for m in (original, unit):
+        xi = x.detach().clone(memory_format=torch.preserve_format).requires_grad_()
+        y = m(xi)
+        loss(y).backward()
+        results.append((y, xi.grad))
+    return results
+
+
 SMOOTH = [("GELU", nn.GELU()), ("GELU(tanh)", nn.GELU(approximate="tanh")), ("SiLU", nn.SiLU()), ("Mish", nn.Mish()),
           ("ELU", nn.ELU()), ("Softplus", nn.Softplus()), ("Tanh", nn.Tanh())]
 
@@ -460,13 +471,7 @@ def test_at_slope_0_the_input_gradient_is_the_originals_for_every_layout_of_the_
               "channels_last": (base.contiguous(memory_format=torch.channels_last), 1)}[layout]
     unit = LinearizableActivation(copy.deepcopy(act), 16, dim)
     for what, loss in UPSTREAM.items():
-        results = []
-        for m in (act, unit):
-            xi = x.detach().clone(memory_format=torch.preserve_format).requires_grad_()
-            y = m(xi)
-            loss(y).backward()
-            results.append((y, xi.grad))
-        (y_want, g_want), (y_got, g_got) = results
+        (y_want, g_want), (y_got, g_got) = outputs_and_input_grads(act, unit, x, loss)
         assert torch.equal(y_got, y_want) and y_got.stride() == y_want.stride(), what
         assert torch.equal(g_got, g_want), f"{what}: {int((g_got != g_want).sum())} input gradients differ"
     if path and layout in ("nchw", "nhwc"):
