@@ -238,7 +238,9 @@ def _input_precision(x: torch.Tensor) -> contextlib.AbstractContextManager:
 def _has_data(*tensors: torch.Tensor) -> bool:
     """Whether ``tensors`` hold data of their own to read: none is a tensor that handles its own ops or has no
     storage (a ``FakeTensor`` of ``torch.export``, compile tracing and memory estimators; a functionalization
-    wrapper)."""
+    wrapper; every tensor while ``torch.compile`` traces, which cannot trace the check either)."""
+    if torch.compiler.is_compiling():
+        return False
     return all(type(t).__torch_dispatch__ is torch.Tensor.__torch_dispatch__ and not torch._is_functional_tensor(t)
                for t in tensors)
 
