@@ -934,7 +934,7 @@ def test_the_lazy_plan_is_the_full_greedys_for_additive_savings_from_far_fewer_f
         saving = [rnd.choice([rnd.uniform(0, 0.01), rnd.uniform(0, 0.1), 0.0]) for _ in range(n)]
         importance = [rnd.uniform(0.01, 4) for _ in range(n)]
         budget = 1 - rnd.uniform(0.05, 0.9) * sum(saving)
-        seen: dict[str, set] = {"lazy": set(), "full": set()}
+        seen: dict[str, set] = {"lazy": set(), "full": set(), "eager": set()}
 
         def cost(groups, who):
             seen[who].add(frozenset(groups))
@@ -942,11 +942,15 @@ def test_the_lazy_plan_is_the_full_greedys_for_additive_savings_from_far_fewer_f
 
         want = _full_greedy(set(), range(n), importance, budget, lambda s: cost(s, "full"))
         plan, costs = cost_planning.greedy(set(), list(range(n)), importance, budget, lambda s: cost(s, "lazy"))
+        eager = cost_planning.greedy(set(), list(range(n)), importance, budget, lambda s: cost(s, "eager"),
+                                     lazy=False)
+        assert eager == (plan, costs)  # lazy=False (latency plans) measures every group each round: the same plan
         for g in sorted(want, key=lambda g: -importance[g]):  # the pass that drops what the budget does not need
             if 1 - sum(saving[h] for h in set(want) - {g}) <= budget:
                 want.remove(g)
         assert set(plan) == set(want) and costs[-1] <= budget
         lazy_sets, full_sets = lazy_sets + len(seen["lazy"]), full_sets + len(seen["full"])
+        assert len(seen["eager"]) >= len(seen["full"])
     if n >= 17:
         assert lazy_sets < 0.5 * full_sets, (lazy_sets, full_sets)
 
