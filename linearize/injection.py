@@ -632,7 +632,8 @@ class _Probe:
         kept = set(result)
         for k, (mine, spec) in enumerate(zip(operands, specs)):
             call = self._source(mine)
-            others = [t for n, t in enumerate(operands) if n != k and isinstance(t, torch.Tensor)]
+            others = [t for n, t in enumerate(operands) if n != k and isinstance(t, torch.Tensor)
+                      and not isinstance(t, nn.Parameter) and t.numel() > 1]  # a constant scale keeps it linear
             if call is None or call.gate is not None or not others or not set(spec) <= kept:
                 continue
             self._gate(call, mine, max(others, key=torch.Tensor.numel), out)

@@ -227,3 +227,30 @@ def test_gates_behind_scalar_arithmetic_or_einsum_are_excluded_and_not_counted()
         assert torch.equal(model(x), before)
         model.hidden.slope.fill_(1.0)
     assert linearize.nonlinear_fraction(model) == 0.5
+
+
+def test_an_einsum_scaling_by_a_weight_leaves_the_activation_a_unit():
+    """``einsum("bc,cd->bcd", relu(h), W)`` with ``W`` a Parameter is a scale by a weight, as ``relu(h) * W`` is: the
+    activation stays a unit (the einsum rule took it for a gate and left it unconverted). Truth: by construction,
+    and the unconverted model's output at slope 0, bit for bit."""
+    class Scaled(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 3)
+            self.w = nn.Parameter(torch.randn(3, 2))
+            self.v = nn.Parameter(torch.randn(3))
+
+        def forward(self, x):
+            h = self.fc(x)
+            return torch.einsum("bc,cd->bcd", torch.relu(h), self.w).sum(-1) + torch.einsum(
+                "bc,c->bc", torch.sigmoid(h), self.v)
+
+    torch.manual_seed(0)
+    model, x = Scaled().eval(), torch.randn(5, 4)
+    with torch.no_grad():
+        before = model(x)
+    linearize.convert(model, example_inputs=x)
+    assert not model.linearize_report.gates
+    assert linearize.count_units(model)["total"] == 6
+    with torch.no_grad():
+        assert torch.equal(model(x), before)
