@@ -979,8 +979,7 @@ class LinearizableActivation(nn.Module):
                                   self.channel_dim if self.granularity == "channel" else None)
 
     def _blend(self, x: torch.Tensor) -> torch.Tensor:
-        dim = _channel_axis(x, self.channel_dim, self.num_channels, f"{type(self).__name__}({self.kind})",
-                            self.input_ndim)
+        dim = _channel_axis(x, self.channel_dim, self.num_channels, _owner(self), self.input_ndim)
         return self._mix(x, dim)
 
     def _mix(self, x: torch.Tensor, dim: int | None) -> torch.Tensor:
